@@ -1,0 +1,102 @@
+"""NSA/DSA lightning indexer: per-token scores over the KV and the top-k selection.
+
+score[t, s] = sum_h  w[t, h] * relu(q[t, h] . k[s]) * index_head_dim^-0.5
+with w = weights_proj(x) * index_n_heads^-0.5. Keys get a LayerNorm, rope on their first
+`qk_rope_head_dim` dims, and (like q) a normalized Hadamard rotation before storage; the
+rotation is orthogonal, so it changes no score in exact arithmetic but spreads outliers
+before fp8 quantization, as the reference implementation does.
+
+Top-k is causal, `min(index_topk, position + 1)` per token, `-1` in unused slots. ReLU
+makes exact ties common (all heads negative -> score 0); `lax.top_k` returns the lower
+index first on ties, and indices are logical token positions, so the selection never
+depends on how KV pages are laid out or padded.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.errors import ConfigError
+from cpkv_jax.model.layers import LayerNorm, Linear
+from cpkv_jax.model.rope import apply_rope
+
+
+@functools.lru_cache(maxsize=8)
+def hadamard_matrix(dim: int) -> np.ndarray:
+    """Normalized Sylvester Hadamard matrix `[dim, dim]` (orthogonal, symmetric)."""
+    if dim < 1 or dim & (dim - 1):
+        raise ConfigError(f"index_head_dim={dim} must be a power of two (Hadamard rotation)")
+    h = np.ones((1, 1))
+    while h.shape[0] < dim:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(dim)).astype(np.float32)
+
+
+def hadamard_rotate(x: Float[Array, "... d"]) -> Float[Array, "... d"]:
+    return x @ jnp.asarray(hadamard_matrix(x.shape[-1]))
+
+
+class Indexer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.interleave = cfg.indexer_rope_interleave
+        lin = functools.partial(Linear, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.wq_b = lin(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = lin(cfg.hidden_size, self.head_dim)
+        self.k_norm = LayerNorm(self.head_dim, 1e-6)
+        # Head weights are projected in float32, as in the reference model.
+        self.weights_proj = Linear(
+            cfg.hidden_size, self.n_heads, rngs=rngs, dtype=jnp.float32, param_dtype=param_dtype
+        )
+
+    def _rope(self, x, cos, sin):
+        pe = apply_rope(x[..., : self.rope_dim], cos, sin, interleaved=self.interleave)
+        return jnp.concatenate([pe, x[..., self.rope_dim :]], axis=-1)
+
+    def keys(self, x: Float[Array, "b t h"], cos, sin) -> Float[Array, "b t d"]:
+        k = self.k_norm(self.wk(x)).astype(jnp.float32)
+        return hadamard_rotate(self._rope(k, cos, sin))
+
+    def queries(
+        self, x: Float[Array, "b t h"], qr: Float[Array, "b t r"], cos, sin
+    ) -> tuple[Float[Array, "b t nh d"], Float[Array, "b t nh"]]:
+        b, t = x.shape[:2]
+        q = self.wq_b(qr).reshape(b, t, self.n_heads, self.head_dim).astype(jnp.float32)
+        q = hadamard_rotate(self._rope(q, cos[:, :, None], sin[:, :, None]))
+        w = self.weights_proj(x.astype(jnp.float32)) * (self.n_heads**-0.5)
+        return q, w * (self.head_dim**-0.5)
+
+
+def index_scores(
+    q: Float[Array, "b t nh d"],
+    w: Float[Array, "b t nh"],
+    k_view: Float[Array, "b s d"],
+    positions: Int[Array, "b t"],
+    kv_lens: Int[Array, " b"],
+) -> Float[Array, "b t s"]:
+    """Causal indexer logits; -inf where `s > position` or `s >= kv_len`."""
+    logits = jnp.einsum("bthd,bsd->bths", q, k_view.astype(jnp.float32))
+    scores = jnp.einsum("bths,bth->bts", jax.nn.relu(logits), w)
+    s = jnp.arange(k_view.shape[1])
+    allowed = (s[None, None, :] <= positions[:, :, None]) & (s[None, None, :] < kv_lens[:, None, None])
+    return jnp.where(allowed, scores, -jnp.inf)
+
+
+def select_topk(
+    scores: Float[Array, "b t s"], positions: Int[Array, "b t"], index_topk: int
+) -> Int[Array, "b t k"]:
+    """Top `min(index_topk, position + 1)` logical positions per token, -1 padded."""
+    k = min(index_topk, scores.shape[-1])
+    _, idx = jax.lax.top_k(scores, k)
+    n_valid = jnp.minimum(positions + 1, index_topk)
+    keep = jnp.arange(k)[None, None, :] < n_valid[:, :, None]
+    return jnp.where(keep, idx, -1).astype(jnp.int32)

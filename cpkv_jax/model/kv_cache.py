@@ -1,0 +1,138 @@
+"""Paged KV storage for the model, and the I/O seam the CP pools plug into.
+
+The model never indexes a pool itself. It hands new per-token rows to a `KVIO`
+strategy (`write`) and asks it for the *full view* of each request (`view`): the
+request's pages in logical order, `[B, max_pages * page_size, D]`. The single-device
+`PagedKVIO` scatters and gathers on one pool; the CP issue supplies a strategy whose
+`write` keeps only owned pages and whose `view` materializes across the `cp` axis, so
+the model code does not change (SPEC S1.5).
+
+Pools (one pytree, donated through `jit`):
+- `latent[l]`: `[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]` for every layer;
+- `index_k[j]`: `[num_pages, page_size, index_head_dim]` for the j-th *full* indexer
+  layer only, in `index_k_dtype`; `index_scale[j]`: `[num_pages, page_size]` float32 when
+  that dtype is fp8 (one scale per token over the 128-dim block, as DeepGEMM stores it).
+Page 0 is the trash page: padding tokens write there and unused page-table slots point
+there, so shapes stay static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Int
+
+from cpkv_jax.config import ModelConfig
+
+IndexKDtype = Literal["fp8_e4m3", "bfloat16", "float32"]
+INDEX_K_DTYPES: dict[str, DTypeLike] = {
+    "fp8_e4m3": jnp.float8_e4m3fn,
+    "bfloat16": jnp.bfloat16,
+    "float32": jnp.float32,
+}
+FP8_E4M3_MAX = 448.0
+TRASH_PAGE = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVPool:
+    # Arrays, or `jax.ShapeDtypeStruct`s when built by `pool_shapes` for sizing.
+    latent: tuple[Array | jax.ShapeDtypeStruct, ...]
+    index_k: tuple[Array | jax.ShapeDtypeStruct, ...]
+    index_scale: tuple[Array | jax.ShapeDtypeStruct, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return self.latent[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.latent[0].shape[1]
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+
+def pool_shapes(
+    cfg: ModelConfig, num_pages: int, page_size: int, dtype: DTypeLike, index_k_dtype: IndexKDtype
+) -> KVPool:
+    """`jax.ShapeDtypeStruct`s of a pool: the one place pool sizes are computed."""
+    n_full = len(cfg.full_indexer_layers)
+    kdt = INDEX_K_DTYPES[index_k_dtype]
+    return KVPool(
+        latent=tuple(
+            jax.ShapeDtypeStruct((num_pages, page_size, cfg.kv_cache_dim), dtype)
+            for _ in range(cfg.num_hidden_layers)
+        ),
+        index_k=tuple(
+            jax.ShapeDtypeStruct((num_pages, page_size, cfg.index_head_dim), kdt)
+            for _ in range(n_full)
+        ),
+        index_scale=tuple(
+            jax.ShapeDtypeStruct((num_pages, page_size), jnp.float32)
+            for _ in range(n_full if index_k_dtype == "fp8_e4m3" else 0)
+        ),
+    )
+
+
+def init_pool(
+    cfg: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    dtype: DTypeLike = jnp.float32,
+    index_k_dtype: IndexKDtype = "fp8_e4m3",
+) -> KVPool:
+    shapes = pool_shapes(cfg, num_pages, page_size, dtype, index_k_dtype)
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def quantize_index_k(
+    k: Float[Array, "*t d"], index_k_dtype: IndexKDtype
+) -> tuple[Array, Float[Array, "*t"] | None]:
+    """Cast (or fp8-quantize with a per-token fp32 scale) index keys for storage."""
+    if index_k_dtype != "fp8_e4m3":
+        return k.astype(INDEX_K_DTYPES[index_k_dtype]), None
+    kf = k.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(kf), axis=-1)
+    scale = jnp.maximum(amax, 1e-6) / FP8_E4M3_MAX
+    q = jnp.clip(kf / scale[..., None], -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_index_k(k: Array, scale: Array | None) -> Float[Array, "*t d"]:
+    kf = k.astype(jnp.float32)
+    return kf if scale is None else kf * scale[..., None]
+
+
+@runtime_checkable
+class KVIO(Protocol):
+    """How the model reads and writes paged KV (single-device or CP-sharded)."""
+
+    def write(
+        self, pool: Array, slots: Int[Array, "b t"], values: Array
+    ) -> Array: ...
+
+    def view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKVIO:
+    """Single-device paged I/O: flat-slot scatter, page-table gather."""
+
+    def write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
+        n, p = pool.shape[:2]
+        flat = pool.reshape((n * p, *pool.shape[2:]))
+        flat = flat.at[slots.reshape(-1)].set(
+            values.reshape((-1, *pool.shape[2:])).astype(pool.dtype)
+        )
+        return flat.reshape(pool.shape)
+
+    def view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array:
+        b, mp = page_table.shape
+        gathered = jnp.take(pool, page_table, axis=0)  # [b, mp, P, ...]
+        return gathered.reshape((b, mp * pool.shape[1], *pool.shape[2:]))

@@ -1,0 +1,67 @@
+"""Basic layers with Hugging Face parameter layouts.
+
+`Linear.weight` is stored `[out, in]` exactly as in HF checkpoints, so loading is a
+name lookup with no transposes, and the norms hold `weight` (and `bias`) under HF names.
+Norm statistics are computed in float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from flax import nnx
+from jaxtyping import Array, Float
+
+
+class Linear(nnx.Module):
+    """`y = x @ weight.T`, no bias (none of the served models use one)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype: DTypeLike, param_dtype
+    ):
+        std = in_features**-0.5
+        self.weight = nnx.Param(
+            (jax.random.normal(rngs.params(), (out_features, in_features)) * std).astype(param_dtype)
+        )
+        self.dtype = dtype
+
+    def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
+        return jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with weight and bias (the indexer's `k_norm`)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype: DTypeLike, param_dtype):
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (vocab, dim)).astype(param_dtype))
+        self.dtype = dtype
+
+    def __call__(self, ids):
+        return jnp.take(self.weight[...], ids, axis=0).astype(self.dtype)

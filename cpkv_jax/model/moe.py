@@ -1,0 +1,145 @@
+"""Feed-forward blocks: dense SwiGLU MLP and the DeepSeek-style MoE.
+
+Router (DeepSeek-V3 family): sigmoid scores; `scores + e_score_correction_bias` chooses
+experts (the bias never weights them); with `n_group > 1` only the `topk_group` groups
+with the highest top-2 sums are eligible; the chosen experts' unbiased scores are
+optionally normalized to sum 1 and scaled by `routed_scaling_factor`. Shared experts
+are a dense MLP added to every token.
+
+Routed experts run grouped: token-expert pairs are sorted by expert and fed to
+`lax.ragged_dot`, so compute scales with `num_experts_per_tok`, not `n_routed_experts`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.model.layers import Linear
+
+
+class DenseMLP(nnx.Module):
+    def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, dtype, param_dtype):
+        lin = functools.partial(Linear, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate_proj = lin(hidden, intermediate)
+        self.up_proj = lin(hidden, intermediate)
+        self.down_proj = lin(intermediate, hidden)
+
+    def __call__(self, x: Float[Array, "... h"]) -> Float[Array, "... h"]:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(
+    logits: Float[Array, "n e"],
+    bias: Float[Array, " e"],
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
+    """Chosen experts and their combine weights for each token."""
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    choice = scores + bias.astype(jnp.float32)
+    n, e = choice.shape
+    if n_group > 1:
+        grouped = choice.reshape(n, n_group, e // n_group)
+        group_scores = jax.lax.top_k(grouped, min(2, e // n_group))[0].sum(-1)  # [n, g]
+        _, top_groups = jax.lax.top_k(group_scores, topk_group)
+        group_ok = jnp.zeros((n, n_group), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
+        choice = jnp.where(jnp.repeat(group_ok, e // n_group, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return experts.astype(jnp.int32), weights * routed_scaling_factor
+
+
+class RoutedExperts(nnx.Module):
+    """`n_routed_experts` SwiGLU experts, weights stacked in HF `[out, in]` layout."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+
+        def init(shape, fan_in):
+            return nnx.Param(
+                (jax.random.normal(rngs.params(), shape) * fan_in**-0.5).astype(param_dtype)
+            )
+
+        self.gate_proj = init((e, i, h), h)
+        self.up_proj = init((e, i, h), h)
+        self.down_proj = init((e, h, i), i)
+        self.dtype = dtype
+
+    def __call__(
+        self, x: Float[Array, "n h"], experts: Int[Array, "n k"], weights: Float[Array, "n k"]
+    ) -> Float[Array, "n h"]:
+        n, k = experts.shape
+        e = self.gate_proj.shape[0]
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token = (jnp.arange(n * k) // k)[order]
+        xs = x[token].astype(self.dtype)
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+
+        def mm(a, w):  # w: [e, out, in] -> ragged_dot wants [e, in, out]
+            return jax.lax.ragged_dot(a, jnp.swapaxes(w[...].astype(self.dtype), 1, 2), sizes)
+
+        hid = jax.nn.silu(mm(xs, self.gate_proj)) * mm(xs, self.up_proj)
+        ys = mm(hid, self.down_proj) * weights.reshape(-1)[order][:, None].astype(self.dtype)
+        return jnp.zeros_like(x).at[token].add(ys.astype(x.dtype))
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+        self.cfg = cfg
+        self.gate = MoEGate(cfg, rngs=rngs)
+        self.experts = RoutedExperts(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.shared_experts = (
+            DenseMLP(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size * cfg.n_shared_experts,
+                rngs=rngs,
+                dtype=dtype,
+                param_dtype=param_dtype,
+            )
+            if cfg.n_shared_experts
+            else None
+        )
+
+    def __call__(self, x: Float[Array, "b t h"]) -> Float[Array, "b t h"]:
+        cfg = self.cfg
+        flat = x.reshape(-1, x.shape[-1])
+        logits = jnp.einsum(
+            "nh,eh->ne", flat.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32)
+        )
+        experts, weights = route(
+            logits,
+            self.gate.e_score_correction_bias[...],
+            top_k=cfg.num_experts_per_tok,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+        )
+        out = self.experts(flat, experts, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.reshape(x.shape)
+
+
+class MoEGate(nnx.Module):
+    """Router parameters, kept float32 (HF: `mlp.gate.weight`, `mlp.gate.e_score_correction_bias`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        e, h = cfg.n_routed_experts, cfg.hidden_size
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (e, h), jnp.float32) * h**-0.5)
+        self.e_score_correction_bias = nnx.Param(
+            jax.random.normal(rngs.params(), (e,), jnp.float32) * 0.1
+        )

@@ -1,0 +1,139 @@
+"""The GLM-5 / DeepSeek-V3.2 causal LM (`GlmMoeDsaForCausalLM`, `DeepseekV32ForCausalLM`).
+
+Parameter paths mirror HF tensor names (`model.layers.3.self_attn.q_a_proj.weight` is
+`model.layers[3].self_attn.q_a_proj.weight`), which `weights.py` relies on.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.model.forward_batch import ForwardBatch
+from cpkv_jax.model.kv_cache import KVIO, KVPool, PagedKVIO
+from cpkv_jax.model.layers import Embedding, Linear, RMSNorm
+from cpkv_jax.model.mla import AttnForm, MLAttention
+from cpkv_jax.model.moe import MoE, DenseMLP
+from cpkv_jax.model.rope import rope_cos_sin
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, *, rngs: nnx.Rngs, dtype, param_dtype):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg, layer_id, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.mlp_layer_types[layer_id] == "dense":
+            self.mlp = DenseMLP(
+                cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+            )
+        else:
+            self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+    def __call__(self, x, batch, pool, cos, sin, topk, *, kv_io, index_k_dtype, form):
+        attn_out, pool, topk = self.self_attn(
+            self.input_layernorm(x),
+            batch,
+            pool,
+            cos,
+            sin,
+            topk,
+            kv_io=kv_io,
+            index_k_dtype=index_k_dtype,
+            form=form,
+        )
+        h = x + attn_out
+        with jax.named_scope("ffn"):
+            out = h + self.mlp(self.post_attention_layernorm(h))
+        return out, pool, topk
+
+
+class Backbone(nnx.Module):
+    """HF `model.*`: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+        self.embed_tokens = Embedding(
+            cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+        )
+        self.layers = nnx.List(
+            [
+                DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                for i in range(cfg.num_hidden_layers)
+            ]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nnx.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.model = Backbone(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        )
+
+    def __call__(
+        self,
+        batch: ForwardBatch,
+        pool: KVPool,
+        *,
+        kv_io: KVIO = PagedKVIO(),
+        index_k_dtype: str = "fp8_e4m3",
+        form: AttnForm = "expanded",
+    ) -> tuple[Float[Array, "b t h"], KVPool]:
+        """Run every layer on the new tokens, writing their KV; returns normed hidden."""
+        cfg = self.cfg
+        x = self.model.embed_tokens(batch.input_ids)
+        cos, sin = rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope)
+        topk = None
+        for layer in self.model.layers:
+            x, pool, topk = layer(
+                x, batch, pool, cos, sin, topk, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form
+            )
+        return self.model.norm(x), pool
+
+    def logits(self, hidden: Float[Array, "... h"]) -> Float[Array, "... v"]:
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return jnp.einsum("...h,vh->...v", hidden.astype(jnp.float32), w[...].astype(jnp.float32))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "kv_io", "index_k_dtype", "form", "all_logits"),
+    donate_argnames=("pool",),
+)
+def forward_step(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    batch: ForwardBatch,
+    pool: KVPool,
+    *,
+    kv_io: KVIO = PagedKVIO(),
+    index_k_dtype: str = "fp8_e4m3",
+    form: AttnForm = "expanded",
+    all_logits: bool = False,
+) -> tuple[Float[Array, "b ... v"], KVPool]:
+    """One jitted model step: logits (last valid token per row, or every token) + pool.
+
+    The pool is donated: callers must use the returned pool and drop the old one.
+    """
+    model = nnx.merge(graphdef, state)
+    hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form)
+    if not all_logits:
+        last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
+        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    return model.logits(hidden), pool

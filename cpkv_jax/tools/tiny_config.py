@@ -1,0 +1,88 @@
+"""The tiny model config the tests and the demo run on.
+
+Small enough to run on 2 CPU cores, but it exercises every feature of the real models:
+full and shared indexer layers (layer 0 full, then shared runs), dense then MoE layers,
+grouped routing (DeepSeek variant), shared experts, and `index_topk` far below typical
+test prompt lengths so attention really is sparse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ARCHS = ("glm_moe_dsa", "deepseek_v32")
+
+
+def tiny_config_dict(arch: str = "glm_moe_dsa") -> dict[str, Any]:
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    num_layers = 6
+    base: dict[str, Any] = {
+        "attention_bias": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "first_k_dense_replace": 2,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "index_n_heads": 4,
+        "index_head_dim": 32,
+        "index_topk": 16,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "vocab_size": 320,
+        "initializer_range": 0.02,
+    }
+    if arch == "glm_moe_dsa":
+        # Newer config style: rope_parameters and explicit per-layer lists.
+        base.update(
+            {
+                "architectures": ["GlmMoeDsaForCausalLM"],
+                "model_type": "glm_moe_dsa",
+                "n_group": 1,
+                "topk_group": 1,
+                "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+                "indexer_types": ["full", "full", "shared", "full", "shared", "shared"],
+                "mlp_layer_types": ["dense", "dense", "sparse", "sparse", "sparse", "sparse"],
+            }
+        )
+    else:
+        # Older style: top-level rope_theta + YaRN rope_scaling, schedule from freq/offset
+        # (freq 2, offset 2 -> full at 0, 1, 3, 5; shared at 2, 4).
+        base.update(
+            {
+                "architectures": ["DeepseekV32ForCausalLM"],
+                "model_type": "deepseek_v32",
+                "n_group": 4,
+                "topk_group": 2,
+                "rope_theta": 10000.0,
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 1024,
+                    "beta_fast": 32,
+                    "beta_slow": 1,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                },
+                "index_topk_freq": 2,
+                "index_skip_topk_offset": 2,
+            }
+        )
+    return base

@@ -1,0 +1,24 @@
+"""Test session setup: 8 virtual CPU devices and runtime shape/type checks.
+
+Both must happen before JAX (or cpkv_jax) is imported anywhere, hence module level.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from jaxtyping import install_import_hook  # noqa: E402
+
+# jaxtyping annotations at module boundaries are checked (beartype) while tests run.
+install_import_hook(["cpkv_jax"], "beartype.beartype")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eight_devices():
+    assert jax.device_count() == 8, "tests expect 8 virtual CPU devices (XLA_FLAGS)"
