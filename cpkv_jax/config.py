@@ -149,7 +149,9 @@ class ModelConfig:
         """Read `model_path/config.json`, merge overrides, validate."""
         path = Path(model_path) / "config.json"
         if not path.is_file():
-            raise ConfigError(f"no config.json in {model_path!s}: point --model-path at a HF model dir")
+            raise ConfigError(
+                f"no config.json in {model_path!s}: point --model-path at a HF model dir"
+            )
         try:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -238,7 +240,9 @@ def derive_indexer_types(
     else:
         types = ("full",) * num_layers
     if num_layers and types[0] != "full":
-        raise ConfigError("layer 0 must be a 'full' indexer layer: shared layers reuse a preceding one")
+        raise ConfigError(
+            "layer 0 must be a 'full' indexer layer: shared layers reuse a preceding one"
+        )
     return types  # type: ignore[return-value]
 
 
@@ -251,7 +255,9 @@ def _rope_from(raw: Mapping[str, Any]) -> RopeConfig:
     else:
         theta = raw.get("rope_theta", 10000.0)
         scaling = raw.get("rope_scaling") or {}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        rope_type = (
+            scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        )
     if rope_type not in ("default", "yarn"):
         raise ConfigError(f"rope type {rope_type!r} is not supported (use 'default' or 'yarn')")
     if rope_type == "default":
@@ -280,7 +286,9 @@ def _build(raw: Mapping[str, Any]) -> ModelConfig:
     architecture, indexer_interleave = SUPPORTED_MODEL_TYPES[model_type]
     missing = [k for k in _REQUIRED_INT_FIELDS if raw.get(k) is None]
     if missing:
-        raise ConfigError(f"config.json ({model_type}) is missing required field(s): {', '.join(missing)}")
+        raise ConfigError(
+            f"config.json ({model_type}) is missing required field(s): {', '.join(missing)}"
+        )
     ints = {}
     for k in _REQUIRED_INT_FIELDS:
         v = raw[k]

@@ -10,7 +10,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxtyping import install_import_hook  # noqa: E402
+from jaxtyping import install_import_hook
 
 # jaxtyping annotations at module boundaries are checked (beartype) while tests run.
 install_import_hook(["cpkv_jax"], "beartype.beartype")

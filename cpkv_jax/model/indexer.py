@@ -87,7 +87,9 @@ def index_scores(
     logits = jnp.einsum("bthd,bsd->bths", q, k_view.astype(jnp.float32))
     scores = jnp.einsum("bths,bth->bts", jax.nn.relu(logits), w)
     s = jnp.arange(k_view.shape[1])
-    allowed = (s[None, None, :] <= positions[:, :, None]) & (s[None, None, :] < kv_lens[:, None, None])
+    allowed = (s[None, None, :] <= positions[:, :, None]) & (
+        s[None, None, :] < kv_lens[:, None, None]
+    )
     return jnp.where(allowed, scores, -jnp.inf)
 
 

@@ -113,9 +113,7 @@ def dequantize_index_k(k: Array, scale: Array | None) -> Float[Array, "*t d"]:
 class KVIO(Protocol):
     """How the model reads and writes paged KV (single-device or CP-sharded)."""
 
-    def write(
-        self, pool: Array, slots: Int[Array, "b t"], values: Array
-    ) -> Array: ...
+    def write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array: ...
 
     def view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array: ...
 
@@ -136,3 +134,7 @@ class PagedKVIO:
         b, mp = page_table.shape
         gathered = jnp.take(pool, page_table, axis=0)  # [b, mp, P, ...]
         return gathered.reshape((b, mp * pool.shape[1], *pool.shape[2:]))
+
+
+# Stateless and hashable: the default `kv_io` static argument of the model step.
+SINGLE_DEVICE_KV_IO = PagedKVIO()

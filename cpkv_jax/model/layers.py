@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.typing import DTypeLike
 from flax import nnx
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
 
@@ -22,12 +22,16 @@ class Linear(nnx.Module):
     ):
         std = in_features**-0.5
         self.weight = nnx.Param(
-            (jax.random.normal(rngs.params(), (out_features, in_features)) * std).astype(param_dtype)
+            (jax.random.normal(rngs.params(), (out_features, in_features)) * std).astype(
+                param_dtype
+            )
         )
         self.dtype = dtype
 
     def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
-        return jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
+        return jnp.einsum(
+            "...i,oi->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype)
+        )
 
 
 class RMSNorm(nnx.Module):

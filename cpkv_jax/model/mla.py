@@ -20,9 +20,9 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from cpkv_jax.config import ModelConfig
-from cpkv_jax.model.kv_cache import KVIO, KVPool, dequantize_index_k, quantize_index_k
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.indexer import Indexer, index_scores, select_topk
+from cpkv_jax.model.kv_cache import KVIO, KVPool, dequantize_index_k, quantize_index_k
 from cpkv_jax.model.layers import Linear, RMSNorm
 from cpkv_jax.model.rope import apply_rope
 
@@ -142,7 +142,9 @@ class MLAttention(nnx.Module):
                 scores = index_scores(iq, iw, k_view, batch.positions, batch.kv_lens)
                 topk = select_topk(scores, batch.positions, cfg.index_topk)
         else:
-            assert topk_in is not None, "shared indexer layer needs the preceding full layer's top-k"
+            assert topk_in is not None, (
+                "shared indexer layer needs the preceding full layer's top-k"
+            )
             topk = topk_in
 
         with jax.named_scope("sparse_mla"):

@@ -135,7 +135,10 @@ class MoE(nnx.Module):
 
 
 class MoEGate(nnx.Module):
-    """Router parameters, kept float32 (HF: `mlp.gate.weight`, `mlp.gate.e_score_correction_bias`)."""
+    """Router parameters, kept float32.
+
+    HF names: `mlp.gate.weight`, `mlp.gate.e_score_correction_bias`.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         e, h = cfg.n_routed_experts, cfg.hidden_size

@@ -15,10 +15,10 @@ from jaxtyping import Array, Float
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.forward_batch import ForwardBatch
-from cpkv_jax.model.kv_cache import KVIO, KVPool, PagedKVIO
+from cpkv_jax.model.kv_cache import KVIO, SINGLE_DEVICE_KV_IO, KVPool
 from cpkv_jax.model.layers import Embedding, Linear, RMSNorm
 from cpkv_jax.model.mla import AttnForm, MLAttention
-from cpkv_jax.model.moe import MoE, DenseMLP
+from cpkv_jax.model.moe import DenseMLP, MoE
 from cpkv_jax.model.rope import rope_cos_sin
 
 
@@ -29,7 +29,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.mlp_layer_types[layer_id] == "dense":
             self.mlp = DenseMLP(
-                cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                rngs=rngs,
+                dtype=dtype,
+                param_dtype=param_dtype,
             )
         else:
             self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
@@ -83,7 +87,9 @@ class CausalLM(nnx.Module):
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+            else Linear(
+                cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+            )
         )
 
     def __call__(
@@ -91,7 +97,7 @@ class CausalLM(nnx.Module):
         batch: ForwardBatch,
         pool: KVPool,
         *,
-        kv_io: KVIO = PagedKVIO(),
+        kv_io: KVIO = SINGLE_DEVICE_KV_IO,
         index_k_dtype: str = "fp8_e4m3",
         form: AttnForm = "expanded",
     ) -> tuple[Float[Array, "b t h"], KVPool]:
@@ -122,7 +128,7 @@ def forward_step(
     batch: ForwardBatch,
     pool: KVPool,
     *,
-    kv_io: KVIO = PagedKVIO(),
+    kv_io: KVIO = SINGLE_DEVICE_KV_IO,
     index_k_dtype: str = "fp8_e4m3",
     form: AttnForm = "expanded",
     all_logits: bool = False,

@@ -1,0 +1,286 @@
+"""Reference generation: single-device prefill + decode through the paged KV cache.
+
+This is the correctness oracle for every later path (CP prefill, transfer, serving):
+they must reproduce its greedy tokens and log-probs.
+
+    python -m cpkv_jax.generate --model-path DIR --prompt "hello" --max-new-tokens 8 \
+        [--dtype float32|bfloat16] [--index-k-dtype fp8_e4m3|bfloat16|float32] \
+        [--temperature T] [--seed S] [--page-size P] [--output-json PATH]
+
+Prefill runs the expanded MLA form over the whole prompt (length bucketed to a power of
+two so recompiles stay bounded); decode runs the absorbed form one token at a time.
+`output_logprobs[i]` is the log-probability of `output_ids[i]` under the model's
+(untempered) next-token distribution.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.errors import CpkvError, InputError
+from cpkv_jax.model.forward_batch import ForwardBatch
+from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, IndexKDtype, init_pool
+from cpkv_jax.model.transformer import CausalLM, forward_step
+from cpkv_jax.model.weights import load_model
+from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens, slots_for_positions
+from cpkv_jax.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+MIN_PREFILL_BUCKET = 16
+
+
+def bucket(n: int, minimum: int = MIN_PREFILL_BUCKET) -> int:
+    """Smallest power of two >= max(n, minimum): bounds the number of compiled shapes."""
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str  # "length" | "stop"
+    prefill_seconds: float
+    decode_seconds: float
+
+
+class ReferenceGenerator:
+    """Single-request, single-device generation with a paged KV pool."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        model: CausalLM,
+        *,
+        page_size: int = 64,
+        index_k_dtype: IndexKDtype = "fp8_e4m3",
+    ):
+        if index_k_dtype not in INDEX_K_DTYPES:
+            raise InputError(
+                f"index K dtype {index_k_dtype!r} is not one of {sorted(INDEX_K_DTYPES)}"
+            )
+        if page_size < 1:
+            raise InputError(f"page size must be >= 1, got {page_size}")
+        self.cfg = cfg
+        self.page_size = page_size
+        self.index_k_dtype = index_k_dtype
+        self.dtype = model.dtype
+        self.graphdef, self.state = nnx.split(model)
+        self._logits_fn = jax.jit(jax.nn.log_softmax)
+
+    def validate_prompt(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        cfg = self.cfg
+        if len(prompt_ids) == 0:
+            raise InputError("the prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            raise InputError(f"token id(s) {bad[:5]} outside the vocabulary [0, {cfg.vocab_size})")
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        total = len(prompt_ids) + max_new_tokens
+        if total > cfg.max_position_embeddings:
+            raise InputError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
+                f"exceeds max_position_embeddings={cfg.max_position_embeddings}; "
+                "shorten the prompt or ask for fewer tokens"
+            )
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        seed: int = 0,
+        ignore_eos: bool = False,
+    ) -> GenerationResult:
+        self.validate_prompt(prompt_ids, max_new_tokens)
+        if temperature < 0:
+            raise InputError(f"temperature must be >= 0, got {temperature}")
+        p = self.page_size
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        n_pages = pages_for_tokens(len(prompt) + max_new_tokens, p)
+        width = bucket(n_pages, minimum=1)
+        allocator = PageAllocator(width + 1)
+        pages = allocator.alloc(n_pages)
+        table = padded_page_table(pages, width)
+        pool = init_pool(self.cfg, width + 1, p, self.dtype, self.index_k_dtype)
+
+        t0 = time.perf_counter()
+        t_len = bucket(len(prompt))
+        ids = np.zeros((1, t_len), np.int32)
+        ids[0, : len(prompt)] = prompt
+        positions = np.zeros((1, t_len), np.int32)
+        positions[0, : len(prompt)] = np.arange(len(prompt))
+        valid = np.arange(t_len)[None] < len(prompt)
+        slots = np.where(valid, slots_for_positions(table, positions[0], p)[None], 0)
+        logits, pool = self._step(
+            ids, positions, valid, slots, table, len(prompt), pool, "expanded"
+        )
+        logprobs = np.asarray(self._logits_fn(logits[0]))
+        prefill_s = time.perf_counter() - t0
+        logger.info("prefill: %d tokens (bucket %d) in %.3fs", len(prompt), t_len, prefill_s)
+
+        rng = np.random.default_rng(seed)
+        out_ids: list[int] = []
+        out_lp: list[float] = []
+        finish = "length"
+        t1 = time.perf_counter()
+        for i in range(max_new_tokens):
+            tok = self._sample(logprobs, temperature, rng)
+            out_ids.append(tok)
+            out_lp.append(float(logprobs[tok]))
+            if not ignore_eos and tok in self.cfg.eos_token_ids:
+                finish = "stop"
+                break
+            if i == max_new_tokens - 1:
+                break
+            pos = len(prompt) + i
+            slot = slots_for_positions(table, np.asarray([pos]), p)
+            logits, pool = self._step(
+                np.asarray([[tok]], np.int32),
+                np.asarray([[pos]], np.int32),
+                np.ones((1, 1), bool),
+                slot[None],
+                table,
+                pos + 1,
+                pool,
+                "absorbed",
+            )
+            logprobs = np.asarray(self._logits_fn(logits[0]))
+        decode_s = time.perf_counter() - t1
+        logger.info(
+            "decode: %d tokens in %.3fs (%.1f tok/s)",
+            len(out_ids),
+            decode_s,
+            len(out_ids) / max(decode_s, 1e-9),
+        )
+        return GenerationResult(out_ids, out_lp, finish, prefill_s, decode_s)
+
+    def _step(self, ids, positions, valid, slots, table, kv_len, pool, form):
+        batch = ForwardBatch(
+            input_ids=jnp.asarray(ids),
+            positions=jnp.asarray(positions),
+            valid=jnp.asarray(valid),
+            write_slots=jnp.asarray(slots, jnp.int32),
+            page_table=jnp.asarray(table[None]),
+            kv_lens=jnp.asarray([kv_len], jnp.int32),
+        )
+        return forward_step(
+            self.graphdef,
+            self.state,
+            batch,
+            pool,
+            index_k_dtype=self.index_k_dtype,
+            form=form,
+        )
+
+    @staticmethod
+    def _sample(logprobs: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+        if temperature == 0.0:
+            return int(np.argmax(logprobs))
+        z = logprobs.astype(np.float64) / temperature
+        probs = np.exp(z - z.max())
+        return int(rng.choice(len(probs), p=probs / probs.sum()))
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError as e:
+        raise InputError(f"--prompt-ids must be comma-separated integers, got {text!r}") from e
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m cpkv_jax.generate",
+        description="Single-device reference generation (prefill + paged decode).",
+    )
+    ap.add_argument("--model-path", required=True, help="HF model dir (config.json, safetensors)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs tokenizer.json in the model dir)")
+    src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--index-k-dtype", choices=sorted(INDEX_K_DTYPES), default="fp8_e4m3")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--json-model-override-args", default="", help="JSON merged into config.json")
+    ap.add_argument("--output-json", type=Path, help="write {output_ids, output_logprobs} here")
+    ap.add_argument("--log-level", default="INFO")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        cfg, model = load_model(
+            args.model_path,
+            dtype=DTYPES[args.dtype],
+            json_model_override_args=args.json_model_override_args,
+        )
+        tokenizer = load_tokenizer(args.model_path)
+        if args.prompt is not None:
+            if tokenizer is None:
+                raise InputError(
+                    f"--prompt needs {args.model_path}/tokenizer.json; use --prompt-ids instead"
+                )
+            prompt_ids = tokenizer.encode(args.prompt)
+        else:
+            prompt_ids = parse_prompt_ids(args.prompt_ids)
+        gen = ReferenceGenerator(
+            cfg, model, page_size=args.page_size, index_k_dtype=args.index_k_dtype
+        )
+        result = gen.generate(
+            prompt_ids,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
+    except CpkvError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"prompt ids ({len(prompt_ids)}): {prompt_ids}")
+    print(
+        f"output ids ({len(result.output_ids)}, finish={result.finish_reason}): {result.output_ids}"
+    )
+    if tokenizer is not None:
+        print(f"output text: {tokenizer.decode(result.output_ids)!r}")
+    print(
+        f"prefill {result.prefill_seconds:.2f}s, decode {result.decode_seconds:.2f}s "
+        f"({len(result.output_ids) / max(result.decode_seconds, 1e-9):.1f} tok/s)"
+    )
+    if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(
+            json.dumps(
+                {"output_ids": result.output_ids, "output_logprobs": result.output_logprobs},
+                indent=1,
+            )
+        )
+        print(f"wrote {args.output_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
