@@ -1,0 +1,606 @@
+"""Checkpoint I/O: Hugging Face safetensors in and out, and orbax state snapshots.
+
+HF names map one to one onto `CausalLM` parameter paths (`model.layers.3.mlp.gate.weight`
+is the leaf at `("model", "layers", 3, "mlp", "gate", "weight")`), except the routed
+experts: HF stores `mlp.experts.{e}.{gate,up,down}_proj.weight` per expert, we stack them
+into one `[E, out, in]` leaf `mlp.experts.{gate,up,down}_proj`.
+
+Loading (`load_hf_weights`) reads the checkpoint's headers first and validates everything
+(missing tensors, shapes, FP8 scale pairs) before reading any data, then reads tensor by
+tensor. Tensors the model does not expect are handled as:
+- `model.layers.{i}.*` with `i >= num_hidden_layers` (MTP / next-token-prediction
+  layers): skipped, one INFO line;
+- known harmless extras (`*.rotary_emb.inv_freq`, `lm_head.weight` of a tied model):
+  skipped, DEBUG line;
+- anything else: a WARNING naming them (the load still succeeds, since every expected
+  tensor was found with the right shape), or a `CheckpointError` with `strict=True`.
+  A renamed tensor cannot slip through either way: its expected name is then missing,
+  which is always an error.
+
+Official FP8 checkpoints store block-quantized 2-D weights as `float8_e4m3fn` plus
+`<name>_scale_inv` of shape `[ceil(out / B0), ceil(in / B1)]` (`cfg.weight_block_size`,
+default 128x128); they are dequantized at load, in float32, then cast to the leaf dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import re
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.typing import DTypeLike
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+from tqdm.auto import tqdm
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.errors import CheckpointError
+from cpkv_jax.model.transformer import CausalLM
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+DEFAULT_WEIGHT_BLOCK = (128, 128)
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# How many names an error message lists before "... and N more".
+_LIST_LIMIT = 8
+
+# safetensors dtype tags -> numpy dtypes (ml_dtypes supplies bf16 / fp8).
+_ST_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_FP8_TAGS = ("F8_E4M3", "F8_E5M2")
+
+
+# ---- name layout ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where one HF tensor lives in the model state."""
+
+    path: tuple[str | int, ...]  # nnx state path of the leaf
+    expert: int | None  # index into a stacked `[E, out, in]` expert leaf, else None
+    shape: tuple[int, ...]  # the HF tensor's shape
+    dtype: np.dtype  # the leaf's dtype (what the tensor is cast to)
+
+
+def _natural_key(name: str) -> tuple[Any, ...]:
+    """Sort key that orders `layers.10` after `layers.9`."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def _is_stacked_expert(path: tuple[str | int, ...], ndim: int) -> bool:
+    return len(path) >= 2 and path[-2] == "experts" and path[-1] in _EXPERT_PROJS and ndim == 3
+
+
+def _layout(state: nnx.State) -> dict[str, _Slot]:
+    """HF tensor name -> slot, for every Param leaf of `state` (abstract or concrete)."""
+    slots: dict[str, _Slot] = {}
+    for path, var in nnx.to_flat_state(state):
+        if not isinstance(var, nnx.Param):
+            raise CheckpointError(
+                f"model state {'.'.join(map(str, path))} is a {type(var).__name__}, not a "
+                "Param: the HF loader only knows parameters; extend weights._layout"
+            )
+        shape, dtype = tuple(var.shape), np.dtype(var.dtype)
+        name = ".".join(str(p) for p in path)
+        if _is_stacked_expert(path, len(shape)):
+            prefix = ".".join(str(p) for p in path[:-1])
+            for e in range(shape[0]):
+                slots[f"{prefix}.{e}.{path[-1]}.weight"] = _Slot(path, e, shape[1:], dtype)
+        else:
+            slots[name] = _Slot(path, None, shape, dtype)
+    return dict(sorted(slots.items(), key=lambda kv: _natural_key(kv[0])))
+
+
+def _abstract_model(cfg: ModelConfig, dtype: DTypeLike, param_dtype: DTypeLike) -> CausalLM:
+    return nnx.eval_shape(
+        lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
+    )
+
+
+def hf_tensor_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name `CausalLM(cfg)` expects, with its shape (natural name order)."""
+    state = nnx.state(_abstract_model(cfg, jnp.float32, jnp.float32))
+    return {name: slot.shape for name, slot in _layout(state).items()}
+
+
+def hf_state_dict(model: CausalLM) -> dict[str, np.ndarray]:
+    """The model's parameters as HF-named host arrays (experts unstacked), leaf dtypes kept."""
+    state = nnx.state(model, nnx.Param)
+    # One device -> host copy per leaf; experts are then views into their stacked copy.
+    host = {
+        path: np.asarray(jax.device_get(var.get_value())) for path, var in nnx.to_flat_state(state)
+    }
+    return {
+        name: host[slot.path] if slot.expert is None else host[slot.path][slot.expert]
+        for name, slot in _layout(state).items()
+    }
+
+
+# ---- reading safetensors -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorInfo:
+    """One tensor as its file's header describes it."""
+
+    file: Path
+    tag: str  # safetensors dtype tag, e.g. "BF16", "F8_E4M3"
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset of the data in the file
+    end: int
+
+
+def _read_header(path: Path) -> dict[str, _TensorInfo]:
+    """Parse a safetensors header (8-byte little-endian length, then JSON)."""
+    try:
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
+    infos: dict[str, _TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = meta["data_offsets"]
+            infos[name] = _TensorInfo(
+                path, meta["dtype"], tuple(meta["shape"]), 8 + n + begin, 8 + n + end
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: malformed header entry for tensor {name}: {e}") from e
+    return infos
+
+
+def _checkpoint_files(model_path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a checkpoint dir (checked to exist) and the index's
+    tensor -> file map (None for a single `model.safetensors`)."""
+    if not model_path.is_dir():
+        raise CheckpointError(f"checkpoint directory {model_path} does not exist")
+    index = model_path / INDEX_FILE
+    if index.is_file():
+        try:
+            raw = json.loads(index.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{index} is not valid JSON: {e}") from e
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(
+                f"{index} has no 'weight_map' object of tensor name -> file name; "
+                "re-export the checkpoint or remove the index to use model.safetensors"
+            )
+        files = sorted(set(weight_map.values()), key=_natural_key)
+        missing = [f for f in files if not (model_path / f).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{index} names {len(missing)} missing shard file(s) in {model_path}: "
+                f"{_first(missing)}"
+            )
+        return [model_path / f for f in files], weight_map
+    single = model_path / SINGLE_FILE
+    if single.is_file():
+        return [single], None
+    raise CheckpointError(
+        f"no {SINGLE_FILE} or {INDEX_FILE} in {model_path}: point at a HF safetensors checkpoint"
+    )
+
+
+def _checkpoint_tensors(model_path: Path) -> dict[str, _TensorInfo]:
+    """Every tensor in the checkpoint, from the file headers (no data read)."""
+    files, weight_map = _checkpoint_files(model_path)
+    tensors: dict[str, _TensorInfo] = {}
+    for path in files:
+        for name, info in _read_header(path).items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name} is in both {tensors[name].file} and {path}")
+            tensors[name] = info
+    for name, file in (weight_map or {}).items():
+        if name not in tensors or tensors[name].file.name != file:
+            raise CheckpointError(
+                f"{model_path / INDEX_FILE} places tensor {name} in {file}, but that file lacks it"
+            )
+    return tensors
+
+
+class _Reader:
+    """Reads tensors from open safetensors files, through `safe_open` where it can.
+
+    `safe_open(framework="numpy")` cannot return fp8 (and, in some versions, bf16), so
+    those are read raw at the header's byte offsets and viewed with the ml_dtypes dtype.
+    """
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+        self._handles: dict[Path, Any] = {}
+
+    def read(self, name: str, info: _TensorInfo) -> np.ndarray:
+        if info.tag not in _FP8_TAGS:
+            try:
+                return np.asarray(self._handle(info.file).get_tensor(name))
+            except (AttributeError, TypeError, ValueError, SafetensorError):
+                logger.debug("safe_open cannot return %s (%s); reading it raw", name, info.tag)
+        return self._read_raw(name, info)
+
+    def _handle(self, path: Path) -> Any:
+        if path not in self._handles:
+            try:
+                self._handles[path] = self._stack.enter_context(safe_open(str(path), "numpy"))
+            except (OSError, SafetensorError) as e:
+                raise CheckpointError(f"cannot open {path}: {e}") from e
+        return self._handles[path]
+
+    @staticmethod
+    def _read_raw(name: str, info: _TensorInfo) -> np.ndarray:
+        dtype = _ST_DTYPES.get(info.tag)
+        if dtype is None:
+            raise CheckpointError(f"tensor {name} in {info.file} has unsupported dtype {info.tag}")
+        count = math.prod(info.shape)
+        if info.end - info.begin != count * dtype.itemsize:
+            raise CheckpointError(
+                f"tensor {name} in {info.file}: header says {info.end - info.begin} bytes for "
+                f"shape {info.shape} {info.tag}; the file is corrupt"
+            )
+        with info.file.open("rb") as f:
+            f.seek(info.begin)
+            data = f.read(info.end - info.begin)
+        if len(data) != count * dtype.itemsize:
+            raise CheckpointError(f"tensor {name}: {info.file} is truncated")
+        return np.frombuffer(data, dtype=dtype).reshape(info.shape)
+
+
+def dequantize_fp8_blocks(
+    weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]
+) -> np.ndarray:
+    """Block dequantization in float32: `w[o, i] = weight[o, i] * scale_inv[o // B0, i // B1]`.
+
+    `weight`: fp8 `[out, in]`; `scale_inv`: `[ceil(out / B0), ceil(in / B1)]`; returns
+    float32 `[out, in]` (the last block row/column is cropped when `B` does not divide).
+    """
+    b0, b1 = block
+    out_dim, in_dim = weight.shape
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), b0, axis=0), b1, axis=1)
+    return weight.astype(np.float32) * scale[:out_dim, :in_dim]
+
+
+def _first(names: list[str]) -> str:
+    more = f" ... and {len(names) - _LIST_LIMIT} more" if len(names) > _LIST_LIMIT else ""
+    return ", ".join(names[:_LIST_LIMIT]) + more
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What to do with each checkpoint tensor, decided from headers alone."""
+
+    load: dict[str, _TensorInfo]  # expected names
+    scales: dict[str, _TensorInfo]  # expected fp8 name -> its scale_inv
+    skipped_mtp: list[str]
+    unexpected: list[str]
+
+
+def _plan(
+    tensors: dict[str, _TensorInfo],
+    slots: dict[str, _Slot],
+    cfg: ModelConfig,
+) -> _Plan:
+    """Classify checkpoint tensors and validate names, shapes and FP8 scales."""
+    block = cfg.weight_block_size or DEFAULT_WEIGHT_BLOCK
+    plan = _Plan({}, {}, [], [])
+    for name in sorted(tensors, key=_natural_key):
+        m = _LAYER_RE.match(name)
+        if m and int(m.group(1)) >= cfg.num_hidden_layers:
+            plan.skipped_mtp.append(name)
+        elif name in slots:
+            plan.load[name] = tensors[name]
+        elif name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in slots:
+            pass  # checked with its weight below
+        elif name.endswith("rotary_emb.inv_freq") or (
+            name == "lm_head.weight" and cfg.tie_word_embeddings
+        ):
+            logger.debug("ignoring %s (not a parameter of this model)", name)
+        else:
+            plan.unexpected.append(name)
+
+    missing = [n for n in slots if n not in tensors]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint is missing {len(missing)} of the {len(slots)} tensors the model "
+            f"needs: {_first(missing)}"
+        )
+
+    bad_shapes: list[str] = []
+    for name, info in plan.load.items():
+        expected = slots[name].shape
+        scale = tensors.get(name + SCALE_SUFFIX)
+        if info.tag in _FP8_TAGS:
+            if scale is None:
+                raise CheckpointError(
+                    f"tensor {name} is {info.tag} but the checkpoint has no {name}{SCALE_SUFFIX}"
+                    " to dequantize it with"
+                )
+            if len(info.shape) != 2:
+                raise CheckpointError(f"fp8 tensor {name} has shape {info.shape}; only 2-D blocks")
+            want = tuple(-(-d // b) for d, b in zip(info.shape, block, strict=True))
+            if scale.shape != want:
+                raise CheckpointError(
+                    f"tensor {name}{SCALE_SUFFIX}: expected shape {want} for weight "
+                    f"{info.shape} with block {block}, got {scale.shape}; check "
+                    "quantization_config.weight_block_size"
+                )
+            plan.scales[name] = scale
+        elif scale is not None:
+            plan.unexpected.append(name + SCALE_SUFFIX)  # a scale for an unquantized weight
+        if info.shape != expected:
+            bad_shapes.append(f"{name}: expected {expected}, got {info.shape}")
+    if bad_shapes:
+        raise CheckpointError(
+            f"{len(bad_shapes)} tensor(s) have the wrong shape for this config: "
+            f"{_first(bad_shapes)}"
+        )
+    return plan
+
+
+# ---- loading -------------------------------------------------------------------------
+
+
+def load_hf_weights(
+    model_or_cfg: CausalLM | ModelConfig,
+    model_path: str | Path,
+    *,
+    dtype: DTypeLike = jnp.float32,
+    param_dtype: DTypeLike = jnp.float32,
+    strict: bool = False,
+    progress: bool = True,
+) -> CausalLM:
+    """Load a HF safetensors checkpoint (`model.safetensors` or sharded + index json).
+
+    Given a `ModelConfig`, builds the model (`dtype` compute, `param_dtype` weights; norms
+    and the router stay float32 as `CausalLM` defines them) without a random init. Given a
+    `CausalLM`, overwrites its parameters in place (keeping its dtypes; `dtype` and
+    `param_dtype` are then unused) and returns it. `strict=True` turns unexpected tensors
+    into an error instead of a warning. Raises `CheckpointError` naming the tensor for
+    missing tensors, wrong shapes, missing files or a bad index.
+    """
+    model_path = Path(model_path)
+    if isinstance(model_or_cfg, ModelConfig):
+        cfg, model = model_or_cfg, _abstract_model(model_or_cfg, dtype, param_dtype)
+    else:
+        cfg, model = model_or_cfg.cfg, model_or_cfg
+    state = nnx.state(model)
+    slots = _layout(state)
+    tensors = _checkpoint_tensors(model_path)
+    plan = _plan(tensors, slots, cfg)
+
+    if plan.skipped_mtp:
+        logger.info(
+            "skipping %d tensors of layers >= num_hidden_layers=%d "
+            "(MTP layers, or layers an override cut)",
+            len(plan.skipped_mtp),
+            cfg.num_hidden_layers,
+        )
+    if plan.unexpected:
+        msg = (
+            f"checkpoint {model_path} has {len(plan.unexpected)} tensor(s) this model does "
+            f"not use: {_first(plan.unexpected)}"
+        )
+        if strict:
+            raise CheckpointError(msg + " (strict=True)")
+        logger.warning("%s; ignoring them", msg)
+
+    flat = nnx.to_flat_state(state)
+    # A concrete model's leaves keep their shardings; abstract ones land on the default device.
+    shardings = {path: getattr(var.get_value(), "sharding", None) for path, var in flat}
+    values = _read_all(plan, slots, cfg, shardings, progress)
+    new_state = nnx.from_flat_state([(path, var.replace(values[path])) for path, var in flat])
+    nnx.update(model, new_state)
+    logger.info("loaded %d tensors from %s", len(plan.load), model_path)
+    return model
+
+
+def load_model(
+    model_path: str | Path,
+    *,
+    dtype: DTypeLike = jnp.float32,
+    param_dtype: DTypeLike | None = None,
+    json_model_override_args: str | Mapping[str, Any] | None = None,
+    strict: bool = False,
+    progress: bool = True,
+) -> tuple[ModelConfig, CausalLM]:
+    """`config.json` (+ overrides) and its weights from a HF model dir, in one call.
+
+    `param_dtype` defaults to `dtype` (a bfloat16 run keeps bfloat16 weights).
+    """
+    cfg = ModelConfig.from_pretrained(model_path, json_model_override_args)
+    model = load_hf_weights(
+        cfg,
+        model_path,
+        dtype=dtype,
+        param_dtype=dtype if param_dtype is None else param_dtype,
+        strict=strict,
+        progress=progress,
+    )
+    return cfg, model
+
+
+def _read_all(
+    plan: _Plan,
+    slots: dict[str, _Slot],
+    cfg: ModelConfig,
+    shardings: dict[tuple[str | int, ...], Any],
+    progress: bool,
+) -> dict[tuple[str | int, ...], jax.Array]:
+    """Read, dequantize and cast every planned tensor; stack experts. Path -> device array."""
+    block = cfg.weight_block_size or DEFAULT_WEIGHT_BLOCK
+    stacks: dict[tuple[str | int, ...], np.ndarray] = {}
+    values: dict[tuple[str | int, ...], jax.Array] = {}
+    # Read file by file so each shard is opened once and read front to back.
+    order = sorted(
+        plan.load, key=lambda n: (_natural_key(plan.load[n].file.name), plan.load[n].begin)
+    )
+    with contextlib.ExitStack() as stack:
+        reader = _Reader(stack)
+        for name in tqdm(order, desc="loading weights", unit="tensor", disable=not progress):
+            info, slot = plan.load[name], slots[name]
+            arr = reader.read(name, info)
+            if name in plan.scales:
+                arr = dequantize_fp8_blocks(arr, reader.read(name, plan.scales[name]), block)
+            arr = arr.astype(slot.dtype, copy=False)
+            if slot.expert is None:
+                values[slot.path] = jax.device_put(arr, shardings[slot.path])
+                continue
+            if slot.path not in stacks:
+                n_experts = cfg.n_routed_experts
+                stacks[slot.path] = np.empty((n_experts, *slot.shape), slot.dtype)
+            stacks[slot.path][slot.expert] = arr
+    for path, stacked in stacks.items():
+        values[path] = jax.device_put(stacked, shardings[path])
+    return values
+
+
+# ---- writing safetensors -------------------------------------------------------------
+
+
+def save_hf_weights(
+    model: CausalLM, out_dir: str | Path, *, max_shard_bytes: int | None = None
+) -> list[Path]:
+    """Write the model's parameters as HF-named safetensors in their own dtypes.
+
+    One `model.safetensors`, or with `max_shard_bytes` shards `model-0000k-of-0000n`
+    (a tensor larger than the limit gets a shard of its own) plus `model.safetensors.index.json`.
+    Checkpoint files of either layout already in `out_dir` are replaced. Returns the
+    safetensors paths written.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [
+        out_dir / SINGLE_FILE,
+        out_dir / INDEX_FILE,
+        *out_dir.glob("model-*-of-*.safetensors"),
+    ]:
+        stale.unlink(missing_ok=True)
+    tensors = hf_state_dict(model)
+    metadata = {"format": "pt"}  # what transformers expects of a safetensors checkpoint
+    if max_shard_bytes is None:
+        path = out_dir / SINGLE_FILE
+        save_file(tensors, str(path), metadata=metadata)
+        logger.info("wrote %d tensors to %s", len(tensors), path)
+        return [path]
+    if max_shard_bytes <= 0:
+        raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, arr in tensors.items():
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += arr.nbytes
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    paths: list[Path] = []
+    for k, names in enumerate(shards, start=1):
+        file = f"model-{k:05d}-of-{n:05d}.safetensors"
+        save_file({nm: tensors[nm] for nm in names}, str(out_dir / file), metadata=metadata)
+        weight_map.update(dict.fromkeys(names, file))
+        paths.append(out_dir / file)
+    index = {
+        "metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+        "weight_map": weight_map,
+    }
+    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    logger.info("wrote %d tensors in %d shards to %s", len(tensors), n, out_dir)
+    return paths
+
+
+# ---- orbax snapshots -----------------------------------------------------------------
+
+
+def save_state(model: nnx.Module, ckpt_dir: str | Path, *, force: bool = False) -> Path:
+    """Snapshot `nnx.state(model)` with orbax (exact, any dtype). Returns the absolute dir.
+
+    An existing `ckpt_dir` is an error unless `force=True` (then it is overwritten).
+    """
+    path = Path(ckpt_dir).absolute()
+    if path.exists() and not force:
+        raise CheckpointError(f"{path} already exists; pass force=True to overwrite it")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, nnx.state(model), force=force)
+        ckptr.wait_until_finished()
+    logger.info("saved model state to %s", path)
+    return path
+
+
+def restore_state(
+    cfg_or_model: ModelConfig | CausalLM,
+    ckpt_dir: str | Path,
+    *,
+    dtype: DTypeLike = jnp.float32,
+    param_dtype: DTypeLike = jnp.float32,
+) -> CausalLM:
+    """Restore a `save_state` snapshot into a new model (from a config) or a given one.
+
+    A given model (abstract from `nnx.eval_shape`, or concrete) supplies the structure,
+    dtypes and shardings and is updated in place; `dtype` / `param_dtype` only apply
+    when building from a `ModelConfig`, and must match what was saved.
+    """
+    path = Path(ckpt_dir).absolute()
+    if not path.is_dir():
+        raise CheckpointError(f"orbax checkpoint directory {path} does not exist")
+    model = (
+        _abstract_model(cfg_or_model, dtype, param_dtype)
+        if isinstance(cfg_or_model, ModelConfig)
+        else cfg_or_model
+    )
+    graphdef, state = nnx.split(model)
+    target = jax.tree.map(_as_restore_target, state)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            restored = ckptr.restore(path, target)
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+        raise CheckpointError(
+            f"cannot restore {path} into this model (was it saved from the same config and "
+            f"dtypes?): {e}"
+        ) from e
+    if isinstance(cfg_or_model, ModelConfig):
+        return nnx.merge(graphdef, restored)
+    nnx.update(model, restored)
+    return model
+
+
+def _as_restore_target(x: Any) -> Any:
+    """Concrete arrays become shape/dtype/sharding structs; abstract ones pass through."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return x

@@ -1,0 +1,145 @@
+"""Write a tiny random HF-style checkpoint: config, safetensors, byte-level tokenizer.
+
+    python -m cpkv_jax.tools.make_tiny_checkpoint OUT_DIR [--arch glm_moe_dsa|deepseek_v32]
+        [--seed N] [--dtype float32|bfloat16]
+
+Weights come from `CausalLM`'s own (fan-in scaled) init with the given seed; every norm
+weight is then set to `1 + 0.1 * randn` and every bias to `0.1 * randn`, so a loader that
+drops, swaps or re-initializes a norm or bias is caught by output comparisons. The
+tokenizer maps `<|bos|>`, `<|eos|>`, `<|pad|>` to ids 0, 1, 2 (the tiny config's ids)
+and byte `b` to id `3 + b`, so any UTF-8 text round-trips exactly. Same seed, same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import tokenizers
+from flax import nnx
+from jax.typing import DTypeLike
+from tokenizers import decoders, models, pre_tokenizers
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.model.weights import save_hf_weights
+from cpkv_jax.tokenizer import TOKENIZER_FILE
+from cpkv_jax.tools.tiny_config import ARCHS, tiny_config_dict
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
+BYTE_ID_OFFSET = len(SPECIAL_TOKENS)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what the ByteLevel pre-tokenizer emits)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def build_byte_tokenizer() -> tokenizers.Tokenizer:
+    """Byte-level BPE without merges: specials at 0..2, byte `b` at id `3 + b` (259 ids)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({ch: BYTE_ID_OFFSET + b for b, ch in _bytes_to_unicode().items()})
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(
+        [tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
+    return tok
+
+
+def random_tiny_model(
+    cfg: ModelConfig, *, seed: int = 0, param_dtype: DTypeLike = jnp.float32
+) -> CausalLM:
+    """`CausalLM(cfg)` with seeded weights and perturbed norms/biases (see module doc)."""
+    model = CausalLM(cfg, rngs=nnx.Rngs(seed), param_dtype=param_dtype)
+    rng = np.random.default_rng(seed)
+    updates = []
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        leaf = str(path[-1])
+        owner = str(path[-2]) if len(path) > 1 else ""
+        if leaf == "weight" and "norm" in owner:
+            new = 1.0 + 0.1 * rng.standard_normal(var.shape)
+        elif leaf.endswith("bias"):
+            new = 0.1 * rng.standard_normal(var.shape)
+        else:
+            continue
+        updates.append((path, var.replace(jnp.asarray(new, dtype=var.dtype))))
+    nnx.update(model, nnx.from_flat_state(updates))
+    return model
+
+
+def make_tiny_checkpoint(
+    out_dir: str | Path,
+    arch: str = "glm_moe_dsa",
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = tiny_config_dict(arch)
+    raw["torch_dtype"] = dtype
+    cfg = ModelConfig.from_dict(raw)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+
+    model = random_tiny_model(cfg, seed=seed, param_dtype=DTYPES[dtype])
+    save_hf_weights(model, out)
+
+    build_byte_tokenizer().save(str(out / TOKENIZER_FILE))
+    bos, eos, pad = SPECIAL_TOKENS
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "model_max_length": raw["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    logger.info("wrote tiny %s checkpoint (seed %d, %s) to %s", arch, seed, dtype, out)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="cpkv-make-tiny-checkpoint", description=__doc__.split("\n", 1)[0]
+    )
+    parser.add_argument("out_dir", type=Path, help="directory to write the checkpoint into")
+    parser.add_argument("--arch", choices=ARCHS, default="glm_moe_dsa", help="model_type")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
+    args = parser.parse_args(argv)
+    # force: importing orbax (absl) already installed a root handler at WARNING.
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True
+    )
+    out = make_tiny_checkpoint(args.out_dir, args.arch, seed=args.seed, dtype=args.dtype)
+    print(f"tiny {args.arch} checkpoint (seed {args.seed}, {args.dtype}) written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
