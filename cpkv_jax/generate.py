@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import CpkvError, InputError
 from cpkv_jax.model.forward_batch import ForwardBatch
@@ -229,9 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
     try:
         cfg, model = load_model(
             args.model_path,
@@ -268,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"output text: {tokenizer.decode(result.output_ids)!r}")
     print(
         f"prefill {result.prefill_seconds:.2f}s, decode {result.decode_seconds:.2f}s "
-        f"({len(result.output_ids) / max(result.decode_seconds, 1e-9):.1f} tok/s)"
+        f"({len(result.output_ids) / max(result.decode_seconds, 1e-9):.1f} tok/s); "
+        "wall time, first-call XLA compiles included"
     )
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)

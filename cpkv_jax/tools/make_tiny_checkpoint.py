@@ -25,6 +25,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 from tokenizers import decoders, models, pre_tokenizers
 
+from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.model.weights import save_hf_weights
@@ -132,10 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
     args = parser.parse_args(argv)
-    # force: importing orbax (absl) already installed a root handler at WARNING.
-    logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True
-    )
+    configure_logging("INFO")
     out = make_tiny_checkpoint(args.out_dir, args.arch, seed=args.seed, dtype=args.dtype)
     print(f"tiny {args.arch} checkpoint (seed {args.seed}, {args.dtype}) written to {out}")
     return 0
