@@ -98,6 +98,9 @@ def select_topk(
 ) -> Int[Array, "b t k"]:
     """Top `min(index_topk, position + 1)` logical positions per token, -1 padded."""
     k = min(index_topk, scores.shape[-1])
+    # top_k ranks +0.0 above -0.0; fold signed zeros so ties stay lowest-position-first
+    # even when scores are combined from different computations (e.g. across CP shards).
+    scores = jnp.where(scores == 0, 0.0, scores)
     _, idx = jax.lax.top_k(scores, k)
     n_valid = jnp.minimum(positions + 1, index_topk)
     keep = jnp.arange(k)[None, None, :] < n_valid[:, :, None]
