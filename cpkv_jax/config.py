@@ -370,3 +370,70 @@ def _build(raw: Mapping[str, Any]) -> ModelConfig:
         indexer_rope_interleave=indexer_interleave,
         weight_block_size=block,
     )
+
+
+CPSplitMode = Literal["in_seq", "round_robin"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CPConfig:
+    """Context-parallel prefill settings (SPEC S1).
+
+    `shared_kv` stores each KV page only on its owner rank (`p % cp_size`); off, every
+    rank keeps the whole (replicated) pool - the baseline (SPEC S1.4).
+    """
+
+    cp_size: int = 1
+    shared_kv: bool = False
+    split_mode: CPSplitMode = "in_seq"
+    page_size: int = 64
+    chunked_prefill_size: int | None = None
+
+    def validate(self, model: ModelConfig | None = None, device_count: int | None = None) -> None:
+        """Startup checks (SPEC S1.6); raise `ConfigError` naming the option and the fix."""
+        check_cp_config(self, model, device_count)
+
+
+def check_cp_config(
+    cp: CPConfig, model: ModelConfig | None = None, device_count: int | None = None
+) -> None:
+    if cp.cp_size < 1:
+        raise ConfigError(f"--cp-size must be >= 1, got {cp.cp_size}")
+    if cp.page_size < 1:
+        raise ConfigError(f"--page-size must be >= 1, got {cp.page_size}")
+    if cp.split_mode not in ("in_seq", "round_robin"):
+        raise ConfigError(
+            f"--cp-split-mode must be 'in_seq' or 'round_robin', got {cp.split_mode!r}"
+        )
+    if cp.chunked_prefill_size is not None and cp.chunked_prefill_size < cp.page_size:
+        raise ConfigError(
+            f"--chunked-prefill-size {cp.chunked_prefill_size} is smaller than one page "
+            f"({cp.page_size} tokens): chunks are floored to whole pages; use >= {cp.page_size}"
+        )
+    if device_count is not None and (cp.cp_size > device_count or device_count % cp.cp_size):
+        raise ConfigError(
+            f"--cp-size {cp.cp_size} must divide the {device_count} available devices"
+        )
+    if cp.shared_kv:
+        _check_shared_kv(cp, model)
+    if cp.split_mode == "round_robin" and cp.cp_size > 1:
+        raise ConfigError(
+            "--cp-split-mode round_robin is not implemented yet; use in_seq (zigzag) split"
+        )
+
+
+def _check_shared_kv(cp: CPConfig, model: ModelConfig | None) -> None:
+    if cp.cp_size == 1:
+        raise ConfigError(
+            "--enable-cp-shared-kv needs --cp-size > 1 (with one rank there is nothing to share)"
+        )
+    if cp.split_mode != "in_seq":
+        raise ConfigError(
+            f"--enable-cp-shared-kv requires --cp-split-mode in_seq, got {cp.split_mode!r} "
+            "(round-robin / interleave split is not wired for shared KV)"
+        )
+    if model is not None and model.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"--enable-cp-shared-kv needs an NSA model ({', '.join(SUPPORTED_MODEL_TYPES)}), "
+            f"got model_type {model.model_type!r}"
+        )

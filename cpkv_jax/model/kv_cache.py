@@ -19,7 +19,7 @@ there, so shapes stay static.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +41,11 @@ TRASH_PAGE = 0
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVPool:
-    # Arrays, or `jax.ShapeDtypeStruct`s when built by `pool_shapes` for sizing.
-    latent: tuple[Array | jax.ShapeDtypeStruct, ...]
-    index_k: tuple[Array | jax.ShapeDtypeStruct, ...]
-    index_scale: tuple[Array | jax.ShapeDtypeStruct, ...]
+    # Leaves are arrays; the same container also carries `ShapeDtypeStruct`s
+    # (`pool_shapes`), shardings and partition specs, hence `Any`.
+    latent: tuple[Any, ...]
+    index_k: tuple[Any, ...]
+    index_scale: tuple[Any, ...]
 
     @property
     def num_pages(self) -> int:

@@ -1,0 +1,340 @@
+"""CP prefill on the `("cp",)` mesh with page-owned (shared) or replicated KV pools.
+
+Host side (numpy, no device syncs): each step takes the next chunk of every request in
+the batch, splits its tokens in-sequence zigzag over the ranks (2*cp blocks; rank r
+computes blocks r and 2cp-1-r, which balances causal attention work), allocates the
+chunk's new pages in their owners' lanes, and builds global write slots and page-table
+rows. Device side: one jitted step runs the unchanged model inside `shard_map` with
+`CPKVIO` (all-gather the new KV -> owners write their pages -> materialize the full view
+-> indexer / sparse attention), pools donated with identical in/out shardings.
+
+Shapes are bucketed - zigzag block length, page-table width, batch rows - to powers of
+two, so the number of compiles is bounded by the number of buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cpkv_jax.config import CPConfig, ModelConfig
+from cpkv_jax.errors import CpkvError, InputError
+from cpkv_jax.kv_pool import PoolLayout, init_cp_pool
+from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
+from cpkv_jax.materialize import CPKVIO, GatherImpl
+from cpkv_jax.mesh import CP_AXIS
+from cpkv_jax.model.forward_batch import ForwardBatch
+from cpkv_jax.model.kv_cache import IndexKDtype, KVPool
+from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.paging import pages_for_tokens
+
+logger = logging.getLogger(__name__)
+
+DEBUG_ENV = "CPKV_DEBUG_SHARED_KV"
+
+
+class SharedKVInvariantError(CpkvError):
+    """A `CPKV_DEBUG_SHARED_KV=1` invariant check failed (a bug, not bad input)."""
+
+
+def pow2_at_least(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def zigzag_order(n_tokens: int, cp_size: int, block: int) -> np.ndarray:
+    """Chunk-token index at each slot of the rank-major layout `[cp * 2 * block]`, -1 = pad.
+
+    Rank `r` holds slots `[r * 2 * block, (r + 1) * 2 * block)`: block `r` then block
+    `2 * cp - 1 - r` of the chunk.
+    """
+    order = np.full(cp_size * 2 * block, -1, np.int64)
+    for r in range(cp_size):
+        for half, blk in enumerate((r, 2 * cp_size - 1 - r)):
+            src = np.arange(blk * block, (blk + 1) * block)
+            dst = r * 2 * block + half * block + np.arange(block)
+            order[dst] = np.where(src < n_tokens, src, -1)
+    return order
+
+
+def chunk_tokens(chunked_prefill_size: int | None, page_size: int) -> int | None:
+    """Chunk length floored to whole pages, as the scheduler does (None = unchunked)."""
+    if chunked_prefill_size is None:
+        return None
+    chunk = (chunked_prefill_size // page_size) * page_size
+    if chunk < page_size:
+        raise InputError(
+            f"chunked prefill size {chunked_prefill_size} is below one page ({page_size})"
+        )
+    return chunk
+
+
+@dataclasses.dataclass
+class PrefillResult:
+    last_logits: np.ndarray  # [num_requests, vocab] float32, logits after each prompt
+    tables: list[RequestPageTable]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Host-built inputs of one CP step (numpy); fields as in `ForwardBatch`.
+
+    Token fields are `[B, cp * 2 * block]` in rank-major zigzag layout (see `zigzag_order`).
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    valid: np.ndarray
+    write_slots: np.ndarray  # global slots (see kv_pool.py)
+    page_table: np.ndarray  # [B, width]: local page of logical page p on lane p % lanes
+    kv_lens: np.ndarray  # [B]
+    last_index: np.ndarray  # [B] slot of each row's last new token in the zigzag layout
+
+
+class CPPrefillRunner:
+    """Owns the CP pools and allocator; runs chunked, batched CP prefill."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        model: CausalLM,
+        mesh: Mesh,
+        cp: CPConfig,
+        *,
+        pages_per_rank: int,
+        index_k_dtype: IndexKDtype = "fp8_e4m3",
+        gather_impl: GatherImpl = "xla",
+        debug: bool | None = None,
+    ):
+        cp.validate(cfg, device_count=len(mesh.devices.reshape(-1)))
+        if mesh.shape[CP_AXIS] != cp.cp_size:
+            raise InputError(
+                f"mesh has {mesh.shape[CP_AXIS]} cp ranks but --cp-size is {cp.cp_size}"
+            )
+        self.cfg, self.cp, self.mesh = cfg, cp, mesh
+        self.index_k_dtype = index_k_dtype
+        self.layout = PoolLayout(cp.cp_size, cp.shared_kv, pages_per_rank, cp.page_size)
+        self.allocator = OwnerLaneAllocator(self.layout.lanes, pages_per_rank)
+        self.kv_io = CPKVIO(cp.cp_size, cp.shared_kv, gather_impl)
+        graphdef, state = nnx.split(model)
+        self.graphdef = graphdef
+        self.state = jax.device_put(state, NamedSharding(mesh, P()))
+        self.pool = init_cp_pool(cfg, self.layout, mesh, model.dtype, index_k_dtype)
+        self._shardings = (NamedSharding(mesh, P(None, CP_AXIS)), NamedSharding(mesh, P()))
+        self._step = _build_step(graphdef, mesh, self.layout, self.kv_io, index_k_dtype)
+        self._view = _build_view(mesh, self.layout, self.kv_io)
+        self.debug = os.environ.get(DEBUG_ENV) == "1" if debug is None else debug
+        self._shadow: CPPrefillRunner | None = None
+        if self.debug and cp.shared_kv:
+            logger.warning(
+                "%s=1: invariant checks on (device syncs; not for measurements)", DEBUG_ENV
+            )
+            self._shadow = CPPrefillRunner(
+                cfg,
+                model,
+                mesh,
+                dataclasses.replace(cp, shared_kv=False),
+                pages_per_rank=cp.cp_size * (pages_per_rank - 1) + 1,
+                index_k_dtype=index_k_dtype,
+                gather_impl=gather_impl,
+                debug=False,
+            )
+
+    @property
+    def compiled_step_shapes(self) -> int:
+        """Distinct compiled step shapes so far (the bucket count actually used)."""
+        return self._step._cache_size()
+
+    # ---- host planning ----------------------------------------------------------------
+    def plan_step(
+        self,
+        prompts: Sequence[np.ndarray],
+        tables: Sequence[RequestPageTable],
+        starts: Sequence[int],
+        lengths: Sequence[int],
+    ) -> StepPlan:
+        """Allocate the chunk's pages and lay out one step's batch (pure numpy)."""
+        cp, page = self.cp.cp_size, self.cp.page_size
+        lanes = self.layout.lanes
+        block = pow2_at_least(-(-max(lengths) // (2 * cp)))
+        t_total = 2 * cp * block
+        for table, start, n in zip(tables, starts, lengths, strict=True):
+            table.extend(self.allocator, start + n, page)
+        width_pages = max(t.num_pages for t in tables)
+        width = cp * pow2_at_least(-(-width_pages // cp))
+        rows = pow2_at_least(len(prompts))
+
+        ids = np.zeros((rows, t_total), np.int32)
+        positions = np.zeros((rows, t_total), np.int32)
+        valid = np.zeros((rows, t_total), bool)
+        slots = np.zeros((rows, t_total), np.int32)
+        page_table = np.zeros((rows, width), np.int32)
+        kv_lens = np.zeros((rows,), np.int32)
+        last_index = np.zeros((rows,), np.int32)
+        for b, (prompt, table, start, n) in enumerate(
+            zip(prompts, tables, starts, lengths, strict=True)
+        ):
+            order = zigzag_order(n, cp, block)
+            ok = order >= 0
+            pos = start + np.where(ok, order, 0)
+            ids[b] = np.where(ok, prompt[pos], 0)
+            positions[b] = np.where(ok, pos, 0)
+            valid[b] = ok
+            logical = pos // page
+            local = table.local_pages()[logical]
+            glob = self.layout.global_slots(logical % lanes, local, pos % page)
+            slots[b] = np.where(ok, glob, 0)  # padding -> lane 0's trash page
+            page_table[b] = table.as_row(width)
+            kv_lens[b] = start + n
+            last_index[b] = int(np.flatnonzero(order == n - 1)[0])
+        return StepPlan(ids, positions, valid, slots, page_table, kv_lens, last_index)
+
+    # ---- device steps -----------------------------------------------------------------
+    def prefill(
+        self, prompts: Sequence[Sequence[int] | np.ndarray], chunked_prefill_size: int | None = None
+    ) -> PrefillResult:
+        """Prefill every prompt (one ragged batch, chunk by chunk); returns last logits.
+
+        The requests' pages stay allocated in the pools (see `release`).
+        """
+        arrays = [np.asarray(p, np.int32) for p in prompts]
+        if not arrays or any(a.size == 0 for a in arrays):
+            raise InputError("every prompt needs at least one token")
+        chunk = chunk_tokens(chunked_prefill_size, self.cp.page_size)
+        tables = [RequestPageTable(self.layout.lanes) for _ in arrays]
+        done = [0] * len(arrays)
+        last_logits: list[np.ndarray | None] = [None] * len(arrays)
+        while any(d < a.size for d, a in zip(done, arrays, strict=True)):
+            active = [i for i, a in enumerate(arrays) if done[i] < a.size]
+            lengths = [
+                arrays[i].size - done[i] if chunk is None else min(chunk, arrays[i].size - done[i])
+                for i in active
+            ]
+            plan = self.plan_step(
+                [arrays[i] for i in active],
+                [tables[i] for i in active],
+                [done[i] for i in active],
+                lengths,
+            )
+            logits = self.run_step(plan)
+            for row, i in enumerate(active):
+                done[i] += lengths[row]
+                if done[i] == arrays[i].size:
+                    last_logits[i] = logits[row]
+        result = PrefillResult(np.stack(last_logits), tables)  # type: ignore[arg-type]
+        if self._shadow is not None:
+            self._check_invariants(arrays, chunk, result)
+        return result
+
+    def run_step(self, plan: StepPlan) -> np.ndarray:
+        split, rep = self._shardings
+        tokens = tuple(
+            _global(x, split)
+            for x in (plan.input_ids, plan.positions, plan.valid, plan.write_slots)
+        )
+        logits, self.pool = self._step(
+            self.state,
+            tokens,
+            _global(plan.page_table, rep),
+            _global(plan.kv_lens, rep),
+            self.pool,
+            _global(plan.last_index, rep),
+        )
+        return np.asarray(logits)
+
+    def full_view(self, table: RequestPageTable) -> KVPool:
+        """The request's materialized full view: leaves `[num_tokens, ...]` (device sync)."""
+        width = self.cp.cp_size * pow2_at_least(-(-table.num_pages // self.cp.cp_size))
+        row = _global(table.as_row(width)[None], self._shardings[1])
+        views = self._view(self.pool, row)
+        return jax.tree_util.tree_map(lambda v: v[0, : table.num_tokens], views)
+
+    def release(self, table: RequestPageTable) -> None:
+        table.release(self.allocator)
+
+    # ---- debug invariants (SPEC S1.7) -------------------------------------------------
+    def _check_invariants(
+        self, prompts: Sequence[np.ndarray], chunk: int | None, result: PrefillResult
+    ) -> None:
+        """Ownership of every page, and full views equal to a replicated shadow's."""
+        assert self._shadow is not None
+        for table in result.tables:
+            want = np.arange(table.num_pages) % self.cp.cp_size
+            if not np.array_equal(table.owners(), want):
+                raise SharedKVInvariantError(f"page owners {table.owners()} != p mod cp {want}")
+        shadow = self._shadow.prefill(prompts, chunk)
+        try:
+            for i, (mine, theirs) in enumerate(zip(result.tables, shadow.tables, strict=True)):
+                a = jax.tree_util.tree_leaves(self.full_view(mine))
+                b = jax.tree_util.tree_leaves(self._shadow.full_view(theirs))
+                for x, y in zip(a, b, strict=True):
+                    if not np.array_equal(np.asarray(x), np.asarray(y)):
+                        raise SharedKVInvariantError(
+                            f"request {i}: shared-KV full view differs from the replicated shadow"
+                        )
+        finally:
+            for t in shadow.tables:
+                self._shadow.release(t)
+
+
+def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from host data every process holds (works single- and multi-host)."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def _build_step(graphdef, mesh: Mesh, layout: PoolLayout, kv_io: CPKVIO, index_k_dtype: str):
+    def per_rank(state, tokens, page_table, kv_lens, pool):
+        input_ids, positions, valid, write_slots = tokens
+        batch = ForwardBatch(input_ids, positions, valid, write_slots, page_table, kv_lens)
+        model = nnx.merge(graphdef, state)
+        hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form="expanded")
+        return hidden, pool
+
+    # Token fields split over cp (each rank: its two zigzag blocks); tables replicated.
+    sharded = jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(P(), P(None, CP_AXIS), P(), P(), layout.spec),
+        out_specs=(P(None, CP_AXIS), layout.spec),
+        # Replicated pools come out of all-gathered rows every rank writes identically;
+        # the varying-manual-axes checker cannot prove that, so it is off.
+        check_vma=False,
+    )
+
+    replicated = NamedSharding(mesh, P())
+
+    @functools.partial(jax.jit, donate_argnums=(4,), out_shardings=(replicated, None))
+    def step(state, tokens, page_table, kv_lens, pool, last_index):
+        hidden, pool = sharded(state, tokens, page_table, kv_lens, pool)
+        last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]
+        return nnx.merge(graphdef, state).logits(last), pool
+
+    return step
+
+
+def _build_view(mesh: Mesh, layout: PoolLayout, kv_io: CPKVIO):
+    def per_rank(pool, page_table):
+        return jax.tree_util.tree_map(lambda leaf: kv_io.view(leaf, page_table), pool)
+
+    # Every rank ends with the same all-gathered view (see _build_step on check_vma).
+    return jax.jit(
+        jax.shard_map(
+            per_rank, mesh=mesh, in_specs=(layout.spec, P()), out_specs=P(), check_vma=False
+        )
+    )
+
+
+def pages_per_rank_for(total_tokens: int, page_size: int, cp: CPConfig, requests: int = 1) -> int:
+    """Pages each rank needs to hold `total_tokens` (over `requests` requests) + trash."""
+    pages = pages_for_tokens(total_tokens, page_size) + requests
+    lanes = cp.cp_size if cp.shared_kv else 1
+    return -(-pages // lanes) + 1

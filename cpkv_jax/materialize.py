@@ -1,0 +1,73 @@
+"""Full-view materialization over the `cp` axis, as a `KVIO` the model plugs in (SPEC S1.5).
+
+Inside `shard_map` each rank holds its own lane of every pool. `CPKVIO` gives the model
+the same two operations the single-device `PagedKVIO` does:
+
+- `write`: the new tokens' rows are all-gathered over `cp` (every rank computed KV only
+  for its own zigzag blocks), then each rank scatters only the rows whose page it owns;
+  rows it does not own (and padding) go to its trash page. In replicated mode every rank
+  writes every row.
+- `view`: rank `r` gathers the request's logical pages `r, r + cp, r + 2cp, ...` (the
+  ones it owns, in local order) from its lane with the paged-gather kernel, one
+  all-gather over `cp` stacks them, and a reshape interleaves them back into logical page
+  order. The result is the request's whole KV in logical order, so the indexer and sparse
+  attention read it unchanged; it is a transient that XLA frees after the layer.
+
+Page-table rows in shared mode hold, for logical page `p`, the *local* page on lane
+`p % cp`; their width must be a multiple of `cp` (padding entries: the trash page 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from cpkv_jax.mesh import CP_AXIS
+from cpkv_jax.model.kv_cache import TRASH_PAGE
+from cpkv_jax.pallas.paged_gather import paged_gather
+
+GatherImpl = Literal["xla", "pallas"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CPKVIO:
+    """KV reads/writes of one rank inside `shard_map` over the `cp` mesh axis."""
+
+    cp_size: int
+    shared: bool
+    gather_impl: GatherImpl = "xla"
+
+    def write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
+        all_slots = jax.lax.all_gather(slots, CP_AXIS, axis=1, tiled=True)
+        all_values = jax.lax.all_gather(values, CP_AXIS, axis=1, tiled=True)
+        lane_slots = pool.shape[0] * pool.shape[1]
+        if self.shared:
+            rank = jax.lax.axis_index(CP_AXIS)
+            mine = all_slots // lane_slots == rank
+            local = jnp.where(mine, all_slots % lane_slots, TRASH_PAGE * pool.shape[1])
+        else:
+            local = all_slots
+        flat = pool.reshape((lane_slots, *pool.shape[2:]))
+        flat = flat.at[local.reshape(-1)].set(
+            all_values.reshape((-1, *pool.shape[2:])).astype(pool.dtype)
+        )
+        return flat.reshape(pool.shape)
+
+    def view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array:
+        b, width = page_table.shape
+        page = pool.shape[1:]
+        if not self.shared:
+            rows = paged_gather(pool, page_table.reshape(-1), impl=self.gather_impl)
+            return rows.reshape((b, width * page[0], *page[1:]))
+        if width % self.cp_size:
+            raise ValueError(f"page-table width {width} is not a multiple of cp={self.cp_size}")
+        rank = jax.lax.axis_index(CP_AXIS)
+        owned = jnp.take(page_table.reshape(b, width // self.cp_size, self.cp_size), rank, axis=2)
+        local = paged_gather(pool, owned.reshape(-1), impl=self.gather_impl)
+        local = local.reshape((b, width // self.cp_size, *page))
+        full = jax.lax.all_gather(local, CP_AXIS, axis=2)  # [b, width/cp, cp, P, ...]
+        return full.reshape((b, width * page[0], *page[1:]))

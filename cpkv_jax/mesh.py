@@ -1,0 +1,62 @@
+"""The context-parallel mesh: one axis `"cp"` over `cp_size` devices.
+
+Single process: the first `cp_size` local devices (virtual CPU devices in tests, GPUs in
+production). Multi-host: call `initialize_distributed` in every process first (JAX's own
+multi-controller runtime; CPU collectives go through gloo), then `make_cp_mesh` spans the
+devices of all processes in process order, so the same mesh code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from cpkv_jax.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+CP_AXIS = "cp"
+
+
+def make_cp_mesh(cp_size: int, devices: list[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh `("cp",)` over `cp_size` devices (all processes' devices by default)."""
+    devices = list(jax.devices()) if devices is None else list(devices)
+    if cp_size < 1:
+        raise ConfigError(f"--cp-size must be >= 1, got {cp_size}")
+    if cp_size > len(devices) or len(devices) % cp_size:
+        raise ConfigError(
+            f"--cp-size {cp_size} must divide the {len(devices)} available devices "
+            f"({devices[0].platform}); pick a divisor of {len(devices)} or expose more "
+            "devices (tests: XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+        )
+    # Keep process order so a multi-host mesh places rank r on process r // local_count.
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))[:cp_size]
+    return Mesh(np.asarray(devices), (CP_AXIS,))
+
+
+def initialize_distributed(
+    coordinator_address: str, num_processes: int, process_id: int, *, cpu_collectives: bool = True
+) -> None:
+    """Join a multi-process JAX runtime (one call per process, before any JAX work).
+
+    `cpu_collectives` selects gloo so CPU devices of different processes can all-gather
+    (the CI path); on GPUs NCCL is used and the flag is ignored.
+    """
+    if cpu_collectives:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+    logger.info(
+        "process %d/%d joined %s: %d local / %d global devices",
+        process_id,
+        num_processes,
+        coordinator_address,
+        jax.local_device_count(),
+        jax.device_count(),
+    )
