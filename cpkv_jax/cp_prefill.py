@@ -209,6 +209,18 @@ class CPPrefillRunner:
         arrays = [np.asarray(p, np.int32) for p in prompts]
         if not arrays or any(a.size == 0 for a in arrays):
             raise InputError("every prompt needs at least one token")
+        for i, a in enumerate(arrays):
+            bad = a[(a < 0) | (a >= self.cfg.vocab_size)]
+            if bad.size:
+                raise InputError(
+                    f"prompt {i}: token id(s) {bad[:5].tolist()} outside the vocabulary "
+                    f"[0, {self.cfg.vocab_size})"
+                )
+            if a.size > self.cfg.max_position_embeddings:
+                raise InputError(
+                    f"prompt {i} has {a.size} tokens, over max_position_embeddings="
+                    f"{self.cfg.max_position_embeddings}"
+                )
         chunk = chunk_tokens(chunked_prefill_size, self.cp.page_size)
         tables = [RequestPageTable(self.layout.lanes) for _ in arrays]
         done = [0] * len(arrays)

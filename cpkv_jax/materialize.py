@@ -20,7 +20,6 @@ Page-table rows in shared mode hold, for logical page `p`, the *local* page on l
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +27,7 @@ from jaxtyping import Array, Int
 
 from cpkv_jax.mesh import CP_AXIS
 from cpkv_jax.model.kv_cache import TRASH_PAGE
-from cpkv_jax.pallas.paged_gather import paged_gather
-
-GatherImpl = Literal["xla", "pallas"]
+from cpkv_jax.pallas.paged_gather import GatherImpl, paged_gather
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,12 +38,18 @@ def make_cp_mesh(cp_size: int, devices: list[jax.Device] | None = None) -> Mesh:
 
 
 def initialize_distributed(
-    coordinator_address: str, num_processes: int, process_id: int, *, cpu_collectives: bool = True
+    coordinator_address: str,
+    num_processes: int,
+    process_id: int,
+    *,
+    cpu_collectives: bool = True,
+    initialization_timeout: int = 300,
 ) -> None:
     """Join a multi-process JAX runtime (one call per process, before any JAX work).
 
     `cpu_collectives` selects gloo so CPU devices of different processes can all-gather
-    (the CI path); on GPUs NCCL is used and the flag is ignored.
+    (the CI path); on GPUs NCCL is used and the flag is ignored. `initialization_timeout`
+    (seconds, JAX's default 300) bounds the wait for all processes to join.
     """
     if cpu_collectives:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -51,6 +57,7 @@ def initialize_distributed(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
         process_id=process_id,
+        initialization_timeout=initialization_timeout,
     )
     logger.info(
         "process %d/%d joined %s: %d local / %d global devices",

@@ -1,5 +1,6 @@
-"""Pallas kernels (paged gather for materialization, LF<->LPF host copies).
+"""Pallas kernels, each beside a pure-jnp reference, interpret mode on CPU.
 
-Each kernel lives beside a pure-jnp reference and runs in interpret mode on CPU. The
-first kernel arrives with the CP shared-KV issue; nothing is exported yet.
+- `paged_gather`: materialization gather of rank-local pages into a contiguous buffer
+  (Triton-lowerable; `impl="xla"` selects the reference for comparison).
+LF<->LPF host-copy kernels arrive with the host cache.
 """

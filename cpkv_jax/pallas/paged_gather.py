@@ -9,8 +9,8 @@ gathers from its own shard, then one all-gather builds the full view) and inside
 
 Kernel. A page is one contiguous row of `row = page_size * prod(feature)` elements, so
 the pool is viewed as `[num_pages, row]` (a free reshape) and the elements are bitcast to
-an unsigned integer of the same width (the kernel moves bits, never values: no fp8 or
-NaN handling in the kernel, and bitwise equality with the reference by construction).
+an unsigned integer of the same width, bool as uint8 (the kernel moves bits, never values:
+no fp8 or NaN handling in the kernel, and bitwise equality with the reference).
 The grid is `(n_pad // pages_per_block, row // chunk)`:
 - axis 0 walks blocks of `pages_per_block` output pages; the id list is padded with the
   trash page to a multiple of the block and the padding rows are sliced off after;
@@ -24,7 +24,11 @@ Each program reads its ids block, then for each id issues one dynamic-start load
 The pool keeps a whole-array block spec, which on the Triton backend is only a base
 pointer (the pool stays in HBM; nothing is staged), the same pattern as JAX's own GPU
 `paged_attention`. No scalar prefetch or other TPU-only feature is used, and
-`compiler_params` pins the Triton backend on GPU. On CPU it runs in interpret mode.
+`compiler_params` pins the Triton backend on GPU; offsets switch to 64 bits by themselves
+when a pool exceeds 4 GiB. The tests cross-lower it for CUDA from CPU, which runs the
+whole Triton lowering (not PTX compilation or execution). On CPU it runs in interpret
+mode; inside `shard_map(check_vma=True)` the interpreter needs the small nested
+`shard_map` explained in `paged_gather_pallas`.
 
 Out-of-range ids never read garbage. Concrete ids (not tracers) are validated on the
 host and raise `PageIndexError`. Traced ids (inside `jit` / `shard_map`) cannot be
@@ -58,8 +62,8 @@ logger = logging.getLogger(__name__)
 
 GatherImpl = Literal["pallas", "xla"]
 
-# One load per (page, chunk) moves at most this many bytes: 8 pages x 8 KiB per program
-# stays in registers at num_warps=4 (a guess to tune with benchmarks on GPU).
+# One load per (page, chunk) moves at most this many bytes, so a program of 8 pages has
+# 64 KiB in flight over num_warps=4 (a starting point to tune with GPU benchmarks).
 _MAX_CHUNK_BYTES = 8192
 _NUM_WARPS = 4
 # Offending ids quoted in an error message (the count is always given).
@@ -71,11 +75,12 @@ class PageIndexError(CpkvError, IndexError):
     """A page id is outside its rank's pool `[0, num_pages)`."""
 
 
-def validate_page_ids(page_ids: Int[Array, " n"], num_pages: int) -> None:
+def validate_page_ids(page_ids: Int[Array | np.ndarray, " n"], num_pages: int) -> None:
     """Raise `PageIndexError` if a concrete id is outside `[0, num_pages)`.
 
-    A no-op on tracers (inside `jit` / `shard_map`): their values are unknown here.
-    Reading a concrete device array copies it to the host.
+    Host planners can call it on their numpy page plans. A no-op on tracers (inside
+    `jit` / `shard_map`): their values are unknown here. A concrete device array is
+    copied to the host to be checked.
     """
     try:
         ids = np.asarray(page_ids)
