@@ -30,13 +30,16 @@ import numpy as np
 from flax import nnx
 
 from cpkv_jax.cli_logging import configure_logging
-from cpkv_jax.config import ModelConfig
+from cpkv_jax.config import CPConfig, ModelConfig
+from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
 from cpkv_jax.errors import CpkvError, InputError
+from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.model.forward_batch import ForwardBatch
-from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, IndexKDtype, init_pool
+from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, IndexKDtype, KVPool, init_pool
 from cpkv_jax.model.transformer import CausalLM, forward_step
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens, slots_for_positions
+from cpkv_jax.pallas.paged_gather import GatherImpl
 from cpkv_jax.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,29 @@ class GenerationResult:
     finish_reason: str  # "length" | "stop"
     prefill_seconds: float
     decode_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CPPrefillOptions:
+    """Run the prefill on the CP mesh (`--cp-size`, `--enable-cp-shared-kv`, ...)."""
+
+    cp_size: int
+    shared_kv: bool = False
+    chunked_prefill_size: int | None = None
+    gather_impl: GatherImpl = "xla"
+
+
+@jax.jit
+def _write_full_view(pool: KVPool, view: KVPool, pages: jax.Array) -> KVPool:
+    """Copy a request's full view (leaves `[tokens, ...]`) into `pool` pages, in order."""
+
+    def put(leaf, rows):
+        page = leaf.shape[1]
+        n = pages.shape[0]
+        padded = jnp.zeros((n * page, *rows.shape[1:]), leaf.dtype).at[: rows.shape[0]].set(rows)
+        return leaf.at[pages].set(padded.reshape((n, page, *rows.shape[1:])))
+
+    return jax.tree_util.tree_map(put, pool, view)
 
 
 class ReferenceGenerator:
@@ -108,7 +134,11 @@ class ReferenceGenerator:
         temperature: float = 0.0,
         seed: int = 0,
         ignore_eos: bool = False,
+        cp_prefill: CPPrefillOptions | None = None,
     ) -> GenerationResult:
+        """Prefill then decode. With `cp_prefill`, the prompt is prefilled on the CP mesh
+        (shared or replicated pools, optionally chunked) and decoding continues here,
+        single-device, from the materialized full view."""
         self.validate_prompt(prompt_ids, max_new_tokens)
         if temperature < 0:
             raise InputError(f"temperature must be >= 0, got {temperature}")
@@ -122,19 +152,13 @@ class ReferenceGenerator:
         pool = init_pool(self.cfg, width + 1, p, self.dtype, self.index_k_dtype)
 
         t0 = time.perf_counter()
-        t_len = bucket(len(prompt))
-        ids = np.zeros((1, t_len), np.int32)
-        ids[0, : len(prompt)] = prompt
-        positions = np.zeros((1, t_len), np.int32)
-        positions[0, : len(prompt)] = np.arange(len(prompt))
-        valid = np.arange(t_len)[None] < len(prompt)
-        slots = np.where(valid, slots_for_positions(table, positions[0], p)[None], 0)
-        logits, pool = self._step(
-            ids, positions, valid, slots, table, len(prompt), pool, "expanded"
-        )
-        logprobs = np.asarray(self._logits_fn(logits[0]))
+        if cp_prefill is None:
+            logits, pool = self._prefill_single_device(prompt, table, pool)
+        else:
+            logits, pool = self._prefill_cp(prompt, pages, pool, cp_prefill)
+        logprobs = np.asarray(self._logits_fn(jnp.asarray(logits)))
         prefill_s = time.perf_counter() - t0
-        logger.info("prefill: %d tokens (bucket %d) in %.3fs", len(prompt), t_len, prefill_s)
+        logger.info("prefill: %d tokens in %.3fs", len(prompt), prefill_s)
 
         rng = np.random.default_rng(seed)
         out_ids: list[int] = []
@@ -171,6 +195,54 @@ class ReferenceGenerator:
             len(out_ids) / max(decode_s, 1e-9),
         )
         return GenerationResult(out_ids, out_lp, finish, prefill_s, decode_s)
+
+    def _prefill_single_device(self, prompt: np.ndarray, table: np.ndarray, pool: KVPool):
+        t_len = bucket(len(prompt))
+        ids = np.zeros((1, t_len), np.int32)
+        ids[0, : len(prompt)] = prompt
+        positions = np.zeros((1, t_len), np.int32)
+        positions[0, : len(prompt)] = np.arange(len(prompt))
+        valid = np.arange(t_len)[None] < len(prompt)
+        slots = np.where(valid, slots_for_positions(table, positions[0], self.page_size)[None], 0)
+        logits, pool = self._step(
+            ids, positions, valid, slots, table, len(prompt), pool, "expanded"
+        )
+        return logits[0], pool
+
+    def _prefill_cp(
+        self, prompt: np.ndarray, pages: np.ndarray, pool: KVPool, opts: CPPrefillOptions
+    ):
+        """CP prefill, then copy the request's full view into this device's decode pool."""
+        cp = CPConfig(
+            cp_size=opts.cp_size,
+            shared_kv=opts.shared_kv,
+            page_size=self.page_size,
+            chunked_prefill_size=opts.chunked_prefill_size,
+        )
+        mesh = make_cp_mesh(opts.cp_size)
+        runner = CPPrefillRunner(
+            self.cfg,
+            nnx.merge(self.graphdef, self.state),
+            mesh,
+            cp,
+            pages_per_rank=pages_per_rank_for(len(prompt), self.page_size, cp),
+            index_k_dtype=self.index_k_dtype,
+            gather_impl=opts.gather_impl,
+        )
+        result = runner.prefill([prompt], opts.chunked_prefill_size)
+        view = runner.full_view(result.tables[0])
+        logger.info(
+            "CP prefill: cp=%d shared_kv=%s chunk=%s, %d pages per rank (%s)",
+            opts.cp_size,
+            opts.shared_kv,
+            opts.chunked_prefill_size,
+            runner.layout.pages_per_rank,
+            "page-owned" if opts.shared_kv else "replicated",
+        )
+        n_prompt_pages = pages_for_tokens(len(prompt), self.page_size)
+        target = jnp.asarray(pages[:n_prompt_pages])
+        pool = _write_full_view(pool, view, target)
+        return result.last_logits[0], pool
 
     def _step(self, ids, positions, valid, slots, table, kv_len, pool, form):
         batch = ForwardBatch(
@@ -221,6 +293,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--page-size", type=int, default=64)
+    cp = ap.add_argument_group("context-parallel prefill")
+    cp.add_argument("--cp-size", type=int, default=1, help="prefill on a cp mesh of N devices")
+    cp.add_argument(
+        "--enable-cp-shared-kv",
+        action="store_true",
+        help="store each KV page only on its owner rank (default: replicated pools)",
+    )
+    cp.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="prefill in chunks of N tokens (floored to whole pages)",
+    )
+    cp.add_argument(
+        "--kernel-impl",
+        choices=["xla", "pallas"],
+        default="xla",
+        help="materialization gather: XLA or the Pallas kernel",
+    )
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--json-model-override-args", default="", help="JSON merged into config.json")
     ap.add_argument("--output-json", type=Path, help="write {output_ids, output_logprobs} here")
@@ -249,12 +340,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         gen = ReferenceGenerator(
             cfg, model, page_size=args.page_size, index_k_dtype=args.index_k_dtype
         )
+        cp_opts = None
+        if args.cp_size > 1 or args.enable_cp_shared_kv or args.chunked_prefill_size:
+            CPConfig(
+                cp_size=args.cp_size,
+                shared_kv=args.enable_cp_shared_kv,
+                page_size=args.page_size,
+                chunked_prefill_size=args.chunked_prefill_size,
+            ).validate(cfg, device_count=jax.device_count())
+            cp_opts = CPPrefillOptions(
+                args.cp_size, args.enable_cp_shared_kv, args.chunked_prefill_size, args.kernel_impl
+            )
         result = gen.generate(
             prompt_ids,
             args.max_new_tokens,
             temperature=args.temperature,
             seed=args.seed,
             ignore_eos=args.ignore_eos,
+            cp_prefill=cp_opts,
         )
     except CpkvError as e:
         print(f"error: {e}", file=sys.stderr)

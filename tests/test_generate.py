@@ -114,3 +114,35 @@ def test_cli_bad_input_exits_2_with_message(tiny_dir, capsys):
     rc = main(["--model-path", str(tiny_dir), "--prompt-ids", long_prompt])
     assert rc == 2
     assert "exceeds max_position_embeddings" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "cp_flags",
+    [
+        ["--cp-size", "8", "--enable-cp-shared-kv"],
+        ["--cp-size", "8", "--enable-cp-shared-kv", "--chunked-prefill-size", "40"],
+        ["--cp-size", "8"],
+    ],
+)
+def test_cli_cp_prefill_matches_single_device(tiny_dir, tmp_path, cp_flags):
+    """CP prefill (shared or replicated pools, chunked) then single-device decode gives the
+    reference's greedy tokens; log-probs within 1e-5 (CP ranks run other matmul shapes)."""
+    common = [
+        "--model-path",
+        str(tiny_dir),
+        "--prompt-ids",
+        ",".join(str(3 + i % 250) for i in range(77)),
+    ]
+    common += ["--max-new-tokens", "6", "--page-size", "16", "--ignore-eos"]
+    assert main([*common, "--output-json", str(tmp_path / "ref.json")]) == 0
+    assert main([*common, *cp_flags, "--output-json", str(tmp_path / "cp.json")]) == 0
+    ref = json.loads((tmp_path / "ref.json").read_text())
+    got = json.loads((tmp_path / "cp.json").read_text())
+    assert got["output_ids"] == ref["output_ids"]
+    np.testing.assert_allclose(got["output_logprobs"], ref["output_logprobs"], atol=1e-5)
+
+
+def test_cli_rejects_shared_kv_without_cp(tiny_dir, capsys):
+    rc = main(["--model-path", str(tiny_dir), "--prompt-ids", "5,6", "--enable-cp-shared-kv"])
+    assert rc == 2
+    assert "--enable-cp-shared-kv needs --cp-size > 1" in capsys.readouterr().err
