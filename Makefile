@@ -17,11 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m cpkv_jax.tools.make_tiny_checkpoint $(DEMO_DIR)/tiny-glm5 --arch glm_moe_dsa
-	$(PY) -m cpkv_jax.generate --model-path $(DEMO_DIR)/tiny-glm5 \
-		--prompt "Context-parallel prefill shares one copy of the KV cache across ranks." \
-		--max-new-tokens 24 --page-size 16 --ignore-eos \
-		--output-json $(DEMO_DIR)/reference.json $(ARGS)
+	$(PY) -m cpkv_jax.tools.demo --model-dir $(DEMO_DIR)/tiny-glm5 $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
