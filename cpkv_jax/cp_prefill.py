@@ -346,7 +346,14 @@ def _build_view(mesh: Mesh, layout: PoolLayout, kv_io: CPKVIO):
 
 
 def pages_per_rank_for(total_tokens: int, page_size: int, cp: CPConfig, requests: int = 1) -> int:
-    """Pages each rank needs to hold `total_tokens` (over `requests` requests) + trash."""
+    """Pages each rank needs to hold `requests` requests of `total_tokens` tokens in all,
+    plus its trash page.
+
+    Every request may end in a partial page, and each request's pages split over the
+    lanes with at most one extra page on a lane: `sum_i ceil(n_i / lanes) <=
+    ceil(sum_i n_i / lanes) + requests`.
+    """
     pages = pages_for_tokens(total_tokens, page_size) + requests
     lanes = cp.cp_size if cp.shared_kv else 1
-    return -(-pages // lanes) + 1
+    extra = requests if lanes > 1 else 0
+    return -(-pages // lanes) + extra + 1

@@ -1,0 +1,1 @@
+"""Benchmarks: memory and capacity figures at real model dimensions (`python -m benchmarks.X`)."""
