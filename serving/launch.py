@@ -1,0 +1,94 @@
+"""`cpkv-serve` (also `python -m serving.launch`): parse and validate the server flags.
+
+    cpkv-serve --model-path DIR [flags ...] --check-config
+
+`--check-config` reads the model config (with the NSA / JSON overrides merged, SPEC S11),
+runs `ServerArgs.validate`, prints the effective configuration as one JSON object (every
+server arg, `"model_overrides"`, a `"model"` summary with the derived indexer schedule, and
+`"warnings"`) and exits 0. It does not touch devices: the device count is checked when the
+server starts. Any error prints one line `error: ...` to stderr and exits 2.
+
+Starting the server itself arrives with the serving issue; until then the launcher says
+so and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from cpkv_jax.cli_logging import configure_logging
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.errors import CpkvError
+from serving.server_args import ServerArgs
+from transfer.capabilities import TransferBackendRegistry
+
+EXIT_OK = 0
+EXIT_USAGE = 2  # argparse's convention for a bad command line
+
+
+def model_summary(model: ModelConfig) -> dict[str, Any]:
+    """The few model-config facts a launch line depends on."""
+    return {
+        "model_type": model.model_type,
+        "architecture": model.architecture,
+        "num_hidden_layers": model.num_hidden_layers,
+        "kv_cache_dim": model.kv_cache_dim,
+        "index_head_dim": model.index_head_dim,
+        "index_topk": model.index_topk,
+        # Same letters as --nsa-index-topk-pattern: F = full indexer, S = shared top-k.
+        "indexer_pattern": "".join("F" if t == "full" else "S" for t in model.indexer_types),
+        "full_indexer_layers": list(model.full_indexer_layers),
+    }
+
+
+def effective_configuration(
+    args: ServerArgs, model: ModelConfig, warnings: Sequence[str] = ()
+) -> dict[str, Any]:
+    return {
+        **args.to_dict(),
+        "model_overrides": args.effective_model_overrides(),
+        "model": model_summary(model),
+        "warnings": list(warnings),
+    }
+
+
+def _fail(message: str) -> int:
+    print("error: " + " ".join(message.split()), file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    backends: TransferBackendRegistry | None = None,
+    device_count: int | None = None,
+) -> int:
+    """Entry point. `backends` (default: `default_backend_registry()`) and `device_count`
+    (default: not checked) are injection points for tests and embedding launchers."""
+    try:
+        args = ServerArgs.from_cli(argv, backends)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except CpkvError as e:
+        return _fail(str(e))
+    configure_logging(args.log_level)
+    try:
+        model = args.model_config()
+        warnings = args.validate(model, device_count=device_count, backends=backends)
+    except (CpkvError, OSError) as e:
+        return _fail(str(e))
+    if not args.check_config:
+        return _fail(
+            "cpkv-serve cannot start a server yet (it arrives with the serving issue); "
+            "add --check-config to validate this launch line, or use cpkv-generate for "
+            "single-request generation"
+        )
+    print(json.dumps(effective_configuration(args, model, warnings), indent=2))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,674 @@
+"""Server arguments: one frozen dataclass is the single source of every `cpkv-serve` flag.
+
+Each field carries its help text and help group in `dataclasses.field(metadata=...)`;
+the flag name is the field name with dashes (`page_size` -> `--page-size`), and the
+argparse type comes from the annotation:
+
+- `bool` -> `--flag` (store_true, default off);
+- `Literal[...]` -> `choices`;
+- `int` / `float` / `str` -> that type; `X | None` also accepts `none` (-> None);
+- byte sizes (`metadata["parse"] = parse_byte_size`) accept `512MiB`, `2GiB`, `1.5GB`
+  or a plain number of bytes, and are stored as int bytes.
+
+`ServerArgs.validate` is the one startup check (SPEC S1.6, S2.3, S4.4, S5, S11): it
+raises `ServerArgsError` naming the flag(s) and the fix, and returns warnings for flags
+that are accepted but do nothing. Rules that belong to another module call it
+(`cpkv_jax.config.check_cp_config` for CP, `transfer.capabilities` for backends).
+
+Decisions written down here (SPEC leaves them open):
+- `--kv-pool-size` is bytes per rank (byte-size string); `none` = size the pool from free
+  device memory at startup.
+- `--enable-cp-shared-kv-prefill-bs-gt1` without `--enable-cp-shared-kv` is a warning,
+  not an error: SPEC S5.1 says it has no effect on ordinary CP, so launch lines shared
+  between prefill setups keep working.
+- A flag that only configures a feature which is off (a bs>1 limit without the bs>1
+  flag, a `--hicache-*` option without `--enable-hierarchical-cache`, a transfer option
+  without `--disaggregation-mode`) is an error naming the enabling flag: the launch line
+  asks for something that would silently not happen. "Set" means "differs from its
+  default", the only thing a frozen dataclass can tell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal, InvalidOperation
+from typing import Any, Literal
+
+from cpkv_jax.config import CPConfig, CPSplitMode, ModelConfig, check_cp_config, parse_override_args
+from cpkv_jax.errors import ConfigError
+from cpkv_jax.model.kv_cache import IndexKDtype
+from cpkv_jax.pallas.paged_gather import GatherImpl
+from transfer.capabilities import TransferBackendRegistry, default_backend_registry
+
+logger = logging.getLogger(__name__)
+
+Dtype = Literal["float32", "bfloat16"]
+SchedulePolicy = Literal["fcfs", "lpm"]
+HiCacheMemLayout = Literal["layer_first", "page_first", "page_first_direct", "layer_page_first"]
+HiCacheIOBackend = Literal["direct", "kernel"]
+HiCacheStorageBackend = Literal["none", "file"]
+DisaggregationMode = Literal["null", "prefill", "decode"]
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+# Help groups, in the order `--help` shows them.
+GROUPS: dict[str, str] = {
+    "model": "model",
+    "nsa": "NSA index top-k sharing overrides (SPEC S11)",
+    "cp": "context-parallel prefill and shared KV (SPEC S1)",
+    "scheduler": "scheduler and memory",
+    "bs_gt1": "CP shared-KV prefill batches of more than one request (SPEC S5-S9)",
+    "hicache": "host KV cache, HiCache (SPEC S4)",
+    "transfer": "prefill/decode disaggregation and KV transfer (SPEC S2)",
+    "kernel": "kernels",
+    "server": "server",
+}
+
+
+class ServerArgsError(ConfigError):
+    """A `cpkv-serve` flag, or a combination of flags, is invalid; says which and the fix."""
+
+
+# ---- byte sizes ---------------------------------------------------------------------
+
+_BYTE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_BYTE_SIZE_RE = re.compile(r"^\s*(-?)(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_byte_size(value: str | int) -> int:
+    """`"512MiB"`, `"2GiB"`, `"1.5GB"`, `"4096"` or an int -> bytes (>= 0).
+
+    Units are case-insensitive: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers
+    of 1024). A bare `K`/`M`/`G` is refused because it is ambiguous between the two.
+    """
+    if isinstance(value, bool):
+        raise ServerArgsError(f"byte size must be a number of bytes or a string, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ServerArgsError(f"byte size must be >= 0, got {value}")
+        return value
+    m = _BYTE_SIZE_RE.match(value)
+    if m is None:
+        raise ServerArgsError(
+            f"cannot read {value!r} as a byte size: use a number with an optional unit, "
+            "e.g. 4096, 512MiB, 2GiB, 1.5GB"
+        )
+    sign, number, unit = m.group(1), m.group(2), m.group(3).lower()
+    if sign:
+        raise ServerArgsError(f"byte size must be >= 0, got {value!r}")
+    if unit not in _BYTE_UNITS:
+        raise ServerArgsError(
+            f"unknown byte-size unit {m.group(3)!r} in {value!r}: use B, KB, MB, GB, TB "
+            "(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
+        )
+    try:
+        size = Decimal(number) * _BYTE_UNITS[unit]
+    except InvalidOperation as e:  # pragma: no cover - the regex admits only decimals
+        raise ServerArgsError(f"cannot read {value!r} as a byte size") from e
+    if size != size.to_integral_value():
+        raise ServerArgsError(f"byte size {value!r} is not a whole number of bytes ({size})")
+    return int(size)
+
+
+def format_byte_size(n: int) -> str:
+    """Shortest exact binary-unit spelling (`2147483648` -> `2GiB`), for help and logs."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        scale = _BYTE_UNITS[unit.lower()]
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+# ---- field metadata -------------------------------------------------------------------
+
+
+def _arg(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    group: str,
+    parse: Callable[[str], Any] | None = None,
+    metavar: str | None = None,
+    override_key: str | None = None,
+    requires: str | None = None,
+) -> Any:
+    """A `ServerArgs` field with what the flag needs.
+
+    parse: converts the command-line string (instead of the annotation's type).
+    override_key: the model-config key this flag overrides (SPEC S11); the default
+        value means "not set".
+    requires: name of the boolean-valued predicate method that must hold when this field
+        differs from its default (a parameter of a feature that is off is an error).
+    """
+    if group not in GROUPS:
+        raise ValueError(f"unknown help group {group!r}")
+    metadata = {
+        "help": help,
+        "group": group,
+        "parse": parse,
+        "metavar": metavar,
+        "override_key": override_key,
+        "requires": requires,
+    }
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag_name(field_name: str) -> str:
+    """`page_size` -> `--page-size`."""
+    return "--" + field_name.replace("_", "-")
+
+
+def _unwrap_optional(tp: Any) -> tuple[bool, Any]:
+    """`X | None` -> (True, X); `X` -> (False, X)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != len(typing.get_args(tp)) - 1 or len(args) != 1:
+            raise TypeError(f"only `X | None` unions are supported as flag types, got {tp}")
+        return True, args[0]
+    return False, tp
+
+
+def _cli_converter(convert: Callable[[str], Any], optional: bool) -> Callable[[str], Any]:
+    """argparse `type=`: `none` -> None when optional; our message survives argparse."""
+
+    def parse(text: str) -> Any:
+        if optional and text.strip().lower() == "none":
+            return None
+        try:
+            return convert(text)
+        except (ValueError, TypeError) as e:
+            # argparse replaces a ValueError's text by "invalid <type> value"; keep ours.
+            raise argparse.ArgumentTypeError(str(e) or f"invalid value {text!r}") from e
+
+    return parse
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """Parse errors become `ServerArgsError` (one line) instead of usage + exit."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ServerArgsError(message)
+
+
+# ---- the arguments -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerArgs:
+    """Every `cpkv-serve` flag, its default and its help. Build with `from_cli` or directly."""
+
+    # RUF009 below: `_arg` returns a `dataclasses.field`; ruff cannot see that through a
+    # Literal alias (it can for int/str/bool/float annotations).
+
+    # model
+    model_path: str = _arg(
+        help="Hugging Face model dir (config.json, weights)", group="model", metavar="DIR"
+    )
+    dtype: Dtype = _arg("bfloat16", help="activation and MLA KV dtype", group="model")  # noqa: RUF009
+    index_k_dtype: IndexKDtype = _arg(  # noqa: RUF009
+        "fp8_e4m3", help="NSA indexer key storage dtype (fp8 adds a per-token scale)", group="model"
+    )
+    json_model_override_args: str = _arg(
+        "",
+        help="JSON object merged into config.json before the model config is read",
+        group="model",
+        metavar="JSON",
+    )
+
+    # NSA overrides (SPEC S11)
+    nsa_index_topk_freq: int | None = _arg(
+        None,
+        help="run the indexer every N layers (index_topk_freq); none = not set",
+        group="nsa",
+        override_key="index_topk_freq",
+    )
+    nsa_index_skip_topk_offset: int = _arg(
+        0,
+        help="layer offset of the freq schedule (index_skip_topk_offset); 0 = not set",
+        group="nsa",
+        override_key="index_skip_topk_offset",
+    )
+    nsa_index_topk_pattern: str | None = _arg(
+        None,
+        help="per-layer letters F (full indexer) / S (shared top-k); wins over freq/offset",
+        group="nsa",
+        metavar="LETTERS",
+        override_key="index_topk_pattern",
+    )
+
+    # CP
+    cp_size: int = _arg(1, help="devices that prefill one request together", group="cp")
+    enable_cp_shared_kv: bool = _arg(
+        False, help="store each KV page only on its owner rank (p mod cp_size)", group="cp"
+    )
+    cp_split_mode: CPSplitMode = _arg(  # noqa: RUF009
+        "in_seq", help="how a prompt's tokens are split over CP ranks", group="cp"
+    )
+    page_size: int = _arg(64, help="tokens per KV page", group="cp")
+
+    # scheduler and memory
+    chunked_prefill_size: int | None = _arg(
+        None, help="prefill chunk size in tokens; none = no chunking", group="scheduler"
+    )
+    max_prefill_tokens: int = _arg(
+        16384, help="input-token budget of one prefill batch", group="scheduler"
+    )
+    max_running_requests: int | None = _arg(
+        None, help="requests running at once; none = bounded by KV memory only", group="scheduler"
+    )
+    kv_pool_size: int | None = _arg(
+        None,
+        help="device KV pool bytes per rank (e.g. 40GiB); none = size from free device memory",
+        group="scheduler",
+        parse=parse_byte_size,
+        metavar="BYTES",
+    )
+    schedule_policy: SchedulePolicy = _arg(  # noqa: RUF009
+        "fcfs", help="waiting-queue order: first come or longest prefix match", group="scheduler"
+    )
+
+    # bs > 1 (SPEC S5-S9)
+    enable_cp_shared_kv_prefill_bs_gt1: bool = _arg(
+        False,
+        help="let one CP shared-KV prefill batch hold several requests (no effect on ordinary CP)",
+        group="bs_gt1",
+    )
+    cp_shared_kv_prefill_max_batch_requests: int | None = _arg(
+        None,
+        help="max requests per CP shared-KV prefill batch; none = unlimited",
+        group="bs_gt1",
+        requires="bs_gt1_requested",
+    )
+    cp_shared_kv_prefill_max_total_extend_tokens: int | None = _arg(
+        None,
+        help="max page-aligned extend tokens per batch (capped by the chunk budget); none = "
+        "unlimited",
+        group="bs_gt1",
+        requires="bs_gt1_requested",
+    )
+    cp_shared_kv_prefill_max_cached_tokens: int | None = _arg(
+        None,
+        help="max cached (prefix, incl. host load-back) tokens per batch; none = unlimited",
+        group="bs_gt1",
+        requires="bs_gt1_requested",
+    )
+    cp_shared_kv_prefill_max_buffer_size: int | None = _arg(
+        None,
+        help="max estimated transient device buffer bytes per batch (e.g. 2GiB); also "
+        "allocated once per CP device at startup as a smoke check; none = unlimited",
+        group="bs_gt1",
+        parse=parse_byte_size,
+        metavar="BYTES",
+        requires="bs_gt1_requested",
+    )
+
+    # HiCache (SPEC S4)
+    enable_hierarchical_cache: bool = _arg(
+        False, help="keep evicted KV pages in a host (L2) cache", group="hicache"
+    )
+    hicache_mem_layout: HiCacheMemLayout = _arg(  # noqa: RUF009
+        "layer_first",
+        help="host cache layout; layer_page_first is for CP shared KV, host-only and direct-only",
+        group="hicache",
+        requires="hicache_enabled",
+    )
+    hicache_io_backend: HiCacheIOBackend = _arg(  # noqa: RUF009
+        "direct", help="device<->host copy path", group="hicache", requires="hicache_enabled"
+    )
+    hicache_storage_backend: HiCacheStorageBackend = _arg(  # noqa: RUF009
+        "none",
+        help="storage (L3) tier behind the host cache",
+        group="hicache",
+        requires="hicache_enabled",
+    )
+    hicache_size: int | None = _arg(
+        None,
+        help="host cache bytes per rank (e.g. 64GiB); none = twice the device KV pool",
+        group="hicache",
+        parse=parse_byte_size,
+        metavar="BYTES",
+        requires="hicache_enabled",
+    )
+
+    # transfer (SPEC S2)
+    disaggregation_mode: DisaggregationMode = _arg(  # noqa: RUF009
+        "null",
+        help="null = prefill and decode here; prefill / decode = one side of PD",
+        group="transfer",
+    )
+    transfer_backend: str | None = _arg(
+        None,
+        help="PD KV transfer backend, one of: {transfer_backends}; needed with "
+        "--disaggregation-mode prefill|decode",
+        group="transfer",
+        metavar="NAME",
+        requires="disaggregated",
+    )
+    transfer_bootstrap_timeout: float = _arg(
+        300.0,
+        help="seconds for a PD pair to finish its bootstrap handshake",
+        group="transfer",
+        requires="disaggregated",
+    )
+    transfer_waiting_timeout: float = _arg(
+        300.0,
+        help="seconds a request may wait for its KV transfer",
+        group="transfer",
+        requires="disaggregated",
+    )
+    transfer_heartbeat_interval: float = _arg(
+        5.0,
+        help="seconds between PD peer heartbeats",
+        group="transfer",
+        requires="disaggregated",
+    )
+
+    # kernels
+    kernel_impl: GatherImpl = _arg(  # noqa: RUF009
+        "xla", help="paged gather for full-view materialization", group="kernel"
+    )
+
+    # server
+    host: str = _arg("127.0.0.1", help="HTTP listen address", group="server", metavar="ADDR")
+    port: int = _arg(30000, help="HTTP listen port", group="server")
+    log_level: LogLevel = _arg("info", help="logging level", group="server")  # noqa: RUF009
+    request_timeout: float | None = _arg(
+        None, help="seconds before an unfinished request fails; none = no limit", group="server"
+    )
+    check_config: bool = _arg(
+        False,
+        help="validate the flags and the model config, print the effective configuration "
+        "as JSON and exit",
+        group="server",
+    )
+
+    # ---- argparse, generated ---------------------------------------------------------
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, backends: TransferBackendRegistry | None = None
+    ) -> None:
+        """Add one flag per field, in help groups. `backends` names the transfer backends
+        listed in `--transfer-backend`'s help (default: `default_backend_registry()`)."""
+        backends = backends if backends is not None else default_backend_registry()
+        hints = typing.get_type_hints(cls)
+        groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
+        for f in dataclasses.fields(cls):
+            optional, base = _unwrap_optional(hints[f.name])
+            meta = f.metadata
+            help_text = meta["help"].format(transfer_backends=", ".join(backends.names()))
+            kwargs: dict[str, Any] = {"dest": f.name}
+            if f.default is dataclasses.MISSING:
+                kwargs["required"] = True
+            else:
+                kwargs["default"] = f.default
+                if base is not bool:
+                    help_text += f" (default: {_default_text(f.default, meta)})"
+            if base is bool:
+                if f.default is not False:
+                    raise TypeError(f"boolean flag {f.name} must default to False")
+                kwargs["action"] = "store_true"
+            elif typing.get_origin(base) is Literal:
+                kwargs["choices"] = typing.get_args(base)
+                if optional:
+                    raise TypeError(f"{f.name}: optional Literal flags are not supported")
+            else:
+                convert = meta["parse"] or {int: _int, float: _float, str: str}[base]
+                kwargs["type"] = _cli_converter(convert, optional)
+                kwargs["metavar"] = meta["metavar"] or base.__name__.upper()
+            kwargs["help"] = help_text
+            groups[meta["group"]].add_argument(flag_name(f.name), **kwargs)
+
+    @classmethod
+    def build_parser(
+        cls, backends: TransferBackendRegistry | None = None
+    ) -> argparse.ArgumentParser:
+        parser = _RaisingParser(
+            prog="cpkv-serve",
+            description="Serve a GLM-5 / DeepSeek-V3.2 NSA model with CP prefill.",
+        )
+        cls.add_cli_args(parser, backends)
+        return parser
+
+    @classmethod
+    def from_cli(
+        cls, argv: Sequence[str] | None = None, backends: TransferBackendRegistry | None = None
+    ) -> ServerArgs:
+        """Parse (not validate) the command line; errors raise `ServerArgsError`."""
+        namespace = cls.build_parser(backends).parse_args(argv)
+        return cls(**vars(namespace))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- feature predicates (named by `requires=` metadata) ----------------------------
+    def bs_gt1_requested(self) -> bool:
+        return self.enable_cp_shared_kv_prefill_bs_gt1
+
+    def bs_gt1_active(self) -> bool:
+        """Whether CP shared-KV batches may hold more than one request (SPEC S5.1)."""
+        return self.enable_cp_shared_kv_prefill_bs_gt1 and self.enable_cp_shared_kv
+
+    def hicache_enabled(self) -> bool:
+        return self.enable_hierarchical_cache
+
+    def disaggregated(self) -> bool:
+        return self.disaggregation_mode != "null"
+
+    def cp_config(self) -> CPConfig:
+        return CPConfig(
+            cp_size=self.cp_size,
+            shared_kv=self.enable_cp_shared_kv,
+            split_mode=self.cp_split_mode,
+            page_size=self.page_size,
+            chunked_prefill_size=self.chunked_prefill_size,
+        )
+
+    # ---- model config (SPEC S11) -------------------------------------------------------
+    def effective_model_overrides(self) -> dict[str, Any]:
+        """`--json-model-override-args` with the NSA flags merged in (SPEC S11.1-S11.3).
+
+        A flag at its default (offset 0, freq/pattern none) injects nothing (S11.2); a
+        flag that disagrees with the JSON value for the same key is an error (S11.3).
+        """
+        try:
+            overrides = parse_override_args(self.json_model_override_args)
+        except ConfigError as e:
+            raise ServerArgsError(str(e)) from e
+        for f in dataclasses.fields(self):
+            key = f.metadata["override_key"]
+            value = getattr(self, f.name)
+            if key is None or value == f.default:
+                continue
+            if key in overrides and overrides[key] != value:
+                raise ServerArgsError(
+                    f"{flag_name(f.name)} {value} contradicts {key!r}: {overrides[key]!r} in "
+                    "--json-model-override-args; drop one of them or make them agree"
+                )
+            overrides[key] = value
+        return overrides
+
+    def model_config(self) -> ModelConfig:
+        """The model config of `--model-path` with the effective overrides merged in."""
+        return ModelConfig.from_pretrained(self.model_path, self.effective_model_overrides())
+
+    # ---- the one validation pass -------------------------------------------------------
+    def validate(
+        self,
+        model_config: ModelConfig | None = None,
+        device_count: int | None = None,
+        backends: TransferBackendRegistry | None = None,
+    ) -> tuple[str, ...]:
+        """Check every flag and combination; raise `ServerArgsError` on the first problem.
+
+        model_config: checks that need the model (SPEC S1.6 NSA check); device_count: CP
+        size against the devices; backends: the transfer backend registry (default:
+        `default_backend_registry()`). Returns warnings (also logged) for accepted flags
+        that have no effect.
+        """
+        backends = backends if backends is not None else default_backend_registry()
+        warnings: list[str] = []
+        self._check_ranges()
+        self.effective_model_overrides()
+        try:  # SPEC S1.6 lives with the CP config; reuse it, as a ServerArgsError.
+            check_cp_config(self.cp_config(), model_config, device_count)
+        except ConfigError as e:
+            raise ServerArgsError(str(e)) from e
+        self._check_transfer(backends)
+        self._check_hicache()
+        if self.enable_cp_shared_kv_prefill_bs_gt1 and not self.enable_cp_shared_kv:
+            warnings.append(
+                "--enable-cp-shared-kv-prefill-bs-gt1 has no effect without "
+                "--enable-cp-shared-kv (ordinary CP prefill batches are unchanged, SPEC S5.1)"
+            )
+        self._check_requires()
+        for w in warnings:
+            logger.warning(w)
+        return tuple(warnings)
+
+    def _check_ranges(self) -> None:
+        at_least_one = [
+            "max_prefill_tokens",
+            "max_running_requests",
+            "kv_pool_size",
+            "nsa_index_topk_freq",
+            # SPEC S5.2: each bs>1 limit is None (unlimited) or >= 1.
+            "cp_shared_kv_prefill_max_batch_requests",
+            "cp_shared_kv_prefill_max_total_extend_tokens",
+            "cp_shared_kv_prefill_max_cached_tokens",
+            "cp_shared_kv_prefill_max_buffer_size",
+            "hicache_size",
+        ]
+        for name in at_least_one:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                optional = _unwrap_optional(typing.get_type_hints(type(self))[name])[0]
+                fix = "use a value >= 1" + (" or none (unlimited / not set)" if optional else "")
+                raise ServerArgsError(f"{flag_name(name)} must be >= 1, got {value}: {fix}")
+        if self.nsa_index_skip_topk_offset < 0:
+            raise ServerArgsError(
+                f"--nsa-index-skip-topk-offset must be >= 0 (0 = not set), got "
+                f"{self.nsa_index_skip_topk_offset}"
+            )
+        pattern = self.nsa_index_topk_pattern
+        if pattern is not None and (not pattern or set(pattern) - {"F", "S"}):
+            raise ServerArgsError(
+                f"--nsa-index-topk-pattern {pattern!r} must be letters F (full indexer) and "
+                "S (shared top-k), one per layer"
+            )
+        positive = [
+            "transfer_bootstrap_timeout",
+            "transfer_waiting_timeout",
+            "transfer_heartbeat_interval",
+            "request_timeout",
+        ]
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ServerArgsError(f"{flag_name(name)} must be > 0 seconds, got {value}")
+        if not 1 <= self.port <= 65535:
+            raise ServerArgsError(f"--port must be in [1, 65535], got {self.port}")
+        if not self.model_path:
+            raise ServerArgsError("--model-path is empty: point it at a HF model dir")
+
+    def _check_transfer(self, backends: TransferBackendRegistry) -> None:
+        if self.disaggregation_mode == "decode" and self.cp_size > 1:
+            raise ServerArgsError(
+                f"--disaggregation-mode decode with --cp-size {self.cp_size}: the decode side "
+                "is not context-parallel (SPEC S2.1); use --cp-size 1 on decode servers"
+            )
+        if self.disaggregated() and self.transfer_backend is None:
+            raise ServerArgsError(
+                f"--disaggregation-mode {self.disaggregation_mode} needs --transfer-backend "
+                f"(one of: {', '.join(backends.names())})"
+            )
+        if self.transfer_backend is None:
+            return
+        if self.transfer_backend not in backends:
+            raise ServerArgsError(
+                f"--transfer-backend {self.transfer_backend!r} is not registered; use one of: "
+                f"{', '.join(backends.names())}"
+            )
+        # SPEC S2.3: any shared-KV run with a backend (prefill disaggregation included).
+        caps = backends.get(self.transfer_backend)
+        missing = caps.missing_for_cp_shared_kv()
+        if self.enable_cp_shared_kv and missing:
+            fit = [n for n in backends.names() if backends.get(n).supports_cp_shared_kv]
+            raise ServerArgsError(
+                f"--transfer-backend {caps.name} lacks {' and '.join(missing)}, which "
+                "--enable-cp-shared-kv needs (a chunk-slice backend would pair owned pages "
+                f"with the wrong decode pages, SPEC S2.3); use --transfer-backend "
+                f"{' or '.join(fit) or '<a backend with both>'}, or drop --enable-cp-shared-kv"
+            )
+
+    def _check_hicache(self) -> None:
+        # SPEC S4.4: layer_page_first is host-only and direct-only, with no fallback.
+        if self.hicache_mem_layout != "layer_page_first":
+            return
+        if self.hicache_storage_backend != "none":
+            raise ServerArgsError(
+                f"--hicache-mem-layout layer_page_first does not support --hicache-storage-backend "
+                f"{self.hicache_storage_backend} (it is host-only, SPEC S4.4); use "
+                "--hicache-storage-backend none or another --hicache-mem-layout"
+            )
+        if self.hicache_io_backend != "direct":
+            raise ServerArgsError(
+                f"--hicache-mem-layout layer_page_first needs --hicache-io-backend direct, got "
+                f"{self.hicache_io_backend} (SPEC S4.4); use --hicache-io-backend direct"
+            )
+
+    def _check_requires(self) -> None:
+        """A parameter of a feature that is off is an error naming the enabling flag."""
+        enabling = {
+            "bs_gt1_requested": "--enable-cp-shared-kv-prefill-bs-gt1",
+            "hicache_enabled": "--enable-hierarchical-cache",
+            "disaggregated": "--disaggregation-mode prefill|decode",
+        }
+        for f in dataclasses.fields(self):
+            predicate = f.metadata["requires"]
+            if predicate is None or getattr(self, f.name) == f.default:
+                continue
+            if not getattr(self, predicate)():
+                raise ServerArgsError(
+                    f"{flag_name(f.name)} has no effect without {enabling[predicate]}; add "
+                    f"{enabling[predicate]} or drop {flag_name(f.name)}"
+                )
+
+
+def _default_text(default: Any, meta: Mapping[str, Any]) -> str:
+    if default is None:
+        return "none"
+    if meta["parse"] is parse_byte_size and isinstance(default, int):
+        return format_byte_size(default)
+    if default == "":
+        return "''"
+    return str(default)
