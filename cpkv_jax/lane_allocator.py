@@ -201,6 +201,35 @@ class RequestPageTable:
         self.page_size: int | None = None
         self._local = np.zeros((0,), dtype=np.int32)
 
+    @classmethod
+    def from_prefix(
+        cls, cp_size: int, local_pages: Int[np.ndarray, " pages"], num_tokens: int, page_size: int
+    ) -> RequestPageTable:
+        """A table that starts with already-written pages (e.g. a cached prefix).
+
+        `local_pages[p]` is the page on lane `p % cp_size`; the caller keeps whatever
+        ownership those pages have (a prefix cache's pages stay the cache's).
+        """
+        table = cls(cp_size)
+        if pages_for_tokens(num_tokens, page_size) != len(local_pages):
+            raise ValueError(
+                f"{num_tokens} tokens need {pages_for_tokens(num_tokens, page_size)} pages "
+                f"of {page_size}, got {len(local_pages)}"
+            )
+        table._local = np.asarray(local_pages, dtype=np.int32).copy()
+        table.num_tokens = num_tokens
+        table.page_size = page_size if num_tokens else None
+        return table
+
+    def detach(self) -> Int[np.ndarray, " pages"]:
+        """Empty the table *without* freeing: returns its pages, whose new owner (e.g. the
+        prefix cache) is now responsible for them."""
+        pages = self._local
+        self._local = np.zeros((0,), dtype=np.int32)
+        self.num_tokens = 0
+        self.page_size = None
+        return pages
+
     @property
     def num_pages(self) -> int:
         """Logical pages held (a partially filled tail page counts)."""

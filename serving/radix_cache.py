@@ -545,10 +545,9 @@ def table_from_prefix(cache: RadixCache, match: PrefixMatch) -> RequestPageTable
     The pages stay the cache's (lock `match.node` first); `alloc_with_evict` then adds
     the request's own pages from logical page `match.num_pages` on.
     """
-    table = RequestPageTable(cache.cp_size)
-    if match.num_pages:
-        _set_table(table, match.local_pages, match.num_tokens, cache.page_size)
-    return table
+    return RequestPageTable.from_prefix(
+        cache.cp_size, match.local_pages, match.num_tokens, cache.page_size
+    )
 
 
 def alloc_with_evict(
@@ -616,15 +615,5 @@ def cache_finished_request(
     if tail.size:
         cache.allocator.free(owner_of_page(tail, cache.cp_size), local[whole:])
     cache.dec_lock_ref(node)
-    _set_table(table, np.zeros((0,), dtype=np.int32), 0, None)
+    table.detach()  # whole pages now belong to the cache, the tail page was freed
     return cached
-
-
-def _set_table(
-    table: RequestPageTable, local_pages: np.ndarray, num_tokens: int, page_size: int | None
-) -> None:
-    # RequestPageTable has no public way yet to start from shared pages or to hand its
-    # pages over without freeing them; this is the one place that reaches inside.
-    table._local = np.asarray(local_pages, dtype=np.int32).copy()
-    table.num_tokens = num_tokens
-    table.page_size = page_size
