@@ -154,7 +154,11 @@ class PrefillAdder:
         """Admit the in-flight chunked request first, with the next chunk of its tokens."""
         if self.batch:
             raise ValueError("the in-flight chunked request must be added first")
-        return self._admit(cand, chunked_continuation=True)
+        admitted = self._admit(cand, chunked_continuation=True)
+        if isinstance(admitted, AddResult):
+            self._reject(admitted)
+            return None
+        return admitted
 
     def add(self, cand: Candidate) -> AddResult:
         """Offer one waiting request; CONTINUE means admitted, anything else means stop."""

@@ -1,0 +1,325 @@
+"""The prefill scheduler: waiting queue -> admitted batch -> one CP prefill step.
+
+Host side, and free of device syncs until the step itself: prefix matching (radix
+cache), admission (`PrefillAdder`: generic budgets + CP shared-KV gates), evict-then-
+allocate of the admitted requests' pages in their owner lanes, and the step's host plan
+are numpy/Python. The only device work is the executor's jitted step.
+
+Policies: `fcfs` (arrival order) and `lpm` (longest cached prefix first, then arrival).
+An in-flight chunked request always goes first in the next batch. Abort and per-request
+timeouts release a request's own pages and unlock its cached prefix; a finished
+request's whole pages go to the prefix cache (so a later request with the same prefix
+reuses them, on the same owner lanes) and its partial tail page is freed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol
+
+import numpy as np
+
+from cpkv_jax.errors import CacheCapacityError, InputError
+from cpkv_jax.lane_allocator import RequestPageTable
+from cpkv_jax.paging import owner_of_page
+from serving.radix_cache import (
+    RadixCache,
+    RadixNode,
+    alloc_with_evict,
+    cache_finished_request,
+    table_from_prefix,
+)
+from serving.scheduler.prefill_adder import (
+    AddResult,
+    Admitted,
+    BatchEstimator,
+    Candidate,
+    CPSharedKVLimits,
+    PrefillAdder,
+)
+
+logger = logging.getLogger(__name__)
+
+Policy = Literal["fcfs", "lpm"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRow:
+    """One request's slice of a prefill step: tokens `[start, start + length)`."""
+
+    prompt: np.ndarray
+    table: RequestPageTable
+    start: int
+    length: int
+
+
+class PrefillExecutor(Protocol):
+    """Runs one prefill step; returns each row's logits after its last new token."""
+
+    def execute(self, rows: Sequence[StepRow]) -> np.ndarray: ...
+
+
+@dataclasses.dataclass
+class PrefillRequest:
+    rid: str
+    input_ids: np.ndarray
+    max_new_tokens: int
+    deadline: float | None
+    seq: int
+    table: RequestPageTable | None = None
+    lock_node: RadixNode | None = None
+    cached_tokens: int = 0  # prefix reused from the cache at admission
+    done: int = 0  # tokens whose KV is written (cached prefix included)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillOutcome:
+    rid: str
+    status: Literal["finished", "aborted", "timeout"]
+    last_logits: np.ndarray | None = None
+    cached_tokens: int = 0
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledBatch:
+    rows: list[StepRow]
+    requests: list[PrefillRequest]
+    admitted: list[Admitted]
+
+
+class PrefillScheduler:
+    def __init__(
+        self,
+        *,
+        cache: RadixCache,
+        executor: PrefillExecutor,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None = None,
+        cp_limits: CPSharedKVLimits = CPSharedKVLimits(),
+        estimator: BatchEstimator | None = None,
+        policy: Policy = "fcfs",
+        request_timeout: float | None = None,
+        reserve_clip: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if policy not in ("fcfs", "lpm"):
+            raise InputError(f"schedule policy must be 'fcfs' or 'lpm', got {policy!r}")
+        self.cache = cache
+        self.allocator = cache.allocator
+        self.page_size = cache.page_size
+        self.executor = executor
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill_size = chunked_prefill_size
+        self.cp_limits = cp_limits
+        self.estimator = estimator
+        self.policy = policy
+        self.request_timeout = request_timeout
+        self.reserve_clip = reserve_clip
+        self.clock = clock
+        self.waiting: list[PrefillRequest] = []
+        self.chunked: PrefillRequest | None = None
+        self.rejections: Counter[str] = Counter()
+        self.batch_sizes: list[int] = []
+        self._seq = itertools.count()
+        self._ids: set[str] = set()
+
+    # ---- requests ----------------------------------------------------------------------
+    def submit(
+        self,
+        rid: str,
+        input_ids: Sequence[int] | np.ndarray,
+        max_new_tokens: int = 1,
+        timeout: float | None = None,
+    ) -> None:
+        ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
+        if ids.size == 0:
+            raise InputError(f"request {rid!r}: empty prompt")
+        if rid in self._ids:
+            raise InputError(f"request id {rid!r} is already queued or running")
+        capacity = self.allocator.capacity_per_lane * self.allocator.cp_size * self.page_size
+        if ids.size > capacity:
+            raise InputError(
+                f"request {rid!r} has {ids.size} tokens but the KV pool holds {capacity}; "
+                "raise the KV pool size or shorten the prompt"
+            )
+        timeout = self.request_timeout if timeout is None else timeout
+        deadline = None if timeout is None else self.clock() + timeout
+        self.waiting.append(PrefillRequest(rid, ids, max_new_tokens, deadline, next(self._seq)))
+        self._ids.add(rid)
+
+    def abort(self, rid: str) -> PrefillOutcome | None:
+        """Drop a waiting or in-flight request, releasing its pages; None if unknown."""
+        return self._drop(rid, "aborted", "aborted by the client")
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + (self.chunked is not None)
+
+    # ---- scheduling (host only) ---------------------------------------------------------
+    def schedule_batch(self) -> ScheduledBatch | None:
+        """Form the next batch and allocate its pages; no device work."""
+        reserved = 0 if self.chunked is None else self._reserve(self.chunked)
+        free_pages = int(self.allocator.num_free_per_lane().sum())
+        evictable = int(self.cache.evictable_pages_per_lane().sum())
+        adder = PrefillAdder(
+            page_size=self.page_size,
+            rem_total_tokens=(free_pages + evictable) * self.page_size - reserved,
+            max_prefill_tokens=self.max_prefill_tokens,
+            chunked_prefill_size=self.chunked_prefill_size,
+            cp=self.cp_limits,
+            estimator=self.estimator,
+        )
+        requests: list[PrefillRequest] = []
+        if self.chunked is not None:
+            req = self.chunked
+            admitted = adder.add_chunked(self._candidate(req, req.cached_tokens))
+            if admitted is not None and not self._allocate(req, admitted):
+                adder.batch.pop()
+            elif admitted is not None:
+                requests.append(req)
+                self.chunked = None
+        for req in self._ordered_waiting():
+            if requests and adder.new_chunked is not None:
+                break
+            match = self.cache.match_prefix(req.input_ids[:-1])  # keep >= 1 token to compute
+            result = adder.add(self._candidate(req, match.num_tokens))
+            if result is not AddResult.CONTINUE:
+                self.rejections[result.value] += 1
+                break
+            self.cache.inc_lock_ref(match.node)
+            req.lock_node, req.cached_tokens = match.node, match.num_tokens
+            req.table = table_from_prefix(self.cache, match)
+            req.done = match.num_tokens
+            if not self._allocate(req, adder.batch[-1]):
+                adder.batch.pop()
+                self._unlock(req)
+                self.rejections["lane_capacity"] += 1
+                break
+            requests.append(req)
+            self.waiting.remove(req)
+        if not requests:
+            return None
+        rows = [
+            StepRow(r.input_ids, r.table, r.done, a.extend_tokens)  # type: ignore[arg-type]
+            for r, a in zip(requests, adder.batch, strict=True)
+        ]
+        self.batch_sizes.append(len(rows))
+        return ScheduledBatch(rows, requests, list(adder.batch))
+
+    def step(self) -> list[PrefillOutcome]:
+        """Expire timeouts, run one batch, finish what completed."""
+        outcomes = self._expire()
+        batch = self.schedule_batch()
+        if batch is None:
+            return outcomes
+        logits = self.executor.execute(batch.rows)
+        for row, req, out in zip(batch.rows, batch.requests, logits, strict=True):
+            req.done = row.start + row.length
+            if req.done < req.input_ids.size:
+                self.chunked = req
+                continue
+            assert req.table is not None and req.lock_node is not None
+            cache_finished_request(self.cache, req.table, req.input_ids, req.lock_node)
+            self._ids.discard(req.rid)
+            outcomes.append(PrefillOutcome(req.rid, "finished", np.asarray(out), req.cached_tokens))
+        return outcomes
+
+    def run_until_idle(self, max_steps: int = 100_000) -> list[PrefillOutcome]:
+        outcomes: list[PrefillOutcome] = []
+        for _ in range(max_steps):
+            if not self.num_waiting:
+                return outcomes
+            outcomes += self.step()
+        raise RuntimeError(
+            f"scheduler still has {self.num_waiting} requests after {max_steps} steps"
+        )
+
+    # ---- internals -----------------------------------------------------------------------
+    def _reserve(self, req: PrefillRequest) -> int:
+        return min(req.max_new_tokens, self.reserve_clip)
+
+    def _candidate(self, req: PrefillRequest, cached: int) -> Candidate:
+        done = max(req.done, cached)
+        # Cached tokens are counted after the host load-back plan (SPEC S7): device hits
+        # here; host hits planned for load-back join this count when the host cache lands.
+        return Candidate(req.rid, req.input_ids.size - done, cached, self._reserve(req))
+
+    def _ordered_waiting(self) -> list[PrefillRequest]:
+        if self.policy == "fcfs":
+            return sorted(self.waiting, key=lambda r: r.seq)
+        matched = {
+            r.rid: self.cache.match_prefix(r.input_ids[:-1]).num_tokens for r in self.waiting
+        }
+        return sorted(self.waiting, key=lambda r: (-matched[r.rid], r.seq))
+
+    def _allocate(self, req: PrefillRequest, admitted: Admitted) -> bool:
+        assert req.table is not None
+        try:
+            alloc_with_evict(self.cache, req.table, req.done + admitted.extend_tokens)
+        except CacheCapacityError as e:
+            logger.info("request %s waits: %s", req.rid, e)
+            return False
+        return True
+
+    def _release_own_pages(self, req: PrefillRequest) -> None:
+        """Free pages the request allocated (not its cached prefix) and unlock the prefix."""
+        if req.table is not None:
+            first_own = req.cached_tokens // self.page_size
+            pages = req.table.detach()
+            own = np.arange(first_own, pages.size, dtype=np.int64)
+            if own.size:
+                self.allocator.free(owner_of_page(own, self.allocator.cp_size), pages[first_own:])
+            req.table = None
+        self._unlock(req)
+
+    def _unlock(self, req: PrefillRequest) -> None:
+        if req.lock_node is not None:
+            self.cache.dec_lock_ref(req.lock_node)
+            req.lock_node = None
+
+    def _drop(self, rid: str, status, reason: str) -> PrefillOutcome | None:
+        if self.chunked is not None and self.chunked.rid == rid:
+            req = self.chunked
+            self.chunked = None
+        else:
+            found = [r for r in self.waiting if r.rid == rid]
+            if not found:
+                return None
+            req = found[0]
+            self.waiting.remove(req)
+        self._release_own_pages(req)
+        self._ids.discard(rid)
+        logger.info("request %s %s: %s", rid, status, reason)
+        return PrefillOutcome(rid, status, reason=reason)
+
+    def _expire(self) -> list[PrefillOutcome]:
+        now = self.clock()
+        late = [
+            r.rid
+            for r in [*self.waiting, *([self.chunked] if self.chunked else [])]
+            if r.deadline is not None and now > r.deadline
+        ]
+        outcomes = [self._drop(rid, "timeout", "request timeout expired") for rid in late]
+        return [o for o in outcomes if o is not None]
+
+
+class CPRunnerExecutor:
+    """`PrefillExecutor` over a `CPPrefillRunner` (the real CP prefill step)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def execute(self, rows: Sequence[StepRow]) -> np.ndarray:
+        plan = self.runner.plan_step(
+            [r.prompt for r in rows],
+            [r.table for r in rows],
+            [r.start for r in rows],
+            [r.length for r in rows],
+        )
+        return self.runner.run_step(plan)[: len(rows)]
