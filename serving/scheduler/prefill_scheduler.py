@@ -127,6 +127,8 @@ class PrefillScheduler:
         self.rejections: Counter[str] = Counter()
         self.batch_sizes: list[int] = []
         self._seq = itertools.count()
+        # Benchmarks swap in an instrumented subclass; production uses PrefillAdder.
+        self.adder_cls: type[PrefillAdder] = PrefillAdder
         self._ids: set[str] = set()
 
     # ---- requests ----------------------------------------------------------------------
@@ -167,7 +169,7 @@ class PrefillScheduler:
         reserved = 0 if self.chunked is None else self._reserve(self.chunked)
         free_pages = int(self.allocator.num_free_per_lane().sum())
         evictable = int(self.cache.evictable_pages_per_lane().sum())
-        adder = PrefillAdder(
+        adder = self.adder_cls(
             page_size=self.page_size,
             rem_total_tokens=(free_pages + evictable) * self.page_size - reserved,
             max_prefill_tokens=self.max_prefill_tokens,
@@ -218,7 +220,11 @@ class PrefillScheduler:
         batch = self.schedule_batch()
         if batch is None:
             return outcomes
-        logits = self.executor.execute(batch.rows)
+        return outcomes + self.finish_batch(batch, self.executor.execute(batch.rows))
+
+    def finish_batch(self, batch: ScheduledBatch, logits: np.ndarray) -> list[PrefillOutcome]:
+        """Record a step's results: chunked requests continue, finished ones are cached."""
+        outcomes: list[PrefillOutcome] = []
         for row, req, out in zip(batch.rows, batch.requests, logits, strict=True):
             req.done = row.start + row.length
             if req.done < req.input_ids.size:
@@ -245,10 +251,12 @@ class PrefillScheduler:
         return min(req.max_new_tokens, self.reserve_clip)
 
     def _candidate(self, req: PrefillRequest, cached: int) -> Candidate:
+        # Tokens whose KV already exists: the cached prefix, or for an in-flight chunked
+        # request everything its earlier chunks wrote. Counted after the host load-back
+        # plan (SPEC S7): device hits today; host hits planned for load-back join this
+        # count when the host cache lands.
         done = max(req.done, cached)
-        # Cached tokens are counted after the host load-back plan (SPEC S7): device hits
-        # here; host hits planned for load-back join this count when the host cache lands.
-        return Candidate(req.rid, req.input_ids.size - done, cached, self._reserve(req))
+        return Candidate(req.rid, req.input_ids.size - done, done, self._reserve(req))
 
     def _ordered_waiting(self) -> list[PrefillRequest]:
         if self.policy == "fcfs":
