@@ -72,9 +72,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import CPConfig, ModelConfig, parse_override_args
-from cpkv_jax.cp_prefill import pow2_at_least
 from cpkv_jax.errors import ConfigError, CpkvError
 from cpkv_jax.generate import DTYPES
 from cpkv_jax.kv_pool import PoolLayout, init_cp_pool, per_rank_pool_bytes

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cpkv_jax.buckets import page_table_width, step_shape
 from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.errors import CpkvError, InputError
 from cpkv_jax.kv_pool import PoolLayout, init_cp_pool
@@ -35,6 +36,7 @@ from cpkv_jax.materialize import CPKVIO, GatherImpl
 from cpkv_jax.mesh import CP_AXIS
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool
+from cpkv_jax.model.mla import AttnForm
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import pages_for_tokens
 
@@ -45,10 +47,6 @@ DEBUG_ENV = "CPKV_DEBUG_SHARED_KV"
 
 class SharedKVInvariantError(CpkvError):
     """A `CPKV_DEBUG_SHARED_KV=1` invariant check failed (a bug, not bad input)."""
-
-
-def pow2_at_least(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def zigzag_order(n_tokens: int, cp_size: int, block: int) -> np.ndarray:
@@ -114,6 +112,7 @@ class CPPrefillRunner:
         index_k_dtype: IndexKDtype = "fp8_e4m3",
         gather_impl: GatherImpl = "xla",
         debug: bool | None = None,
+        attn_form: AttnForm = "absorbed",
     ):
         cp.validate(cfg, device_count=len(mesh.devices.reshape(-1)))
         if mesh.shape[CP_AXIS] != cp.cp_size:
@@ -130,7 +129,7 @@ class CPPrefillRunner:
         self.state = jax.device_put(state, NamedSharding(mesh, P()))
         self.pool = init_cp_pool(cfg, self.layout, mesh, model.dtype, index_k_dtype)
         self._shardings = (NamedSharding(mesh, P(None, CP_AXIS)), NamedSharding(mesh, P()))
-        self._step = _build_step(graphdef, mesh, self.layout, self.kv_io, index_k_dtype)
+        self._step = _build_step(graphdef, mesh, self.layout, self.kv_io, index_k_dtype, attn_form)
         self._view = _build_view(mesh, self.layout, self.kv_io)
         self.debug = os.environ.get(DEBUG_ENV) == "1" if debug is None else debug
         self._shadow: CPPrefillRunner | None = None
@@ -147,6 +146,7 @@ class CPPrefillRunner:
                 index_k_dtype=index_k_dtype,
                 gather_impl=gather_impl,
                 debug=False,
+                attn_form=attn_form,
             )
 
     @property
@@ -165,13 +165,12 @@ class CPPrefillRunner:
         """Allocate the chunk's pages and lay out one step's batch (pure numpy)."""
         cp, page = self.cp.cp_size, self.cp.page_size
         lanes = self.layout.lanes
-        block = pow2_at_least(-(-max(lengths) // (2 * cp)))
-        t_total = 2 * cp * block
         for table, start, n in zip(tables, starts, lengths, strict=True):
-            table.extend(self.allocator, start + n, page)
-        width_pages = max(t.num_pages for t in tables)
-        width = cp * pow2_at_least(-(-width_pages // cp))
-        rows = pow2_at_least(len(prompts))
+            table.extend(self.allocator, start + n, page)  # no-op when already allocated
+        kv_after = [s + n for s, n in zip(starts, lengths, strict=True)]
+        shape = step_shape(len(prompts), max(lengths), max(kv_after), cp, page)
+        block, width, rows = shape.block, shape.width, shape.rows
+        t_total = shape.tokens_per_step
 
         ids = np.zeros((rows, t_total), np.int32)
         positions = np.zeros((rows, t_total), np.int32)
@@ -265,7 +264,7 @@ class CPPrefillRunner:
 
     def full_view(self, table: RequestPageTable) -> KVPool:
         """The request's materialized full view: leaves `[num_tokens, ...]` (device sync)."""
-        width = self.cp.cp_size * pow2_at_least(-(-table.num_pages // self.cp.cp_size))
+        width = page_table_width(table.num_pages, self.cp.cp_size)
         row = _global(table.as_row(width)[None], self._shardings[1])
         views = self._view(self.pool, row)
         return jax.tree_util.tree_map(lambda v: v[0, : table.num_tokens], views)
@@ -303,12 +302,14 @@ def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-def _build_step(graphdef, mesh: Mesh, layout: PoolLayout, kv_io: CPKVIO, index_k_dtype: str):
+def _build_step(
+    graphdef, mesh: Mesh, layout: PoolLayout, kv_io: CPKVIO, index_k_dtype: str, form: AttnForm
+):
     def per_rank(state, tokens, page_table, kv_lens, pool):
         input_ids, positions, valid, write_slots = tokens
         batch = ForwardBatch(input_ids, positions, valid, write_slots, page_table, kv_lens)
         model = nnx.merge(graphdef, state)
-        hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form="expanded")
+        hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form)
         return hidden, pool
 
     # Token fields split over cp (each rank: its two zigzag blocks); tables replicated.

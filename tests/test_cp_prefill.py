@@ -147,13 +147,23 @@ def test_fp8_index_k_cp_prefill(setup):
 
 
 def test_cp_view_is_bitwise_reference_when_row_counts_match(setup):
-    """With P+1 tokens both paths run multi-row gemms: the KV is bitwise identical."""
-    cfg, model, runners = setup
+    """With P+1 tokens both paths run multi-row gemms, and with the reference's (expanded)
+    attention form the whole KV is bitwise identical."""
+    cfg, model, _ = setup
+    cp = CPConfig(cp_size=CP, shared_kv=True, page_size=P)
+    runner = CPPrefillRunner(
+        cfg,
+        model,
+        make_cp_mesh(CP),
+        cp,
+        pages_per_rank=pages_per_rank_for(64, P, cp),
+        index_k_dtype=INDEX_K,
+        attn_form="expanded",
+    )
     ids = _prompt(P + 1, 5)
     _, ref_view = reference(cfg, model, ids)
-    result = runners[True].prefill([ids], None)
-    chex.assert_trees_all_equal(runners[True].full_view(result.tables[0]), ref_view)
-    runners[True].release(result.tables[0])
+    result = runner.prefill([ids], None)
+    chex.assert_trees_all_equal(runner.full_view(result.tables[0]), ref_view)
 
 
 def test_ragged_batch_of_requests(setup):

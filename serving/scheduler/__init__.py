@@ -1,0 +1,1 @@
+"""Prefill scheduler: admission (PrefillAdder gates) and the transient-buffer estimator."""
