@@ -417,7 +417,7 @@ def test_memory_analysis_is_per_device(mesh):
     assert single.output_size_in_bytes == 4 * n
 
 
-def test_each_kind_is_a_tight_upper_bound_of_xla(cfg, mesh, estimator):
+def test_s9_1_each_kind_is_a_tight_upper_bound_of_xla(cfg, mesh, estimator):
     rows = []
     failures = []
     for name, batch in BATCHES.items():
@@ -464,7 +464,7 @@ def check_layer_sequence(cfg, mesh, types, dtype: str, tight: float) -> None:
 
 
 @pytest.mark.parametrize("types", LAYER_SEQUENCES, ids="-".join)
-def test_stream_aware_total_is_a_tight_upper_bound_of_a_layer_sequence(cfg, mesh, types):
+def test_s9_1_stream_aware_total_is_a_tight_upper_bound_of_a_layer_sequence(cfg, mesh, types):
     """Full + shared: the stream-aware total vs one full and one shared layer. Full + full:
     XLA:CPU hoists the second layer's fp8 pool upcast into the first layer's peak."""
     check_layer_sequence(cfg, mesh, types, "float32", TIGHT)
@@ -638,7 +638,7 @@ def test_profiles_and_estimate_bytes_protocol(cfg):
         BufferEstimator(cfg, cp_size=CP, page_size=PAGE, index_k_dtype="int4")
 
 
-def test_estimator_module_does_not_import_jax():
+def test_s9_2_estimator_module_does_not_import_jax():
     """The scheduler hot path must not pull JAX in (fresh interpreter, no conftest)."""
     code = (
         "import sys\n"
@@ -659,7 +659,7 @@ def test_estimator_module_does_not_import_jax():
     assert done.returncode == 0, done.stderr
 
 
-def test_estimate_speed(estimator):
+def test_s9_2_estimate_speed(estimator):
     batch = shapes_of(BATCHES["ragged_3"]) * 3
     for _ in range(200):
         estimator.estimate(batch)
@@ -673,7 +673,7 @@ def test_estimate_speed(estimator):
     assert median_us < 500, f"estimate() median {median_us:.1f} us (target < 50 us)"
 
 
-def test_smoke_allocation(mesh):
+def test_s9_4_startup_smoke_allocation(mesh):
     startup_smoke_allocation(None, list(mesh.devices.flat))  # unset: nothing to check
     startup_smoke_allocation(1 << 20, list(mesh.devices.flat))
     with pytest.raises(BufferLimitError, match=r"max-buffer-size 1125899906842624 .*device"):
