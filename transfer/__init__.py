@@ -1,2 +1,6 @@
 """PD transfer of CP ranks' owned KV pages to a decode server, by logical position.
-Must not import `serving`. Arrives with the transfer issue (nothing is exported yet)."""
+
+`capabilities` (backend capability registry, SPEC S2.3) and `page_plan` (per-rank page
+plans, coalesced descriptors, layout descriptor, page digests) are host-side and
+JAX-free. Must not import `serving`.
+"""
