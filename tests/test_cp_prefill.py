@@ -61,6 +61,20 @@ def setup():
     return cfg, model, runners
 
 
+def make_runner(cfg, model, tokens, *, shared=True, index_k=INDEX_K, **kw) -> CPPrefillRunner:
+    """A CP=8 runner with pools for `tokens` tokens (one request)."""
+    cp = CPConfig(cp_size=CP, shared_kv=shared, page_size=P)
+    return CPPrefillRunner(
+        cfg,
+        model,
+        make_cp_mesh(CP),
+        cp,
+        pages_per_rank=pages_per_rank_for(tokens, P, cp),
+        index_k_dtype=index_k,
+        **kw,
+    )
+
+
 def reference(cfg, model, ids, index_k=INDEX_K):
     """Single-device prefill (padded to the generator's bucket): last logits, full view."""
     n = len(ids)
@@ -122,15 +136,7 @@ def test_fp8_index_k_cp_prefill(setup):
     """Default fp8 index K: a last-bit difference in a key can move its fp8 rounding by one
     e4m3 step (relative 2^-3), so fp8 codes are compared up to one step, and rarely."""
     cfg, model, _ = setup
-    cp = CPConfig(cp_size=CP, shared_kv=True, page_size=P)
-    runner = CPPrefillRunner(
-        cfg,
-        model,
-        make_cp_mesh(CP),
-        cp,
-        pages_per_rank=pages_per_rank_for(600, P, cp),
-        index_k_dtype="fp8_e4m3",
-    )
+    runner = make_runner(cfg, model, 600, index_k="fp8_e4m3")
     ids = _prompt(33 * P + 5, 77)
     ref_logits, ref_view = reference(cfg, model, ids, "fp8_e4m3")
     result = runner.prefill([ids], 40)
@@ -150,16 +156,7 @@ def test_cp_view_is_bitwise_reference_when_row_counts_match(setup):
     """With P+1 tokens both paths run multi-row gemms, and with the reference's (expanded)
     attention form the whole KV is bitwise identical."""
     cfg, model, _ = setup
-    cp = CPConfig(cp_size=CP, shared_kv=True, page_size=P)
-    runner = CPPrefillRunner(
-        cfg,
-        model,
-        make_cp_mesh(CP),
-        cp,
-        pages_per_rank=pages_per_rank_for(64, P, cp),
-        index_k_dtype=INDEX_K,
-        attn_form="expanded",
-    )
+    runner = make_runner(cfg, model, 64, attn_form="expanded")
     ids = _prompt(P + 1, 5)
     _, ref_view = reference(cfg, model, ids)
     result = runner.prefill([ids], None)
@@ -230,15 +227,7 @@ def test_per_rank_bytes_shared_is_replicated_over_cp(setup):
 
 def test_compiles_once_per_shape_bucket(setup):
     cfg, model, _ = setup
-    cp = CPConfig(cp_size=CP, shared_kv=True, page_size=P)
-    runner = CPPrefillRunner(
-        cfg,
-        model,
-        make_cp_mesh(CP),
-        cp,
-        pages_per_rank=pages_per_rank_for(200, P, cp),
-        index_k_dtype=INDEX_K,
-    )
+    runner = make_runner(cfg, model, 200)
     rng = np.random.default_rng(0)
     buckets = set()
     for i in range(20):
@@ -254,15 +243,7 @@ def test_compiles_once_per_shape_bucket(setup):
 def test_debug_switch_checks_against_replicated_shadow(setup, monkeypatch):
     cfg, model, _ = setup
     monkeypatch.setenv("CPKV_DEBUG_SHARED_KV", "1")
-    cp = CPConfig(cp_size=CP, shared_kv=True, page_size=P)
-    runner = CPPrefillRunner(
-        cfg,
-        model,
-        make_cp_mesh(CP),
-        cp,
-        pages_per_rank=pages_per_rank_for(100, P, cp),
-        index_k_dtype=INDEX_K,
-    )
+    runner = make_runner(cfg, model, 100)
     assert runner.debug and runner._shadow is not None
     ids = _prompt(3 * P + 2, 3)
     result = runner.prefill([ids], 32)  # passes: checks ran inside
@@ -305,16 +286,7 @@ def test_bad_input_is_typed_and_names_the_fix(setup):
 def test_pallas_gather_path_equals_xla_path(setup):
     """The CP step with the Pallas gather kernel (interpret mode) is bitwise the XLA one."""
     cfg, model, runners = setup
-    cp = CPConfig(cp_size=CP, shared_kv=True, page_size=P)
-    runner = CPPrefillRunner(
-        cfg,
-        model,
-        make_cp_mesh(CP),
-        cp,
-        pages_per_rank=pages_per_rank_for(100, P, cp),
-        index_k_dtype=INDEX_K,
-        gather_impl="pallas",
-    )
+    runner = make_runner(cfg, model, 100, gather_impl="pallas")
     ids = _prompt(3 * P + 2, 8)
     got = runner.prefill([ids], 32)
     want = runners[True].prefill([ids], 32)
