@@ -1,0 +1,139 @@
+"""Prefill engine startup: from `ServerArgs` to a ready CP prefill scheduler.
+
+What a prefill server does once, before it reports healthy: validate every flag against
+the model and the devices, load the model, build the `cp` mesh, the page-owned (or
+replicated) pools sized from `--kv-pool-size`, the radix prefix cache on the pools'
+owner-lane allocator, the CPU-only buffer estimator, and the prefill scheduler with the
+CP shared-KV limits. When `--cp-shared-kv-prefill-max-buffer-size` is set, that many
+bytes are allocated once on every CP device (SPEC S9.4) and startup fails with a clear
+message if they do not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
+from cpkv_jax.errors import ConfigError
+from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
+from cpkv_jax.mesh import make_cp_mesh
+from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.model.weights import load_model
+from serving.radix_cache import RadixCache
+from serving.scheduler.buffer_estimator import (
+    BufferEstimator,
+    profile_for_platform,
+    startup_smoke_allocation,
+)
+from serving.scheduler.prefill_adder import CPSharedKVLimits
+from serving.scheduler.prefill_scheduler import CPRunnerExecutor, PrefillScheduler
+from serving.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Without --kv-pool-size, pools hold this many tokens of context (or the model's maximum).
+DEFAULT_POOL_TOKENS = 131_072
+
+
+@dataclasses.dataclass
+class PrefillEngine:
+    args: ServerArgs
+    cfg: ModelConfig
+    runner: CPPrefillRunner
+    cache: RadixCache
+    estimator: BufferEstimator
+    scheduler: PrefillScheduler
+
+
+def pool_pages_per_rank(args: ServerArgs, cfg: ModelConfig) -> int:
+    """Pages per rank: from `--kv-pool-size` bytes per rank, else a default context."""
+    cp = args.cp_config()
+    dtype = DTYPES[args.dtype]
+    if args.kv_pool_size is None:
+        tokens = min(cfg.max_position_embeddings, DEFAULT_POOL_TOKENS)
+        return pages_per_rank_for(tokens, args.page_size, cp)
+    one_page = (
+        per_rank_pool_bytes(
+            cfg, PoolLayout(cp.cp_size, cp.shared_kv, 2, args.page_size), dtype, args.index_k_dtype
+        )
+        // 2
+    )
+    pages = args.kv_pool_size // one_page
+    if pages < 2:
+        raise ConfigError(
+            f"--kv-pool-size {args.kv_pool_size} bytes holds {pages} page(s) of {one_page} "
+            "bytes per rank; a rank needs at least 2 (one trash page): raise --kv-pool-size"
+        )
+    return pages
+
+
+def build_prefill_engine(
+    args: ServerArgs, *, model: CausalLM | None = None, devices: list | None = None
+) -> PrefillEngine:
+    cfg = args.model_config() if model is None else model.cfg
+    devices = list(jax.devices()) if devices is None else devices
+    for warning in args.validate(cfg, device_count=len(devices)):
+        logger.warning("%s", warning)
+    if model is None:
+        cfg, model = load_model(
+            args.model_path,
+            dtype=DTYPES[args.dtype],
+            json_model_override_args=args.effective_model_overrides(),
+        )
+    mesh = make_cp_mesh(args.cp_size, devices)
+    if args.cp_shared_kv_prefill_max_buffer_size is not None:
+        startup_smoke_allocation(args.cp_shared_kv_prefill_max_buffer_size, list(mesh.devices.flat))
+    pages = pool_pages_per_rank(args, cfg)
+    runner = CPPrefillRunner(
+        cfg,
+        model,
+        mesh,
+        args.cp_config(),
+        pages_per_rank=pages,
+        index_k_dtype=args.index_k_dtype,
+        gather_impl=args.kernel_impl,
+    )
+    cache = RadixCache(runner.allocator, args.page_size)
+    estimator = BufferEstimator(
+        cfg,
+        cp_size=args.cp_size,
+        page_size=args.page_size,
+        dtype=args.dtype,
+        index_k_dtype=args.index_k_dtype,
+        profile=profile_for_platform(devices[0].platform),
+        pages_per_rank=pages,
+    )
+    limits = CPSharedKVLimits(
+        shared_kv=args.enable_cp_shared_kv,
+        bs_gt1=args.enable_cp_shared_kv_prefill_bs_gt1,
+        max_batch_requests=args.cp_shared_kv_prefill_max_batch_requests,
+        max_total_extend_tokens=args.cp_shared_kv_prefill_max_total_extend_tokens,
+        max_cached_tokens=args.cp_shared_kv_prefill_max_cached_tokens,
+        max_buffer_bytes=args.cp_shared_kv_prefill_max_buffer_size,
+    )
+    scheduler = PrefillScheduler(
+        cache=cache,
+        executor=CPRunnerExecutor(runner),
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        cp_limits=limits,
+        estimator=estimator,
+        policy=args.schedule_policy,
+        request_timeout=args.request_timeout,
+    )
+    per_rank = per_rank_pool_bytes(cfg, runner.layout, DTYPES[args.dtype], args.index_k_dtype)
+    logger.info(
+        "prefill engine: cp=%d %s KV, %d pages of %d tokens per rank (%.1f MiB per rank)",
+        args.cp_size,
+        "shared" if args.enable_cp_shared_kv else "replicated",
+        pages,
+        args.page_size,
+        per_rank / 2**20,
+    )
+    return PrefillEngine(args, cfg, runner, cache, estimator, scheduler)
