@@ -1,0 +1,445 @@
+"""A small, checked wrapper around the Mooncake Transfer Engine (`mooncake.engine`).
+
+It is the foundation of the `mooncake` PD transfer backend (SPEC S2): the decode side
+registers its receive buffers once, tells the prefill ranks its `session_id` and buffer
+addresses over the control plane, and each prefill rank writes its coalesced page runs
+straight into them with `batch_write`.
+
+Install: `pip install 'cpkv-jax[mooncake]'` (the `mooncake-transfer-engine-non-cuda`
+wheel; GPU deployments may install the CUDA build `mooncake-transfer-engine` instead,
+both provide the same `mooncake.engine` module). The wheel's `engine.so` loads these
+system libraries, which the wheel does not bundle: `libibverbs.so.1` (Debian
+`libibverbs1`), `libnuma.so.1` (`libnuma1`) and `libcurl.so.4` (`libcurl4`); `.ci/run`
+installs them. When the import fails, `mooncake_available()` says why and what to install,
+and `MooncakeEngine(...)` raises `MooncakeUnavailable` with the same reason.
+
+Engine facts this wrapper relies on (mooncake-transfer-engine 0.3.13, found by testing):
+
+- `initialize(local_hostname, "P2PHANDSHAKE", protocol, device_name) -> int` (0 = ok)
+  starts a P2P-handshake engine (no metadata server). The RPC port is picked by the
+  engine (range `MC_MIN_RPC_PORT`..`MC_MAX_RPC_PORT`, ~15000-17000); a port written in the
+  hostname is ignored in this mode. Peers address an engine as `session_id` =
+  `"host:rpc_port"`. The engine LISTENS ON ALL INTERFACES (0.0.0.0) whatever the hostname,
+  and its listening sockets are inherited by child processes started later.
+- Several engines can live in one process (the benchmark and tests use two). The memory
+  allocator is process-global and fixed by the first engine's protocol. `"rdma"` without
+  RDMA devices silently ends up on TCP.
+- `batch_transfer_sync_write(session_id, local_ptrs, remote_ptrs, lengths) -> int` blocks,
+  releases the GIL, returns 0 or a negative code. The remote side checks that every
+  destination range lies inside one of ITS registered buffers (else -1); the TCP transport
+  does NOT check local source ranges, so this wrapper checks them against its own
+  registrations. A batch of more than ~2000 descriptors to one peer fails (-1, "TCP lane
+  queue-full rejection"): `batch_write` splits batches into chunks of `max_batch`
+  (default 1024) descriptors and sends the chunks of one session one at a time.
+- A dead peer (process gone, nothing listening) fails fast (-1 / handshake refused). A
+  peer that is alive but stalled (e.g. SIGSTOP) blocks a sync write until the engine's
+  transfer timeout `MC_TRANSFER_TIMEOUT` (whole seconds, read when the engine object is
+  constructed, so per engine; at least 5 s; 30 s when the variable is unset).
+  `transfer_timeout_s` sets it for the engine being created. The single-transfer call
+  `transfer_sync_write` does not honour it (it blocked until the peer's TCP connection
+  reset, 25 s here), so `write` goes through the batch call too.
+- The async API (`batch_transfer_async_write` + `get_batch_transfer_status`) is not used:
+  the status call blocks until completion and frees the batch, and a second status call
+  on the same batch id crashes the process (double free).
+- Destroying an engine takes ~1 s (its metadata thread winds down); `close()` does it.
+- Logs go to stderr through glog; set `GLOG_minloglevel=2` in the environment before
+  `mooncake` is imported to keep only errors.
+
+Lifecycle: `MooncakeEngine(...)` -> `register(...)` each buffer once (before telling peers
+its address) -> any number of `batch_write` / `write` -> `close()` (or a `with` block).
+Registered numpy arrays are kept alive by the wrapper until they are unregistered or the
+engine is closed; raw pointers are the caller's to keep valid.
+
+Thread safety: `batch_write`, `write` and `probe` may be called from several threads at
+once (the engine releases the GIL and is built for concurrent transfers); writes to the
+same session are serialized by a per-session lock so that the per-peer queue limit above
+holds. `register` / `unregister` are safe to call concurrently with writes to other
+buffers. `close()` waits for in-flight writes to return, then refuses new calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from cpkv_jax.errors import CpkvError
+
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+DEFAULT_MAX_BATCH = 1024  # descriptors per engine call; the TCP per-peer queue holds ~2000
+DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+
+# Shared objects engine.so loads that the wheel does not bundle -> the Debian package.
+_DEBIAN_PACKAGE_OF_LIB = {
+    "libibverbs.so.1": "libibverbs1",
+    "libnuma.so.1": "libnuma1",
+    "libcurl.so.4": "libcurl4",
+    "librdmacm.so.1": "librdmacm1",
+}
+_CUDA_LIBS = ("libcudart.so", "libcuda.so")
+
+_import_lock = threading.Lock()
+_env_lock = threading.Lock()  # MC_TRANSFER_TIMEOUT is set around initialize() only
+_engine_module: Any = None
+_import_error: str | None = None
+
+
+class MooncakeError(CpkvError):
+    """Base class of the errors this wrapper raises."""
+
+
+class MooncakeUnavailable(MooncakeError, ImportError):
+    """The Mooncake Transfer Engine cannot be loaded here; `reason` says why and what to do."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class MooncakeTransferError(MooncakeError, RuntimeError):
+    """The engine refused or failed a call (non-zero return code, kept in `code`)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _explain_import_error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").startswith("mooncake"):
+        return (
+            f"the Mooncake Transfer Engine is not installed ({text}); "
+            "install it with: pip install 'cpkv-jax[mooncake]'"
+        )
+    m = re.search(r"(lib[\w.+-]+\.so[\w.]*): cannot open shared object file", str(e))
+    if m:
+        lib = m.group(1)
+        if lib.startswith(_CUDA_LIBS):
+            return (
+                f"mooncake.engine needs the CUDA library {lib} ({text}); this is the CUDA "
+                "build of the wheel: on a machine without CUDA install "
+                "mooncake-transfer-engine-non-cuda instead of mooncake-transfer-engine"
+            )
+        pkg = _DEBIAN_PACKAGE_OF_LIB.get(lib)
+        hint = f"apt-get install {pkg}" if pkg else f"install the system library {lib}"
+        return f"mooncake.engine needs the system library {lib} ({text}); {hint}"
+    return f"mooncake.engine could not be imported ({text})"
+
+
+def _load_engine_module() -> Any:
+    """`mooncake.engine`, imported once; raises `MooncakeUnavailable` with the reason."""
+    global _engine_module, _import_error
+    with _import_lock:
+        if _engine_module is None and _import_error is None:
+            try:
+                import mooncake.engine as engine_module
+            except Exception as e:  # ImportError / OSError from the loader
+                _import_error = _explain_import_error(e)
+            else:
+                _engine_module = engine_module
+        if _engine_module is None:
+            raise MooncakeUnavailable(str(_import_error))
+        return _engine_module
+
+
+def mooncake_available() -> tuple[bool, str]:
+    """(True, "") when `mooncake.engine` imports here, else (False, the reason)."""
+    try:
+        _load_engine_module()
+    except MooncakeUnavailable as e:
+        return False, e.reason
+    return True, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisteredBuffer:
+    """A memory range registered with one engine; `ptr` is what peers write to."""
+
+    ptr: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.ptr + self.nbytes
+
+
+def _as_ptr_and_nbytes(buf: Any, nbytes: int | None) -> tuple[int, int, Any]:
+    """(address, size, object to keep alive) of a numpy array, buffer object or pointer."""
+    if isinstance(buf, (int, np.integer)) and not isinstance(buf, bool):
+        if nbytes is None:
+            raise ValueError("register(ptr, nbytes): a raw pointer needs nbytes")
+        return int(buf), int(nbytes), None
+    if not isinstance(buf, np.ndarray):
+        try:
+            buf = np.frombuffer(buf, dtype=np.uint8)  # shares memory; keeps `buf` alive
+        except TypeError:
+            raise TypeError(
+                f"register() takes a numpy array, a buffer object or an int pointer, "
+                f"not {type(buf).__name__}"
+            ) from None
+    if not buf.flags.c_contiguous:
+        raise ValueError("register() needs a C-contiguous array (its bytes must be one range)")
+    size = buf.nbytes if nbytes is None else int(nbytes)
+    if size > buf.nbytes:
+        raise ValueError(f"register(): nbytes={size} exceeds the array's {buf.nbytes} bytes")
+    return int(buf.ctypes.data), size, buf
+
+
+def _int_array(values: Any, what: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        arr = np.asarray([int(v) for v in np.ravel(arr)], dtype=np.int64)
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{what}: value out of range")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and int(arr.min()) < 0:
+        raise ValueError(f"{what}: negative value {int(arr.min())}")
+    return arr
+
+
+class MooncakeEngine:
+    """One Mooncake Transfer Engine in P2P-handshake mode (see the module docstring).
+
+    `hostname` is the address peers reach this engine at (here 127.0.0.1); `protocol` is
+    "tcp" (loopback, any host) or "rdma" (a cluster with RDMA NICs; `device_name` picks
+    them, "" = auto-discover). `transfer_timeout_s` bounds each sync write to a stalled
+    peer (`MC_TRANSFER_TIMEOUT`, whole seconds, at least 5; None = the environment's
+    value, or the engine's default of 30 s). `max_batch` is the most
+    descriptors handed to the engine in one call.
+    """
+
+    def __init__(
+        self,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        *,
+        device_name: str = "",
+        transfer_timeout_s: float | None = DEFAULT_TRANSFER_TIMEOUT_S,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ) -> None:
+        module = _load_engine_module()
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.hostname = hostname
+        self.protocol = protocol
+        self.max_batch = int(max_batch)
+        self._lock = threading.Lock()  # registrations, in-flight count, closed flag
+        self._idle = threading.Condition(self._lock)
+        self._in_flight = 0
+        self._closed = False
+        self._session_locks: dict[str, threading.Lock] = {}
+        self._buffers: dict[int, tuple[RegisteredBuffer, Any]] = {}
+        self._starts = np.zeros(0, np.int64)  # sorted registered ranges, for local checks
+        self._ends = np.zeros(0, np.int64)
+
+        with _env_lock:  # the engine reads MC_TRANSFER_TIMEOUT when it is constructed
+            saved = os.environ.get("MC_TRANSFER_TIMEOUT")
+            if transfer_timeout_s is not None:
+                os.environ["MC_TRANSFER_TIMEOUT"] = str(max(1, math.ceil(transfer_timeout_s)))
+            try:
+                engine = module.TransferEngine()
+                rc = engine.initialize(hostname, P2P_HANDSHAKE, protocol, device_name)
+            finally:
+                if transfer_timeout_s is not None:
+                    if saved is None:
+                        os.environ.pop("MC_TRANSFER_TIMEOUT", None)
+                    else:
+                        os.environ["MC_TRANSFER_TIMEOUT"] = saved
+        if rc != 0:
+            raise MooncakeTransferError(
+                f"Mooncake engine initialize({hostname!r}, {P2P_HANDSHAKE!r}, {protocol!r}, "
+                f"{device_name!r}) failed with code {rc}",
+                rc,
+            )
+        self._engine = engine
+        self.rpc_port = int(engine.get_rpc_port())
+        self.session_id = f"{hostname}:{self.rpc_port}"
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def __enter__(self) -> MooncakeEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._buffers)} buffers"
+        return f"MooncakeEngine({self.session_id}, {self.protocol}, {state})"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Wait for in-flight writes, unregister every buffer and destroy the engine (~1 s).
+
+        Idempotent. Peers writing to this engine's buffers afterwards get an error."""
+        with self._idle:
+            if self._closed:
+                return
+            self._closed = True
+            while self._in_flight:
+                self._idle.wait()
+            engine, self._engine = self._engine, None
+            ptrs = list(self._buffers)
+        for ptr in ptrs:
+            with contextlib.suppress(Exception):
+                engine.unregister_memory(ptr)
+        with self._lock:
+            self._buffers.clear()
+            self._rebuild_ranges()
+        del engine  # the pybind destructor stops the engine's threads and sockets
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MooncakeError(f"Mooncake engine {self.session_id} is closed")
+
+    @contextlib.contextmanager
+    def _call(self):
+        with self._lock:
+            self._check_open()
+            self._in_flight += 1
+        try:
+            yield self._engine
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._idle.notify_all()
+
+    # --- registration ------------------------------------------------------------------
+
+    def register(self, buf: Any, nbytes: int | None = None) -> RegisteredBuffer:
+        """Register a buffer ONCE (registration is slow on RDMA); returns its handle.
+
+        `buf`: a C-contiguous numpy array (kept alive until unregistered / closed), any
+        buffer object (bytearray, memoryview), or an int address with `nbytes`. Ranges
+        must not overlap an already registered one."""
+        ptr, size, keep = _as_ptr_and_nbytes(buf, nbytes)
+        if size <= 0:
+            raise ValueError(f"register(): cannot register {size} bytes")
+        with self._call() as engine, self._lock:
+            for other, _ in self._buffers.values():
+                if ptr < other.end and other.ptr < ptr + size:
+                    raise MooncakeError(
+                        f"register(): [{ptr:#x}, +{size}) overlaps the registered "
+                        f"[{other.ptr:#x}, +{other.nbytes})"
+                    )
+            rc = engine.register_memory(ptr, size)
+            if rc != 0:
+                raise MooncakeTransferError(
+                    f"register_memory({ptr:#x}, {size}) failed with code {rc}", rc
+                )
+            handle = RegisteredBuffer(ptr, size)
+            self._buffers[ptr] = (handle, keep)
+            self._rebuild_ranges()
+        return handle
+
+    def unregister(self, buf: RegisteredBuffer | int | np.ndarray) -> None:
+        """Unregister a buffer registered before (by handle, address or the same array)."""
+        if isinstance(buf, RegisteredBuffer):
+            ptr = buf.ptr
+        elif isinstance(buf, np.ndarray):
+            ptr = int(buf.ctypes.data)
+        else:
+            ptr = int(buf)
+        with self._call() as engine, self._lock:
+            if ptr not in self._buffers:
+                raise MooncakeError(f"unregister(): {ptr:#x} is not a registered buffer")
+            rc = engine.unregister_memory(ptr)
+            del self._buffers[ptr]
+            self._rebuild_ranges()
+        if rc != 0:
+            raise MooncakeTransferError(f"unregister_memory({ptr:#x}) failed with code {rc}", rc)
+
+    def registered(self) -> tuple[RegisteredBuffer, ...]:
+        with self._lock:
+            return tuple(h for h, _ in self._buffers.values())
+
+    def _rebuild_ranges(self) -> None:  # caller holds self._lock
+        handles = sorted((h for h, _ in self._buffers.values()), key=lambda h: h.ptr)
+        self._starts = np.array([h.ptr for h in handles], np.int64)
+        self._ends = np.array([h.end for h in handles], np.int64)
+
+    def _check_local(self, ptrs: np.ndarray, lengths: np.ndarray) -> None:
+        with self._lock:
+            starts, ends = self._starts, self._ends
+        idx = np.searchsorted(starts, ptrs, side="right") - 1
+        ok = idx >= 0
+        ok[ok] &= ptrs[ok] + lengths[ok] <= ends[idx[ok]]
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            raise MooncakeError(
+                f"local range [{int(ptrs[i]):#x}, +{int(lengths[i])}) (descriptor {i}) is "
+                f"not inside a buffer registered with {self.session_id}"
+            )
+
+    # --- transfers ---------------------------------------------------------------------
+
+    def _session_lock(self, session_id: str) -> threading.Lock:
+        with self._lock:
+            return self._session_locks.setdefault(session_id, threading.Lock())
+
+    def batch_write(
+        self,
+        session_id: str,
+        local_ptrs: Sequence[int] | np.ndarray,
+        remote_ptrs: Sequence[int] | np.ndarray,
+        lengths: Sequence[int] | np.ndarray,
+    ) -> None:
+        """Write `lengths[i]` bytes from local `local_ptrs[i]` to the peer's `remote_ptrs[i]`.
+
+        Blocks until every byte is written; raises `MooncakeTransferError` (with the
+        engine's code) if the peer refuses a range (not in its registered buffers), is
+        dead or unreachable, or stalls past the transfer timeout, and `MooncakeError`
+        before sending anything if a local range is not in a registered buffer. Order
+        of the descriptors does not matter; zero-length ones are skipped. On an error,
+        earlier chunks may already have landed (a chunk is `max_batch` descriptors)."""
+        local = _int_array(local_ptrs, "local_ptrs")
+        remote = _int_array(remote_ptrs, "remote_ptrs")
+        sizes = _int_array(lengths, "lengths")
+        if not local.size == remote.size == sizes.size:
+            raise ValueError(
+                f"batch_write: {local.size} local_ptrs, {remote.size} remote_ptrs and "
+                f"{sizes.size} lengths differ in number"
+            )
+        keep = sizes > 0
+        if not keep.all():
+            local, remote, sizes = local[keep], remote[keep], sizes[keep]
+        if not sizes.size:
+            return
+        self._check_local(local, sizes)
+        with self._call() as engine, self._session_lock(session_id):
+            for lo in range(0, sizes.size, self.max_batch):
+                hi = min(lo + self.max_batch, sizes.size)
+                rc = engine.batch_transfer_sync_write(
+                    session_id, local[lo:hi].tolist(), remote[lo:hi].tolist(), sizes[lo:hi].tolist()
+                )
+                if rc != 0:
+                    raise MooncakeTransferError(
+                        f"batch write to {session_id} failed with code {rc} (descriptors "
+                        f"{lo}..{hi - 1} of {sizes.size}, {int(sizes[lo:hi].sum())} bytes): the "
+                        "peer is dead, unreachable or stalled, or a remote range is not "
+                        "inside a buffer the peer registered",
+                        rc,
+                    )
+
+    def write(self, session_id: str, local_ptr: int, remote_ptr: int, nbytes: int) -> None:
+        """One contiguous write: `batch_write` with one descriptor (same checks, errors and
+        transfer timeout; the engine's single-transfer call ignores that timeout)."""
+        self.batch_write(session_id, [local_ptr], [remote_ptr], [nbytes])
+
+    def probe(self, session_id: str) -> bool:
+        """Whether the peer engine answers (a JSON-RPC probe; fast on a dead port)."""
+        with self._call() as engine:
+            return engine.send_probe(session_id) == 0
