@@ -1,0 +1,540 @@
+"""The gRPC transfer backend: raw page bytes streamed to `transfer.receiver` (the default).
+
+One `GrpcRankSender` per (room, prefill rank):
+
+1. **Handshake** - its layout descriptor, cp size and token count; retried while the
+   decode side is unreachable or has not registered the room yet, up to
+   `bootstrap_timeout_s`. A refused handshake ends the rank before any data moves.
+2. **Plan** - `plan_request` against the decode page table from the handshake reply;
+   the rank sends only the positions it owns (owner filtering), and every page carries
+   its logical position (position-addressed destinations), so the decode side needs no
+   ordering assumption.
+3. **Pages** - one `WritePages` client stream per (kind, layer) buffer, spread over
+   `channels_per_rank` channels (each its own TCP connection), chunks of at most
+   `chunk_bytes` page bytes with a per-page xxh3 digest, compression off. The buffer is
+   read to host once (`PageSource.read`); a failed stream (UNAVAILABLE, DEADLINE,
+   ABORTED) is retried with the *same attempt id*, which the receiver treats as
+   idempotent, up to `max_retries` times with exponential backoff.
+4. **Commit** - the positions sent; rank 0 adds the aux data (first token, log-prob).
+5. **Heartbeat** - from the handshake until the room is finished, every
+   `heartbeat_interval_s`; the replies carry the room status. No reply for
+   `heartbeat_timeout_s` means the decode side is gone: the rank fails the room.
+
+A rank that fails locally aborts the room on the decode side (best effort) and cancels
+the request's other ranks through the `TransferHold`. `kill()` simulates the sender's
+process dying: it stops every RPC at once, heartbeats included, without aborting.
+`SenderFaults` holds the fault-injection hooks the tests use; production leaves it None.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import ClassVar
+
+import grpc
+import numpy as np
+
+from transfer.capabilities import BackendCapabilities, default_backend_registry
+from transfer.page_plan import BufferKind, PagePlanError, RankPlan, page_digests, plan_request
+from transfer.proto import kv_transfer_pb2 as pb
+from transfer.proto import kv_transfer_pb2_grpc as pb_grpc
+from transfer.protocol import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    MAX_MESSAGE_BYTES,
+    RoomSnapshot,
+    RoomState,
+    aux_to_pb,
+    kind_to_pb,
+    layout_to_pb,
+    snapshot_from_pb,
+)
+from transfer.sender import RankJob, TransferBackend, TransferHold
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
+)
+# The room is finished or the data was refused for good: ask for the room's status.
+FINAL = frozenset(
+    {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpcBackendConfig:
+    """Prefill-side settings of the gRPC backend (seconds, bytes)."""
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # page bytes per message: 1-4 MiB in production
+    channels_per_rank: int = 2
+    max_retries: int = 3  # per stream / commit, after the first try
+    retry_backoff_s: float = 0.05  # doubled per retry
+    rpc_timeout_s: float = 30.0
+    heartbeat_interval_s: float | None = None  # None: what the decode side asks for
+    heartbeat_timeout_s: float = 15.0  # no heartbeat reply this long -> decode side gone
+    bootstrap_timeout_s: float = 300.0  # handshake retries (decode down / room unknown)
+    outcome_timeout_s: float | None = None  # after commit; None: heartbeats decide
+
+    def __post_init__(self) -> None:
+        if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}"
+            )
+        if self.channels_per_rank < 1 or self.max_retries < 0:
+            raise ValueError(
+                f"channels_per_rank ({self.channels_per_rank}) must be >= 1 and max_retries "
+                f"({self.max_retries}) >= 0"
+            )
+        for name in ("rpc_timeout_s", "heartbeat_timeout_s", "bootstrap_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SenderFaults:
+    """Fault-injection hooks (tests only).
+
+    - `plan(plan) -> plan`: alter the rank's page plan (drop or add positions);
+    - `chunk(sender, msg) -> msg | None`: alter a chunk after its digests were taken
+      (corrupt bytes), drop it (None), or act (`sender.kill()`, stop the server);
+    - `before_commit(sender)`: run just before the commit is sent.
+    """
+
+    plan: Callable[[RankPlan], RankPlan] | None = None
+    chunk: Callable[[GrpcRankSender, pb.PageChunk], pb.PageChunk | None] | None = None
+    before_commit: Callable[[GrpcRankSender], None] | None = None
+
+
+class _Killed(Exception):
+    """The sender was killed: stop without another RPC."""
+
+
+class _Done(Exception):
+    """The rank is finished with `outcome`."""
+
+    def __init__(self, outcome: RoomSnapshot):
+        super().__init__(outcome.reason)
+        self.outcome = outcome
+
+
+class GrpcBackend(TransferBackend):
+    """Owner-filtered, position-addressed page streams over gRPC (see module docstring)."""
+
+    capabilities: ClassVar[BackendCapabilities] = default_backend_registry().get("grpc")
+
+    def __init__(self, config: GrpcBackendConfig | None = None, faults: SenderFaults | None = None):
+        self.config = config if config is not None else GrpcBackendConfig()
+        self.faults = faults
+        self._senders: dict[tuple[str, int], GrpcRankSender] = {}
+        self._lock = threading.Lock()
+
+    def send_rank(self, job: RankJob, hold: TransferHold) -> RoomSnapshot | None:
+        sender = GrpcRankSender(job, hold, self.config, self.faults)
+        with self._lock:
+            self._senders[(job.room, job.rank)] = sender
+        try:
+            return sender.run()
+        finally:
+            with self._lock:
+                self._senders.pop((job.room, job.rank), None)
+
+    def sender(self, room: str, rank: int) -> GrpcRankSender | None:
+        """The running sender of (room, rank), e.g. to `kill()` it."""
+        with self._lock:
+            return self._senders.get((room, rank))
+
+
+class GrpcRankSender:
+    """One prefill rank's transfer of one room (see the module docstring)."""
+
+    def __init__(
+        self,
+        job: RankJob,
+        hold: TransferHold,
+        config: GrpcBackendConfig,
+        faults: SenderFaults | None = None,
+    ):
+        self.job, self.hold, self.config = job, hold, config
+        self.faults = faults if faults is not None else SenderFaults()
+        self.chunks_sent = 0
+        self._killed = threading.Event()
+        self._stop_heartbeat = threading.Event()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._status: RoomSnapshot | None = None
+        self._lost = ""  # why the decode side is considered gone
+        self._channels: list[grpc.Channel] = []
+        self._stubs: list[pb_grpc.KVTransferStub] = []
+        self._heartbeat: threading.Thread | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.job.rank
+
+    def kill(self) -> None:
+        """Simulate this sender's process dying: no further RPC of any kind."""
+        logger.info("room %s: rank %d sender killed", self.job.room, self.rank)
+        self._killed.set()
+        self._wake.set()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def run(self) -> RoomSnapshot | None:
+        """The whole transfer; returns the room's final status (None when killed)."""
+        try:
+            self._open()
+            reply = self._handshake()
+            plan = self._plan(reply)
+            interval = self.config.heartbeat_interval_s or reply.heartbeat_interval_s or 1.0
+            self._start_heartbeat(interval)
+            chunk = min(self.config.chunk_bytes, reply.max_chunk_bytes or MAX_CHUNK_BYTES)
+            self._send_pages(plan, chunk)
+            self._commit(plan)
+            return self._await_outcome(interval)
+        except _Killed:
+            return None
+        except _Done as d:
+            return d.outcome
+        except Exception as e:  # a local bug or a source read failure: fail the room
+            logger.exception("room %s: rank %d sender failed", self.job.room, self.rank)
+            try:
+                self._fail(f"{type(e).__name__}: {e}")
+            except _Done as d:
+                return d.outcome
+            except _Killed:
+                return None
+            raise AssertionError("unreachable") from None
+        finally:
+            self._stop_heartbeat.set()
+            if self._heartbeat is not None:
+                self._heartbeat.join()
+            for ch in self._channels:
+                ch.close()
+
+    def _open(self) -> None:
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # Each channel its own subchannel pool, hence its own TCP connection.
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+        for _ in range(self.config.channels_per_rank):
+            ch = grpc.insecure_channel(
+                self.job.target, options=options, compression=grpc.Compression.NoCompression
+            )
+            self._channels.append(ch)
+            self._stubs.append(pb_grpc.KVTransferStub(ch))
+
+    def _handshake(self) -> pb.HandshakeReply:
+        job, cfg = self.job, self.config
+        req = pb.HandshakeRequest(
+            room=job.room,
+            sender_rank=job.rank,
+            cp_size=job.cp_size,
+            num_tokens=job.num_tokens,
+            layout=layout_to_pb(job.layout),
+            attempt=job.attempt,
+        )
+        deadline = time.monotonic() + cfg.bootstrap_timeout_s
+        tries = 0
+        while True:
+            self._check()
+            try:
+                reply = self._stubs[0].Handshake(req, timeout=cfg.rpc_timeout_s)
+                break
+            except grpc.RpcError as e:
+                self._check()
+                code = e.code()
+                waitable = code in RETRYABLE or code is grpc.StatusCode.NOT_FOUND
+                if waitable and time.monotonic() < deadline:
+                    tries += 1
+                    self._sleep(min(cfg.retry_backoff_s * 2 ** min(tries, 6), 1.0))
+                    continue
+                if code is grpc.StatusCode.FAILED_PRECONDITION:  # version or room finished
+                    self._finish_with_status(f"handshake refused: {e.details()}")
+                self._fail(f"handshake failed: {code.name}: {e.details()}")
+        self._observe(snapshot_from_pb(reply.status))
+        if not reply.accepted:
+            self._finish_with_status(f"handshake refused: {'; '.join(reply.mismatches)}")
+        return reply
+
+    def _plan(self, reply: pb.HandshakeReply) -> RankPlan:
+        job = self.job
+        try:
+            plan = plan_request(
+                job.num_tokens,
+                job.layout.page_size,
+                job.cp_size,
+                job.src_local_pages,
+                np.asarray(reply.dst_pages, np.int64),
+            ).ranks[job.rank]
+        except PagePlanError as e:
+            self._fail(f"page plan: {e}")
+        return self.faults.plan(plan) if self.faults.plan is not None else plan
+
+    # ---- pages ------------------------------------------------------------------------------
+    def _send_pages(self, plan: RankPlan, chunk_bytes: int) -> None:
+        """Every buffer of the layout, one stream each, over the rank's channels."""
+        if plan.num_pages == 0:
+            return
+        buffers = self.job.layout.buffers()
+        n = min(len(self._stubs), len(buffers))
+        with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="kv-send-ch") as pool:
+            futures = [
+                pool.submit(self._send_buffer, plan, kind, layer, i % n, chunk_bytes)
+                for i, (kind, layer) in enumerate(buffers)
+            ]
+            errors: list[BaseException] = []
+            for f in concurrent.futures.as_completed(futures):
+                e = f.exception()
+                if e is not None:
+                    errors.append(e)
+                    self._wake.set()  # the other streams stop at their next chunk
+        if errors:
+            for kind in (_Killed, _Done):
+                for e in errors:
+                    if isinstance(e, kind):
+                        raise e
+            raise errors[0]
+
+    def _send_buffer(
+        self, plan: RankPlan, kind: BufferKind, layer: int, channel: int, chunk_bytes: int
+    ) -> None:
+        self._check()
+        job, cfg = self.job, self.config
+        nbytes = job.layout.page_bytes(kind, layer)
+        host = np.ascontiguousarray(job.source.read(kind, layer, plan.src_pages))
+        pages = host.reshape(host.shape[0], -1).view(np.uint8)
+        if pages.shape != (plan.num_pages, nbytes):
+            raise ValueError(
+                f"{kind} layer {layer}: the page source gave {pages.shape} bytes, the layout "
+                f"needs ({plan.num_pages}, {nbytes})"
+            )
+        digests = page_digests(pages)
+        per = max(1, chunk_bytes // nbytes)
+        positions = plan.positions
+
+        def chunks() -> Iterator[pb.PageChunk]:
+            for i in range(0, plan.num_pages, per):
+                if self._must_stop():
+                    return  # half-close; the caller's _check() says why
+                msg = pb.PageChunk(
+                    room=job.room,
+                    sender_rank=job.rank,
+                    attempt=job.attempt,
+                    kind=kind_to_pb(kind),
+                    layer=layer,
+                    positions=positions[i : i + per].tolist(),
+                    digests=digests[i : i + per].tolist(),
+                    data=pages[i : i + per].tobytes(),
+                )
+                if self.faults.chunk is not None:
+                    msg = self.faults.chunk(self, msg)
+                    if self._must_stop():
+                        return
+                    if msg is None:
+                        continue
+                with self._lock:
+                    self.chunks_sent += 1
+                yield msg
+
+        for attempt in range(cfg.max_retries + 1):
+            self._check()
+            stub = self._stubs[(channel + attempt) % len(self._stubs)]
+            try:
+                ack = stub.WritePages(chunks(), timeout=cfg.rpc_timeout_s)
+            except grpc.RpcError as e:
+                self._check()  # killed, room finished, or another rank failed meanwhile
+                code = e.code()
+                if code in RETRYABLE and attempt < cfg.max_retries:
+                    logger.info(
+                        "room %s: rank %d %s layer %d stream %s (%s); retry %d",
+                        job.room,
+                        job.rank,
+                        kind,
+                        layer,
+                        code.name,
+                        e.details(),
+                        attempt + 1,
+                    )
+                    self._sleep(cfg.retry_backoff_s * 2**attempt)
+                    continue
+                if code in FINAL:
+                    self._finish_with_status(f"{kind} layer {layer} pages refused: {e.details()}")
+                self._fail(
+                    f"{kind} layer {layer} pages: {code.name} after {attempt + 1} tries: "
+                    f"{e.details()}"
+                )
+            self._check()  # a stream cut short by a stop condition ends here
+            if ack.state == pb.ROOM_STATE_FAILED:
+                self._finish_with_status(ack.reason)
+            return
+
+    # ---- commit and outcome -------------------------------------------------------------------
+    def _commit(self, plan: RankPlan) -> None:
+        job, cfg = self.job, self.config
+        if self.faults.before_commit is not None:
+            self.faults.before_commit(self)
+        req = pb.CommitRequest(
+            room=job.room,
+            sender_rank=job.rank,
+            attempt=job.attempt,
+            positions=plan.positions.tolist(),
+        )
+        if job.aux is not None:
+            req.aux.CopyFrom(aux_to_pb(job.aux))
+        for attempt in range(cfg.max_retries + 1):
+            self._check()
+            try:
+                status = self._stubs[0].Commit(req, timeout=cfg.rpc_timeout_s)
+            except grpc.RpcError as e:
+                self._check()
+                code = e.code()
+                if code in RETRYABLE and attempt < cfg.max_retries:
+                    self._sleep(cfg.retry_backoff_s * 2**attempt)
+                    continue
+                if code in FINAL:
+                    self._finish_with_status(f"commit refused: {e.details()}")
+                self._fail(f"commit: {code.name} after {attempt + 1} tries: {e.details()}")
+            self._observe(snapshot_from_pb(status))
+            return
+
+    def _await_outcome(self, interval: float) -> RoomSnapshot:
+        """Wait (heartbeating) until the room is finished; returns its status."""
+        timeout = self.config.outcome_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._check()  # raises _Done once the room is finished
+            if deadline is not None and time.monotonic() > deadline:
+                self._fail(f"no outcome within {timeout:g}s of the commit")
+            self._wake.wait(interval)
+            self._wake.clear()
+
+    # ---- heartbeats -----------------------------------------------------------------------------
+    def _start_heartbeat(self, interval: float) -> None:
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop,
+            args=(interval,),
+            name=f"kv-heartbeat-{self.job.room}-r{self.rank}",
+            daemon=True,
+        )
+        self._heartbeat.start()
+
+    def _heartbeat_loop(self, interval: float) -> None:
+        job, limit = self.job, self.config.heartbeat_timeout_s
+        req = pb.HeartbeatRequest(room=job.room, sender_rank=job.rank)
+        last_ok = time.monotonic()
+        while not self._stop_heartbeat.wait(interval):
+            if self._killed.is_set():
+                return
+            try:
+                status = self._stubs[0].Heartbeat(req, timeout=max(interval, limit / 2))
+            except grpc.RpcError as e:
+                if self._killed.is_set():
+                    return
+                silent = time.monotonic() - last_ok
+                if e.code() is grpc.StatusCode.NOT_FOUND or silent > limit:
+                    with self._lock:
+                        self._lost = (
+                            f"decode side lost: no heartbeat reply for {silent:.1f}s (limit "
+                            f"{limit:g}s; last error {e.code().name}: {e.details()})"
+                        )
+                    self._wake.set()
+                    return
+                continue
+            last_ok = time.monotonic()
+            self._observe(snapshot_from_pb(status))
+            if self._status is not None and self._status.state.terminal:
+                self._wake.set()
+                return
+
+    # ---- state --------------------------------------------------------------------------------
+    def _observe(self, status: RoomSnapshot) -> None:
+        with self._lock:
+            if self._status is None or not self._status.state.terminal:
+                self._status = status
+        if status.state is RoomState.FAILED:
+            self.hold.cancel(status.reason)
+        if status.state.terminal:
+            self._wake.set()
+
+    def _must_stop(self) -> bool:
+        """Whether `_check` would stop the rank (no RPC: safe inside a request stream)."""
+        st = self._status
+        return bool(
+            self._killed.is_set()
+            or self._lost
+            or self.hold.cancelled
+            or (st is not None and st.state.terminal)
+        )
+
+    def _check(self) -> None:
+        """Raise `_Killed` / `_Done` when the rank must stop, else return."""
+        if self._killed.is_set():
+            raise _Killed
+        st = self._status
+        if st is not None and st.state.terminal:
+            raise _Done(st)
+        if self._lost:
+            self._fail(self._lost)
+        if self.hold.cancelled:
+            st = self._query_status()
+            if st is not None and st.state.terminal:
+                raise _Done(st)
+            self._fail(f"another rank of the request failed: {self.hold.cancel_reason}")
+
+    def _query_status(self) -> RoomSnapshot | None:
+        try:
+            reply = self._stubs[0].GetRoom(
+                pb.RoomRef(room=self.job.room), timeout=min(self.config.rpc_timeout_s, 2.0)
+            )
+        except grpc.RpcError:
+            return None
+        status = snapshot_from_pb(reply)
+        self._observe(status)
+        return status
+
+    def _finish_with_status(self, fallback: str) -> None:
+        """The decode side refused us for good: finish with its status (or `fallback`)."""
+        self._check()
+        st = self._query_status()
+        if st is not None and st.state.terminal:
+            raise _Done(st)
+        self._fail(fallback)
+
+    def _fail(self, reason: str) -> None:
+        """Fail the room from this side: abort it on the decode side (best effort),
+        cancel the request's other ranks, finish with the decode side's status when it
+        has one, else with `reason`."""
+        if self._killed.is_set():
+            raise _Killed
+        reason = f"prefill rank {self.rank}: {reason}"
+        self.hold.cancel(reason)
+        outcome = RoomSnapshot(self.job.room, RoomState.FAILED, reason)
+        if not self._lost:
+            try:
+                reply = self._stubs[0].Abort(
+                    pb.AbortRequest(room=self.job.room, reason=reason, sender_rank=self.rank),
+                    timeout=min(self.config.rpc_timeout_s, 2.0),
+                )
+                st = snapshot_from_pb(reply)
+                if st.state.terminal:  # the decode side's word is final (even Success)
+                    outcome = st
+            except grpc.RpcError as e:
+                logger.info(
+                    "room %s: abort from rank %d not delivered: %s",
+                    self.job.room,
+                    self.rank,
+                    e.code().name,
+                )
+        logger.warning("room %s: rank %d failed: %s", self.job.room, self.rank, outcome.reason)
+        raise _Done(outcome)
+
+    def _sleep(self, seconds: float) -> None:
+        if self._killed.wait(seconds):
+            raise _Killed

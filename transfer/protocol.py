@@ -1,0 +1,261 @@
+"""Shared vocabulary of the PD transfer protocol: room states, errors, limits, wire codecs.
+
+Both ends use it: `transfer.receiver` (decode side) and `transfer.sender` /
+`transfer.backends` (prefill side). The wire format is `transfer/proto/kv_transfer.proto`.
+
+Room status machine (SPEC S2, ARCHITECTURE "Transfer protocol shape")::
+
+    BOOTSTRAPPING -> WAITING_FOR_INPUT -> TRANSFERRING -> SUCCESS
+          \\________________\\___________________\\______-> FAILED
+
+Transitions only go forward (states may be skipped: a fast rank's first page can arrive
+while a slow rank is still handshaking); SUCCESS and FAILED are terminal, FAILED is
+sticky, and a finished room is never revived.
+
+Errors carry a `code` (a `grpc.StatusCode` name) so the gRPC servicer can turn a
+receiver error into a status with the same reason text, and the sender can tell a
+retryable failure from a final one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from cpkv_jax.errors import CpkvError
+from transfer.page_plan import PROTOCOL_VERSION, BufferKind, LayoutDescriptor
+from transfer.proto import kv_transfer_pb2 as pb
+
+MiB = 1 << 20
+# Page bytes per PageChunk: the issue's 1-4 MiB messages. A chunk always holds at least
+# one page, so a page larger than the chunk size is refused at sender construction.
+MIN_CHUNK_BYTES = 1 * MiB
+MAX_CHUNK_BYTES = 4 * MiB
+DEFAULT_CHUNK_BYTES = 2 * MiB
+# gRPC message limit = page bytes + room for positions/digests/room id (a 4 MiB chunk of
+# 4 KiB pages carries 1024 positions and digests: ~14 KiB); 256 KiB leaves ample slack.
+MESSAGE_SLACK_BYTES = 256 * 1024
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + MESSAGE_SLACK_BYTES
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+
+
+class RoomState(enum.IntEnum):
+    """Status of one room; the values are the proto `RoomState` numbers (and the order)."""
+
+    BOOTSTRAPPING = pb.ROOM_STATE_BOOTSTRAPPING
+    WAITING_FOR_INPUT = pb.ROOM_STATE_WAITING_FOR_INPUT
+    TRANSFERRING = pb.ROOM_STATE_TRANSFERRING
+    SUCCESS = pb.ROOM_STATE_SUCCESS
+    FAILED = pb.ROOM_STATE_FAILED
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RoomState.SUCCESS, RoomState.FAILED)
+
+    def can_become(self, new: RoomState) -> bool:
+        """Whether `self -> new` is a legal transition (forward only, terminal is final)."""
+        if self.terminal:
+            return False
+        if new is RoomState.FAILED:
+            return True
+        return new > self
+
+    @property
+    def label(self) -> str:
+        """The issue's spelling: Bootstrapping, WaitingForInput, Transferring, ..."""
+        return "".join(w.capitalize() for w in self.name.split("_"))
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+class TransferError(CpkvError):
+    """A PD transfer request cannot be served. `code` is a `grpc.StatusCode` name."""
+
+    code: str = "INTERNAL"
+
+
+class BadRequestError(TransferError, ValueError):
+    """A message is malformed or inconsistent (lengths, kinds, positions, ranks)."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class ChunkTooLargeError(BadRequestError):
+    """A PageChunk carries more page bytes than the receiver accepts."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class UnknownRoomError(TransferError, KeyError):
+    """No room with that id was registered (or it was forgotten long ago)."""
+
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class RoomExistsError(TransferError):
+    """A room id was registered twice (a finished room is never revived)."""
+
+    code = "ALREADY_EXISTS"
+
+
+class RoomClosedError(TransferError):
+    """The room is finished (Success or Failed): the request is rejected untouched."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class ProtocolVersionError(TransferError):
+    """The peer speaks another protocol version; nothing else of its message is trusted."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class NotHandshakenError(TransferError):
+    """A sender wrote or committed before its handshake was accepted."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class DigestMismatchError(TransferError):
+    """A page's bytes do not match its digest; the room failed."""
+
+    code = "DATA_LOSS"
+
+
+# ---- values shared by both sides -----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Aux:
+    """A request's auxiliary data, sent once by rank 0: the first output token."""
+
+    first_token: int
+    logprob: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RoomSnapshot:
+    """A room's status at one instant (what `GetRoom` returns)."""
+
+    room: str
+    state: RoomState
+    reason: str = ""
+    aux: Aux | None = None
+    num_pages: int = 0
+    committed_ranks: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferTimeouts:
+    """Decode-side timeouts, in seconds (ServerArgs `--transfer-*-timeout`).
+
+    - `bootstrap`: from registration until every sender's handshake was accepted;
+    - `waiting`: in WaitingForInput, i.e. from the last handshake to the first page;
+    - `heartbeat`: a handshaken sender that has not committed yet and sent nothing
+      (heartbeat, page, commit) for this long is presumed dead;
+    - `heartbeat_interval`: what the decode side asks senders to send (handshake reply).
+    """
+
+    bootstrap: float = 300.0
+    waiting: float = 300.0
+    heartbeat: float = 15.0
+    heartbeat_interval: float = 5.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not value > 0:
+                raise ValueError(f"transfer timeout {f.name} must be > 0 seconds, got {value}")
+        if self.heartbeat_interval >= self.heartbeat:
+            raise ValueError(
+                f"heartbeat_interval ({self.heartbeat_interval}s) must be below the heartbeat "
+                f"timeout ({self.heartbeat}s), or every sender looks dead"
+            )
+
+
+# ---- wire codecs -------------------------------------------------------------------------
+
+_KIND_TO_PB: dict[str, int] = {
+    "latent": pb.BUFFER_KIND_LATENT,
+    "index_k": pb.BUFFER_KIND_INDEX_K,
+    "index_scale": pb.BUFFER_KIND_INDEX_SCALE,
+}
+_PB_TO_KIND: dict[int, BufferKind] = {v: k for k, v in _KIND_TO_PB.items()}  # type: ignore[misc]
+
+
+def kind_to_pb(kind: BufferKind) -> int:
+    return _KIND_TO_PB[kind]
+
+
+def kind_from_pb(value: int) -> BufferKind:
+    try:
+        return _PB_TO_KIND[value]
+    except KeyError:
+        raise BadRequestError(
+            f"unknown buffer kind {value}; expected one of "
+            f"{sorted((v, k) for k, v in _KIND_TO_PB.items())}"
+        ) from None
+
+
+def layout_to_pb(layout: LayoutDescriptor) -> pb.LayoutDescriptor:
+    return pb.LayoutDescriptor(**layout.to_dict())
+
+
+def layout_from_pb(msg: pb.LayoutDescriptor) -> LayoutDescriptor:
+    """Decode a peer's layout. The protocol version is checked first: a peer speaking
+    another version may mean anything by the other fields."""
+    if msg.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolVersionError(
+            f"peer speaks transfer protocol version {msg.protocol_version}, this side "
+            f"{PROTOCOL_VERSION}; run the same cpkv-jax version on prefill and decode"
+        )
+    try:
+        return LayoutDescriptor(
+            protocol_version=msg.protocol_version,
+            page_size=msg.page_size,
+            num_layers=msg.num_layers,
+            full_indexer_layers=tuple(msg.full_indexer_layers),
+            kv_cache_dim=msg.kv_cache_dim,
+            latent_dtype=msg.latent_dtype,
+            index_head_dim=msg.index_head_dim,
+            index_k_dtype=msg.index_k_dtype,
+            has_index_scale=msg.has_index_scale,
+        )
+    except (ValueError, TypeError) as e:
+        raise BadRequestError(f"invalid layout descriptor: {e}") from e
+
+
+def aux_to_pb(aux: Aux) -> pb.Aux:
+    return pb.Aux(first_token=aux.first_token, logprob=aux.logprob)
+
+
+def snapshot_to_pb(s: RoomSnapshot) -> pb.RoomStatus:
+    msg = pb.RoomStatus(
+        room=s.room,
+        state=int(s.state),
+        reason=s.reason,
+        num_pages=s.num_pages,
+        committed_ranks=list(s.committed_ranks),
+    )
+    if s.aux is not None:
+        msg.aux.CopyFrom(aux_to_pb(s.aux))
+    return msg
+
+
+def snapshot_from_pb(msg: pb.RoomStatus) -> RoomSnapshot:
+    try:
+        state = RoomState(msg.state)
+    except ValueError:
+        raise BadRequestError(f"room {msg.room!r}: unknown room state {msg.state}") from None
+    return RoomSnapshot(
+        room=msg.room,
+        state=state,
+        reason=msg.reason,
+        aux=Aux(msg.aux.first_token, msg.aux.logprob) if msg.HasField("aux") else None,
+        num_pages=msg.num_pages,
+        committed_ranks=tuple(msg.committed_ranks),
+    )

@@ -1,0 +1,985 @@
+"""Decode side of the PD transfer: rooms, staging by position, exact-coverage commit.
+
+`Receiver` is the pure-Python core (no gRPC): the decode server registers a room per
+request with its decode page table, and the prefill senders' messages - decoded by the
+gRPC servicer below, or called directly in tests - drive the room's status machine
+(`transfer.protocol.RoomState`). Invariants:
+
+- **Status**: BOOTSTRAPPING (registered) -> WAITING_FOR_INPUT (every sender's handshake
+  accepted) -> TRANSFERRING (first page) -> SUCCESS | FAILED. Forward only; FAILED is
+  sticky; a finished room is kept as a tombstone and never revived (its id cannot be
+  registered again while the tombstone is kept).
+- **Handshake first**: a sender's layout descriptor is compared with the decode pool's
+  before it may write; a mismatch (or another protocol version, cp size or token count)
+  fails the room before any data moves.
+- **Position addressing** (SPEC S2.1): page bytes land in a host staging buffer per
+  (kind, layer) at row `position`; at commit, row `p` is scattered to decode page
+  `dst_pages[p]`. Nothing depends on the order pages arrive in.
+- **Integrity** (SPEC S2.4): every page's xxh3 digest is checked on arrival; a mismatch
+  fails the room with the position and both digests in the reason.
+- **Idempotence**: a write is keyed by (room, sender rank, position, attempt) per
+  (kind, layer). A retry of a held page (same rank and attempt, same digest) is accepted
+  and ignored; a later attempt of the same rank replaces it; an older one is ignored;
+  the same position from a different rank fails the room.
+- **Late writes**: a write, commit or handshake for a finished room is rejected
+  (`RoomClosedError`) before anything is read into memory.
+- **Exact coverage** (SPEC S2.4): each sender commits the positions it sent, which must
+  equal what it wrote in every buffer; when all `cp_size` senders committed, the
+  positions must cover `[0, n_pages)` exactly once and rank 0 must have sent the aux
+  data. Then one jitted scatter writes every (kind, layer) leaf of the decode pool (pool
+  donated) and the room succeeds. Otherwise it fails with the reason, and on every
+  failure the room's decode pages go back to the allocator.
+- **Timeouts** (`TransferTimeouts`): bootstrap (not every sender handshaken in time),
+  waiting (no page in time after the handshakes), heartbeat (a handshaken sender that
+  has not committed went silent). `poll_timeouts` checks them; `start()` runs it on a
+  background thread.
+
+Locking: each room has its own lock (concurrent streams of one room serialize on it);
+the registry lock guards the room table, the tombstones and the page allocator and is
+only ever taken *inside* a room lock or alone, never the other way round.
+
+`KVTransferServicer` / `serve` expose a `Receiver` over gRPC (service
+`cpkv.transfer.v1.KVTransfer`, plus `grpc.health.v1`). Requests are parsed by the
+handlers, so malformed bytes, unknown rooms, another protocol version or an oversized
+chunk come back as a gRPC status with the reason, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import grpc
+import jax
+import numpy as np
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cpkv_jax.buckets import pow2_at_least
+from cpkv_jax.model.kv_cache import KVPool
+from cpkv_jax.paging import TRASH_PAGE, PageAllocator, pages_for_tokens
+from transfer.page_plan import (
+    PROTOCOL_VERSION,
+    BufferKind,
+    LayoutDescriptor,
+    PagePlanError,
+    page_digests,
+)
+from transfer.proto import kv_transfer_pb2 as pb
+from transfer.protocol import (
+    MAX_CHUNK_BYTES,
+    MESSAGE_SLACK_BYTES,
+    SERVICE_NAME,
+    Aux,
+    BadRequestError,
+    ChunkTooLargeError,
+    DigestMismatchError,
+    NotHandshakenError,
+    ProtocolVersionError,
+    RoomClosedError,
+    RoomExistsError,
+    RoomSnapshot,
+    RoomState,
+    TransferError,
+    TransferTimeouts,
+    UnknownRoomError,
+    kind_from_pb,
+    layout_from_pb,
+    layout_to_pb,
+    snapshot_to_pb,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+M = TypeVar("M", bound=Message)
+
+# Positions quoted in a failure reason.
+_QUOTED = 8
+
+
+def _quote(values: np.ndarray | list[int]) -> str:
+    v = [int(x) for x in values]
+    return "[" + ", ".join(map(str, v[:_QUOTED])) + (", ...]" if len(v) > _QUOTED else "]")
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_pages(pool: KVPool, pages: jax.Array, staged: KVPool) -> KVPool:
+    """`pool.leaf.at[pages].set(staged.leaf)` for every leaf (one scatter per leaf)."""
+    return jax.tree_util.tree_map(lambda leaf, rows: leaf.at[pages].set(rows), pool, staged)
+
+
+@dataclasses.dataclass(frozen=True)
+class HandshakeResult:
+    accepted: bool
+    mismatches: tuple[str, ...]
+    status: RoomSnapshot
+    dst_pages: np.ndarray  # [n_pages] decode page of each logical position
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteResult:
+    written: int  # pages copied into staging
+    duplicate: int  # retried or stale pages ignored
+    status: RoomSnapshot
+
+
+@dataclasses.dataclass
+class _SenderState:
+    handshaken: bool = False
+    attempt: int = 0
+    last_seen: float = 0.0
+    committed: tuple[int, ...] | None = None  # positions claimed at commit
+
+
+class _Room:
+    """One request's transfer state (guarded by `lock`)."""
+
+    def __init__(
+        self,
+        room: str,
+        dst_pages: np.ndarray,
+        num_tokens: int,
+        n_pages: int,
+        cp_size: int,
+        n_buffers: int,
+        now: float,
+    ):
+        self.room = room
+        self.dst_pages = dst_pages  # every page of the room (freed on failure)
+        self.num_tokens = num_tokens
+        self.n_pages = n_pages
+        self.cp_size = cp_size
+        self.state = RoomState.BOOTSTRAPPING
+        self.reason = ""
+        self.aux: Aux | None = None
+        self.registered_at = now
+        self.state_since = now
+        self.senders = [_SenderState() for _ in range(cp_size)]
+        self.lock = threading.Lock()
+        self.staging: list[np.ndarray] | None = None  # per buffer [pow2(n_pages), page_bytes]
+        self.writer = np.full((n_buffers, n_pages), -1, np.int32)  # rank, -1 = not written
+        self.attempt = np.zeros((n_buffers, n_pages), np.int64)
+        self.digest = np.zeros((n_buffers, n_pages), np.uint64)
+
+    def snapshot(self) -> RoomSnapshot:
+        return RoomSnapshot(
+            room=self.room,
+            state=self.state,
+            reason=self.reason,
+            aux=self.aux if self.state is RoomState.SUCCESS else None,
+            num_pages=self.n_pages,
+            committed_ranks=tuple(r for r, s in enumerate(self.senders) if s.committed is not None),
+        )
+
+
+class Receiver:
+    """Decode-side room registry and page receiver (see the module docstring).
+
+    `pool` is the decode `KVPool` (single device, `init_pool` layout) described by
+    `layout`; `allocator` hands out its pages. The receiver owns both from here on:
+    allocate decode pages through `allocate_pages` / `free_pages` (they take the lock
+    the receiver frees failed rooms' pages under), and read the pool through `pool`
+    once a room succeeded.
+    """
+
+    def __init__(
+        self,
+        layout: LayoutDescriptor,
+        pool: KVPool,
+        allocator: PageAllocator,
+        *,
+        timeouts: TransferTimeouts | None = None,
+        max_chunk_bytes: int = MAX_CHUNK_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+        finished_rooms_kept: int = 4096,
+    ):
+        self.layout = layout
+        self.timeouts = timeouts if timeouts is not None else TransferTimeouts()
+        self.max_chunk_bytes = max_chunk_bytes
+        self._clock = clock
+        self._finished_kept = finished_rooms_kept
+        self._buffers: tuple[tuple[BufferKind, int], ...] = layout.buffers()
+        self._buffer_index = {b: i for i, b in enumerate(self._buffers)}
+        self._page_bytes = [layout.page_bytes(k, layer) for k, layer in self._buffers]
+        self._check_pool(pool, allocator)
+        self._pool = pool
+        self._allocator = allocator
+        self._rooms: dict[str, _Room] = {}
+        self._finished: collections.OrderedDict[str, RoomSnapshot] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._pool_lock = threading.Lock()
+        self._reaper: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def _check_pool(self, pool: KVPool, allocator: PageAllocator) -> None:
+        lay = self.layout
+        want = (lay.num_layers, len(lay.full_indexer_layers), len(lay.full_indexer_layers))
+        have = (len(pool.latent), len(pool.index_k), len(pool.index_scale))
+        if not lay.has_index_scale:
+            want = (*want[:2], 0)
+        if have != want:
+            raise ValueError(
+                f"decode pool has (latent, index_k, index_scale) leaves {have} but the layout "
+                f"describes {want}"
+            )
+        for (kind, layer), nbytes in zip(self._buffers, self._page_bytes, strict=True):
+            leaf = self._leaf(pool, kind, layer)
+            got = int(np.prod(leaf.shape[1:])) * leaf.dtype.itemsize
+            if got != nbytes or leaf.shape[1] != lay.page_size:
+                raise ValueError(
+                    f"decode pool leaf {kind}[{layer}] {leaf.shape} {leaf.dtype} has "
+                    f"{got} B pages; the layout says {nbytes} B of page_size {lay.page_size}"
+                )
+        if allocator.num_pages != pool.num_pages:
+            raise ValueError(
+                f"allocator manages {allocator.num_pages} pages but the pool has {pool.num_pages}"
+            )
+
+    def _leaf(self, pool: KVPool, kind: BufferKind, layer: int) -> jax.Array:
+        return getattr(pool, kind)[self.layout.leaf_index(kind, layer)]
+
+    # ---- decode-side API ------------------------------------------------------------------
+    @property
+    def pool(self) -> KVPool:
+        """The decode pool (replaced by every successful commit: read it after Success)."""
+        with self._pool_lock:
+            return self._pool
+
+    def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T:
+        """Run `step(pool) -> (result, new_pool)` under the pool lock and keep `new_pool`.
+
+        For decode steps that donate the pool: no commit scatter can run in between, and
+        the receiver never holds a donated (deleted) pool.
+        """
+        with self._pool_lock:
+            result, self._pool = step(self._pool)
+            return result
+
+    def allocate_pages(self, n: int) -> np.ndarray:
+        """`n` decode pages from the receiver's allocator (under its lock)."""
+        with self._lock:
+            return self._allocator.alloc(n)
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        """Give decode pages back (e.g. a successful room's, once its request is done)."""
+        with self._lock:
+            self._allocator.free(pages)
+
+    @property
+    def num_free_pages(self) -> int:
+        with self._lock:
+            return self._allocator.num_free
+
+    def register_room(
+        self, room: str, dst_pages: np.ndarray, num_tokens: int, cp_size: int
+    ) -> RoomSnapshot:
+        """Open a room for a request of `num_tokens` tokens sent by `cp_size` ranks.
+
+        `dst_pages` are the request's decode pages (allocated from this receiver's
+        allocator): logical page `p < pages_for_tokens(num_tokens)` lands on
+        `dst_pages[p]`; extra trailing pages (room for decoded tokens) belong to the room
+        too and are freed with it on failure.
+        """
+        if not isinstance(room, str) or not room:
+            raise BadRequestError(f"a room id must be a non-empty string, got {room!r}")
+        if num_tokens < 1 or cp_size < 1:
+            raise BadRequestError(
+                f"room {room!r}: num_tokens ({num_tokens}) and cp_size ({cp_size}) must be >= 1"
+            )
+        n_pages = pages_for_tokens(num_tokens, self.layout.page_size)
+        dst = np.asarray(dst_pages)
+        if dst.ndim != 1 or not np.issubdtype(dst.dtype, np.integer) or dst.size < n_pages:
+            raise BadRequestError(
+                f"room {room!r}: dst_pages must be 1-D integers with at least {n_pages} pages "
+                f"for {num_tokens} tokens, got shape {dst.shape} dtype {dst.dtype}"
+            )
+        dst = dst.astype(np.int32)
+        bad = (dst <= TRASH_PAGE) | (dst >= self._pool.num_pages)
+        if bad.any() or np.unique(dst).size != dst.size:
+            raise BadRequestError(
+                f"room {room!r}: dst_pages {_quote(dst)} must be distinct real pages in "
+                f"[1, {self._pool.num_pages})"
+            )
+        with self._lock:
+            if room in self._rooms or room in self._finished:
+                raise RoomExistsError(
+                    f"room {room!r} already exists; room ids are never reused (a finished room "
+                    "is not revived)"
+                )
+            r = _Room(room, dst, num_tokens, n_pages, cp_size, len(self._buffers), self._clock())
+            self._rooms[room] = r
+        logger.debug(
+            "room %s registered: %d tokens, %d pages, cp %d", room, num_tokens, n_pages, cp_size
+        )
+        return r.snapshot()
+
+    def status(self, room: str) -> RoomSnapshot:
+        with self._lock:
+            live = self._rooms.get(room)
+            if live is None:
+                if room in self._finished:
+                    return self._finished[room]
+                raise UnknownRoomError(f"unknown room {room!r}")
+        with live.lock:
+            return live.snapshot()
+
+    def wait(self, room: str, timeout: float | None = None) -> RoomSnapshot:
+        """Block until the room is finished (or `timeout`); returns its status."""
+        deadline = None if timeout is None else self._clock() + timeout
+        with self._changed:
+            while room in self._rooms:
+                left = None if deadline is None else deadline - self._clock()
+                if left is not None and left <= 0:
+                    break
+                self._changed.wait(left)
+        return self.status(room)
+
+    def staging(self, room: str) -> tuple[np.ndarray, ...] | None:
+        """The live room's staging buffers (`[rows, page_bytes]` uint8 per buffer, in
+        `layout.buffers()` order), or None before the first page / after the end.
+        For tests and debugging: the arrays are the receiver's own."""
+        with self._lock:
+            live = self._rooms.get(room)
+        if live is None:
+            return None
+        with live.lock:
+            return None if live.staging is None else tuple(live.staging)
+
+    def abort(self, room: str, reason: str, sender_rank: int | None = None) -> RoomSnapshot:
+        """Fail a live room (decode side, or prefill via the Abort RPC); a finished room
+        is returned unchanged."""
+        r = self._live_or_snapshot(room)
+        if isinstance(r, RoomSnapshot):
+            return r
+        who = "decode side" if sender_rank is None else f"prefill rank {sender_rank}"
+        with r.lock:
+            if not r.state.terminal:
+                self._fail(r, f"aborted by {who}: {reason or 'no reason given'}")
+            return r.snapshot()
+
+    # ---- sender messages ------------------------------------------------------------------
+    def handshake(
+        self,
+        room: str,
+        sender_rank: int,
+        cp_size: int,
+        num_tokens: int,
+        layout: LayoutDescriptor,
+        attempt: int = 0,
+    ) -> HandshakeResult:
+        """Check a sender's layout and request shape before any data moves.
+
+        Another protocol version raises `ProtocolVersionError`; any other difference
+        (layout fields, cp size, token count) is refused with `accepted=False` and the
+        list of mismatches. Both fail the room, since its sender cannot serve it.
+        """
+        r = self._live(room, "handshake")
+        with r.lock:
+            self._check_open(r, "handshake")
+            self._check_rank(r, sender_rank)
+            if layout.protocol_version != PROTOCOL_VERSION:
+                msg = (
+                    f"prefill rank {sender_rank} speaks transfer protocol version "
+                    f"{layout.protocol_version}, decode {PROTOCOL_VERSION}; run the same "
+                    "cpkv-jax version on prefill and decode"
+                )
+                self._fail(r, msg)
+                raise ProtocolVersionError(f"room {room!r}: {msg}")
+            mismatches = [f"layout {m} (decode != prefill)" for m in self.layout.mismatches(layout)]
+            if cp_size != r.cp_size:
+                mismatches.append(f"cp_size: {r.cp_size} != {cp_size}")
+            if num_tokens != r.num_tokens:
+                mismatches.append(f"num_tokens: {r.num_tokens} != {num_tokens}")
+            if mismatches:
+                self._fail(
+                    r,
+                    f"handshake of prefill rank {sender_rank} refused before any data moved: "
+                    + "; ".join(mismatches),
+                )
+                return HandshakeResult(False, tuple(mismatches), r.snapshot(), r.dst_pages[:0])
+            s = r.senders[sender_rank]
+            s.handshaken, s.attempt, s.last_seen = True, max(s.attempt, attempt), self._clock()
+            if r.state is RoomState.BOOTSTRAPPING and all(x.handshaken for x in r.senders):
+                self._advance(r, RoomState.WAITING_FOR_INPUT)
+            return HandshakeResult(True, (), r.snapshot(), r.dst_pages[: r.n_pages].copy())
+
+    def heartbeat(self, room: str, sender_rank: int) -> RoomSnapshot:
+        r = self._live_or_snapshot(room)
+        if isinstance(r, RoomSnapshot):
+            return r
+        with r.lock:
+            self._check_rank(r, sender_rank)
+            if not r.state.terminal:
+                r.senders[sender_rank].last_seen = self._clock()
+            return r.snapshot()
+
+    def write_pages(
+        self,
+        room: str,
+        sender_rank: int,
+        attempt: int,
+        kind: BufferKind,
+        layer: int,
+        positions: np.ndarray,
+        digests: np.ndarray,
+        data: bytes | memoryview,
+    ) -> WriteResult:
+        """Stage `len(positions)` pages of one (kind, layer) buffer at their positions.
+
+        Raises `RoomClosedError` for a finished room before reading `data`,
+        `BadRequestError` for an inconsistent chunk (the room is untouched), and
+        `DigestMismatchError` after failing the room when a page's digest is wrong.
+        """
+        r = self._live(room, "write")
+        with r.lock:  # reject late writes before reading anything
+            self._check_open(r, "write")
+            self._check_rank(r, sender_rank)
+            if not r.senders[sender_rank].handshaken:
+                raise NotHandshakenError(
+                    f"room {room!r}: prefill rank {sender_rank} wrote pages before its handshake"
+                )
+        b, pages, pos, sent = self._parse_chunk(r, kind, layer, positions, digests, data)
+        got = page_digests(pages)
+        bad = np.flatnonzero(got != sent)
+        with r.lock:
+            self._check_open(r, "write")
+            r.senders[sender_rank].last_seen = self._clock()
+            if bad.size:
+                i = int(bad[0])
+                msg = (
+                    f"digest mismatch on {kind} layer {layer} position {int(pos[i])} from "
+                    f"prefill rank {sender_rank}: page bytes hash to {int(got[i]):#018x}, the "
+                    f"sender's digest is {int(sent[i]):#018x} ({bad.size} bad page(s) in the chunk)"
+                )
+                self._fail(r, msg)
+                raise DigestMismatchError(f"room {room!r}: {msg}")
+            writer, prev_attempt = r.writer[b, pos], r.attempt[b, pos]
+            foreign = np.flatnonzero((writer >= 0) & (writer != sender_rank))
+            if foreign.size:
+                i = int(foreign[0])
+                msg = (
+                    f"position {int(pos[i])} of {kind} layer {layer} was sent by prefill ranks "
+                    f"{int(writer[i])} and {sender_rank}; each position must come from exactly "
+                    "one rank"
+                )
+                self._fail(r, msg)
+                return WriteResult(0, 0, r.snapshot())
+            mine = writer == sender_rank
+            same = mine & (prev_attempt == attempt)
+            conflict = np.flatnonzero(same & (r.digest[b, pos] != got))
+            if conflict.size:
+                i = int(conflict[0])
+                msg = (
+                    f"prefill rank {sender_rank} resent position {int(pos[i])} of {kind} layer "
+                    f"{layer} in the same attempt {attempt} with different bytes"
+                )
+                self._fail(r, msg)
+                return WriteResult(0, 0, r.snapshot())
+            new = ~mine | (prev_attempt < attempt)  # unwritten, or a newer attempt of mine
+            if r.staging is None:
+                rows = pow2_at_least(r.n_pages)
+                r.staging = [np.zeros((rows, nb), np.uint8) for nb in self._page_bytes]
+            if new.any():
+                where = pos[new]
+                r.staging[b][where] = pages[new]
+                r.writer[b, where] = sender_rank
+                r.attempt[b, where] = attempt
+                r.digest[b, where] = got[new]
+            if r.state < RoomState.TRANSFERRING:
+                self._advance(r, RoomState.TRANSFERRING)
+            n_new = int(new.sum())
+            return WriteResult(n_new, int(pos.size) - n_new, r.snapshot())
+
+    def commit(
+        self,
+        room: str,
+        sender_rank: int,
+        attempt: int,
+        positions: np.ndarray,
+        aux: Aux | None = None,
+    ) -> RoomSnapshot:
+        """A sender is done; when every sender is, check coverage and scatter (or fail).
+
+        A repeated commit with the same positions is a retry and changes nothing.
+        """
+        r = self._live(room, "commit")
+        with r.lock:
+            self._check_open(r, "commit")
+            self._check_rank(r, sender_rank)
+            s = r.senders[sender_rank]
+            if not s.handshaken:
+                raise NotHandshakenError(
+                    f"room {room!r}: prefill rank {sender_rank} committed before its handshake"
+                )
+            pos = self._positions(r, positions)
+            claimed = tuple(int(p) for p in np.sort(pos))
+            if s.committed is not None:
+                if s.committed != claimed:
+                    self._fail(
+                        r,
+                        f"prefill rank {sender_rank} committed twice with different positions "
+                        f"{_quote(list(s.committed))} and {_quote(list(claimed))}",
+                    )
+                return r.snapshot()
+            s.last_seen = self._clock()
+            if (aux is not None) != (sender_rank == 0):
+                self._fail(
+                    r,
+                    "rank 0 committed without the aux data (first token, log-prob)"
+                    if sender_rank == 0
+                    else f"prefill rank {sender_rank} sent aux data; only rank 0 does",
+                )
+                return r.snapshot()
+            claim = np.zeros(r.n_pages, bool)
+            claim[pos] = True
+            for b, (kind, layer) in enumerate(self._buffers):
+                wrote = r.writer[b] == sender_rank
+                if not np.array_equal(wrote, claim):
+                    missing = np.flatnonzero(claim & ~wrote)
+                    extra = np.flatnonzero(wrote & ~claim)
+                    self._fail(
+                        r,
+                        f"prefill rank {sender_rank} committed positions {_quote(claimed)} but "
+                        f"its {kind} layer {layer} pages lack {_quote(missing)} and add "
+                        f"{_quote(extra)}",
+                    )
+                    return r.snapshot()
+            s.committed = claimed
+            if sender_rank == 0:
+                r.aux = aux
+            if all(x.committed is not None for x in r.senders):
+                self._finish_commit(r)
+            return r.snapshot()
+
+    def _finish_commit(self, r: _Room) -> None:
+        """Every sender committed: exact coverage, then one scatter per leaf -> Success."""
+        count = np.zeros(r.n_pages, np.int64)
+        for s in r.senders:
+            assert s.committed is not None
+            np.add.at(count, np.asarray(s.committed, np.int64), 1)
+        missing, dup = np.flatnonzero(count == 0), np.flatnonzero(count > 1)
+        if missing.size or dup.size:
+            parts = []
+            if missing.size:
+                parts.append(f"positions {_quote(missing)} were sent by no rank")
+            if dup.size:
+                parts.append(f"positions {_quote(dup)} were committed by more than one rank")
+            self._fail(r, f"coverage of [0, {r.n_pages}) is not exact: " + "; ".join(parts))
+            return
+        if (r.writer < 0).any():  # implied by the per-rank checks; kept as a guard
+            self._fail(r, "coverage is exact but some (kind, layer) pages were never written")
+            return
+        assert r.staging is not None or r.n_pages == 0
+        rows = r.staging[0].shape[0] if r.staging else pow2_at_least(r.n_pages)
+        pages = np.full(rows, TRASH_PAGE, np.int32)  # padding rows write zeros to trash
+        pages[: r.n_pages] = r.dst_pages[: r.n_pages]
+        try:
+            with self._pool_lock:
+                staged = self._staged_pool(self._pool, r.staging or [], rows)
+                self._pool = _scatter_pages(self._pool, pages, staged)
+        except Exception as e:  # device failure: fail the room, keep serving others
+            logger.exception("room %s: decode pool scatter failed", r.room)
+            self._fail(r, f"decode pool scatter failed: {type(e).__name__}: {e}")
+            return
+        self._advance(r, RoomState.SUCCESS)
+
+    def _staged_pool(self, pool: KVPool, staging: list[np.ndarray], rows: int) -> KVPool:
+        """Staging bytes viewed as the pool leaves' dtype and page shape, as a `KVPool`."""
+
+        def rows_of(kind: BufferKind, j: int, leaf: jax.Array) -> np.ndarray:
+            layer = j if kind == "latent" else self.layout.full_indexer_layers[j]
+            raw = staging[self._buffer_index[(kind, layer)]]
+            return raw.view(leaf.dtype).reshape((rows, *leaf.shape[1:]))
+
+        return KVPool(
+            latent=tuple(rows_of("latent", j, x) for j, x in enumerate(pool.latent)),
+            index_k=tuple(rows_of("index_k", j, x) for j, x in enumerate(pool.index_k)),
+            index_scale=tuple(rows_of("index_scale", j, x) for j, x in enumerate(pool.index_scale)),
+        )
+
+    # ---- timeouts ---------------------------------------------------------------------------
+    def poll_timeouts(self) -> list[str]:
+        """Fail every room past a timeout (see `TransferTimeouts`); returns their ids."""
+        with self._lock:
+            rooms = list(self._rooms.values())
+        now, t = self._clock(), self.timeouts
+        failed = []
+        for r in rooms:
+            with r.lock:
+                if r.state.terminal:
+                    continue
+                reason = ""
+                waiting_for = [i for i, s in enumerate(r.senders) if not s.handshaken]
+                silent = [
+                    i
+                    for i, s in enumerate(r.senders)
+                    if s.handshaken and s.committed is None and now - s.last_seen > t.heartbeat
+                ]
+                if waiting_for and now - r.registered_at > t.bootstrap:
+                    reason = (
+                        f"bootstrap timeout: prefill rank(s) {_quote(waiting_for)} did not "
+                        f"handshake within {t.bootstrap:g}s"
+                    )
+                elif silent:
+                    reason = (
+                        f"heartbeat timeout: prefill rank(s) {_quote(silent)} silent for more "
+                        f"than {t.heartbeat:g}s"
+                    )
+                elif r.state is RoomState.WAITING_FOR_INPUT and now - r.state_since > t.waiting:
+                    reason = f"waiting timeout: no page arrived within {t.waiting:g}s"
+                if reason:
+                    self._fail(r, reason)
+                    failed.append(r.room)
+        return failed
+
+    def start(self, interval: float | None = None) -> Receiver:
+        """Run `poll_timeouts` on a daemon thread every `interval` seconds (default: a
+        quarter of the shortest timeout, at most 1 s)."""
+        if self._reaper is not None:
+            return self
+        t = self.timeouts
+        every = (
+            interval
+            if interval is not None
+            else min(1.0, min(t.bootstrap, t.waiting, t.heartbeat) / 4)
+        )
+        self._stop.clear()
+
+        def loop() -> None:
+            while not self._stop.wait(every):
+                try:
+                    self.poll_timeouts()
+                except Exception:  # keep reaping: one bad room must not stop the rest
+                    logger.exception("transfer receiver: timeout poll failed")
+
+        self._reaper = threading.Thread(target=loop, name="transfer-receiver-reaper", daemon=True)
+        self._reaper.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the timeout thread (rooms stay as they are)."""
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join()
+            self._reaper = None
+
+    def __enter__(self) -> Receiver:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _live(self, room: str, what: str) -> _Room:
+        r = self._live_or_snapshot(room)
+        if isinstance(r, RoomSnapshot):
+            raise RoomClosedError(
+                f"room {room!r} is {r.state.label}"
+                + (f" ({r.reason})" if r.reason else "")
+                + f"; late {what} rejected, nothing was written"
+            )
+        return r
+
+    def _live_or_snapshot(self, room: str) -> _Room | RoomSnapshot:
+        with self._lock:
+            live = self._rooms.get(room)
+            if live is not None:
+                return live
+            if room in self._finished:
+                return self._finished[room]
+        raise UnknownRoomError(f"unknown room {room!r}: the decode side never registered it")
+
+    @staticmethod
+    def _check_open(r: _Room, what: str) -> None:
+        if r.state.terminal:
+            raise RoomClosedError(
+                f"room {r.room!r} is {r.state.label}"
+                + (f" ({r.reason})" if r.reason else "")
+                + f"; late {what} rejected, nothing was written"
+            )
+
+    @staticmethod
+    def _check_rank(r: _Room, rank: int) -> None:
+        if not 0 <= rank < r.cp_size:
+            raise BadRequestError(
+                f"room {r.room!r}: sender rank {rank} is outside [0, cp_size={r.cp_size})"
+            )
+
+    @staticmethod
+    def _positions(r: _Room, positions: np.ndarray) -> np.ndarray:
+        pos = np.asarray(positions, np.int64).reshape(-1)
+        if pos.size and (pos.min() < 0 or pos.max() >= r.n_pages):
+            raise BadRequestError(
+                f"room {r.room!r}: positions {_quote(pos)} outside [0, n_pages={r.n_pages})"
+            )
+        if np.unique(pos).size != pos.size:
+            raise BadRequestError(f"room {r.room!r}: positions {_quote(pos)} repeat a position")
+        return pos
+
+    def _parse_chunk(
+        self,
+        r: _Room,
+        kind: BufferKind,
+        layer: int,
+        positions: np.ndarray,
+        digests: np.ndarray,
+        data: bytes | memoryview,
+    ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """Validate a chunk against the layout; returns (buffer, pages, positions, digests)."""
+        if len(data) > self.max_chunk_bytes:
+            raise ChunkTooLargeError(
+                f"room {r.room!r}: chunk carries {len(data)} page bytes, over the "
+                f"{self.max_chunk_bytes} B limit; send smaller chunks"
+            )
+        b = self._buffer_index.get((kind, layer))
+        if b is None:
+            raise BadRequestError(
+                f"room {r.room!r}: no {kind} buffer for layer {layer} in the decode layout "
+                f"(full indexer layers: {list(self.layout.full_indexer_layers)})"
+            )
+        pos = self._positions(r, positions)
+        sent = np.asarray(digests, np.uint64).reshape(-1)
+        nb = self._page_bytes[b]
+        if sent.size != pos.size or len(data) != pos.size * nb:
+            raise BadRequestError(
+                f"room {r.room!r}: {kind} layer {layer} chunk has {pos.size} positions, "
+                f"{sent.size} digests and {len(data)} bytes; expected one digest and {nb} bytes "
+                "per position"
+            )
+        pages = np.frombuffer(data, np.uint8).reshape(pos.size, nb)
+        return b, pages, pos, sent
+
+    def _advance(self, r: _Room, new: RoomState) -> None:
+        """Move `r` forward (room lock held); terminal states retire the room."""
+        if not r.state.can_become(new):
+            raise AssertionError(
+                f"room {r.room!r}: illegal transition {r.state.label} -> {new.label}"
+            )
+        logger.debug("room %s: %s -> %s", r.room, r.state.label, new.label)
+        r.state, r.state_since = new, self._clock()
+        if new.terminal:
+            self._retire(r)
+
+    def _fail(self, r: _Room, reason: str) -> None:
+        if r.state.terminal:
+            return
+        r.reason = reason
+        logger.warning("room %s failed: %s", r.room, reason)
+        self._advance(r, RoomState.FAILED)
+
+    def _retire(self, r: _Room) -> None:
+        """Free staging; on failure free the decode pages; keep a tombstone; wake waiters."""
+        r.staging = None
+        snap = r.snapshot()
+        with self._changed:
+            if r.state is RoomState.FAILED:
+                self._allocator.free(r.dst_pages)
+            self._rooms.pop(r.room, None)
+            self._finished[r.room] = snap
+            while len(self._finished) > self._finished_kept:
+                self._finished.popitem(last=False)
+            self._changed.notify_all()
+
+
+# ---- gRPC ---------------------------------------------------------------------------------
+
+
+def _status_code(e: TransferError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, e.code, grpc.StatusCode.INTERNAL)
+
+
+class KVTransferServicer:
+    """gRPC face of a `Receiver`. Handlers take raw bytes and parse them here, so a
+    malformed message is an INVALID_ARGUMENT status naming the message, not a generic
+    deserialization error; receiver errors keep their reason text and map to their
+    `code`. Nothing a client sends can stop the server."""
+
+    def __init__(self, receiver: Receiver):
+        self.receiver = receiver
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        ser = pb.RoomStatus.SerializeToString
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Handshake": grpc.unary_unary_rpc_method_handler(
+                    self.Handshake, response_serializer=pb.HandshakeReply.SerializeToString
+                ),
+                "GetRoom": grpc.unary_unary_rpc_method_handler(
+                    self.GetRoom, response_serializer=ser
+                ),
+                "WritePages": grpc.stream_unary_rpc_method_handler(
+                    self.WritePages, response_serializer=pb.WriteAck.SerializeToString
+                ),
+                "Commit": grpc.unary_unary_rpc_method_handler(self.Commit, response_serializer=ser),
+                "Heartbeat": grpc.unary_unary_rpc_method_handler(
+                    self.Heartbeat, response_serializer=ser
+                ),
+                "Abort": grpc.unary_unary_rpc_method_handler(self.Abort, response_serializer=ser),
+            },
+        )
+
+    # Each handler: parse, call the receiver, map errors to a status (abort raises).
+    def Handshake(self, raw: bytes, context: grpc.ServicerContext) -> pb.HandshakeReply:
+        msg = _parse(pb.HandshakeRequest, raw, context)
+        with _status_on_error(context):
+            if not msg.HasField("layout"):
+                raise BadRequestError("Handshake has no layout descriptor")
+            res = self.receiver.handshake(
+                msg.room,
+                msg.sender_rank,
+                msg.cp_size,
+                msg.num_tokens,
+                layout_from_pb(msg.layout),
+                msg.attempt,
+            )
+            return pb.HandshakeReply(
+                accepted=res.accepted,
+                mismatches=list(res.mismatches),
+                status=snapshot_to_pb(res.status),
+                dst_pages=res.dst_pages.tolist(),
+                layout=layout_to_pb(self.receiver.layout),
+                max_chunk_bytes=self.receiver.max_chunk_bytes,
+                heartbeat_interval_s=self.receiver.timeouts.heartbeat_interval,
+            )
+
+    def GetRoom(self, raw: bytes, context: grpc.ServicerContext) -> pb.RoomStatus:
+        msg = _parse(pb.RoomRef, raw, context)
+        with _status_on_error(context):
+            return snapshot_to_pb(self.receiver.status(msg.room))
+
+    def WritePages(self, raw_iter: Iterator[bytes], context: grpc.ServicerContext) -> pb.WriteAck:
+        written = duplicate = 0
+        status: RoomSnapshot | None = None
+        for raw in raw_iter:
+            msg = _parse(pb.PageChunk, raw, context)
+            with _status_on_error(context):
+                res = self.receiver.write_pages(
+                    msg.room,
+                    msg.sender_rank,
+                    msg.attempt,
+                    kind_from_pb(msg.kind),
+                    msg.layer,
+                    np.asarray(msg.positions, np.int64),
+                    np.asarray(msg.digests, np.uint64),
+                    msg.data,
+                )
+            written, duplicate, status = (
+                written + res.written,
+                duplicate + res.duplicate,
+                res.status,
+            )
+            if status.state is RoomState.FAILED:
+                break  # the rest of the stream is moot; the ack says why
+        if status is None:
+            return pb.WriteAck(state=pb.ROOM_STATE_UNSPECIFIED)
+        return pb.WriteAck(
+            state=int(status.state),
+            pages_written=written,
+            pages_duplicate=duplicate,
+            reason=status.reason,
+        )
+
+    def Commit(self, raw: bytes, context: grpc.ServicerContext) -> pb.RoomStatus:
+        msg = _parse(pb.CommitRequest, raw, context)
+        with _status_on_error(context):
+            aux = Aux(msg.aux.first_token, msg.aux.logprob) if msg.HasField("aux") else None
+            snap = self.receiver.commit(
+                msg.room, msg.sender_rank, msg.attempt, np.asarray(msg.positions, np.int64), aux
+            )
+            return snapshot_to_pb(snap)
+
+    def Heartbeat(self, raw: bytes, context: grpc.ServicerContext) -> pb.RoomStatus:
+        msg = _parse(pb.HeartbeatRequest, raw, context)
+        with _status_on_error(context):
+            return snapshot_to_pb(self.receiver.heartbeat(msg.room, msg.sender_rank))
+
+    def Abort(self, raw: bytes, context: grpc.ServicerContext) -> pb.RoomStatus:
+        msg = _parse(pb.AbortRequest, raw, context)
+        with _status_on_error(context):
+            return snapshot_to_pb(self.receiver.abort(msg.room, msg.reason, msg.sender_rank))
+
+
+def _parse(cls: type[M], raw: bytes, context: grpc.ServicerContext) -> M:
+    """Parse `raw` as `cls`, or end the RPC with INVALID_ARGUMENT naming the message."""
+    msg = cls()
+    try:
+        msg.ParseFromString(raw)
+    except DecodeError as e:
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"malformed {cls.DESCRIPTOR.full_name} ({len(raw)} bytes): {e}; the message is "
+            "truncated or not a cpkv.transfer.v1 message",
+        )
+    return msg
+
+
+class _status_on_error:
+    """Context manager: receiver errors -> `context.abort` with their code and reason."""
+
+    def __init__(self, context: grpc.ServicerContext):
+        self.context = context
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            return False
+        if isinstance(exc, TransferError):
+            self.context.abort(_status_code(exc), str(exc))
+        if isinstance(exc, PagePlanError | ValueError):
+            self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if isinstance(exc, Exception):
+            logger.exception("transfer receiver: unexpected error")
+            self.context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        return False
+
+
+def serve(
+    receiver: Receiver,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    max_workers: int = 64,
+) -> tuple[grpc.Server, int]:
+    """Start a gRPC server for `receiver` on `host:port` (0 = any free port).
+
+    Messages up to `receiver.max_chunk_bytes` plus header slack are accepted (larger
+    ones get RESOURCE_EXHAUSTED from gRPC itself), compression is off, and
+    `grpc.health.v1.Health` reports SERVING for "" and the KVTransfer service until
+    `server.stop`. Returns `(server, bound_port)`; the receiver's timeout thread is the
+    caller's (`receiver.start()`).
+    """
+    limit = receiver.max_chunk_bytes + MESSAGE_SLACK_BYTES
+    server = grpc.server(
+        concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-transfer"),
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),
+        ],
+        compression=grpc.Compression.NoCompression,
+    )
+    server.add_generic_rpc_handlers((KVTransferServicer(receiver).generic_handler(),))
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"transfer receiver could not bind {host}:{port}")
+    server.start()
+    logger.info(
+        "KV transfer receiver serving on %s:%d (protocol v%d)", host, bound, PROTOCOL_VERSION
+    )
+    return server, bound

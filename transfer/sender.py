@@ -1,0 +1,290 @@
+"""Prefill side of the PD transfer: the backend interface, page sources, the page hold.
+
+One request is sent by its `cp_size` prefill ranks, each running one `RankJob` on a
+`TransferBackend`: handshake (layout checked before any data moves) -> plan its owned
+pages against the decode page table (`transfer.page_plan.plan_request`) -> send them
+tagged with their logical positions -> commit (rank 0 adds the aux data) -> heartbeat
+until the decode side reports the room finished.
+
+The request's prefill pages are held for the whole transfer (a retry re-reads them) and
+released exactly once, when every rank's sender has stopped and the room's outcome is
+known - Success or Failed, including "the decode side is gone" - by `TransferHold`.
+
+A backend declares `BackendCapabilities` (`transfer.capabilities`); CP shared-KV prefill
+needs owner filtering and position-addressed destinations (SPEC S2.3), which
+`serving.server_args` checks at startup through a `TransferBackendRegistry`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cpkv_jax.buckets import pow2_at_least
+from cpkv_jax.model.kv_cache import KVPool
+from transfer.capabilities import BackendCapabilities
+from transfer.page_plan import BufferKind, LayoutDescriptor
+from transfer.protocol import Aux, RoomSnapshot, RoomState
+
+logger = logging.getLogger(__name__)
+
+
+class PageSource(Protocol):
+    """Reads one prefill rank's pages of one (kind, layer) pool leaf to host memory."""
+
+    def read(self, kind: BufferKind, layer: int, src_pages: np.ndarray) -> np.ndarray:
+        """Host copy `[len(src_pages), page_size, ...]` of the rank's local pages."""
+        ...
+
+
+@jax.jit
+def _gather_rows(leaf: jax.Array, idx: jax.Array) -> jax.Array:
+    return jnp.take(leaf, idx, axis=0)
+
+
+class CPPoolPageSource:
+    """`PageSource` over a CP pool (`CPPrefillRunner.pool`) for rank `rank`.
+
+    Pool leaves are global arrays `[cp * pages_per_rank, P, ...]` sharded `P("cp")` on
+    the page axis, so the rank's pages are its addressable shard, indexed by rank-local
+    page ids. The owned pages are gathered on the rank's device (index padded to a power
+    of two with the trash page, bounding compiles) and copied to host once per read.
+
+    `pool` may be a callable returning the current pool, since a runner replaces its
+    pool (donation) on every step; the caller must not run a step that donates the pool
+    while a read is in flight (pass the step lock as `lock`).
+    """
+
+    def __init__(
+        self,
+        pool: KVPool | Callable[[], KVPool],
+        layout: LayoutDescriptor,
+        rank: int,
+        lock: threading.Lock | None = None,
+    ):
+        self._pool = pool
+        self.layout = layout
+        self.rank = rank
+        self._lock = lock
+
+    def read(self, kind: BufferKind, layer: int, src_pages: np.ndarray) -> np.ndarray:
+        pool = self._pool() if callable(self._pool) else self._pool
+        leaf = getattr(pool, kind)[self.layout.leaf_index(kind, layer)]
+        k = len(src_pages)
+        idx = np.zeros(pow2_at_least(k), np.int32)  # padding reads the trash page
+        idx[:k] = src_pages
+        if self._lock is None:
+            rows = np.asarray(_gather_rows(self._shard(leaf), idx))
+        else:
+            with self._lock:
+                rows = np.asarray(_gather_rows(self._shard(leaf), idx))
+        return rows[:k]
+
+    def _shard(self, leaf: jax.Array) -> jax.Array:
+        for s in leaf.addressable_shards:
+            rows = s.data.shape[0]
+            if rows == leaf.shape[0]:  # replicated pool: every copy holds everything
+                return s.data
+            if (s.index[0].start or 0) == self.rank * rows:
+                return s.data
+        raise ValueError(
+            f"rank {self.rank}'s shard of a {leaf.shape} pool leaf is not addressable in this "
+            "process; run the rank's sender on the host that holds it"
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RankJob:
+    """What one prefill CP rank sends for one room."""
+
+    room: str
+    target: str  # the decode receiver, "host:port"
+    rank: int
+    cp_size: int
+    num_tokens: int
+    layout: LayoutDescriptor
+    src_local_pages: np.ndarray  # the request's `RequestPageTable.local_pages()`, [n_pages]
+    source: PageSource
+    aux: Aux | None = None  # rank 0 only: first output token and its log-prob
+    attempt: int = 0  # the sender's incarnation; retries of a write reuse it
+
+
+def rank_jobs(
+    room: str,
+    target: str,
+    layout: LayoutDescriptor,
+    num_tokens: int,
+    src_local_pages: np.ndarray,
+    sources: Sequence[PageSource],
+    aux: Aux,
+    attempt: int = 0,
+) -> list[RankJob]:
+    """One `RankJob` per rank (`len(sources)` ranks); rank 0 carries `aux`."""
+    return [
+        RankJob(
+            room=room,
+            target=target,
+            rank=r,
+            cp_size=len(sources),
+            num_tokens=num_tokens,
+            layout=layout,
+            src_local_pages=np.asarray(src_local_pages),
+            source=source,
+            aux=aux if r == 0 else None,
+            attempt=attempt,
+        )
+        for r, source in enumerate(sources)
+    ]
+
+
+class TransferHold:
+    """The prefill side's hold on one request's pages while its room is in flight.
+
+    Each rank's sender calls `finish(rank, outcome)` once it has stopped touching the
+    pages; `outcome` is the room's final status as that rank learned it, or None when
+    the sender died without learning it. After the last rank, `release(outcome)` runs
+    exactly once with the room's outcome: Success if any rank saw Success (the decode
+    side only succeeds a room when every rank committed), else Failed with the first
+    reason. `cancel` lets one rank that saw the room fail stop the others early.
+    """
+
+    def __init__(self, room: str, ranks: Sequence[int], release: Callable[[RoomSnapshot], None]):
+        if not ranks:
+            raise ValueError(f"room {room!r}: a hold needs at least one rank")
+        self.room = room
+        self._pending = set(ranks)
+        self._outcomes: dict[int, RoomSnapshot | None] = {}
+        self._release = release
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._cancelled = threading.Event()
+        self._cancel_reason = ""
+        self._outcome: RoomSnapshot | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def cancel_reason(self) -> str:
+        return self._cancel_reason
+
+    def cancel(self, reason: str = "") -> None:
+        """The room failed (as one rank learned): the other ranks should stop early."""
+        with self._lock:
+            if not self._cancel_reason:
+                self._cancel_reason = reason
+        self._cancelled.set()
+
+    @property
+    def released(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def outcome(self) -> RoomSnapshot | None:
+        """The aggregate outcome once released, else None."""
+        return self._outcome
+
+    def outcomes(self) -> dict[int, RoomSnapshot | None]:
+        with self._lock:
+            return dict(self._outcomes)
+
+    def finish(self, rank: int, outcome: RoomSnapshot | None) -> None:
+        with self._lock:
+            if rank not in self._pending:
+                raise ValueError(f"room {self.room!r}: rank {rank} finished twice or is unknown")
+            self._pending.discard(rank)
+            self._outcomes[rank] = outcome
+            if outcome is not None and outcome.state is RoomState.FAILED:
+                self._cancel_reason = self._cancel_reason or outcome.reason
+                self._cancelled.set()
+            if self._pending:
+                return
+            self._outcome = self._aggregate()
+        logger.debug("room %s: releasing prefill pages (%s)", self.room, self._outcome.state.label)
+        try:
+            self._release(self._outcome)
+        except Exception:  # the hold is over either way; a release bug must be seen
+            logger.exception("room %s: releasing the prefill pages failed", self.room)
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> RoomSnapshot | None:
+        """Block until released (or `timeout`); returns the aggregate outcome."""
+        self._done.wait(timeout)
+        return self._outcome
+
+    def _aggregate(self) -> RoomSnapshot:
+        known = [o for o in self._outcomes.values() if o is not None]
+        for o in known:
+            if o.state is RoomState.SUCCESS:
+                return o
+        for o in known:
+            if o.state is RoomState.FAILED:
+                return o
+        silent = sorted(r for r, o in self._outcomes.items() if o is None)
+        return RoomSnapshot(
+            room=self.room,
+            state=RoomState.FAILED,
+            reason=f"prefill rank(s) {silent} stopped without learning the room's outcome",
+        )
+
+
+class TransferBackend(abc.ABC):
+    """A way to move one rank's owned pages to the decode side.
+
+    `capabilities` is what startup checks (SPEC S2.3). `send_rank` runs one rank's whole
+    transfer and blocks until the room is finished as far as this rank can tell; it
+    returns the room's final status, or None when the sender was killed. It must not
+    call `hold.finish` (`send_request` does), and should `hold.cancel(reason)` when it learns
+    the room failed.
+    """
+
+    capabilities: ClassVar[BackendCapabilities]
+
+    @abc.abstractmethod
+    def send_rank(self, job: RankJob, hold: TransferHold) -> RoomSnapshot | None: ...
+
+
+def send_request(
+    backend: TransferBackend,
+    jobs: Sequence[RankJob],
+    release: Callable[[RoomSnapshot], None],
+) -> TransferHold:
+    """Start one thread per rank job; returns the hold, released after the last rank.
+
+    In a multi-process deployment each process runs the jobs of its own ranks; the
+    decode side's exact-coverage commit ties them together.
+    """
+    if not jobs:
+        raise ValueError("send_request needs at least one rank job")
+    rooms = {j.room for j in jobs}
+    if len(rooms) != 1:
+        raise ValueError(f"rank jobs of one request must share a room, got {sorted(rooms)}")
+    hold = TransferHold(jobs[0].room, [j.rank for j in jobs], release)
+
+    def run(job: RankJob) -> None:
+        outcome: RoomSnapshot | None
+        try:
+            outcome = backend.send_rank(job, hold)
+        except Exception as e:
+            logger.exception("room %s: rank %d sender crashed", job.room, job.rank)
+            outcome = RoomSnapshot(
+                job.room, RoomState.FAILED, f"prefill rank {job.rank} sender crashed: {e}"
+            )
+            hold.cancel(outcome.reason)
+        hold.finish(job.rank, outcome)
+
+    for job in jobs:
+        threading.Thread(
+            target=run, args=(job,), name=f"kv-send-{job.room}-r{job.rank}", daemon=True
+        ).start()
+    return hold
