@@ -531,7 +531,7 @@ class RadixCache:
             )
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool | np.bool_, message: str) -> None:
     if not ok:
         raise AssertionError(message)
 

@@ -13,7 +13,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from jaxtyping import install_import_hook
 
 # jaxtyping annotations at module boundaries are checked (beartype) while tests run.
-install_import_hook(["cpkv_jax"], "beartype.beartype")
+install_import_hook(["cpkv_jax", "serving"], "beartype.beartype")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

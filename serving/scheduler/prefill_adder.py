@@ -30,7 +30,7 @@ import dataclasses
 import enum
 from collections import Counter
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class AddResult(enum.Enum):
@@ -80,6 +80,7 @@ class Admitted:
         return self.extend_tokens < self.candidate.extend_tokens
 
 
+@runtime_checkable
 class BatchEstimator(Protocol):
     """CPU-only peak transient bytes of a candidate batch (SPEC S9.1)."""
 

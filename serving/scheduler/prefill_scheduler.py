@@ -20,7 +20,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -58,6 +58,7 @@ class StepRow:
     length: int
 
 
+@runtime_checkable
 class PrefillExecutor(Protocol):
     """Runs one prefill step; returns each row's logits after its last new token."""
 
