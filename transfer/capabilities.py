@@ -84,7 +84,10 @@ def default_backend_registry() -> TransferBackendRegistry:
                 name="mooncake",
                 owner_filtering=True,
                 position_addressed=True,
-                description="Mooncake-style RDMA writes to decode pages chosen by position",
+                description=(
+                    "Mooncake Transfer Engine writes (TCP/RDMA) into the decode side's "
+                    "registered staging arena, by position; gRPC control plane"
+                ),
             ),
         )
     )

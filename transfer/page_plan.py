@@ -521,3 +521,21 @@ def page_digests(pages: np.ndarray) -> Int[np.ndarray, " pages"]:
     return np.fromiter(
         (page_digest(flat[i]) for i in range(pages.shape[0])), np.uint64, pages.shape[0]
     )
+
+
+def row_digests(
+    buffer: np.ndarray, rows: Int[np.ndarray, " k"] | Sequence[int]
+) -> Int[np.ndarray, " k"]:
+    """`page_digest(buffer[rows[i]])` of rows of a C-contiguous `[R, page_bytes]` uint8
+    buffer, `[k]` uint64, without copying the rows (staging regions, registered pools)."""
+    if buffer.ndim != 2 or buffer.dtype != np.uint8 or not buffer.flags.c_contiguous:
+        raise PagePlanError(
+            f"row_digests needs a C-contiguous 2-D uint8 buffer, got {buffer.shape} {buffer.dtype}"
+        )
+    if xxhash is None:
+        page_digest(b"")  # raises the ImportError that names the package
+    nb = buffer.shape[1]
+    flat = memoryview(buffer.reshape(-1))
+    idx = np.asarray(rows, np.int64).reshape(-1)
+    h = xxhash.xxh3_64_intdigest
+    return np.fromiter((h(flat[r * nb : (r + 1) * nb]) for r in idx.tolist()), np.uint64, idx.size)

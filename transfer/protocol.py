@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Literal
 
 from cpkv_jax.errors import CpkvError
 from transfer.page_plan import PROTOCOL_VERSION, BufferKind, LayoutDescriptor
@@ -227,6 +228,27 @@ def layout_from_pb(msg: pb.LayoutDescriptor) -> LayoutDescriptor:
         )
     except (ValueError, TypeError) as e:
         raise BadRequestError(f"invalid layout descriptor: {e}") from e
+
+
+# How a sender moves page bytes: gRPC `WritePages` streams, or one-sided Mooncake engine
+# writes into the room's staging region (`HandshakeRequest.data_plane`).
+DataPlane = Literal["grpc", "mooncake"]
+_PLANE_TO_PB: dict[str, int] = {"grpc": pb.DATA_PLANE_GRPC, "mooncake": pb.DATA_PLANE_MOONCAKE}
+
+
+def data_plane_to_pb(plane: DataPlane) -> int:
+    return _PLANE_TO_PB[plane]
+
+
+def data_plane_from_pb(value: int) -> DataPlane:
+    """UNSPECIFIED (a sender from before the field) means gRPC streams."""
+    if value in (pb.DATA_PLANE_UNSPECIFIED, pb.DATA_PLANE_GRPC):
+        return "grpc"
+    if value == pb.DATA_PLANE_MOONCAKE:
+        return "mooncake"
+    raise BadRequestError(
+        f"unknown data plane {value}; expected one of {sorted(_PLANE_TO_PB.items())}"
+    )
 
 
 def aux_to_pb(aux: Aux) -> pb.Aux:

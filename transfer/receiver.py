@@ -29,6 +29,24 @@ gRPC servicer below, or called directly in tests - drive the room's status machi
   data. Then one jitted scatter writes every (kind, layer) leaf of the decode pool (pool
   donated) and the room succeeds. Otherwise it fails with the reason, and on every
   failure the room's decode pages go back to the allocator.
+- **Staging arena** (optional, `staging_arena=` or a Mooncake endpoint's arena): one
+  pre-allocated (pre-faulted) host arena; each room stages in a region carved from it,
+  rows in owner-major order (`page_plan.owner_major_order`: rank 0's positions, then rank
+  1's, ...), so each rank's positions are one contiguous row range per buffer. Without
+  an arena, a room stages in arrays of its own, row = position.
+- **Mooncake data plane** (`mooncake=` endpoint, `transfer.backends.mooncake_backend`):
+  a sender whose handshake asks for it gets the engine session id and its room's
+  region addresses, writes its pages there one-sided, then commits over gRPC with every
+  page's digest; the receiver checks the digests against the staged bytes at that
+  commit (the data never passes through this process otherwise). The decode pool is
+  never registered with the engine. One-sided writes cannot be refused, so a failed
+  room's region is **quarantined** (not reused) until every Mooncake sender of the room
+  said its writes are done (commit, or a final heartbeat with `writes_done`) or the
+  endpoint's quarantine timeout passed; a Mooncake sender's handshake with a new
+  attempt id is refused (an earlier incarnation's writes could not be fenced).
+- **Host-only receiver** (`pool=None`, for benchmarks): no decode pool and no device
+  scatter; at commit the verified staging rows are handed to `host_sink` (if given)
+  and the room succeeds.
 - **Timeouts** (`TransferTimeouts`): bootstrap (not every sender handshaken in time),
   waiting (no page in time after the handshakes), heartbeat (a handshaken sender that
   has not committed went silent). `poll_timeouts` checks them; `start()` runs it on a
@@ -54,7 +72,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 import jax
@@ -70,7 +88,8 @@ from transfer.page_plan import (
     BufferKind,
     LayoutDescriptor,
     PagePlanError,
-    page_digests,
+    owner_major_order,
+    row_digests,
 )
 from transfer.proto import kv_transfer_pb2 as pb
 from transfer.protocol import (
@@ -80,6 +99,7 @@ from transfer.protocol import (
     Aux,
     BadRequestError,
     ChunkTooLargeError,
+    DataPlane,
     DigestMismatchError,
     NotHandshakenError,
     ProtocolVersionError,
@@ -90,11 +110,13 @@ from transfer.protocol import (
     TransferError,
     TransferTimeouts,
     UnknownRoomError,
+    data_plane_from_pb,
     kind_from_pb,
     layout_from_pb,
     layout_to_pb,
     snapshot_to_pb,
 )
+from transfer.staging_arena import Region, StagingArena, StagingFullError
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +134,39 @@ def _quote(values: np.ndarray | list[int]) -> str:
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _scatter_pages(pool: KVPool, pages: jax.Array, staged: KVPool) -> KVPool:
-    """`pool.leaf.at[pages].set(staged.leaf)` for every leaf (one scatter per leaf)."""
-    return jax.tree_util.tree_map(lambda leaf, rows: leaf.at[pages].set(rows), pool, staged)
+    """`pool.leaf.at[pages].set(staged.leaf)` for every leaf (one scatter per leaf).
+
+    Padding rows carry an out-of-range page and are dropped (they may hold stale bytes
+    of an earlier room when staged in an arena region)."""
+    return jax.tree_util.tree_map(
+        lambda leaf, rows: leaf.at[pages].set(rows, mode="drop"), pool, staged
+    )
+
+
+class StagingEndpoint(Protocol):
+    """A one-sided data plane's receive side (`mooncake_backend.MooncakeReceiverEndpoint`):
+    the arena its engine registered, and what a sender needs to reach it."""
+
+    arena: StagingArena
+    session_id: str
+    protocol: str
+    quarantine_timeout_s: float
+
+
+# host_sink(room, positions [n], dst_pages [n], staging per buffer [n, page_bytes]):
+# row i of every buffer is logical position positions[i], bound for decode page dst_pages[i].
+HostSink = Callable[[str, np.ndarray, np.ndarray, tuple[np.ndarray, ...]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionInfo:
+    """Where a Mooncake sender writes a room's pages (the handshake reply's MooncakeRegion)."""
+
+    session_id: str
+    protocol: str
+    buffer_addrs: tuple[int, ...]  # row 0 of each buffer, layout.buffers() order
+    rows: np.ndarray  # [n_pages] staging row of each logical position
+    row_count: int  # rows per buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +175,7 @@ class HandshakeResult:
     mismatches: tuple[str, ...]
     status: RoomSnapshot
     dst_pages: np.ndarray  # [n_pages] decode page of each logical position
+    region: RegionInfo | None = None  # accepted Mooncake handshakes only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +191,17 @@ class _SenderState:
     attempt: int = 0
     last_seen: float = 0.0
     committed: tuple[int, ...] | None = None  # positions claimed at commit
+    plane: DataPlane = "grpc"
+    writes_done: bool = False  # Mooncake: its last one-sided write has returned
+
+
+@dataclasses.dataclass
+class _Quarantine:
+    """A failed room's region, kept out of use while Mooncake writers may be alive."""
+
+    region: Region
+    pending: set[int]  # ranks that got the region's address and have not said done
+    deadline: float
 
 
 class _Room:
@@ -164,7 +229,12 @@ class _Room:
         self.state_since = now
         self.senders = [_SenderState() for _ in range(cp_size)]
         self.lock = threading.Lock()
-        self.staging: list[np.ndarray] | None = None  # per buffer [pow2(n_pages), page_bytes]
+        self.staging: list[np.ndarray] | None = None  # per buffer [rows, page_bytes]
+        # Staging row of each position / position of each row (None: row = position).
+        self.pos_row: np.ndarray | None = None
+        self.row_pos: np.ndarray | None = None
+        self.region: Region | None = None  # arena region holding `staging`
+        self.region_info: RegionInfo | None = None  # set once a Mooncake sender asked
         self.writer = np.full((n_buffers, n_pages), -1, np.int32)  # rank, -1 = not written
         self.attempt = np.zeros((n_buffers, n_pages), np.int64)
         self.digest = np.zeros((n_buffers, n_pages), np.uint64)
@@ -188,19 +258,34 @@ class Receiver:
     allocate decode pages through `allocate_pages` / `free_pages` (they take the lock
     the receiver frees failed rooms' pages under), and read the pool through `pool`
     once a room succeeded.
+
+    `pool=None` makes a host-only receiver (benchmarks): nothing is scattered to a
+    device; a successful room's verified staging rows go to `host_sink` (if any).
+    `mooncake` attaches a one-sided data plane endpoint (its arena becomes the staging
+    arena); `staging_arena` alone gives gRPC rooms pre-faulted, reused staging.
     """
 
     def __init__(
         self,
         layout: LayoutDescriptor,
-        pool: KVPool,
+        pool: KVPool | None,
         allocator: PageAllocator,
         *,
         timeouts: TransferTimeouts | None = None,
         max_chunk_bytes: int = MAX_CHUNK_BYTES,
         clock: Callable[[], float] = time.monotonic,
         finished_rooms_kept: int = 4096,
+        mooncake: StagingEndpoint | None = None,
+        staging_arena: StagingArena | None = None,
+        host_sink: HostSink | None = None,
     ):
+        if mooncake is not None and staging_arena not in (None, mooncake.arena):
+            raise ValueError("a Mooncake endpoint brings its own staging arena; pass one, not two")
+        if host_sink is not None and pool is not None:
+            raise ValueError("host_sink is for a host-only receiver (pool=None)")
+        self._mooncake = mooncake
+        self._arena = mooncake.arena if mooncake is not None else staging_arena
+        self._host_sink = host_sink
         self.layout = layout
         self.timeouts = timeouts if timeouts is not None else TransferTimeouts()
         self.max_chunk_bytes = max_chunk_bytes
@@ -209,11 +294,13 @@ class Receiver:
         self._buffers: tuple[tuple[BufferKind, int], ...] = layout.buffers()
         self._buffer_index = {b: i for i, b in enumerate(self._buffers)}
         self._page_bytes = [layout.page_bytes(k, layer) for k, layer in self._buffers]
-        self._check_pool(pool, allocator)
+        if pool is not None:
+            self._check_pool(pool, allocator)
         self._pool = pool
         self._allocator = allocator
         self._rooms: dict[str, _Room] = {}
         self._finished: collections.OrderedDict[str, RoomSnapshot] = collections.OrderedDict()
+        self._quarantine: dict[str, _Quarantine] = {}  # guarded by self._lock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._pool_lock = threading.Lock()
@@ -252,7 +339,19 @@ class Receiver:
     def pool(self) -> KVPool:
         """The decode pool (replaced by every successful commit: read it after Success)."""
         with self._pool_lock:
+            if self._pool is None:
+                raise ValueError("this is a host-only receiver (pool=None): it has no decode pool")
             return self._pool
+
+    @property
+    def staging_arena(self) -> StagingArena | None:
+        """The arena rooms stage in (the Mooncake endpoint's), or None."""
+        return self._arena
+
+    def quarantined_rooms(self) -> dict[str, tuple[int, ...]]:
+        """Failed rooms whose staging region is quarantined -> ranks not known done."""
+        with self._lock:
+            return {room: tuple(sorted(q.pending)) for room, q in self._quarantine.items()}
 
     def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T:
         """Run `step(pool) -> (result, new_pool)` under the pool lock and keep `new_pool`.
@@ -261,6 +360,8 @@ class Receiver:
         the receiver never holds a donated (deleted) pool.
         """
         with self._pool_lock:
+            if self._pool is None:
+                raise ValueError("this is a host-only receiver (pool=None): it has no decode pool")
             result, self._pool = step(self._pool)
             return result
 
@@ -303,11 +404,12 @@ class Receiver:
                 f"for {num_tokens} tokens, got shape {dst.shape} dtype {dst.dtype}"
             )
         dst = dst.astype(np.int32)
-        bad = (dst <= TRASH_PAGE) | (dst >= self._pool.num_pages)
+        num_pages = self._allocator.num_pages
+        bad = (dst <= TRASH_PAGE) | (dst >= num_pages)
         if bad.any() or np.unique(dst).size != dst.size:
             raise BadRequestError(
                 f"room {room!r}: dst_pages {_quote(dst)} must be distinct real pages in "
-                f"[1, {self._pool.num_pages})"
+                f"[1, {num_pages})"
             )
         with self._lock:
             if room in self._rooms or room in self._finished:
@@ -346,6 +448,7 @@ class Receiver:
     def staging(self, room: str) -> tuple[np.ndarray, ...] | None:
         """The live room's staging buffers (`[rows, page_bytes]` uint8 per buffer, in
         `layout.buffers()` order), or None before the first page / after the end.
+        Row `staging_rows(room)[p]` holds position `p` (row p without an arena).
         For tests and debugging: the arrays are the receiver's own."""
         with self._lock:
             live = self._rooms.get(room)
@@ -353,6 +456,20 @@ class Receiver:
             return None
         with live.lock:
             return None if live.staging is None else tuple(live.staging)
+
+    def staging_rows(self, room: str) -> np.ndarray | None:
+        """Staging row of each position of a live room (`[n_pages]`), or None when it
+        has no staging yet / any more. Without an arena, row = position."""
+        with self._lock:
+            live = self._rooms.get(room)
+        if live is None:
+            return None
+        with live.lock:
+            if live.staging is None:
+                return None
+            if live.pos_row is None:
+                return np.arange(live.n_pages, dtype=np.int64)
+            return live.pos_row.copy()
 
     def abort(self, room: str, reason: str, sender_rank: int | None = None) -> RoomSnapshot:
         """Fail a live room (decode side, or prefill via the Abort RPC); a finished room
@@ -375,12 +492,21 @@ class Receiver:
         num_tokens: int,
         layout: LayoutDescriptor,
         attempt: int = 0,
+        data_plane: DataPlane = "grpc",
     ) -> HandshakeResult:
         """Check a sender's layout and request shape before any data moves.
 
         Another protocol version raises `ProtocolVersionError`; any other difference
-        (layout fields, cp size, token count) is refused with `accepted=False` and the
-        list of mismatches. Both fail the room, since its sender cannot serve it.
+        (layout fields, cp size, token count, a data plane this receiver cannot serve)
+        is refused with `accepted=False` and the list of mismatches. Both fail the room,
+        since its sender cannot serve it.
+
+        `data_plane="mooncake"` also gets the room's staging region (`HandshakeResult.
+        region`), carved from the Mooncake endpoint's arena at the room's first such
+        handshake; when the arena has no space for it now, `StagingFullError` (retryable)
+        is raised and the room is left as it was. A repeated handshake of the same rank
+        and attempt is accepted again (a lost reply); a Mooncake rank's handshake with
+        another attempt is refused (its earlier incarnation's writes cannot be fenced).
         """
         r = self._live(room, "handshake")
         with r.lock:
@@ -399,6 +525,8 @@ class Receiver:
                 mismatches.append(f"cp_size: {r.cp_size} != {cp_size}")
             if num_tokens != r.num_tokens:
                 mismatches.append(f"num_tokens: {r.num_tokens} != {num_tokens}")
+            s = r.senders[sender_rank]
+            mismatches.extend(self._plane_refusals(r, s, sender_rank, attempt, data_plane))
             if mismatches:
                 self._fail(
                     r,
@@ -406,19 +534,109 @@ class Receiver:
                     + "; ".join(mismatches),
                 )
                 return HandshakeResult(False, tuple(mismatches), r.snapshot(), r.dst_pages[:0])
-            s = r.senders[sender_rank]
+            if data_plane == "mooncake" and r.region_info is None:
+                if r.staging is None:
+                    self._ensure_staging(r, required=True)  # StagingFullError: retry later
+                r.region_info = self._region_info(r)
             s.handshaken, s.attempt, s.last_seen = True, max(s.attempt, attempt), self._clock()
-            if r.state is RoomState.BOOTSTRAPPING and all(x.handshaken for x in r.senders):
+            s.plane = data_plane
+            if data_plane == "mooncake":
+                # The rank writes as soon as it has the reply: pages may be arriving.
+                if r.state < RoomState.TRANSFERRING:
+                    self._advance(r, RoomState.TRANSFERRING)
+            elif r.state is RoomState.BOOTSTRAPPING and all(x.handshaken for x in r.senders):
                 self._advance(r, RoomState.WAITING_FOR_INPUT)
-            return HandshakeResult(True, (), r.snapshot(), r.dst_pages[: r.n_pages].copy())
+            return HandshakeResult(
+                True,
+                (),
+                r.snapshot(),
+                r.dst_pages[: r.n_pages].copy(),
+                r.region_info if data_plane == "mooncake" else None,
+            )
 
-    def heartbeat(self, room: str, sender_rank: int) -> RoomSnapshot:
+    def _plane_refusals(
+        self, r: _Room, s: _SenderState, rank: int, attempt: int, plane: DataPlane
+    ) -> list[str]:
+        out = []
+        if s.handshaken and s.plane != plane:
+            out.append(f"data plane: prefill rank {rank} handshook for {s.plane}, now {plane}")
+        if plane != "mooncake":
+            return out
+        if self._mooncake is None:
+            out.append(
+                "data plane: mooncake asked for, but this decode receiver has no Mooncake "
+                "endpoint (start it with one, or use --transfer-backend grpc)"
+            )
+        elif r.staging is not None and r.region is None:
+            out.append(
+                "data plane: the room already stages gRPC pages outside the staging arena, "
+                "where a Mooncake engine cannot write"
+            )
+        if s.handshaken and s.plane == "mooncake" and s.attempt != attempt:
+            out.append(
+                f"attempt: prefill rank {rank} handshook on the Mooncake data plane with "
+                f"attempt {s.attempt}, now {attempt}; the earlier incarnation's one-sided "
+                "writes cannot be fenced"
+            )
+        return out
+
+    def _ensure_staging(self, r: _Room, required: bool) -> None:
+        """Give `r` its staging buffers (room lock held).
+
+        With an arena: one region, buffer after buffer, rows in owner-major order
+        (`StagingFullError` if `required` and the arena is full; otherwise a full arena
+        falls back to private arrays). Rows are padded to a power of two when a device
+        scatter follows (bounded compiles); the padding rows are never scattered."""
+        rows = pow2_at_least(r.n_pages) if self._pool is not None else r.n_pages
+        if self._arena is not None:
+            align = self._arena.alignment
+            sizes = [-(-rows * nb // align) * align for nb in self._page_bytes]
+            try:
+                region = self._arena.alloc(sum(sizes), r.room)
+            except StagingFullError:
+                if required:
+                    raise
+                logger.warning("room %s: staging arena full, staging in private arrays", r.room)
+            else:
+                offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+                r.region = region
+                r.staging = [
+                    self._arena.view(region, off, rows * nb).reshape(rows, nb)
+                    for off, nb in zip(offsets, self._page_bytes, strict=True)
+                ]
+                order = owner_major_order(r.n_pages, r.cp_size)
+                r.row_pos = order
+                r.pos_row = np.empty(r.n_pages, np.int64)
+                r.pos_row[order] = np.arange(r.n_pages, dtype=np.int64)
+                return
+        r.staging = [np.zeros((rows, nb), np.uint8) for nb in self._page_bytes]
+
+    def _region_info(self, r: _Room) -> RegionInfo:
+        assert self._mooncake is not None and r.staging is not None and r.pos_row is not None
+        return RegionInfo(
+            session_id=self._mooncake.session_id,
+            protocol=self._mooncake.protocol,
+            buffer_addrs=tuple(int(st.ctypes.data) for st in r.staging),
+            rows=r.pos_row.copy(),
+            row_count=int(r.staging[0].shape[0]),
+        )
+
+    def heartbeat(self, room: str, sender_rank: int, writes_done: bool = False) -> RoomSnapshot:
+        """A sender is alive. `writes_done`: its last one-sided write has returned and it
+        writes no more (a quarantined region is freed once every such writer said so)."""
         r = self._live_or_snapshot(room)
         if isinstance(r, RoomSnapshot):
+            if writes_done:
+                self._sender_done(room, sender_rank)
             return r
         with r.lock:
             self._check_rank(r, sender_rank)
-            if not r.state.terminal:
+            if writes_done:
+                r.senders[sender_rank].writes_done = True
+            if r.state.terminal:  # retired meanwhile: its quarantine (if any) is listed
+                if writes_done:
+                    self._sender_done(room, sender_rank)
+            else:
                 r.senders[sender_rank].last_seen = self._clock()
             return r.snapshot()
 
@@ -448,7 +666,7 @@ class Receiver:
                     f"room {room!r}: prefill rank {sender_rank} wrote pages before its handshake"
                 )
         b, pages, pos, sent = self._parse_chunk(r, kind, layer, positions, digests, data)
-        got = page_digests(pages)
+        got = row_digests(pages, np.arange(pos.size))
         bad = np.flatnonzero(got != sent)
         with r.lock:
             self._check_open(r, "write")
@@ -466,11 +684,7 @@ class Receiver:
             foreign = np.flatnonzero((writer >= 0) & (writer != sender_rank))
             if foreign.size:
                 i = int(foreign[0])
-                msg = (
-                    f"position {int(pos[i])} of {kind} layer {layer} was sent by prefill ranks "
-                    f"{int(writer[i])} and {sender_rank}; each position must come from exactly "
-                    "one rank"
-                )
+                msg = self._two_ranks(kind, layer, int(pos[i]), int(writer[i]), sender_rank)
                 self._fail(r, msg)
                 return WriteResult(0, 0, r.snapshot())
             mine = writer == sender_rank
@@ -486,11 +700,20 @@ class Receiver:
                 return WriteResult(0, 0, r.snapshot())
             new = ~mine | (prev_attempt < attempt)  # unwritten, or a newer attempt of mine
             if r.staging is None:
-                rows = pow2_at_least(r.n_pages)
-                r.staging = [np.zeros((rows, nb), np.uint8) for nb in self._page_bytes]
+                self._ensure_staging(r, required=False)
+            assert r.staging is not None
             if new.any():
                 where = pos[new]
-                r.staging[b][where] = pages[new]
+                rows = where if r.pos_row is None else r.pos_row[where]
+                src = pages if new.all() else pages[new]
+                if (
+                    rows.size > 1
+                    and rows[-1] - rows[0] == rows.size - 1
+                    and (np.diff(rows) == 1).all()
+                ):
+                    r.staging[b][rows[0] : rows[0] + rows.size] = src  # one memcpy
+                else:
+                    r.staging[b][rows] = src
                 r.writer[b, where] = sender_rank
                 r.attempt[b, where] = attempt
                 r.digest[b, where] = got[new]
@@ -499,6 +722,13 @@ class Receiver:
             n_new = int(new.sum())
             return WriteResult(n_new, int(pos.size) - n_new, r.snapshot())
 
+    @staticmethod
+    def _two_ranks(kind: BufferKind, layer: int, position: int, first: int, second: int) -> str:
+        return (
+            f"position {position} of {kind} layer {layer} was sent by prefill ranks "
+            f"{first} and {second}; each position must come from exactly one rank"
+        )
+
     def commit(
         self,
         room: str,
@@ -506,12 +736,23 @@ class Receiver:
         attempt: int,
         positions: np.ndarray,
         aux: Aux | None = None,
+        digests: np.ndarray | None = None,
     ) -> RoomSnapshot:
         """A sender is done; when every sender is, check coverage and scatter (or fail).
 
         A repeated commit with the same positions is a retry and changes nothing.
+
+        A Mooncake sender wrote its pages into the room's staging region itself; its
+        `digests` (`[n_buffers * len(positions)]`: buffer-major in `layout.buffers()`
+        order, `positions` order within a buffer) are checked against the staged bytes
+        here - a mismatch fails the room with the position and both digests - and from
+        then on the pages count as written by this rank.
         """
-        r = self._live(room, "commit")
+        try:
+            r = self._live(room, "commit")
+        except RoomClosedError:
+            self._sender_done(room, sender_rank)  # a sender commits after its last write
+            raise
         with r.lock:
             self._check_open(r, "commit")
             self._check_rank(r, sender_rank)
@@ -520,45 +761,106 @@ class Receiver:
                 raise NotHandshakenError(
                     f"room {room!r}: prefill rank {sender_rank} committed before its handshake"
                 )
+            if s.plane != "mooncake" and digests is not None and len(digests):
+                raise BadRequestError(
+                    f"room {room!r}: prefill rank {sender_rank} sent page digests with its "
+                    "commit, but handshook for gRPC streams (digests travel with the pages)"
+                )
+            if s.plane != "mooncake" or s.committed is not None:
+                return self._commit_locked(r, sender_rank, positions, aux)
+            s.writes_done = True  # a Mooncake sender commits after its last write returned
             pos = self._positions(r, positions)
-            claimed = tuple(int(p) for p in np.sort(pos))
-            if s.committed is not None:
-                if s.committed != claimed:
-                    self._fail(
-                        r,
-                        f"prefill rank {sender_rank} committed twice with different positions "
-                        f"{_quote(list(s.committed))} and {_quote(list(claimed))}",
-                    )
-                return r.snapshot()
-            s.last_seen = self._clock()
-            if (aux is not None) != (sender_rank == 0):
+            n_buf = len(self._buffers)
+            sent = np.asarray(digests if digests is not None else [], np.uint64).reshape(-1)
+            if sent.size != n_buf * pos.size:
                 self._fail(
                     r,
-                    "rank 0 committed without the aux data (first token, log-prob)"
-                    if sender_rank == 0
-                    else f"prefill rank {sender_rank} sent aux data; only rank 0 does",
+                    f"prefill rank {sender_rank} committed {pos.size} positions with "
+                    f"{sent.size} page digests; the Mooncake data plane needs one per (buffer, "
+                    f"position): {n_buf * pos.size}",
                 )
                 return r.snapshot()
-            claim = np.zeros(r.n_pages, bool)
-            claim[pos] = True
-            for b, (kind, layer) in enumerate(self._buffers):
-                wrote = r.writer[b] == sender_rank
-                if not np.array_equal(wrote, claim):
-                    missing = np.flatnonzero(claim & ~wrote)
-                    extra = np.flatnonzero(wrote & ~claim)
+            assert r.staging is not None and r.pos_row is not None
+            staging, rows = list(r.staging), r.pos_row[pos]
+        # Hash outside the room lock (heartbeats keep flowing). A live room keeps its
+        # region until this rank commits; should the room fail meanwhile (and its region
+        # be freed, every writer done), what was hashed is discarded below.
+        got = np.stack([row_digests(st, rows) for st in staging]) if pos.size else None
+        with r.lock:
+            self._check_open(r, "commit")
+            if s.committed is not None:  # a concurrent retry of this commit won
+                return self._commit_locked(r, sender_rank, positions, aux)
+            if got is not None:
+                sent2 = sent.reshape(n_buf, pos.size)
+                writer = r.writer[:, pos]
+                foreign = np.argwhere((writer >= 0) & (writer != sender_rank))
+                if foreign.size:
+                    b, i = (int(x) for x in foreign[0])
+                    kind, layer = self._buffers[b]
+                    msg = self._two_ranks(kind, layer, int(pos[i]), int(writer[b, i]), sender_rank)
+                    self._fail(r, msg)
+                    return r.snapshot()
+                bad = np.argwhere(got != sent2)
+                if bad.size:
+                    b, i = (int(x) for x in bad[0])
+                    kind, layer = self._buffers[b]
                     self._fail(
                         r,
-                        f"prefill rank {sender_rank} committed positions {_quote(claimed)} but "
-                        f"its {kind} layer {layer} pages lack {_quote(missing)} and add "
-                        f"{_quote(extra)}",
+                        f"digest mismatch on {kind} layer {layer} position {int(pos[i])} from "
+                        f"prefill rank {sender_rank}: staged page bytes hash to "
+                        f"{int(got[b, i]):#018x}, the sender's digest is {int(sent2[b, i]):#018x} "
+                        f"({len(bad)} bad page(s) of {got.size})",
                     )
                     return r.snapshot()
-            s.committed = claimed
-            if sender_rank == 0:
-                r.aux = aux
-            if all(x.committed is not None for x in r.senders):
-                self._finish_commit(r)
+                r.writer[:, pos] = sender_rank
+                r.attempt[:, pos] = s.attempt
+                r.digest[:, pos] = got
+            return self._commit_locked(r, sender_rank, positions, aux)
+
+    def _commit_locked(
+        self, r: _Room, sender_rank: int, positions: np.ndarray, aux: Aux | None
+    ) -> RoomSnapshot:
+        """The commit proper (room lock held): claimed positions == written ones, aux."""
+        s = r.senders[sender_rank]
+        pos = self._positions(r, positions)
+        claimed = tuple(int(p) for p in np.sort(pos))
+        if s.committed is not None:
+            if s.committed != claimed:
+                self._fail(
+                    r,
+                    f"prefill rank {sender_rank} committed twice with different positions "
+                    f"{_quote(list(s.committed))} and {_quote(list(claimed))}",
+                )
             return r.snapshot()
+        s.last_seen = self._clock()
+        if (aux is not None) != (sender_rank == 0):
+            self._fail(
+                r,
+                "rank 0 committed without the aux data (first token, log-prob)"
+                if sender_rank == 0
+                else f"prefill rank {sender_rank} sent aux data; only rank 0 does",
+            )
+            return r.snapshot()
+        claim = np.zeros(r.n_pages, bool)
+        claim[pos] = True
+        for b, (kind, layer) in enumerate(self._buffers):
+            wrote = r.writer[b] == sender_rank
+            if not np.array_equal(wrote, claim):
+                missing = np.flatnonzero(claim & ~wrote)
+                extra = np.flatnonzero(wrote & ~claim)
+                self._fail(
+                    r,
+                    f"prefill rank {sender_rank} committed positions {_quote(claimed)} but "
+                    f"its {kind} layer {layer} pages lack {_quote(missing)} and add "
+                    f"{_quote(extra)}",
+                )
+                return r.snapshot()
+        s.committed = claimed
+        if sender_rank == 0:
+            r.aux = aux
+        if all(x.committed is not None for x in r.senders):
+            self._finish_commit(r)
+        return r.snapshot()
 
     def _finish_commit(self, r: _Room) -> None:
         """Every sender committed: exact coverage, then one scatter per leaf -> Success."""
@@ -580,12 +882,24 @@ class Receiver:
             return
         assert r.staging is not None or r.n_pages == 0
         rows = r.staging[0].shape[0] if r.staging else pow2_at_least(r.n_pages)
-        pages = np.full(rows, TRASH_PAGE, np.int32)  # padding rows write zeros to trash
-        pages[: r.n_pages] = r.dst_pages[: r.n_pages]
+        row_pos = r.row_pos if r.row_pos is not None else np.arange(r.n_pages, dtype=np.int64)
+        dst_rows = r.dst_pages[row_pos]  # decode page of each staging row
         try:
-            with self._pool_lock:
-                staged = self._staged_pool(self._pool, r.staging or [], rows)
-                self._pool = _scatter_pages(self._pool, pages, staged)
+            if self._pool is None:  # host-only receiver: no device, hand the rows over
+                if self._host_sink is not None and r.staging:
+                    n = r.n_pages
+                    self._host_sink(
+                        r.room, row_pos.copy(), dst_rows.copy(), tuple(st[:n] for st in r.staging)
+                    )
+            else:
+                with self._pool_lock:
+                    # Padding rows go to an out-of-range page: dropped by the scatter.
+                    pages = np.full(rows, self._pool.num_pages, np.int32)
+                    pages[: r.n_pages] = dst_rows
+                    staged = self._staged_pool(self._pool, r.staging or [], rows)
+                    self._pool = _scatter_pages(self._pool, pages, staged)
+                    if r.region is not None:  # the region is reused once the room is over
+                        jax.block_until_ready(self._pool)
         except Exception as e:  # device failure: fail the room, keep serving others
             logger.exception("room %s: decode pool scatter failed", r.room)
             self._fail(r, f"decode pool scatter failed: {type(e).__name__}: {e}")
@@ -639,7 +953,23 @@ class Receiver:
                 if reason:
                     self._fail(r, reason)
                     failed.append(r.room)
+        self._expire_quarantine(now)
         return failed
+
+    def _expire_quarantine(self, now: float) -> None:
+        with self._lock:
+            expired = [room for room, q in self._quarantine.items() if now >= q.deadline]
+            for room in expired:
+                q = self._quarantine.pop(room)
+                assert self._arena is not None
+                self._arena.free(q.region)
+                logger.warning(
+                    "room %s: staging region leaves quarantine after the %gs timeout; prefill "
+                    "rank(s) %s never said their Mooncake writes ended",
+                    room,
+                    self._mooncake.quarantine_timeout_s if self._mooncake else 0.0,
+                    sorted(q.pending),
+                )
 
     def start(self, interval: float | None = None) -> Receiver:
         """Run `poll_timeouts` on a daemon thread every `interval` seconds (default: a
@@ -679,6 +1009,20 @@ class Receiver:
         self.close()
 
     # ---- internals ----------------------------------------------------------------------------
+    def _sender_done(self, room: str, rank: int) -> None:
+        """A Mooncake sender of a finished room will write no more: maybe unquarantine."""
+        with self._lock:
+            q = self._quarantine.get(room)
+            if q is None:
+                return
+            q.pending.discard(rank)
+            if q.pending:
+                return
+            del self._quarantine[room]
+            assert self._arena is not None
+            self._arena.free(q.region)
+        logger.info("room %s: staging region leaves quarantine (every writer done)", room)
+
     def _live(self, room: str, what: str) -> _Room:
         r = self._live_or_snapshot(room)
         if isinstance(r, RoomSnapshot):
@@ -777,10 +1121,35 @@ class Receiver:
         self._advance(r, RoomState.FAILED)
 
     def _retire(self, r: _Room) -> None:
-        """Free staging; on failure free the decode pages; keep a tombstone; wake waiters."""
+        """Free staging (an arena region at once, or quarantined when Mooncake writers
+        may still be alive); on failure free the decode pages; keep a tombstone; wake
+        waiters."""
         r.staging = None
+        region, r.region = r.region, None
         snap = r.snapshot()
         with self._changed:
+            if region is not None:
+                assert self._arena is not None
+                pending = {
+                    i
+                    for i, s in enumerate(r.senders)
+                    if s.handshaken and s.plane == "mooncake" and not s.writes_done
+                }
+                if r.state is RoomState.FAILED and pending:
+                    assert self._mooncake is not None
+                    self._arena.quarantine(region)
+                    self._quarantine[r.room] = _Quarantine(
+                        region, pending, self._clock() + self._mooncake.quarantine_timeout_s
+                    )
+                    logger.info(
+                        "room %s: staging region quarantined until prefill rank(s) %s say "
+                        "their writes ended (or %gs pass)",
+                        r.room,
+                        sorted(pending),
+                        self._mooncake.quarantine_timeout_s,
+                    )
+                else:
+                    self._arena.free(region)
             if r.state is RoomState.FAILED:
                 self._allocator.free(r.dst_pages)
             self._rooms.pop(r.room, None)
@@ -841,8 +1210,9 @@ class KVTransferServicer:
                 msg.num_tokens,
                 layout_from_pb(msg.layout),
                 msg.attempt,
+                data_plane_from_pb(msg.data_plane),
             )
-            return pb.HandshakeReply(
+            reply = pb.HandshakeReply(
                 accepted=res.accepted,
                 mismatches=list(res.mismatches),
                 status=snapshot_to_pb(res.status),
@@ -851,6 +1221,17 @@ class KVTransferServicer:
                 max_chunk_bytes=self.receiver.max_chunk_bytes,
                 heartbeat_interval_s=self.receiver.timeouts.heartbeat_interval,
             )
+            if res.region is not None:
+                reply.mooncake.CopyFrom(
+                    pb.MooncakeRegion(
+                        session_id=res.region.session_id,
+                        buffer_addrs=list(res.region.buffer_addrs),
+                        rows=res.region.rows.tolist(),
+                        row_count=res.region.row_count,
+                        protocol=res.region.protocol,
+                    )
+                )
+            return reply
 
     def GetRoom(self, raw: bytes, context: grpc.ServicerContext) -> pb.RoomStatus:
         msg = _parse(pb.RoomRef, raw, context)
@@ -861,7 +1242,14 @@ class KVTransferServicer:
         written = duplicate = 0
         status: RoomSnapshot | None = None
         for raw in raw_iter:
-            msg = _parse(pb.PageChunk, raw, context)
+            # The page bytes stay in `raw` (a view): protobuf would copy them twice.
+            split = _split_len_field(raw, _PAGE_CHUNK_DATA)
+            if split is None:  # no data field, or malformed: protobuf parses (and says why)
+                msg = _parse(pb.PageChunk, raw, context)
+                data: bytes | memoryview = msg.data
+            else:
+                msg = _parse(pb.PageChunk, split[0], context)
+                data = split[1]
             with _status_on_error(context):
                 res = self.receiver.write_pages(
                     msg.room,
@@ -871,7 +1259,7 @@ class KVTransferServicer:
                     msg.layer,
                     np.asarray(msg.positions, np.int64),
                     np.asarray(msg.digests, np.uint64),
-                    msg.data,
+                    data,
                 )
             written, duplicate, status = (
                 written + res.written,
@@ -894,19 +1282,76 @@ class KVTransferServicer:
         with _status_on_error(context):
             aux = Aux(msg.aux.first_token, msg.aux.logprob) if msg.HasField("aux") else None
             snap = self.receiver.commit(
-                msg.room, msg.sender_rank, msg.attempt, np.asarray(msg.positions, np.int64), aux
+                msg.room,
+                msg.sender_rank,
+                msg.attempt,
+                np.asarray(msg.positions, np.int64),
+                aux,
+                np.asarray(msg.digests, np.uint64) if len(msg.digests) else None,
             )
             return snapshot_to_pb(snap)
 
     def Heartbeat(self, raw: bytes, context: grpc.ServicerContext) -> pb.RoomStatus:
         msg = _parse(pb.HeartbeatRequest, raw, context)
         with _status_on_error(context):
-            return snapshot_to_pb(self.receiver.heartbeat(msg.room, msg.sender_rank))
+            return snapshot_to_pb(
+                self.receiver.heartbeat(msg.room, msg.sender_rank, msg.writes_done)
+            )
 
     def Abort(self, raw: bytes, context: grpc.ServicerContext) -> pb.RoomStatus:
         msg = _parse(pb.AbortRequest, raw, context)
         with _status_on_error(context):
             return snapshot_to_pb(self.receiver.abort(msg.room, msg.reason, msg.sender_rank))
+
+
+_PAGE_CHUNK_DATA = pb.PageChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[i]  # IndexError when truncated
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+        if shift >= 64:
+            raise ValueError("varint too long")
+
+
+def _split_len_field(raw: bytes, field: int) -> tuple[bytes, memoryview] | None:
+    """Split one length-delimited `field` out of a serialized message without copying
+    it: (the message's other fields, serialized; a view of the field's bytes). None when
+    the field is absent or repeated, or the message is malformed - the caller then
+    parses `raw` whole, and protobuf reports what is wrong."""
+    i, n, spans = 0, len(raw), []
+    try:
+        while i < n:
+            start = i
+            key, i = _varint(raw, i)
+            wire = key & 7
+            if wire == 0:
+                _, i = _varint(raw, i)
+            elif wire == 1:
+                i += 8
+            elif wire == 2:
+                size, i = _varint(raw, i)
+                if key >> 3 == field:
+                    spans.append((start, i, i + size))
+                i += size
+            elif wire == 5:
+                i += 4
+            else:
+                return None
+            if i > n:
+                return None
+    except (IndexError, ValueError):
+        return None
+    if len(spans) != 1:
+        return None
+    start, lo, hi = spans[0]
+    return raw[:start] + raw[hi:], memoryview(raw)[lo:hi]
 
 
 def _parse(cls: type[M], raw: bytes, context: grpc.ServicerContext) -> M:

@@ -101,6 +101,44 @@ class CPPoolPageSource:
         )
 
 
+class HostPoolPageSource:
+    """`PageSource` over one rank's pool held in host memory: per (kind, layer) buffer a
+    C-contiguous array `[pages, ...]` indexed by the rank's local page id.
+
+    `read` gathers pages (a copy, as every `PageSource`; `read_into` into a given
+    buffer); `host_buffer` returns the leaf itself, which the Mooncake backend registers
+    once and writes from without a copy (`mooncake_backend.HostPageSource`). Used by
+    `benchmarks.bench_transfer`."""
+
+    def __init__(self, layout: LayoutDescriptor, leaves: dict[tuple[BufferKind, int], np.ndarray]):
+        missing = [b for b in layout.buffers() if b not in leaves]
+        if missing:
+            raise ValueError(f"host pool lacks buffers {missing}")
+        for (kind, layer), leaf in leaves.items():
+            nb = layout.page_bytes(kind, layer)
+            if not leaf.flags.c_contiguous or leaf.nbytes != leaf.shape[0] * nb:
+                raise ValueError(
+                    f"{kind} layer {layer}: {leaf.shape} {leaf.dtype} is not a C-contiguous "
+                    f"pool leaf of {nb} B pages"
+                )
+        self.layout = layout
+        self._leaves = dict(leaves)
+
+    def read(self, kind: BufferKind, layer: int, src_pages: np.ndarray) -> np.ndarray:
+        return self._leaves[(kind, layer)][np.asarray(src_pages, np.int64)]
+
+    def host_buffer(self, kind: BufferKind, layer: int) -> np.ndarray:
+        return self._leaves[(kind, layer)]
+
+    def read_into(
+        self, kind: BufferKind, layer: int, src_pages: np.ndarray, out: np.ndarray
+    ) -> None:
+        """`read` straight into `out` (uint8 `[len(src_pages), page_bytes]`): one copy."""
+        leaf = self._leaves[(kind, layer)]
+        flat = leaf.reshape(leaf.shape[0], -1).view(np.uint8)
+        np.take(flat, np.asarray(src_pages, np.int64), axis=0, out=out)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class RankJob:
     """What one prefill CP rank sends for one room."""

@@ -213,8 +213,14 @@ class GrpcRankSender:
             self._stop_heartbeat.set()
             if self._heartbeat is not None:
                 self._heartbeat.join()
-            for ch in self._channels:
-                ch.close()
+            try:
+                self._before_close()
+            finally:
+                for ch in self._channels:
+                    ch.close()
+
+    def _before_close(self) -> None:
+        """Hook for subclasses: the rank is finished, its channels still open."""
 
     def _open(self) -> None:
         options = [
@@ -230,16 +236,26 @@ class GrpcRankSender:
             self._channels.append(ch)
             self._stubs.append(pb_grpc.KVTransferStub(ch))
 
-    def _handshake(self) -> pb.HandshakeReply:
-        job, cfg = self.job, self.config
-        req = pb.HandshakeRequest(
+    # Handshake failures retried until the bootstrap timeout (decode not up / room unknown).
+    HANDSHAKE_WAITABLE: ClassVar[frozenset[grpc.StatusCode]] = RETRYABLE | {
+        grpc.StatusCode.NOT_FOUND
+    }
+
+    def _handshake_request(self) -> pb.HandshakeRequest:
+        job = self.job
+        return pb.HandshakeRequest(
             room=job.room,
             sender_rank=job.rank,
             cp_size=job.cp_size,
             num_tokens=job.num_tokens,
             layout=layout_to_pb(job.layout),
             attempt=job.attempt,
+            data_plane=pb.DATA_PLANE_GRPC,
         )
+
+    def _handshake(self) -> pb.HandshakeReply:
+        cfg = self.config
+        req = self._handshake_request()
         deadline = time.monotonic() + cfg.bootstrap_timeout_s
         tries = 0
         while True:
@@ -250,7 +266,7 @@ class GrpcRankSender:
             except grpc.RpcError as e:
                 self._check()
                 code = e.code()
-                waitable = code in RETRYABLE or code is grpc.StatusCode.NOT_FOUND
+                waitable = code in self.HANDSHAKE_WAITABLE
                 if waitable and time.monotonic() < deadline:
                     tries += 1
                     self._sleep(min(cfg.retry_backoff_s * 2 ** min(tries, 6), 1.0))
@@ -376,10 +392,8 @@ class GrpcRankSender:
             return
 
     # ---- commit and outcome -------------------------------------------------------------------
-    def _commit(self, plan: RankPlan) -> None:
-        job, cfg = self.job, self.config
-        if self.faults.before_commit is not None:
-            self.faults.before_commit(self)
+    def _commit_request(self, plan: RankPlan) -> pb.CommitRequest:
+        job = self.job
         req = pb.CommitRequest(
             room=job.room,
             sender_rank=job.rank,
@@ -388,6 +402,13 @@ class GrpcRankSender:
         )
         if job.aux is not None:
             req.aux.CopyFrom(aux_to_pb(job.aux))
+        return req
+
+    def _commit(self, plan: RankPlan) -> None:
+        cfg = self.config
+        if self.faults.before_commit is not None:
+            self.faults.before_commit(self)
+        req = self._commit_request(plan)
         for attempt in range(cfg.max_retries + 1):
             self._check()
             try:

@@ -1,0 +1,483 @@
+"""PD transfer throughput per backend vs the raw Mooncake engine, over loopback.
+
+    python -m benchmarks.bench_transfer --json [--tokens 65536] [--layers 8] [--repeats 3]
+
+One GLM-5-sized request (page 64; per token and layer 576 bf16 latent = 1152 B, plus
+index K 128 fp8 + a float32 scale = 132 B on full indexer layers; the layout comes from
+the GLM-5 config, whose 78 layers are all full - `--layers` keeps the first N so the
+pools fit in memory; synthetic GLM-5 dims, with a warning, when the config is missing)
+is sent by `--cp` (8) prefill ranks to one decode server on 127.0.0.1:
+
+- prefill side (this process, one thread per rank, as a JAX single-controller prefill
+  runs its CP ranks): per rank a host-memory pool per (kind, layer) buffer holding random
+  bytes (`transfer.sender.HostPoolPageSource`); each rank owns pages `p mod cp`, held in
+  contiguous local pages (a fresh allocation; `--fragment` scatters them);
+- decode side (a child process by default, `--in-process-receiver` otherwise):
+  `transfer.receiver.Receiver` in its documented host-only mode (`pool=None`): no decode
+  pool and no device scatter - this measures the transfer, not a device copy. Pages
+  stage in one pre-faulted arena (the Mooncake endpoint's, registered once; gRPC rooms
+  stage there too, so both backends write into the same warm memory), page digests are
+  verified as in production, coverage is checked, the room succeeds. The first
+  (untimed) run of each backend also checks every staged page against its source;
+- timing: from `send_request` (before the first handshake) to the decode side's room
+  reaching Success, i.e. handshakes, page reads, digests, data movement, commits and the
+  coverage check; the senders' hold release after Success is not timed. `*_gbps` =
+  request bytes / median seconds over `--repeats` (1e9 B/s); `*_cpu_cores` = CPU
+  seconds of both processes per second during the runs;
+- raw: `benchmarks.bench_mooncake_raw.raw_write_times` for the same total bytes as ONE
+  contiguous write between two engines, measured in the same run (median over
+  max(repeats, 3)); `*_ratio` = backend / raw.
+
+Backends: `grpc` (`GrpcBackendConfig`: 4 MiB chunks, `--grpc-channels` channels per
+rank) and `mooncake` (zero-copy from the registered host pools by default;
+`--mooncake-source copy` reads pages into the backend's registered host buffer first,
+as for device pools). On a 2-core machine the raw engine write alone keeps both cores
+busy, so every other CPU cycle (xxh3 digests on both sides, the Python control plane)
+comes out of the ratio.
+
+Prints ONE JSON object on stdout; progress goes to stderr. Mooncake parts are null, with
+the reason in `mooncake_unavailable`, where the engine cannot load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: errors only
+
+import numpy as np
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.paging import PageAllocator, owned_pages, pages_for_tokens
+from transfer.backends.grpc_backend import GrpcBackend, GrpcBackendConfig
+from transfer.backends.mooncake_engine import mooncake_available
+from transfer.page_plan import PROTOCOL_VERSION, LayoutDescriptor, row_digests
+from transfer.protocol import MAX_CHUNK_BYTES, Aux, RoomState, TransferTimeouts
+from transfer.receiver import Receiver, serve
+from transfer.sender import HostPoolPageSource, TransferBackend, rank_jobs, send_request
+from transfer.staging_arena import StagingArena
+
+logger = logging.getLogger("bench_transfer")
+
+GLM5_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "configs" / "glm-5"
+PAGE_SIZE = 64
+MiB = 1 << 20
+
+
+def glm5_layout(layers: int, config_dir: Path = GLM5_CONFIG) -> tuple[LayoutDescriptor, str]:
+    """The GLM-5 KV layout (page 64, bf16 latent, fp8 index K + scale), first `layers`
+    layers; synthetic GLM-5 dims with a warning when the config is missing."""
+    if (config_dir / "config.json").is_file():
+        cfg = ModelConfig.from_pretrained(config_dir)
+        full = LayoutDescriptor.from_model(cfg, PAGE_SIZE, "bfloat16", "fp8_e4m3")
+        source = f"GLM-5 config {config_dir}"
+    else:
+        logger.warning(
+            "%s not found: using synthetic GLM-5 dims (576 bf16 latent, 128 fp8 index K + "
+            "scale, 78 layers, all full indexer layers)",
+            config_dir,
+        )
+        full = LayoutDescriptor(
+            PROTOCOL_VERSION, PAGE_SIZE, 78, tuple(range(78)), 576, "bfloat16", 128,
+            "float8_e4m3fn", True,
+        )  # fmt: skip
+        source = "synthetic GLM-5 dims"
+    if not 1 <= layers <= full.num_layers:
+        raise SystemExit(f"--layers must be in [1, {full.num_layers}], got {layers}")
+    layout = dataclasses.replace(
+        full,
+        num_layers=layers,
+        full_indexer_layers=tuple(x for x in full.full_indexer_layers if x < layers),
+    )
+    return layout, source
+
+
+@dataclasses.dataclass
+class Plan:
+    layout: LayoutDescriptor
+    tokens: int
+    cp: int
+    n_pages: int
+    src_local: np.ndarray  # [n_pages] local page of each position on its owner rank
+    leaves: list[dict]  # per rank: (kind, layer) -> uint8 [pages_per_rank, page_bytes]
+
+    @property
+    def bytes(self) -> int:
+        return self.n_pages * self.layout.bytes_per_page()
+
+
+def build_plan(layout: LayoutDescriptor, tokens: int, cp: int, fragment: bool, seed: int) -> Plan:
+    """Random host pools per rank and the request's local pages (contiguous unless
+    `fragment`)."""
+    n = pages_for_tokens(tokens, layout.page_size)
+    rng = np.random.default_rng(seed)
+    src_local = np.zeros(n, np.int64)
+    pages_per_rank = -(-n // cp) * (2 if fragment else 1) + 1  # + the trash page 0
+    for r in range(cp):
+        own = owned_pages(n, r, cp)
+        local = np.arange(1, pages_per_rank, dtype=np.int64)
+        if fragment:
+            local = rng.permutation(local)
+        src_local[own] = local[: own.size]
+    leaves = []
+    for _ in range(cp):
+        per = {}
+        for kind, layer in layout.buffers():
+            nb = layout.page_bytes(kind, layer)
+            per[(kind, layer)] = (
+                np.frombuffer(rng.bytes(pages_per_rank * nb), np.uint8)
+                .reshape(pages_per_rank, nb)
+                .copy()
+            )  # writable, owned
+        leaves.append(per)
+    return Plan(layout, tokens, cp, n, src_local, leaves)
+
+
+class DecodeServer:
+    """The decode side: a host-only `Receiver` (pool=None) served over gRPC, its staging
+    in one pre-faulted arena (the Mooncake endpoint's when the engine loads; gRPC rooms
+    stage there too). Rooms opened with `check` hand their staged rows to a sink that
+    digests every page (compared with the sources by the caller)."""
+
+    def __init__(self, layout: LayoutDescriptor, n_pages: int, arena_bytes: int, mooncake: bool):
+        self.layout = layout
+        self.endpoint = None
+        if mooncake:
+            from transfer.backends.mooncake_backend import MooncakeReceiverEndpoint
+
+            self.endpoint = MooncakeReceiverEndpoint(arena_bytes, quarantine_timeout_s=120.0)
+        self._check: set[str] = set()
+        self._digests: dict[str, np.ndarray] = {}
+        self._dst: dict[str, np.ndarray] = {}
+        self._rng = np.random.default_rng(1)
+        self.rx = Receiver(
+            layout,
+            None,
+            PageAllocator(n_pages + 1),
+            timeouts=TransferTimeouts(
+                bootstrap=120, waiting=120, heartbeat=60, heartbeat_interval=1
+            ),
+            mooncake=self.endpoint,
+            staging_arena=None if self.endpoint is not None else StagingArena(arena_bytes),
+            host_sink=self._sink,
+        ).start()
+        self.server, port = serve(self.rx)
+        self.target = f"127.0.0.1:{port}"
+
+    def _sink(self, room: str, positions, dst_pages, staging) -> None:
+        if room not in self._check:
+            return
+        out = np.zeros((len(staging), positions.size), np.uint64)
+        for b, rows in enumerate(staging):
+            out[b, positions] = row_digests(rows, np.arange(positions.size))
+        self._digests[room] = out
+
+    def open_room(self, room: str, tokens: int, cp: int, check: bool) -> None:
+        n = pages_for_tokens(tokens, self.layout.page_size)
+        dst = self._rng.permutation(self.rx.allocate_pages(n))  # shuffled decode pages
+        if check:
+            self._check.add(room)
+        self._dst[room] = dst
+        self.rx.register_room(room, dst, tokens, cp)
+
+    def wait(self, room: str) -> tuple[str, str, np.ndarray | None, float]:
+        """(state label, reason, per-(buffer, position) digests of checked rooms, CPU s)."""
+        c0 = time.process_time()
+        snap = self.rx.wait(room, timeout=600)
+        cpu = time.process_time() - c0
+        self.rx.free_pages(self._dst.pop(room))
+        self._check.discard(room)
+        return snap.state.label, snap.reason, self._digests.pop(room, None), cpu
+
+    def close(self) -> None:
+        self.server.stop(0)
+        self.rx.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
+
+
+def _decode_process(conn, layout: LayoutDescriptor, n_pages: int, arena: int, mc: bool) -> None:
+    """Child process body: a `DecodeServer` driven by (method, args) messages."""
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        server = DecodeServer(layout, n_pages, arena, mc)
+    except BaseException as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", server.target))
+    try:
+        while True:
+            method, args = conn.recv()
+            if method == "close":
+                break
+            try:
+                conn.send(("ok", getattr(server, method)(*args)))
+            except Exception as e:
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        server.close()
+        conn.send(("ok", None))
+
+
+class DecodeProcess:
+    """A `DecodeServer` in a child process (spawned): the decode server runs apart from
+    the prefill senders, as in a deployment, with its own interpreter lock."""
+
+    def __init__(self, layout: LayoutDescriptor, n_pages: int, arena_bytes: int, mooncake: bool):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_decode_process,
+            args=(child, layout, n_pages, arena_bytes, mooncake),
+            name="bench-decode",
+            daemon=True,
+        )
+        self._proc.start()
+        self.target = self._reply()
+
+    def _reply(self):
+        if not self._conn.poll(120):
+            raise RuntimeError("the decode process did not answer within 120 s")
+        status, value = self._conn.recv()
+        if status not in ("ok", "ready"):
+            raise RuntimeError(f"decode process: {value}")
+        return value
+
+    def open_room(self, room: str, tokens: int, cp: int, check: bool) -> None:
+        self._conn.send(("open_room", (room, tokens, cp, check)))
+        self._reply()
+
+    def wait(self, room: str) -> tuple[str, str, np.ndarray | None, float]:
+        self._conn.send(("wait", (room,)))
+        return self._reply()
+
+    def close(self) -> None:
+        try:
+            self._conn.send(("close", ()))
+            self._reply()
+        finally:
+            self._proc.join(30)
+            if self._proc.is_alive():
+                self._proc.kill()
+
+
+def source_digests(plan: Plan) -> np.ndarray:
+    """Digest of every (buffer, position) page at its source: what a checked room's
+    staging must hold."""
+    out = np.zeros((len(plan.layout.buffers()), plan.n_pages), np.uint64)
+    owners = np.arange(plan.n_pages) % plan.cp
+    for b, key in enumerate(plan.layout.buffers()):
+        for r in range(plan.cp):
+            pos = np.flatnonzero(owners == r)
+            out[b, pos] = row_digests(plan.leaves[r][key], plan.src_local[pos])
+    return out
+
+
+def run_backend(
+    name: str,
+    backend: TransferBackend,
+    decode: DecodeServer | DecodeProcess,
+    plan: Plan,
+    repeats: int,
+) -> tuple[list[float], list[float]]:
+    """Seconds from send to Success for `repeats` timed runs (after one warm-up whose
+    every staged page is checked against its source), and the CPU seconds of each
+    (prefill and decode sides together)."""
+    sources = [HostPoolPageSource(plan.layout, leaves) for leaves in plan.leaves]
+    in_process = isinstance(decode, DecodeServer)
+    times, cpu = [], []
+    for i in range(repeats + 1):
+        room = f"{name}-{i}"
+        decode.open_room(room, plan.tokens, plan.cp, check=i == 0)
+        jobs = rank_jobs(
+            room, decode.target, plan.layout, plan.tokens, plan.src_local, sources, Aux(1, -0.5)
+        )
+        t0, c0 = time.perf_counter(), time.process_time()
+        hold = send_request(backend, jobs, lambda _: None)
+        state, reason, digests, decode_cpu = decode.wait(room)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        outcome = hold.wait(120)
+        if state != RoomState.SUCCESS.label:
+            raise RuntimeError(f"{name} room {room} ended {state}: {reason}")
+        if outcome is None or outcome.state is not RoomState.SUCCESS:
+            raise RuntimeError(f"{name} room {room}: the senders saw {outcome}")
+        gbps = plan.bytes / dt / 1e9
+        if i == 0:
+            if digests is None or not np.array_equal(digests, source_digests(plan)):
+                raise RuntimeError(f"{name}: the staged pages differ from the sources")
+            logger.info("%s warm-up: %.3fs (%.2f GB/s), every page checked", name, dt, gbps)
+        else:
+            times.append(dt)
+            cpu.append(dc + (0.0 if in_process else decode_cpu))
+            logger.info("%s run %d: %.3fs (%.2f GB/s, %.2f cores)", name, i, dt, gbps, cpu[-1] / dt)
+    return times, cpu
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_transfer", description=__doc__)
+    ap.add_argument("--json", action="store_true", help="print one JSON object (default: also)")
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--layers", type=int, default=8, help="first N GLM-5 layers (of 78)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cp", type=int, default=8, help="prefill CP ranks (senders)")
+    ap.add_argument(
+        "--backends", default="mooncake,grpc", help="comma-separated, run in this order"
+    )
+    ap.add_argument("--grpc-channels", type=int, default=4, help="gRPC channels per rank")
+    ap.add_argument("--grpc-chunk-mib", type=float, default=MAX_CHUNK_BYTES / MiB)
+    ap.add_argument(
+        "--mooncake-source",
+        choices=("zero-copy", "copy"),
+        default="zero-copy",
+        help="write from the registered host pools, or copy pages to a host buffer first",
+    )
+    ap.add_argument("--fragment", action="store_true", help="scatter each rank's local pages")
+    ap.add_argument(
+        "--in-process-receiver",
+        action="store_true",
+        help="run the decode receiver in this process (default: a child process)",
+    )
+    ap.add_argument("--config", type=Path, default=GLM5_CONFIG, help="GLM-5 config dir")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+    if args.repeats < 1 or args.tokens < 1 or args.cp < 1:
+        ap.error("--repeats, --tokens and --cp must be >= 1")
+    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not set(wanted) <= {"grpc", "mooncake"}:
+        ap.error(f"--backends: unknown {sorted(set(wanted) - {'grpc', 'mooncake'})}")
+
+    layout, layout_source = glm5_layout(args.layers, args.config)
+    t = time.perf_counter()
+    plan = build_plan(layout, args.tokens, args.cp, args.fragment, args.seed)
+    logger.info(
+        "plan: %d tokens, %d pages, %d layers, %d buffers, %.1f MB (%d B/token), cp %d; "
+        "pools built in %.1fs",
+        plan.tokens,
+        plan.n_pages,
+        layout.num_layers,
+        len(layout.buffers()),
+        plan.bytes / 1e6,
+        layout.bytes_per_page() // layout.page_size,
+        args.cp,
+        time.perf_counter() - t,
+    )
+    ok, why = mooncake_available()
+    use_mooncake = ok and "mooncake" in wanted
+    if not ok:
+        logger.warning("Mooncake unavailable, mooncake and raw parts skipped: %s", why)
+
+    # One host-only decode server for both backends (its own process by default).
+    arena_bytes = plan.bytes + 64 * MiB
+    t = time.perf_counter()
+    decode: DecodeServer | DecodeProcess = (
+        DecodeServer(layout, plan.n_pages, arena_bytes, ok)
+        if args.in_process_receiver
+        else DecodeProcess(layout, plan.n_pages, arena_bytes, ok)
+    )
+    logger.info("decode server at %s up in %.1fs", decode.target, time.perf_counter() - t)
+    report: dict = {
+        "tokens": plan.tokens,
+        "bytes": plan.bytes,
+        "grpc_gbps": None,
+        "mooncake_gbps": None,
+        "raw_mooncake_gbps": None,
+        "grpc_ratio": None,
+        "mooncake_ratio": None,
+        "layers": layout.num_layers,
+        "layout": layout_source,
+        "page_size": layout.page_size,
+        "pages": plan.n_pages,
+        "bytes_per_token": layout.bytes_per_page() // layout.page_size,
+        "buffers": len(layout.buffers()),
+        "cp": args.cp,
+        "repeats": args.repeats,
+        "backend_order": wanted,
+        "fragmented_sources": args.fragment,
+        "host": "127.0.0.1",
+        "cpu_count": os.cpu_count(),
+        "receiver": "host-only (pool=None): staging verified by digest, no device scatter",
+        "receiver_process": "this process" if args.in_process_receiver else "child process",
+    }
+    if not ok:
+        report["mooncake_unavailable"] = why
+    try:
+        for name in wanted:  # in the order given
+            if name == "grpc":
+                cfg = GrpcBackendConfig(
+                    chunk_bytes=int(args.grpc_chunk_mib * MiB),
+                    channels_per_rank=args.grpc_channels,
+                    heartbeat_interval_s=1.0,
+                    heartbeat_timeout_s=60.0,
+                    rpc_timeout_s=600.0,
+                )
+                times, cpu = run_backend("grpc", GrpcBackend(cfg), decode, plan, args.repeats)
+                report["grpc_gbps"] = plan.bytes / statistics.median(times) / 1e9
+                report["grpc_seconds"] = times
+                report["grpc_cpu_cores"] = statistics.median(
+                    c / t for c, t in zip(cpu, times, strict=True)
+                )
+                report["grpc_config"] = {
+                    "chunk_bytes": cfg.chunk_bytes,
+                    "channels_per_rank": cfg.channels_per_rank,
+                }
+            if name == "mooncake" and use_mooncake:
+                from transfer.backends.mooncake_backend import (
+                    MooncakeBackend,
+                    MooncakeBackendConfig,
+                )
+
+                mcfg = MooncakeBackendConfig(
+                    zero_copy_host_sources=args.mooncake_source == "zero-copy",
+                    host_buffer_bytes=plan.bytes + 64 * MiB,
+                    heartbeat_interval_s=1.0,
+                    heartbeat_timeout_s=60.0,
+                    rpc_timeout_s=600.0,
+                    transfer_timeout_s=120.0,
+                )
+                with MooncakeBackend(mcfg) as backend:
+                    times, cpu = run_backend("mooncake", backend, decode, plan, args.repeats)
+                    stats = backend.stats(f"mooncake-{args.repeats}")
+                report["mooncake_gbps"] = plan.bytes / statistics.median(times) / 1e9
+                report["mooncake_seconds"] = times
+                report["mooncake_cpu_cores"] = statistics.median(
+                    c / t for c, t in zip(cpu, times, strict=True)
+                )
+                report["mooncake_source"] = args.mooncake_source
+                report["mooncake_descriptors_per_rank"] = {
+                    str(r): s.descriptors for r, s in sorted(stats.items())
+                }
+                report["mooncake_batch_writes_per_rank"] = {
+                    str(r): s.batch_writes for r, s in sorted(stats.items())
+                }
+    finally:
+        decode.close()
+    del plan.leaves[:]  # free the pools before the raw engines allocate theirs
+
+    if ok:
+        from benchmarks.bench_mooncake_raw import raw_write_times
+
+        raw = raw_write_times(report["bytes"], max(args.repeats, 3))
+        report["raw_seconds"] = raw
+        report["raw_mooncake_gbps"] = report["bytes"] / statistics.median(raw) / 1e9
+        for name in ("grpc", "mooncake"):
+            if report[f"{name}_gbps"] is not None:
+                report[f"{name}_ratio"] = report[f"{name}_gbps"] / report["raw_mooncake_gbps"]
+    json.dump(report, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""bench_transfer runs end to end (tiny: 4096 tokens, 2 layers, 1 repeat) and reports
+the issue's keys. The benchmark figures themselves are not checked here (README)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.bench_transfer import main
+from transfer.backends.mooncake_engine import mooncake_available
+
+AVAILABLE, REASON = mooncake_available()
+KEYS = ("tokens", "bytes", "grpc_gbps", "mooncake_gbps", "raw_mooncake_gbps")
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    import io
+    from contextlib import redirect_stdout
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["--json", "--tokens", "4096", "--layers", "2", "--repeats", "1"]) == 0
+    lines = out.getvalue().strip().splitlines()
+    assert len(lines) == 1, "the benchmark prints exactly one JSON object"
+    return json.loads(lines[0])
+
+
+def test_bench_transfer_reports_the_plan_and_grpc(report):
+    for key in (*KEYS, "grpc_ratio", "mooncake_ratio"):
+        assert key in report
+    assert report["tokens"] == 4096 and report["layers"] == 2 and report["cp"] == 8
+    # 64 pages of (2 latent + 2 index_k + 2 scale) buffers: 2 * (1152 + 132) B per token.
+    assert report["bytes"] == 4096 * 2 * (1152 + 132)
+    assert report["grpc_gbps"] > 0 and len(report["grpc_seconds"]) == 1
+
+
+def test_bench_transfer_reports_mooncake_and_raw(report):
+    if not AVAILABLE:
+        assert report["mooncake_unavailable"] == REASON
+        pytest.skip(f"Mooncake Transfer Engine unavailable: {REASON}")
+    for key in ("mooncake_gbps", "raw_mooncake_gbps", "grpc_ratio", "mooncake_ratio"):
+        assert report[key] > 0, key
+    assert report["mooncake_ratio"] == pytest.approx(
+        report["mooncake_gbps"] / report["raw_mooncake_gbps"]
+    )
+    # Contiguous local pages + owner-major staging: one descriptor per buffer per rank.
+    assert set(report["mooncake_descriptors_per_rank"].values()) == {6}

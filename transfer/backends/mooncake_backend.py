@@ -1,0 +1,698 @@
+"""The Mooncake transfer backend: page bytes by Mooncake Transfer Engine, control over gRPC.
+
+Page bytes move with one-sided Mooncake engine writes (TCP on one machine, RDMA in a
+cluster) straight into a staging region the decode receiver carved for the room from
+its registered arena; the control plane - handshake with the layout descriptor, heartbeats,
+the commit with every page's digest and rank 0's aux data, aborts - is the gRPC service
+of `transfer.receiver`, exactly as for the `grpc` backend. Capabilities: owner filtering
+and position-addressed destinations (SPEC S2.3).
+
+**Decode side** - `MooncakeReceiverEndpoint`: one engine (P2P-handshake mode) and ONE
+`StagingArena` of `arena_bytes`, registered once at startup; pass it to
+`Receiver(..., mooncake=endpoint)`. A room's region is carved at its first Mooncake
+handshake, one block per (kind, layer) buffer with rows in owner-major order (rank 0's
+positions, then rank 1's, ...), so each rank's owned positions are ONE contiguous row
+range per buffer. The handshake reply (`MooncakeRegion`) gives the engine session id,
+every buffer's base address and the row of each position. At a rank's commit the
+receiver hashes the rank's staged rows and compares them with the digests in the commit
+(mismatch: Failed, with the position and both digests); when every rank committed and
+coverage is exact, it does one device scatter per buffer into the decode pool (the pool
+is never registered, so the engine cannot write it) and frees the region. A failed
+room's region is quarantined until every writer says it is done, or
+`quarantine_timeout_s` passes (see `transfer.receiver`).
+
+**Prefill side** - `MooncakeBackend`: one engine per process, shared by the ranks this
+process runs (`engine` may also be passed in). Per rank, after the handshake:
+
+1. source bytes: when the rank's `PageSource` has `host_buffer(kind, layer)` (a host
+   pool leaf `[pages, ...]` that stays at its address - a host-memory KV pool) and its
+   local pages form long runs (descriptors of `zero_copy_min_descriptor_bytes` on
+   average), that array is registered with the engine once and pages are written from
+   it directly (zero copy, one descriptor per run of consecutive local pages);
+   otherwise (device pools, scattered pages) the rank's owned pages are read once
+   (`PageSource.read`, or `read_into` when the source has it) into a region of the
+   backend's registered host buffer (`host_buffer_bytes`), laid out buffer by buffer,
+   so each buffer is one contiguous source range;
+2. digests: xxh3 of every page (`page_plan.row_digests`), from the bytes that are sent;
+3. writes: descriptors coalesced where source and destination rows both advance by
+   one (owner-major staging: one descriptor per buffer when the source is contiguous),
+   batched by `write_group_bytes` (the engine wrapper splits calls at `max_batch`
+   descriptors); the rank stops between groups when the room failed;
+4. commit over gRPC with the positions and digests (rank 0 adds the aux data), then
+   heartbeats until the room is finished, as the gRPC sender does;
+5. on the way out (not when killed) a final heartbeat with `writes_done` tells the
+   receiver this rank writes no more, which ends a failed room's quarantine early. A
+   rank whose write failed with an engine error does not say so (the engine may still
+   move its bytes); the quarantine timeout covers it.
+
+The prefill pages are held until the room succeeds or fails (`transfer.sender.
+TransferHold`, as for every backend). `MooncakeSenderFaults` are the tests' hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import ClassVar, Protocol, runtime_checkable
+
+import grpc
+import numpy as np
+
+from transfer.backends.grpc_backend import (
+    RETRYABLE,
+    GrpcBackendConfig,
+    GrpcRankSender,
+    _Killed,
+)
+from transfer.backends.mooncake_engine import (
+    DEFAULT_MAX_BATCH,
+    MooncakeEngine,
+    MooncakeError,
+    RegisteredBuffer,
+)
+from transfer.capabilities import BackendCapabilities, default_backend_registry
+from transfer.page_plan import BufferKind, RankPlan, row_digests
+from transfer.proto import kv_transfer_pb2 as pb
+from transfer.proto import kv_transfer_pb2_grpc as pb_grpc
+from transfer.protocol import MAX_MESSAGE_BYTES, MiB, RoomSnapshot
+from transfer.sender import RankJob, TransferBackend, TransferHold
+from transfer.staging_arena import Region, StagingArena, StagingFullError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_QUARANTINE_TIMEOUT_S = 60.0  # > the engine's default 30 s transfer timeout
+
+
+# ---- decode side -------------------------------------------------------------------------
+
+
+class MooncakeReceiverEndpoint:
+    """The decode receiver's Mooncake side: one engine and one registered staging arena.
+
+    `arena_bytes` bounds the pages of all rooms in flight (plus quarantined ones); a
+    room that does not fit waits (its senders retry the handshake). `quarantine_timeout_s`
+    should exceed the senders' engine transfer timeout. Close it after the receiver.
+    """
+
+    def __init__(
+        self,
+        arena_bytes: int,
+        *,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        quarantine_timeout_s: float = DEFAULT_QUARANTINE_TIMEOUT_S,
+        transfer_timeout_s: float | None = None,
+        prefault: bool = True,
+        engine: MooncakeEngine | None = None,
+    ):
+        if not quarantine_timeout_s > 0:
+            raise ValueError(f"quarantine_timeout_s must be > 0, got {quarantine_timeout_s}")
+        self.quarantine_timeout_s = float(quarantine_timeout_s)
+        self._owns_engine = engine is None
+        self.engine = (
+            engine
+            if engine is not None
+            else MooncakeEngine(
+                hostname, protocol, device_name=device_name, transfer_timeout_s=transfer_timeout_s
+            )
+        )
+        try:
+            self.arena = StagingArena(arena_bytes, prefault=prefault)
+            self._registered = self.engine.register(self.arena.memory)
+        except BaseException:
+            if self._owns_engine:
+                self.engine.close()
+            raise
+        self.session_id = self.engine.session_id
+        self.protocol = self.engine.protocol
+        logger.info(
+            "Mooncake receive endpoint %s (%s): %d B staging arena registered",
+            self.session_id,
+            self.protocol,
+            self.arena.nbytes,
+        )
+
+    def close(self) -> None:
+        """Unregister the arena; close the engine if this endpoint made it (~1 s)."""
+        if self._owns_engine:
+            self.engine.close()
+        elif not self.engine.closed:
+            self.engine.unregister(self._registered)
+
+    def __enter__(self) -> MooncakeReceiverEndpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- prefill side ------------------------------------------------------------------------
+
+
+@runtime_checkable
+class HostPageSource(Protocol):
+    """A `PageSource` whose pool lives in host memory: the backend registers each leaf
+    with its engine once and writes pages from it directly (no copy).
+
+    `host_buffer(kind, layer)` is the rank's whole (kind, layer) pool leaf, first axis
+    = the rank's local page id, C-contiguous; the same array (same address) on every
+    call, alive for as long as the backend."""
+
+    def read(self, kind: BufferKind, layer: int, src_pages: np.ndarray) -> np.ndarray: ...
+
+    def host_buffer(self, kind: BufferKind, layer: int) -> np.ndarray: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeBackendConfig:
+    """Prefill-side settings of the Mooncake backend (seconds, bytes)."""
+
+    hostname: str = "127.0.0.1"  # what the decode engine's handshake reaches this engine at
+    protocol: str = "tcp"  # "tcp" or "rdma"
+    device_name: str = ""  # RDMA NICs ("" = auto)
+    transfer_timeout_s: float | None = 30.0  # a write to a stalled peer fails after this
+    max_batch: int = DEFAULT_MAX_BATCH  # descriptors per engine call
+    host_buffer_bytes: int = 256 * MiB  # registered copy buffer for device-pool sources
+    host_buffer_wait_s: float = 30.0  # wait this long for space in it, then fail the room
+    write_group_bytes: int = 256 * MiB  # bytes per batch write (stop checks in between)
+    zero_copy_host_sources: bool = True  # write straight from HostPageSource buffers...
+    # ...when its descriptors average at least this many bytes; scattered pages are
+    # gathered into the host buffer instead (small descriptors are slow on the engine).
+    zero_copy_min_descriptor_bytes: int = 1 * MiB
+    # Control plane (gRPC), as GrpcBackendConfig:
+    rpc_timeout_s: float = 30.0
+    max_retries: int = 3
+    retry_backoff_s: float = 0.05
+    heartbeat_interval_s: float | None = None
+    heartbeat_timeout_s: float = 15.0
+    bootstrap_timeout_s: float = 300.0
+    outcome_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("host_buffer_bytes", "write_group_bytes", "max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self.control()  # validates the control-plane fields
+
+    def control(self) -> GrpcBackendConfig:
+        """The control-plane settings, for the gRPC sender machinery."""
+        return GrpcBackendConfig(
+            channels_per_rank=1,
+            max_retries=self.max_retries,
+            retry_backoff_s=self.retry_backoff_s,
+            rpc_timeout_s=self.rpc_timeout_s,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            bootstrap_timeout_s=self.bootstrap_timeout_s,
+            outcome_timeout_s=self.outcome_timeout_s,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeSenderFaults:
+    """Fault-injection hooks (tests only).
+
+    - `plan(plan) -> plan`: alter the rank's page plan (drop or add positions);
+    - `before_write(sender, group)`: before batch write `group` (`sender.kill()`, abort
+      the room, ...);
+    - `after_write(sender, group)`: after batch write `group` returned (corrupt the
+      staged bytes on the decode side, check the decode pool, ...);
+    - `before_commit(sender)`: just before the commit is sent.
+    """
+
+    plan: Callable[[RankPlan], RankPlan] | None = None
+    before_write: Callable[[MooncakeRankSender, int], None] | None = None
+    after_write: Callable[[MooncakeRankSender, int], None] | None = None
+    before_commit: Callable[[MooncakeRankSender], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RankWriteStats:
+    """What one rank wrote for one room (for benchmarks and logs)."""
+
+    pages: int
+    bytes: int
+    descriptors: int
+    batch_writes: int
+    zero_copy: bool
+    copy_s: float
+    digest_s: float
+    write_s: float
+
+
+class MooncakeBackend(TransferBackend):
+    """Owner-filtered, position-addressed Mooncake writes (see the module docstring).
+
+    The engine (and the registered host copy buffer) are made on first use and shared
+    by every rank this backend runs; `close()` releases them (~1 s)."""
+
+    capabilities: ClassVar[BackendCapabilities] = default_backend_registry().get("mooncake")
+
+    def __init__(
+        self,
+        config: MooncakeBackendConfig | None = None,
+        faults: MooncakeSenderFaults | None = None,
+        *,
+        engine: MooncakeEngine | None = None,
+    ):
+        self.config = config if config is not None else MooncakeBackendConfig()
+        self.faults = faults
+        self._control = self.config.control()
+        self._engine = engine
+        self._owns_engine = engine is None
+        self._lock = threading.Lock()
+        self._space = threading.Condition(self._lock)
+        self._host: StagingArena | None = None
+        self._registered: dict[int, tuple[int, RegisteredBuffer, np.ndarray]] = {}
+        self._senders: dict[tuple[str, int], MooncakeRankSender] = {}
+        self._stats: dict[tuple[str, int], RankWriteStats] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._closed = False
+
+    # ---- shared resources -----------------------------------------------------------------
+    @property
+    def engine(self) -> MooncakeEngine:
+        with self._lock:
+            if self._closed:
+                raise MooncakeError("the Mooncake backend is closed")
+            if self._engine is None:
+                c = self.config
+                self._engine = MooncakeEngine(
+                    c.hostname,
+                    c.protocol,
+                    device_name=c.device_name,
+                    transfer_timeout_s=c.transfer_timeout_s,
+                    max_batch=c.max_batch,
+                )
+            return self._engine
+
+    def control_channel(self, target: str) -> grpc.Channel:
+        """The control-plane channel to a decode receiver, shared by every rank and room
+        (gRPC multiplexes calls; no connection setup per rank)."""
+        with self._lock:
+            if self._closed:
+                raise MooncakeError("the Mooncake backend is closed")
+            ch = self._channels.get(target)
+            if ch is None:
+                ch = grpc.insecure_channel(
+                    target,
+                    options=[
+                        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ],
+                    compression=grpc.Compression.NoCompression,
+                )
+                self._channels[target] = ch
+            return ch
+
+    def _host_arena(self) -> StagingArena:
+        engine = self.engine
+        with self._lock:
+            if self._host is None:
+                self._host = StagingArena(self.config.host_buffer_bytes)
+                engine.register(self._host.memory)
+            return self._host
+
+    def alloc_host(self, nbytes: int, tag: str, stop: Callable[[], bool]) -> Region:
+        """A region of the registered host buffer, waiting up to `host_buffer_wait_s`."""
+        arena = self._host_arena()
+        if nbytes > arena.nbytes:
+            raise StagingFullError(
+                f"{tag}: the rank's pages need {nbytes} B, more than the whole registered "
+                f"host buffer ({arena.nbytes} B); raise MooncakeBackendConfig.host_buffer_bytes"
+            )
+        deadline = time.monotonic() + self.config.host_buffer_wait_s
+        with self._space:
+            while True:
+                try:
+                    return arena.alloc(nbytes, tag)
+                except StagingFullError:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or stop():
+                        raise
+                    self._space.wait(min(left, 0.05))
+
+    def free_host(self, region: Region) -> None:
+        assert self._host is not None
+        with self._space:
+            self._host.free(region)
+            self._space.notify_all()
+
+    def register_source(self, array: np.ndarray) -> None:
+        """Register a host pool leaf with the engine once (kept until `close`)."""
+        engine = self.engine
+        ptr, n = int(array.ctypes.data), int(array.nbytes)
+        with self._lock:
+            known = self._registered.get(ptr)
+            if known is not None and known[0] >= n:
+                return
+            if known is not None:  # the same address grew: register the larger range
+                engine.unregister(known[1])
+            self._registered[ptr] = (n, engine.register(array), array)
+
+    def close(self) -> None:
+        """Release the engine this backend made (and its registrations); idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            engine, self._engine = self._engine, None
+            regs, self._registered = list(self._registered.values()), {}
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
+        if engine is None:
+            return
+        if self._owns_engine:
+            engine.close()
+        else:
+            for _, handle, _ in regs:
+                engine.unregister(handle)
+            if self._host is not None:
+                engine.unregister(self._host.memory)
+
+    def __enter__(self) -> MooncakeBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- ranks ------------------------------------------------------------------------------
+    def send_rank(self, job: RankJob, hold: TransferHold) -> RoomSnapshot | None:
+        sender = MooncakeRankSender(job, hold, self, self.faults)
+        with self._lock:
+            self._senders[(job.room, job.rank)] = sender
+        try:
+            return sender.run()
+        finally:
+            with self._lock:
+                self._senders.pop((job.room, job.rank), None)
+                if sender.stats is not None:
+                    self._stats[(job.room, job.rank)] = sender.stats
+
+    def sender(self, room: str, rank: int) -> MooncakeRankSender | None:
+        """The running sender of (room, rank), e.g. to `kill()` it."""
+        with self._lock:
+            return self._senders.get((room, rank))
+
+    def stats(self, room: str) -> dict[int, RankWriteStats]:
+        """Per rank, what it wrote for `room` (ranks that got to write)."""
+        with self._lock:
+            return {rank: s for (r, rank), s in self._stats.items() if r == room}
+
+
+def coalesce(src_rows: np.ndarray, dst_rows: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Runs where source and destination rows both advance by one: (src, dst, count)."""
+    k = src_rows.size
+    if k == 0:
+        z = np.zeros(0, np.int64)
+        return z, z, z
+    breaks = np.flatnonzero((np.diff(src_rows) != 1) | (np.diff(dst_rows) != 1)) + 1
+    starts = np.concatenate(([0], breaks)).astype(np.int64)
+    counts = np.diff(np.concatenate((starts, [k]))).astype(np.int64)
+    return src_rows[starts], dst_rows[starts], counts
+
+
+class MooncakeRankSender(GrpcRankSender):
+    """One prefill rank's Mooncake transfer of one room (see the module docstring).
+
+    The control plane (handshake retries, heartbeats, commit, abort, `kill`) is the gRPC
+    sender's; the pages go by engine writes instead of `WritePages` streams."""
+
+    # The decode side's staging arena may be full for now: wait like for a late room.
+    HANDSHAKE_WAITABLE = RETRYABLE | {
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+
+    def __init__(
+        self,
+        job: RankJob,
+        hold: TransferHold,
+        backend: MooncakeBackend,
+        faults: MooncakeSenderFaults | None = None,
+    ):
+        super().__init__(job, hold, backend._control)
+        self.faults = faults if faults is not None else MooncakeSenderFaults()  # type: ignore[assignment]
+        self.backend = backend
+        self.stats: RankWriteStats | None = None
+        self._region: pb.MooncakeRegion | None = None  # set by an accepted handshake
+        self._digests: np.ndarray | None = None  # [n_buffers, k]
+        self._sources: list[np.ndarray] = []  # per buffer, uint8 [rows, page_bytes]
+        self._host_region: Region | None = None
+        self._write_uncertain = False  # an engine write failed: bytes may still move
+        self._committed = False
+
+    def source_rows(self, buffer: int) -> np.ndarray:
+        """The bytes this rank writes for buffer `buffer` (uint8 `[rows, page_bytes]`):
+        its registered host copy, or the registered host pool leaf (tests, debugging)."""
+        return self._sources[buffer]
+
+    # ---- protocol hooks -----------------------------------------------------------------------
+    def _open(self) -> None:
+        # The backend's shared channel: not in self._channels, so run() leaves it open.
+        self._stubs.append(pb_grpc.KVTransferStub(self.backend.control_channel(self.job.target)))
+
+    def _handshake_request(self) -> pb.HandshakeRequest:
+        req = super()._handshake_request()
+        req.data_plane = pb.DATA_PLANE_MOONCAKE
+        return req
+
+    def _handshake(self) -> pb.HandshakeReply:
+        reply = super()._handshake()
+        if reply.HasField("mooncake"):
+            self._region = reply.mooncake
+        return reply
+
+    def _commit(self, plan: RankPlan) -> None:
+        super()._commit(plan)
+        self._committed = True  # the decode side knows this rank's writes are over
+
+    def _commit_request(self, plan: RankPlan) -> pb.CommitRequest:
+        req = super()._commit_request(plan)
+        if self._digests is not None and self._digests.size:
+            req.digests.extend(self._digests.reshape(-1).tolist())
+        return req
+
+    def _before_close(self) -> None:
+        """Tell the decode side this rank writes no more (ends a quarantine early), then
+        give the host copy region back."""
+        try:
+            if self._region is not None and not self._killed.is_set() and not self._committed:
+                if self._write_uncertain:
+                    logger.warning(
+                        "room %s: rank %d had a failed engine write; not claiming its writes "
+                        "are done (the decode side's quarantine timeout covers it)",
+                        self.job.room,
+                        self.rank,
+                    )
+                else:
+                    try:
+                        self._stubs[0].Heartbeat(
+                            pb.HeartbeatRequest(
+                                room=self.job.room, sender_rank=self.rank, writes_done=True
+                            ),
+                            timeout=min(self.config.rpc_timeout_s, 2.0),
+                        )
+                    except grpc.RpcError as e:
+                        logger.info(
+                            "room %s: rank %d final heartbeat not delivered: %s",
+                            self.job.room,
+                            self.rank,
+                            e.code().name,
+                        )
+        finally:
+            self._release_host_region()
+
+    def _release_host_region(self) -> None:
+        region, self._host_region = self._host_region, None
+        self._sources = []
+        if region is None:
+            return
+        if self._write_uncertain:
+            # A failed engine write may still read it: hand it back after the transfer
+            # timeout. (Otherwise every write of this thread has returned, killed or not.)
+            delay = (self.backend.config.transfer_timeout_s or 30.0) * 2
+            t = threading.Timer(delay, self.backend.free_host, args=(region,))
+            t.daemon = True
+            t.start()
+        else:
+            self.backend.free_host(region)
+
+    # ---- pages ------------------------------------------------------------------------------
+    def _send_pages(self, plan: RankPlan, chunk_bytes: int) -> None:
+        del chunk_bytes  # gRPC chunking does not apply
+        job, cfg = self.job, self.backend.config
+        region = self._region
+        if region is None or not region.session_id:
+            self._fail("the decode side accepted the handshake without a Mooncake region")
+        assert region is not None
+        buffers = job.layout.buffers()
+        page_bytes = np.array([job.layout.page_bytes(k, layer) for k, layer in buffers], np.int64)
+        n_pages = len(region.rows)
+        if len(region.buffer_addrs) != len(buffers) or (
+            plan.num_pages and int(plan.positions.max()) >= n_pages
+        ):
+            self._fail(
+                f"Mooncake region has {len(region.buffer_addrs)} buffers and {n_pages} rows "
+                f"of positions; the layout has {len(buffers)} buffers and the plan positions "
+                f"up to {int(plan.positions.max()) if plan.num_pages else -1}"
+            )
+        k = plan.num_pages
+        if k == 0:
+            self._digests = np.zeros((len(buffers), 0), np.uint64)
+            return
+        dst_rows = np.asarray(region.rows, np.int64)[plan.positions]
+        if int(dst_rows.max()) >= region.row_count:
+            self._fail(f"Mooncake region rows reach {int(dst_rows.max())} >= {region.row_count}")
+        engine = self.backend.engine
+
+        t0 = time.perf_counter()
+        zero_copy = cfg.zero_copy_host_sources and isinstance(job.source, HostPageSource)
+        if zero_copy:  # worth it only when the local pages form long runs
+            runs = int(coalesce(plan.src_pages.astype(np.int64), dst_rows)[2].size)
+            mean = k * int(page_bytes.sum()) // (runs * page_bytes.size)
+            zero_copy = mean >= cfg.zero_copy_min_descriptor_bytes
+        if zero_copy:
+            src_rows = plan.src_pages.astype(np.int64)
+            for b, (kind, layer) in enumerate(buffers):
+                leaf = job.source.host_buffer(kind, layer)  # type: ignore[attr-defined]
+                if not leaf.flags.c_contiguous or leaf.nbytes != leaf.shape[0] * page_bytes[b]:
+                    raise ValueError(
+                        f"{kind} layer {layer}: host_buffer {leaf.shape} {leaf.dtype} is not a "
+                        f"C-contiguous pool leaf of {int(page_bytes[b])} B pages"
+                    )
+                self.backend.register_source(leaf)
+                self._sources.append(leaf.reshape(leaf.shape[0], -1).view(np.uint8))
+        else:
+            src_rows = np.arange(k, dtype=np.int64)
+            sizes = [k * int(nb) for nb in page_bytes]
+            self._host_region = self.backend.alloc_host(
+                sum(-(-s // 4096) * 4096 for s in sizes),
+                f"{job.room}/r{job.rank}",
+                lambda: self._must_stop(),
+            )
+            arena = self.backend._host
+            assert arena is not None
+            off = 0
+            for b, (kind, layer) in enumerate(buffers):
+                self._check()
+                view = arena.view(self._host_region, off, sizes[b]).reshape(k, -1)
+                read_into = getattr(job.source, "read_into", None)
+                if read_into is not None:  # one copy, into the registered buffer
+                    read_into(kind, layer, plan.src_pages, view)
+                else:
+                    rows = np.ascontiguousarray(job.source.read(kind, layer, plan.src_pages))
+                    got = rows.reshape(rows.shape[0], -1).view(np.uint8)
+                    if got.shape != view.shape:
+                        raise ValueError(
+                            f"{kind} layer {layer}: the page source gave {got.shape} bytes, "
+                            f"the layout needs {view.shape}"
+                        )
+                    view[...] = got
+                self._sources.append(view)
+                off += -(-sizes[b] // 4096) * 4096
+        t1 = time.perf_counter()
+        # Digests are taken on a helper thread while this rank writes or waits for the
+        # engine's per-peer lock (ranks' writes to one peer go one at a time), so they
+        # stay off the critical path of all but the last rank.
+        digest: dict[str, object] = {}
+
+        def take_digests() -> None:
+            t = time.perf_counter()
+            try:
+                digest["value"] = np.stack([row_digests(src, src_rows) for src in self._sources])
+            except BaseException as e:  # re-raised by the rank thread
+                digest["error"] = e
+            digest["seconds"] = time.perf_counter() - t
+
+        digester = threading.Thread(
+            target=take_digests, name=f"kv-digest-{job.room}-r{self.rank}", daemon=True
+        )
+        digester.start()
+        try:
+            writes, descriptors = self._write(
+                engine, region.session_id, src_rows, dst_rows, page_bytes
+            )
+        finally:
+            digester.join()
+        if "error" in digest:
+            raise digest["error"]  # type: ignore[misc]
+        self._digests = digest["value"]  # type: ignore[assignment]
+        self.stats = RankWriteStats(
+            pages=k,
+            bytes=k * int(page_bytes.sum()),
+            descriptors=descriptors,
+            batch_writes=writes,
+            zero_copy=zero_copy,
+            copy_s=t1 - t0,
+            digest_s=float(digest["seconds"]),  # type: ignore[arg-type]
+            write_s=time.perf_counter() - t1,
+        )
+        logger.debug("room %s: rank %d wrote %s", job.room, self.rank, self.stats)
+
+    def _write(
+        self,
+        engine: MooncakeEngine,
+        session_id: str,
+        src_rows: np.ndarray,
+        dst_rows: np.ndarray,
+        page_bytes: np.ndarray,
+    ) -> tuple[int, int]:
+        """The coalesced batch writes; returns (batch writes, descriptors)."""
+        assert self._region is not None
+        addrs = self._region.buffer_addrs
+        s, d, c = coalesce(src_rows, dst_rows)  # the same runs in every buffer
+        local, remote, lengths = [], [], []
+        for b in range(page_bytes.size):
+            nb = int(page_bytes[b])
+            local.append(int(self._sources[b].ctypes.data) + s * nb)
+            remote.append(int(addrs[b]) + d * nb)
+            lengths.append(c * nb)
+        local_a, remote_a, len_a = (np.concatenate(x) for x in (local, remote, lengths))
+        # Batch writes of about write_group_bytes each (at least one descriptor).
+        groups = _groups(len_a, self.backend.config.write_group_bytes)
+        for g, (lo, hi) in enumerate(groups):
+            self._check()
+            if self.faults.before_write is not None:
+                self.faults.before_write(self, g)
+                if self._killed.is_set():
+                    raise _Killed
+            try:
+                engine.batch_write(session_id, local_a[lo:hi], remote_a[lo:hi], len_a[lo:hi])
+            except MooncakeError as e:
+                self._write_uncertain = True
+                self._check()
+                self._fail(f"Mooncake write to {session_id}: {e}")
+            if self.faults.after_write is not None:
+                self.faults.after_write(self, g)
+        return len(groups), int(len_a.size)
+
+
+def _groups(lengths: np.ndarray, group_bytes: int) -> list[tuple[int, int]]:
+    """[lo, hi) descriptor ranges of about `group_bytes` each (>= 1 descriptor)."""
+    out, lo, acc = [], 0, 0
+    for i, n in enumerate(lengths.tolist()):
+        if acc and acc + n > group_bytes:
+            out.append((lo, i))
+            lo, acc = i, 0
+        acc += n
+    if lo < lengths.size:
+        out.append((lo, int(lengths.size)))
+    return out
+
+
+__all__ = [
+    "HostPageSource",
+    "MooncakeBackend",
+    "MooncakeBackendConfig",
+    "MooncakeRankSender",
+    "MooncakeReceiverEndpoint",
+    "MooncakeSenderFaults",
+    "RankWriteStats",
+    "coalesce",
+]
