@@ -739,6 +739,21 @@ def greedy_decode(
     return ids, lps
 
 
+def assert_decodes_like_reference(pre, rx: Receiver, dst, prompt, view, aux, steps) -> None:
+    """The decode pool's layout equals the prefill full view bitwise, and decoding from it
+    gives the single-device reference's greedy tokens (log-probs within 1e-5)."""
+    n = len(prompt)
+    got = decode_layout(rx, dst, n)
+    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(view), strict=True):
+        assert bitwise_equal(x, y)
+    ids, lps = greedy_decode(pre, rx, dst, n, aux, steps)
+    ref = ReferenceGenerator(pre.cfg, pre.model, page_size=P, index_k_dtype=INDEX_K).generate(
+        prompt.tolist(), steps, ignore_eos=True
+    )
+    assert ids == ref.output_ids
+    np.testing.assert_allclose(lps, ref.output_logprobs, atol=1e-5)
+
+
 def bitwise_equal(a, b) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
@@ -763,17 +778,7 @@ def test_e2e_cp_prefill_to_decode_matches_full_view_and_reference(prefill, decod
         assert snap.state is RoomState.SUCCESS and snap.aux == pre.aux[i]
         assert all(o is not None and o.state is RoomState.SUCCESS for o in hold.outcomes().values())
         assert np.any(np.diff(dst[:n_pages]) != 1)  # really non-contiguous decode pages
-        got = decode_layout(dec.receiver, dst, n)
-        for x, y in zip(
-            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(views[i]), strict=True
-        ):
-            assert bitwise_equal(x, y)
-        ids, lps = greedy_decode(pre, dec.receiver, dst, n, pre.aux[i], steps)
-        ref = ReferenceGenerator(pre.cfg, pre.model, page_size=P, index_k_dtype=INDEX_K).generate(
-            prompt.tolist(), steps, ignore_eos=True
-        )
-        assert ids == ref.output_ids
-        np.testing.assert_allclose(lps, ref.output_logprobs, atol=1e-5)
+        assert_decodes_like_reference(pre, dec.receiver, dst, prompt, views[i], pre.aux[i], steps)
         dec.receiver.free_pages(dst)  # the decode request is done
     assert pre.runner.allocator.num_free_per_lane().sum() == free_prefill + held
     assert dec.receiver.num_free_pages == dec.free0

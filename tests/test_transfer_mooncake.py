@@ -39,9 +39,7 @@ from test_transfer_grpc import (  # helpers shared with the gRPC tests
     Prefill,
     _with_positions,
     bitwise_equal,
-    decode_layout,
     finish,
-    greedy_decode,
     new_table,
     prefill_free,
     random_pages,
@@ -49,7 +47,6 @@ from test_transfer_grpc import (  # helpers shared with the gRPC tests
     settle,
 )
 
-from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from serving.server_args import ServerArgs
@@ -430,17 +427,9 @@ def test_e2e_cp_prefill_to_decode_over_mooncake(prefill, decode, backends):
         stats = backend.stats(f"mc-e2e-{i}")
         assert set(stats) == set(range(min(CP, n_pages)))  # ranks that own pages wrote
         assert all(s.descriptors == len(pre.layout.buffers()) for s in stats.values())
-        got = decode_layout(dec.receiver, dst, n)
-        for x, y in zip(
-            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(views[i]), strict=True
-        ):
-            assert bitwise_equal(x, y)
-        ids, lps = greedy_decode(pre, dec.receiver, dst, n, pre.aux[i], steps)
-        ref = ReferenceGenerator(pre.cfg, pre.model, page_size=P, index_k_dtype=INDEX_K).generate(
-            prompt.tolist(), steps, ignore_eos=True
+        grpc_tests.assert_decodes_like_reference(
+            pre, dec.receiver, dst, prompt, views[i], pre.aux[i], steps
         )
-        assert ids == ref.output_ids
-        np.testing.assert_allclose(lps, ref.output_logprobs, atol=1e-5)
         dec.receiver.free_pages(dst)  # the decode request is done
     assert prefill_free(pre) == free_prefill + held
     assert dec.receiver.num_free_pages == dec.free0
