@@ -18,11 +18,12 @@ needs owner filtering and position-addressed destinations (SPEC S2.3), which
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from typing import ClassVar, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -274,6 +275,31 @@ class TransferHold:
             state=RoomState.FAILED,
             reason=f"prefill rank(s) {silent} stopped without learning the room's outcome",
         )
+
+
+S = TypeVar("S")
+
+
+class RunningSenders(Generic[S]):
+    """The rank senders a backend is running, by (room, rank), e.g. for tests to `kill()`."""
+
+    def __init__(self) -> None:
+        self._senders: dict[tuple[str, int], S] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def running(self, job: RankJob, sender: S) -> Iterator[S]:
+        with self._lock:
+            self._senders[(job.room, job.rank)] = sender
+        try:
+            yield sender
+        finally:
+            with self._lock:
+                self._senders.pop((job.room, job.rank), None)
+
+    def get(self, room: str, rank: int) -> S | None:
+        with self._lock:
+            return self._senders.get((room, rank))
 
 
 class TransferBackend(abc.ABC):

@@ -54,7 +54,7 @@ from transfer.protocol import (
     layout_to_pb,
     snapshot_from_pb,
 )
-from transfer.sender import RankJob, TransferBackend, TransferHold
+from transfer.sender import RankJob, RunningSenders, TransferBackend, TransferHold
 
 logger = logging.getLogger(__name__)
 
@@ -131,23 +131,15 @@ class GrpcBackend(TransferBackend):
     def __init__(self, config: GrpcBackendConfig | None = None, faults: SenderFaults | None = None):
         self.config = config if config is not None else GrpcBackendConfig()
         self.faults = faults
-        self._senders: dict[tuple[str, int], GrpcRankSender] = {}
-        self._lock = threading.Lock()
+        self._running: RunningSenders[GrpcRankSender] = RunningSenders()
 
     def send_rank(self, job: RankJob, hold: TransferHold) -> RoomSnapshot | None:
-        sender = GrpcRankSender(job, hold, self.config, self.faults)
-        with self._lock:
-            self._senders[(job.room, job.rank)] = sender
-        try:
-            return sender.run()
-        finally:
-            with self._lock:
-                self._senders.pop((job.room, job.rank), None)
+        with self._running.running(job, GrpcRankSender(job, hold, self.config, self.faults)) as s:
+            return s.run()
 
     def sender(self, room: str, rank: int) -> GrpcRankSender | None:
         """The running sender of (room, rank), e.g. to `kill()` it."""
-        with self._lock:
-            return self._senders.get((room, rank))
+        return self._running.get(room, rank)
 
 
 class GrpcRankSender:

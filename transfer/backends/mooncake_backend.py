@@ -78,7 +78,7 @@ from transfer.page_plan import BufferKind, RankPlan, row_digests
 from transfer.proto import kv_transfer_pb2 as pb
 from transfer.proto import kv_transfer_pb2_grpc as pb_grpc
 from transfer.protocol import MAX_MESSAGE_BYTES, MiB, RoomSnapshot
-from transfer.sender import RankJob, TransferBackend, TransferHold
+from transfer.sender import RankJob, RunningSenders, TransferBackend, TransferHold
 from transfer.staging_arena import Region, StagingArena, StagingFullError
 
 logger = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ class MooncakeBackend(TransferBackend):
         self._space = threading.Condition(self._lock)
         self._host: StagingArena | None = None
         self._registered: dict[int, tuple[int, RegisteredBuffer, np.ndarray]] = {}
-        self._senders: dict[tuple[str, int], MooncakeRankSender] = {}
+        self._running: RunningSenders[MooncakeRankSender] = RunningSenders()
         self._stats: dict[tuple[str, int], RankWriteStats] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._closed = False
@@ -384,20 +384,17 @@ class MooncakeBackend(TransferBackend):
     # ---- ranks ------------------------------------------------------------------------------
     def send_rank(self, job: RankJob, hold: TransferHold) -> RoomSnapshot | None:
         sender = MooncakeRankSender(job, hold, self, self.faults)
-        with self._lock:
-            self._senders[(job.room, job.rank)] = sender
         try:
-            return sender.run()
+            with self._running.running(job, sender):
+                return sender.run()
         finally:
-            with self._lock:
-                self._senders.pop((job.room, job.rank), None)
-                if sender.stats is not None:
+            if sender.stats is not None:
+                with self._lock:
                     self._stats[(job.room, job.rank)] = sender.stats
 
     def sender(self, room: str, rank: int) -> MooncakeRankSender | None:
         """The running sender of (room, rank), e.g. to `kill()` it."""
-        with self._lock:
-            return self._senders.get((room, rank))
+        return self._running.get(room, rank)
 
     def stats(self, room: str) -> dict[int, RankWriteStats]:
         """Per rank, what it wrote for `room` (ranks that got to write)."""
