@@ -1,0 +1,164 @@
+"""The contract between the HTTP layer and the engines behind it.
+
+Every server mode puts one engine behind the same `EngineClient`:
+
+- `null` (unified): `serving.decode_engine.DecodeEngine` prefills on one device and
+  decodes with continuous batching;
+- `decode`: the same engine, whose requests arrive as KV transferred by a prefill
+  server (`GenerateRequest.bootstrap_room`), then decode;
+- `prefill`: the CP prefill scheduler; a request's only output is its first token, and
+  its KV goes to the decode server named in `GenerateRequest.decode_transfer_target`.
+
+Engines run their steps on one background thread (JAX dispatch and host planning stay
+off the event loop); `serving.engine_loop.EngineLoop` bridges a `StepEngine` to the
+asyncio `EngineClient` the HTTP layer awaits. Everything here is plain data: no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+from cpkv_jax.errors import InputError
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+ServerMode = Literal["null", "prefill", "decode"]
+
+# A request asking for more new tokens than this is refused outright, whatever the
+# context length (a typo such as 10**9 must not reserve pages).
+MAX_NEW_TOKENS_LIMIT = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. `temperature == 0` is greedy (argmax of the log-probs).
+
+    `top_k <= 0` and `top_p == 1` disable those filters. With `seed`, token `i` of the
+    output is drawn with `numpy.random.default_rng([seed, i])`, so the same request gives
+    the same tokens whichever server (unified, or prefill then decode) samples which token.
+    Without `seed`, the engine picks one per request.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise `InputError` naming the bad field, its value and the accepted range."""
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise InputError(
+                f"max_new_tokens must be in [1, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens}"
+            )
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InputError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k > vocab_size:
+            raise InputError(f"top_k must be <= the vocabulary size {vocab_size}, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InputError(f"seed must be in [0, 2**63), got {self.seed}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InputError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        if any(not s for s in self.stop):
+            raise InputError("stop strings must be non-empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """One generation request, already tokenized and validated by the HTTP layer."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    return_logprob: bool = False
+    # PD only. Decode mode: the transfer room this request's KV arrives in. Prefill mode:
+    # the room to send to, at the decode server's transfer receiver `host:port`.
+    bootstrap_room: str | None = None
+    decode_transfer_target: str | None = None
+    # Decode mode: how many prefill CP ranks send this room's pages.
+    bootstrap_cp_size: int | None = None
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputChunk:
+    """What a request produced since its previous chunk; the last one has `finished`.
+
+    `logprobs[i]` is the log-probability of `token_ids[i]` under the model's untempered
+    next-token distribution (present when the request asked for them). `meta` on the final
+    chunk holds `prompt_tokens`, `completion_tokens`, `cached_tokens`, `ttft_s`, `e2e_s`.
+    A finished chunk with `finish_reason == "error"` carries `error` (a sentence for the
+    client); "abort" means the client or the server (shutdown) cancelled it.
+    """
+
+    rid: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    meta: dict[str, float | int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for `/metrics`, `/server_info` and the router's load balancing."""
+
+    mode: ServerMode
+    waiting: int  # queued, not yet started (includes requests waiting for their KV)
+    running: int  # in the decode batch, or in a prefill step / transfer
+    kv_pages_total: tuple[int, ...]  # per rank (one entry for a single-device engine)
+    kv_pages_free: tuple[int, ...]  # per rank, same order
+    kv_bytes_per_page: int
+    transfer_bytes: int = 0  # bytes this server sent or received over PD transfer
+    transfer_failures: int = 0
+    admission_rejections: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@runtime_checkable
+class StepEngine(Protocol):
+    """A synchronous engine driven by one thread (`EngineLoop`): nothing here blocks long.
+
+    `add` validates and queues (raising `InputError` for a request it cannot serve, with
+    nothing allocated); `step` does one unit of work (a prefill step, a decode step, a
+    poll of transfers) and returns the chunks produced; `abort` cancels a request and frees
+    what it holds (its final chunk, reason "abort", comes from the next `step`).
+    """
+
+    mode: ServerMode
+
+    def add(self, req: GenerateRequest) -> None: ...
+
+    def abort(self, rid: str) -> None: ...
+
+    def step(self) -> Sequence[OutputChunk]: ...
+
+    def has_work(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the HTTP layer awaits. `generate` yields chunks until one is `finished`;
+    closing the iterator early (client disconnect) aborts the request."""
+
+    mode: ServerMode
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[OutputChunk]: ...
+
+    def abort(self, rid: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def healthy(self) -> bool: ...
+
+    async def shutdown(self, drain_timeout: float) -> None: ...
