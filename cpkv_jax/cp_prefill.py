@@ -246,13 +246,13 @@ class CPPrefillRunner:
             self._check_invariants(arrays, chunk, result)
         return result
 
-    def run_step(self, plan: StepPlan) -> np.ndarray:
+    def _step_args(self, plan: StepPlan) -> tuple:
         split, rep = self._shardings
         tokens = tuple(
             _global(x, split)
             for x in (plan.input_ids, plan.positions, plan.valid, plan.write_slots)
         )
-        logits, self.pool = self._step(
+        return (
             self.state,
             tokens,
             _global(plan.page_table, rep),
@@ -260,7 +260,15 @@ class CPPrefillRunner:
             self.pool,
             _global(plan.last_index, rep),
         )
+
+    def run_step(self, plan: StepPlan) -> np.ndarray:
+        logits, self.pool = self._step(*self._step_args(plan))
         return np.asarray(logits)
+
+    def step_hlo_text(self, plan: StepPlan) -> str:
+        """The optimized HLO of the step compiled for `plan`'s shape (for profilers:
+        maps the instruction names in a trace back to their `named_scope`s)."""
+        return self._step.lower(*self._step_args(plan)).compile().as_text()
 
     def full_view(self, table: RequestPageTable) -> KVPool:
         """The request's materialized full view: leaves `[num_tokens, ...]` (device sync)."""

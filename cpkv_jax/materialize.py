@@ -39,6 +39,14 @@ class CPKVIO:
     gather_impl: GatherImpl = "xla"
 
     def write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
+        with jax.named_scope("kv_write"):
+            return self._write(pool, slots, values)
+
+    def view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array:
+        with jax.named_scope("materialize"):
+            return self._view(pool, page_table)
+
+    def _write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
         all_slots = jax.lax.all_gather(slots, CP_AXIS, axis=1, tiled=True)
         all_values = jax.lax.all_gather(values, CP_AXIS, axis=1, tiled=True)
         lane_slots = pool.shape[0] * pool.shape[1]
@@ -54,7 +62,7 @@ class CPKVIO:
         )
         return flat.reshape(pool.shape)
 
-    def view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array:
+    def _view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array:
         b, width = page_table.shape
         page = pool.shape[1:]
         if not self.shared:

@@ -114,6 +114,10 @@ class MoE(nnx.Module):
         )
 
     def __call__(self, x: Float[Array, "b t h"]) -> Float[Array, "b t h"]:
+        with jax.named_scope("moe"):
+            return self._moe(x)
+
+    def _moe(self, x: Float[Array, "b t h"]) -> Float[Array, "b t h"]:
         cfg = self.cfg
         flat = x.reshape(-1, x.shape[-1])
         logits = jnp.einsum(
