@@ -119,6 +119,7 @@ class EngineStats:
     kv_pages_free: tuple[int, ...]  # per rank, same order
     kv_bytes_per_page: int
     transfer_bytes: int = 0  # bytes this server sent or received over PD transfer
+    transfer_seconds: float = 0.0  # summed wall time of those transfers (start to outcome)
     transfer_failures: int = 0
     admission_rejections: dict[str, int] = dataclasses.field(default_factory=dict)
 

@@ -374,6 +374,13 @@ class ServerArgs:
         metavar="NAME",
         requires="disaggregated",
     )
+    transfer_port: int = _arg(
+        0,
+        help="decode mode: port of the KV transfer receiver (gRPC control plane); "
+        "0 = any free port (reported by /server_info)",
+        group="transfer",
+        requires="disaggregated",
+    )
     transfer_bootstrap_timeout: float = _arg(
         300.0,
         help="seconds for a PD pair to finish its bootstrap handshake",
@@ -400,6 +407,17 @@ class ServerArgs:
 
     # server
     host: str = _arg("127.0.0.1", help="HTTP listen address", group="server", metavar="ADDR")
+    served_model_name: str | None = _arg(
+        None,
+        help="model name in the OpenAI API; none = the model directory's name",
+        group="server",
+        metavar="NAME",
+    )
+    shutdown_drain_timeout: float = _arg(
+        30.0,
+        help="on SIGTERM, seconds to let running requests finish before aborting them",
+        group="server",
+    )
     port: int = _arg(30000, help="HTTP listen port", group="server")
     log_level: LogLevel = _arg("info", help="logging level", group="server")  # noqa: RUF009
     request_timeout: float | None = _arg(
@@ -590,6 +608,7 @@ class ServerArgs:
             "transfer_waiting_timeout",
             "transfer_heartbeat_interval",
             "request_timeout",
+            "shutdown_drain_timeout",
         ]
         for name in positive:
             value = getattr(self, name)
@@ -597,6 +616,11 @@ class ServerArgs:
                 raise ServerArgsError(f"{flag_name(name)} must be > 0 seconds, got {value}")
         if not 1 <= self.port <= 65535:
             raise ServerArgsError(f"--port must be in [1, 65535], got {self.port}")
+        if not 0 <= self.transfer_port <= 65535:
+            raise ServerArgsError(
+                f"--transfer-port must be in [0, 65535] (0 = any free port), got "
+                f"{self.transfer_port}"
+            )
         if not self.model_path:
             raise ServerArgsError("--model-path is empty: point it at a HF model dir")
 
