@@ -66,7 +66,9 @@ class SamplingParams:
             raise InputError(f"seed must be in [0, 2**63), got {self.seed}")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise InputError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+            raise InputError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+            )
         if any(not s for s in self.stop):
             raise InputError("stop strings must be non-empty")
 

@@ -1,20 +1,32 @@
-"""`cpkv-serve` (also `python -m serving.launch`): parse and validate the server flags.
+"""`cpkv-serve` (also `python -m serving.launch`): start a server, or check a launch line.
 
+    cpkv-serve --model-path DIR [--disaggregation-mode null|prefill|decode] [flags ...]
     cpkv-serve --model-path DIR [flags ...] --check-config
+
+Serving. The model and tokenizer load once; the mode picks the engine behind the HTTP
+API (`serving.http_api`):
+- `null` (unified, cp_size 1): `DecodeEngine` prefills and decodes on one device;
+- `prefill`: `PrefillModeEngine`, the CP prefill scheduler on the `cp` mesh, which ships
+  each request's KV to the decode server the router names (`--transfer-backend`);
+- `decode`: a `transfer.receiver.Receiver` (gRPC on `--transfer-port`, plus the Mooncake
+  data plane with `--transfer-backend mooncake`) fills a `DecodeEngine`'s pool.
+Compiles are warmed up (one request through the engine) before the server answers
+`/health` with 200; startup logs the effective configuration and the per-rank KV
+capacity. SIGTERM (or Ctrl-C) drains: new requests get 503, running ones get
+`--shutdown-drain-timeout` seconds to finish, the rest are aborted (their pages freed),
+and the last log line states the KV pages free per rank (all of them, unless a leak).
 
 `--check-config` reads the model config (with the NSA / JSON overrides merged, SPEC S11),
 runs `ServerArgs.validate`, prints the effective configuration as one JSON object (every
 server arg, `"model_overrides"`, a `"model"` summary with the derived indexer schedule, and
 `"warnings"`) and exits 0. It does not touch devices: the device count is checked when the
 server starts. Any error prints one line `error: ...` to stderr and exits 2.
-
-Starting the server itself arrives with the serving issue; until then the launcher says
-so and exits 2.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +36,8 @@ from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import CpkvError
 from serving.server_args import ServerArgs
 from transfer.capabilities import TransferBackendRegistry
+
+logger = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_USAGE = 2  # argparse's convention for a bad command line
@@ -80,14 +94,20 @@ def main(
         warnings = args.validate(model, device_count=device_count, backends=backends)
     except (CpkvError, OSError) as e:
         return _fail(str(e))
-    if not args.check_config:
-        return _fail(
-            "cpkv-serve cannot start a server yet (it arrives with the serving issue); "
-            "add --check-config to validate this launch line, or use cpkv-generate for "
-            "single-request generation"
-        )
-    print(json.dumps(effective_configuration(args, model, warnings), indent=2))
-    return EXIT_OK
+    if args.check_config:
+        print(json.dumps(effective_configuration(args, model, warnings), indent=2))
+        return EXIT_OK
+    logger.info(
+        "effective configuration: %s",
+        json.dumps(effective_configuration(args, model, warnings), sort_keys=True),
+    )
+    try:
+        from serving.server import run_server
+
+        return run_server(args)
+    except (CpkvError, OSError) as e:
+        logger.error("server failed to start: %s", e)
+        return _fail(str(e))
 
 
 if __name__ == "__main__":

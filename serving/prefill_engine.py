@@ -74,8 +74,18 @@ def pool_pages_per_rank(args: ServerArgs, cfg: ModelConfig) -> int:
 
 
 def build_prefill_engine(
-    args: ServerArgs, *, model: CausalLM | None = None, devices: list | None = None
+    args: ServerArgs,
+    *,
+    model: CausalLM | None = None,
+    devices: list | None = None,
+    hold_finished: bool = False,
 ) -> PrefillEngine:
+    """Validate `args`, load the model (unless given), build pools, cache and scheduler.
+
+    `hold_finished`: finished requests keep their pages until the caller releases them
+    (`PrefillScheduler.release_held`), as a PD prefill server needs while it transfers
+    their KV (`serving.prefill_server`).
+    """
     cfg = args.model_config() if model is None else model.cfg
     devices = list(jax.devices()) if devices is None else devices
     for warning in args.validate(cfg, device_count=len(devices)):
@@ -126,6 +136,7 @@ def build_prefill_engine(
         estimator=estimator,
         policy=args.schedule_policy,
         request_timeout=args.request_timeout,
+        hold_finished=hold_finished,
     )
     per_rank = per_rank_pool_bytes(cfg, runner.layout, DTYPES[args.dtype], args.index_k_dtype)
     logger.info(

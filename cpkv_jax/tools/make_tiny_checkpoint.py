@@ -7,7 +7,9 @@ Weights come from `CausalLM`'s own (fan-in scaled) init with the given seed; eve
 weight is then set to `1 + 0.1 * randn` and every bias to `0.1 * randn`, so a loader that
 drops, swaps or re-initializes a norm or bias is caught by output comparisons. The
 tokenizer maps `<|bos|>`, `<|eos|>`, `<|pad|>` to ids 0, 1, 2 (the tiny config's ids)
-and byte `b` to id `3 + b`, so any UTF-8 text round-trips exactly. Same seed, same bytes.
+and byte `b` to id `3 + b`, so any UTF-8 text round-trips exactly. `tokenizer_config.json`
+carries a small chat template (`CHAT_TEMPLATE`, HF's `chat_template` key) so the chat
+API can be served from the tiny model. Same seed, same bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,15 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
 BYTE_ID_OFFSET = len(SPECIAL_TOKENS)
+# A ChatML-like template: bos once, each message as `<|role|>\ncontent` + eos, then the
+# assistant header when a reply is asked for. Role markers are plain bytes here.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -68,6 +79,27 @@ def build_byte_tokenizer() -> tokenizers.Tokenizer:
     return tok
 
 
+def write_tokenizer_files(out_dir: str | Path, *, model_max_length: int) -> Path:
+    """Write the byte tokenizer (`tokenizer.json`) and `tokenizer_config.json` (special
+    tokens and `CHAT_TEMPLATE`) into `out_dir`: the tokenizer half of a tiny checkpoint,
+    on its own for tests that need no weights."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_byte_tokenizer().save(str(out / TOKENIZER_FILE))
+    bos, eos, pad = SPECIAL_TOKENS
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return out
+
+
 def random_tiny_model(
     cfg: ModelConfig, *, seed: int = 0, param_dtype: DTypeLike = jnp.float32
 ) -> CausalLM:
@@ -96,7 +128,8 @@ def make_tiny_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
 ) -> Path:
-    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json."""
+    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json (with a
+    chat template)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
@@ -109,17 +142,7 @@ def make_tiny_checkpoint(
     model = random_tiny_model(cfg, seed=seed, param_dtype=DTYPES[dtype])
     save_hf_weights(model, out)
 
-    build_byte_tokenizer().save(str(out / TOKENIZER_FILE))
-    bos, eos, pad = SPECIAL_TOKENS
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": eos,
-        "pad_token": pad,
-        "model_max_length": raw["max_position_embeddings"],
-        "clean_up_tokenization_spaces": False,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    write_tokenizer_files(out, model_max_length=raw["max_position_embeddings"])
     logger.info("wrote tiny %s checkpoint (seed %d, %s) to %s", arch, seed, dtype, out)
     return out
 

@@ -10,6 +10,12 @@ An in-flight chunked request always goes first in the next batch. Abort and per-
 timeouts release a request's own pages and unlock its cached prefix; a finished
 request's whole pages go to the prefix cache (so a later request with the same prefix
 reuses them, on the same owner lanes) and its partial tail page is freed.
+
+With `hold_finished` (a PD prefill server, `serving.prefill_server`), a finished
+request's pages must outlive its step: they are read by the KV transfer to the decode
+server. Its whole pages still go to the prefix cache at once (so later requests reuse
+the prefix while the transfer runs) but stay locked, and its tail page stays its own,
+until `release_held(rid)`, which then does what a non-holding scheduler did at finish.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import numpy as np
 
 from cpkv_jax.errors import CacheCapacityError, InputError
 from cpkv_jax.lane_allocator import RequestPageTable
-from cpkv_jax.paging import owner_of_page
+from cpkv_jax.paging import owner_of_page, pages_for_tokens
 from serving.radix_cache import (
     RadixCache,
     RadixNode,
@@ -85,6 +91,9 @@ class PrefillOutcome:
     last_logits: np.ndarray | None = None
     cached_tokens: int = 0
     reason: str = ""
+    # `hold_finished` only: the finished request's page table, valid (pages allocated,
+    # KV intact) until `PrefillScheduler.release_held(rid)`.
+    table: RequestPageTable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +117,7 @@ class PrefillScheduler:
         request_timeout: float | None = None,
         reserve_clip: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        hold_finished: bool = False,
     ):
         if policy not in ("fcfs", "lpm"):
             raise InputError(f"schedule policy must be 'fcfs' or 'lpm', got {policy!r}")
@@ -131,6 +141,8 @@ class PrefillScheduler:
         # Benchmarks swap in an instrumented subclass; production uses PrefillAdder.
         self.adder_cls: type[PrefillAdder] = PrefillAdder
         self._ids: set[str] = set()
+        self.hold_finished = hold_finished
+        self.held: dict[str, PrefillRequest] = {}
 
     # ---- requests ----------------------------------------------------------------------
     def submit(
@@ -163,6 +175,26 @@ class PrefillScheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + (self.chunked is not None)
+
+    @property
+    def num_held(self) -> int:
+        """Finished requests whose pages are held (`hold_finished`) until released."""
+        return len(self.held)
+
+    def release_held(self, rid: str) -> None:
+        """End the hold on a finished request's pages (its transfer is over).
+
+        Exactly what a non-holding scheduler does at finish (`cache_finished_request`):
+        the whole pages, already cached, become evictable once no one else locks them,
+        the tail page is freed. The request id may be used again afterwards.
+        """
+        req = self.held.pop(rid, None)
+        if req is None:
+            raise KeyError(f"request {rid!r} holds no pages (never finished, or released)")
+        assert req.table is not None and req.lock_node is not None
+        cache_finished_request(self.cache, req.table, req.input_ids, req.lock_node)
+        req.table, req.lock_node = None, None
+        self._ids.discard(rid)
 
     # ---- scheduling (host only) ---------------------------------------------------------
     def schedule_batch(self) -> ScheduledBatch | None:
@@ -232,10 +264,45 @@ class PrefillScheduler:
                 self.chunked = req
                 continue
             assert req.table is not None and req.lock_node is not None
+            if self.hold_finished:
+                self._hold(req)
+                outcomes.append(
+                    PrefillOutcome(
+                        req.rid, "finished", np.asarray(out), req.cached_tokens, table=req.table
+                    )
+                )
+                continue
             cache_finished_request(self.cache, req.table, req.input_ids, req.lock_node)
             self._ids.discard(req.rid)
             outcomes.append(PrefillOutcome(req.rid, "finished", np.asarray(out), req.cached_tokens))
         return outcomes
+
+    def _hold(self, req: PrefillRequest) -> None:
+        """Cache a finished request's whole pages now, locked, and keep its tail page.
+
+        As sglang's `cache_unfinished_req`: the whole pages are inserted (a later request
+        can match them while this one's KV is in transfer) and the request re-locks the
+        now longer cached path. Where another request cached the same tokens first,
+        `insert` frees this request's duplicate pages; the table is rebuilt on the
+        cache's pages (KV of the same tokens at the same positions: what any later
+        request matching this prefix uses), so what the transfer reads is always
+        allocated and locked.
+        """
+        assert req.table is not None
+        n = req.table.num_tokens
+        whole = n // self.page_size * self.page_size
+        local = req.table.local_pages()
+        self.cache.insert(req.input_ids[:whole], local[: whole // self.page_size])
+        match = self.cache.match_prefix(req.input_ids[:whole])
+        assert match.num_tokens == whole, "pages inserted a moment ago must match"
+        self.cache.inc_lock_ref(match.node)
+        self._unlock(req)
+        req.lock_node = match.node
+        pages = np.concatenate([match.local_pages, local[whole // self.page_size :]])
+        assert pages.size == pages_for_tokens(n, self.page_size)
+        req.table.detach()  # whole pages: the cache's; the tail page moves to the new table
+        req.table = RequestPageTable.from_prefix(req.table.cp_size, pages, n, self.page_size)
+        self.held[req.rid] = req
 
     def run_until_idle(self, max_steps: int = 100_000) -> list[PrefillOutcome]:
         outcomes: list[PrefillOutcome] = []

@@ -1,0 +1,622 @@
+"""The single-device decode engine: paged KV, continuous batching, streaming chunks.
+
+One `DecodeEngine` serves two server modes behind the `StepEngine` contract
+(`serving.engine_api`):
+
+- `"null"` (unified): a request waits in a FCFS queue until its pages fit; each `step`
+  prefills at most one newly admitted request (expanded MLA over the whole prompt,
+  length bucketed as `ReferenceGenerator` does, first token sampled at step 0), then
+  runs one batched decode step (absorbed MLA, one token per row) for every running
+  request;
+- `"decode"` (PD): `add` allocates the request's pages and registers its transfer room
+  with the receiver at once (the router hears back only after `add`, so the room exists
+  before the prefill server sends); each `step` polls the rooms without blocking. On
+  SUCCESS the room's aux data is the first token (emitted as the first chunk) and the
+  request joins the decode batch; on FAILED the request ends with "error" and the
+  receiver's reason (the receiver has already freed the pages of a failed room).
+
+Pages: a request reserves pages for `prompt + max_new_tokens` when it is admitted and
+keeps them until it finishes, so a running request never needs more and no preemption
+exists. A request that could never fit (past `context_length`, or larger than the whole
+pool) is refused in `add` with `InputError`, before anything is allocated.
+
+Shapes (bounded compiles): decode batch rows are padded to a power of two (padding rows
+have `valid=False` and write into the trash page), and the page-table width to a power
+of two of the longest reservation in the batch; prefill pads the prompt to
+`generate.bucket(len)` and the table to a power of two of the reservation. The KV pool
+is donated to every forward step, through `KVStore.update_pool`.
+
+All methods run on the engine thread (`serving.engine_loop.EngineLoop`); only `stats`
+may be called from another thread (it reads a snapshot).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.typing import DTypeLike
+
+from cpkv_jax.buckets import pow2_at_least
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.errors import CacheCapacityError, ConfigError, CpkvError, InputError
+from cpkv_jax.generate import bucket
+from cpkv_jax.model.forward_batch import ForwardBatch
+from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, IndexKDtype, KVPool, init_pool
+from cpkv_jax.model.transformer import CausalLM, forward_step
+from cpkv_jax.paging import (
+    TRASH_PAGE,
+    PageAllocator,
+    padded_page_table,
+    pages_for_tokens,
+    slots_for_positions,
+)
+from serving.engine_api import EngineStats, GenerateRequest, OutputChunk, ServerMode
+from serving.sampling import Detokenize, StopChecker, StopResult, request_seed, sample_token
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Room states as `transfer.protocol.RoomState` names them: compared by name so this
+# module needs neither the transfer package nor its generated protobuf code.
+_ROOM_SUCCESS = "SUCCESS"
+_ROOM_FAILED = "FAILED"
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """The decode pool and its page allocator, shared with whoever else writes it.
+
+    `transfer.receiver.Receiver` is one (decode mode: transfers commit into the same
+    pool); `LocalKVStore` is the unified-mode one. The total page count is
+    `pool.num_pages` (page 0, the trash page, is never handed out).
+    """
+
+    @property
+    def pool(self) -> KVPool: ...
+
+    @property
+    def num_free_pages(self) -> int: ...
+
+    def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T: ...
+
+    def allocate_pages(self, n: int) -> np.ndarray: ...
+
+    def free_pages(self, pages: np.ndarray) -> None: ...
+
+
+@runtime_checkable
+class TransferRooms(Protocol):
+    """The receiver side of PD transfer the decode mode needs (`Receiver` has it)."""
+
+    def register_room(
+        self, room: str, dst_pages: np.ndarray, num_tokens: int, cp_size: int
+    ) -> Any: ...
+
+    def status(self, room: str) -> Any: ...
+
+    def abort(self, room: str, reason: str, sender_rank: int | None = None) -> Any: ...
+
+
+class LocalKVStore:
+    """A `KVStore` over one pool and one `PageAllocator`, guarded by one lock."""
+
+    def __init__(self, pool: KVPool, allocator: PageAllocator):
+        if allocator.num_pages != pool.num_pages:
+            raise ConfigError(
+                f"allocator manages {allocator.num_pages} pages but the pool has "
+                f"{pool.num_pages}; build both with the same page count"
+            )
+        self._pool = pool
+        self._allocator = allocator
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(
+        cls,
+        cfg: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        dtype: DTypeLike,
+        index_k_dtype: IndexKDtype,
+    ) -> LocalKVStore:
+        """A zeroed pool of `num_pages` pages (page 0 = trash) and its allocator."""
+        allocator = PageAllocator(num_pages)  # validates num_pages >= 2
+        return cls(init_pool(cfg, num_pages, page_size, dtype, index_k_dtype), allocator)
+
+    @property
+    def pool(self) -> KVPool:
+        with self._lock:
+            return self._pool
+
+    @property
+    def num_free_pages(self) -> int:
+        with self._lock:
+            return self._allocator.num_free
+
+    def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T:
+        """Run `step(pool) -> (result, new_pool)` under the lock and keep `new_pool`
+        (the old pool may have been donated)."""
+        with self._lock:
+            result, self._pool = step(self._pool)
+            return result
+
+    def allocate_pages(self, n: int) -> np.ndarray:
+        with self._lock:
+            return self._allocator.alloc(n)
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        with self._lock:
+            self._allocator.free(pages)
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    req: GenerateRequest
+    prompt: np.ndarray  # int32 [n]
+    seed: int
+    n_pages: int  # reserved for prompt + max_new_tokens
+    width: int  # page-table width of its prefill (pow2 of n_pages)
+    stop: StopChecker
+    pages: np.ndarray | None = None  # held pages; None once freed (or owned by a room)
+    out_ids: list[int] = dataclasses.field(default_factory=list)
+    out_lps: list[float] = dataclasses.field(default_factory=list)
+    emitted: int = 0  # output tokens already sent in a chunk
+    first_token_at: float | None = None
+    finish: StopResult | None = None
+    error: str | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV is in the pool: the prompt and every output token but the last."""
+        return len(self.prompt) + max(len(self.out_ids) - 1, 0)
+
+
+class DecodeEngine:
+    """Continuous-batching decode on one device (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        cfg: ModelConfig,
+        model: CausalLM,
+        kv: KVStore,
+        page_size: int,
+        index_k_dtype: IndexKDtype,
+        mode: ServerMode,
+        max_running_requests: int,
+        context_length: int | None = None,
+        detokenize: Detokenize | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if mode not in ("null", "decode"):
+            raise ConfigError(
+                f"DecodeEngine serves modes 'null' and 'decode', got {mode!r}; the prefill "
+                "mode runs the CP prefill scheduler"
+            )
+        if index_k_dtype not in INDEX_K_DTYPES:
+            raise ConfigError(
+                f"index K dtype {index_k_dtype!r} is not one of {sorted(INDEX_K_DTYPES)}"
+            )
+        if max_running_requests < 1:
+            raise ConfigError(f"max_running_requests must be >= 1, got {max_running_requests}")
+        if mode == "decode" and not isinstance(kv, TransferRooms):
+            raise ConfigError(
+                f"decode mode needs a KV store that registers transfer rooms (a "
+                f"transfer.receiver.Receiver), got {type(kv).__name__}"
+            )
+        pool = kv.pool
+        if pool.page_size != page_size:
+            raise ConfigError(f"the KV pool has page size {pool.page_size}, not {page_size}")
+        self.cfg = cfg
+        self.mode: ServerMode = mode
+        self.kv = kv
+        # Decode mode: the same object (a Receiver) also holds the transfer rooms.
+        self._rooms = cast(TransferRooms, kv) if mode == "decode" else None
+        self.page_size = page_size
+        self.index_k_dtype = index_k_dtype
+        self.max_running_requests = max_running_requests
+        self.context_length = (
+            cfg.max_position_embeddings if context_length is None else context_length
+        )
+        if not 1 <= self.context_length <= cfg.max_position_embeddings:
+            raise ConfigError(
+                f"context_length {self.context_length} must be in [1, "
+                f"max_position_embeddings={cfg.max_position_embeddings}]"
+            )
+        self.detokenize = detokenize
+        self._clock = clock
+        self._graphdef, self._state = nnx.split(model)
+        self._log_softmax = jax.jit(jax.nn.log_softmax)
+        self._num_pages = pool.num_pages
+        self._usable_pages = pool.num_pages - 1  # page 0 is the trash page
+        self._bytes_per_page = pool.nbytes() // pool.num_pages
+        self._waiting: collections.deque[_Request] = collections.deque()  # null mode
+        self._transferring: dict[str, _Request] = {}  # decode mode, waiting for KV
+        self._running: dict[str, _Request] = {}
+        self._finals: list[OutputChunk] = []  # abort chunks due on the next step
+        self._rejections: collections.Counter[str] = collections.Counter()
+        self._transfer_failures = 0
+        self._transfer_bytes = 0  # KV pages received in successful rooms
+        # Shapes dispatched to the model so far: (form, rows, tokens, width).
+        self.step_shapes: set[tuple[str, int, int, int]] = set()
+        self._snapshot: tuple[int, int, int, int, tuple[tuple[str, int], ...]] = (0, 0, 0, 0, ())
+
+    # ---- StepEngine ----------------------------------------------------------------------
+    def add(self, req: GenerateRequest) -> None:
+        """Validate and queue (null) or register the transfer room (decode).
+
+        Raises `InputError` for a request this engine can never serve, and (decode mode)
+        `CacheCapacityError` when its pages or a batch slot are not free right now (the
+        room must exist before `add` returns, so it cannot wait); nothing is held then.
+        """
+        try:
+            r = self._validate(req)
+            if self.mode == "null":
+                self._waiting.append(r)
+            else:
+                self._register_room(r)
+                self._transferring[r.rid] = r
+        finally:
+            self._update_snapshot()
+
+    def abort(self, rid: str) -> None:
+        """Cancel `rid` and free what it holds; its "abort" chunk comes with the next
+        step. Unknown (or already finished) ids are ignored."""
+        r = self._transferring.pop(rid, None)
+        if r is not None:
+            assert r.pages is not None and self._rooms is not None
+            try:
+                snap = self._rooms.abort(r.req.bootstrap_room, "the request was aborted")
+            except CpkvError as e:  # the room is gone: who owns its pages is unknown
+                logger.error(
+                    "request %s: abort of room %s failed: %s", rid, r.req.bootstrap_room, e
+                )
+            else:
+                if _state_name(snap) == _ROOM_SUCCESS:
+                    self.kv.free_pages(r.pages)  # KV arrived before the abort: ours to free
+            r.pages = None  # a failed room's pages went back with the room
+        else:
+            r = self._running.pop(rid, None)
+            if r is None:
+                r = next((w for w in self._waiting if w.rid == rid), None)
+                if r is None:
+                    logger.debug("abort of unknown or finished request %s ignored", rid)
+                    return
+                self._waiting.remove(r)
+            self._release(r)
+        r.finish = StopResult("abort")
+        self._finals.append(self._chunk(r))
+        self._update_snapshot()
+
+    def has_work(self) -> bool:
+        return bool(self._finals or self._waiting or self._transferring or self._running)
+
+    def step(self) -> Sequence[OutputChunk]:
+        """One unit of work: pending abort chunks, then (null) admit and prefill one
+        request, or (decode) poll the transfers, then one batched decode step."""
+        finals, self._finals = self._finals, []
+        touched: dict[str, _Request] = {}
+        if self.mode == "null":
+            self._admit_and_prefill(touched)
+        else:
+            self._poll_transfers(touched)
+        self._decode_step(touched)
+        self._update_snapshot()
+        return [*finals, *(self._chunk(r) for r in touched.values())]
+
+    def stats(self) -> EngineStats:
+        """A snapshot; safe from any thread."""
+        waiting, running, failures, received, rejections = self._snapshot
+        return EngineStats(
+            mode=self.mode,
+            waiting=waiting,
+            running=running,
+            kv_pages_total=(self._usable_pages,),
+            kv_pages_free=(self.kv.num_free_pages,),
+            kv_bytes_per_page=self._bytes_per_page,
+            transfer_bytes=received,
+            transfer_failures=failures,
+            admission_rejections=dict(rejections),
+        )
+
+    # ---- admission -----------------------------------------------------------------------
+    def _reject(self, kind: str, message: str) -> InputError:
+        self._rejections[kind] += 1
+        return InputError(message)
+
+    def _validate(self, req: GenerateRequest) -> _Request:
+        cfg = self.cfg
+        rid = req.rid
+        if (
+            rid in self._running
+            or rid in self._transferring
+            or any(w.rid == rid for w in self._waiting)
+        ):
+            raise self._reject("duplicate_rid", f"request id {rid!r} is already in flight")
+        n = len(req.input_ids)
+        if n == 0:
+            raise self._reject("empty_prompt", "the prompt is empty: give at least one token")
+        prompt = np.asarray(req.input_ids, dtype=np.int64)
+        bad = prompt[(prompt < 0) | (prompt >= cfg.vocab_size)]
+        if bad.size:
+            raise self._reject(
+                "bad_token",
+                f"token id(s) {bad[:5].tolist()} outside the vocabulary [0, {cfg.vocab_size})",
+            )
+        try:
+            req.sampling.validate(cfg.vocab_size)
+        except InputError as e:
+            raise self._reject("bad_sampling", str(e)) from e
+        max_new = req.sampling.max_new_tokens
+        total = n + max_new
+        if total > self.context_length:
+            raise self._reject(
+                "too_long",
+                f"prompt ({n} tokens) + max_new_tokens ({max_new}) = {total} exceeds the "
+                f"context length {self.context_length}; shorten the prompt or ask for fewer "
+                "tokens",
+            )
+        n_pages = pages_for_tokens(total, self.page_size)
+        if n_pages > self._usable_pages:
+            raise self._reject(
+                "pool_capacity",
+                f"prompt + max_new_tokens = {total} tokens need {n_pages} KV pages of "
+                f"{self.page_size} but the whole pool has {self._usable_pages}; ask for fewer "
+                "tokens or start the server with a larger KV pool",
+            )
+        try:
+            stop = StopChecker(req.sampling, cfg.eos_token_ids, self.detokenize)
+        except InputError as e:
+            raise self._reject("stop_strings", str(e)) from e
+        # The same rule as the prefill server's (PD: it samples token 0, we the rest).
+        seed = request_seed(req)
+        if self.mode == "decode" and (
+            not req.bootstrap_room or req.bootstrap_cp_size is None or req.bootstrap_cp_size < 1
+        ):
+            raise self._reject(
+                "no_room",
+                f"request {rid!r}: a decode server needs bootstrap_room and bootstrap_cp_size "
+                f">= 1 (got {req.bootstrap_room!r}, {req.bootstrap_cp_size!r}); send it "
+                "through the router",
+            )
+        return _Request(
+            req=req,
+            prompt=prompt.astype(np.int32),
+            seed=seed,
+            n_pages=n_pages,
+            width=pow2_at_least(n_pages),
+            stop=stop,
+        )
+
+    def _register_room(self, r: _Request) -> None:
+        active = len(self._transferring) + len(self._running)
+        if active >= self.max_running_requests:
+            self._rejections["busy"] += 1
+            raise CacheCapacityError(
+                f"decode server is full: {active} requests running or transferring (max "
+                f"{self.max_running_requests}); retry later or on another decode server"
+            )
+        free = self.kv.num_free_pages
+        if free < r.n_pages:
+            self._rejections["kv_full"] += 1
+            raise CacheCapacityError(
+                f"request {r.rid!r} needs {r.n_pages} KV pages, {free} are free; retry later "
+                "or on another decode server"
+            )
+        assert self._rooms is not None
+        r.pages = self.kv.allocate_pages(r.n_pages)
+        try:
+            self._rooms.register_room(
+                r.req.bootstrap_room, r.pages, len(r.prompt), r.req.bootstrap_cp_size
+            )
+        except CpkvError as e:
+            self._release(r)
+            raise self._reject("bad_room", f"request {r.rid!r}: {e}") from e
+        except BaseException:
+            self._release(r)
+            raise
+
+    def _admit_and_prefill(self, touched: dict[str, _Request]) -> None:
+        if not self._waiting or len(self._running) >= self.max_running_requests:
+            return
+        r = self._waiting[0]
+        if self.kv.num_free_pages < r.n_pages:
+            return  # FCFS: nobody overtakes the head of the queue
+        self._waiting.popleft()
+        r.pages = self.kv.allocate_pages(r.n_pages)
+        self._running[r.rid] = r
+        logprobs = self._prefill(r)
+        tok = sample_token(logprobs, r.req.sampling, 0, r.seed)
+        self._record(r, tok, float(logprobs[tok]))
+        touched[r.rid] = r
+
+    def _poll_transfers(self, touched: dict[str, _Request]) -> None:
+        assert self._rooms is not None
+        for rid, r in list(self._transferring.items()):
+            room = r.req.bootstrap_room
+            try:
+                snap = self._rooms.status(room)
+            except CpkvError as e:  # the room is gone: nobody can say who owns its pages
+                self._transferring.pop(rid)
+                logger.error("request %s: room %s status failed: %s", rid, room, e)
+                r.pages = None
+                self._transfer_failures += 1
+                self._fail(r, f"KV transfer state lost: {e}", touched)
+                continue
+            state = _state_name(snap)
+            if state == _ROOM_FAILED:
+                self._transferring.pop(rid)
+                r.pages = None  # the receiver freed the failed room's pages (`_retire`)
+                self._transfer_failures += 1
+                self._fail(r, f"KV transfer failed: {snap.reason}", touched)
+            elif state == _ROOM_SUCCESS:
+                self._transferring.pop(rid)
+                aux = snap.aux
+                if aux is None:
+                    self._release(r)
+                    self._fail(r, "KV transfer succeeded without the first token", touched)
+                    continue
+                self._running[rid] = r
+                n_prompt_pages = pages_for_tokens(len(r.prompt), self.page_size)
+                self._transfer_bytes += n_prompt_pages * self._bytes_per_page
+                self._record(r, int(aux.first_token), float(aux.logprob))
+                touched[rid] = r
+
+    # ---- model steps ---------------------------------------------------------------------
+    def _prefill(self, r: _Request) -> np.ndarray:
+        """Expanded-form prefill of the whole prompt; log-probs after its last token."""
+        assert r.pages is not None
+        n = len(r.prompt)
+        t_len = bucket(n)
+        table = padded_page_table(r.pages, r.width)
+        ids = np.zeros((1, t_len), np.int32)
+        ids[0, :n] = r.prompt
+        positions = np.zeros((1, t_len), np.int32)
+        positions[0, :n] = np.arange(n)
+        valid = np.arange(t_len)[None] < n
+        slots = np.where(valid, slots_for_positions(table, positions[0], self.page_size)[None], 0)
+        batch = ForwardBatch(
+            input_ids=jnp.asarray(ids),
+            positions=jnp.asarray(positions),
+            valid=jnp.asarray(valid),
+            write_slots=jnp.asarray(slots, jnp.int32),
+            page_table=jnp.asarray(table[None]),
+            kv_lens=jnp.asarray([n], jnp.int32),
+        )
+        self.step_shapes.add(("expanded", 1, t_len, r.width))
+        with jax.named_scope("decode_engine.prefill"):
+            logits = self.kv.update_pool(lambda pool: self._forward(batch, pool, "expanded"))
+        return np.asarray(self._log_softmax(logits[0]))
+
+    def _decode_step(self, touched: dict[str, _Request]) -> None:
+        rows = [r for r in self._running.values() if r.finish is None]
+        if not rows:
+            return
+        b = len(rows)
+        rows_p = pow2_at_least(b)
+        width = pow2_at_least(max(r.n_pages for r in rows))
+        ids = np.zeros((rows_p, 1), np.int32)
+        positions = np.zeros((rows_p, 1), np.int32)
+        valid = np.zeros((rows_p, 1), bool)
+        slots = np.full((rows_p, 1), TRASH_PAGE * self.page_size, np.int32)
+        tables = np.full((rows_p, width), TRASH_PAGE, np.int32)
+        kv_lens = np.zeros((rows_p,), np.int32)
+        for i, r in enumerate(rows):
+            assert r.pages is not None
+            pos = r.kv_len  # position of the last output token, the one fed now
+            tables[i] = padded_page_table(r.pages, width)
+            ids[i, 0] = r.out_ids[-1]
+            positions[i, 0] = pos
+            valid[i, 0] = True
+            slots[i, 0] = slots_for_positions(tables[i], np.asarray([pos]), self.page_size)[0]
+            kv_lens[i] = pos + 1
+        batch = ForwardBatch(
+            input_ids=jnp.asarray(ids),
+            positions=jnp.asarray(positions),
+            valid=jnp.asarray(valid),
+            write_slots=jnp.asarray(slots),
+            page_table=jnp.asarray(tables),
+            kv_lens=jnp.asarray(kv_lens),
+        )
+        self.step_shapes.add(("absorbed", rows_p, 1, width))
+        with jax.named_scope("decode_engine.decode"):
+            logits = self.kv.update_pool(lambda pool: self._forward(batch, pool, "absorbed"))
+        logprobs = np.asarray(self._log_softmax(logits))
+        for i, r in enumerate(rows):
+            tok = sample_token(logprobs[i], r.req.sampling, len(r.out_ids), r.seed)
+            self._record(r, tok, float(logprobs[i, tok]))
+            touched[r.rid] = r
+
+    def _forward(self, batch: ForwardBatch, pool: KVPool, form: str) -> tuple[jax.Array, KVPool]:
+        return forward_step(
+            self._graphdef,
+            self._state,
+            batch,
+            pool,
+            index_k_dtype=self.index_k_dtype,
+            form=form,
+        )
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+    def _record(self, r: _Request, tok: int, logprob: float) -> None:
+        """Append one output token; finish the request if it stops here."""
+        if r.first_token_at is None:
+            r.first_token_at = self._clock()
+        r.out_ids.append(tok)
+        r.out_lps.append(logprob)
+        done = r.stop.append(tok)
+        if done is not None:
+            r.finish = done
+            self._running.pop(r.rid, None)
+            self._release(r)
+
+    def _fail(self, r: _Request, message: str, touched: dict[str, _Request]) -> None:
+        logger.warning("request %s failed: %s", r.rid, message)
+        r.finish = StopResult("error")
+        r.error = message
+        touched[r.rid] = r
+
+    def _release(self, r: _Request) -> None:
+        if r.pages is not None:
+            self.kv.free_pages(r.pages)
+            r.pages = None
+
+    def _chunk(self, r: _Request) -> OutputChunk:
+        """The request's tokens since its last chunk (final if it finished)."""
+        new = slice(r.emitted, len(r.out_ids))
+        r.emitted = len(r.out_ids)
+        lps = tuple(r.out_lps[new]) if r.req.return_logprob else None
+        if r.finish is None:
+            return OutputChunk(r.rid, tuple(r.out_ids[new]), lps)
+        now = self._clock()
+        meta: dict[str, float | int] = {
+            "prompt_tokens": len(r.prompt),
+            "completion_tokens": len(r.out_ids),
+            "cached_tokens": 0,
+            "e2e_s": now - r.req.arrival_time,
+        }
+        if r.first_token_at is not None:
+            meta["ttft_s"] = r.first_token_at - r.req.arrival_time
+        if r.finish.matched_stop_index is not None:
+            meta["matched_stop_index"] = r.finish.matched_stop_index
+            meta["stop_text_end"] = int(r.finish.text_end or 0)
+        return OutputChunk(
+            r.rid,
+            tuple(r.out_ids[new]),
+            lps,
+            finished=True,
+            finish_reason=r.finish.reason,
+            error=r.error,
+            meta=meta,
+        )
+
+    def _update_snapshot(self) -> None:
+        """Publish the counters `stats` reads (one tuple assignment: atomic for readers
+        on other threads)."""
+        self._snapshot = (
+            len(self._waiting) + len(self._transferring),
+            len(self._running),
+            self._transfer_failures,
+            self._transfer_bytes,
+            tuple(self._rejections.items()),
+        )
+
+
+def _state_name(snapshot: Any) -> str:
+    """`RoomSnapshot.state` as its enum name ("SUCCESS", "FAILED", ...)."""
+    return snapshot.state.name

@@ -1,0 +1,338 @@
+"""`make demo`: CP=8 shared-KV prefill -> KV transfer -> decode, behind the PD router.
+
+    python -m serving.demo [--model-dir .demo/tiny-glm5] [--transfer-backend grpc|mooncake]
+        [--max-new-tokens 16] [--keep-logs]
+
+On 127.0.0.1 it starts three processes: a decode server (one device), a CP=8 shared-KV
+prefill server (8 virtual CPU devices) and `cpkv-router` in front of them. It sends a
+short prompt, a long one (many pages), and two prompts sharing a long prefix (the second
+reuses the prefill server's radix cache), half of them streamed; prints each request's
+TTFT and output, the per-rank KV bytes of the shared vs a replicated pool of the same
+capacity, and the transfer throughput; checks every greedy output against the
+single-device reference computed here (`cpkv_jax.generate.ReferenceGenerator`); then
+stops everything (SIGTERM: drain, exit) and exits 0 only if all outputs match.
+
+Server logs go to `<model-dir>/../logs/`; the tail of a server's log is printed if it
+fails to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+CP = 8
+PAGE = 16
+STARTUP_TIMEOUT_S = 420.0
+REQUEST_TIMEOUT_S = 300.0
+TEXT = (
+    "Context-parallel prefill with shared KV stores every page of the cache once, on "
+    "the rank that owns it, and rebuilds the full view only while attention runs. "
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A server subprocess with its log file; `stop` sends SIGTERM, then SIGKILL."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str]):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("w")
+        self.popen = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._log.close()
+        return self.popen.returncode
+
+
+def wait_healthy(url: str, procs: Sequence[Proc], timeout: float) -> None:
+    t0 = time.monotonic()
+    last = ""
+    while time.monotonic() - t0 < timeout:
+        for p in procs:
+            if not p.alive():
+                raise RuntimeError(
+                    f"{p.name} exited with code {p.popen.returncode} during startup; "
+                    f"log tail ({p.log_path}):\n{p.tail()}"
+                )
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError as e:
+            last = str(e)
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f}s ({last})")
+
+
+@contextlib.contextmanager
+def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]:
+    py = sys.executable
+    base_env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    prefill_env = {
+        **base_env,
+        "XLA_FLAGS": (
+            base_env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={CP}"
+        ).strip(),
+    }
+    ports = {k: free_port() for k in ("decode", "prefill", "router", "transfer")}
+    common = [
+        "--model-path",
+        str(args.model_dir),
+        "--dtype",
+        "float32",
+        "--page-size",
+        str(PAGE),
+        "--transfer-backend",
+        args.transfer_backend,
+        "--log-level",
+        "info",
+    ]
+    procs: list[Proc] = []
+    try:
+        print(f"starting decode server on :{ports['decode']} (1 device) ...", flush=True)
+        procs.append(
+            Proc(
+                "decode",
+                [
+                    py,
+                    "-m",
+                    "serving.launch",
+                    *common,
+                    "--disaggregation-mode",
+                    "decode",
+                    "--port",
+                    str(ports["decode"]),
+                    "--transfer-port",
+                    str(ports["transfer"]),
+                ],
+                log_dir,
+                base_env,
+            )
+        )
+        print(
+            f"starting prefill server on :{ports['prefill']} (CP={CP} shared KV, {CP} virtual "
+            "CPU devices) ...",
+            flush=True,
+        )
+        procs.append(
+            Proc(
+                "prefill",
+                [
+                    py,
+                    "-m",
+                    "serving.launch",
+                    *common,
+                    "--disaggregation-mode",
+                    "prefill",
+                    "--cp-size",
+                    str(CP),
+                    "--enable-cp-shared-kv",
+                    "--chunked-prefill-size",
+                    "128",
+                    "--port",
+                    str(ports["prefill"]),
+                ],
+                log_dir,
+                prefill_env,
+            )
+        )
+        urls = {k: f"http://127.0.0.1:{ports[k]}" for k in ("decode", "prefill", "router")}
+        t0 = time.monotonic()
+        for name in ("decode", "prefill"):
+            wait_healthy(urls[name], procs, STARTUP_TIMEOUT_S)
+            print(f"  {name} healthy after {time.monotonic() - t0:.0f}s (compiles warmed up)")
+        procs.append(
+            Proc(
+                "router",
+                [
+                    py,
+                    "-m",
+                    "serving.router",
+                    "--prefill",
+                    urls["prefill"],
+                    "--decode",
+                    urls["decode"],
+                    "--port",
+                    str(ports["router"]),
+                ],
+                log_dir,
+                base_env,
+            )
+        )
+        wait_healthy(urls["router"], procs, 60.0)
+        print(f"  router healthy on :{ports['router']}\n", flush=True)
+        yield {"urls": urls, "procs": procs}
+    finally:
+        for p in reversed(procs):
+            code = p.stop()
+            print(f"stopped {p.name} (exit code {code})")
+
+
+def send(router: str, body: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """One /generate request through the router; TTFT measured here (client side)."""
+    t0 = time.perf_counter()
+    body = {**body, "stream": stream}
+    if not stream:
+        r = httpx.post(router + "/generate", json=body, timeout=REQUEST_TIMEOUT_S)
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text}")
+        out = r.json()
+        out["client_e2e_s"] = time.perf_counter() - t0
+        out["client_ttft_s"] = out["meta_info"].get("ttft")
+        return out
+    ttft = None
+    last: dict[str, Any] = {}
+    with httpx.stream("POST", router + "/generate", json=body, timeout=REQUEST_TIMEOUT_S) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            if ttft is None and event.get("output_ids"):
+                ttft = time.perf_counter() - t0
+            last = event
+    last["client_e2e_s"] = time.perf_counter() - t0
+    last["client_ttft_s"] = ttft
+    return last
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m serving.demo", description=__doc__)
+    ap.add_argument("--model-dir", type=Path, default=Path(".demo/tiny-glm5"))
+    ap.add_argument("--transfer-backend", default="grpc", choices=["grpc", "mooncake"])
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    args = ap.parse_args(argv)
+    t_start = time.monotonic()
+
+    # The demo process itself needs one device (the reference); JAX loads lazily below.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from cpkv_jax.generate import ReferenceGenerator
+    from cpkv_jax.model.weights import load_model
+    from cpkv_jax.tokenizer import load_tokenizer
+    from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
+
+    if not (args.model_dir / "config.json").is_file():
+        make_tiny_checkpoint(args.model_dir, "glm_moe_dsa")
+        print(f"wrote tiny GLM-5-architecture checkpoint to {args.model_dir}")
+    log_dir = args.model_dir.parent / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cfg, model = load_model(args.model_dir, progress=False)
+    tok = load_tokenizer(args.model_dir)
+    assert tok is not None, "the tiny checkpoint ships a tokenizer"
+
+    def text_of(n_tokens: int, salt: str = "") -> list[int]:
+        ids = tok.encode(salt + TEXT * (1 + n_tokens // 40))
+        return ids[:n_tokens]
+
+    prefix = text_of(300)
+    prompts = {
+        "short": (text_of(20), False),
+        "long": (text_of(700), True),
+        "prefix-a": ([*prefix, *tok.encode(" First question: what is a page?")], False),
+        "prefix-b": ([*prefix, *tok.encode(" Second question: who owns it?")], True),
+    }
+    sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+
+    results: dict[str, dict[str, Any]] = {}
+    with servers(args, log_dir) as s:
+        urls = s["urls"]
+        for name, (ids, stream) in prompts.items():
+            results[name] = send(
+                urls["router"], {"input_ids": ids, "sampling_params": sampling}, stream
+            )
+        prefill_info = httpx.get(urls["prefill"] + "/server_info", timeout=10).json()
+        decode_info = httpx.get(urls["decode"] + "/server_info", timeout=10).json()
+
+    print("\nrequest     prompt  cached  stream  TTFT(s)  e2e(s)  output")
+    for name, (ids, stream) in prompts.items():
+        r = results[name]
+        meta = r.get("meta_info", {})
+        ttft = r.get("client_ttft_s")
+        text = r.get("text", "")
+        cached = meta.get("cached_tokens", 0)
+        print(
+            f"{name:<10}{len(ids):>8}{cached:>8}{'yes' if stream else 'no':>8}"
+            f"{ttft if ttft is not None else float('nan'):>9.2f}{r['client_e2e_s']:>8.2f}  "
+            f"{text!r:.60}"
+        )
+
+    # Per-rank KV bytes: the prefill server's page-owned pools vs a replicated pool of the
+    # same token capacity (every rank would hold every page).
+    pages = prefill_info["kv_pages_total"][0]
+    per_page = prefill_info["kv_bytes_per_page"]
+    shared = pages * per_page
+    replicated = (CP * (pages - 1) + 1) * per_page
+    print(
+        f"\nper-rank persistent KV pool (prefill, cp={CP}): shared {shared / 2**20:.2f} MiB "
+        f"vs replicated {replicated / 2**20:.2f} MiB for the same "
+        f"{CP * (pages - 1) * PAGE:,} tokens of capacity ({replicated / shared:.2f}x)"
+    )
+    sent, secs = prefill_info.get("transfer_bytes", 0), prefill_info.get("transfer_seconds", 0.0)
+    rate = f"{sent / secs / 2**20:.1f} MiB/s" if secs > 0 else "n/a"
+    print(
+        f"KV transfer ({args.transfer_backend}): {sent / 2**20:.2f} MiB sent by the prefill "
+        f"ranks in {secs:.2f}s of transfer time ({rate}); decode received "
+        f"{decode_info.get('transfer_bytes', 0) / 2**20:.2f} MiB, "
+        f"{decode_info.get('transfer_failures', 0)} failures"
+    )
+
+    ref = ReferenceGenerator(cfg, model, page_size=PAGE)
+    ok = True
+    for name, (ids, _) in prompts.items():
+        want = ref.generate(ids, args.max_new_tokens, ignore_eos=True).output_ids
+        got = results[name]["output_ids"]
+        if got != want:
+            ok = False
+            print(f"MISMATCH {name}: served {got} vs reference {want}")
+    print(f"\ndemo wall time {time.monotonic() - t_start:.0f}s")
+    print(
+        "RESULT:",
+        "outputs equal the single-device reference"
+        if ok
+        else "MISMATCH against the single-device reference",
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Prometheus metrics of one HTTP server (`GET /metrics`).
+
+`ServerMetrics` owns its own `CollectorRegistry`, so several servers in one process (tests,
+an embedded router) never share or collide on series. Two kinds of series:
+
+- observed by the HTTP layer per request (`RequestTimer`): time to first token,
+  inter-token latency, end-to-end latency, requests by finish reason, prompt and
+  generation tokens, bad requests. Latencies are measured from the moment the HTTP
+  request arrived, so they include tokenization and queueing, as a client sees them;
+- read from the engine at scrape time (`EngineClient.stats()`, see `attach_stats`):
+  queue length, running requests, KV pages used / total per rank, PD transfer bytes,
+  seconds and failures, admission rejections per gate. These are the engine's own cumulative
+  counts, reported as-is (no double counting across scrapes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from serving.engine_api import EngineStats
+
+logger = logging.getLogger(__name__)
+
+# Seconds. TTFT spans a queued long-context prefill; ITL a single decode step.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Emits the engine-side series from one `stats()` call per scrape."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], EngineStats] | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        # Nothing to pre-register: the registry must not call stats() at registration.
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        if self.source is None:
+            return
+        try:
+            stats = self.source()
+        except Exception:  # a scrape must not fail because the engine is in trouble
+            logger.exception("EngineClient.stats() failed; engine series omitted")
+            return
+        queue = GaugeMetricFamily("cpkv_queue_length", "Requests queued, not yet started.")
+        queue.add_metric([], stats.waiting)
+        running = GaugeMetricFamily("cpkv_running_requests", "Requests being served.")
+        running.add_metric([], stats.running)
+        used = GaugeMetricFamily(
+            "cpkv_kv_pages_used", "KV cache pages in use, per rank.", labels=["rank"]
+        )
+        total = GaugeMetricFamily(
+            "cpkv_kv_pages_total", "KV cache pages in the pool, per rank.", labels=["rank"]
+        )
+        for rank, (n_total, n_free) in enumerate(
+            zip(stats.kv_pages_total, stats.kv_pages_free, strict=True)
+        ):
+            used.add_metric([str(rank)], n_total - n_free)
+            total.add_metric([str(rank)], n_total)
+        t_bytes = CounterMetricFamily(
+            "cpkv_transfer_bytes", "Bytes sent or received over PD KV transfer."
+        )
+        t_bytes.add_metric([], stats.transfer_bytes)
+        t_secs = CounterMetricFamily(
+            "cpkv_transfer_seconds", "Summed wall time of PD KV transfers (start to outcome)."
+        )
+        t_secs.add_metric([], stats.transfer_seconds)
+        t_fail = CounterMetricFamily("cpkv_transfer_failures", "PD KV transfers that failed.")
+        t_fail.add_metric([], stats.transfer_failures)
+        rejections = CounterMetricFamily(
+            "cpkv_admission_rejections",
+            "Times a request was held back by an admission gate.",
+            labels=["gate"],
+        )
+        for gate, n in sorted(stats.admission_rejections.items()):
+            rejections.add_metric([gate], n)
+        yield from (queue, running, used, total, t_bytes, t_secs, t_fail, rejections)
+
+
+class ServerMetrics:
+    """The metrics of one server, in their own registry. Thread-safe (prometheus_client)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.ttft = Histogram(
+            "cpkv_time_to_first_token_seconds",
+            "From HTTP request arrival to the first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "cpkv_inter_token_latency_seconds",
+            "Time between consecutive generated tokens (a chunk's gap split over its tokens).",
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "cpkv_e2e_request_latency_seconds",
+            "From HTTP request arrival to the last token.",
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        )
+        self.requests = Counter(
+            "cpkv_requests",
+            "Finished requests by finish reason (stop, length, abort, error).",
+            labelnames=["finish_reason"],
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "cpkv_prompt_tokens", "Prompt tokens of finished requests.", registry=reg
+        )
+        self.generation_tokens = Counter(
+            "cpkv_generation_tokens",
+            "Tokens generated (including aborted requests').",
+            registry=reg,
+        )
+        self.bad_requests = Counter(
+            "cpkv_http_bad_requests",
+            "HTTP requests answered with a 4xx status.",
+            registry=reg,
+        )
+        self._engine = _EngineStatsCollector()
+        reg.register(self._engine)
+
+    def attach_stats(self, source: Callable[[], EngineStats]) -> None:
+        """Read engine gauges from `source` (normally `EngineClient.stats`) at scrape time."""
+        self._engine.source = source
+
+    def record_bad_request(self) -> None:
+        self.bad_requests.inc()
+
+    def start_request(self, arrival: float | None = None) -> RequestTimer:
+        """A timer for one request; `arrival` is a `time.monotonic()` value (default now)."""
+        return RequestTimer(self, time.monotonic() if arrival is None else arrival)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTimer:
+    """Per-request observations: call `on_tokens` per output chunk, `finish` once."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
+        self._m = metrics
+        self.arrival = arrival
+        self.first_token_at: float | None = None
+        self._last_token_at: float | None = None
+        self.completion_tokens = 0
+        self._finished = False
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    def on_tokens(self, n: int, now: float | None = None) -> None:
+        """`n` tokens arrived together: the first one gives TTFT, later chunks give ITL."""
+        if n <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        self.completion_tokens += n
+        self._m.generation_tokens.inc(n)
+        if self._last_token_at is None:
+            self.first_token_at = now
+            self._m.ttft.observe(now - self.arrival)
+            remaining = n - 1  # tokens after the first in the same chunk
+            gap = 0.0
+        else:
+            remaining = n
+            gap = now - self._last_token_at
+        for _ in range(remaining):
+            self._m.itl.observe(gap / max(remaining, 1))
+        self._last_token_at = now
+
+    def finish(self, finish_reason: str, prompt_tokens: int, now: float | None = None) -> float:
+        """Record the request's end once; returns its end-to-end latency in seconds."""
+        now = time.monotonic() if now is None else now
+        e2e = now - self.arrival
+        if not self._finished:
+            self._finished = True
+            self._m.e2e.observe(e2e)
+            self._m.requests.labels(finish_reason=finish_reason).inc()
+            self._m.prompt_tokens.inc(prompt_tokens)
+        return e2e

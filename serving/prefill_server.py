@@ -1,0 +1,418 @@
+"""The PD prefill-mode engine: CP shared-KV prefill whose KV goes to a decode server.
+
+`PrefillModeEngine` is the `StepEngine` (`serving.engine_api`) of a server started with
+`--disaggregation-mode prefill`. Each request names its decode side: the transfer room
+the decode server registered (`GenerateRequest.bootstrap_room`) and that server's
+transfer receiver (`decode_transfer_target`, "host:port"). A request's life here:
+
+1. `add`: validated and queued in the `PrefillScheduler` (nothing allocated yet);
+2. a `step` prefills it on the `cp` mesh (with other requests when bs > 1 is on), samples
+   its first token from the last position's log-probs, and starts one sender per CP rank
+   (`transfer.sender.send_request`): each rank sends only the pages it owns, tagged with
+   their logical positions (SPEC S2.1-S2.2); rank 0 commits the first token and its
+   log-prob as the room's aux data;
+3. while the room is in flight the request's pages are held: its whole pages sit in the
+   radix cache, locked (other requests may reuse the prefix, nothing may evict it), its
+   partial tail page stays allocated to it (`PrefillScheduler(hold_finished=True)`);
+4. once every rank's sender stopped and the room's outcome is known (`TransferHold`), a
+   later `step` releases the hold - the pages become what a prefill without transfer
+   leaves: cached whole pages, evictable, and a freed tail page - and emits the
+   request's only chunk: its first token, `finish_reason` "length" when the decode side
+   accepted the KV, "error" with the reason when the room failed, "abort" when the
+   client cancelled it.
+
+Sender threads never touch the scheduler or the cache: they only signal; every page
+release happens on the engine thread, in `step`. Senders read the pool under a lock
+that the engine also holds for each prefill step, since the step donates the pool.
+
+The seed rule (`request_seed`) must be the decode server's too: token `i` of a request
+is drawn with `serving.sampling.sample_token(..., step=i, seed=request_seed(req))`, so a
+prefill server sampling token 0 and a decode server sampling the rest give the stream a
+unified server would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from cpkv_jax.errors import ConfigError, InputError
+from cpkv_jax.model.transformer import CausalLM
+from serving.engine_api import EngineStats, GenerateRequest, OutputChunk, ServerMode
+from serving.prefill_engine import PrefillEngine, build_prefill_engine
+from serving.sampling import request_seed, sample_token
+from serving.scheduler.prefill_scheduler import PrefillOutcome
+from serving.server_args import ServerArgs
+from transfer.backends import make_backend
+from transfer.page_plan import LayoutDescriptor
+from transfer.protocol import Aux, RoomSnapshot, RoomState
+from transfer.sender import CPPoolPageSource, TransferBackend, TransferHold, rank_jobs, send_request
+
+logger = logging.getLogger(__name__)
+
+# With nothing to prefill and transfers in flight, `step` waits at most this long for a
+# hold to be released (woken at once by a release), so the engine loop does not spin.
+DEFAULT_IDLE_WAIT_S = 0.005
+# The prefill side declares the decode side lost after this many missed heartbeats.
+HEARTBEAT_TIMEOUT_INTERVALS = 3
+MIN_HEARTBEAT_TIMEOUT_S = 15.0
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float32 log-softmax of one row of logits `[vocab]` (as `ReferenceGenerator`)."""
+    x = np.asarray(logits, dtype=np.float32).reshape(-1)
+    shifted = x - np.max(x)
+    return shifted - np.log(np.sum(np.exp(shifted), dtype=np.float32))
+
+
+def parse_target(target: str) -> tuple[str, int]:
+    """`"host:port"` -> (host, port); `InputError` naming the value otherwise."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InputError(
+            f"decode_transfer_target must be 'host:port' of the decode server's transfer "
+            f"receiver, got {target!r}"
+        )
+    return host, int(port)
+
+
+@dataclasses.dataclass
+class _Request:
+    """One request's state on this server (engine thread only)."""
+
+    req: GenerateRequest
+    state: Literal["queued", "transferring"] = "queued"
+    hold: TransferHold | None = None
+    first_token: int = -1
+    logprob: float = 0.0
+    cached_tokens: int = 0
+    num_pages: int = 0
+    ttft_s: float = 0.0
+    abort_reason: str | None = None
+    transfer_started: float = 0.0
+
+
+class PrefillModeEngine:
+    """`StepEngine` of a PD prefill server (see the module docstring).
+
+    `engine` must be built with `hold_finished=True` (`build_prefill_engine`), so its
+    scheduler keeps finished requests' pages until their transfer ends. `backend` sends
+    the pages (`transfer.backends.make_backend`). `clock` must be the clock of
+    `GenerateRequest.arrival_time` (time.monotonic) for the latencies in `meta`.
+    """
+
+    mode: ServerMode = "prefill"
+
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        backend: TransferBackend,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        idle_wait_s: float = DEFAULT_IDLE_WAIT_S,
+    ):
+        if not engine.scheduler.hold_finished:
+            raise ConfigError(
+                "the prefill engine's scheduler frees a request's pages when its prefill "
+                "ends, but a PD prefill server must hold them until the KV transfer ends; "
+                "build it with build_prefill_engine(..., hold_finished=True)"
+            )
+        self.engine = engine
+        self.backend = backend
+        self.clock = clock
+        self.idle_wait_s = idle_wait_s
+        self.scheduler = engine.scheduler
+        self.runner = engine.runner
+        self.cfg = engine.cfg
+        self.cp_size = engine.args.cp_size
+        self.page_size = engine.args.page_size
+        pool = self.runner.pool
+        self.layout = LayoutDescriptor.from_model(
+            self.cfg, self.page_size, pool.latent[0].dtype, self.runner.index_k_dtype
+        )
+        # A prefill step donates the pool: senders read it only between steps.
+        self._pool_lock = threading.Lock()
+        runner = self.runner
+        self._sources = [
+            CPPoolPageSource(lambda: runner.pool, self.layout, r, lock=self._pool_lock)
+            for r in range(self.cp_size)
+        ]
+        self._requests: dict[str, _Request] = {}
+        self._rooms: dict[str, str] = {}  # room -> rid, for requests on this server
+        self._pending: list[OutputChunk] = []
+        self._wake = threading.Event()
+        self.transfer_bytes = 0
+        self.transfer_seconds = 0.0
+        self.transfer_failures = 0
+
+    # ---- StepEngine -------------------------------------------------------------------
+    def add(self, req: GenerateRequest) -> None:
+        """Validate and queue `req`; `InputError` (nothing queued) when it cannot be served."""
+        missing = [
+            name for name in ("bootstrap_room", "decode_transfer_target") if not getattr(req, name)
+        ]
+        if missing:
+            raise InputError(
+                f"request {req.rid!r}: a prefill server needs {' and '.join(missing)} (the "
+                "decode server's transfer room and its receiver's host:port); send the "
+                "request through the PD router, or to a unified server"
+            )
+        assert req.bootstrap_room is not None and req.decode_transfer_target is not None
+        parse_target(req.decode_transfer_target)
+        if req.bootstrap_cp_size is not None and req.bootstrap_cp_size != self.cp_size:
+            raise InputError(
+                f"request {req.rid!r}: bootstrap_cp_size {req.bootstrap_cp_size} but this "
+                f"prefill server sends from {self.cp_size} CP ranks; register the room with "
+                f"cp_size {self.cp_size}"
+            )
+        if req.rid in self._requests:
+            raise InputError(f"request id {req.rid!r} is already queued or transferring here")
+        if req.bootstrap_room in self._rooms:
+            raise InputError(
+                f"request {req.rid!r}: room {req.bootstrap_room!r} is in use by request "
+                f"{self._rooms[req.bootstrap_room]!r}; every request needs its own room"
+            )
+        req.sampling.validate(self.cfg.vocab_size)
+        ids = np.asarray(req.input_ids, dtype=np.int64)
+        if ids.size == 0:
+            raise InputError(f"request {req.rid!r}: the prompt is empty; give at least one token")
+        bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
+        if bad.size:
+            raise InputError(
+                f"request {req.rid!r}: token id(s) {bad[:5].tolist()} outside the vocabulary "
+                f"[0, {self.cfg.vocab_size})"
+            )
+        total = ids.size + req.sampling.max_new_tokens
+        if total > self.cfg.max_position_embeddings:
+            raise InputError(
+                f"request {req.rid!r}: prompt ({ids.size} tokens) + max_new_tokens "
+                f"({req.sampling.max_new_tokens}) = {total} exceeds the context length "
+                f"{self.cfg.max_position_embeddings}; shorten the prompt or ask for fewer tokens"
+            )
+        # Reserve one new token: decoded tokens' KV lives on the decode server, not here.
+        self.scheduler.submit(req.rid, ids.astype(np.int32), max_new_tokens=1)
+        self._requests[req.rid] = _Request(req)
+        self._rooms[req.bootstrap_room] = req.rid
+
+    def abort(self, rid: str) -> None:
+        """Cancel `rid`: drop it if queued or prefilling, else stop its transfer. Its
+        final chunk ("abort") comes from the step after its pages are released."""
+        entry = self._requests.get(rid)
+        if entry is None:
+            logger.debug("abort of unknown or finished request %s ignored", rid)
+            return
+        if entry.state == "queued":
+            outcome = self.scheduler.abort(rid)
+            if outcome is None:  # finished in the scheduler but not yet seen: cannot be
+                raise AssertionError(f"request {rid} is queued here but not in the scheduler")
+            self._forget(rid)
+            self._pending.append(self._final(entry, "abort", error="aborted by the client"))
+            return
+        assert entry.hold is not None
+        if entry.abort_reason is None:
+            entry.abort_reason = "aborted by the client"
+            entry.hold.cancel(f"request {rid} aborted by the client")
+
+    def step(self) -> Sequence[OutputChunk]:
+        """Prefill one batch (if any is waiting), start its transfers, and emit the final
+        chunk of every request whose transfer hold was released."""
+        out, self._pending = self._pending, []
+        batches = len(self.scheduler.batch_sizes)
+        if self.scheduler.num_waiting:
+            with self._pool_lock:
+                outcomes = self.scheduler.step()
+            for outcome in outcomes:
+                chunk = self._on_outcome(outcome)
+                if chunk is not None:
+                    out.append(chunk)
+        prefilled = len(self.scheduler.batch_sizes) > batches
+        self._wake.clear()
+        out += self._poll_holds()
+        # Nothing prefilled (queue empty, or waiting for pages that transfers hold) and
+        # nothing finished: wait briefly for a release instead of spinning.
+        if not out and not prefilled and self._num_transferring():
+            self._wake.wait(self.idle_wait_s)
+            out += self._poll_holds()
+        return out
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.num_waiting or self._requests or self._pending)
+
+    def stats(self) -> EngineStats:
+        alloc = self.runner.allocator
+        free = tuple(int(x) for x in alloc.num_free_per_lane())
+        total = (int(alloc.capacity_per_lane),) * len(free)
+        if len(free) == 1 and self.cp_size > 1:  # replicated: every rank holds the same
+            free, total = free * self.cp_size, total * self.cp_size
+        return EngineStats(
+            mode="prefill",
+            waiting=len(self.scheduler.waiting),
+            running=int(self.scheduler.chunked is not None) + self._num_transferring(),
+            kv_pages_total=total,
+            kv_pages_free=free,
+            kv_bytes_per_page=self.layout.bytes_per_page(),
+            transfer_bytes=self.transfer_bytes,
+            transfer_seconds=self.transfer_seconds,
+            transfer_failures=self.transfer_failures,
+            admission_rejections=dict(self.scheduler.rejections),
+        )
+
+    # ---- internals --------------------------------------------------------------------
+    def _num_transferring(self) -> int:
+        return sum(e.state == "transferring" for e in self._requests.values())
+
+    def _forget(self, rid: str) -> _Request:
+        entry = self._requests.pop(rid)
+        self._rooms.pop(entry.req.bootstrap_room or "", None)
+        return entry
+
+    def _on_outcome(self, outcome: PrefillOutcome) -> OutputChunk | None:
+        entry = self._requests[outcome.rid]
+        if outcome.status != "finished":  # a timeout in the queue (aborts are ours)
+            self._forget(outcome.rid)
+            reason = "abort" if outcome.status == "aborted" else "error"
+            return self._final(entry, reason, error=f"{outcome.status}: {outcome.reason}")
+        assert outcome.last_logits is not None and outcome.table is not None
+        req = entry.req
+        logprobs = log_softmax(outcome.last_logits)
+        token = sample_token(logprobs, req.sampling, step=0, seed=request_seed(req))
+        entry.first_token, entry.logprob = token, float(logprobs[token])
+        entry.cached_tokens = outcome.cached_tokens
+        entry.ttft_s = self.clock() - req.arrival_time
+        table = outcome.table
+        entry.num_pages = table.num_pages
+        assert req.bootstrap_room is not None and req.decode_transfer_target is not None
+        with jax.named_scope("transfer"):
+            jobs = rank_jobs(
+                req.bootstrap_room,
+                req.decode_transfer_target,
+                self.layout,
+                table.num_tokens,
+                table.local_pages(),
+                self._sources,
+                Aux(token, entry.logprob),
+            )
+            entry.transfer_started = self.clock()
+            entry.hold = send_request(self.backend, jobs, self._on_release)
+        entry.state = "transferring"
+        logger.debug(
+            "request %s: first token %d, sending %d pages to %s room %s",
+            req.rid,
+            token,
+            table.num_pages,
+            req.decode_transfer_target,
+            req.bootstrap_room,
+        )
+        return None
+
+    def _on_release(self, _outcome: RoomSnapshot) -> None:
+        """Sender thread: the hold is over. Only wakes the engine, which frees the pages."""
+        self._wake.set()
+
+    def _poll_holds(self) -> list[OutputChunk]:
+        out = []
+        for rid, entry in list(self._requests.items()):
+            if entry.hold is None or not entry.hold.released:
+                continue
+            outcome = entry.hold.outcome
+            self.scheduler.release_held(rid)
+            self._forget(rid)
+            req = entry.req
+            if entry.abort_reason is not None:
+                out.append(self._final(entry, "abort", error=entry.abort_reason))
+            elif outcome is not None and outcome.state is RoomState.SUCCESS:
+                self.transfer_bytes += entry.num_pages * self.layout.bytes_per_page()
+                # Start of the send to the outcome seen here (polled within idle_wait_s).
+                self.transfer_seconds += self.clock() - entry.transfer_started
+                out.append(self._final(entry, "length"))
+            else:
+                self.transfer_failures += 1
+                why = outcome.reason if outcome is not None else "no outcome"
+                out.append(
+                    self._final(
+                        entry,
+                        "error",
+                        error=f"KV transfer to {req.decode_transfer_target} (room "
+                        f"{req.bootstrap_room}) failed: {why}",
+                    )
+                )
+        return out
+
+    def _final(
+        self,
+        entry: _Request,
+        reason: Literal["length", "abort", "error"],
+        error: str | None = None,
+    ) -> OutputChunk:
+        """The request's only chunk; the first token only when the decode side has it."""
+        req = entry.req
+        ok = reason == "length"
+        meta: dict[str, float | int] = {
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": int(ok),
+            "cached_tokens": entry.cached_tokens,
+            "e2e_s": self.clock() - req.arrival_time,
+        }
+        if entry.first_token >= 0:
+            meta["ttft_s"] = entry.ttft_s
+        return OutputChunk(
+            rid=req.rid,
+            token_ids=(entry.first_token,) if ok else (),
+            logprobs=(entry.logprob,) if ok and req.return_logprob else None,
+            finished=True,
+            finish_reason=reason,
+            error=None if ok else error,
+            meta=meta,
+        )
+
+
+def backend_from_args(args: ServerArgs) -> TransferBackend:
+    """The `--transfer-backend` sender, with the `--transfer-*` timeouts applied.
+
+    The bootstrap timeout bounds how long a sender retries its handshake (decode server
+    not up, room not registered yet); the heartbeat interval is the decode side's;
+    the decode side counts as lost after `HEARTBEAT_TIMEOUT_INTERVALS` missed beats
+    (at least `MIN_HEARTBEAT_TIMEOUT_S`).
+    """
+    name = args.transfer_backend
+    if name is None:
+        raise ConfigError(
+            "a prefill server needs --transfer-backend (e.g. grpc) to send KV to decode servers"
+        )
+    timing: dict[str, Any] = {
+        "bootstrap_timeout_s": args.transfer_bootstrap_timeout,
+        "heartbeat_interval_s": args.transfer_heartbeat_interval,
+        "heartbeat_timeout_s": max(
+            MIN_HEARTBEAT_TIMEOUT_S, HEARTBEAT_TIMEOUT_INTERVALS * args.transfer_heartbeat_interval
+        ),
+    }
+    if name == "grpc":
+        from transfer.backends.grpc_backend import GrpcBackendConfig
+
+        return make_backend(name, config=GrpcBackendConfig(**timing))
+    if name == "mooncake":
+        from transfer.backends.mooncake_backend import MooncakeBackendConfig
+
+        return make_backend(name, config=MooncakeBackendConfig(**timing))
+    return make_backend(name)
+
+
+def build_prefill_mode_engine(
+    args: ServerArgs, *, model: CausalLM | None = None, devices: list | None = None
+) -> PrefillModeEngine:
+    """A ready PD prefill engine from the server flags (`--disaggregation-mode prefill`)."""
+    if args.disaggregation_mode != "prefill":
+        raise ConfigError(
+            f"the prefill-mode engine serves --disaggregation-mode prefill, got "
+            f"{args.disaggregation_mode!r}"
+        )
+    backend = backend_from_args(args)
+    engine = build_prefill_engine(args, model=model, devices=devices, hold_finished=True)
+    return PrefillModeEngine(engine, backend)

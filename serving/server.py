@@ -1,0 +1,378 @@
+"""One `cpkv-serve` process: engine by mode, warm-up, HTTP API, graceful shutdown.
+
+`build_server(args)` assembles everything without starting the HTTP listener (tests run
+the app on their own uvicorn); `run_server(args)` serves until SIGTERM / SIGINT.
+
+Modes (`--disaggregation-mode`):
+- `null`: `DecodeEngine(mode="null")` over a `LocalKVStore` on one device;
+- `decode`: a `transfer.receiver.Receiver` owns the pool and allocator (page-addressed
+  writes from the prefill ranks land in it), served over gRPC on `--transfer-port` (plus
+  a Mooncake receiver endpoint with `--transfer-backend mooncake`), and
+  `DecodeEngine(mode="decode")` decodes from it. `/server_info` reports
+  `transfer_target` (host:port) for the router;
+- `prefill`: `PrefillModeEngine` (CP prefill scheduler on the `cp` mesh + the transfer
+  backend). `/server_info` reports `cp_size`.
+
+Pool size of a single-device (null / decode) server: `--kv-pool-size` bytes, else enough
+pages for `min(max_position_embeddings, 131072)` tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import uvicorn
+from fastapi import FastAPI
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.errors import ConfigError
+from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.model.weights import load_model
+from cpkv_jax.paging import PageAllocator, pages_for_tokens
+from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
+from serving.chat_template import load_chat_template
+from serving.decode_engine import DecodeEngine, LocalKVStore
+from serving.engine_api import GenerateRequest, SamplingParams, StepEngine
+from serving.engine_loop import EngineLoop
+from serving.http_api import build_app
+from serving.metrics import ServerMetrics
+from serving.prefill_engine import DEFAULT_POOL_TOKENS, DTYPES, build_prefill_engine
+from serving.prefill_server import PrefillModeEngine, backend_from_args
+from serving.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RUNNING = 64
+WARMUP_STEPS_LIMIT = 64
+# A Mooncake receiver's staging arena: room for this many full pools' worth of in-flight
+# pages is excessive; a quarter of the pool (at least 64 MiB) keeps several rooms going.
+MOONCAKE_ARENA_MIN_BYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class Server:
+    """Everything one server process runs; `close()` releases what `build_server` made."""
+
+    args: ServerArgs
+    cfg: ModelConfig
+    engine: StepEngine
+    loop: EngineLoop
+    app: FastAPI
+    info: dict[str, Any]
+    closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            try:
+                close()
+            except Exception:
+                logger.exception("error while closing the server")
+        self.closers.clear()
+
+    def settle_caches(self) -> None:
+        """Evict the prefill radix cache (after shutdown), so free == total unless leaked."""
+        if isinstance(self.engine, PrefillModeEngine):
+            self.engine.scheduler.cache.reset()
+
+    def kv_free_summary(self) -> str:
+        stats = self.engine.stats()
+        free, total = stats.kv_pages_free, stats.kv_pages_total
+        return ", ".join(
+            f"rank {r}: {f}/{t}" for r, (f, t) in enumerate(zip(free, total, strict=True))
+        )
+
+    def kv_leaked(self) -> bool:
+        stats = self.engine.stats()
+        return stats.kv_pages_free != stats.kv_pages_total
+
+
+def single_device_pages(args: ServerArgs, cfg: ModelConfig) -> int:
+    """Pages (trash page included) of a null / decode server's pool."""
+    dtype = DTYPES[args.dtype]
+    one_page = init_pool_bytes_per_page(cfg, args.page_size, dtype, args.index_k_dtype)
+    if args.kv_pool_size is None:
+        tokens = min(cfg.max_position_embeddings, DEFAULT_POOL_TOKENS)
+        return pages_for_tokens(tokens, args.page_size) + 1
+    pages = args.kv_pool_size // one_page
+    if pages < 2:
+        raise ConfigError(
+            f"--kv-pool-size {args.kv_pool_size} bytes holds {pages} page(s) of {one_page} "
+            "bytes; a server needs at least 2 (one trash page): raise --kv-pool-size"
+        )
+    return pages
+
+
+def init_pool_bytes_per_page(cfg: ModelConfig, page_size: int, dtype, index_k_dtype) -> int:
+    """Bytes of one page over every layer (latent + index K + scale), from real shapes."""
+    pool = jax.eval_shape(lambda: init_pool(cfg, 2, page_size, dtype, index_k_dtype))
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(pool)) // 2
+
+
+def _detokenizer(tokenizer: Tokenizer | None):
+    if tokenizer is None:
+        return None
+    return lambda ids: tokenizer.decode(list(ids))
+
+
+def _build_decode_side(
+    args: ServerArgs, cfg: ModelConfig, model: CausalLM, tokenizer: Tokenizer | None
+) -> tuple[DecodeEngine, dict[str, Any], list[Callable[[], None]]]:
+    dtype = DTYPES[args.dtype]
+    pages = single_device_pages(args, cfg)
+    pool = init_pool(cfg, pages, args.page_size, dtype, args.index_k_dtype)
+    info: dict[str, Any] = {}
+    closers: list[Callable[[], None]] = []
+    if args.disaggregation_mode == "null":
+        kv: Any = LocalKVStore(pool, PageAllocator(pages))
+    else:
+        from transfer.page_plan import LayoutDescriptor
+        from transfer.protocol import TransferTimeouts
+        from transfer.receiver import Receiver, serve
+
+        layout = LayoutDescriptor.from_model(cfg, args.page_size, dtype, args.index_k_dtype)
+        endpoint = None
+        if args.transfer_backend == "mooncake":
+            from transfer.backends.mooncake_backend import MooncakeReceiverEndpoint
+
+            arena = max(MOONCAKE_ARENA_MIN_BYTES, pages * layout.bytes_per_page() // 4)
+            endpoint = MooncakeReceiverEndpoint(arena, hostname=args.host)
+            closers.append(endpoint.close)
+        timeouts = TransferTimeouts(
+            bootstrap=args.transfer_bootstrap_timeout,
+            waiting=args.transfer_waiting_timeout,
+            heartbeat=max(15.0, 3 * args.transfer_heartbeat_interval),
+            heartbeat_interval=args.transfer_heartbeat_interval,
+        )
+        receiver = Receiver(
+            layout, pool, PageAllocator(pages), timeouts=timeouts, mooncake=endpoint
+        )
+        receiver.start()
+        closers.append(receiver.close)
+        grpc_server, port = serve(receiver, host=args.host, port=args.transfer_port)
+        closers.append(lambda: grpc_server.stop(grace=1.0).wait(5.0))
+        info["transfer_target"] = f"{args.host}:{port}"
+        info["transfer_backend"] = args.transfer_backend
+        kv = receiver
+    engine = DecodeEngine(
+        cfg=cfg,
+        model=model,
+        kv=kv,
+        page_size=args.page_size,
+        index_k_dtype=args.index_k_dtype,
+        mode=args.disaggregation_mode,
+        max_running_requests=args.max_running_requests or DEFAULT_MAX_RUNNING,
+        detokenize=_detokenizer(tokenizer),
+    )
+    return engine, info, closers
+
+
+def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> float:
+    """Compile the common shapes before the server reports healthy; returns seconds.
+
+    Prefill servers run one CP prefill of a chunk-sized prompt (the step shape every long
+    prompt's chunks use) and release its pages. Null and decode servers run one short
+    request through a unified `DecodeEngine` on the same pool (a decode server's pool is
+    the receiver's: the warm-up borrows two pages and returns them), which compiles the
+    prefill and the batch-1 decode step; other batch buckets compile on first use.
+    """
+    t0 = time.perf_counter()
+    if isinstance(engine, PrefillModeEngine):
+        runner = engine.runner
+        n = args.chunked_prefill_size or 4 * args.page_size * args.cp_size
+        n = min(n, cfg.max_position_embeddings - 1)
+        result = runner.prefill([[3 + i % (cfg.vocab_size - 3) for i in range(n)]], n)
+        runner.release(result.tables[0])
+    else:
+        assert isinstance(engine, DecodeEngine)
+        probe = DecodeEngine(
+            cfg=cfg,
+            model=model,
+            kv=engine.kv,
+            page_size=args.page_size,
+            index_k_dtype=args.index_k_dtype,
+            mode="null",
+            max_running_requests=1,
+        )
+        free0 = engine.kv.num_free_pages
+        prompt = tuple(3 + i % (cfg.vocab_size - 3) for i in range(args.page_size + 1))
+        probe.add(GenerateRequest("warmup", prompt, SamplingParams(max_new_tokens=2)))
+        for _ in range(WARMUP_STEPS_LIMIT):
+            if any(c.finished for c in probe.step()):
+                break
+        else:
+            raise RuntimeError("warm-up request did not finish")
+        if engine.kv.num_free_pages != free0:
+            raise RuntimeError("warm-up request leaked KV pages")
+    return time.perf_counter() - t0
+
+
+def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
+    """Load the model once, build the mode's engine, warm it up, build the app."""
+    devices = list(jax.devices()) if devices is None else devices
+    t0 = time.perf_counter()
+    cfg, model = load_model(
+        args.model_path,
+        dtype=DTYPES[args.dtype],
+        json_model_override_args=args.effective_model_overrides(),
+    )
+    tokenizer = load_tokenizer(args.model_path)
+    chat = load_chat_template(args.model_path)
+    logger.info(
+        "model %s loaded in %.1fs (%d layers, tokenizer: %s, chat template: %s)",
+        cfg.architecture,
+        time.perf_counter() - t0,
+        cfg.num_hidden_layers,
+        "yes" if tokenizer else "no (token-id prompts only)",
+        "yes" if chat else "no",
+    )
+    info: dict[str, Any] = {
+        "mode": args.disaggregation_mode,
+        "model_path": args.model_path,
+        "page_size": args.page_size,
+        "cp_size": args.cp_size,
+        "shared_kv": args.enable_cp_shared_kv,
+        "dtype": args.dtype,
+        "index_k_dtype": args.index_k_dtype,
+    }
+    closers: list[Callable[[], None]] = []
+    if args.disaggregation_mode == "prefill":
+        engine: StepEngine = PrefillModeEngine(
+            build_prefill_engine(args, model=model, devices=devices, hold_finished=True),
+            backend_from_args(args),
+        )
+        backend_close = getattr(engine.backend, "close", None)
+        if backend_close is not None:
+            closers.append(backend_close)
+    else:
+        if args.cp_size != 1:
+            raise ConfigError(
+                f"--disaggregation-mode {args.disaggregation_mode} serves on one device; "
+                f"--cp-size {args.cp_size} needs --disaggregation-mode prefill"
+            )
+        engine, extra, more = _build_decode_side(args, cfg, model, tokenizer)
+        info.update(extra)
+        closers += more
+    try:
+        warm_s = warm_up(engine, args, cfg, model)
+    except Exception:
+        for close in reversed(closers):
+            close()
+        raise
+    stats = engine.stats()
+    per_rank = [t * stats.kv_bytes_per_page for t in stats.kv_pages_total]
+    logger.info(
+        "%s server ready: compiles warmed up in %.1fs; KV capacity per rank: %s pages of %d "
+        "tokens (%.1f MiB)",
+        args.disaggregation_mode,
+        warm_s,
+        stats.kv_pages_total[0],
+        args.page_size,
+        per_rank[0] / 2**20,
+    )
+    loop = EngineLoop(engine, name=f"engine-{args.disaggregation_mode}")
+    model_name = args.served_model_name or Path(args.model_path).name
+    context = cfg.max_position_embeddings
+    app = build_app(
+        loop,
+        model_name=model_name,
+        tokenizer=tokenizer,
+        vocab_size=cfg.vocab_size,
+        context_length=context,
+        chat_template=chat,
+        metrics=ServerMetrics(),
+        server_info=lambda: dict(info),
+    )
+    return Server(args, cfg, engine, loop, app, info, closers)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn that, on SIGTERM / SIGINT, stops the engine loop taking requests first
+    (503 + unhealthy at once), lets running requests finish for the drain timeout while
+    still serving them, aborts the rest (pages freed), then stops uvicorn. The signal is
+    not re-raised afterwards (plain uvicorn does), so `run_server` can log the final KV
+    state and choose the exit code. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, server: Server):
+        super().__init__(config)
+        self.cpkv = server
+        self.drain_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # Runs as a signal handler (main thread, between bytecodes): hand off to the loop.
+        if self.drain_task is None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._start_drain, sig)
+        else:
+            self.should_exit = True
+            self.force_exit = self.drain_task is not None
+
+    def _start_drain(self, sig: int) -> None:
+        if self.drain_task is not None:
+            return
+        logger.info(
+            "%s received: draining (up to %gs), new requests get 503",
+            signal.Signals(sig).name,
+            self.cpkv.args.shutdown_drain_timeout,
+        )
+        self.drain_task = asyncio.get_running_loop().create_task(
+            self.cpkv.loop.shutdown(self.cpkv.args.shutdown_drain_timeout)
+        )
+        self.drain_task.add_done_callback(lambda _: setattr(self, "should_exit", True))
+
+
+async def _serve(server: Server) -> None:
+    args = server.args
+    config = uvicorn.Config(
+        server.app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=max(1, int(args.shutdown_drain_timeout)),
+        lifespan="off",
+    )
+    uv = _DrainingServer(config, server)
+    await uv.serve()
+    if uv.drain_task is None:  # stopped without a signal (startup failure)
+        await server.loop.shutdown(0.0)
+    else:
+        await uv.drain_task
+
+
+def run_server(args: ServerArgs) -> int:
+    """Build, warm up and serve until a signal; returns the process exit code."""
+    server = build_server(args)
+    logger.info(
+        "serving %s on http://%s:%d%s",
+        args.disaggregation_mode,
+        args.host,
+        args.port,
+        f" (KV transfer receiver on {server.info['transfer_target']})"
+        if "transfer_target" in server.info
+        else "",
+    )
+    try:
+        asyncio.run(_serve(server))
+    finally:
+        server.close()
+    server.settle_caches()
+    leaked = server.kv_leaked()
+    log = logger.error if leaked else logger.info
+    log(
+        "shutdown complete: KV pages free %s%s",
+        server.kv_free_summary(),
+        " (LEAK)" if leaked else "",
+    )
+    return 1 if leaked else 0

@@ -1,0 +1,359 @@
+"""`serving.decode_engine.DecodeEngine`: continuous batching against the reference.
+
+The oracle is `ReferenceGenerator` (single request, single device). Greedy tokens must
+be equal exactly; log-probs within 1e-5 absolute: a batched decode row and the
+reference's single row may differ in the last float32 bits on XLA:CPU (different
+shapes, different reduction tiling), far below that bound on log-probs of order 1.
+
+The model is the tiny config cut to two layers (a full and a shared indexer layer, a
+dense and an MoE MLP). Every prompt pads to 16 tokens and every reservation to a 2-page
+table, and every engine pool has the same page count, so the module compiles a handful
+of programs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.errors import CacheCapacityError, InputError
+from cpkv_jax.generate import ReferenceGenerator, bucket
+from cpkv_jax.model.forward_batch import ForwardBatch
+from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.model.transformer import CausalLM, forward_step
+from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens, slots_for_positions
+from cpkv_jax.tools.tiny_config import tiny_config_dict
+from serving.decode_engine import DecodeEngine, KVStore, LocalKVStore
+from serving.engine_api import EngineStats, GenerateRequest, SamplingParams, StepEngine
+from serving.sampling import sample_token
+from transfer.page_plan import LayoutDescriptor, page_digests
+from transfer.protocol import Aux, RoomState
+from transfer.receiver import Receiver
+
+P = 16
+INDEX_K = "fp8_e4m3"
+LP_TOL = 1e-5  # see the module docstring
+
+POOL_PAGES = 40  # one pool size everywhere: the page count is part of compiled shapes
+# (prompt length, max_new_tokens): a page multiple (16) and not; each one's decode
+# crosses into its second page, so all share the prefill bucket and table width.
+WAVE = [(16, 6), (11, 8), (5, 12), (13, 5), (16, 2)]
+# Step at which each request of a wave is added: three together, then two joining a
+# running batch (and one of them leaving early: max_new_tokens=2).
+JOIN_AT = [0, 0, 0, 2, 4]
+
+
+def two_layer_config() -> ModelConfig:
+    d = tiny_config_dict("glm_moe_dsa")
+    d.update(
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        indexer_types=["full", "shared"],
+        mlp_layer_types=["dense", "sparse"],
+    )
+    return ModelConfig.from_dict(d)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = two_layer_config()
+    model = CausalLM(cfg, rngs=nnx.Rngs(0))
+    return cfg, model, ReferenceGenerator(cfg, model, page_size=P, index_k_dtype=INDEX_K)
+
+
+def make_engine(tiny, num_pages=POOL_PAGES, **kw) -> tuple[DecodeEngine, LocalKVStore]:
+    cfg, model, _ = tiny
+    kv = LocalKVStore.create(cfg, num_pages, P, jnp.float32, INDEX_K)
+    opts = dict(max_running_requests=8) | kw
+    engine = DecodeEngine(
+        cfg=cfg, model=model, kv=kv, page_size=P, index_k_dtype=INDEX_K, mode="null", **opts
+    )
+    return engine, kv
+
+
+def wave_requests(seed: int, tag: str, **sampling) -> list[GenerateRequest]:
+    rng = np.random.default_rng(seed)
+    return [
+        GenerateRequest(
+            f"{tag}{i}",
+            tuple(int(t) for t in rng.integers(3, 300, n)),
+            SamplingParams(max_new_tokens=m, **sampling),
+            return_logprob=True,
+        )
+        for i, (n, m) in enumerate(WAVE)
+    ]
+
+
+def run(engine, schedule: dict[int, list[GenerateRequest]], max_steps=200):
+    """Add requests at their steps, step until idle; tokens, log-probs, final chunks."""
+    toks: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    final = {}
+    step = 0
+    while step in schedule or engine.has_work():
+        for r in schedule.get(step, []):
+            engine.add(r)
+        for c in engine.step():
+            assert c.rid not in final, f"{c.rid} got a chunk after its final one"
+            toks.setdefault(c.rid, []).extend(c.token_ids)
+            lps.setdefault(c.rid, []).extend(c.logprobs or ())
+            if c.finished:
+                final[c.rid] = c
+        step += 1
+        assert step < max_steps
+    return toks, lps, final
+
+
+def check_against_reference(tiny, reqs, toks, lps, final):
+    _, _, ref = tiny
+    for r in reqs:
+        want = ref.generate(
+            r.input_ids, r.sampling.max_new_tokens, ignore_eos=r.sampling.ignore_eos
+        )
+        assert toks[r.rid] == want.output_ids, r.rid
+        np.testing.assert_allclose(lps[r.rid], want.output_logprobs, rtol=0, atol=LP_TOL)
+        f = final[r.rid]
+        assert f.finish_reason == want.finish_reason
+        assert f.meta["prompt_tokens"] == len(r.input_ids)
+        assert f.meta["completion_tokens"] == len(want.output_ids)
+        assert f.meta["cached_tokens"] == 0
+        assert 0 <= f.meta["ttft_s"] <= f.meta["e2e_s"]
+
+
+def test_continuous_batching_matches_reference_with_bounded_compiles(tiny):
+    engine, kv = make_engine(tiny)
+    assert isinstance(engine, StepEngine) and isinstance(kv, KVStore)
+    free0 = kv.num_free_pages
+    wave1 = wave_requests(1, "a", ignore_eos=True)
+    sched = {}
+    for r, s in zip(wave1, JOIN_AT, strict=True):
+        sched.setdefault(s, []).append(r)
+    toks, lps, final = run(engine, sched)
+    check_against_reference(tiny, wave1, toks, lps, final)
+    assert kv.num_free_pages == free0
+    shapes = set(engine.step_shapes)
+    # Decode rows and widths are powers of two; prefill lengths are `bucket`s.
+    for form, rows, t, width in shapes:
+        assert rows & (rows - 1) == 0 and width & (width - 1) == 0
+        assert t == 1 if form == "absorbed" else t == bucket(t)
+    # A second wave (fresh prompts, eos honoured, same buckets and join pattern)
+    # compiles nothing new.
+    wave2 = wave_requests(2, "b")
+    sched = {}
+    for r, s in zip(wave2, JOIN_AT, strict=True):
+        sched.setdefault(s, []).append(r)
+    _, _, ref = tiny
+    for r in wave2:  # the reference's own compiles happen before the count
+        ref.generate(r.input_ids, r.sampling.max_new_tokens)
+    compiled = forward_step._cache_size()
+    toks, lps, final = run(engine, sched)
+    assert forward_step._cache_size() == compiled
+    assert engine.step_shapes == shapes
+    check_against_reference(tiny, wave2, toks, lps, final)
+    assert kv.num_free_pages == free0
+
+
+def test_fcfs_queue_waits_for_pages(tiny):
+    # 4 free pages; each request reserves 2: the third waits until one finishes.
+    engine, kv = make_engine(tiny)
+    held = kv.allocate_pages(kv.num_free_pages - 4)
+    reqs = wave_requests(1, "q", ignore_eos=True)[:2] + wave_requests(3, "r", ignore_eos=True)[:1]
+    for r in reqs:
+        engine.add(r)
+    engine.step()
+    engine.step()
+    s = engine.stats()
+    assert (s.waiting, s.running, s.kv_pages_free) == (1, 2, (0,))
+    assert s.kv_pages_total == (POOL_PAGES - 1,)
+    toks, lps, final = run(engine, {})
+    assert set(final) == {r.rid for r in reqs}
+    first = {r.rid: r for r in reqs}
+    check_against_reference(
+        tiny, [first["r0"]], {"r0": toks["r0"]}, {"r0": lps["r0"]}, {"r0": final["r0"]}
+    )
+    assert kv.num_free_pages == 4 and engine.stats().waiting == 0
+    kv.free_pages(held)
+
+
+def test_refusals_allocate_nothing(tiny):
+    engine, kv = make_engine(tiny, context_length=700)
+    free0 = kv.num_free_pages
+    ok = GenerateRequest("ok", (5, 6, 7), SamplingParams(max_new_tokens=2))
+    engine.add(ok)
+    cases = [
+        (GenerateRequest("long", (5,) * 690, SamplingParams(max_new_tokens=20)), "length 700"),
+        (GenerateRequest("big", (5,) * 630, SamplingParams(max_new_tokens=8)), "pool has 39"),
+        (GenerateRequest("ok", (5,), SamplingParams()), "already in flight"),
+        (GenerateRequest("empty", (), SamplingParams()), "prompt is empty"),
+        (GenerateRequest("oov", (5, 320), SamplingParams()), r"\[320\] outside the vocabulary"),
+        (GenerateRequest("topp", (5,), SamplingParams(top_p=0.0)), "top_p must be in"),
+        (GenerateRequest("stop", (5,), SamplingParams(stop=("x",))), "need a tokenizer"),
+    ]
+    for req, match in cases:
+        with pytest.raises(InputError, match=match):
+            engine.add(req)
+    # "big" fits the context length but not the pool (its message names the pool).
+    assert kv.num_free_pages == free0
+    s = engine.stats()
+    assert s.waiting == 1 and sum(s.admission_rejections.values()) == len(cases)
+    assert s.admission_rejections["pool_capacity"] == 1
+    engine.abort("ok")
+    (chunk,) = engine.step()
+    assert chunk.rid == "ok" and chunk.finish_reason == "abort"
+
+
+def test_abort_running_and_waiting_frees_pages(tiny):
+    engine, kv = make_engine(tiny)
+    held = kv.allocate_pages(kv.num_free_pages - 4)
+    reqs = wave_requests(1, "x", ignore_eos=True)
+    for r in reqs[:3]:
+        engine.add(r)
+    engine.step()  # x0 prefilled + one decode step; x1, x2 waiting or running
+    engine.abort("x0")
+    engine.abort("x2")  # still waiting for pages
+    engine.abort("nope")  # unknown: ignored
+    chunks = engine.step()
+    by_rid = {c.rid: c for c in chunks}
+    assert by_rid["x0"].finished and by_rid["x0"].finish_reason == "abort"
+    assert by_rid["x2"].finish_reason == "abort" and "ttft_s" not in by_rid["x2"].meta
+    assert not engine.stats().waiting
+    toks, _, final = run(engine, {})
+    assert final["x1"].finish_reason == "length"
+    assert kv.num_free_pages == 4
+    kv.free_pages(held)
+
+
+def test_stop_token_and_stop_string(tiny):
+    _, _, ref = tiny
+    rng = np.random.default_rng(6)
+    prompt = tuple(int(t) for t in rng.integers(3, 300, 12))
+    want = ref.generate(prompt, 8, ignore_eos=True).output_ids
+
+    def detok(ids: list[int]) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+    engine, kv = make_engine(tiny, detokenize=detok)
+    stop_tok = want[3]
+    text = detok(want)
+    stop_str = text[2:4]
+    reqs = [
+        GenerateRequest(
+            "t", prompt, SamplingParams(8, ignore_eos=True, stop_token_ids=(stop_tok,))
+        ),
+        GenerateRequest("s", prompt, SamplingParams(8, ignore_eos=True, stop=("@@", stop_str))),
+    ]
+    toks, _, final = run(engine, {0: reqs})
+    assert toks["t"] == want[: want.index(stop_tok) + 1] and final["t"].finish_reason == "stop"
+    end = text.index(stop_str)
+    assert toks["s"] == want[: end + len(stop_str)]
+    assert final["s"].finish_reason == "stop"
+    assert final["s"].meta["matched_stop_index"] == 1 and final["s"].meta["stop_text_end"] == end
+    assert kv.num_free_pages == POOL_PAGES - 1
+
+
+# ---- decode mode: KV arrives through a transfer receiver -----------------------------------
+
+
+def prefill_into_pages(tiny, prompt: tuple[int, ...], max_new: int, layout: LayoutDescriptor):
+    """What a (single-rank) prefill server sends: the prompt's pages, per buffer as
+    bytes, and the log-probs after the prompt."""
+    cfg, model, ref = tiny
+    n = len(prompt)
+    n_pages = pages_for_tokens(n, P)
+    width = bucket(pages_for_tokens(n + max_new, P), minimum=1)
+    pool = init_pool(cfg, width + 1, P, jnp.float32, INDEX_K)
+    table = padded_page_table(np.arange(1, n_pages + 1, dtype=np.int32), width)
+    t = bucket(n)
+    ids = np.zeros((1, t), np.int32)
+    ids[0, :n] = prompt
+    pos = np.zeros((1, t), np.int32)
+    pos[0, :n] = np.arange(n)
+    valid = np.arange(t)[None] < n
+    slots = np.where(valid, slots_for_positions(table, pos[0], P)[None], 0)
+    batch = ForwardBatch(
+        jnp.asarray(ids),
+        jnp.asarray(pos),
+        jnp.asarray(valid),
+        jnp.asarray(slots, jnp.int32),
+        jnp.asarray(table[None]),
+        jnp.asarray([n], jnp.int32),
+    )
+    graphdef, state = nnx.split(model)
+    logits, pool = forward_step(
+        graphdef, state, batch, pool, index_k_dtype=INDEX_K, form="expanded"
+    )
+    data = []
+    for kind, layer in layout.buffers():
+        leaf = np.asarray(getattr(pool, kind)[layout.leaf_index(kind, layer)])
+        data.append(leaf[1 : n_pages + 1].reshape(n_pages, -1).view(np.uint8))
+    return data, np.asarray(jax.nn.log_softmax(logits[0]))
+
+
+def send(rx: Receiver, room: str, n_tokens: int, data, aux: Aux) -> None:
+    assert rx.handshake(room, 0, 1, n_tokens, rx.layout).accepted
+    positions = np.arange(data[0].shape[0])
+    for b, (kind, layer) in enumerate(rx.layout.buffers()):
+        rx.write_pages(room, 0, 0, kind, layer, positions, page_digests(data[b]), data[b].tobytes())
+    assert rx.commit(room, 0, 0, positions, aux).state is RoomState.SUCCESS
+
+
+def test_decode_mode_continues_transferred_kv(tiny):
+    cfg, model, ref = tiny
+    layout = LayoutDescriptor.from_model(cfg, P, "float32", INDEX_K)
+    pool = init_pool(cfg, POOL_PAGES, P, jnp.float32, INDEX_K)
+    rx = Receiver(layout, pool, PageAllocator(POOL_PAGES))
+    engine = DecodeEngine(
+        cfg=cfg, model=model, kv=rx, page_size=P, index_k_dtype=INDEX_K, mode="decode",
+        max_running_requests=4,
+    )  # fmt: skip
+    free0 = rx.num_free_pages
+    reqs = wave_requests(4, "d", ignore_eos=True)
+    greedy, sampled, failing, aborted = reqs[0], reqs[1], reqs[2], reqs[3]
+    sampled = GenerateRequest(
+        "d1",
+        sampled.input_ids,
+        SamplingParams(sampled.sampling.max_new_tokens, temperature=1.0, seed=7, ignore_eos=True),
+    )
+    with pytest.raises(InputError, match="needs bootstrap_room"):
+        engine.add(greedy)
+    rooms = {}
+    for r in (greedy, sampled, failing, aborted):
+        req = GenerateRequest(
+            r.rid, r.input_ids, r.sampling, r.return_logprob, bootstrap_room=f"room-{r.rid}",
+            bootstrap_cp_size=1,
+        )  # fmt: skip
+        engine.add(req)  # registers the room before returning
+        rooms[r.rid] = req
+        assert rx.status(f"room-{r.rid}").state is RoomState.BOOTSTRAPPING
+    assert engine.stats().waiting == 4 and not engine.step()  # nothing arrived yet
+    with pytest.raises(CacheCapacityError, match="decode server is full"):
+        engine.add(GenerateRequest("e", (5,), bootstrap_room="room-e", bootstrap_cp_size=1))
+
+    # The prefill side: greedy and seeded-sampled first tokens (step 0), one failure.
+    for r in (greedy, sampled):
+        data, lp = prefill_into_pages(tiny, r.input_ids, r.sampling.max_new_tokens, layout)
+        tok = sample_token(lp, r.sampling, 0, r.sampling.seed or 0)
+        send(rx, f"room-{r.rid}", len(r.input_ids), data, Aux(tok, float(lp[tok])))
+    rx.abort(f"room-{failing.rid}", "prefill crashed", sender_rank=0)
+    engine.abort(aborted.rid)
+    assert rx.status(f"room-{aborted.rid}").state is RoomState.FAILED
+    toks, lps, final = run(engine, {})
+
+    assert final[failing.rid].finish_reason == "error"
+    assert "prefill crashed" in final[failing.rid].error
+    assert final[aborted.rid].finish_reason == "abort"
+    want = ref.generate(greedy.input_ids, greedy.sampling.max_new_tokens, ignore_eos=True)
+    assert toks[greedy.rid] == want.output_ids
+    np.testing.assert_allclose(lps[greedy.rid], want.output_logprobs, rtol=0, atol=LP_TOL)
+    # Sampled with a seed: the same stream as one unified server sampling every step.
+    unified, _ = make_engine(tiny)
+    utoks, _, _ = run(unified, {0: [sampled]})
+    assert toks[sampled.rid] == utoks[sampled.rid]
+    assert len(utoks[sampled.rid]) == sampled.sampling.max_new_tokens
+    assert rx.num_free_pages == free0
+    stats: EngineStats = engine.stats()
+    assert stats.transfer_failures == 1 and stats.kv_pages_free == (free0,)

@@ -1,0 +1,249 @@
+"""`serving.engine_loop.EngineLoop` around the real `DecodeEngine` on the tiny model.
+
+Concurrent `generate` calls from asyncio must give the reference's greedy tokens
+(exact; log-probs within 1e-5, see tests/test_decode_engine.py); a consumer that leaves
+mid-stream aborts its request and every page comes back; shutdown drains, then aborts
+what is left; an `InputError` from `add` surfaces before any chunk; an engine step that
+raises fails the in-flight requests and marks the loop unhealthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.errors import InputError
+from cpkv_jax.generate import ReferenceGenerator
+from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.tools.tiny_config import tiny_config_dict
+from serving.decode_engine import DecodeEngine, LocalKVStore
+from serving.engine_api import EngineClient, GenerateRequest, OutputChunk, SamplingParams
+from serving.engine_loop import EngineFailedError, EngineLoop, ServerShuttingDownError
+
+P = 16
+INDEX_K = "fp8_e4m3"
+POOL_PAGES = 40  # same pool, prompt bucket and table width as test_decode_engine.py
+WAIT_S = 30.0  # upper bound on any wait here; never reached when green
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    d = tiny_config_dict("glm_moe_dsa")
+    d.update(
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        indexer_types=["full", "shared"],
+        mlp_layer_types=["dense", "sparse"],
+    )
+    cfg = ModelConfig.from_dict(d)
+    model = CausalLM(cfg, rngs=nnx.Rngs(0))
+    return cfg, model, ReferenceGenerator(cfg, model, page_size=P, index_k_dtype=INDEX_K)
+
+
+def make_loop(tiny, engine_wrapper=None) -> tuple[EngineLoop, LocalKVStore]:
+    cfg, model, _ = tiny
+    kv = LocalKVStore.create(cfg, POOL_PAGES, P, jnp.float32, INDEX_K)
+    engine = DecodeEngine(
+        cfg=cfg,
+        model=model,
+        kv=kv,
+        page_size=P,
+        index_k_dtype=INDEX_K,
+        mode="null",
+        max_running_requests=8,
+        context_length=256,
+    )
+    loop = EngineLoop(engine if engine_wrapper is None else engine_wrapper(engine))
+    assert isinstance(loop, EngineClient)
+    return loop, kv
+
+
+def request(rid: str, seed: int, n: int, max_new: int) -> GenerateRequest:
+    prompt = np.random.default_rng(seed).integers(3, 300, n)
+    return GenerateRequest(
+        rid,
+        tuple(int(t) for t in prompt),
+        SamplingParams(max_new_tokens=max_new, ignore_eos=True),
+        return_logprob=True,
+    )
+
+
+async def collect(client: EngineLoop, req: GenerateRequest) -> list[OutputChunk]:
+    return [c async for c in client.generate(req)]
+
+
+def start(client: EngineLoop, req: GenerateRequest):
+    """Consume `req` in a task; the event is set at its first chunk."""
+    first = asyncio.Event()
+
+    async def consume() -> list[OutputChunk]:
+        chunks = []
+        async for c in client.generate(req):
+            chunks.append(c)
+            first.set()
+        return chunks
+
+    return asyncio.create_task(consume()), first
+
+
+async def wait_for(cond, timeout=WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+class WrappedEngine:
+    """Delegates to a real engine; each step sleeps `delay_s` first (so a request
+    outlives the test's next move), and step number `fail_at` raises."""
+
+    def __init__(self, engine: DecodeEngine, fail_at: int | None = None, delay_s: float = 0.0):
+        self.engine = engine
+        self.mode = engine.mode
+        self.steps = 0
+        self.fail_at = fail_at
+        self.delay_s = delay_s
+
+    def add(self, req):
+        self.engine.add(req)
+
+    def abort(self, rid):
+        self.engine.abort(rid)
+
+    def has_work(self):
+        return self.engine.has_work()
+
+    def stats(self):
+        return self.engine.stats()
+
+    def step(self):
+        self.steps += 1
+        time.sleep(self.delay_s)
+        if self.steps == self.fail_at:
+            raise RuntimeError("device lost")
+        return self.engine.step()
+
+
+def slow(engine: DecodeEngine) -> WrappedEngine:
+    return WrappedEngine(engine, delay_s=0.02)  # 16+ tokens take >= 0.3 s
+
+
+def test_concurrent_generate_matches_reference(tiny):
+    _, _, ref = tiny
+    loop, kv = make_loop(tiny)
+    reqs = [request(f"c{i}", 10 + i, n, m) for i, (n, m) in enumerate([(16, 6), (11, 8), (5, 12)])]
+
+    async def main():
+        results = await asyncio.gather(*(collect(loop, r) for r in reqs))
+        await loop.shutdown(drain_timeout=5.0)
+        return results
+
+    results = asyncio.run(main())
+    for r, chunks in zip(reqs, results, strict=True):
+        want = ref.generate(r.input_ids, r.sampling.max_new_tokens, ignore_eos=True)
+        assert [t for c in chunks for t in c.token_ids] == want.output_ids
+        lps = [x for c in chunks for x in c.logprobs]
+        np.testing.assert_allclose(lps, want.output_logprobs, rtol=0, atol=1e-5)
+        assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+        assert not any(c.finished for c in chunks[:-1])
+    assert kv.num_free_pages == POOL_PAGES - 1
+    assert not loop.healthy()  # stopped
+
+
+def test_consumer_leaving_aborts_and_every_page_returns(tiny):
+    loop, kv = make_loop(tiny, slow)
+    free0 = kv.num_free_pages
+
+    async def main():
+        # A consumer that stops reading after the first chunk (client disconnect).
+        async with contextlib.aclosing(loop.generate(request("gone", 1, 16, 16))) as gen:
+            async for first in gen:
+                assert first.token_ids and not first.finished
+                break
+        # A consumer task cancelled mid-stream.
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in loop.generate(request("cancelled", 2, 13, 19)):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(started.wait(), WAIT_S)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_for(lambda: kv.num_free_pages == free0 and loop.stats().running == 0)
+        stats = loop.stats()
+        await loop.shutdown(drain_timeout=1.0)
+        return stats
+
+    stats = asyncio.run(main())
+    assert stats.kv_pages_free == (free0,) and stats.waiting == 0
+
+
+def test_input_error_surfaces_before_streaming(tiny):
+    loop, kv = make_loop(tiny)
+
+    async def main():
+        gen = loop.generate(request("long", 3, 250, 16))  # 266 > context length 256
+        with pytest.raises(InputError, match="exceeds the context length 256"):
+            await gen.__anext__()
+        ok = await collect(loop, request("ok", 4, 5, 12))
+        await loop.shutdown(drain_timeout=5.0)
+        return ok
+
+    ok = asyncio.run(main())
+    assert ok[-1].finish_reason == "length" and kv.num_free_pages == POOL_PAGES - 1
+
+
+def test_shutdown_drains_then_aborts_and_refuses(tiny):
+    loop, kv = make_loop(tiny)
+
+    async def main():
+        task, first = start(loop, request("drained", 5, 13, 19))
+        await asyncio.wait_for(first.wait(), WAIT_S)
+        await loop.shutdown(drain_timeout=WAIT_S)
+        drained = await task
+        with pytest.raises(ServerShuttingDownError):
+            await loop.generate(request("late", 6, 5, 4)).__anext__()
+
+        short, kv2 = make_loop(tiny, slow)
+        task, first = start(short, request("cut", 7, 5, 27))
+        await asyncio.wait_for(first.wait(), WAIT_S)
+        await short.shutdown(drain_timeout=0.0)
+        return drained, await task, kv2
+
+    drained, cut, kv2 = asyncio.run(main())
+    assert drained[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in drained) == 19
+    assert cut[-1].finish_reason == "abort" and sum(len(c.token_ids) for c in cut) < 27
+    assert kv.num_free_pages == kv2.num_free_pages == POOL_PAGES - 1
+
+
+def test_step_exception_fails_requests_and_marks_unhealthy(tiny, caplog):
+    loop, kv = make_loop(tiny, lambda e: WrappedEngine(e, fail_at=3))
+
+    async def main():
+        results = await asyncio.gather(
+            collect(loop, request("f0", 8, 16, 10)), collect(loop, request("f1", 9, 5, 12))
+        )
+        with pytest.raises(EngineFailedError, match="device lost"):
+            await loop.generate(request("after", 10, 5, 4)).__anext__()
+        healthy = loop.healthy()
+        await loop.shutdown(drain_timeout=1.0)
+        return results, healthy
+
+    results, healthy = asyncio.run(main())
+    assert not healthy
+    for chunks in results:
+        assert chunks[-1].finish_reason == "error"
+        assert "RuntimeError: device lost" in chunks[-1].error
+    assert kv.num_free_pages == POOL_PAGES - 1  # the failed requests' pages were freed
+    assert any("engine step failed" in r.getMessage() and r.exc_info for r in caplog.records)

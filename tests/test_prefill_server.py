@@ -1,0 +1,632 @@
+"""The PD prefill-mode engine (`serving.prefill_server`): CP prefill -> KV to a decode server.
+
+- Scheduler page holds (`PrefillScheduler(hold_finished=True)`), host only with a
+  closed-form executor: a finished request's pages stay allocated and locked until
+  `release_held`, duplicates of pages cached first are swapped for the cache's, and
+  afterwards every allocator and cache count equals a non-holding run's.
+- The engine on 8 virtual devices (tiny model, float32, CP 8 shared KV, bs > 1) with a
+  real `transfer.receiver.Receiver` served over gRPC on loopback: the decode pool's
+  layout equals the prefill full view bitwise (SPEC S2.1-S2.2), the first token and its
+  log-prob equal `ReferenceGenerator`'s, several requests in flight with a shared prefix
+  reused from the radix cache, failures (nobody listening, decode-side abort) and client
+  aborts (queued, transferring), each ending with the pages released and, after evicting
+  the cache, every prefill allocator lane back at its initial free count.
+- The same end to end over the Mooncake backend when its engine loads (else skipped,
+  with the reason).
+
+Senders run behind `GatedBackend`, which holds them until a test opens the gate, so a
+hold is observably in flight (and the prefill full view can be read before release).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_transfer_grpc import bitwise_equal, decode_layout
+
+from cpkv_jax.errors import ConfigError, InputError
+from cpkv_jax.generate import ReferenceGenerator
+from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
+from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.model.weights import load_model
+from cpkv_jax.paging import PageAllocator, owner_of_page, pages_for_tokens
+from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
+from serving.engine_api import GenerateRequest, OutputChunk, SamplingParams, StepEngine
+from serving.prefill_engine import PrefillEngine, build_prefill_engine
+from serving.prefill_server import (
+    PrefillModeEngine,
+    build_prefill_mode_engine,
+    log_softmax,
+    request_seed,
+)
+from serving.radix_cache import RadixCache
+from serving.scheduler.prefill_scheduler import PrefillScheduler, StepRow
+from serving.server_args import ServerArgs
+from transfer.backends.grpc_backend import GrpcBackend, GrpcBackendConfig
+from transfer.backends.mooncake_engine import mooncake_available
+from transfer.capabilities import BackendCapabilities, default_backend_registry
+from transfer.protocol import Aux, RoomState, TransferTimeouts
+from transfer.receiver import Receiver, serve
+from transfer.sender import RankJob, TransferBackend, TransferHold
+
+P = 16
+CP = 8
+VOCAB = 320  # the tiny model's
+WAIT = 30.0  # bound on any one request here; never reached when green
+# Log-prob tolerance vs the single-device reference: both float32 log-softmax of logits
+# that differ only by CP vs single-device reduction order (ulps of O(1) values).
+LOGPROB_ATOL = 1e-5
+# Decode side: rooms are registered before the prefill steps (compiles take seconds on
+# 2 cores), so bootstrap and waiting allow for them; heartbeats are short.
+TIMEOUTS = TransferTimeouts(bootstrap=WAIT, waiting=WAIT, heartbeat=2.0, heartbeat_interval=0.1)
+SENDER = GrpcBackendConfig(
+    chunk_bytes=64 * 1024,
+    max_retries=2,
+    retry_backoff_s=0.02,
+    rpc_timeout_s=10.0,
+    heartbeat_interval_s=0.1,
+    heartbeat_timeout_s=2.0,
+    bootstrap_timeout_s=1.5,  # "nobody listens" fails after this
+)
+
+
+# ---- scheduler holds, host only ------------------------------------------------------------
+
+HP = 4  # page size of the host-only tests
+HCP = 2
+
+
+class ZeroExecutor:
+    """Closed-form logits (one-hot at the prompt sum mod vocab); checks the tables."""
+
+    def execute(self, rows: Sequence[StepRow]) -> np.ndarray:
+        out = np.zeros((len(rows), 97), np.float32)
+        for i, r in enumerate(rows):
+            assert r.table.num_tokens == r.start + r.length
+            out[i, int(r.prompt.astype(np.int64).sum()) % 97] = 1.0
+        return out
+
+
+def host_scheduler(hold: bool, pages_per_lane: int = 32, page: int = HP, cp: int = HCP):
+    alloc = OwnerLaneAllocator(cp, pages_per_lane)
+    cache = RadixCache(alloc, page)
+    sched = PrefillScheduler(
+        cache=cache, executor=ZeroExecutor(), max_prefill_tokens=10_000, hold_finished=hold
+    )
+    return sched, cache, alloc
+
+
+def no_transfer_counts(
+    prompts: Sequence[np.ndarray], cp: int, pages_per_lane: int, page: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(free, evictable) per lane after a non-holding scheduler prefilled `prompts`.
+
+    The oracle for "after the holds are released": what the cache keeps depends only on
+    the set of whole-page prefixes, not on batching or order.
+    """
+    sched, cache, alloc = host_scheduler(False, pages_per_lane, page, cp)
+    for i, p in enumerate(prompts):
+        sched.submit(f"oracle-{i}", p)
+    sched.run_until_idle()
+    cache.check_invariants()
+    return alloc.num_free_per_lane(), cache.evictable_pages_per_lane()
+
+
+def lane_counts(n_pages: int, cp: int) -> np.ndarray:
+    return np.bincount(owner_of_page(np.arange(n_pages), cp), minlength=cp).astype(np.int64)
+
+
+def test_hold_keeps_pages_until_release_then_counts_match_a_plain_run():
+    sched, cache, alloc = host_scheduler(True)
+    free0 = alloc.num_free_per_lane()
+    prompt = np.random.default_rng(1).integers(3, 97, 4 * HP + 3).astype(np.int32)
+    sched.submit("a", prompt)
+    (out,) = sched.step()
+    assert out.status == "finished" and out.table is not None and sched.num_held == 1
+    table = out.table
+    assert table.num_tokens == prompt.size and table.num_pages == 5
+    # Held: whole pages cached but locked (not evictable), the tail page still allocated.
+    np.testing.assert_array_equal(cache.evictable_pages_per_lane(), 0)
+    np.testing.assert_array_equal(cache.protected_pages_per_lane(), lane_counts(4, HCP))
+    np.testing.assert_array_equal(alloc.num_free_per_lane(), free0 - lane_counts(5, HCP))
+    assert alloc.allocated_mask()[table.owners(), table.local_pages()].all()
+    cache.check_invariants()
+    # Nothing can evict a held page, however much is asked for.
+    np.testing.assert_array_equal(cache.evict(np.full(HCP, 100)), 0)
+    with pytest.raises(InputError, match="already queued or running"):
+        sched.submit("a", prompt)  # the id is in use until the hold ends
+    sched.release_held("a")
+    assert sched.num_held == 0 and table.num_pages == 0
+    free, evictable = no_transfer_counts([prompt], HCP, 32, HP)
+    np.testing.assert_array_equal(alloc.num_free_per_lane(), free)
+    np.testing.assert_array_equal(cache.evictable_pages_per_lane(), evictable)
+    np.testing.assert_array_equal(cache.protected_pages_per_lane(), 0)
+    cache.check_invariants()
+    cache.reset()
+    np.testing.assert_array_equal(alloc.num_free_per_lane(), free0)
+    with pytest.raises(KeyError, match="holds no pages"):
+        sched.release_held("a")
+
+
+def test_hold_swaps_duplicates_for_cached_pages_and_shares_the_prefix():
+    """Two identical prompts in one batch both miss the cache; the second to finish
+    finds its whole pages cached by the first: its duplicates are freed and its held
+    table points at the cache's pages. A third request reuses the prefix while held."""
+    sched, cache, alloc = host_scheduler(True)
+    free0 = alloc.num_free_per_lane()
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(3, 97, 3 * HP + 1).astype(np.int32)
+    longer = np.concatenate([prompt[: 3 * HP], rng.integers(3, 97, 2 * HP).astype(np.int32)])
+    sched.submit("x", prompt)
+    sched.submit("y", prompt)
+    outs = {o.rid: o for o in sched.step()}
+    tx, ty = outs["x"].table, outs["y"].table
+    assert tx is not None and ty is not None and max(sched.batch_sizes) == 2
+    np.testing.assert_array_equal(tx.local_pages()[:3], ty.local_pages()[:3])
+    assert tx.local_pages()[3] != ty.local_pages()[3]  # each keeps its own tail page
+    # Cached once: 3 whole pages; two tail pages (logical page 3, lane 3 % HCP).
+    tails = 2 * np.eye(HCP, dtype=np.int64)[3 % HCP]
+    np.testing.assert_array_equal(alloc.num_free_per_lane(), free0 - lane_counts(3, HCP) - tails)
+    cache.check_invariants()
+    sched.submit("z", longer)
+    (oz,) = sched.step()
+    assert oz.cached_tokens == 3 * HP  # reused while x and y are still held
+    for rid in ("x", "z", "y"):
+        sched.release_held(rid)
+    free, evictable = no_transfer_counts([prompt, prompt, longer], HCP, 32, HP)
+    np.testing.assert_array_equal(alloc.num_free_per_lane(), free)
+    np.testing.assert_array_equal(cache.evictable_pages_per_lane(), evictable)
+    cache.check_invariants()
+    cache.reset()
+    np.testing.assert_array_equal(alloc.num_free_per_lane(), free0)
+
+
+def test_request_seed_rule():
+    """Explicit seed wins; otherwise BLAKE2b of the rid (the rule the decode server
+    shares), stable and in [0, 2**63)."""
+    seeded = GenerateRequest("r1", (5,), SamplingParams(seed=1234))
+    assert request_seed(seeded) == 1234
+    a, b = GenerateRequest("req-a", (5,)), GenerateRequest("req-b", (5,))
+    want = int.from_bytes(
+        hashlib.blake2b(b"req-a", digest_size=8, person=b"cpkv-jax-seed").digest(), "little"
+    ) & ((1 << 63) - 1)
+    assert request_seed(a) == want == request_seed(GenerateRequest("req-a", (9, 9)))
+    assert request_seed(a) != request_seed(b)
+    assert all(0 <= request_seed(GenerateRequest(f"q{i}", (1,))) < 2**63 for i in range(50))
+
+
+def test_log_softmax_matches_jax():
+    x = np.random.default_rng(3).normal(size=VOCAB).astype(np.float32) * 10
+    np.testing.assert_allclose(log_softmax(x), np.asarray(jax.nn.log_softmax(x)), atol=1e-5)
+
+
+# ---- the engine on 8 devices -----------------------------------------------------------------
+
+
+class GatedBackend(TransferBackend):
+    """Wraps a backend: records each rank's job, and holds senders until `gate` is set
+    (or the hold is cancelled), so a test sees a transfer in flight."""
+
+    capabilities: ClassVar[BackendCapabilities] = default_backend_registry().get("grpc")
+
+    def __init__(self, inner: TransferBackend):
+        self.inner = inner
+        self.gate = threading.Event()
+        self.gate.set()
+        self.jobs: dict[tuple[str, int], RankJob] = {}
+        self._lock = threading.Lock()
+
+    def send_rank(self, job: RankJob, hold: TransferHold):
+        with self._lock:
+            self.jobs[(job.room, job.rank)] = job
+        deadline = time.monotonic() + WAIT
+        while not self.gate.wait(0.01) and not hold.cancelled and time.monotonic() < deadline:
+            pass
+        return self.inner.send_rank(job, hold)
+
+
+@dataclasses.dataclass
+class PD:
+    cfg: object
+    model: object
+    args: ServerArgs
+    pre: PrefillEngine
+    backend: GatedBackend
+    engine: PrefillModeEngine
+    rx: Receiver
+    target: str
+    free0: np.ndarray
+    dec_free0: int
+    ref: ReferenceGenerator
+
+
+def server_args(path, *extra: str) -> ServerArgs:
+    return ServerArgs.from_cli(
+        [
+            "--model-path",
+            str(path),
+            "--dtype",
+            "float32",
+            "--index-k-dtype",
+            "float32",
+            "--page-size",
+            str(P),
+            "--cp-size",
+            str(CP),
+            "--enable-cp-shared-kv",
+            "--enable-cp-shared-kv-prefill-bs-gt1",
+            "--kv-pool-size",
+            "1MiB",
+            "--disaggregation-mode",
+            "prefill",
+            "--transfer-backend",
+            "grpc",
+            *extra,
+        ]
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("pd") / "tiny", "glm_moe_dsa")
+    cfg, model = load_model(path, progress=False)
+    return path, cfg, model
+
+
+@pytest.fixture(scope="module")
+def pd(tiny):
+    path, cfg, model = tiny
+    args = server_args(path)
+    pre = build_prefill_engine(args, model=model, hold_finished=True)
+    backend = GatedBackend(GrpcBackend(SENDER))
+    engine = PrefillModeEngine(pre, backend)
+    rx = Receiver(
+        engine.layout,
+        init_pool(cfg, 64, P, jnp.float32, "float32"),
+        PageAllocator(64),
+        timeouts=TIMEOUTS,
+    ).start(interval=0.02)
+    server, port = serve(rx)
+    ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
+    yield PD(
+        cfg,
+        model,
+        args,
+        pre,
+        backend,
+        engine,
+        rx,
+        f"127.0.0.1:{port}",
+        pre.runner.allocator.num_free_per_lane(),
+        rx.num_free_pages,
+        ref,
+    )
+    server.stop(0)
+    rx.close()
+
+
+@pytest.fixture
+def fresh(pd):
+    """Each test starts and ends with an idle engine, an empty cache, an open gate."""
+    pd.backend.gate.set()
+    yield pd
+    pd.backend.gate.set()
+    assert not pd.engine.has_work()
+    assert pd.pre.scheduler.num_held == 0
+    cache = pd.pre.cache
+    cache.check_invariants()
+    np.testing.assert_array_equal(cache.protected_pages_per_lane(), 0)
+    cache.reset()  # evict everything: the allocator is back where it started
+    np.testing.assert_array_equal(pd.pre.runner.allocator.num_free_per_lane(), pd.free0)
+    assert pd.rx.num_free_pages == pd.dec_free0
+
+
+def prompt_of(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, VOCAB, n).astype(np.int32)
+
+
+def open_room(pd: PD, room: str, n_tokens: int, seed: int) -> np.ndarray:
+    """Decode side: shuffled destination pages and the registered room."""
+    dst = pd.rx.allocate_pages(pages_for_tokens(n_tokens, P))
+    dst = np.random.default_rng(seed).permutation(dst)
+    pd.rx.register_room(room, dst, n_tokens, CP)
+    return dst
+
+
+def request(rid: str, prompt: np.ndarray, room: str, target: str, **kw) -> GenerateRequest:
+    return GenerateRequest(
+        rid,
+        tuple(int(t) for t in prompt),
+        SamplingParams(max_new_tokens=4),
+        return_logprob=True,
+        bootstrap_room=room,
+        decode_transfer_target=target,
+        **kw,
+    )
+
+
+def drive(engine: PrefillModeEngine, rids: Sequence[str]) -> dict[str, OutputChunk]:
+    """Step until every rid has its (single, final) chunk."""
+    got: dict[str, OutputChunk] = {}
+    deadline = time.monotonic() + WAIT
+    while set(got) != set(rids):
+        assert time.monotonic() < deadline, f"no final chunk for {set(rids) - set(got)}"
+        for c in engine.step():
+            assert c.finished and c.rid in rids and c.rid not in got, c
+            got[c.rid] = c
+    return got
+
+
+def held_view(pd: PD, room: str):
+    """The prefill full view of the pages rank 0 was asked to send (hold in flight)."""
+    job = pd.backend.jobs[(room, 0)]
+    table = RequestPageTable.from_prefix(CP, job.src_local_pages, job.num_tokens, P)
+    return pd.pre.runner.full_view(table)
+
+
+def assert_layout_equal(pd: PD, dst: np.ndarray, n: int, view) -> None:
+    got = decode_layout(pd.rx, dst, n)
+    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(view), strict=True):
+        assert bitwise_equal(x, y)
+
+
+def assert_reference_first_token(pd: PD, prompt: np.ndarray, chunk: OutputChunk) -> None:
+    r = pd.ref.generate(prompt.tolist(), 1, ignore_eos=True)
+    assert chunk.token_ids == (r.output_ids[0],)
+    assert chunk.logprobs is not None
+    np.testing.assert_allclose(chunk.logprobs[0], r.output_logprobs[0], atol=LOGPROB_ATOL)
+
+
+def assert_no_transfer_counts(pd: PD, prompts: Sequence[np.ndarray]) -> None:
+    free, evictable = no_transfer_counts(prompts, CP, pd.pre.runner.layout.pages_per_rank, P)
+    np.testing.assert_array_equal(pd.pre.runner.allocator.num_free_per_lane(), free)
+    np.testing.assert_array_equal(pd.pre.cache.evictable_pages_per_lane(), evictable)
+
+
+def test_engine_is_a_step_engine_and_builds_from_args(tiny):
+    path, _, model = tiny
+    engine = build_prefill_mode_engine(server_args(path), model=model)
+    assert isinstance(engine, StepEngine) and engine.mode == "prefill"
+    assert engine.scheduler.hold_finished and isinstance(engine.backend, GrpcBackend)
+    config = engine.backend.config  # the --transfer-* defaults
+    assert (config.bootstrap_timeout_s, config.heartbeat_interval_s) == (300.0, 5.0)
+    assert config.heartbeat_timeout_s == 15.0
+    assert not engine.has_work()
+    s = engine.stats()
+    assert s.kv_pages_total == s.kv_pages_free and len(s.kv_pages_total) == CP
+    assert s.kv_bytes_per_page == engine.layout.bytes_per_page() > 0
+    with pytest.raises(ConfigError, match="disaggregation-mode prefill"):
+        build_prefill_mode_engine(
+            dataclasses.replace(
+                server_args(path), disaggregation_mode="null", transfer_backend=None
+            ),
+            model=model,
+        )
+    plain = PrefillScheduler(
+        cache=engine.engine.cache, executor=ZeroExecutor(), max_prefill_tokens=64
+    )
+    with pytest.raises(ConfigError, match="hold_finished=True"):
+        PrefillModeEngine(dataclasses.replace(engine.engine, scheduler=plain), engine.backend)
+
+
+def test_add_refuses_bad_requests_with_nothing_queued(fresh):
+    pd = fresh
+    eng, ok = pd.engine, prompt_of(20, 0)
+    with pytest.raises(InputError, match="bootstrap_room and decode_transfer_target"):
+        eng.add(GenerateRequest("r", tuple(ok.tolist())))
+    with pytest.raises(InputError, match="decode_transfer_target"):
+        eng.add(
+            dataclasses.replace(request("r", ok, "room", pd.target), decode_transfer_target=None)
+        )
+    with pytest.raises(InputError, match="host:port"):
+        eng.add(request("r", ok, "room", "no-port"))
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        eng.add(request("r", np.array([3, VOCAB]), "room", pd.target))
+    with pytest.raises(InputError, match="exceeds the context length"):
+        eng.add(request("r", prompt_of(4094, 0), "room", pd.target))
+    with pytest.raises(InputError, match="bootstrap_cp_size 2"):
+        eng.add(request("r", ok, "room", pd.target, bootstrap_cp_size=2))
+    with pytest.raises(InputError, match="temperature"):
+        eng.add(
+            dataclasses.replace(
+                request("r", ok, "room", pd.target), sampling=SamplingParams(temperature=-1.0)
+            )
+        )
+    with pytest.raises(InputError, match="empty"):
+        eng.add(request("r", np.zeros(0, np.int32), "room", pd.target))
+    assert not eng.has_work() and pd.pre.scheduler.num_waiting == 0
+    # Queued, then refused twice (same id, same room), then aborted before any step.
+    eng.add(request("q", ok, "room-q", pd.target))
+    with pytest.raises(InputError, match="already queued"):
+        eng.add(request("q", ok, "room-q2", pd.target))
+    with pytest.raises(InputError, match="room 'room-q' is in use"):
+        eng.add(request("q2", ok, "room-q", pd.target))
+    eng.abort("q")
+    eng.abort("unknown")  # ignored
+    (chunk,) = eng.step()
+    assert chunk.rid == "q" and chunk.finish_reason == "abort" and chunk.token_ids == ()
+    np.testing.assert_array_equal(pd.pre.runner.allocator.num_free_per_lane(), pd.free0)
+
+
+def test_e2e_one_request_bitwise_layout_reference_token_and_page_hold(fresh):
+    pd = fresh
+    n = 3 * P + 5  # a partial tail page
+    prompt = prompt_of(n, 10)
+    dst = open_room(pd, "e2e", n, 10)
+    bytes0 = pd.engine.stats().transfer_bytes
+    pd.backend.gate.clear()
+    pd.engine.add(request("e2e", prompt, "e2e", pd.target))
+    assert pd.engine.step() == []  # prefilled; senders started, held at the gate
+    s = pd.engine.stats()
+    assert (s.waiting, s.running) == (0, 1) and pd.engine.has_work()
+    # The hold keeps the pages: whole pages cached but locked, the tail page allocated.
+    cache, alloc = pd.pre.cache, pd.pre.runner.allocator
+    np.testing.assert_array_equal(cache.evictable_pages_per_lane(), 0)
+    np.testing.assert_array_equal(cache.protected_pages_per_lane(), lane_counts(n // P, CP))
+    np.testing.assert_array_equal(
+        alloc.num_free_per_lane(), pd.free0 - lane_counts(pages_for_tokens(n, P), CP)
+    )
+    np.testing.assert_array_equal(s.kv_pages_free, alloc.num_free_per_lane())
+    view = held_view(pd, "e2e")
+    assert pd.engine.step() == []  # still gated: nothing released
+    pd.backend.gate.set()
+    chunk = drive(pd.engine, ["e2e"])["e2e"]
+    assert chunk.finish_reason == "length" and chunk.error is None, chunk
+    assert chunk.meta["prompt_tokens"] == n and chunk.meta["cached_tokens"] == 0
+    assert chunk.meta["completion_tokens"] == 1 and chunk.meta["e2e_s"] >= chunk.meta["ttft_s"]
+    assert_reference_first_token(pd, prompt, chunk)
+    snap = pd.rx.status("e2e")
+    assert snap.state is RoomState.SUCCESS
+    assert snap.aux == Aux(chunk.token_ids[0], chunk.logprobs[0])
+    assert_layout_equal(pd, dst, n, view)
+    s = pd.engine.stats()
+    # Every logical page once, over every buffer (SPEC S2.2: the tail page too).
+    assert s.transfer_bytes - bytes0 == pages_for_tokens(n, P) * pd.engine.layout.bytes_per_page()
+    assert s.running == 0 and not pd.engine.has_work()
+    assert_no_transfer_counts(pd, [prompt])
+    pd.rx.free_pages(dst)  # the decode request is done
+
+
+def test_several_in_flight_with_a_shared_prefix(fresh):
+    pd = fresh
+    rng_seeds = (20, 21, 22)
+    a = prompt_of(3 * P + 9, rng_seeds[0])
+    c = prompt_of(2 * P + 7, rng_seeds[1])
+    b = np.concatenate([a[: 3 * P], prompt_of(12, rng_seeds[2])])  # 3 pages shared with a
+    prompts = {"a": a, "c": c, "b": b}
+    dsts = {
+        rid: open_room(pd, f"many-{rid}", len(p), i) for i, (rid, p) in enumerate(prompts.items())
+    }
+    pd.backend.gate.clear()
+    pd.engine.add(request("a", a, "many-a", pd.target))
+    pd.engine.add(request("c", c, "many-c", pd.target))
+    assert pd.engine.step() == []
+    assert pd.engine.stats().running == 2
+    pd.engine.add(request("b", b, "many-b", pd.target))
+    assert pd.engine.step() == []  # b prefilled on a's cached pages while a is held
+    assert pd.engine.stats().running == 3
+    views = {rid: held_view(pd, f"many-{rid}") for rid in prompts}
+    pd.backend.gate.set()
+    chunks = drive(pd.engine, list(prompts))
+    assert chunks["b"].meta["cached_tokens"] == 3 * P
+    assert chunks["a"].meta["cached_tokens"] == chunks["c"].meta["cached_tokens"] == 0
+    for rid, p in prompts.items():
+        assert chunks[rid].finish_reason == "length", chunks[rid]
+        assert pd.rx.status(f"many-{rid}").state is RoomState.SUCCESS
+        assert_layout_equal(pd, dsts[rid], len(p), views[rid])
+        assert_reference_first_token(pd, p, chunks[rid])
+        pd.rx.free_pages(dsts[rid])
+    assert_no_transfer_counts(pd, list(prompts.values()))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_failure_nobody_listens_and_decode_side_abort(fresh):
+    pd = fresh
+    failures0 = pd.engine.stats().transfer_failures
+    p1, p2 = prompt_of(2 * P + 3, 30), prompt_of(P + 1, 31)
+    open_room(pd, "aborted-by-decode", len(p2), 31)
+    pd.backend.gate.clear()
+    pd.engine.add(request("gone", p1, "nobody", f"127.0.0.1:{free_port()}"))
+    pd.engine.add(request("dec-abort", p2, "aborted-by-decode", pd.target))
+    assert pd.engine.step() == []
+    pd.rx.abort("aborted-by-decode", "decode server draining")
+    assert pd.rx.num_free_pages == pd.dec_free0  # the decode side freed the room's pages
+    pd.backend.gate.set()
+    chunks = drive(pd.engine, ["gone", "dec-abort"])
+    for c in chunks.values():
+        assert c.finish_reason == "error" and c.token_ids == () and c.logprobs is None, c
+    assert "handshake" in chunks["gone"].error and "room nobody" in chunks["gone"].error
+    assert "decode server draining" in chunks["dec-abort"].error
+    assert pd.engine.stats().transfer_failures == failures0 + 2
+    assert_no_transfer_counts(pd, [p1, p2])  # the prefix stays cached, nothing leaks
+
+
+def test_abort_while_transferring(fresh):
+    pd = fresh
+    p = prompt_of(2 * P, 40)  # whole pages only
+    open_room(pd, "abort-t", len(p), 40)
+    pd.backend.gate.clear()
+    pd.engine.add(request("t", p, "abort-t", pd.target))
+    assert pd.engine.step() == []
+    pd.engine.abort("t")  # senders stop (cancelled hold) and abort the room
+    (chunk,) = drive(pd.engine, ["t"]).values()
+    assert chunk.finish_reason == "abort" and chunk.token_ids == ()
+    snap = pd.rx.wait("abort-t", WAIT)
+    assert snap.state is RoomState.FAILED and "aborted" in snap.reason
+    assert_no_transfer_counts(pd, [p])
+
+
+AVAILABLE, REASON = mooncake_available()
+
+
+@pytest.mark.skipif(not AVAILABLE, reason=f"Mooncake Transfer Engine unavailable: {REASON}")
+def test_e2e_over_mooncake(fresh):
+    from transfer.backends.mooncake_backend import (
+        MooncakeBackend,
+        MooncakeBackendConfig,
+        MooncakeReceiverEndpoint,
+    )
+
+    pd = fresh
+    print(f"Mooncake available: {AVAILABLE}" + (f" ({REASON})" if REASON else ""))
+    config = MooncakeBackendConfig(
+        transfer_timeout_s=5.0,
+        host_buffer_bytes=1 << 20,
+        rpc_timeout_s=10.0,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=2.0,
+        bootstrap_timeout_s=3.0,
+    )
+    with MooncakeReceiverEndpoint(4 << 20, quarantine_timeout_s=2.0, transfer_timeout_s=5.0) as ep:
+        rx = Receiver(
+            pd.engine.layout,
+            init_pool(pd.cfg, 16, P, jnp.float32, "float32"),
+            PageAllocator(16),
+            timeouts=TIMEOUTS,
+            mooncake=ep,
+        ).start(interval=0.02)
+        server, port = serve(rx)
+        backend = GatedBackend(MooncakeBackend(config))
+        try:
+            engine = PrefillModeEngine(pd.pre, backend)  # same scheduler, other backend
+            n = 4 * P + 2
+            prompt = prompt_of(n, 50)
+            dst = rx.allocate_pages(pages_for_tokens(n, P))
+            rx.register_room("mc", dst, n, CP)
+            backend.gate.clear()
+            engine.add(request("mc", prompt, "mc", f"127.0.0.1:{port}"))
+            assert engine.step() == []
+            job = backend.jobs[("mc", 0)]
+            view = pd.pre.runner.full_view(
+                RequestPageTable.from_prefix(CP, job.src_local_pages, job.num_tokens, P)
+            )
+            backend.gate.set()
+            chunk = drive(engine, ["mc"])["mc"]
+            assert chunk.finish_reason == "length", chunk
+            assert_reference_first_token(pd, prompt, chunk)
+            assert rx.status("mc").state is RoomState.SUCCESS
+            got = decode_layout(rx, dst, n)
+            for x, y in zip(
+                jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(view), strict=True
+            ):
+                assert bitwise_equal(x, y)
+            assert_no_transfer_counts(pd, [prompt])
+        finally:
+            server.stop(0)
+            rx.close()
+            backend.inner.close()
