@@ -119,7 +119,7 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
         "--transfer-backend",
         args.transfer_backend,
         "--log-level",
-        "info",
+        args.server_log_level,
     ]
     procs: list[Proc] = []
     try:
@@ -241,6 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, default=Path(".demo/tiny-glm5"))
     ap.add_argument("--transfer-backend", default="grpc", choices=["grpc", "mooncake"])
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument(
+        "--server-log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
     args = ap.parse_args(argv)
     t_start = time.monotonic()
 
@@ -283,18 +286,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill_info = httpx.get(urls["prefill"] + "/server_info", timeout=10).json()
         decode_info = httpx.get(urls["decode"] + "/server_info", timeout=10).json()
 
-    print("\nrequest     prompt  cached  stream  TTFT(s)  e2e(s)  output")
+    print("\nrequest     prompt  stream  TTFT(s)  e2e(s)  output")
     for name, (ids, stream) in prompts.items():
         r = results[name]
-        meta = r.get("meta_info", {})
         ttft = r.get("client_ttft_s")
         text = r.get("text", "")
-        cached = meta.get("cached_tokens", 0)
         print(
-            f"{name:<10}{len(ids):>8}{cached:>8}{'yes' if stream else 'no':>8}"
+            f"{name:<10}{len(ids):>8}{'yes' if stream else 'no':>8}"
             f"{ttft if ttft is not None else float('nan'):>9.2f}{r['client_e2e_s']:>8.2f}  "
             f"{text!r:.60}"
         )
+    print(
+        f"(TTFT and e2e include first-use compiles of new shapes; the prefill server's "
+        f"prefix cache reused {prefill_info.get('prefix_cache_hit_tokens', 0)} prompt tokens)"
+    )
 
     # Per-rank KV bytes: the prefill server's page-owned pools vs a replicated pool of the
     # same token capacity (every rank would hold every page).

@@ -123,6 +123,7 @@ class EngineStats:
     transfer_bytes: int = 0  # bytes this server sent or received over PD transfer
     transfer_seconds: float = 0.0  # summed wall time of those transfers (start to outcome)
     transfer_failures: int = 0
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     admission_rejections: dict[str, int] = dataclasses.field(default_factory=dict)
 
 

@@ -164,6 +164,14 @@ class EngineLoop:
             flush_deadline = time.monotonic() + _ABORT_FLUSH_S
             while self._in_flight() and time.monotonic() < flush_deadline:
                 await asyncio.sleep(_DRAIN_POLL_S)
+        # Work no client waits for any more (e.g. a PD prefill server's transfer whose HTTP
+        # caller left, still holding pages until its senders stop) must finish too, or its
+        # pages stay held: keep stepping until the engine is idle.
+        idle_deadline = max(deadline, time.monotonic()) + _ABORT_FLUSH_S
+        while self._engine_busy() and time.monotonic() < idle_deadline:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        if self._engine_busy():
+            logger.warning("shutdown: the engine still has work (e.g. transfers) after the drain")
         with self._cv:
             self._stop = True
             self._cv.notify()
@@ -172,6 +180,9 @@ class EngineLoop:
             logger.error("shutdown: the engine thread did not stop within %gs", _ABORT_FLUSH_S)
 
     # ---- engine thread -------------------------------------------------------------------
+    def _engine_busy(self) -> bool:
+        return self._thread.is_alive() and self._fatal is None and self._engine.has_work()
+
     def _in_flight(self) -> list[str]:
         with self._cv:
             return list(self._routes)

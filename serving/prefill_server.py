@@ -150,6 +150,7 @@ class PrefillModeEngine:
         self._wake = threading.Event()
         self.transfer_bytes = 0
         self.transfer_seconds = 0.0
+        self.prefix_cache_hit_tokens = 0
         self.transfer_failures = 0
 
     # ---- StepEngine -------------------------------------------------------------------
@@ -260,6 +261,7 @@ class PrefillModeEngine:
             kv_bytes_per_page=self.layout.bytes_per_page(),
             transfer_bytes=self.transfer_bytes,
             transfer_seconds=self.transfer_seconds,
+            prefix_cache_hit_tokens=self.prefix_cache_hit_tokens,
             transfer_failures=self.transfer_failures,
             admission_rejections=dict(self.scheduler.rejections),
         )
@@ -285,6 +287,7 @@ class PrefillModeEngine:
         token = sample_token(logprobs, req.sampling, step=0, seed=request_seed(req))
         entry.first_token, entry.logprob = token, float(logprobs[token])
         entry.cached_tokens = outcome.cached_tokens
+        self.prefix_cache_hit_tokens += outcome.cached_tokens
         entry.ttft_s = self.clock() - req.arrival_time
         table = outcome.table
         entry.num_pages = table.num_pages
@@ -325,12 +328,14 @@ class PrefillModeEngine:
             self.scheduler.release_held(rid)
             self._forget(rid)
             req = entry.req
-            if entry.abort_reason is not None:
-                out.append(self._final(entry, "abort", error=entry.abort_reason))
-            elif outcome is not None and outcome.state is RoomState.SUCCESS:
+            delivered = outcome is not None and outcome.state is RoomState.SUCCESS
+            if delivered:  # counted even when the caller left after the room succeeded
                 self.transfer_bytes += entry.num_pages * self.layout.bytes_per_page()
                 # Start of the send to the outcome seen here (polled within idle_wait_s).
                 self.transfer_seconds += self.clock() - entry.transfer_started
+            if entry.abort_reason is not None:
+                out.append(self._final(entry, "abort", error=entry.abort_reason))
+            elif delivered:
                 out.append(self._final(entry, "length"))
             else:
                 self.transfer_failures += 1

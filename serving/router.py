@@ -66,7 +66,15 @@ import sys
 import typing
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Any, Literal
 
 import httpx
@@ -1161,6 +1169,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
 
 
+class _QuietExitServer(uvicorn.Server):
+    """uvicorn without its re-raise of the stopping signal after a graceful shutdown, so
+    SIGTERM ends the router with exit code 0 once it has closed its upstreams."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
+
+
 async def _serve(config: RouterConfig) -> int:
     """Wait for the servers first (so a startup failure is one log line, not a
     traceback from the ASGI lifespan), then serve until a signal stops uvicorn."""
@@ -1170,7 +1191,7 @@ async def _serve(config: RouterConfig) -> int:
     except RouterStartupError:
         return EXIT_STARTUP_FAILED  # `start` logged the reason and closed the router
     try:
-        server = uvicorn.Server(
+        server = _QuietExitServer(
             uvicorn.Config(
                 build_router_app(config, router=router),
                 host=config.host,

@@ -244,6 +244,9 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         "index_k_dtype": args.index_k_dtype,
     }
     closers: list[Callable[[], None]] = []
+    if args.disaggregation_mode != "prefill":  # the prefill engine validates its own
+        for warning in args.validate(cfg, device_count=len(devices)):
+            logger.warning("%s", warning)
     if args.disaggregation_mode == "prefill":
         engine: StepEngine = PrefillModeEngine(
             build_prefill_engine(args, model=model, devices=devices, hold_finished=True),

@@ -1,0 +1,345 @@
+"""End to end through real servers: `cpkv-serve` apps on uvicorn, the PD router, httpx.
+
+- Unified mode (`--disaggregation-mode null`): `/generate` (stream and not) and
+  `/v1/completions` give the single-device reference's greedy tokens.
+- PD mode over each transfer backend: a CP=8 shared-KV prefill server (the 8 virtual
+  CPU devices) and a decode server behind `cpkv-router`; streamed and non-streamed
+  requests give the reference's greedy tokens; afterwards every page is back (decode:
+  free == total; prefill: nothing held or locked, free + evictable cache == total).
+- Client disconnect mid-stream (PD) aborts the request on both sides: pages come back.
+- SIGTERM mid-request (a real `python -m serving.launch` process): the drain runs out,
+  the request is aborted, and the process exits 0 stating every KV page free.
+
+Greedy tokens are compared exactly: the served engines and `ReferenceGenerator` run the
+same model code; batched rows may differ from single-row ones in the last bits on
+XLA:CPU, which never flips an argmax here (log-probs are compared in the engines' own
+tests within 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from cpkv_jax.generate import ReferenceGenerator
+from cpkv_jax.model.weights import load_model
+from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
+from serving.prefill_server import PrefillModeEngine
+from serving.router import RouterConfig, build_router_app
+from serving.server import Server, build_server
+from serving.server_args import ServerArgs
+from transfer.backends.mooncake_engine import mooncake_available
+
+P = 16
+CP = 8
+NEW = 6
+WAIT_S = 60.0
+MOONCAKE, MOONCAKE_REASON = mooncake_available()
+
+
+class Served:
+    """An ASGI app on uvicorn, 127.0.0.1, any free port, in a daemon thread."""
+
+    def __init__(self, app: FastAPI):
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def wait_until(pred: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("e2e") / "tiny", "glm_moe_dsa")
+    cfg, model = load_model(path, progress=False)
+    ref = ReferenceGenerator(cfg, model, page_size=P)
+    return path, cfg, ref
+
+
+def server_args(path: Path, mode: str, *extra: str) -> ServerArgs:
+    return ServerArgs.from_cli(
+        [
+            "--model-path",
+            str(path),
+            "--dtype",
+            "float32",
+            "--page-size",
+            str(P),
+            "--disaggregation-mode",
+            mode,
+            "--kv-pool-size",
+            "2MiB",
+            *extra,
+        ]
+    )
+
+
+def prompts(cfg, seed: int) -> list[list[int]]:
+    """One short prompt, one page multiple, one spanning several pages (fresh ids)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 2 * P, 5 * P + 3)]
+
+
+def reference(ref: ReferenceGenerator, ids: list[int]) -> list[int]:
+    return ref.generate(ids, NEW, ignore_eos=True).output_ids
+
+
+def generate(url: str, ids: list[int], stream: bool) -> list[int]:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True},
+        "stream": stream,
+    }
+    if not stream:
+        r = httpx.post(url + "/generate", json=body, timeout=WAIT_S)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["meta_info"]["completion_tokens"] == NEW
+        return out["output_ids"]
+    last: dict[str, Any] = {}
+    with httpx.stream("POST", url + "/generate", json=body, timeout=WAIT_S) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                last = json.loads(line[5:])
+                assert "error" not in last, last
+    return last["output_ids"]
+
+
+def completions(url: str, ids: list[int]) -> list[int]:
+    body = {"model": "tiny", "prompt": ids, "max_tokens": NEW, "temperature": 0.0}
+    body["ignore_eos"] = True
+    r = httpx.post(url + "/v1/completions", json=body, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    assert out["usage"]["completion_tokens"] == NEW
+    return out["choices"][0]["token_ids"]
+
+
+def assert_pages_back(server: Server) -> None:
+    """Every page back: free == total (a prefill server's radix cache may keep cached
+    prefixes, evictable and unlocked, which count as back)."""
+    engine = server.engine
+
+    def back() -> bool:
+        if engine.has_work():
+            return False
+        stats = engine.stats()
+        if isinstance(engine, PrefillModeEngine):
+            cache = engine.scheduler.cache
+            if engine.scheduler.num_held or cache.protected_pages_per_lane().any():
+                return False
+            evictable = cache.evictable_pages_per_lane()
+            free = np.asarray(stats.kv_pages_free) + (
+                evictable if evictable.size == len(stats.kv_pages_free) else evictable.sum()
+            )
+            return bool(np.all(free == np.asarray(stats.kv_pages_total)))
+        return stats.kv_pages_free == stats.kv_pages_total
+
+    wait_until(back, f"{server.args.disaggregation_mode} server's pages to come back")
+
+
+# ---- unified ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def unified(ckpt) -> Iterator[tuple[Server, Served]]:
+    path, _, _ = ckpt
+    server = build_server(server_args(path, "null"))
+    served = Served(server.app)
+    yield server, served
+    served.stop()
+    import asyncio
+
+    asyncio.run(server.loop.shutdown(0.0))
+    server.close()
+
+
+def test_unified_outputs_equal_the_reference(ckpt, unified):
+    _, cfg, ref = ckpt
+    server, served = unified
+    for i, ids in enumerate(prompts(cfg, seed=1)):
+        want = reference(ref, ids)
+        assert generate(served.url, ids, stream=i % 2 == 1) == want
+        assert completions(served.url, ids) == want
+    assert_pages_back(server)
+
+
+# ---- PD: CP=8 shared-KV prefill -> transfer -> decode, behind the router ---------------
+
+
+@pytest.fixture(scope="module", params=["grpc", "mooncake"])
+def pd(request, ckpt) -> Iterator[dict[str, Any]]:
+    backend = request.param
+    if backend == "mooncake" and not MOONCAKE:
+        pytest.skip(f"Mooncake Transfer Engine unavailable: {MOONCAKE_REASON}")
+    path, _, _ = ckpt
+    decode = build_server(server_args(path, "decode", "--transfer-backend", backend))
+    prefill = build_server(
+        server_args(
+            path,
+            "prefill",
+            "--transfer-backend",
+            backend,
+            "--cp-size",
+            str(CP),
+            "--enable-cp-shared-kv",
+            "--chunked-prefill-size",
+            str(4 * P),
+        )
+    )
+    served = {"decode": Served(decode.app), "prefill": Served(prefill.app)}
+    config = RouterConfig(
+        prefill=(served["prefill"].url,),
+        decode=(served["decode"].url,),
+        request_timeout=WAIT_S,
+        health_interval=0.5,
+        startup_timeout=30.0,
+    ).validate()
+    served["router"] = Served(build_router_app(config))
+    yield {"decode": decode, "prefill": prefill, "served": served, "backend": backend}
+    import asyncio
+
+    for s in reversed(list(served.values())):
+        s.stop()
+    for server in (prefill, decode):
+        asyncio.run(server.loop.shutdown(0.0))
+        server.close()
+
+
+def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):
+    _, cfg, ref = ckpt
+    router = pd["served"]["router"].url
+    for i, ids in enumerate(prompts(cfg, seed=2)):
+        want = reference(ref, ids)
+        assert generate(router, ids, stream=i % 2 == 0) == want, (pd["backend"], len(ids))
+    ids = prompts(cfg, seed=3)[2]
+    assert completions(router, ids) == reference(ref, ids)
+    info = httpx.get(pd["served"]["decode"].url + "/server_info", timeout=10).json()
+    assert info["transfer_bytes"] > 0 and info["transfer_failures"] == 0
+    assert_pages_back(pd["decode"])
+    assert_pages_back(pd["prefill"])
+
+
+def test_pd_client_disconnect_mid_stream_frees_pages_on_both_sides(ckpt, pd):
+    _, cfg, _ = ckpt
+    ids = prompts(cfg, seed=4)[2]
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True},
+        "stream": True,
+    }
+    events = 0
+    with httpx.stream("POST", pd["served"]["router"].url + "/generate", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                events += 1
+                if events == 3:
+                    break  # leave mid-stream: closing the response disconnects
+    assert events == 3
+    assert_pages_back(pd["decode"])
+    assert_pages_back(pd["prefill"])
+    aborted = httpx.get(pd["served"]["decode"].url + "/metrics", timeout=10).text
+    assert re.search(r'cpkv_requests_total\{finish_reason="abort"\} [1-9]', aborted), aborted
+
+
+# ---- SIGTERM mid-request on a real server process --------------------------------------
+
+
+def test_sigterm_mid_request_aborts_after_the_drain_and_frees_every_page(ckpt, tmp_path):
+    path, cfg, _ = ckpt
+    port = free_port()
+    log = tmp_path / "server.log"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env["XLA_FLAGS"] = ""  # one device is enough for a unified server
+    with log.open("w") as out:
+        argv = [*server_args_cli(path), "--port", str(port), "--shutdown-drain-timeout", "1"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "serving.launch", *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: healthy(url), "the server to become healthy", timeout=120)
+        body = {
+            "input_ids": prompts(cfg, seed=5)[1],
+            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            "stream": True,
+        }
+        tail: list[str] = []
+        with httpx.stream("POST", url + "/generate", json=body, timeout=WAIT_S) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                tail.append(line)
+                if len(tail) == 3:
+                    proc.send_signal(signal.SIGTERM)
+        # The drain (1 s) ran out: the stream ended early with the abort, then [DONE].
+        assert tail[-1] == "data: [DONE]"
+        assert len(tail) < 3000
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = log.read_text()
+    assert "SIGTERM received: draining" in text
+    m = re.search(r"shutdown complete: KV pages free rank 0: (\d+)/(\d+)", text)
+    assert m and m.group(1) == m.group(2), text[-3000:]
+
+
+def server_args_cli(path: Path) -> list[str]:
+    return ["--model-path", str(path), "--dtype", "float32", "--page-size", str(P)]
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
