@@ -47,3 +47,19 @@ def test_bench_transfer_reports_mooncake_and_raw(report):
     )
     # Contiguous local pages + owner-major staging: one descriptor per buffer per rank.
     assert set(report["mooncake_descriptors_per_rank"].values()) == {6}
+
+
+def test_bench_transfer_fragmented_host_pools_over_grpc():
+    """Scattered local pages: the gRPC sender gathers each chunk's rows from the host
+    pool leaves itself (no contiguous slices); the benchmark's warm-up run checks every
+    staged page's digest against its source page and raises if one differs."""
+    import io
+    from contextlib import redirect_stdout
+
+    out = io.StringIO()
+    args = ["--json", "--tokens", "2048", "--layers", "2", "--repeats", "1", "--fragment"]
+    with redirect_stdout(out):
+        assert main([*args, "--backends", "grpc", "--in-process-receiver"]) == 0
+    report = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert report["fragmented_sources"] is True and report["grpc_gbps"] > 0
+    assert report["mooncake_gbps"] is None  # not asked for

@@ -13,6 +13,11 @@
   duplicated position, layout mismatch, sender killed, abort then late write), each
   ending with every allocator - prefill pages, decode pages, the decode staging arena
   and the sender's registered host buffer - back at its initial free count.
+- Write retries: a transient engine failure (half the batch landed) is retried with the
+  same attempt and destinations and the room succeeds bitwise; a write failing past
+  `write_retries` fails the room.
+- A randomized run of mixed faults (`CPKV_TRANSFER_FAULTS`, default 100 as for gRPC;
+  about 40 s on 2 cores), the decode side dying and transient write failures included.
 
 The prefill fixture and helpers are the gRPC test module's (`test_transfer_grpc`).
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 
@@ -39,7 +45,11 @@ from test_transfer_grpc import (  # helpers shared with the gRPC tests
     Prefill,
     _with_positions,
     bitwise_equal,
+    decode_dies_before_commit,
+    decode_layout,
+    fault_schedule,
     finish,
+    heartbeat_loss_seen,
     new_table,
     prefill_free,
     random_pages,
@@ -58,7 +68,11 @@ from transfer.backends.mooncake_backend import (
     MooncakeSenderFaults,
     coalesce,
 )
-from transfer.backends.mooncake_engine import MooncakeEngine, mooncake_available
+from transfer.backends.mooncake_engine import (
+    MooncakeEngine,
+    MooncakeTransferError,
+    mooncake_available,
+)
 from transfer.page_plan import owner_major_order, page_digests, row_digests
 from transfer.protocol import Aux, RoomState
 from transfer.receiver import Receiver, serve
@@ -88,6 +102,8 @@ CONFIG = MooncakeBackendConfig(
     heartbeat_interval_s=0.1,
     heartbeat_timeout_s=2.0,
     bootstrap_timeout_s=3.0,
+    write_retry_backoff_s=0.01,
+    uncertain_hold_s=0.5,  # a failed write's host region comes back fast (tests check it)
 )
 
 
@@ -584,3 +600,254 @@ def test_fault_abort_then_late_write_stays_in_quarantine(prefill, decode, backen
     for x, b in zip(jax.tree_util.tree_leaves(dec.receiver.pool), pool_before, strict=True):
         assert bitwise_equal(x, b)  # the decode pool was never touched
     all_back(pre, dec, free, backend)
+
+
+# ---- write retries ------------------------------------------------------------------------------
+
+
+class FlakyEngine:
+    """A sender engine whose first batch write from each rank thread half lands, then
+    fails the way the engine reports a peer reset (`MooncakeTransferError`, code -1):
+    the first half of the descriptors is really written, the rest is not."""
+
+    def __init__(self, engine: MooncakeEngine):
+        self._engine = engine
+        self._failed: set[int] = set()
+        self._lock = threading.Lock()
+        self.failures = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def batch_write(self, session_id, local, remote, lengths) -> None:
+        me = threading.get_ident()
+        with self._lock:
+            first = me not in self._failed
+            self._failed.add(me)
+        if not first:
+            return self._engine.batch_write(session_id, local, remote, lengths)
+        half = max(1, len(lengths) // 2)
+        self._engine.batch_write(session_id, local[:half], remote[:half], lengths[:half])
+        with self._lock:
+            self.failures += 1
+        raise MooncakeTransferError("simulated peer reset after a partial write", -1)
+
+
+@needs_mooncake
+def test_transient_write_failure_is_retried_and_succeeds(prefill, decode, sender_engine):
+    """Every rank's first batch write fails after half of it landed: the rank retries
+    the same write (same attempt, same destination rows), and the room succeeds with
+    the decode pool bitwise equal to the prefill full view."""
+    pre, dec = prefill, decode(48)
+    free = prefill_free(pre)
+    n_tok = 11 * P + 3
+    table = new_table(pre, n_tok)
+    n_pages = table.num_pages  # the hold's release empties the table
+    view = pre.runner.full_view(table)
+    flaky = FlakyEngine(sender_engine)
+    backend = MooncakeBackend(CONFIG, engine=flaky)  # type: ignore[arg-type]
+    try:
+        hold, dst = run_transfer(pre, dec, table, "flaky", Aux(7, -0.2), backend=backend)
+        outcome = finish(hold)
+        assert outcome.state is RoomState.SUCCESS, outcome
+        assert flaky.failures == min(CP, n_pages)  # each rank with pages failed once
+        stats = backend.stats("flaky")
+        assert all(s.batch_writes > 1 for s in stats.values())  # failures hit mid-rank
+        got = decode_layout(dec.receiver, dst, n_tok)
+        for x, y in zip(
+            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(view), strict=True
+        ):
+            assert bitwise_equal(x, y)
+        dec.receiver.free_pages(dst)
+        all_back(pre, dec, free, backend)
+    finally:
+        backend.close()
+
+
+@needs_mooncake
+def test_write_failing_past_the_retries_fails_the_room(prefill, decode, backends):
+    pre, dec = prefill, decode(48)
+    free = prefill_free(pre)
+    tries: list[int] = []
+
+    def write(sender, group, attempt):
+        if sender.rank == 3 and group == 1:
+            tries.append(attempt)
+            raise MooncakeTransferError("simulated dead peer", -1)
+
+    backend = backends(MooncakeSenderFaults(write=write))
+    hold, _ = run_transfer(
+        pre, dec, new_table(pre, 9 * P), "no-retry-left", Aux(5, -1.0), backend=backend
+    )
+    outcome = finish(hold)
+    assert tries == [0, 1, 2]  # the first try and CONFIG.write_retries = 2 retries
+    assert outcome.state is RoomState.FAILED
+    assert "prefill rank 3: Mooncake write to" in outcome.reason
+    assert "simulated dead peer (after 3 tries)" in outcome.reason
+    all_back(pre, dec, free, backend)
+
+
+@needs_mooncake
+def test_stalled_write_is_not_retried(prefill, decode, sender_engine):
+    """A write that failed only after half the transfer timeout (a stalled peer: the
+    engine may still be moving its slices) fails the room at once, no retry."""
+    pre, dec = prefill, decode(48)
+    free = prefill_free(pre)
+    tries: list[int] = []
+
+    def write(sender, group, attempt):
+        if sender.rank == 2 and group == 0:
+            tries.append(attempt)
+            time.sleep(0.25)  # >= 0.5 * the 0.4 s transfer timeout below
+            raise MooncakeTransferError("simulated transfer timeout", -1)
+
+    config = dataclasses.replace(CONFIG, transfer_timeout_s=0.4)  # the stall threshold
+    with MooncakeBackend(config, MooncakeSenderFaults(write=write), engine=sender_engine) as b:
+        hold, _ = run_transfer(pre, dec, new_table(pre, 9 * P), "stall", Aux(5, -1.0), backend=b)
+        outcome = finish(hold)
+        assert tries == [0]
+        assert outcome.state is RoomState.FAILED
+        assert "simulated transfer timeout" in outcome.reason and "not retried" in outcome.reason
+        all_back(pre, dec, free, b)
+
+
+# ---- randomized mixed faults ------------------------------------------------------------------
+
+MC_FAULT_KINDS = (
+    "none", "flaky", "kill", "corrupt", "duplicate", "missing", "layout", "abort", "dies"
+)  # fmt: skip
+# "kill" and "dies" wait for a heartbeat timeout (2 s), hence their small weights.
+MC_FAULT_WEIGHTS = (0.3, 0.1, 0.02, 0.15, 0.1, 0.1, 0.05, 0.15, 0.03)
+
+
+@needs_mooncake
+def test_randomized_mixed_faults_leak_nothing_over_mooncake(prefill, decode, backends):
+    """`CPKV_TRANSFER_FAULTS` Mooncake transfers (default 100, as for gRPC), each with a
+    random fault or none: a transient write failure (retried: the room succeeds), a
+    sender killed, a page corrupted in the decode staging, a position written by two
+    ranks, a missing position, a layout mismatch, an abort before a batch write (the
+    write still lands: one-sided), or the decode side dying (its gRPC server stops once
+    all ranks but one committed; the prefill side fails the room on heartbeat loss; a
+    decode server of its own, sharing the module's Mooncake endpoint).
+
+    After each round: every room finished with the expected state, a successful room's
+    pages equal the prefill full view, prefill pages and the round's decode pages are
+    back, no staging region is live (a failed room's may be quarantined until its
+    writers are done or the quarantine times out) and the sender's host buffer is whole.
+    At the end the staging arena is entirely free again. About 40 s on 2 cores (0.1-0.3 s
+    a round; "kill" and "dies" rounds wait for the 2 s heartbeat timeout)."""
+    pre = prefill
+    count = int(os.environ.get("CPKV_TRANSFER_FAULTS", "100"))
+    rng = np.random.default_rng(4321)
+    dec = decode(64)
+    backend = backends()  # one backend (engine, host buffer, channel); faults per round
+    free = prefill_free(pre)
+    t_start = time.perf_counter()
+    per_kind: dict[str, list[float]] = {k: [] for k in MC_FAULT_KINDS}
+    for i, kind in enumerate(fault_schedule(rng, count, MC_FAULT_KINDS, MC_FAULT_WEIGHTS)):
+        room = f"mc-rnd-{i}"
+        n_tok = int(rng.integers(1, 14 * P))
+        table = new_table(pre, n_tok)
+        n_pages = table.num_pages
+        victim = int(rng.integers(min(CP, n_pages)))  # a rank that owns pages
+        faults, layout, round_dec = MooncakeSenderFaults(), None, dec
+        retried: list[int] = []
+
+        if kind == "flaky":
+
+            def write(s, g, attempt, v=victim, retried=retried):
+                if s.rank == v and attempt == 0:
+                    retried.append(g)
+                    raise MooncakeTransferError("simulated transient engine failure", -1)
+
+            faults = MooncakeSenderFaults(write=write)
+        elif kind == "kill":
+            faults = MooncakeSenderFaults(
+                before_write=lambda s, g, v=victim: s.kill() if s.rank == v else None
+            )
+        elif kind == "corrupt":
+
+            def corrupt(s, v=victim, room=room):
+                if s.rank == v:  # its writes are over; position v is its own
+                    rows = dec.receiver.staging_rows(room)
+                    dec.receiver.staging(room)[0][rows[v], 0] ^= 0xFF
+
+            faults = MooncakeSenderFaults(before_commit=corrupt)
+        elif kind == "duplicate" and n_pages > 1:
+            other = (victim + 1) % min(CP, n_pages)
+
+            def dup(p, v=victim, o=other):
+                if p.rank != o:
+                    return p
+                return _with_positions(
+                    p, [v, *p.positions.tolist()], [p.src_pages[0], *p.src_pages.tolist()]
+                )
+
+            faults = MooncakeSenderFaults(plan=dup)
+        elif kind == "missing":
+            faults = MooncakeSenderFaults(
+                plan=lambda p, v=victim: (
+                    p
+                    if p.rank != v
+                    else _with_positions(p, p.positions[1:].tolist(), p.src_pages[1:].tolist())
+                )
+            )
+        elif kind == "layout":
+            layout = dataclasses.replace(pre.layout, kv_cache_dim=pre.layout.kv_cache_dim + 1)
+        elif kind == "abort":
+
+            def abort(s, g, v=victim, room=room):
+                if s.rank == v and g == 0:
+                    dec.receiver.abort(room, "random abort")
+
+            faults = MooncakeSenderFaults(before_write=abort)
+        elif kind == "dies":
+            round_dec = decode(32)  # its server dies: a decode server of its own
+            faults = MooncakeSenderFaults(
+                before_commit=decode_dies_before_commit(round_dec, room, victim)  # type: ignore[arg-type]
+            )
+        else:
+            kind = "none"
+        succeeds = kind in ("none", "flaky")
+        view = pre.runner.full_view(table) if succeeds else None
+        backend.faults = faults  # read by each rank sender as it starts
+        t0 = time.perf_counter()
+        hold, dst = run_transfer(
+            pre, round_dec, table, room, Aux(i, -0.5), backend=backend, layout=layout, seed=i
+        )
+        outcome = finish(hold)
+        snap = settle(round_dec.receiver, room)
+        per_kind[kind].append(time.perf_counter() - t0)
+        want = RoomState.SUCCESS if succeeds else RoomState.FAILED
+        assert outcome.state is want and snap.state is want, (i, kind, outcome, snap)
+        if kind == "flaky":
+            assert retried, i  # the victim's first try really failed
+        if kind == "dies":
+            assert heartbeat_loss_seen(hold), (i, hold.outcomes())
+        if succeeds:
+            got = decode_layout(round_dec.receiver, dst, n_tok)
+            for x, y in zip(
+                jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(view), strict=True
+            ):
+                assert bitwise_equal(x, y), (i, n_tok)
+            round_dec.receiver.free_pages(dst)
+        assert prefill_free(pre) == free, (i, kind)
+        assert round_dec.receiver.num_free_pages == round_dec.free0, (i, kind)
+        assert dec.arena.stats().live_regions == 0, (i, kind, dec.arena.stats())
+        host = backend._host
+        deadline = time.monotonic() + 2.0
+        while host is not None and host.free_bytes != host.nbytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert host is None or host.free_bytes == host.nbytes, (i, kind)
+    deadline = time.monotonic() + QUARANTINE_S + 3.0  # the last quarantines expire
+    while dec.arena.free_bytes != dec.arena.nbytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dec.arena.free_bytes == dec.arena.nbytes, dec.arena.stats()
+    total = time.perf_counter() - t_start
+    logger.warning(
+        "randomized Mooncake transfer faults: %d in %.1fs (%.2fs each); per kind: %s",
+        count,
+        total,
+        total / max(count, 1),
+        {k: f"{len(v)} x {np.mean(v):.2f}s" for k, v in per_kind.items() if v},
+    )

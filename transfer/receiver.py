@@ -125,6 +125,8 @@ M = TypeVar("M", bound=Message)
 
 # Positions quoted in a failure reason.
 _QUOTED = 8
+# How long a Commit reply waits for its room to finish (see `KVTransferServicer.Commit`).
+COMMIT_WAIT_S = 1.0
 
 
 def _quote(values: np.ndarray | list[int]) -> str:
@@ -1172,8 +1174,9 @@ class KVTransferServicer:
     deserialization error; receiver errors keep their reason text and map to their
     `code`. Nothing a client sends can stop the server."""
 
-    def __init__(self, receiver: Receiver):
+    def __init__(self, receiver: Receiver, commit_wait_s: float = COMMIT_WAIT_S):
         self.receiver = receiver
+        self.commit_wait_s = commit_wait_s
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         ser = pb.RoomStatus.SerializeToString
@@ -1289,6 +1292,12 @@ class KVTransferServicer:
                 aux,
                 np.asarray(msg.digests, np.uint64) if len(msg.digests) else None,
             )
+            if not snap.state.terminal:
+                # Hold the reply until the room finishes (the last rank's commit ends it),
+                # briefly: every rank then learns the outcome from its commit reply and
+                # the prefill side releases its page hold at once, instead of at its next
+                # heartbeat. Bounded, so a slow room only costs a worker thread this long.
+                snap = self.receiver.wait(msg.room, timeout=self.commit_wait_s)
             return snapshot_to_pb(snap)
 
     def Heartbeat(self, raw: bytes, context: grpc.ServicerContext) -> pb.RoomStatus:

@@ -12,9 +12,12 @@ One `GrpcRankSender` per (room, prefill rank):
 3. **Pages** - one `WritePages` client stream per (kind, layer) buffer, spread over
    `channels_per_rank` channels (each its own TCP connection), chunks of at most
    `chunk_bytes` page bytes with a per-page xxh3 digest, compression off. The buffer is
-   read to host once (`PageSource.read`); a failed stream (UNAVAILABLE, DEADLINE,
-   ABORTED) is retried with the *same attempt id*, which the receiver treats as
-   idempotent, up to `max_retries` times with exponential backoff.
+   read to host once (`PageSource.read`), or used in place when the source is a host
+   pool (`host_buffer`, as `HostPoolPageSource`); each chunk is serialized by hand
+   (`serialize_page_chunk`: the protobuf header, then the page bytes copied once
+   straight from the rows - protobuf would copy them twice). A failed stream
+   (UNAVAILABLE, DEADLINE, ABORTED) is retried with the *same attempt id*, which the
+   receiver treats as idempotent, up to `max_retries` times with exponential backoff.
 4. **Commit** - the positions sent; rank 0 adds the aux data (first token, log-prob).
 5. **Heartbeat** - from the handshake until the room is finished, every
    `heartbeat_interval_s`; the replies carry the room status. No reply for
@@ -40,13 +43,14 @@ import grpc
 import numpy as np
 
 from transfer.capabilities import BackendCapabilities, default_backend_registry
-from transfer.page_plan import BufferKind, PagePlanError, RankPlan, page_digests, plan_request
+from transfer.page_plan import BufferKind, PagePlanError, RankPlan, plan_request, row_digests
 from transfer.proto import kv_transfer_pb2 as pb
 from transfer.proto import kv_transfer_pb2_grpc as pb_grpc
 from transfer.protocol import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
+    SERVICE_NAME,
     RoomSnapshot,
     RoomState,
     aux_to_pb,
@@ -111,6 +115,42 @@ class SenderFaults:
     before_commit: Callable[[GrpcRankSender], None] | None = None
 
 
+_WRITE_PAGES = f"/{SERVICE_NAME}/WritePages"
+_DATA_FIELD = pb.PageChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+_DATA_TAG = _varint_bytes(_DATA_FIELD << 3 | 2)  # field `data`, wire type LEN
+
+
+def serialize_page_chunk(header: pb.PageChunk, data: memoryview | bytes) -> bytes:
+    """The wire bytes of `header` (a `PageChunk` without `data`) with `data` as its
+    `data` field, copying the page bytes once (protobuf would copy them twice: into
+    the message and again when serializing). Protobuf parsers accept fields in any
+    order, so this equals `PageChunk(..., data=data).SerializeToString()` as a message
+    (`test_transfer_grpc.test_fast_chunk_serialization_equals_protobuf`)."""
+    if header.data:
+        raise ValueError("serialize_page_chunk: the header must not carry data")
+    n = data.nbytes if isinstance(data, memoryview) else len(data)
+    return b"".join((header.SerializeToString(), _DATA_TAG, _varint_bytes(n), data))
+
+
+def _page_rows(pages: np.ndarray, lo: int, hi: int) -> memoryview:
+    """Rows [lo, hi) of a C-contiguous uint8 `[n, page_bytes]` array, as a flat view."""
+    return memoryview(pages[lo:hi].reshape(-1))
+
+
 class _Killed(Exception):
     """The sender was killed: stop without another RPC."""
 
@@ -163,6 +203,8 @@ class GrpcRankSender:
         self._lost = ""  # why the decode side is considered gone
         self._channels: list[grpc.Channel] = []
         self._stubs: list[pb_grpc.KVTransferStub] = []
+        # Per channel, `WritePages` taking pre-serialized chunks (`serialize_page_chunk`).
+        self._raw_writes: list[grpc.StreamUnaryMultiCallable] = []
         self._heartbeat: threading.Thread | None = None
 
     @property
@@ -227,6 +269,13 @@ class GrpcRankSender:
             )
             self._channels.append(ch)
             self._stubs.append(pb_grpc.KVTransferStub(ch))
+            self._raw_writes.append(
+                ch.stream_unary(
+                    _WRITE_PAGES,
+                    request_serializer=None,  # the chunks are bytes already
+                    response_deserializer=pb.WriteAck.FromString,
+                )
+            )
 
     # Handshake failures retried until the bootstrap timeout (decode not up / room unknown).
     HANDSHAKE_WAITABLE: ClassVar[frozenset[grpc.StatusCode]] = RETRYABLE | {
@@ -316,46 +365,54 @@ class GrpcRankSender:
         self._check()
         job, cfg = self.job, self.config
         nbytes = job.layout.page_bytes(kind, layer)
-        host = np.ascontiguousarray(job.source.read(kind, layer, plan.src_pages))
-        pages = host.reshape(host.shape[0], -1).view(np.uint8)
-        if pages.shape != (plan.num_pages, nbytes):
-            raise ValueError(
-                f"{kind} layer {layer}: the page source gave {pages.shape} bytes, the layout "
-                f"needs ({plan.num_pages}, {nbytes})"
-            )
-        digests = page_digests(pages)
+        pages, rows = self._source_pages(kind, layer, plan.src_pages, nbytes)
+        digests = row_digests(pages, rows)  # native xxh3, releases the GIL
         per = max(1, chunk_bytes // nbytes)
         positions = plan.positions
+        # Consecutive source rows: each chunk is a slice of `pages`, no gather needed.
+        contiguous = rows.size < 2 or bool((np.diff(rows) == 1).all())
 
-        def chunks() -> Iterator[pb.PageChunk]:
+        def chunk_bytes_at(i: int) -> memoryview:
+            if contiguous:
+                lo = int(rows[0]) + i if rows.size else 0
+                return _page_rows(pages, lo, lo + min(per, rows.size - i))
+            return memoryview(pages[rows[i : i + per]].reshape(-1))
+
+        def header(i: int) -> pb.PageChunk:
+            return pb.PageChunk(
+                room=job.room,
+                sender_rank=job.rank,
+                attempt=job.attempt,
+                kind=kind_to_pb(kind),
+                layer=layer,
+                positions=positions[i : i + per].tolist(),
+                digests=digests[i : i + per].tolist(),
+            )
+
+        def chunks() -> Iterator[bytes]:
             for i in range(0, plan.num_pages, per):
                 if self._must_stop():
                     return  # half-close; the caller's _check() says why
-                msg = pb.PageChunk(
-                    room=job.room,
-                    sender_rank=job.rank,
-                    attempt=job.attempt,
-                    kind=kind_to_pb(kind),
-                    layer=layer,
-                    positions=positions[i : i + per].tolist(),
-                    digests=digests[i : i + per].tolist(),
-                    data=pages[i : i + per].tobytes(),
-                )
-                if self.faults.chunk is not None:
+                if self.faults.chunk is None:
+                    raw = serialize_page_chunk(header(i), chunk_bytes_at(i))
+                else:  # tests: the hook sees (and may alter) the protobuf message
+                    msg = header(i)
+                    msg.data = bytes(chunk_bytes_at(i))
                     msg = self.faults.chunk(self, msg)
                     if self._must_stop():
                         return
                     if msg is None:
                         continue
+                    raw = msg.SerializeToString()
                 with self._lock:
                     self.chunks_sent += 1
-                yield msg
+                yield raw
 
         for attempt in range(cfg.max_retries + 1):
             self._check()
-            stub = self._stubs[(channel + attempt) % len(self._stubs)]
+            write = self._raw_writes[(channel + attempt) % len(self._raw_writes)]
             try:
-                ack = stub.WritePages(chunks(), timeout=cfg.rpc_timeout_s)
+                ack = write(chunks(), timeout=cfg.rpc_timeout_s)
             except grpc.RpcError as e:
                 self._check()  # killed, room finished, or another rank failed meanwhile
                 code = e.code()
@@ -382,6 +439,33 @@ class GrpcRankSender:
             if ack.state == pb.ROOM_STATE_FAILED:
                 self._finish_with_status(ack.reason)
             return
+
+    def _source_pages(
+        self, kind: BufferKind, layer: int, src_pages: np.ndarray, nbytes: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(uint8 `[R, nbytes]` C-contiguous array, `[k]` rows of it to send, in plan
+        order). A host-memory pool (`host_buffer`, e.g. `HostPoolPageSource`) is used in
+        place - no copy; other sources (device pools) are read to host once."""
+        host_buffer = getattr(self.job.source, "host_buffer", None)
+        if host_buffer is not None:
+            leaf = host_buffer(kind, layer)
+            if leaf.flags.c_contiguous and leaf.nbytes == leaf.shape[0] * nbytes:
+                flat = leaf.reshape(leaf.shape[0], -1).view(np.uint8)
+                rows = np.asarray(src_pages, np.int64)
+                if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= flat.shape[0]):
+                    raise ValueError(
+                        f"{kind} layer {layer}: source pages span [{int(rows.min())}, "
+                        f"{int(rows.max())}], the host pool leaf has pages [0, {flat.shape[0]})"
+                    )
+                return flat, rows
+        host = np.ascontiguousarray(self.job.source.read(kind, layer, src_pages))
+        pages = host.reshape(host.shape[0], -1).view(np.uint8)
+        if pages.shape != (len(src_pages), nbytes):
+            raise ValueError(
+                f"{kind} layer {layer}: the page source gave {pages.shape} bytes, the layout "
+                f"needs ({len(src_pages)}, {nbytes})"
+            )
+        return pages, np.arange(len(src_pages), dtype=np.int64)
 
     # ---- commit and outcome -------------------------------------------------------------------
     def _commit_request(self, plan: RankPlan) -> pb.CommitRequest:
@@ -413,7 +497,8 @@ class GrpcRankSender:
                     continue
                 if code in FINAL:
                     self._finish_with_status(f"commit refused: {e.details()}")
-                self._fail(f"commit: {code.name} after {attempt + 1} tries: {e.details()}")
+                lost = "decode side lost: " if code is grpc.StatusCode.UNAVAILABLE else ""
+                self._fail(f"{lost}commit: {code.name} after {attempt + 1} tries: {e.details()}")
             self._observe(snapshot_from_pb(status))
             return
 

@@ -37,7 +37,10 @@ process runs (`engine` may also be passed in). Per rank, after the handshake:
 3. writes: descriptors coalesced where source and destination rows both advance by
    one (owner-major staging: one descriptor per buffer when the source is contiguous),
    batched by `write_group_bytes` (the engine wrapper splits calls at `max_batch`
-   descriptors); the rank stops between groups when the room failed;
+   descriptors); the rank stops between groups when the room failed. A batch write
+   the engine fails fast (refused, reset) is retried up to `write_retries` times (same
+   attempt, same source and destination ranges: idempotent by construction) before
+   the room fails; a stalled one (transfer timeout) is not retried;
 4. commit over gRPC with the positions and digests (rank 0 adds the aux data), then
    heartbeats until the room is finished, as the gRPC sender does;
 5. on the way out (not when killed) a final heartbeat with `writes_done` tells the
@@ -69,8 +72,10 @@ from transfer.backends.grpc_backend import (
 )
 from transfer.backends.mooncake_engine import (
     DEFAULT_MAX_BATCH,
+    DEFAULT_TRANSFER_TIMEOUT_S,
     MooncakeEngine,
     MooncakeError,
+    MooncakeTransferError,
     RegisteredBuffer,
 )
 from transfer.capabilities import BackendCapabilities, default_backend_registry
@@ -183,6 +188,20 @@ class MooncakeBackendConfig:
     # ...when its descriptors average at least this many bytes; scattered pages are
     # gathered into the host buffer instead (small descriptors are slow on the engine).
     zero_copy_min_descriptor_bytes: int = 1 * MiB
+    # A batch write the engine failed fast (MooncakeTransferError within half the
+    # transfer timeout: peer refused or reset) is retried this many times - same
+    # attempt, same source and destination ranges, so a write that partly landed is
+    # simply written again (idempotent by construction) - with exponential backoff from
+    # `write_retry_backoff_s`, before the room is failed. A stalled write (a failure
+    # after half the transfer timeout or more) is not retried. The stop conditions
+    # (killed, room finished, another rank failed, decode side lost) are checked before
+    # every retry.
+    write_retries: int = 2
+    write_retry_backoff_s: float = 0.05
+    # After a failed engine write the engine may still read the rank's host copy region:
+    # it is handed back this long after the rank ends (None: 2 x transfer_timeout_s, or
+    # 60 s without one).
+    uncertain_hold_s: float | None = None
     # Control plane (gRPC), as GrpcBackendConfig:
     rpc_timeout_s: float = 30.0
     max_retries: int = 3
@@ -196,6 +215,13 @@ class MooncakeBackendConfig:
         for name in ("host_buffer_bytes", "write_group_bytes", "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.write_retries < 0 or self.write_retry_backoff_s < 0:
+            raise ValueError(
+                f"write_retries ({self.write_retries}) and write_retry_backoff_s "
+                f"({self.write_retry_backoff_s}) must be >= 0"
+            )
+        if self.uncertain_hold_s is not None and not self.uncertain_hold_s > 0:
+            raise ValueError(f"uncertain_hold_s must be > 0 or None, got {self.uncertain_hold_s}")
         self.control()  # validates the control-plane fields
 
     def control(self) -> GrpcBackendConfig:
@@ -221,13 +247,17 @@ class MooncakeSenderFaults:
       the room, ...);
     - `after_write(sender, group)`: after batch write `group` returned (corrupt the
       staged bytes on the decode side, check the decode pool, ...);
-    - `before_commit(sender)`: just before the commit is sent.
+    - `before_commit(sender)`: just before the commit is sent;
+    - `write(sender, group, attempt)`: just before try `attempt` (0 = first) of batch
+      write `group` reaches the engine; raising `MooncakeTransferError` simulates the
+      engine failing that try (a transient fault, retried like a real one).
     """
 
     plan: Callable[[RankPlan], RankPlan] | None = None
     before_write: Callable[[MooncakeRankSender, int], None] | None = None
     after_write: Callable[[MooncakeRankSender, int], None] | None = None
     before_commit: Callable[[MooncakeRankSender], None] | None = None
+    write: Callable[[MooncakeRankSender, int, int], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,7 +543,10 @@ class MooncakeRankSender(GrpcRankSender):
         if self._write_uncertain:
             # A failed engine write may still read it: hand it back after the transfer
             # timeout. (Otherwise every write of this thread has returned, killed or not.)
-            delay = (self.backend.config.transfer_timeout_s or 30.0) * 2
+            cfg = self.backend.config
+            delay = cfg.uncertain_hold_s
+            if delay is None:
+                delay = 2 * cfg.transfer_timeout_s if cfg.transfer_timeout_s else 60.0
             t = threading.Timer(delay, self.backend.free_host, args=(region,))
             t.daemon = True
             t.start()
@@ -659,15 +692,70 @@ class MooncakeRankSender(GrpcRankSender):
                 self.faults.before_write(self, g)
                 if self._killed.is_set():
                     raise _Killed
-            try:
-                engine.batch_write(session_id, local_a[lo:hi], remote_a[lo:hi], len_a[lo:hi])
-            except MooncakeError as e:
-                self._write_uncertain = True
-                self._check()
-                self._fail(f"Mooncake write to {session_id}: {e}")
+            self._batch_write(engine, session_id, g, local_a[lo:hi], remote_a[lo:hi], len_a[lo:hi])
             if self.faults.after_write is not None:
                 self.faults.after_write(self, g)
         return len(groups), int(len_a.size)
+
+    def _batch_write(
+        self,
+        engine: MooncakeEngine,
+        session_id: str,
+        group: int,
+        local: np.ndarray,
+        remote: np.ndarray,
+        lengths: np.ndarray,
+    ) -> None:
+        """One batch write with bounded retries (`MooncakeBackendConfig.write_retries`).
+
+        Retrying is safe: the retry writes the same source ranges to the same
+        destination rows of the room's staging region, under the same attempt, so bytes
+        that landed the first time are overwritten with themselves, and the decode side
+        checks every page's digest at the commit anyway.
+
+        Only engine failures (`MooncakeTransferError`) that came back fast - under half
+        the transfer timeout: the peer refused or reset the connection, so none of the
+        call's bytes are still moving - are retried. A failure that took that long is a
+        stalled peer: the engine may still be moving the timed-out slices, so the room
+        fails (and its staging region waits out the decode side's quarantine) instead of
+        succeeding with a late slice still in flight. A local range outside the
+        registered buffers or a closed engine fails the room at once (nothing was sent).
+        """
+        cfg = self.backend.config
+        stall_s = 0.5 * (cfg.transfer_timeout_s or DEFAULT_TRANSFER_TIMEOUT_S)
+        for attempt in range(cfg.write_retries + 1):
+            t0 = time.monotonic()
+            try:
+                if self.faults.write is not None:
+                    self.faults.write(self, group, attempt)
+                engine.batch_write(session_id, local, remote, lengths)
+                return
+            except MooncakeTransferError as e:
+                self._write_uncertain = True  # the engine may still move bytes of it
+                self._check()  # killed, room finished, decode side lost: stop here
+                took = time.monotonic() - t0
+                if took >= stall_s:
+                    self._fail(
+                        f"Mooncake write to {session_id}: {e} (after {took:.1f}s: a stalled "
+                        "peer, not retried)"
+                    )
+                if attempt < cfg.write_retries:
+                    logger.info(
+                        "room %s: rank %d batch write %d to %s failed (%s); retry %d of %d",
+                        self.job.room,
+                        self.rank,
+                        group,
+                        session_id,
+                        e,
+                        attempt + 1,
+                        cfg.write_retries,
+                    )
+                    self._sleep(cfg.write_retry_backoff_s * 2**attempt)
+                    continue
+                self._fail(f"Mooncake write to {session_id}: {e} (after {attempt + 1} tries)")
+            except MooncakeError as e:
+                self._check()
+                self._fail(f"Mooncake write to {session_id}: {e}")
 
 
 def _groups(lengths: np.ndarray, group_bytes: int) -> list[tuple[int, int]]:
