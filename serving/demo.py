@@ -286,49 +286,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill_info = httpx.get(urls["prefill"] + "/server_info", timeout=10).json()
         decode_info = httpx.get(urls["decode"] + "/server_info", timeout=10).json()
 
-    print("\nrequest     prompt  stream  TTFT(s)  e2e(s)  output")
-    for name, (ids, stream) in prompts.items():
-        r = results[name]
-        ttft = r.get("client_ttft_s")
-        text = r.get("text", "")
+        print("request     prompt  stream  TTFT(s)  e2e(s)  output ids (random weights)")
+        for name, (ids, stream) in prompts.items():
+            r = results[name]
+            ttft = r.get("client_ttft_s")
+            out = r["output_ids"]
+            print(
+                f"{name:<10}{len(ids):>8}{'yes' if stream else 'no':>8}"
+                f"{ttft if ttft is not None else float('nan'):>9.2f}{r['client_e2e_s']:>8.2f}  "
+                f"{out[:6]}{' ...' if len(out) > 6 else ''}"
+            )
         print(
-            f"{name:<10}{len(ids):>8}{'yes' if stream else 'no':>8}"
-            f"{ttft if ttft is not None else float('nan'):>9.2f}{r['client_e2e_s']:>8.2f}  "
-            f"{text!r:.60}"
+            f"(TTFT and e2e include first-use compiles of new shapes; the prefill server's "
+            f"prefix cache reused {prefill_info.get('prefix_cache_hit_tokens', 0)} prompt tokens)"
         )
-    print(
-        f"(TTFT and e2e include first-use compiles of new shapes; the prefill server's "
-        f"prefix cache reused {prefill_info.get('prefix_cache_hit_tokens', 0)} prompt tokens)"
-    )
 
-    # Per-rank KV bytes: the prefill server's page-owned pools vs a replicated pool of the
-    # same token capacity (every rank would hold every page).
-    pages = prefill_info["kv_pages_total"][0]
-    per_page = prefill_info["kv_bytes_per_page"]
-    shared = pages * per_page
-    replicated = (CP * (pages - 1) + 1) * per_page
-    print(
-        f"\nper-rank persistent KV pool (prefill, cp={CP}): shared {shared / 2**20:.2f} MiB "
-        f"vs replicated {replicated / 2**20:.2f} MiB for the same "
-        f"{CP * (pages - 1) * PAGE:,} tokens of capacity ({replicated / shared:.2f}x)"
-    )
-    sent, secs = prefill_info.get("transfer_bytes", 0), prefill_info.get("transfer_seconds", 0.0)
-    rate = f"{sent / secs / 2**20:.1f} MiB/s" if secs > 0 else "n/a"
-    print(
-        f"KV transfer ({args.transfer_backend}): {sent / 2**20:.2f} MiB sent by the prefill "
-        f"ranks in {secs:.2f}s of transfer time ({rate}); decode received "
-        f"{decode_info.get('transfer_bytes', 0) / 2**20:.2f} MiB, "
-        f"{decode_info.get('transfer_failures', 0)} failures"
-    )
+        # Per-rank KV bytes: the prefill server's page-owned pools vs a replicated pool of the
+        # same token capacity (every rank would hold every page).
+        pages = prefill_info["kv_pages_total"][0]
+        per_page = prefill_info["kv_bytes_per_page"]
+        shared = pages * per_page
+        replicated = (CP * (pages - 1) + 1) * per_page
+        print(
+            f"\nper-rank persistent KV pool (prefill, cp={CP}): shared {shared / 2**20:.2f} MiB "
+            f"vs replicated {replicated / 2**20:.2f} MiB for the same "
+            f"{CP * (pages - 1) * PAGE:,} tokens of capacity ({replicated / shared:.2f}x)"
+        )
+        sent, secs = (
+            prefill_info.get("transfer_bytes", 0),
+            prefill_info.get("transfer_seconds", 0.0),
+        )
+        rate = f"{sent / secs / 2**20:.1f} MiB/s" if secs > 0 else "n/a"
+        print(
+            f"KV transfer ({args.transfer_backend}): {sent / 2**20:.2f} MiB sent by the prefill "
+            f"ranks in {secs:.2f}s of transfer time ({rate}); decode received "
+            f"{decode_info.get('transfer_bytes', 0) / 2**20:.2f} MiB, "
+            f"{decode_info.get('transfer_failures', 0)} failures"
+        )
+        print(flush=True)
 
     ref = ReferenceGenerator(cfg, model, page_size=PAGE)
     ok = True
+    checks = []
     for name, (ids, _) in prompts.items():
         want = ref.generate(ids, args.max_new_tokens, ignore_eos=True).output_ids
         got = results[name]["output_ids"]
+        checks.append(f"{name} {'equal' if got == want else 'DIFFERENT'}")
         if got != want:
             ok = False
             print(f"MISMATCH {name}: served {got} vs reference {want}")
+    print("\nsingle-device reference (greedy, this process): " + ", ".join(checks))
     print(f"\ndemo wall time {time.monotonic() - t_start:.0f}s")
     print(
         "RESULT:",
