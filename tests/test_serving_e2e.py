@@ -199,6 +199,56 @@ def test_unified_outputs_equal_the_reference(ckpt, unified):
     assert_pages_back(server)
 
 
+def bad_requests(vocab: int, context: int, rng: np.random.Generator) -> list[tuple[str, Any]]:
+    """(path, body: dict | raw JSON text) pairs, each invalid in its own way."""
+    big = int(rng.integers(vocab, 10**9))
+    n = int(rng.integers(1, 50))
+    ok = [int(t) for t in rng.integers(3, vocab, 4)]
+    return [
+        ("/generate", "{not json"),
+        ("/generate", '{"input_ids": [1, 2'),
+        ("/generate", {"input_ids": ok, "text": "both"}),
+        ("/generate", {"input_ids": []}),
+        ("/generate", {"input_ids": [*ok, big]}),
+        ("/generate", {"input_ids": [-n]}),
+        ("/generate", {"input_ids": [str(t) for t in ok]}),
+        ("/generate", {"input_ids": ok, "sampling_params": {"max_new_tokens": -n}}),
+        ("/generate", {"input_ids": ok, "sampling_params": {"max_new_tokens": 10**12}}),
+        ("/generate", {"input_ids": [3] * (context + n)}),
+        ("/generate", {"input_ids": ok, "sampling_params": {"max_new_tokens": context}}),
+        ("/generate", {"input_ids": ok, "sampling_params": {"top_p": 0.0}}),
+        ("/generate", {"input_ids": ok, "unknown_field": n}),
+        ("/v1/completions", {"prompt": ""}),
+        ("/v1/completions", {"prompt": ok, "max_tokens": -n}),
+        ("/v1/completions", {"prompt": ok, "max_tokens": "many"}),
+        ("/v1/completions", {"prompt": [*ok, big]}),
+        ("/v1/completions", {"prompt": ok, "n": 3}),
+        ("/v1/chat/completions", {"messages": []}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "bogus": 1}),
+    ]
+
+
+def test_unified_server_answers_200_bad_requests_with_4xx_and_keeps_serving(ckpt, unified):
+    path, cfg, ref = ckpt
+    server, served = unified
+    rng = np.random.default_rng()
+    cases: list[tuple[str, Any]] = []
+    while len(cases) < 200:
+        cases += bad_requests(cfg.vocab_size, cfg.max_position_embeddings, rng)
+    with httpx.Client(base_url=served.url, timeout=WAIT_S) as http:
+        for url, body in cases[:200]:
+            if isinstance(body, str):
+                r = http.post(url, content=body, headers={"content-type": "application/json"})
+            else:
+                r = http.post(url, json=body)
+            assert 400 <= r.status_code < 500, (url, body, r.status_code, r.text)
+            assert len(r.json()["error"]["message"]) > 10, r.text
+        assert http.get("/health").status_code == 200
+    ids = prompts(cfg, seed=6)[0]
+    assert generate(served.url, ids, stream=False) == reference(ref, ids)
+    assert_pages_back(server)
+
+
 # ---- PD: CP=8 shared-KV prefill -> transfer -> decode, behind the router ---------------
 
 
