@@ -13,8 +13,9 @@ Modes (`--disaggregation-mode`):
 - `prefill`: `PrefillModeEngine` (CP prefill scheduler on the `cp` mesh + the transfer
   backend). `/server_info` reports `cp_size`.
 
-Pool size of a single-device (null / decode) server: `--kv-pool-size` bytes, else enough
-pages for `min(max_position_embeddings, 131072)` tokens.
+Pool size of a single-device (null / decode) server: as a prefill rank's
+(`serving.prefill_engine.pool_pages_per_rank` with one lane): `--kv-pool-size` bytes, else
+enough pages for `min(max_position_embeddings, 131072)` tokens.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from serving.engine_api import GenerateRequest, SamplingParams, StepEngine
 from serving.engine_loop import EngineLoop
 from serving.http_api import build_app
 from serving.metrics import ServerMetrics
-from serving.prefill_engine import DEFAULT_POOL_TOKENS, DTYPES, build_prefill_engine
+from serving.prefill_engine import DTYPES, build_prefill_engine, pool_pages_per_rank
 from serving.prefill_server import PrefillModeEngine, backend_from_args
 from serving.server_args import ServerArgs
 
@@ -95,28 +96,6 @@ class Server:
         return stats.kv_pages_free != stats.kv_pages_total
 
 
-def single_device_pages(args: ServerArgs, cfg: ModelConfig) -> int:
-    """Pages (trash page included) of a null / decode server's pool."""
-    dtype = DTYPES[args.dtype]
-    one_page = init_pool_bytes_per_page(cfg, args.page_size, dtype, args.index_k_dtype)
-    if args.kv_pool_size is None:
-        tokens = min(cfg.max_position_embeddings, DEFAULT_POOL_TOKENS)
-        return pages_for_tokens(tokens, args.page_size) + 1
-    pages = args.kv_pool_size // one_page
-    if pages < 2:
-        raise ConfigError(
-            f"--kv-pool-size {args.kv_pool_size} bytes holds {pages} page(s) of {one_page} "
-            "bytes; a server needs at least 2 (one trash page): raise --kv-pool-size"
-        )
-    return pages
-
-
-def init_pool_bytes_per_page(cfg: ModelConfig, page_size: int, dtype, index_k_dtype) -> int:
-    """Bytes of one page over every layer (latent + index K + scale), from real shapes."""
-    pool = jax.eval_shape(lambda: init_pool(cfg, 2, page_size, dtype, index_k_dtype))
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(pool)) // 2
-
-
 def _detokenizer(tokenizer: Tokenizer | None):
     if tokenizer is None:
         return None
@@ -127,7 +106,7 @@ def _build_decode_side(
     args: ServerArgs, cfg: ModelConfig, model: CausalLM, tokenizer: Tokenizer | None
 ) -> tuple[DecodeEngine, dict[str, Any], list[Callable[[], None]]]:
     dtype = DTYPES[args.dtype]
-    pages = single_device_pages(args, cfg)
+    pages = pool_pages_per_rank(args, cfg)  # cp_size 1 here: one lane, one trash page
     pool = init_pool(cfg, pages, args.page_size, dtype, args.index_k_dtype)
     info: dict[str, Any] = {}
     closers: list[Callable[[], None]] = []
@@ -175,43 +154,71 @@ def _build_decode_side(
     return engine, info, closers
 
 
+def _pow2_upto(n: int) -> list[int]:
+    """1, 2, 4, ... up to and including the power of two >= n."""
+    out = [1]
+    while out[-1] < n:
+        out.append(out[-1] * 2)
+    return out
+
+
 def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> float:
     """Compile the common shapes before the server reports healthy; returns seconds.
 
-    Prefill servers run one CP prefill of a chunk-sized prompt (the step shape every long
-    prompt's chunks use) and release its pages. Null and decode servers run one short
-    request through a unified `DecodeEngine` on the same pool (a decode server's pool is
-    the receiver's: the warm-up borrows two pages and returns them), which compiles the
-    prefill and the batch-1 decode step; other batch buckets compile on first use.
+    Prefill servers run one CP prefill per zigzag block bucket up to a chunk (prompts of
+    `2 * cp * block` tokens, then a whole chunk: every short prompt's step shape and the
+    first chunk of every long one) and release the pages. Null and decode servers run a
+    few short requests at once through a unified `DecodeEngine` on the same pool (a decode
+    server's pool is the receiver's: the warm-up borrows a few pages and returns them), so
+    the prefill buckets of short prompts and the decode batch buckets 1, 2, 4, 8 compile.
+    Longer contexts (wider page tables) compile on first use.
     """
     t0 = time.perf_counter()
+    vocab = cfg.vocab_size - 3
+
+    def prompt(n: int) -> list[int]:
+        return [3 + (7 * i) % vocab for i in range(n)]
+
     if isinstance(engine, PrefillModeEngine):
         runner = engine.runner
-        n = args.chunked_prefill_size or 4 * args.page_size * args.cp_size
-        n = min(n, cfg.max_position_embeddings - 1)
-        result = runner.prefill([[3 + i % (cfg.vocab_size - 3) for i in range(n)]], n)
-        runner.release(result.tables[0])
-    else:
-        assert isinstance(engine, DecodeEngine)
-        probe = DecodeEngine(
-            cfg=cfg,
-            model=model,
-            kv=engine.kv,
-            page_size=args.page_size,
-            index_k_dtype=args.index_k_dtype,
-            mode="null",
-            max_running_requests=1,
+        chunk = args.chunked_prefill_size or 4 * args.page_size * args.cp_size
+        chunk = min(chunk, cfg.max_position_embeddings - 1)
+        cp = args.cp_size
+        lengths = [2 * cp * b for b in _pow2_upto(chunk // (2 * cp)) if 2 * cp * b < chunk]
+        for n in [*lengths, chunk]:
+            result = runner.prefill([prompt(n)], chunk)
+            runner.release(result.tables[0])
+        return time.perf_counter() - t0
+    assert isinstance(engine, DecodeEngine)
+    free0 = engine.kv.num_free_pages
+    new_tokens = 9  # early requests keep decoding while later ones join: batches 1..8
+    per_request = pages_for_tokens(args.page_size + 1 + new_tokens, args.page_size)
+    k = max(1, min(8, engine.max_running_requests, free0 // per_request))
+    probe = DecodeEngine(
+        cfg=cfg,
+        model=model,
+        kv=engine.kv,
+        page_size=args.page_size,
+        index_k_dtype=args.index_k_dtype,
+        mode="null",
+        max_running_requests=k,
+    )
+    for i in range(k):
+        n = args.page_size + 1 if i % 2 == 0 else 5  # two prefill buckets
+        probe.add(
+            GenerateRequest(
+                f"warmup-{i}", tuple(prompt(n)), SamplingParams(max_new_tokens=new_tokens)
+            )
         )
-        free0 = engine.kv.num_free_pages
-        prompt = tuple(3 + i % (cfg.vocab_size - 3) for i in range(args.page_size + 1))
-        probe.add(GenerateRequest("warmup", prompt, SamplingParams(max_new_tokens=2)))
-        for _ in range(WARMUP_STEPS_LIMIT):
-            if any(c.finished for c in probe.step()):
-                break
-        else:
-            raise RuntimeError("warm-up request did not finish")
-        if engine.kv.num_free_pages != free0:
-            raise RuntimeError("warm-up request leaked KV pages")
+    finished = 0
+    for _ in range(WARMUP_STEPS_LIMIT):
+        finished += sum(c.finished for c in probe.step())
+        if finished == k:
+            break
+    else:
+        raise RuntimeError(f"warm-up: {k - finished} of {k} requests did not finish")
+    if engine.kv.num_free_pages != free0:
+        raise RuntimeError("warm-up requests leaked KV pages")
     return time.perf_counter() - t0
 
 
