@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -1099,6 +1100,30 @@ def decode_dies_before_commit(dec: Decode, room: str, victim: int):
     return before_commit
 
 
+def duplicate_position_plan(victim: int, other: int) -> Callable[[RankPlan], RankPlan]:
+    """A plan fault: rank `other` also sends position `victim` (owned by rank `victim`)."""
+
+    def plan(p: RankPlan) -> RankPlan:
+        if p.rank != other:
+            return p
+        return _with_positions(
+            p, [victim, *p.positions.tolist()], [p.src_pages[0], *p.src_pages.tolist()]
+        )
+
+    return plan
+
+
+def missing_position_plan(victim: int) -> Callable[[RankPlan], RankPlan]:
+    """A plan fault: rank `victim` leaves out its first position."""
+
+    def plan(p: RankPlan) -> RankPlan:
+        if p.rank != victim:
+            return p
+        return _with_positions(p, p.positions[1:].tolist(), p.src_pages[1:].tolist())
+
+    return plan
+
+
 def heartbeat_loss_seen(hold: TransferHold) -> bool:
     reasons = [o.reason for o in hold.outcomes().values() if o is not None]
     return any("decode side lost" in r for r in reasons)
@@ -1142,22 +1167,9 @@ def test_randomized_mixed_faults_leak_nothing(prefill, decode):
         elif kind == "duplicate" and n_pages > 1:
             other = (victim + 1) % min(CP, n_pages)
 
-            def dup(p, v=victim, o=other):
-                if p.rank != o:
-                    return p
-                return _with_positions(
-                    p, [v, *p.positions.tolist()], [p.src_pages[0], *p.src_pages.tolist()]
-                )
-
-            faults = SenderFaults(plan=dup)
+            faults = SenderFaults(plan=duplicate_position_plan(victim, other))
         elif kind == "missing":
-            faults = SenderFaults(
-                plan=lambda p, v=victim: (
-                    p
-                    if p.rank != v
-                    else _with_positions(p, p.positions[1:].tolist(), p.src_pages[1:].tolist())
-                )
-            )
+            faults = SenderFaults(plan=missing_position_plan(victim))
         elif kind == "layout":
             layout = dataclasses.replace(pre.layout, kv_cache_dim=pre.layout.kv_cache_dim + 1)
         elif kind == "abort":

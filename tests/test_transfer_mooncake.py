@@ -47,9 +47,11 @@ from test_transfer_grpc import (  # helpers shared with the gRPC tests
     bitwise_equal,
     decode_dies_before_commit,
     decode_layout,
+    duplicate_position_plan,
     fault_schedule,
     finish,
     heartbeat_loss_seen,
+    missing_position_plan,
     new_table,
     prefill_free,
     random_pages,
@@ -776,22 +778,9 @@ def test_randomized_mixed_faults_leak_nothing_over_mooncake(prefill, decode, bac
         elif kind == "duplicate" and n_pages > 1:
             other = (victim + 1) % min(CP, n_pages)
 
-            def dup(p, v=victim, o=other):
-                if p.rank != o:
-                    return p
-                return _with_positions(
-                    p, [v, *p.positions.tolist()], [p.src_pages[0], *p.src_pages.tolist()]
-                )
-
-            faults = MooncakeSenderFaults(plan=dup)
+            faults = MooncakeSenderFaults(plan=duplicate_position_plan(victim, other))
         elif kind == "missing":
-            faults = MooncakeSenderFaults(
-                plan=lambda p, v=victim: (
-                    p
-                    if p.rank != v
-                    else _with_positions(p, p.positions[1:].tolist(), p.src_pages[1:].tolist())
-                )
-            )
+            faults = MooncakeSenderFaults(plan=missing_position_plan(victim))
         elif kind == "layout":
             layout = dataclasses.replace(pre.layout, kv_cache_dim=pre.layout.kv_cache_dim + 1)
         elif kind == "abort":
