@@ -25,7 +25,7 @@ import jinja2
 import numpy as np
 import pytest
 import uvicorn
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -779,6 +779,9 @@ def byte_tok() -> Tokenizer:
     stop_spans=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4)), max_size=2),
 )
 def test_output_text_streams_whole_characters_and_trims_stops(byte_tok, text, cuts, stop_spans):
+    # Special-token strings encode to special ids, which the output text drops (hypothesis
+    # draws string literals from the source, "<|pad|>" among them): not this property.
+    assume(not any(special in text for special in SPECIAL_TOKENS))
     ids = byte_tok.encode(text)
     stops = [text[a : a + n] for a, n in stop_spans if text[a : a + n]]
     bounds = sorted({0, len(ids), *(c % (len(ids) + 1) for c in cuts)})
