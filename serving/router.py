@@ -16,10 +16,12 @@ One client request through the router (ARCHITECTURE "Data flow of one request", 
    answers), POST the same body to the prefill server's same endpoint with
    `bootstrap_room`, `decode_transfer_target` (the decode server's transfer receiver) and
    `stream=false`. A decode server that holds its headers back until its first output (a
-   non-streaming answer does) would deadlock a router waiting for them, so the prefill call
-   also starts after `--decode-register-wait` seconds without headers: the transfer layer
-   retries its handshake until the room is registered (`bootstrap_timeout_s` in
-   `transfer.backends.grpc_backend`), so starting early is safe. A decode answer that is
+   non-streaming answer does; `cpkv-serve` streams headers with the first token) would
+   deadlock a router waiting for them, so the prefill call also starts after
+   `--decode-register-wait` seconds without headers (default 0: at once, as any wait is
+   added to the TTFT): the transfer layer retries its handshake until the room is
+   registered (`bootstrap_timeout_s` in `transfer.backends.grpc_backend`), and the prefill
+   computes before it sends anyway, so starting early is safe. A decode answer that is
    not 200 (a bad request) means no room: the prefill call is not made, or is cancelled.
 5. The decode response goes back to the client unchanged (status, content type, bytes).
    The prefill call runs concurrently and decides nothing unless it fails (connection
@@ -171,9 +173,11 @@ class RouterConfig:
     )
     connect_timeout: float = _arg(5.0, help="seconds to open an upstream connection", metavar="S")
     decode_register_wait: float = _arg(
-        0.1,
+        0.0,
         help="seconds to wait for the decode server's response headers (its room is "
-        "registered) before starting the prefill call anyway",
+        "registered) before starting the prefill call anyway; 0 = start both at once "
+        "(the prefill's transfer handshake retries until the room exists, and a decode "
+        "server streams headers only with its first token, so any wait here is TTFT)",
         metavar="S",
     )
     health_interval: float = _arg(
