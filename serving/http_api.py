@@ -425,6 +425,18 @@ class _Api:
             return await asyncio.to_thread(self.tokenizer.encode, text)
         return self.tokenizer.encode(text)
 
+    def openai_envelope(
+        self, rid: str, obj: str, created: int, choices: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """The fields every OpenAI completion / chat response and stream chunk carries."""
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": self.model_name,
+            "choices": choices,
+        }
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ApiError(
@@ -664,29 +676,15 @@ class _Api:
                 "finish_reason": gen.finish_reason,
                 "token_ids": list(gen.ids),  # extension: the ids behind `text`
             }
-            return JSONResponse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [choice],
-                    "usage": gen.usage(),
-                }
-            )
+            body_out = self.openai_envelope(rid, "text_completion", created, [choice])
+            return JSONResponse({**body_out, "usage": gen.usage()})
         try:
             stream, gen, first = await self.first_chunk(req, request, arrival)
         except ClientDisconnectedError:
             return Response(status_code=_CLIENT_CLOSED_REQUEST)
 
         def envelope(choices: list[dict[str, Any]]) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-            }
+            return self.openai_envelope(rid, "text_completion", created, choices)
 
         def render(
             g: _Generation, chunk: OutputChunk, delta: str, before: int
@@ -745,29 +743,15 @@ class _Api:
                 "logprobs": gen.chat_logprobs(0, len(gen.ids)) if body.logprobs else None,
                 "finish_reason": gen.finish_reason,
             }
-            return JSONResponse(
-                {
-                    "id": rid,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [choice],
-                    "usage": gen.usage(),
-                }
-            )
+            body_out = self.openai_envelope(rid, "chat.completion", created, [choice])
+            return JSONResponse({**body_out, "usage": gen.usage()})
         try:
             stream, gen, first = await self.first_chunk(req, request, arrival)
         except ClientDisconnectedError:
             return Response(status_code=_CLIENT_CLOSED_REQUEST)
 
         def envelope(choices: list[dict[str, Any]]) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-            }
+            return self.openai_envelope(rid, "chat.completion.chunk", created, choices)
 
         sent_role = False
 
