@@ -11,11 +11,13 @@ from __future__ import annotations
 import functools
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy_reference as ref
 from absl.testing import parameterized
 from flax import nnx
+from jax.extend.core import jaxprs_in_params
 from numpy_reference import normal, pure, randomize_norms
 
 from cpkv_jax.config import ModelConfig, RopeConfig
@@ -181,6 +183,39 @@ class MoETest(chex.TestCase):
         p = ref.params_f64(experts_mod)
         want = ref.routed_experts(p, ref.f64(x), np.asarray(experts), ref.f64(weights))
         chex.assert_trees_all_close(ref.f64(got), want, **TOL)
+
+    def test_routed_experts_combine_has_no_scatter_add(self):
+        """The expert outputs are combined per token in a fixed order, not by a scatter-add:
+        on GPU a scatter-add is atomics whose order changes the output bits run to run
+        (benchmarks/results/row_invariance_h200_default_before_moe_fix.json)."""
+        cfg = ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa"))
+        experts_mod = RoutedExperts(
+            cfg, rngs=nnx.Rngs(6), dtype=jnp.float32, param_dtype=jnp.float32
+        )
+        n, k = 6, cfg.num_experts_per_tok
+        fn, state = pure(experts_mod)
+        jaxpr = jax.make_jaxpr(fn)(
+            state,
+            jnp.ones((n, cfg.hidden_size)),
+            jnp.zeros((n, k), jnp.int32),
+            jnp.ones((n, k)),
+        )
+
+        def primitives(jx):
+            for eqn in jx.eqns:
+                yield eqn.primitive.name, eqn.outvars[0].aval.dtype
+                for sub in jaxprs_in_params(eqn.params):
+                    yield from primitives(sub)
+
+        found = set(primitives(jaxpr.jaxpr))
+        self.assertIn("ragged_dot_general", {name for name, _ in found})  # the experts' code
+        # Integer scatter-adds (the per-expert token counts) are exact in any order.
+        float_scatter_adds = {
+            (name, str(dtype))
+            for name, dtype in found
+            if name == "scatter-add" and jnp.issubdtype(dtype, jnp.floating)
+        }
+        self.assertEqual(float_scatter_adds, set())
 
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.parameters("glm_moe_dsa", "deepseek_v32")

@@ -7,7 +7,9 @@ optionally normalized to sum 1 and scaled by `routed_scaling_factor`. Shared exp
 are a dense MLP added to every token.
 
 Routed experts run grouped: token-expert pairs are sorted by expert and fed to
-`lax.ragged_dot`, so compute scales with `num_experts_per_tok`, not `n_routed_experts`.
+`lax.ragged_dot`, so compute scales with `num_experts_per_tok`, not `n_routed_experts`;
+the outputs are un-sorted and summed per token in a fixed order (no scatter-add), so the
+result is deterministic on GPU too.
 """
 
 from __future__ import annotations
@@ -93,7 +95,15 @@ class RoutedExperts(nnx.Module):
 
         hid = jax.nn.silu(mm(xs, self.gate_proj)) * mm(xs, self.up_proj)
         ys = mm(hid, self.down_proj) * weights.reshape(-1)[order][:, None].astype(self.dtype)
-        return jnp.zeros_like(x).at[token].add(ys.astype(x.dtype))
+        # Combine without a scatter-add: un-sort the pairs back to token-major `[n, k]`
+        # and add each token's k outputs in slot order (float32). A scatter-add lowers to atomics
+        # on GPU, whose summation order (and so the output bits) changes run to run.
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k), unique_indices=True)
+        unsorted = ys[inverse].reshape(n, k, -1).astype(jnp.float32)
+        out = unsorted[:, 0]
+        for slot in range(1, k):  # explicit adds: the same order for every token and shape
+            out = out + unsorted[:, slot]
+        return out.astype(x.dtype)
 
 
 class MoE(nnx.Module):
