@@ -174,7 +174,10 @@ class LiveServer:
     """uvicorn on 127.0.0.1, an OS-chosen port, in a daemon thread."""
 
     def __init__(self, app: Any) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        # log_config=None: no uvicorn handlers, which would keep this test's stderr.
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", log_config=None
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -321,6 +321,8 @@ class Served:
             log_level="warning",
             lifespan="on",
             timeout_graceful_shutdown=1,
+            # No uvicorn handlers: they would keep the stderr of the test that made them.
+            log_config=None,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

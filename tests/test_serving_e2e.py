@@ -57,7 +57,13 @@ class Served:
 
     def __init__(self, app: FastAPI):
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1
+            app,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            timeout_graceful_shutdown=1,
+            # No uvicorn handlers: they would keep the stderr of the test that made them.
+            log_config=None,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -95,15 +95,26 @@ class RoutedExperts(nnx.Module):
 
         hid = jax.nn.silu(mm(xs, self.gate_proj)) * mm(xs, self.up_proj)
         ys = mm(hid, self.down_proj) * weights.reshape(-1)[order][:, None].astype(self.dtype)
-        # Combine without a scatter-add: un-sort the pairs back to token-major `[n, k]`
-        # and add each token's k outputs in slot order (float32). A scatter-add lowers to atomics
-        # on GPU, whose summation order (and so the output bits) changes run to run.
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k), unique_indices=True)
-        unsorted = ys[inverse].reshape(n, k, -1).astype(jnp.float32)
-        out = unsorted[:, 0]
-        for slot in range(1, k):  # explicit adds: the same order for every token and shape
-            out = out + unsorted[:, slot]
-        return out.astype(x.dtype)
+        return combine_expert_outputs(ys, order, k).astype(x.dtype)
+
+
+def combine_expert_outputs(
+    ys: Float[Array, "nk h"], order: Int[Array, " nk"], k: int
+) -> Float[Array, "n h"]:
+    """Sum each token's `k` expert outputs; `ys[i]` belongs to token-slot `order[i]`.
+
+    No scatter-add: the rows are un-sorted by the inverse permutation back to token-major
+    `[n, k]` and each token's k outputs are added in slot order, in float32. A float
+    scatter-add lowers to atomics on GPU, whose order (and so the output bits) changes run
+    to run; the explicit adds give the same bits for every run, token and batch shape.
+    """
+    nk = order.shape[0]
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(nk), unique_indices=True)
+    unsorted = ys[inverse].reshape(nk // k, k, -1).astype(jnp.float32)
+    out = unsorted[:, 0]
+    for slot in range(1, k):
+        out = out + unsorted[:, slot]
+    return out
 
 
 class MoE(nnx.Module):
