@@ -24,7 +24,6 @@ Prints one JSON object (also written to `--json`); exit status 1 when a check fa
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
@@ -32,6 +31,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from benchmarks.report import emit
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.generate import CPPrefillOptions, GenerationResult, ReferenceGenerator
 from cpkv_jax.model.transformer import CausalLM
@@ -106,10 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         report["pallas_vs_xla_logprobs_bitwise"] = bitwise
         ok &= bitwise
     report["ok"] = bool(ok)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    print(json.dumps(report))
+    emit(report, args.json)
     return 0 if ok else 1
 
 

@@ -17,7 +17,6 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.report import emit, environment
 from cpkv_jax.model.moe import combine_expert_outputs
 
 
@@ -82,18 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args(argv)
     out = {
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0].device_kind),
-        "jax": jax.__version__,
+        **environment(),
         "cases": [
             measure(n, args.hidden, args.topk, jnp.dtype(args.dtype), args.repeats)
             for n in args.tokens
         ],
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    print(json.dumps(out))
+    emit(out, args.json)
     return 0
 
 

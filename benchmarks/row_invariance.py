@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import jax
@@ -34,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks.report import emit, environment
 from cpkv_jax.buckets import step_shape
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import zigzag_order
@@ -163,22 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa"))
     model = CausalLM(cfg, rngs=nnx.Rngs(11))
-    out = {
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0].device_kind),
-        "jax": jax.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "matmul_precision": str(jax.config.jax_default_matmul_precision),
-        "cases": [],
-    }
+    out = {**environment(), "cases": []}
     for n in args.tokens:
         case = measure(n, model, cfg)
         out["cases"].append(case)
         print(json.dumps(case), file=sys.stderr, flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    print(json.dumps(out))
+    emit(out, args.json)
     return 0
 
 
