@@ -747,6 +747,27 @@ def decode_layout(rx: Receiver, dst: np.ndarray, num_tokens: int) -> KVPool:
     return jax.tree_util.tree_map(gather, rx.pool)
 
 
+def assert_decode_layout_is(rx: Receiver, dst: np.ndarray, view: KVPool, *where) -> None:
+    """The decode pool gathered by `dst` equals the prefill full view `view` bitwise
+    (`where`: context for the failure message)."""
+    num_tokens = jax.tree_util.tree_leaves(view)[0].shape[0]
+    got = decode_layout(rx, dst, num_tokens)
+    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(view), strict=True):
+        assert bitwise_equal(x, y), where
+
+
+def log_fault_run(label: str, count: int, seconds: float, per_kind: dict[str, list[float]]):
+    """One summary line of a randomized fault run: rounds, time, rounds and mean per kind."""
+    logger.warning(
+        "randomized %s faults: %d in %.1fs (%.2fs each); per kind: %s",
+        label,
+        count,
+        seconds,
+        seconds / max(count, 1),
+        {k: f"{len(v)} x {np.mean(v):.2f}s" for k, v in per_kind.items() if v},
+    )
+
+
 def greedy_decode(
     pre: Prefill, rx: Receiver, pages: np.ndarray, prompt_len: int, aux: Aux, steps: int
 ):
@@ -781,9 +802,7 @@ def assert_decodes_like_reference(pre, rx: Receiver, dst, prompt, view, aux, ste
     """The decode pool's layout equals the prefill full view bitwise, and decoding from it
     gives the single-device reference's greedy tokens (log-probs within 1e-5)."""
     n = len(prompt)
-    got = decode_layout(rx, dst, n)
-    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(view), strict=True):
-        assert bitwise_equal(x, y)
+    assert_decode_layout_is(rx, dst, view)
     ids, lps = greedy_decode(pre, rx, dst, n, aux, steps)
     ref = ReferenceGenerator(pre.cfg, pre.model, page_size=P, index_k_dtype=INDEX_K).generate(
         prompt.tolist(), steps, ignore_eos=True
@@ -857,9 +876,7 @@ def test_stream_retries_resend_idempotently(prefill, decode):
     outcome = finish(hold)
     assert outcome.state is RoomState.SUCCESS, outcome
     assert sum(duplicates) > 0 and len(failed) == CP * pre.layout.num_layers
-    got = decode_layout(dec.receiver, dst, n_tok)  # the released table is empty now
-    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(view), strict=True):
-        assert bitwise_equal(x, y)
+    assert_decode_layout_is(dec.receiver, dst, view)  # the released table is empty now
     dec.receiver.free_pages(dst)
     assert prefill_free(pre) == free and dec.receiver.num_free_pages == dec.free0
 
@@ -1209,19 +1226,8 @@ def test_randomized_mixed_faults_leak_nothing(prefill, decode):
             assert heartbeat_loss_seen(hold), (i, hold.outcomes())
             assert round_dec.receiver.num_free_pages == round_dec.free0, i
         if kind == "none":
-            got = decode_layout(dec.receiver, dst, n_tok)
-            for x, y in zip(
-                jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(view), strict=True
-            ):
-                assert bitwise_equal(x, y), (i, n_tok)
+            assert_decode_layout_is(dec.receiver, dst, view, i, n_tok)
             dec.receiver.free_pages(dst)
         assert prefill_free(pre) == free, (i, kind)
         assert dec.receiver.num_free_pages == dec.free0, (i, kind)
-    total = time.perf_counter() - t_start
-    logger.warning(
-        "randomized transfer faults: %d in %.1fs (%.2fs each); per kind: %s",
-        count,
-        total,
-        total / max(count, 1),
-        {k: f"{len(v)} x {np.mean(v):.2f}s" for k, v in per_kind.items() if v},
-    )
+    log_fault_run("transfer", count, time.perf_counter() - t_start, per_kind)

@@ -44,13 +44,14 @@ from test_transfer_grpc import (  # helpers shared with the gRPC tests
     FakeClock,
     Prefill,
     _with_positions,
+    assert_decode_layout_is,
     bitwise_equal,
     decode_dies_before_commit,
-    decode_layout,
     duplicate_position_plan,
     fault_schedule,
     finish,
     heartbeat_loss_seen,
+    log_fault_run,
     missing_position_plan,
     new_table,
     prefill_free,
@@ -655,11 +656,7 @@ def test_transient_write_failure_is_retried_and_succeeds(prefill, decode, sender
         assert flaky.failures == min(CP, n_pages)  # each rank with pages failed once
         stats = backend.stats("flaky")
         assert all(s.batch_writes > 1 for s in stats.values())  # failures hit mid-rank
-        got = decode_layout(dec.receiver, dst, n_tok)
-        for x, y in zip(
-            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(view), strict=True
-        ):
-            assert bitwise_equal(x, y)
+        assert_decode_layout_is(dec.receiver, dst, view)
         dec.receiver.free_pages(dst)
         all_back(pre, dec, free, backend)
     finally:
@@ -814,11 +811,7 @@ def test_randomized_mixed_faults_leak_nothing_over_mooncake(prefill, decode, bac
         if kind == "dies":
             assert heartbeat_loss_seen(hold), (i, hold.outcomes())
         if succeeds:
-            got = decode_layout(round_dec.receiver, dst, n_tok)
-            for x, y in zip(
-                jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(view), strict=True
-            ):
-                assert bitwise_equal(x, y), (i, n_tok)
+            assert_decode_layout_is(round_dec.receiver, dst, view, i, n_tok)
             round_dec.receiver.free_pages(dst)
         assert prefill_free(pre) == free, (i, kind)
         assert round_dec.receiver.num_free_pages == round_dec.free0, (i, kind)
@@ -832,11 +825,4 @@ def test_randomized_mixed_faults_leak_nothing_over_mooncake(prefill, decode, bac
     while dec.arena.free_bytes != dec.arena.nbytes and time.monotonic() < deadline:
         time.sleep(0.05)
     assert dec.arena.free_bytes == dec.arena.nbytes, dec.arena.stats()
-    total = time.perf_counter() - t_start
-    logger.warning(
-        "randomized Mooncake transfer faults: %d in %.1fs (%.2fs each); per kind: %s",
-        count,
-        total,
-        total / max(count, 1),
-        {k: f"{len(v)} x {np.mean(v):.2f}s" for k, v in per_kind.items() if v},
-    )
+    log_fault_run("Mooncake transfer", count, time.perf_counter() - t_start, per_kind)
