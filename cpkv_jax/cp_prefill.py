@@ -37,6 +37,7 @@ from cpkv_jax.mesh import CP_AXIS
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool
 from cpkv_jax.model.mla import AttnForm
+from cpkv_jax.model.numerics import batch_invariant
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import pages_for_tokens
 
@@ -113,6 +114,7 @@ class CPPrefillRunner:
         gather_impl: GatherImpl = "xla",
         debug: bool | None = None,
         attn_form: AttnForm = "absorbed",
+        batch_invariant: bool = False,
     ):
         cp.validate(cfg, device_count=len(mesh.devices.reshape(-1)))
         if mesh.shape[CP_AXIS] != cp.cp_size:
@@ -129,7 +131,10 @@ class CPPrefillRunner:
         self.state = jax.device_put(state, NamedSharding(mesh, P()))
         self.pool = init_cp_pool(cfg, self.layout, mesh, model.dtype, index_k_dtype)
         self._shardings = (NamedSharding(mesh, P(None, CP_AXIS)), NamedSharding(mesh, P()))
-        self._step = _build_step(graphdef, mesh, self.layout, self.kv_io, index_k_dtype, attn_form)
+        self.batch_invariant = batch_invariant
+        self._step = _build_step(
+            graphdef, mesh, self.layout, self.kv_io, index_k_dtype, attn_form, batch_invariant
+        )
         self._view = _build_view(mesh, self.layout, self.kv_io)
         self.debug = os.environ.get(DEBUG_ENV) == "1" if debug is None else debug
         self._shadow: CPPrefillRunner | None = None
@@ -147,6 +152,7 @@ class CPPrefillRunner:
                 gather_impl=gather_impl,
                 debug=False,
                 attn_form=attn_form,
+                batch_invariant=batch_invariant,
             )
 
     @property
@@ -311,13 +317,20 @@ def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def _build_step(
-    graphdef, mesh: Mesh, layout: PoolLayout, kv_io: CPKVIO, index_k_dtype: str, form: AttnForm
+    graphdef,
+    mesh: Mesh,
+    layout: PoolLayout,
+    kv_io: CPKVIO,
+    index_k_dtype: str,
+    form: AttnForm,
+    invariant: bool,
 ):
     def per_rank(state, tokens, page_table, kv_lens, pool):
         input_ids, positions, valid, write_slots = tokens
         batch = ForwardBatch(input_ids, positions, valid, write_slots, page_table, kv_lens)
         model = nnx.merge(graphdef, state)
-        hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form)
+        with batch_invariant(invariant):
+            hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form)
         return hidden, pool
 
     # Token fields split over cp (each rank: its two zigzag blocks); tables replicated.
@@ -337,7 +350,11 @@ def _build_step(
     def step(state, tokens, page_table, kv_lens, pool, last_index):
         hidden, pool = sharded(state, tokens, page_table, kv_lens, pool)
         last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]
-        return nnx.merge(graphdef, state).logits(last), pool
+        # Replicated before the LM head, so the partitioner cannot split its matmul over
+        # the mesh (a split changes the matmul's shapes and with them its rounding).
+        last = jax.lax.with_sharding_constraint(last, replicated)
+        with batch_invariant(invariant):
+            return nnx.merge(graphdef, state).logits(last), pool
 
     return step
 

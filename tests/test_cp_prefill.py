@@ -8,6 +8,8 @@ compared at rtol 1e-5 as the issue asks, the KV at atol 1e-5, and bitwise where 
 counts coincide. Shared and replicated CP modes run identical per-rank computations and
 are compared bitwise. `python -m benchmarks.row_invariance` measures the row-count
 dependence per layer (results for this CPU and an H200 in benchmarks/results/).
+With batch-invariant numerics (`batch_invariant=True`) the same comparisons are bitwise:
+`test_batch_invariant_*`.
 """
 
 from __future__ import annotations
@@ -76,8 +78,10 @@ def make_runner(cfg, model, tokens, *, shared=True, index_k=INDEX_K, **kw) -> CP
     )
 
 
-def reference(cfg, model, ids, index_k=INDEX_K):
-    """Single-device prefill (padded to the generator's bucket): last logits, full view."""
+def reference(cfg, model, ids, index_k=INDEX_K, *, invariant=False):
+    """Single-device prefill (padded to the generator's bucket): last logits, full view.
+
+    `invariant`: batch-invariant numerics and the CP runner's absorbed attention form."""
     n = len(ids)
     t = bucket(n)
     pages = -(-n // P)
@@ -98,7 +102,15 @@ def reference(cfg, model, ids, index_k=INDEX_K):
     )
     graphdef, state = nnx.split(model)
     pool = init_pool(cfg, pages + 1, P, index_k_dtype=index_k)
-    logits, pool = forward_step(graphdef, state, batch, pool, index_k_dtype=index_k)
+    logits, pool = forward_step(
+        graphdef,
+        state,
+        batch,
+        pool,
+        index_k_dtype=index_k,
+        form="absorbed" if invariant else "expanded",
+        invariant=invariant,
+    )
     view = jax.tree_util.tree_map(
         lambda leaf: SINGLE_DEVICE_KV_IO.view(leaf, jnp.asarray(table))[0, :n], pool
     )
@@ -131,6 +143,56 @@ def test_cp_prefill_equals_single_device_reference(setup, length, chunk):
     # Shared and replicated pools: bitwise-equal full views and logits.
     chex.assert_trees_all_equal(results[True][1], results[False][1])
     chex.assert_trees_all_equal(results[True][0], results[False][0])
+
+
+@pytest.fixture(scope="module")
+def invariant_runner(setup):
+    cfg, model, _ = setup
+    cp = CPConfig(cp_size=CP, shared_kv=True, page_size=P)
+    return CPPrefillRunner(
+        cfg,
+        model,
+        make_cp_mesh(CP),
+        cp,
+        pages_per_rank=pages_per_rank_for(600, P, cp),
+        index_k_dtype=INDEX_K,
+        batch_invariant=True,
+    )
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("chunk", [None, 40])
+def test_batch_invariant_cp_prefill_is_bitwise_equal_to_reference(
+    setup, invariant_runner, length, chunk
+):
+    """SPEC S1.5 bitwise: with batch-invariant numerics (`cpkv_jax.model.numerics`) every
+    token goes through the same fixed-shape tiles on a CP rank as in the single-device
+    run, so the full view (latent and index K of every layer) and the last-token logits
+    are equal bit for bit - no tolerance."""
+    cfg, model, _ = setup
+    ids = _prompt(length, length + 1)
+    ref_logits, ref_view = reference(cfg, model, ids, invariant=True)
+    result = invariant_runner.prefill([ids], chunk)
+    try:
+        view = invariant_runner.full_view(result.tables[0])
+        chex.assert_trees_all_equal(view, ref_view)
+        chex.assert_trees_all_equal(result.last_logits[0], ref_logits)
+    finally:
+        invariant_runner.release(result.tables[0])
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32"])
+def test_batch_invariant_bitwise_other_arch_and_fp8_index_k(arch):
+    """The other architecture (half-split indexer rope, grouped routing) and the default
+    fp8 index K, chunked: still bitwise."""
+    cfg = ModelConfig.from_dict(tiny_config_dict(arch))
+    model = CausalLM(cfg, rngs=nnx.Rngs(5))
+    ids = _prompt(7 * P + 3, 9)
+    runner = make_runner(cfg, model, ids.size, index_k="fp8_e4m3", batch_invariant=True)
+    result = runner.prefill([ids], 3 * P + 1)
+    ref_logits, ref_view = reference(cfg, model, ids, index_k="fp8_e4m3", invariant=True)
+    chex.assert_trees_all_equal(runner.full_view(result.tables[0]), ref_view)
+    chex.assert_trees_all_equal(result.last_logits[0], ref_logits)
 
 
 def test_fp8_index_k_cp_prefill(setup):

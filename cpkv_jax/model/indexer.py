@@ -25,6 +25,7 @@ from jaxtyping import Array, Float, Int
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.model.layers import LayerNorm, Linear
+from cpkv_jax.model.numerics import per_sequence, rowwise, tokenwise
 from cpkv_jax.model.rope import apply_rope
 
 
@@ -40,7 +41,8 @@ def hadamard_matrix(dim: int) -> np.ndarray:
 
 
 def hadamard_rotate(x: Float[Array, "... d"]) -> Float[Array, "... d"]:
-    return x @ jnp.asarray(hadamard_matrix(x.shape[-1]))
+    h = jnp.asarray(hadamard_matrix(x.shape[-1]))
+    return rowwise(lambda rows: rows @ h, x)
 
 
 class Indexer(nnx.Module):
@@ -84,13 +86,22 @@ def index_scores(
     kv_lens: Int[Array, " b"],
 ) -> Float[Array, "b t s"]:
     """Causal indexer logits; -inf where `s > position` or `s >= kv_len`."""
-    logits = jnp.einsum("bthd,bsd->bths", q, k_view.astype(jnp.float32))
-    scores = jnp.einsum("bths,bth->bts", jax.nn.relu(logits), w)
     s = jnp.arange(k_view.shape[1])
-    allowed = (s[None, None, :] <= positions[:, :, None]) & (
-        s[None, None, :] < kv_lens[:, None, None]
-    )
-    return jnp.where(allowed, scores, -jnp.inf)
+
+    def sequence(q, w, positions, k_view, kv_lens):
+        keys = k_view.astype(jnp.float32)
+
+        def tokens(q, w, positions):
+            logits = jnp.einsum("bthd,bsd->bths", q, keys)
+            scores = jnp.einsum("bths,bth->bts", jax.nn.relu(logits), w)
+            allowed = (s[None, None, :] <= positions[:, :, None]) & (
+                s[None, None, :] < kv_lens[:, None, None]
+            )
+            return jnp.where(allowed, scores, -jnp.inf)
+
+        return tokenwise(tokens, q, w, positions, axis=1)
+
+    return per_sequence(sequence, q, w, positions, k_view, kv_lens)
 
 
 def select_topk(

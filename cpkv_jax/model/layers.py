@@ -13,6 +13,8 @@ from flax import nnx
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
+from cpkv_jax.model.numerics import rowwise
+
 
 class Linear(nnx.Module):
     """`y = x @ weight.T`, no bias (none of the served models use one)."""
@@ -29,9 +31,8 @@ class Linear(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
-        return jnp.einsum(
-            "...i,oi->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype)
-        )
+        w = self.weight[...].astype(self.dtype)
+        return rowwise(lambda rows: jnp.einsum("...i,oi->...o", rows, w), x.astype(self.dtype))
 
 
 class RMSNorm(nnx.Module):
@@ -40,6 +41,9 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
+        return rowwise(self._norm, x)
+
+    def _norm(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
@@ -54,6 +58,9 @@ class LayerNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
+        return rowwise(self._norm, x)
+
+    def _norm(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
         xf = x.astype(jnp.float32)
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)

@@ -24,6 +24,7 @@ from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.indexer import Indexer, index_scores, select_topk
 from cpkv_jax.model.kv_cache import KVIO, KVPool, dequantize_index_k, quantize_index_k
 from cpkv_jax.model.layers import Linear, RMSNorm
+from cpkv_jax.model.numerics import per_sequence, tokenwise
 from cpkv_jax.model.rope import apply_rope
 
 AttnForm = Literal["expanded", "absorbed"]
@@ -47,6 +48,25 @@ def sparse_attention(
     form: AttnForm,
 ) -> Float[Array, "b t h v"]:
     """Attention of each query over its selected positions (`-1` = not selected)."""
+
+    def sequence(q_nope, q_pe, topk, latent_view):
+        tokens = functools.partial(
+            _sparse_attention_tokens,
+            latent_view=latent_view,
+            w_kv_b=w_kv_b,
+            kv_lora_rank=kv_lora_rank,
+            v_head_dim=v_head_dim,
+            scale=scale,
+            form=form,
+        )
+        return tokenwise(tokens, q_nope, q_pe, topk, axis=1)
+
+    return per_sequence(sequence, q_nope, q_pe, topk, latent_view)
+
+
+def _sparse_attention_tokens(
+    q_nope, q_pe, topk, *, latent_view, w_kv_b, kv_lora_rank, v_head_dim, scale, form
+):
     n_heads, nope = q_nope.shape[2], q_nope.shape[3]
     w = w_kv_b.astype(jnp.float32).reshape(n_heads, nope + v_head_dim, kv_lora_rank)
     w_uk, w_uv = w[:, :nope], w[:, nope:]

@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.layers import Linear
+from cpkv_jax.model.numerics import rowwise
 
 
 class DenseMLP(nnx.Module):
@@ -139,8 +140,10 @@ class MoE(nnx.Module):
             return self._moe(x)
 
     def _moe(self, x: Float[Array, "b t h"]) -> Float[Array, "b t h"]:
+        return rowwise(self._tokens, x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+    def _tokens(self, flat: Float[Array, "n h"]) -> Float[Array, "n h"]:
         cfg = self.cfg
-        flat = x.reshape(-1, x.shape[-1])
         logits = jnp.einsum(
             "nh,eh->ne", flat.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32)
         )
@@ -156,7 +159,7 @@ class MoE(nnx.Module):
         out = self.experts(flat, experts, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        return out.reshape(x.shape)
+        return out
 
 
 class MoEGate(nnx.Module):

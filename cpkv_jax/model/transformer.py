@@ -19,6 +19,7 @@ from cpkv_jax.model.kv_cache import KVIO, SINGLE_DEVICE_KV_IO, KVPool
 from cpkv_jax.model.layers import Embedding, Linear, RMSNorm
 from cpkv_jax.model.mla import AttnForm, MLAttention
 from cpkv_jax.model.moe import DenseMLP, MoE
+from cpkv_jax.model.numerics import batch_invariant, rowwise
 from cpkv_jax.model.rope import rope_cos_sin
 
 
@@ -114,12 +115,15 @@ class CausalLM(nnx.Module):
 
     def logits(self, hidden: Float[Array, "... h"]) -> Float[Array, "... v"]:
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return jnp.einsum("...h,vh->...v", hidden.astype(jnp.float32), w[...].astype(jnp.float32))
+        wf = w[...].astype(jnp.float32)
+        return rowwise(
+            lambda rows: jnp.einsum("...h,vh->...v", rows, wf), hidden.astype(jnp.float32)
+        )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "kv_io", "index_k_dtype", "form", "all_logits"),
+    static_argnames=("graphdef", "kv_io", "index_k_dtype", "form", "all_logits", "invariant"),
     donate_argnames=("pool",),
 )
 def forward_step(
@@ -132,14 +136,25 @@ def forward_step(
     index_k_dtype: str = "fp8_e4m3",
     form: AttnForm = "expanded",
     all_logits: bool = False,
+    invariant: bool = False,
 ) -> tuple[Float[Array, "b ... v"], KVPool]:
     """One jitted model step: logits (last valid token per row, or every token) + pool.
 
     The pool is donated: callers must use the returned pool and drop the old one.
+    `invariant` selects batch-invariant numerics (`cpkv_jax.model.numerics`).
     """
-    model = nnx.merge(graphdef, state)
-    hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form)
-    if not all_logits:
-        last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
-        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    return model.logits(hidden), pool
+    with batch_invariant(invariant):
+        model = nnx.merge(graphdef, state)
+        hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form)
+        if not all_logits:
+            last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
+            hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+        return model.logits(hidden), pool
+
+
+@jax.jit
+def log_probs(logits: Float[Array, "... v"]) -> Float[Array, "... v"]:
+    """Log-probabilities from logits: the one log-softmax every path uses (reference
+    generator, decode engine, the prefill server's first token), so equal logits give
+    equal log-probs wherever they are computed."""
+    return jax.nn.log_softmax(logits, axis=-1)

@@ -1,0 +1,119 @@
+"""Batch-invariant numerics: a token's result independent of the rows computed with it.
+
+Off by default. A matmul backend picks its kernel, blocking and reduction order from the
+operand shapes, so the same token computed among 16 rows (a CP rank's zigzag blocks) and
+among 544 rows (the whole prompt on one device) can come out a few ulps apart. That is
+harmless for serving but makes "CP prefill equals the single-device run" a tolerance
+rather than bits. In batch-invariant mode every token-wise computation of the model
+(projections, norms, the indexer, sparse attention, the MoE block, the LM head) runs over
+the token axis in fixed tiles of `TILE` rows, one tile after another, so every matmul and
+reduction a token goes through has the same shapes whatever the batch, the chunking or the
+CP size. Per-token results are then bitwise equal between CP and single-device prefill on
+XLA:CPU (SPEC S1.5; `tests/test_batch_invariant.py`), at the cost of running the tiles
+sequentially - a correctness and reproducibility mode, like SGLang's deterministic
+inference or vLLM's batch-invariant kernels, not a fast path.
+
+The mode is read while a function is *traced*: wrap the traced call in
+`batch_invariant(True)` and make the flag part of the jit's static arguments (as
+`forward_step` and `CPPrefillRunner` do), so the two modes never share a compiled program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+TILE = 16
+"""Token rows per tile in batch-invariant mode (a multiple of the CPU GEMM micro-panel)."""
+
+_ENABLED = contextvars.ContextVar("cpkv_batch_invariant", default=False)
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Trace the model inside this context to get batch-invariant numerics."""
+    token = _ENABLED.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def is_batch_invariant() -> bool:
+    return _ENABLED.get()
+
+
+def _opaque_map(fn: Callable[..., Any], xs: tuple[Array, ...]) -> Any:
+    """`fn` on each leading-axis slice of `xs`, one per loop iteration, stacked.
+
+    The trip count goes through a barrier so XLA cannot see it: with a known count of one
+    it would inline the body and fuse it with its neighbours, and element-wise ops in it
+    (the router's sigmoid) can then round differently than inside a loop.
+    """
+    count = xs[0].shape[0]
+    shapes = jax.eval_shape(fn, *(x[0] for x in xs))
+    init = jax.tree_util.tree_map(lambda s: jnp.zeros((count, *s.shape), s.dtype), shapes)
+
+    def body(i: Array, acc: Any) -> Any:
+        y = fn(*(jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs))
+        return jax.tree_util.tree_map(
+            lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, 0), acc, y
+        )
+
+    trips = jax.lax.optimization_barrier(jnp.int32(count))
+    return jax.lax.fori_loop(0, trips, body, init)
+
+
+def tokenwise(fn: Callable[..., Any], *arrays: Array, axis: int = 0) -> Any:
+    """`fn(*arrays)` for a function that treats each index of `axis` independently.
+
+    Every array carries the token axis at `axis`; so does every leaf `fn` returns. Whatever
+    `fn` closes over (weights, the KV view) is shared by all tokens. Off: one call. On: the
+    token axis is zero-padded to a multiple of `TILE` and `fn` runs on one tile at a time,
+    in a loop XLA can neither inline nor merge across tiles.
+    """
+    if not _ENABLED.get():
+        return fn(*arrays)
+    n = arrays[0].shape[axis]
+    tiles = -(-n // TILE)
+
+    def split(x: Array) -> Array:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, tiles * TILE - n)
+        x = jnp.pad(x, pad)
+        x = x.reshape(*x.shape[:axis], tiles, TILE, *x.shape[axis + 1 :])
+        return jnp.moveaxis(x, axis, 0)
+
+    def join(y: Array) -> Array:
+        y = jnp.moveaxis(y, 0, axis)
+        y = y.reshape(*y.shape[:axis], tiles * TILE, *y.shape[axis + 2 :])
+        return jax.lax.slice_in_dim(y, 0, n, axis=axis)
+
+    out = _opaque_map(fn, tuple(split(x) for x in arrays))
+    return jax.tree_util.tree_map(join, out)
+
+
+def per_sequence(fn: Callable[..., Any], *arrays: Array) -> Any:
+    """`fn(*arrays)` for a function whose batch rows (axis 0: sequences, each with its own
+    KV view) are independent. On: one row at a time (leading axis kept, size 1), so what
+    one sequence computes has the same shapes whatever else shares its batch."""
+    if not _ENABLED.get():
+        return fn(*arrays)
+    out = _opaque_map(lambda *row: fn(*(r[None] for r in row)), arrays)
+    return jax.tree_util.tree_map(lambda y: y[:, 0], out)
+
+
+def rowwise(fn: Callable[[Array], Array], x: Array) -> Array:
+    """`fn(x)` for `fn` acting on the last axis of each row of `x` (all leading axes are
+    tokens); batch-invariant when the mode is on (see `tokenwise`)."""
+    if not _ENABLED.get():
+        return fn(x)
+    lead = x.shape[:-1]
+    y = tokenwise(fn, x.reshape(-1, x.shape[-1]))
+    return y.reshape(*lead, *y.shape[1:])
