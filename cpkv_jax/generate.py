@@ -5,10 +5,14 @@ they must reproduce its greedy tokens and log-probs.
 
     python -m cpkv_jax.generate --model-path DIR --prompt "hello" --max-new-tokens 8 \
         [--dtype float32|bfloat16] [--index-k-dtype fp8_e4m3|bfloat16|float32] \
-        [--temperature T] [--seed S] [--page-size P] [--output-json PATH]
+        [--temperature T] [--seed S] [--page-size P] [--output-json PATH] \
+        [--cp-size N [--enable-cp-shared-kv] [--chunked-prefill-size N]] [--enable-batch-invariant]
 
 Prefill runs the expanded MLA form over the whole prompt (length bucketed to a power of
 two so recompiles stay bounded); decode runs the absorbed form one token at a time.
+`--enable-batch-invariant` (see `cpkv_jax.model.numerics`) runs every step with batch-invariant
+numerics and the absorbed form throughout, so a CP prefill and a single-device prefill
+give bitwise-equal KV, logits and so `--output-json`.
 `output_logprobs[i]` is the log-probability of `output_ids[i]` under the model's
 (untempered) next-token distribution.
 """
@@ -36,7 +40,7 @@ from cpkv_jax.errors import CpkvError, InputError
 from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, IndexKDtype, KVPool, init_pool
-from cpkv_jax.model.transformer import CausalLM, forward_step
+from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens, slots_for_positions
 from cpkv_jax.pallas.paged_gather import GatherImpl
@@ -95,6 +99,7 @@ class ReferenceGenerator:
         *,
         page_size: int = 64,
         index_k_dtype: IndexKDtype = "fp8_e4m3",
+        batch_invariant: bool = False,
     ):
         if index_k_dtype not in INDEX_K_DTYPES:
             raise InputError(
@@ -105,9 +110,11 @@ class ReferenceGenerator:
         self.cfg = cfg
         self.page_size = page_size
         self.index_k_dtype = index_k_dtype
+        self.batch_invariant = batch_invariant
+        # Batch-invariant mode uses one attention formula everywhere: the CP prefill's.
+        self.prefill_form = "absorbed" if batch_invariant else "expanded"
         self.dtype = model.dtype
         self.graphdef, self.state = nnx.split(model)
-        self._logits_fn = jax.jit(jax.nn.log_softmax)
 
     def validate_prompt(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         cfg = self.cfg
@@ -156,7 +163,7 @@ class ReferenceGenerator:
             logits, pool = self._prefill_single_device(prompt, table, pool)
         else:
             logits, pool = self._prefill_cp(prompt, pages, pool, cp_prefill)
-        logprobs = np.asarray(self._logits_fn(jnp.asarray(logits)))
+        logprobs = np.asarray(log_probs(jnp.asarray(logits)))
         prefill_s = time.perf_counter() - t0
         logger.info("prefill: %d tokens in %.3fs", len(prompt), prefill_s)
 
@@ -186,7 +193,7 @@ class ReferenceGenerator:
                 pool,
                 "absorbed",
             )
-            logprobs = np.asarray(self._logits_fn(logits[0]))
+            logprobs = np.asarray(log_probs(logits[0]))
         decode_s = time.perf_counter() - t1
         logger.info(
             "decode: %d tokens in %.3fs (%.1f tok/s)",
@@ -205,7 +212,7 @@ class ReferenceGenerator:
         valid = np.arange(t_len)[None] < len(prompt)
         slots = np.where(valid, slots_for_positions(table, positions[0], self.page_size)[None], 0)
         logits, pool = self._step(
-            ids, positions, valid, slots, table, len(prompt), pool, "expanded"
+            ids, positions, valid, slots, table, len(prompt), pool, self.prefill_form
         )
         return logits[0], pool
 
@@ -228,6 +235,7 @@ class ReferenceGenerator:
             pages_per_rank=pages_per_rank_for(len(prompt), self.page_size, cp),
             index_k_dtype=self.index_k_dtype,
             gather_impl=opts.gather_impl,
+            batch_invariant=self.batch_invariant,
         )
         result = runner.prefill([prompt], opts.chunked_prefill_size)
         view = runner.full_view(result.tables[0])
@@ -260,6 +268,7 @@ class ReferenceGenerator:
             pool,
             index_k_dtype=self.index_k_dtype,
             form=form,
+            invariant=self.batch_invariant,
         )
 
     @staticmethod
@@ -312,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="xla",
         help="materialization gather: XLA or the Pallas kernel",
     )
+    ap.add_argument(
+        "--enable-batch-invariant",
+        action="store_true",
+        help="batch-invariant numerics: CP and single-device prefill give the same bits "
+        "(slower; see cpkv_jax/model/numerics.py)",
+    )
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--json-model-override-args", default="", help="JSON merged into config.json")
     ap.add_argument("--output-json", type=Path, help="write {output_ids, output_logprobs} here")
@@ -338,7 +353,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             prompt_ids = parse_prompt_ids(args.prompt_ids)
         gen = ReferenceGenerator(
-            cfg, model, page_size=args.page_size, index_k_dtype=args.index_k_dtype
+            cfg,
+            model,
+            page_size=args.page_size,
+            index_k_dtype=args.index_k_dtype,
+            batch_invariant=args.enable_batch_invariant,
         )
         cp_opts = None
         if args.cp_size > 1 or args.enable_cp_shared_kv or args.chunked_prefill_size:

@@ -52,7 +52,7 @@ from cpkv_jax.errors import CacheCapacityError, ConfigError, CpkvError, InputErr
 from cpkv_jax.generate import bucket
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, IndexKDtype, KVPool, init_pool
-from cpkv_jax.model.transformer import CausalLM, forward_step
+from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
 from cpkv_jax.paging import (
     TRASH_PAGE,
     PageAllocator,
@@ -202,6 +202,7 @@ class DecodeEngine:
         context_length: int | None = None,
         detokenize: Detokenize | None = None,
         clock: Callable[[], float] = time.monotonic,
+        batch_invariant: bool = False,
     ):
         if mode not in ("null", "decode"):
             raise ConfigError(
@@ -229,6 +230,9 @@ class DecodeEngine:
         self._rooms = cast(TransferRooms, kv) if mode == "decode" else None
         self.page_size = page_size
         self.index_k_dtype = index_k_dtype
+        self.batch_invariant = batch_invariant
+        # Batch-invariant numerics use one attention form everywhere (the CP prefill's).
+        self.prefill_form = "absorbed" if batch_invariant else "expanded"
         self.max_running_requests = max_running_requests
         self.context_length = (
             cfg.max_position_embeddings if context_length is None else context_length
@@ -241,7 +245,6 @@ class DecodeEngine:
         self.detokenize = detokenize
         self._clock = clock
         self._graphdef, self._state = nnx.split(model)
-        self._log_softmax = jax.jit(jax.nn.log_softmax)
         self._num_pages = pool.num_pages
         self._usable_pages = pool.num_pages - 1  # page 0 is the trash page
         self._bytes_per_page = pool.nbytes() // pool.num_pages
@@ -498,10 +501,10 @@ class DecodeEngine:
             page_table=jnp.asarray(table[None]),
             kv_lens=jnp.asarray([n], jnp.int32),
         )
-        self.step_shapes.add(("expanded", 1, t_len, r.width))
+        self.step_shapes.add((self.prefill_form, 1, t_len, r.width))
         with jax.named_scope("decode_engine.prefill"):
-            logits = self.kv.update_pool(lambda pool: self._forward(batch, pool, "expanded"))
-        return np.asarray(self._log_softmax(logits[0]))
+            logits = self.kv.update_pool(lambda pool: self._forward(batch, pool, self.prefill_form))
+        return np.asarray(log_probs(logits[0]))
 
     def _decode_step(self, touched: dict[str, _Request]) -> None:
         rows = [r for r in self._running.values() if r.finish is None]
@@ -536,7 +539,7 @@ class DecodeEngine:
         self.step_shapes.add(("absorbed", rows_p, 1, width))
         with jax.named_scope("decode_engine.decode"):
             logits = self.kv.update_pool(lambda pool: self._forward(batch, pool, "absorbed"))
-        logprobs = np.asarray(self._log_softmax(logits))
+        logprobs = np.asarray(log_probs(logits))
         for i, r in enumerate(rows):
             tok = sample_token(logprobs[i], r.req.sampling, len(r.out_ids), r.seed)
             self._record(r, tok, float(logprobs[i, tok]))
@@ -550,6 +553,7 @@ class DecodeEngine:
             pool,
             index_k_dtype=self.index_k_dtype,
             form=form,
+            invariant=self.batch_invariant,
         )
 
     # ---- bookkeeping ---------------------------------------------------------------------

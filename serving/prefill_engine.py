@@ -108,6 +108,7 @@ def build_prefill_engine(
         pages_per_rank=pages,
         index_k_dtype=args.index_k_dtype,
         gather_impl=args.kernel_impl,
+        batch_invariant=args.enable_batch_invariant,
     )
     cache = RadixCache(runner.allocator, args.page_size)
     estimator = BufferEstimator(

@@ -44,7 +44,7 @@ import jax
 import numpy as np
 
 from cpkv_jax.errors import ConfigError, InputError
-from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.model.transformer import CausalLM, log_probs
 from serving.engine_api import EngineStats, GenerateRequest, OutputChunk, ServerMode
 from serving.prefill_engine import PrefillEngine, build_prefill_engine
 from serving.sampling import request_seed, sample_token
@@ -63,13 +63,6 @@ DEFAULT_IDLE_WAIT_S = 0.005
 # The prefill side declares the decode side lost after this many missed heartbeats.
 HEARTBEAT_TIMEOUT_INTERVALS = 3
 MIN_HEARTBEAT_TIMEOUT_S = 15.0
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float32 log-softmax of one row of logits `[vocab]` (as `ReferenceGenerator`)."""
-    x = np.asarray(logits, dtype=np.float32).reshape(-1)
-    shifted = x - np.max(x)
-    return shifted - np.log(np.sum(np.exp(shifted), dtype=np.float32))
 
 
 def parse_target(target: str) -> tuple[str, int]:
@@ -283,7 +276,7 @@ class PrefillModeEngine:
             return self._final(entry, reason, error=f"{outcome.status}: {outcome.reason}")
         assert outcome.last_logits is not None and outcome.table is not None
         req = entry.req
-        logprobs = log_softmax(outcome.last_logits)
+        logprobs = np.asarray(log_probs(outcome.last_logits))
         token = sample_token(logprobs, req.sampling, step=0, seed=request_seed(req))
         entry.first_token, entry.logprob = token, float(logprobs[token])
         entry.cached_tokens = outcome.cached_tokens

@@ -147,6 +147,7 @@ def _build_decode_side(
         kv=kv,
         page_size=args.page_size,
         index_k_dtype=args.index_k_dtype,
+        batch_invariant=args.enable_batch_invariant,
         mode=args.disaggregation_mode,
         max_running_requests=args.max_running_requests or DEFAULT_MAX_RUNNING,
         detokenize=_detokenizer(tokenizer),
@@ -200,6 +201,7 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
         kv=engine.kv,
         page_size=args.page_size,
         index_k_dtype=args.index_k_dtype,
+        batch_invariant=args.enable_batch_invariant,
         mode="null",
         max_running_requests=k,
     )

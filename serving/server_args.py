@@ -244,6 +244,12 @@ class ServerArgs:
         group="model",
         metavar="JSON",
     )
+    enable_batch_invariant: bool = _arg(
+        False,
+        help="batch-invariant numerics: a request's tokens and log-probs do not depend on "
+        "its batch, chunking or CP size (bitwise; slower, see cpkv_jax/model/numerics.py)",
+        group="model",
+    )
 
     # NSA overrides (SPEC S11)
     nsa_index_topk_freq: int | None = _arg(

@@ -13,6 +13,8 @@ of programs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,6 +156,31 @@ def test_continuous_batching_matches_reference_with_bounded_compiles(tiny):
     assert forward_step._cache_size() == compiled
     assert engine.step_shapes == shapes
     check_against_reference(tiny, wave2, toks, lps, final)
+    assert kv.num_free_pages == free0
+
+
+def test_batch_invariant_engine_is_bitwise_alone_or_batched(tiny):
+    """`batch_invariant=True`: each request's tokens and log-probs are the same bits
+    whether it runs alone or in a continuously changing batch (rows 1..4, joins and
+    leaves), and equal to the batch-invariant reference generator's (another page-table
+    width, one row per step) - no tolerance."""
+    cfg, model, _ = tiny
+    ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype=INDEX_K, batch_invariant=True)
+    engine, kv = make_engine(tiny, batch_invariant=True)
+    free0 = kv.num_free_pages
+    reqs = wave_requests(3, "inv", ignore_eos=True)
+    sched: dict[int, list[GenerateRequest]] = {}
+    for r, s in zip(reqs, JOIN_AT, strict=True):
+        sched.setdefault(s, []).append(r)
+    toks, lps, _ = run(engine, sched)
+    for r in reqs:
+        alone_toks, alone_lps, _ = run(engine, {0: [dataclasses.replace(r, rid=r.rid + "-alone")]})
+        assert (alone_toks[r.rid + "-alone"], alone_lps[r.rid + "-alone"]) == (
+            toks[r.rid],
+            lps[r.rid],
+        ), r.rid
+        want = ref.generate(r.input_ids, r.sampling.max_new_tokens, ignore_eos=True)
+        assert (toks[r.rid], lps[r.rid]) == (want.output_ids, want.output_logprobs), r.rid
     assert kv.num_free_pages == free0
 
 

@@ -142,6 +142,30 @@ def test_cli_cp_prefill_matches_single_device(tiny_dir, tmp_path, cp_flags):
     np.testing.assert_allclose(got["output_logprobs"], ref["output_logprobs"], atol=1e-5)
 
 
+def test_cli_batch_invariant_cp_prefill_gives_the_same_json(tiny_dir, tmp_path):
+    """`--enable-batch-invariant` (SPEC S1.5): the CP run writes byte-identical `--output-json`
+    to the single-device run - same tokens and the same float32 log-probs, not close ones
+    (the prompt is long enough that each CP rank runs a different row count)."""
+    common = [
+        "--model-path",
+        str(tiny_dir),
+        "--prompt-ids",
+        ",".join(str(3 + i * 7 % 290) for i in range(301)),
+    ]
+    common += [
+        "--max-new-tokens",
+        "6",
+        "--page-size",
+        "16",
+        "--ignore-eos",
+        "--enable-batch-invariant",
+    ]
+    assert main([*common, "--output-json", str(tmp_path / "ref.json")]) == 0
+    cp = ["--cp-size", "8", "--enable-cp-shared-kv", "--chunked-prefill-size", "72"]
+    assert main([*common, *cp, "--output-json", str(tmp_path / "cp.json")]) == 0
+    assert (tmp_path / "cp.json").read_bytes() == (tmp_path / "ref.json").read_bytes()
+
+
 def test_cli_rejects_shared_kv_without_cp(tiny_dir, capsys):
     rc = main(["--model-path", str(tiny_dir), "--prompt-ids", "5,6", "--enable-cp-shared-kv"])
     assert rc == 2

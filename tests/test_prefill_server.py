@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_cp_prefill import reference as cp_reference
 from test_transfer_grpc import bitwise_equal, decode_layout
 
 from cpkv_jax.errors import ConfigError, InputError
@@ -46,7 +47,6 @@ from serving.prefill_engine import PrefillEngine, build_prefill_engine
 from serving.prefill_server import (
     PrefillModeEngine,
     build_prefill_mode_engine,
-    log_softmax,
     request_seed,
 )
 from serving.radix_cache import RadixCache
@@ -205,11 +205,6 @@ def test_request_seed_rule():
     assert all(0 <= request_seed(GenerateRequest(f"q{i}", (1,))) < 2**63 for i in range(50))
 
 
-def test_log_softmax_matches_jax():
-    x = np.random.default_rng(3).normal(size=VOCAB).astype(np.float32) * 10
-    np.testing.assert_allclose(log_softmax(x), np.asarray(jax.nn.log_softmax(x)), atol=1e-5)
-
-
 # ---- the engine on 8 devices -----------------------------------------------------------------
 
 
@@ -285,8 +280,17 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pd(tiny):
+    yield from _pd(tiny)
+
+
+@pytest.fixture(scope="module")
+def pd_invariant(tiny):
+    yield from _pd(tiny, "--enable-batch-invariant")
+
+
+def _pd(tiny, *extra: str):
     path, cfg, model = tiny
-    args = server_args(path)
+    args = server_args(path, *extra)
     pre = build_prefill_engine(args, model=model, hold_finished=True)
     backend = GatedBackend(GrpcBackend(SENDER))
     engine = PrefillModeEngine(pre, backend)
@@ -297,7 +301,13 @@ def pd(tiny):
         timeouts=TIMEOUTS,
     ).start(interval=0.02)
     server, port = serve(rx)
-    ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
+    ref = ReferenceGenerator(
+        cfg,
+        model,
+        page_size=P,
+        index_k_dtype="float32",
+        batch_invariant=args.enable_batch_invariant,
+    )
     yield PD(
         cfg,
         model,
@@ -527,6 +537,37 @@ def test_several_in_flight_with_a_shared_prefix(fresh):
         assert_reference_first_token(pd, p, chunks[rid])
         pd.rx.free_pages(dsts[rid])
     assert_no_transfer_counts(pd, list(prompts.values()))
+
+
+def test_batch_invariant_pd_is_bitwise_equal_to_single_device(pd_invariant):
+    """`--enable-batch-invariant` end to end at library level: two requests in flight on
+    CP 8, the second prefilled on the first's cached prefix pages (its suffix computed as
+    a chunk), shipped over gRPC. The decode pool holds exactly the single-device
+    reference's KV and the first token's log-prob is the reference's, bit for bit."""
+    pd = pd_invariant
+    a = prompt_of(3 * P + 9, 30)
+    b = np.concatenate([a[: 3 * P], prompt_of(12, 31)])
+    prompts = {"ia": a, "ib": b}
+    dsts = {rid: open_room(pd, rid, len(p), i) for i, (rid, p) in enumerate(prompts.items())}
+    pd.backend.gate.clear()  # a stays in flight while b is prefilled on its pages
+    pd.engine.add(request("ia", a, "ia", pd.target))
+    assert pd.engine.step() == []
+    pd.engine.add(request("ib", b, "ib", pd.target))
+    assert pd.engine.step() == []
+    pd.backend.gate.set()
+    chunks = drive(pd.engine, list(prompts))
+    assert chunks["ib"].meta["cached_tokens"] == 3 * P
+    for rid, prompt in prompts.items():
+        assert pd.rx.status(rid).state is RoomState.SUCCESS
+        _, ref_view = cp_reference(pd.cfg, pd.model, prompt, "float32", invariant=True)
+        assert_layout_equal(pd, dsts[rid], len(prompt), ref_view)
+        want = pd.ref.generate(prompt.tolist(), 1, ignore_eos=True)
+        assert chunks[rid].token_ids == (want.output_ids[0],)
+        assert chunks[rid].logprobs == (want.output_logprobs[0],)
+        pd.rx.free_pages(dsts[rid])
+    pd.pre.cache.reset()
+    np.testing.assert_array_equal(pd.pre.runner.allocator.num_free_per_lane(), pd.free0)
+    assert pd.rx.num_free_pages == pd.dec_free0
 
 
 def free_port() -> int:
