@@ -1,6 +1,7 @@
 """Does a layer give the same bits for a token whatever rows it is computed with?
 
-    python -m benchmarks.row_invariance [--tokens 115 533] [--json PATH]
+    python -m benchmarks.row_invariance [--tokens 115 533] [--modes default invariant]
+        [--json PATH]
 
 CP prefill computes each token on the rank that holds it, with that rank's rows only
 (two zigzag blocks), while the single-device reference computes the whole prompt at
@@ -16,10 +17,12 @@ This script measures that property directly, on one device, for the tiny model i
    step uses), fed the reference input rows and the reference pool, comparing the rows'
    layer outputs and the KV they (re)write (page 0, the trash page, excluded) bitwise.
 
-Prints one JSON object per prompt length and a summary; `--json` writes all of it. The
-tests compare CP and single-device KV at atol 1e-5 rather than bitwise because of what
-this measures (see tests/test_cp_prefill.py); results from each backend are kept in
-`benchmarks/results/row_invariance_*.json`.
+Both numerics modes are measured side by side: `default` (the plain model) and
+`invariant` (batch-invariant numerics, `cpkv_jax.model.numerics`: fixed-shape tiles).
+Prints one JSON object per prompt length and mode and a summary; `--json` writes all of
+it. In the default mode the tests compare CP and single-device KV at atol 1e-5 because of
+what this measures; in batch-invariant mode they compare bitwise (tests/test_cp_prefill.py).
+Results from each backend are kept in `benchmarks/results/row_invariance_*.json`.
 """
 
 from __future__ import annotations
@@ -39,12 +42,14 @@ from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import zigzag_order
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, init_pool
+from cpkv_jax.model.numerics import batch_invariant
 from cpkv_jax.model.rope import rope_cos_sin
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 PAGE = 16
 CP = 8
+MODES = ["default", "invariant"]
 
 
 def _batch(ids: np.ndarray, order: np.ndarray, width: int) -> ForwardBatch:
@@ -65,11 +70,15 @@ def _batch(ids: np.ndarray, order: np.ndarray, width: int) -> ForwardBatch:
     )
 
 
-def _layer_step(model: CausalLM, cfg: ModelConfig, index: int):
+def _layer_step(model: CausalLM, cfg: ModelConfig, index: int, invariant: bool):
     layer = model.model.layers[index]
 
     @jax.jit
     def step(x, batch, pool, topk_in):
+        with batch_invariant(invariant):
+            return _layer(x, batch, pool, topk_in)
+
+    def _layer(x, batch, pool, topk_in):
         cos, sin = rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope)
         attn, pool, topk = layer.self_attn(
             layer.input_layernorm(x),
@@ -96,14 +105,15 @@ def _kv_diff(a, b) -> int:
     )
 
 
-def measure(n: int, model: CausalLM, cfg: ModelConfig) -> dict:
+def measure(n: int, model: CausalLM, cfg: ModelConfig, mode: str = "default") -> dict:
     ids = np.random.default_rng(n).integers(3, cfg.vocab_size, n).astype(np.int32)
     shape = step_shape(1, n, n, CP, PAGE)
     padded = 1 << max(0, (n - 1).bit_length())
     ref_order = np.full(padded, -1)
     ref_order[:n] = np.arange(n)
     ref_batch = _batch(ids, ref_order, shape.width)
-    steps = [_layer_step(model, cfg, i) for i in range(cfg.num_hidden_layers)]
+    invariant = mode == "invariant"
+    steps = [_layer_step(model, cfg, i, invariant) for i in range(cfg.num_hidden_layers)]
 
     x = jax.jit(lambda b: model.model.embed_tokens(b.input_ids))(ref_batch)
     pool = init_pool(cfg, shape.width + 1, PAGE, index_k_dtype="float32")
@@ -147,6 +157,7 @@ def measure(n: int, model: CausalLM, cfg: ModelConfig) -> dict:
         )
     return {
         "tokens": n,
+        "numerics": mode,
         "rows_per_rank": 2 * shape.block,
         "reference_rows": padded,
         "layers": layers,
@@ -159,15 +170,17 @@ def measure(n: int, model: CausalLM, cfg: ModelConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[115, 533])
+    ap.add_argument("--modes", nargs="+", choices=["default", "invariant"], default=MODES)
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa"))
     model = CausalLM(cfg, rngs=nnx.Rngs(11))
     out = {**environment(), "cases": []}
     for n in args.tokens:
-        case = measure(n, model, cfg)
-        out["cases"].append(case)
-        print(json.dumps(case), file=sys.stderr, flush=True)
+        for mode in args.modes:
+            case = measure(n, model, cfg, mode)
+            out["cases"].append(case)
+            print(json.dumps(case), file=sys.stderr, flush=True)
     emit(out, args.json)
     return 0
 
