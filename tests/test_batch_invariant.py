@@ -3,6 +3,8 @@ the rows computed with it, and the mode changes no value beyond float32 rounding
 
 from __future__ import annotations
 
+import json
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -104,3 +106,22 @@ def test_single_tile_in_context_equals_loop(rows):
 
     full = np.asarray(last(x))
     np.testing.assert_array_equal(np.asarray(last(x[:rows])), full[:rows])
+
+
+def test_batch_invariant_benchmark_reports_both_modes(tmp_path, capsys):
+    """`benchmarks.batch_invariant` runs, prints what it writes, and measures the mode's
+    effect: CP vs single-device bitwise in batch-invariant numerics."""
+    from benchmarks import batch_invariant as bench
+
+    out = tmp_path / "bi.json"
+    assert bench.main(["--tokens", "40", "--repeats", "1", "--json", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text())
+    (case,) = printed["cases"]
+    assert case["tokens"] == 40 and case["chunk"] is None
+    assert case["invariant_bitwise_kv"] and case["invariant_bitwise_logits"]
+    assert case["invariant_max_kv_diff"] == 0.0
+    assert 0 <= case["default_max_kv_diff"] < 1e-5
+    for key in ("cp_default_s", "cp_invariant_s", "single_default_s", "single_invariant_s"):
+        assert case[key] > 0
+    assert case["cp_cost_ratio"] == case["cp_invariant_s"] / case["cp_default_s"]
