@@ -1,7 +1,7 @@
 """`make demo`: CP=8 shared-KV prefill -> KV transfer -> decode, behind the PD router.
 
     python -m serving.demo [--model-dir .demo/tiny-glm5] [--transfer-backend grpc|mooncake]
-        [--max-new-tokens 16] [--keep-logs]
+        [--max-new-tokens 16] [--enable-batch-invariant]
 
 On 127.0.0.1 it starts three processes: a decode server (one device), a CP=8 shared-KV
 prefill server (8 virtual CPU devices) and `cpkv-router` in front of them. It sends a
@@ -9,8 +9,11 @@ short prompt, a long one (many pages), and two prompts sharing a long prefix (th
 reuses the prefill server's radix cache), half of them streamed; prints each request's
 TTFT and output, the per-rank KV bytes of the shared vs a replicated pool of the same
 capacity, and the transfer throughput; checks every greedy output against the
-single-device reference computed here (`cpkv_jax.generate.ReferenceGenerator`); then
-stops everything (SIGTERM: drain, exit) and exits 0 only if all outputs match.
+single-device reference computed here (`cpkv_jax.generate.ReferenceGenerator`): the
+tokens must be equal, and the largest log-prob difference is printed; with
+`--enable-batch-invariant` (passed to every server and the reference) the log-probs must
+be equal too, bit for bit. Then it stops everything (SIGTERM: drain, exit) and exits 0
+only if all outputs match.
 
 Server logs go to `<model-dir>/../logs/`; the tail of a server's log is printed if it
 fails to start.
@@ -120,6 +123,7 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
         args.transfer_backend,
         "--log-level",
         args.server_log_level,
+        *(["--enable-batch-invariant"] if args.enable_batch_invariant else []),
     ]
     procs: list[Proc] = []
     try:
@@ -244,6 +248,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--server-log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    ap.add_argument(
+        "--enable-batch-invariant",
+        action="store_true",
+        help="batch-invariant numerics on every server: log-probs must equal the reference's "
+        "bit for bit (default: tokens equal, log-prob difference reported)",
+    )
     args = ap.parse_args(argv)
     t_start = time.monotonic()
 
@@ -281,7 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         urls = s["urls"]
         for name, (ids, stream) in prompts.items():
             results[name] = send(
-                urls["router"], {"input_ids": ids, "sampling_params": sampling}, stream
+                urls["router"],
+                {"input_ids": ids, "sampling_params": sampling, "return_logprob": True},
+                stream,
             )
         prefill_info = httpx.get(urls["prefill"] + "/server_info", timeout=10).json()
         decode_info = httpx.get(urls["decode"] + "/server_info", timeout=10).json()
@@ -325,17 +337,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(flush=True)
 
-    ref = ReferenceGenerator(cfg, model, page_size=PAGE)
+    exact = args.enable_batch_invariant
+    ref = ReferenceGenerator(cfg, model, page_size=PAGE, batch_invariant=exact)
     ok = True
     checks = []
+    worst = 0.0
     for name, (ids, _) in prompts.items():
-        want = ref.generate(ids, args.max_new_tokens, ignore_eos=True).output_ids
+        want = ref.generate(ids, args.max_new_tokens, ignore_eos=True)
         got = results[name]["output_ids"]
-        checks.append(f"{name} {'equal' if got == want else 'DIFFERENT'}")
-        if got != want:
+        got_lp = [lp for lp, _, _ in results[name]["meta_info"]["output_token_logprobs"]]
+        same_tokens = got == want.output_ids
+        diff = max(abs(a - b) for a, b in zip(got_lp, want.output_logprobs, strict=True))
+        worst = max(worst, diff)
+        good = same_tokens and (diff == 0.0 or not exact)
+        checks.append(f"{name} {'equal' if good else 'DIFFERENT'}")
+        if not good:
             ok = False
-            print(f"MISMATCH {name}: served {got} vs reference {want}")
-    print("\nsingle-device reference (greedy, this process): " + ", ".join(checks))
+            print(
+                f"MISMATCH {name}: served {got} vs reference {want.output_ids}, "
+                f"log-prob max diff {diff:.3g}"
+            )
+    print(
+        "\nsingle-device reference (greedy, this process): "
+        + ", ".join(checks)
+        + (
+            "; log-probs bitwise equal (batch-invariant numerics)"
+            if exact and ok
+            else f"; log-probs max |diff| {worst:.2g}"
+        )
+    )
     print(f"\ndemo wall time {time.monotonic() - t_start:.0f}s")
     print(
         "RESULT:",
