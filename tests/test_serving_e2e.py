@@ -205,6 +205,51 @@ def test_unified_outputs_equal_the_reference(ckpt, unified):
     assert_pages_back(server)
 
 
+def test_batch_invariant_server_log_probs_equal_the_reference_bitwise(ckpt):
+    """`--enable-batch-invariant`: two requests sent at once (so the decode engine
+    batches them) get the batch-invariant reference's tokens and log-probs, bit for bit."""
+    path, cfg, _ = ckpt
+    server = build_server(
+        server_args(path, "null", "--enable-batch-invariant", "--max-running-requests", "2")
+    )
+    served = Served(server.app)
+    try:
+        model_cfg, model = load_model(path, progress=False)
+        ref = ReferenceGenerator(model_cfg, model, page_size=P, batch_invariant=True)
+        ids_list = prompts(cfg, seed=4)[:2]  # a partial page and a page multiple
+        results: dict[int, dict[str, Any]] = {}
+
+        def call(i: int) -> None:
+            body = {
+                "input_ids": ids_list[i],
+                "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True},
+                "return_logprob": True,
+            }
+            r = httpx.post(served.url + "/generate", json=body, timeout=WAIT_S)
+            assert r.status_code == 200, r.text
+            results[i] = r.json()
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(ids_list))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        assert sorted(results) == list(range(len(ids_list)))
+        for i, ids in enumerate(ids_list):
+            want = ref.generate(ids, NEW, ignore_eos=True)
+            got = results[i]
+            assert got["output_ids"] == want.output_ids
+            lps = [lp for lp, _, _ in got["meta_info"]["output_token_logprobs"]]
+            assert lps == want.output_logprobs, (i, lps, want.output_logprobs)
+        assert_pages_back(server)
+    finally:
+        served.stop()
+        import asyncio
+
+        asyncio.run(server.loop.shutdown(0.0))
+        server.close()
+
+
 def bad_requests(vocab: int, context: int, rng: np.random.Generator) -> list[tuple[str, Any]]:
     """(path, body: dict | raw JSON text) pairs, each invalid in its own way."""
     big = int(rng.integers(vocab, 10**9))
