@@ -24,16 +24,14 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from benchmarks.report import emit, environment
 from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
-from cpkv_jax.generate import bucket
+from cpkv_jax.generate import prefill_batch
 from cpkv_jax.mesh import make_cp_mesh
-from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, init_pool
 from cpkv_jax.model.transformer import CausalLM, forward_step
 from cpkv_jax.tools.tiny_config import tiny_config_dict
@@ -56,23 +54,8 @@ def _median_seconds(fn, repeats: int) -> float:
 def _single_device(cfg, model, ids: np.ndarray, invariant: bool):
     """A prefill function for `ids` on one device; returns (last logits, full view)."""
     n = ids.size
-    t = bucket(n)
     pages = -(-n // PAGE)
-    table = np.arange(1, pages + 1, dtype=np.int32)[None]
-    pos = np.zeros((1, t), np.int32)
-    pos[0, :n] = np.arange(n)
-    valid = np.arange(t)[None] < n
-    padded = np.zeros((1, t), np.int32)
-    padded[0, :n] = ids
-    slots = np.where(valid, table[0][pos // PAGE] * PAGE + pos % PAGE, 0)
-    batch = ForwardBatch(
-        jnp.asarray(padded),
-        jnp.asarray(pos),
-        jnp.asarray(valid),
-        jnp.asarray(slots, jnp.int32),
-        jnp.asarray(table),
-        jnp.asarray([n], jnp.int32),
-    )
+    batch = prefill_batch(ids, np.arange(1, pages + 1, dtype=np.int32), PAGE)
     graphdef, state = nnx.split(model)
 
     def run():
@@ -92,7 +75,7 @@ def _single_device(cfg, model, ids: np.ndarray, invariant: bool):
     def result():
         logits, pool = run()
         view = jax.tree_util.tree_map(
-            lambda leaf: SINGLE_DEVICE_KV_IO.view(leaf, jnp.asarray(table))[0, :n], pool
+            lambda leaf: SINGLE_DEVICE_KV_IO.view(leaf, batch.page_table)[0, :n], pool
         )
         return np.asarray(logits[0]), view
 

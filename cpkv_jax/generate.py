@@ -57,6 +57,29 @@ def bucket(n: int, minimum: int = MIN_PREFILL_BUCKET) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+def prefill_batch(prompt: np.ndarray, table: np.ndarray, page_size: int) -> ForwardBatch:
+    """One request's whole-prompt prefill batch, padded to `bucket(len(prompt))` tokens.
+
+    `table` is the request's page-table row (logical page -> pool page); padding tokens
+    write to slot 0 (the trash page)."""
+    n = len(prompt)
+    t_len = bucket(n)
+    ids = np.zeros((1, t_len), np.int32)
+    ids[0, :n] = prompt
+    positions = np.zeros((1, t_len), np.int32)
+    positions[0, :n] = np.arange(n)
+    valid = np.arange(t_len)[None] < n
+    slots = np.where(valid, slots_for_positions(table, positions[0], page_size)[None], 0)
+    return ForwardBatch(
+        input_ids=jnp.asarray(ids),
+        positions=jnp.asarray(positions),
+        valid=jnp.asarray(valid),
+        write_slots=jnp.asarray(slots, jnp.int32),
+        page_table=jnp.asarray(np.asarray(table, np.int32)[None]),
+        kv_lens=jnp.asarray([n], jnp.int32),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
     output_ids: list[int]
@@ -204,16 +227,8 @@ class ReferenceGenerator:
         return GenerationResult(out_ids, out_lp, finish, prefill_s, decode_s)
 
     def _prefill_single_device(self, prompt: np.ndarray, table: np.ndarray, pool: KVPool):
-        t_len = bucket(len(prompt))
-        ids = np.zeros((1, t_len), np.int32)
-        ids[0, : len(prompt)] = prompt
-        positions = np.zeros((1, t_len), np.int32)
-        positions[0, : len(prompt)] = np.arange(len(prompt))
-        valid = np.arange(t_len)[None] < len(prompt)
-        slots = np.where(valid, slots_for_positions(table, positions[0], self.page_size)[None], 0)
-        logits, pool = self._step(
-            ids, positions, valid, slots, table, len(prompt), pool, self.prefill_form
-        )
+        batch = prefill_batch(prompt, table, self.page_size)
+        logits, pool = self._forward(batch, pool, self.prefill_form)
         return logits[0], pool
 
     def _prefill_cp(
@@ -261,6 +276,9 @@ class ReferenceGenerator:
             page_table=jnp.asarray(table[None]),
             kv_lens=jnp.asarray([kv_len], jnp.int32),
         )
+        return self._forward(batch, pool, form)
+
+    def _forward(self, batch: ForwardBatch, pool: KVPool, form: str):
         return forward_step(
             self.graphdef,
             self.state,

@@ -23,12 +23,12 @@ ROWS = [1, 2, 3, 8, 15, 16, 17, 33, 100, 128, 533]
 OFFSETS = [0, 5, 37]
 
 
-def _row_mismatches(fn, x: np.ndarray) -> list[tuple[int, int]]:
+def _row_mismatches(fn, x: np.ndarray, rows: list[int] = ROWS) -> list[tuple[int, int]]:
     """(rows, offset) pairs where `fn` on a slice differs from the same rows of `fn(x)`."""
     full = np.asarray(fn(x))
     return [
         (m, off)
-        for m in ROWS
+        for m in rows
         for off in OFFSETS
         if not np.array_equal(np.asarray(fn(x[off : off + m])), full[off : off + m])
     ]
@@ -69,7 +69,7 @@ def test_decoder_layers_are_row_count_invariant():
             q = layer.self_attn.q_b_proj(layer.self_attn.q_a_proj(h))
             return jnp.concatenate([q[0], layer.mlp(h)[0]], axis=-1)
 
-    assert _row_mismatches(block, x) == []
+    assert _row_mismatches(block, x, rows=[1, 3, 17, 100]) == []
 
 
 def test_tokenwise_pads_tiles_and_keeps_other_axes():
@@ -114,11 +114,11 @@ def test_batch_invariant_benchmark_reports_both_modes(tmp_path, capsys):
     from benchmarks import batch_invariant as bench
 
     out = tmp_path / "bi.json"
-    assert bench.main(["--tokens", "40", "--repeats", "1", "--json", str(out)]) == 0
+    assert bench.main(["--tokens", "20", "--repeats", "1", "--json", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(out.read_text())
     (case,) = printed["cases"]
-    assert case["tokens"] == 40 and case["chunk"] is None
+    assert case["tokens"] == 20 and case["chunk"] is None
     assert case["invariant_bitwise_kv"] and case["invariant_bitwise_logits"]
     assert case["invariant_max_kv_diff"] == 0.0
     assert 0 <= case["default_max_kv_diff"] < 1e-5

@@ -31,10 +31,9 @@ from cpkv_jax.cp_prefill import (
     zigzag_order,
 )
 from cpkv_jax.errors import ConfigError, InputError
-from cpkv_jax.generate import bucket
+from cpkv_jax.generate import prefill_batch
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.mesh import make_cp_mesh
-from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, init_pool
 from cpkv_jax.model.transformer import CausalLM, forward_step
 from cpkv_jax.tools.tiny_config import tiny_config_dict
@@ -83,23 +82,9 @@ def reference(cfg, model, ids, index_k=INDEX_K, *, invariant=False):
 
     `invariant`: batch-invariant numerics and the CP runner's absorbed attention form."""
     n = len(ids)
-    t = bucket(n)
     pages = -(-n // P)
-    table = np.arange(1, pages + 1, dtype=np.int32)[None]
-    pos = np.zeros((1, t), np.int32)
-    pos[0, :n] = np.arange(n)
-    valid = np.arange(t)[None] < n
-    padded = np.zeros((1, t), np.int32)
-    padded[0, :n] = ids
-    slots = np.where(valid, table[0][pos // P] * P + pos % P, 0)
-    batch = ForwardBatch(
-        jnp.asarray(padded),
-        jnp.asarray(pos),
-        jnp.asarray(valid),
-        jnp.asarray(slots, jnp.int32),
-        jnp.asarray(table),
-        jnp.asarray([n], jnp.int32),
-    )
+    table = np.arange(1, pages + 1, dtype=np.int32)
+    batch = prefill_batch(np.asarray(ids), table, P)
     graphdef, state = nnx.split(model)
     pool = init_pool(cfg, pages + 1, P, index_k_dtype=index_k)
     logits, pool = forward_step(
@@ -112,7 +97,7 @@ def reference(cfg, model, ids, index_k=INDEX_K, *, invariant=False):
         invariant=invariant,
     )
     view = jax.tree_util.tree_map(
-        lambda leaf: SINGLE_DEVICE_KV_IO.view(leaf, jnp.asarray(table))[0, :n], pool
+        lambda leaf: SINGLE_DEVICE_KV_IO.view(leaf, batch.page_table)[0, :n], pool
     )
     return np.asarray(logits[0]), view
 
@@ -148,16 +133,7 @@ def test_cp_prefill_equals_single_device_reference(setup, length, chunk):
 @pytest.fixture(scope="module")
 def invariant_runner(setup):
     cfg, model, _ = setup
-    cp = CPConfig(cp_size=CP, shared_kv=True, page_size=P)
-    return CPPrefillRunner(
-        cfg,
-        model,
-        make_cp_mesh(CP),
-        cp,
-        pages_per_rank=pages_per_rank_for(600, P, cp),
-        index_k_dtype=INDEX_K,
-        batch_invariant=True,
-    )
+    return make_runner(cfg, model, 600, batch_invariant=True)
 
 
 @pytest.mark.parametrize("length", LENGTHS)

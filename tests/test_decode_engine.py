@@ -23,11 +23,10 @@ from flax import nnx
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import CacheCapacityError, InputError
-from cpkv_jax.generate import ReferenceGenerator, bucket
-from cpkv_jax.model.forward_batch import ForwardBatch
+from cpkv_jax.generate import ReferenceGenerator, bucket, prefill_batch
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.transformer import CausalLM, forward_step
-from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens, slots_for_positions
+from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving.decode_engine import DecodeEngine, KVStore, LocalKVStore
 from serving.engine_api import EngineStats, GenerateRequest, SamplingParams, StepEngine
@@ -294,21 +293,7 @@ def prefill_into_pages(tiny, prompt: tuple[int, ...], max_new: int, layout: Layo
     width = bucket(pages_for_tokens(n + max_new, P), minimum=1)
     pool = init_pool(cfg, width + 1, P, jnp.float32, INDEX_K)
     table = padded_page_table(np.arange(1, n_pages + 1, dtype=np.int32), width)
-    t = bucket(n)
-    ids = np.zeros((1, t), np.int32)
-    ids[0, :n] = prompt
-    pos = np.zeros((1, t), np.int32)
-    pos[0, :n] = np.arange(n)
-    valid = np.arange(t)[None] < n
-    slots = np.where(valid, slots_for_positions(table, pos[0], P)[None], 0)
-    batch = ForwardBatch(
-        jnp.asarray(ids),
-        jnp.asarray(pos),
-        jnp.asarray(valid),
-        jnp.asarray(slots, jnp.int32),
-        jnp.asarray(table[None]),
-        jnp.asarray([n], jnp.int32),
-    )
+    batch = prefill_batch(np.asarray(prompt), table, P)
     graphdef, state = nnx.split(model)
     logits, pool = forward_step(
         graphdef, state, batch, pool, index_k_dtype=INDEX_K, form="expanded"
