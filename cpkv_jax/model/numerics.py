@@ -6,12 +6,15 @@ among 544 rows (the whole prompt on one device) can come out a few ulps apart. T
 harmless for serving but makes "CP prefill equals the single-device run" a tolerance
 rather than bits. In batch-invariant mode every token-wise computation of the model
 (projections, norms, the indexer, sparse attention, the MoE block, the LM head) runs over
-the token axis in fixed tiles of `TILE` rows, one tile after another, so every matmul and
-reduction a token goes through has the same shapes whatever the batch, the chunking or the
-CP size. Per-token results are then bitwise equal between CP and single-device prefill on
-XLA:CPU (SPEC S1.5; `tests/test_batch_invariant.py`), at the cost of running the tiles
-sequentially - a correctness and reproducibility mode, like SGLang's deterministic
-inference or vLLM's batch-invariant kernels, not a fast path.
+the token axis in fixed tiles of `TILE` rows, one tile after another, and the indexer and
+sparse attention run one sequence (batch row, with its own KV view) at a time, so every
+matmul and reduction a token goes through has the same shapes whatever the batch, the
+chunking or the CP size. Per-token results are then bitwise equal between CP and
+single-device prefill, and between a request served alone and in a batch, on XLA:CPU
+(SPEC S1.5; `tests/test_cp_prefill.py`, `tests/test_batch_invariant.py`,
+`tests/test_decode_engine.py`), at the cost of running the tiles sequentially - a
+correctness and reproducibility mode, like SGLang's deterministic inference or vLLM's
+batch-invariant kernels, not a fast path (measured: `benchmarks/batch_invariant.py`).
 
 The mode is read while a function is *traced*: wrap the traced call in
 `batch_invariant(True)` and make the flag part of the jit's static arguments (as
