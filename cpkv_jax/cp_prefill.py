@@ -350,9 +350,6 @@ def _build_step(
     def step(state, tokens, page_table, kv_lens, pool, last_index):
         hidden, pool = sharded(state, tokens, page_table, kv_lens, pool)
         last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]
-        # Replicated before the LM head, so the partitioner cannot split its matmul over
-        # the mesh (a split changes the matmul's shapes and with them its rounding).
-        last = jax.lax.with_sharding_constraint(last, replicated)
         with batch_invariant(invariant):
             return nnx.merge(graphdef, state).logits(last), pool
 
