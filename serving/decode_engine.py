@@ -7,7 +7,9 @@ One `DecodeEngine` serves two server modes behind the `StepEngine` contract
   prefills at most one newly admitted request (expanded MLA over the whole prompt,
   length bucketed as `ReferenceGenerator` does, first token sampled at step 0), then
   runs one batched decode step (absorbed MLA, one token per row) for every running
-  request;
+  request. With `batch_invariant=True` (`cpkv-serve --enable-batch-invariant`) every step
+  uses batch-invariant numerics and the prefill uses the absorbed form too, so a
+  request's tokens and log-probs do not depend on the rows it is batched with;
 - `"decode"` (PD): `add` allocates the request's pages and registers its transfer room
   with the receiver at once (the router hears back only after `add`, so the room exists
   before the prefill server sends); each `step` polls the rooms without blocking. On
@@ -482,7 +484,8 @@ class DecodeEngine:
 
     # ---- model steps ---------------------------------------------------------------------
     def _prefill(self, r: _Request) -> np.ndarray:
-        """Expanded-form prefill of the whole prompt; log-probs after its last token."""
+        """Prefill of the whole prompt (expanded MLA form; absorbed with batch-invariant
+        numerics); log-probs after its last token."""
         assert r.pages is not None
         n = len(r.prompt)
         t_len = bucket(n)
