@@ -55,21 +55,27 @@ def test_projection_is_row_count_invariant_only_in_the_mode():
 
 
 def test_decoder_layers_are_row_count_invariant():
-    """Every token-wise block of the tiny model (norms, MLA projections, indexer queries,
-    dense MLP and MoE) on row subsets equals the same rows of a whole-batch run, bitwise."""
+    """Every token-wise block of the tiny model (norms, MLA projections, dense MLP and
+    MoE) on row subsets equals the same rows of a whole-batch run, bitwise; the default
+    numerics do not (the control)."""
     cfg = ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa"))
     model = CausalLM(cfg, rngs=nnx.Rngs(2))
     layer = model.model.layers[3]  # MoE layer with shared experts
     x = np.random.default_rng(3).standard_normal((600, cfg.hidden_size)).astype(np.float32)
 
-    @jax.jit
-    def block(rows):
-        with batch_invariant(True):
-            h = layer.input_layernorm(rows[None])
-            q = layer.self_attn.q_b_proj(layer.self_attn.q_a_proj(h))
-            return jnp.concatenate([q[0], layer.mlp(h)[0]], axis=-1)
+    def run(invariant):
+        @jax.jit
+        def block(rows):
+            with batch_invariant(invariant):
+                h = layer.input_layernorm(rows[None])
+                q = layer.self_attn.q_b_proj(layer.self_attn.q_a_proj(h))
+                return jnp.concatenate([q[0], layer.mlp(h)[0]], axis=-1)
 
-    assert _row_mismatches(block, x, rows=[1, 3, 17, 100]) == []
+        return block
+
+    rows = [1, 3, 17, 100]
+    assert _row_mismatches(run(False), x, rows), "control: the default layer was row invariant"
+    assert _row_mismatches(run(True), x, rows) == []
 
 
 def test_tokenwise_pads_tiles_and_keeps_other_axes():
