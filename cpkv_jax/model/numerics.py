@@ -1,8 +1,8 @@
 """Batch-invariant numerics: a token's result independent of the rows computed with it.
 
 Off by default. A matmul backend picks its kernel, blocking and reduction order from the
-operand shapes, so the same token computed among 16 rows (a CP rank's zigzag blocks) and
-among 544 rows (the whole prompt on one device) can come out a few ulps apart. That is
+operand shapes, so the same token computed among a CP rank's rows (its two zigzag blocks)
+and among the whole prompt's rows on one device can come out a few ulps apart. That is
 harmless for serving but makes "CP prefill equals the single-device run" a tolerance
 rather than bits. In batch-invariant mode every token-wise computation of the model
 (projections, norms, the indexer, sparse attention, the MoE block, the LM head) runs over
