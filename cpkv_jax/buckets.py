@@ -60,3 +60,39 @@ def step_shape(
     block = pow2_at_least(-(-max_extend_tokens // (2 * cp_size)))
     width = page_table_width(pages_for_tokens(max_kv_tokens, page_size), cp_size)
     return StepShape(cp_size, page_size, pow2_at_least(num_requests), block, width)
+
+
+TRANSIENT_BLOCK_BYTES = 1 << 30
+"""Budget of one token block's largest transient in the indexer and in sparse attention.
+
+The indexer's logits are `[B, T, index_n_heads, S]` float32 and sparse attention's gathered
+rows `[B, T, index_topk, kv_cache_dim]` float32: at GLM-5 size, 2,048 query tokens per rank
+over a 128K-token view, that is 34 GB and 9.7 GB in one piece. With the default numerics
+both run over the query tokens in blocks of `block_rows(...)` rows so that one block's
+array stays within this budget (all rows at once when they fit, as for every shape the
+tiny model sees). The model (`cpkv_jax.model.indexer.index_scores`,
+`cpkv_jax.model.mla.sparse_attention`) and the admission-time buffer estimator
+(`serving.scheduler.buffer_estimator`) both size their blocks with `block_rows`, so the
+estimate follows the program.
+"""
+
+BLOCK_ROW_MULTIPLE = 16
+"""Blocks are a multiple of this many rows (the batch-invariant tile) unless all rows fit."""
+
+
+def block_rows(rows: int, row_bytes: int, budget: int = TRANSIENT_BLOCK_BYTES) -> int:
+    """Rows per block so that `rows_per_block * row_bytes <= budget`.
+
+    All `rows` when they fit (or when there are none); otherwise the largest multiple of
+    `BLOCK_ROW_MULTIPLE` within the budget, and never fewer than `BLOCK_ROW_MULTIPLE` rows
+    (a budget below one such block is exceeded rather than looped row by row).
+    """
+    if rows < 0 or row_bytes < 0 or budget <= 0:
+        raise ValueError(
+            f"block_rows needs rows >= 0, row_bytes >= 0 and budget > 0, got {rows}, "
+            f"{row_bytes}, {budget}"
+        )
+    if rows * row_bytes <= budget:
+        return rows
+    fit = budget // row_bytes // BLOCK_ROW_MULTIPLE * BLOCK_ROW_MULTIPLE
+    return min(rows, max(BLOCK_ROW_MULTIPLE, fit))

@@ -52,6 +52,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cpkv_jax.buckets import BLOCK_ROW_MULTIPLE, TRANSIENT_BLOCK_BYTES, block_rows
 from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, _global
 from cpkv_jax.errors import ConfigError
@@ -107,7 +108,9 @@ def mesh():
     return make_cp_mesh(CP)
 
 
-def cpu_estimator(cfg: ModelConfig, dtype: str = "float32") -> BufferEstimator:
+def cpu_estimator(
+    cfg: ModelConfig, dtype: str = "float32", block_bytes: int = TRANSIENT_BLOCK_BYTES
+) -> BufferEstimator:
     return BufferEstimator(
         cfg,
         cp_size=CP,
@@ -116,6 +119,7 @@ def cpu_estimator(cfg: ModelConfig, dtype: str = "float32") -> BufferEstimator:
         index_k_dtype=INDEX_K,
         profile=XLA_CPU,
         pages_per_rank=PAGES_PER_RANK,
+        block_bytes=block_bytes,
     )
 
 
@@ -273,7 +277,7 @@ def probe_kv_rows(mesh, x: Dims, full: bool) -> int:
     return xla_bytes(f.lower(tuple(pools), SDS(tok, I32), tuple(rows)).compile(), donated=True)
 
 
-def probe_indexer_logits(x: Dims) -> int:
+def probe_indexer_logits(x: Dims, block_bytes: int = TRANSIENT_BLOCK_BYTES) -> int:
     """Per-rank indexer window on one device: dequantized K, logits, scores, top-k.
 
     It starts from the gathered fp8 view (as arguments) so XLA picks the dequantized
@@ -283,7 +287,8 @@ def probe_indexer_logits(x: Dims) -> int:
 
     def window(q, w, k8, k_scale, positions, kv_lens):
         k_view = dequantize_index_k(k8, k_scale)
-        return select_topk(index_scores(q, w, k_view, positions, kv_lens), positions, x.k)
+        scores = index_scores(q, w, k_view, positions, kv_lens, block_bytes=block_bytes)
+        return select_topk(scores, positions, x.k)
 
     args = (
         SDS((x.b, x.t, x.hi, x.di), F32),
@@ -296,7 +301,12 @@ def probe_indexer_logits(x: Dims) -> int:
     return xla_bytes(jax.jit(window).lower(*args).compile())
 
 
-def probe_sparse_rows(x: Dims) -> int:
+def probe_sparse_rows(x: Dims, block_bytes: int = TRANSIENT_BLOCK_BYTES) -> int:
+    """The float32 rows sparse attention gathers for one token block (`sparse_attention`
+    consumes a block's rows before the next block's gather; all tokens in one block unless
+    `block_bytes` is below the whole gather)."""
+    x = dataclasses.replace(x, t=block_rows(x.t, x.b * x.k * x.d * 4, block_bytes))
+
     def gather(view, topk):
         return _gather_rows(view.astype(F32), jnp.maximum(topk, 0))
 
@@ -433,6 +443,30 @@ def test_s9_1_each_kind_is_a_tight_upper_bound_of_xla(cfg, mesh, estimator):
     print("\nper-kind XLA:CPU bytes vs estimate (per rank)\n" + table)
     assert not failures, f"{failures}\n{table}"
     assert {k.split("[")[0] for k in KIND_PROBES} == set(KINDS)
+
+
+def test_s9_1_token_blocks_follow_the_model(cfg, mesh):
+    """With a budget small enough that the indexer and sparse attention run in token
+    blocks (as GLM-5 does at long context with the default 1 GiB), the estimator's logits
+    and gathered rows are one block's and still a tight upper bound of XLA's."""
+    rows, failures, blocked = [], [], 0
+    for name in ("long_extend", "ragged_3", "chunk_pair"):
+        est0 = cpu_estimator(cfg).estimate(shapes_of(BATCHES[name]))
+        x = dims(cfg, est0.shape)
+        budget = BLOCK_ROW_MULTIPLE * x.b * x.hi * x.s * 4  # 16-row indexer blocks
+        est = cpu_estimator(cfg, block_bytes=budget).estimate(shapes_of(BATCHES[name]))
+        blocked += block_rows(x.t, x.b * x.hi * x.s * 4, budget) < x.t
+        assert est.terms["logits"] < est0.terms["logits"] or x.t <= BLOCK_ROW_MULTIPLE
+        for kind, probe in (("indexer_logits", probe_indexer_logits),
+                            ("sparse_rows", probe_sparse_rows)):  # fmt: skip
+            xla, mine = probe(x, budget), kind_estimate(est, kind)
+            rows.append((name, f"{kind} (blocks)", xla, mine))
+            if not xla - XLA_SCALARS <= mine <= TIGHT * xla:
+                failures.append(f"{name}/{kind}: xla={xla} estimate={mine}")
+    table = _report(rows)
+    print("\nper-kind XLA:CPU bytes vs estimate, token blocks\n" + table)
+    assert blocked >= 2, "the budget must actually split these steps into blocks"
+    assert not failures, f"{failures}\n{table}"
 
 
 LAYER_SEQUENCES = [("full", "shared"), ("full", "full")]

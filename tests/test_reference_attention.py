@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy_reference as ref
@@ -19,6 +20,7 @@ from absl.testing import parameterized
 from flax import nnx
 from numpy_reference import f64, normal, randomize_norms
 
+from cpkv_jax.buckets import BLOCK_ROW_MULTIPLE, block_rows
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.indexer import Indexer, index_scores, select_topk
@@ -100,6 +102,87 @@ class SparseAttentionTest(chex.TestCase):
         absorbed = sparse_fn("absorbed")(*args)
         # Same math, different association of the products: float32 rounding only.
         chex.assert_trees_all_close(expanded, absorbed, rtol=1e-5, atol=1e-6)
+
+
+# ---- token blocks (buckets.block_rows) ------------------------------------------------
+# 37 query tokens in blocks of 16: two full blocks and a last one that starts at 21 and
+# recomputes rows 21-31 (the overlap must not change them).
+TB = 37
+
+
+def block_budget(row_bytes: int) -> int:
+    """A budget that makes `block_rows` pick BLOCK_ROW_MULTIPLE rows of `row_bytes`."""
+    budget = BLOCK_ROW_MULTIPLE * row_bytes
+    assert block_rows(TB, row_bytes, budget) == BLOCK_ROW_MULTIPLE
+    return budget
+
+
+class TokenBlocksTest(chex.TestCase):
+    def test_block_rows(self):
+        self.assertEqual(block_rows(100, 10, 1000), 100)  # all fit: one block
+        self.assertEqual(block_rows(100, 10, 999), 96)  # largest multiple of 16 that fits
+        self.assertEqual(block_rows(100, 10, 100), 16)  # never below one 16-row block
+        self.assertEqual(block_rows(8, 10, 50), 8)  # ... nor above the rows there are
+        self.assertEqual(block_rows(0, 10, 1), 0)
+        for bad in ((-1, 10, 1), (1, -1, 1), (1, 1, 0)):
+            with self.assertRaises(ValueError):
+                block_rows(*bad)
+
+    @parameterized.parameters("expanded", "absorbed")
+    def test_blocked_sparse_attention_matches_reference(self, form):
+        rng = np.random.default_rng(21)
+        q_nope, q_pe = normal(rng, (B, TB, H, NOPE)), normal(rng, (B, TB, H, ROPE_D))
+        latent = normal(rng, (B, S, LORA + ROPE_D))
+        w_kv_b = normal(rng, (H * (NOPE + V), LORA), LORA**-0.5)
+        topk = np.stack([[rng.choice(S, K, replace=False) for _ in range(TB)] for _ in range(B)])
+        topk[:, ::5, K // 2 :] = -1  # partly selected rows
+        budget = block_budget(B * K * (LORA + ROPE_D) * 4)
+        blocked = sparse_fn(form)(q_nope, q_pe, latent, jnp.asarray(topk, jnp.int32), w_kv_b,
+                                  block_bytes=budget)  # fmt: skip
+        whole = sparse_fn(form)(q_nope, q_pe, latent, jnp.asarray(topk, jnp.int32), w_kv_b)
+        want = np.stack(
+            [
+                ref.mla_attend(f64(q_nope[b]), f64(q_pe[b]), f64(latent[b]),
+                               ref.selection_mask(topk[b], S), f64(w_kv_b), SCALE)
+                for b in range(B)
+            ]
+        )  # fmt: skip
+        chex.assert_trees_all_close(f64(blocked), want, **TOL)
+        # Same per-token math in smaller matmuls: float32 rounding at most.
+        chex.assert_trees_all_close(blocked, whole, rtol=1e-6, atol=1e-6)
+
+    def test_blocked_index_scores_match_reference(self):
+        rng = np.random.default_rng(22)
+        hi, d, s = 4, 32, 48
+        q, w, k = normal(rng, (2, TB, hi, d)), normal(rng, (2, TB, hi), 0.2), normal(rng, (2, s, d))
+        positions = np.stack([np.arange(5, 5 + TB), np.arange(TB)])
+        kv_lens = np.array([s, 30])  # row 1's last tokens reach past kv_len
+        args = (q, w, k, jnp.asarray(positions), jnp.asarray(kv_lens))
+        blocked = index_scores(*args, block_bytes=block_budget(2 * hi * s * 4))
+        want = np.stack(
+            [ref.indexer_scores(f64(q[b]), f64(w[b]), f64(k[b]), positions[b], kv_lens[b])[0]
+             for b in range(2)]
+        )  # fmt: skip
+        chex.assert_trees_all_close(f64(blocked), want, **TOL)  # -inf pattern included
+        chex.assert_trees_all_close(blocked, index_scores(*args), rtol=1e-6, atol=1e-6)
+
+    def test_blocks_bound_the_compiled_indexer_memory(self):
+        """What blocking is for: XLA's temporaries shrink to about one block's logits."""
+        b, t, hi, d, s = 1, 256, 16, 32, 2048
+        spec = jax.ShapeDtypeStruct
+        f32, i32 = jnp.float32, jnp.int32
+        args = (spec((b, t, hi, d), f32), spec((b, t, hi), f32), spec((b, s, d), f32),
+                spec((b, t), i32), spec((b,), i32))  # fmt: skip
+
+        def temp_bytes(budget: int) -> int:
+            fn = functools.partial(index_scores, block_bytes=budget)
+            return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+        logits = b * t * hi * s * 4  # 32 MiB in one piece
+        whole, blocked = temp_bytes(1 << 40), temp_bytes(logits // 16)
+        self.assertGreaterEqual(whole, logits)
+        # One 16-row block's logits (+ its relu) is 4 MiB; the scores are 2 MiB.
+        self.assertLess(blocked, logits // 4, (whole, blocked))
 
 
 # ---- indexer scores and top-k -------------------------------------------------------

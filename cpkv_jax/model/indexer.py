@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES, block_rows
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.model.layers import LayerNorm, Linear
@@ -84,8 +85,16 @@ def index_scores(
     k_view: Float[Array, "b s d"],
     positions: Int[Array, "b t"],
     kv_lens: Int[Array, " b"],
+    *,
+    block_bytes: int = TRANSIENT_BLOCK_BYTES,
 ) -> Float[Array, "b t s"]:
-    """Causal indexer logits; -inf where `s > position` or `s >= kv_len`."""
+    """Causal indexer logits; -inf where `s > position` or `s >= kv_len`.
+
+    The per-head logits `[b, t, heads, s]` float32 are the largest transient of a prefill
+    step at long context; the query tokens go in blocks whose logits fit `block_bytes`
+    (`cpkv_jax.buckets.block_rows`; one block when they all fit), which the buffer
+    estimator sizes the same way.
+    """
     s = jnp.arange(k_view.shape[1])
 
     def sequence(q, w, positions, k_view, kv_lens):
@@ -99,7 +108,9 @@ def index_scores(
             )
             return jnp.where(allowed, scores, -jnp.inf)
 
-        return tokenwise(tokens, q, w, positions, axis=1)
+        row_bytes = q.shape[0] * q.shape[2] * keys.shape[1] * 4  # one token's logits
+        block = block_rows(q.shape[1], row_bytes, block_bytes)
+        return tokenwise(tokens, q, w, positions, axis=1, block=block)
 
     return per_sequence(sequence, q, w, positions, k_view, kv_lens)
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES, block_rows
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.indexer import Indexer, index_scores, select_topk
@@ -46,8 +47,13 @@ def sparse_attention(
     v_head_dim: int,
     scale: float,
     form: AttnForm,
+    block_bytes: int = TRANSIENT_BLOCK_BYTES,
 ) -> Float[Array, "b t h v"]:
-    """Attention of each query over its selected positions (`-1` = not selected)."""
+    """Attention of each query over its selected positions (`-1` = not selected).
+
+    The query tokens go in blocks whose gathered float32 rows `[b, tokens, k, c]` fit
+    `block_bytes` (`cpkv_jax.buckets.block_rows`; one block when they all fit).
+    """
 
     def sequence(q_nope, q_pe, topk, latent_view):
         tokens = functools.partial(
@@ -59,7 +65,9 @@ def sparse_attention(
             scale=scale,
             form=form,
         )
-        return tokenwise(tokens, q_nope, q_pe, topk, axis=1)
+        row_bytes = topk.shape[0] * topk.shape[2] * latent_view.shape[2] * 4  # gathered rows
+        block = block_rows(topk.shape[1], row_bytes, block_bytes)
+        return tokenwise(tokens, q_nope, q_pe, topk, axis=1, block=block)
 
     return per_sequence(sequence, q_nope, q_pe, topk, latent_view)
 

@@ -73,16 +73,23 @@ def _opaque_map(fn: Callable[..., Any], xs: tuple[Array, ...]) -> Any:
     return jax.lax.fori_loop(0, trips, body, init)
 
 
-def tokenwise(fn: Callable[..., Any], *arrays: Array, axis: int = 0) -> Any:
+def tokenwise(
+    fn: Callable[..., Any], *arrays: Array, axis: int = 0, block: int | None = None
+) -> Any:
     """`fn(*arrays)` for a function that treats each index of `axis` independently.
 
     Every array carries the token axis at `axis`; so does every leaf `fn` returns. Whatever
-    `fn` closes over (weights, the KV view) is shared by all tokens. Off: one call. On: the
-    token axis is zero-padded to a multiple of `TILE` and `fn` runs on one tile at a time,
-    in a loop XLA can neither inline nor merge across tiles.
+    `fn` closes over (weights, the KV view) is shared by all tokens. Off: one call, or -
+    with `block` smaller than the token count - a loop over blocks of `block` tokens that
+    bounds `fn`'s transient memory (`_blocked`). On: the token axis is zero-padded to a
+    multiple of `TILE` and `fn` runs on one tile at a time, in a loop XLA can neither
+    inline nor merge across tiles (`block` is then moot: a tile is never larger).
     """
     if not _ENABLED.get():
-        return fn(*arrays)
+        n = arrays[0].shape[axis]
+        if block is None or block >= n:
+            return fn(*arrays)
+        return _blocked(fn, arrays, axis, block)
     n = arrays[0].shape[axis]
     tiles = -(-n // TILE)
 
@@ -100,6 +107,34 @@ def tokenwise(fn: Callable[..., Any], *arrays: Array, axis: int = 0) -> Any:
 
     out = _opaque_map(fn, tuple(split(x) for x in arrays))
     return jax.tree_util.tree_map(join, out)
+
+
+def _blocked(fn: Callable[..., Any], arrays: tuple[Array, ...], axis: int, block: int) -> Any:
+    """`fn` over `axis` in blocks of `block` (< n) tokens, written into full-size outputs.
+
+    No padding: the last block starts at `n - block` and recomputes the rows it shares
+    with the one before (same inputs, same program, same values), so the outputs are
+    allocated once at their final size and updated in place by the loop.
+    """
+    n = arrays[0].shape[axis]
+    count = -(-n // block)
+
+    def take(x: Array, start: Array | int) -> Array:
+        return jax.lax.dynamic_slice_in_dim(x, start, block, axis=axis)
+
+    shapes = jax.eval_shape(fn, *(take(x, 0) for x in arrays))
+    init = jax.tree_util.tree_map(
+        lambda s: jnp.zeros((*s.shape[:axis], n, *s.shape[axis + 1 :]), s.dtype), shapes
+    )
+
+    def body(i: Array, acc: Any) -> Any:
+        start = jnp.minimum(i * block, n - block)
+        y = fn(*(take(x, start) for x in arrays))
+        return jax.tree_util.tree_map(
+            lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, start, axis=axis), acc, y
+        )
+
+    return jax.lax.fori_loop(0, count, body, init)
 
 
 def per_sequence(fn: Callable[..., Any], *arrays: Array) -> Any:

@@ -48,12 +48,19 @@ Terms (`Estimate.terms`, bytes per rank) and their lifetimes:
   `B*S*(I' + c)`, float32 dequantized view `index_k_dequantized = 4*B*S*Di` (with float32
   index K this is the logical-order copy instead; the copy fuses into the dequantization).
 - `indexer_logits` (full layers only, `index_scores` + `select_topk`): `logits =
-  4*B*T*Hi*S`, `logits_relu` (same size: XLA:CPU does not update the dot output in
-  place), `scores = 4*B*T*S`, `topk = 4*B*T*K` - counted live together. The logits phase
-  before them holds `index_k_dequantized + logits`. The top-k stays live through the
-  shared layers that reuse it.
-- `sparse_rows` `4*B*T*K*(kv_lora_rank + qk_rope_head_dim)`: the float32 rows sparse
-  attention gathers from the full view.
+  4*B*Tb*Hi*S`, `logits_relu` (same size: XLA:CPU does not update the dot output in
+  place), `scores = 4*B*T*S`, `topk = 4*B*T*K` - counted live together. `Tb` is the
+  indexer's token block, `cpkv_jax.buckets.block_rows(T, 4*B*Hi*S, block_bytes)`: `T`
+  when one block's logits fit `block_bytes` (`TRANSIENT_BLOCK_BYTES`, 1 GiB, by default),
+  else a multiple of 16 rows that fits - the model runs its blocks one after another,
+  and a blocked indexer adds `indexer_block_scores = 4*B*Tb*(2*S + Hi*(Di + 1))` (a
+  block's scores before and after the causal mask, and its slice of the queries and
+  head weights).
+  The logits phase before them holds `index_k_dequantized + logits`. The top-k stays
+  live through the shared layers that reuse it.
+- `sparse_rows` `4*B*Ts*K*(kv_lora_rank + qk_rope_head_dim)`: the float32 rows sparse
+  attention gathers from the full view, for one token block `Ts` (`block_rows` as above,
+  with `4*B*K*(kv_lora_rank + qk_rope_head_dim)` bytes per row).
 
 Stream-aware total. A full layer runs the phases write -> index_view -> logits ->
 scores -> latent_view -> sparse_rows (a shared layer: write -> latent_view ->
@@ -87,7 +94,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from cpkv_jax.buckets import StepShape, step_shape
+from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES, StepShape, block_rows, step_shape
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError, InputError
 
@@ -213,6 +220,7 @@ class BufferEstimator:
         index_k_dtype: str = "fp8_e4m3",
         profile: LoweringProfile = XLA_GPU,
         pages_per_rank: int | None = None,
+        block_bytes: int = TRANSIENT_BLOCK_BYTES,
     ):
         if cp_size < 1 or page_size < 1:
             raise ConfigError(f"cp_size and page_size must be >= 1, got {cp_size}, {page_size}")
@@ -223,7 +231,10 @@ class BufferEstimator:
         fp8 = index_k_dtype == "fp8_e4m3"
         latent_dtype = _dtype(dtype)
         index_dtype = np.dtype(_INDEX_K_DTYPES[index_k_dtype])
+        if block_bytes <= 0:
+            raise ConfigError(f"block_bytes must be > 0, got {block_bytes}")
         self.cfg, self.cp_size, self.page_size = cfg, cp_size, page_size
+        self.block_bytes = block_bytes  # the model's token-block budget (buckets.block_rows)
         self.index_k_dtype, self.profile = index_k_dtype, profile
         self.has_full = bool(cfg.full_indexer_layers)
         self.has_shared = len(cfg.full_indexer_layers) < cfg.num_hidden_layers
@@ -330,10 +341,21 @@ class BufferEstimator:
         idx_gathered = bs * (kk + sc)
         idx_local = idx_gathered // cp
         dequant = bs * self.dequant_token
-        logits = bt * s * self.logits_token
+        # The indexer and sparse attention run over the query tokens in blocks sized as the
+        # model sizes them (`block_rows`); their largest transients are one block's.
+        logits_rows = block_rows(t, b * s * self.logits_token, self.block_bytes)
+        sparse_rows = block_rows(t, b * k * self.sparse_row, self.block_bytes)
+        logits = b * logits_rows * s * self.logits_token
+        # A blocked indexer also holds a block's scores before and after the causal mask
+        # (then copied into the step's scores) and its slice of the queries and weights;
+        # none of it when the indexer runs in one block.
+        block_scores = 0
+        if logits_rows < t:
+            block_q = self.cfg.index_n_heads * (self.cfg.index_head_dim + 1) * _F32
+            block_scores = b * logits_rows * (2 * s * _F32 + block_q)
         scores = bt * s * _F32
         topk = bt * k * _I32
-        sparse = bt * k * self.sparse_row
+        sparse = b * sparse_rows * k * self.sparse_row
 
         terms = {
             "host_metadata": host,
@@ -356,6 +378,7 @@ class BufferEstimator:
             "index_k_dequantized": dequant,
             "logits": logits,
             "logits_relu": logits,
+            "indexer_block_scores": block_scores,
             "scores": scores,
             "topk": topk,
             "sparse_rows": sparse,
@@ -369,7 +392,7 @@ class BufferEstimator:
         rows_shared = rows_latent + self.latent_upcast + hoist_shared
         lat_early = lat_local + lat_gathered  # the latent all-gather, issued early
         idx_view = idx_local + idx_gathered + dequant
-        window = 2 * logits + scores + topk
+        window = 2 * logits + block_scores + scores + topk
         meta_write = meta_step + slots_ag
         # Phases: name, then the live bytes of each kind in `KINDS` order.
         phases = {
