@@ -185,6 +185,28 @@ class TokenBlocksTest(chex.TestCase):
         self.assertLess(blocked, logits // 4, (whole, blocked))
 
 
+def test_token_blocks_benchmark_reports_both_parts(tmp_path, capsys):
+    """`benchmarks.token_blocks` runs, prints what it writes, and shows what blocks are
+    for: fewer XLA temporaries than the one-piece program, with the same results."""
+    import json
+
+    from benchmarks import token_blocks as bench
+
+    out = tmp_path / "tb.json"
+    argv = ["--tokens", "32", "--view", "2048", "--heads", "2", "--budgets-mib", "2"]
+    assert bench.main([*argv, "--repeats", "1", "--json", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text())
+    for part in ("indexer", "sparse_attention"):
+        whole, blocked = printed[part]
+        assert whole["budget_mib"] is None and whole["rows_per_block"] == 32
+        assert blocked["budget_mib"] == 2 and blocked["rows_per_block"] == 16
+        assert blocked["temp_bytes"] < whole["temp_bytes"], printed[part]
+        assert blocked["time_ratio"] > 0
+    assert printed["indexer"][1]["same_topk"]
+    assert printed["sparse_attention"][1]["max_abs_diff"] < 1e-5
+
+
 # ---- indexer scores and top-k -------------------------------------------------------
 class IndexScoresTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
