@@ -6,7 +6,7 @@
 One rank's share of a long-context prefill step at GLM-5 head sizes (indexer: 32 heads of
 128, top-k 2048; MLA latent 512 + rope 64, absorbed form; `--heads` query heads, fewer
 than GLM-5's 64 so a CPU run stays short): `--tokens` query tokens over a `--view`-token
-KV view, fresh random inputs. The indexer (`index_scores` + `select_topk`) and
+KV view, fresh random inputs. The indexer (`indexer_topk`: scores and top-k) and
 `sparse_attention` are compiled once in one piece (`block_bytes` unlimited, the program
 before token blocks) and once per `--budgets-mib` budget, all in this process; each is
 timed `--repeats` times after a warm-up (median). Reported per budget: rows per block,
@@ -28,7 +28,7 @@ import numpy as np
 
 from benchmarks.report import emit, environment
 from cpkv_jax.buckets import block_rows
-from cpkv_jax.model.indexer import index_scores, select_topk
+from cpkv_jax.model.indexer import indexer_topk
 from cpkv_jax.model.mla import sparse_attention
 
 INDEX_HEADS, INDEX_DIM, TOPK = 32, 128, 2048
@@ -80,11 +80,7 @@ def measure(tokens: int, view: int, heads: int, budgets_mib, repeats: int, seed:
     attn_args = (x["q_nope"], x["q_pe"], x["latent"], x["topk"], x["w_kv_b"])
 
     def indexer(budget):
-        def fn(q, w, k, positions, kv_lens):
-            scores = index_scores(q, w, k, positions, kv_lens, block_bytes=budget)
-            return select_topk(scores, positions, TOPK)
-
-        return jax.jit(fn)
+        return jax.jit(functools.partial(indexer_topk, index_topk=TOPK, block_bytes=budget))
 
     def attention(budget):
         return jax.jit(

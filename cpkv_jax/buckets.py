@@ -70,7 +70,7 @@ rows `[B, T, index_topk, kv_cache_dim]` float32: at GLM-5 size, 2,048 query toke
 over a 128K-token view, that is 34 GB and 9.7 GB in one piece. With the default numerics
 both run over the query tokens in blocks of `block_rows(...)` rows so that one block's
 array stays within this budget (all rows at once when they fit, as for every shape the
-tiny model sees). The model (`cpkv_jax.model.indexer.index_scores`,
+tiny model sees). The model (`cpkv_jax.model.indexer.index_scores` and `indexer_topk`,
 `cpkv_jax.model.mla.sparse_attention`) and the admission-time buffer estimator
 (`serving.scheduler.buffer_estimator`) both size their blocks with `block_rows`, so the
 estimate follows the program.

@@ -59,7 +59,7 @@ from cpkv_jax.errors import ConfigError
 from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.materialize import CPKVIO
 from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
-from cpkv_jax.model.indexer import index_scores, select_topk
+from cpkv_jax.model.indexer import indexer_topk
 from cpkv_jax.model.kv_cache import TRASH_PAGE, dequantize_index_k
 from cpkv_jax.model.mla import _gather_rows
 from cpkv_jax.model.transformer import CausalLM
@@ -287,8 +287,7 @@ def probe_indexer_logits(x: Dims, block_bytes: int = TRANSIENT_BLOCK_BYTES) -> i
 
     def window(q, w, k8, k_scale, positions, kv_lens):
         k_view = dequantize_index_k(k8, k_scale)
-        scores = index_scores(q, w, k_view, positions, kv_lens, block_bytes=block_bytes)
-        return select_topk(scores, positions, x.k)
+        return indexer_topk(q, w, k_view, positions, kv_lens, x.k, block_bytes=block_bytes)
 
     args = (
         SDS((x.b, x.t, x.hi, x.di), F32),
@@ -346,8 +345,7 @@ def probe_layers(mesh, x: Dims, types: tuple[str, ...]) -> int:
                 k_view = dequantize_index_k(
                     IO.view(index_k[j], page_table), IO.view(index_scale[j], page_table)
                 )
-                scores = index_scores(q, w, k_view, positions, kv_lens)
-                topk, j = select_topk(scores, positions, x.k), j + 1
+                topk, j = indexer_topk(q, w, k_view, positions, kv_lens, x.k), j + 1
             sel = _gather_rows(IO.view(latent[i], page_table), jnp.maximum(topk, 0))
             out = jnp.einsum("btkc,btc->btk", sel, q_lat)  # stands in for attention
             dep = out.sum(-1, keepdims=True)

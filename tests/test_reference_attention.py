@@ -23,7 +23,7 @@ from numpy_reference import f64, normal, randomize_norms
 from cpkv_jax.buckets import BLOCK_ROW_MULTIPLE, block_rows
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.forward_batch import ForwardBatch
-from cpkv_jax.model.indexer import Indexer, index_scores, select_topk
+from cpkv_jax.model.indexer import Indexer, index_scores, indexer_topk, select_topk
 from cpkv_jax.model.kv_cache import PagedKVIO, dequantize_index_k, init_pool, quantize_index_k
 from cpkv_jax.model.mla import MLAttention, sparse_attention
 from cpkv_jax.tools.tiny_config import tiny_config_dict
@@ -165,6 +165,29 @@ class TokenBlocksTest(chex.TestCase):
         )  # fmt: skip
         chex.assert_trees_all_close(f64(blocked), want, **TOL)  # -inf pattern included
         chex.assert_trees_all_close(blocked, index_scores(*args), rtol=1e-6, atol=1e-6)
+
+    def test_blocked_indexer_topk_selects_from_each_blocks_scores(self):
+        """`indexer_topk` in blocks: each block's top-k from its own scores equals the
+        oracle's top-k of the same float32 scores (exact comparisons), and the unfused
+        `select_topk(index_scores(...))` with the same blocks, bit for bit."""
+        rng = np.random.default_rng(23)
+        hi, d, s, k = 4, 32, 48, 8
+        q, w, keys = (
+            normal(rng, (2, TB, hi, d)),
+            normal(rng, (2, TB, hi), 0.2),
+            normal(rng, (2, s, d)),
+        )
+        positions = np.stack([np.arange(5, 5 + TB), np.arange(TB)])  # rows 1: few candidates
+        args = (q, w, keys, jnp.asarray(positions), jnp.asarray([s, 40]))
+        budget = block_budget(2 * hi * s * 4)
+        got = np.asarray(
+            jax.jit(functools.partial(indexer_topk, index_topk=k, block_bytes=budget))(*args)
+        )
+        scores = index_scores(*args, block_bytes=budget)
+        chex.assert_trees_all_equal(got, np.asarray(select_topk(scores, args[3], k)))
+        scores64 = f64(scores)
+        want = np.stack([ref.topk(scores64[b], positions[b], k, k) for b in range(2)])
+        chex.assert_trees_all_equal(got, want.astype(np.int32))
 
     def test_blocks_bound_the_compiled_indexer_memory(self):
         """What blocking is for: XLA's temporaries shrink to about one block's logits."""

@@ -26,7 +26,7 @@ from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES, block_rows
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.model.layers import LayerNorm, Linear
-from cpkv_jax.model.numerics import per_sequence, rowwise, tokenwise
+from cpkv_jax.model.numerics import is_batch_invariant, per_sequence, rowwise, tokenwise
 from cpkv_jax.model.rope import apply_rope
 
 
@@ -113,6 +113,37 @@ def index_scores(
         return tokenwise(tokens, q, w, positions, axis=1, block=block)
 
     return per_sequence(sequence, q, w, positions, k_view, kv_lens)
+
+
+def indexer_topk(
+    q: Float[Array, "b t nh d"],
+    w: Float[Array, "b t nh"],
+    k_view: Float[Array, "b s d"],
+    positions: Int[Array, "b t"],
+    kv_lens: Int[Array, " b"],
+    index_topk: int,
+    *,
+    block_bytes: int = TRANSIENT_BLOCK_BYTES,
+) -> Int[Array, "b t k"]:
+    """`select_topk(index_scores(...), positions, index_topk)`, block by block.
+
+    When the logits need more than one token block (`index_scores`), each block selects
+    its own tokens' top-k from its own scores, so the step's `[b, t, s]` float32 scores
+    never exist - only one block's. A token's selection depends on its own row alone, so
+    the result is the same as selecting from the whole step's scores. Batch-invariant
+    numerics keep the unfused form (their 16-row tiles are already small).
+    """
+    row_bytes = q.shape[0] * q.shape[2] * k_view.shape[1] * 4  # one token's logits
+    block = block_rows(q.shape[1], row_bytes, block_bytes)
+    if is_batch_invariant() or block >= q.shape[1]:
+        scores = index_scores(q, w, k_view, positions, kv_lens, block_bytes=block_bytes)
+        return select_topk(scores, positions, index_topk)
+
+    def rows(q, w, positions):  # one block: its logits fit, so index_scores is one call
+        scores = index_scores(q, w, k_view, positions, kv_lens, block_bytes=block_bytes)
+        return select_topk(scores, positions, index_topk)
+
+    return tokenwise(rows, q, w, positions, axis=1, block=block)
 
 
 def select_topk(

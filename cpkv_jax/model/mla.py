@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int
 from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES, block_rows
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.forward_batch import ForwardBatch
-from cpkv_jax.model.indexer import Indexer, index_scores, select_topk
+from cpkv_jax.model.indexer import Indexer, indexer_topk
 from cpkv_jax.model.kv_cache import KVIO, KVPool, dequantize_index_k, quantize_index_k
 from cpkv_jax.model.layers import Linear, RMSNorm
 from cpkv_jax.model.numerics import per_sequence, tokenwise
@@ -167,8 +167,7 @@ class MLAttention(nnx.Module):
                     kv_io.view(pool.index_scale[j], batch.page_table) if pool.index_scale else None,
                 )
                 iq, iw = self.indexer.queries(x, qr, cos, sin)
-                scores = index_scores(iq, iw, k_view, batch.positions, batch.kv_lens)
-                topk = select_topk(scores, batch.positions, cfg.index_topk)
+                topk = indexer_topk(iq, iw, k_view, batch.positions, batch.kv_lens, cfg.index_topk)
         else:
             assert topk_in is not None, (
                 "shared indexer layer needs the preceding full layer's top-k"

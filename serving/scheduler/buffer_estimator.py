@@ -49,13 +49,13 @@ Terms (`Estimate.terms`, bytes per rank) and their lifetimes:
   index K this is the logical-order copy instead; the copy fuses into the dequantization).
 - `indexer_logits` (full layers only, `index_scores` + `select_topk`): `logits =
   4*B*Tb*Hi*S`, `logits_relu` (same size: XLA:CPU does not update the dot output in
-  place), `scores = 4*B*T*S`, `topk = 4*B*T*K` - counted live together. `Tb` is the
+  place), `scores = 4*B*Tb*S`, `topk = 4*B*T*K` - counted live together. `Tb` is the
   indexer's token block, `cpkv_jax.buckets.block_rows(T, 4*B*Hi*S, block_bytes)`: `T`
   when one block's logits fit `block_bytes` (`TRANSIENT_BLOCK_BYTES`, 1 GiB, by default),
-  else a multiple of 16 rows that fits - the model runs its blocks one after another,
-  and a blocked indexer adds `indexer_block_scores = 4*B*Tb*(2*S + Hi*(Di + 1))` (a
-  block's scores before and after the causal mask, and its slice of the queries and
-  head weights).
+  else a multiple of 16 rows that fits - the model runs its blocks one after another and
+  each block selects its own top-k (`indexer_topk`), so only one block's scores exist; a
+  blocked indexer adds `indexer_block_scores = 4*B*Tb*(S + Hi*(Di + 1))` (the block's
+  scores before the causal mask, and its slice of the queries and head weights).
   The logits phase before them holds `index_k_dequantized + logits`. The top-k stays
   live through the shared layers that reuse it.
 - `sparse_rows` `4*B*Ts*K*(kv_lora_rank + qk_rope_head_dim)`: the float32 rows sparse
@@ -346,14 +346,14 @@ class BufferEstimator:
         logits_rows = block_rows(t, b * s * self.logits_token, self.block_bytes)
         sparse_rows = block_rows(t, b * k * self.sparse_row, self.block_bytes)
         logits = b * logits_rows * s * self.logits_token
-        # A blocked indexer also holds a block's scores before and after the causal mask
-        # (then copied into the step's scores) and its slice of the queries and weights;
-        # none of it when the indexer runs in one block.
+        # A blocked indexer selects each block's top-k from that block's scores, so only
+        # one block's scores exist (`indexer_topk`), held before and after the causal mask,
+        # with the block's slice of the queries and head weights.
+        scores = b * logits_rows * s * _F32
         block_scores = 0
         if logits_rows < t:
             block_q = self.cfg.index_n_heads * (self.cfg.index_head_dim + 1) * _F32
-            block_scores = b * logits_rows * (2 * s * _F32 + block_q)
-        scores = bt * s * _F32
+            block_scores = b * logits_rows * (s * _F32 + block_q)
         topk = bt * k * _I32
         sparse = b * sparse_rows * k * self.sparse_row
 
