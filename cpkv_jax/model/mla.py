@@ -79,25 +79,28 @@ def _sparse_attention_tokens(
     w = w_kv_b.astype(jnp.float32).reshape(n_heads, nope + v_head_dim, kv_lora_rank)
     w_uk, w_uv = w[:, :nope], w[:, nope:]
     valid = topk >= 0
-    sel = _gather_rows(latent_view.astype(jnp.float32), jnp.maximum(topk, 0))  # [b,t,k,c]
-    c_sel, kpe_sel = sel[..., :kv_lora_rank], sel[..., kv_lora_rank:]
+    sel = _gather_rows(latent_view.astype(jnp.float32), jnp.maximum(topk, 0))  # [b,t,k,c+r]
     qn, qp = q_nope.astype(jnp.float32), q_pe.astype(jnp.float32)
-    rope_scores = jnp.einsum("bthr,btkr->bthk", qp, kpe_sel)
+
+    def softmax(scores):
+        scores = jnp.where(valid[:, :, None, :], scores * scale, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        # A token with no selected position (padding only) would be all -inf -> NaN.
+        return jnp.where(valid.any(-1)[:, :, None, None], probs, 0.0)
+
     if form == "absorbed":
+        # As FlashMLA does: [q_lat, q_pe] . [c, k_pe] is one dot over the stored row, and
+        # the output reads whole rows too (its rope columns dropped after), so the
+        # gathered rows are used as they are - never sliced into a second copy.
         q_lat = jnp.einsum("bthn,hnc->bthc", qn, w_uk)
-        scores = jnp.einsum("bthc,btkc->bthk", q_lat, c_sel) + rope_scores
-    else:
-        k_nope = jnp.einsum("btkc,hnc->btkhn", c_sel, w_uk)
-        scores = jnp.einsum("bthn,btkhn->bthk", qn, k_nope) + rope_scores
-    scores = jnp.where(valid[:, :, None, :], scores * scale, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    # A token with no selected position (padding only) would be all -inf -> NaN.
-    probs = jnp.where(valid.any(-1)[:, :, None, None], probs, 0.0)
-    if form == "absorbed":
-        o_lat = jnp.einsum("bthk,btkc->bthc", probs, c_sel)
-        return jnp.einsum("bthc,hvc->bthv", o_lat, w_uv)
+        scores = jnp.einsum("bthc,btkc->bthk", jnp.concatenate([q_lat, qp], axis=-1), sel)
+        o_row = jnp.einsum("bthk,btkc->bthc", softmax(scores), sel)
+        return jnp.einsum("bthc,hvc->bthv", o_row[..., :kv_lora_rank], w_uv)
+    c_sel, kpe_sel = sel[..., :kv_lora_rank], sel[..., kv_lora_rank:]
+    k_nope = jnp.einsum("btkc,hnc->btkhn", c_sel, w_uk)
+    scores = jnp.einsum("bthn,btkhn->bthk", qn, k_nope) + jnp.einsum("bthr,btkr->bthk", qp, kpe_sel)
     v = jnp.einsum("btkc,hvc->btkhv", c_sel, w_uv)
-    return jnp.einsum("bthk,btkhv->bthv", probs, v)
+    return jnp.einsum("bthk,btkhv->bthv", softmax(scores), v)
 
 
 class MLAttention(nnx.Module):
