@@ -51,8 +51,10 @@ def sparse_attention(
 ) -> Float[Array, "b t h v"]:
     """Attention of each query over its selected positions (`-1` = not selected).
 
-    The query tokens go in blocks whose gathered float32 rows `[b, tokens, k, c]` fit
-    `block_bytes` (`cpkv_jax.buckets.block_rows`; one block when they all fit).
+    The query tokens go in blocks whose largest float32 array fits `block_bytes`
+    (`cpkv_jax.buckets.block_rows`; one block when they all fit): the gathered rows
+    `[b, tokens, k, c]`, or in the expanded form the per-head keys `[b, tokens, k, h,
+    nope]` when they are larger.
     """
 
     def sequence(q_nope, q_pe, topk, latent_view):
@@ -65,7 +67,10 @@ def sparse_attention(
             scale=scale,
             form=form,
         )
-        row_bytes = topk.shape[0] * topk.shape[2] * latent_view.shape[2] * 4  # gathered rows
+        per_selected = latent_view.shape[2]  # a gathered row
+        if form == "expanded":  # per-head keys and values built from it
+            per_selected = max(per_selected, q_nope.shape[2] * max(q_nope.shape[3], v_head_dim))
+        row_bytes = topk.shape[0] * topk.shape[2] * per_selected * 4
         block = block_rows(topk.shape[1], row_bytes, block_bytes)
         return tokenwise(tokens, q_nope, q_pe, topk, axis=1, block=block)
 
