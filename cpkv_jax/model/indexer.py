@@ -79,6 +79,11 @@ class Indexer(nnx.Module):
         return q, w * (self.head_dim**-0.5)
 
 
+def _block(q: Array, k_view: Array, block_bytes: int) -> int:
+    """Query tokens per indexer block; one token's logits are `[b, heads, s]` float32."""
+    return block_rows(q.shape[1], q.shape[0] * q.shape[2] * k_view.shape[1] * 4, block_bytes)
+
+
 def index_scores(
     q: Float[Array, "b t nh d"],
     w: Float[Array, "b t nh"],
@@ -108,9 +113,7 @@ def index_scores(
             )
             return jnp.where(allowed, scores, -jnp.inf)
 
-        row_bytes = q.shape[0] * q.shape[2] * keys.shape[1] * 4  # one token's logits
-        block = block_rows(q.shape[1], row_bytes, block_bytes)
-        return tokenwise(tokens, q, w, positions, axis=1, block=block)
+        return tokenwise(tokens, q, w, positions, axis=1, block=_block(q, keys, block_bytes))
 
     return per_sequence(sequence, q, w, positions, k_view, kv_lens)
 
@@ -133,8 +136,7 @@ def indexer_topk(
     the result is the same as selecting from the whole step's scores. Batch-invariant
     numerics keep the unfused form (their 16-row tiles are already small).
     """
-    row_bytes = q.shape[0] * q.shape[2] * k_view.shape[1] * 4  # one token's logits
-    block = block_rows(q.shape[1], row_bytes, block_bytes)
+    block = _block(q, k_view, block_bytes)
     if is_batch_invariant() or block >= q.shape[1]:
         scores = index_scores(q, w, k_view, positions, kv_lens, block_bytes=block_bytes)
         return select_topk(scores, positions, index_topk)
