@@ -37,7 +37,7 @@ from cpkv_jax.mesh import CP_AXIS
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool
 from cpkv_jax.model.mla import AttnForm
-from cpkv_jax.model.numerics import batch_invariant
+from cpkv_jax.model.numerics import batch_invariant, token_block_bytes
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import pages_for_tokens
 
@@ -100,7 +100,12 @@ class StepPlan:
 
 
 class CPPrefillRunner:
-    """Owns the CP pools and allocator; runs chunked, batched CP prefill."""
+    """Owns the CP pools and allocator; runs chunked, batched CP prefill.
+
+    `batch_invariant` selects batch-invariant numerics (`cpkv_jax.model.numerics`);
+    `block_bytes` the token-block budget of the indexer and sparse attention
+    (`cpkv_jax.buckets.block_rows`; None: `TRANSIENT_BLOCK_BYTES`).
+    """
 
     def __init__(
         self,
@@ -115,8 +120,11 @@ class CPPrefillRunner:
         debug: bool | None = None,
         attn_form: AttnForm = "absorbed",
         batch_invariant: bool = False,
+        block_bytes: int | None = None,
     ):
         cp.validate(cfg, device_count=len(mesh.devices.reshape(-1)))
+        if block_bytes is not None and block_bytes <= 0:
+            raise InputError(f"token block budget must be > 0 bytes, got {block_bytes}")
         if mesh.shape[CP_AXIS] != cp.cp_size:
             raise InputError(
                 f"mesh has {mesh.shape[CP_AXIS]} cp ranks but --cp-size is {cp.cp_size}"
@@ -132,8 +140,16 @@ class CPPrefillRunner:
         self.pool = init_cp_pool(cfg, self.layout, mesh, model.dtype, index_k_dtype)
         self._shardings = (NamedSharding(mesh, P(None, CP_AXIS)), NamedSharding(mesh, P()))
         self.batch_invariant = batch_invariant
+        self.block_bytes = block_bytes
         self._step = _build_step(
-            graphdef, mesh, self.layout, self.kv_io, index_k_dtype, attn_form, batch_invariant
+            graphdef,
+            mesh,
+            self.layout,
+            self.kv_io,
+            index_k_dtype,
+            attn_form,
+            batch_invariant,
+            block_bytes,
         )
         self._view = _build_view(mesh, self.layout, self.kv_io)
         self.debug = os.environ.get(DEBUG_ENV) == "1" if debug is None else debug
@@ -153,6 +169,7 @@ class CPPrefillRunner:
                 debug=False,
                 attn_form=attn_form,
                 batch_invariant=batch_invariant,
+                block_bytes=block_bytes,
             )
 
     @property
@@ -324,12 +341,13 @@ def _build_step(
     index_k_dtype: str,
     form: AttnForm,
     invariant: bool,
+    block_bytes: int | None,
 ):
     def per_rank(state, tokens, page_table, kv_lens, pool):
         input_ids, positions, valid, write_slots = tokens
         batch = ForwardBatch(input_ids, positions, valid, write_slots, page_table, kv_lens)
         model = nnx.merge(graphdef, state)
-        with batch_invariant(invariant):
+        with batch_invariant(invariant), token_block_bytes(block_bytes):
             hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form)
         return hidden, pool
 

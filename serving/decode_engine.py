@@ -10,6 +10,8 @@ One `DecodeEngine` serves two server modes behind the `StepEngine` contract
   request. With `batch_invariant=True` (`cpkv-serve --enable-batch-invariant`) every step
   uses batch-invariant numerics and the prefill uses the absorbed form too, so a
   request's tokens and log-probs do not depend on the rows it is batched with;
+  `block_bytes` (`--transient-block-size`) bounds the prefill's indexer and sparse-
+  attention token blocks;
 - `"decode"` (PD): `add` allocates the request's pages and registers its transfer room
   with the receiver at once (the router hears back only after `add`, so the room exists
   before the prefill server sends); each `step` polls the rooms without blocking. On
@@ -205,6 +207,7 @@ class DecodeEngine:
         detokenize: Detokenize | None = None,
         clock: Callable[[], float] = time.monotonic,
         batch_invariant: bool = False,
+        block_bytes: int | None = None,
     ):
         if mode not in ("null", "decode"):
             raise ConfigError(
@@ -233,6 +236,7 @@ class DecodeEngine:
         self.page_size = page_size
         self.index_k_dtype = index_k_dtype
         self.batch_invariant = batch_invariant
+        self.block_bytes = block_bytes  # token-block budget of the indexer / sparse attention
         # Batch-invariant numerics use one attention form everywhere (the CP prefill's).
         self.prefill_form = "absorbed" if batch_invariant else "expanded"
         self.max_running_requests = max_running_requests
@@ -557,6 +561,7 @@ class DecodeEngine:
             index_k_dtype=self.index_k_dtype,
             form=form,
             invariant=self.batch_invariant,
+            block_bytes=self.block_bytes,
         )
 
     # ---- bookkeeping ---------------------------------------------------------------------

@@ -109,6 +109,7 @@ def build_prefill_engine(
         index_k_dtype=args.index_k_dtype,
         gather_impl=args.kernel_impl,
         batch_invariant=args.enable_batch_invariant,
+        block_bytes=args.transient_block_size,
     )
     cache = RadixCache(runner.allocator, args.page_size)
     estimator = BufferEstimator(
@@ -119,6 +120,7 @@ def build_prefill_engine(
         index_k_dtype=args.index_k_dtype,
         profile=profile_for_platform(devices[0].platform),
         pages_per_rank=pages,
+        block_bytes=args.transient_block_size,
     )
     limits = CPSharedKVLimits(
         shared_kv=args.enable_cp_shared_kv,

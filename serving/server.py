@@ -148,6 +148,7 @@ def _build_decode_side(
         page_size=args.page_size,
         index_k_dtype=args.index_k_dtype,
         batch_invariant=args.enable_batch_invariant,
+        block_bytes=args.transient_block_size,
         mode=args.disaggregation_mode,
         max_running_requests=args.max_running_requests or DEFAULT_MAX_RUNNING,
         detokenize=_detokenizer(tokenizer),
@@ -202,6 +203,7 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
         page_size=args.page_size,
         index_k_dtype=args.index_k_dtype,
         batch_invariant=args.enable_batch_invariant,
+        block_bytes=args.transient_block_size,
         mode="null",
         max_running_requests=k,
     )

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
+from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES
 from cpkv_jax.config import CPConfig, CPSplitMode, ModelConfig, check_cp_config, parse_override_args
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.model.kv_cache import IndexKDtype
@@ -295,6 +296,15 @@ class ServerArgs:
     kv_pool_size: int | None = _arg(
         None,
         help="device KV pool bytes per rank (e.g. 40GiB); none = size from free device memory",
+        group="scheduler",
+        parse=parse_byte_size,
+        metavar="BYTES",
+    )
+    transient_block_size: int = _arg(
+        TRANSIENT_BLOCK_BYTES,
+        help="largest array of one token block of the indexer and sparse attention "
+        "(bytes per rank, e.g. 1GiB): bounds a long-context prefill step's transient memory; "
+        "the buffer estimator sizes blocks the same way",
         group="scheduler",
         parse=parse_byte_size,
         metavar="BYTES",
@@ -584,6 +594,7 @@ class ServerArgs:
             "max_prefill_tokens",
             "max_running_requests",
             "kv_pool_size",
+            "transient_block_size",
             "nsa_index_topk_freq",
             # SPEC S5.2: each bs>1 limit is None (unlimited) or >= 1.
             "cp_shared_kv_prefill_max_batch_requests",

@@ -15,6 +15,7 @@ With batch-invariant numerics (`batch_invariant=True`) the same comparisons are 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -128,6 +129,30 @@ def test_cp_prefill_equals_single_device_reference(setup, length, chunk):
     # Shared and replicated pools: bitwise-equal full views and logits.
     chex.assert_trees_all_equal(results[True][1], results[False][1])
     chex.assert_trees_all_equal(results[True][0], results[False][0])
+
+
+def test_token_blocks_in_the_cp_step_equal_the_reference(setup):
+    """`block_bytes=1`: the indexer and sparse attention run in 16-row token blocks on
+    every rank (128 tokens each here) and in the single-device prefill; both still match
+    the one-block reference within the CP tolerance, and the top-k is the same."""
+    cfg, model, _ = setup
+    ids = _prompt(33 * P + 5, 7)
+    ref_logits, ref_view = reference(cfg, model, ids)
+    runner = make_runner(cfg, model, ids.size, block_bytes=1)
+    result = runner.prefill([ids], None)
+    view = runner.full_view(result.tables[0])
+    f32 = functools.partial(jax.tree_util.tree_map, lambda x: np.asarray(x, np.float32))
+    chex.assert_trees_all_close(result.last_logits[0], ref_logits, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(f32(view), f32(ref_view), atol=1e-5, rtol=0)
+    # The single-device step in blocks too (what the decode engine's prefill runs).
+    n, pages = ids.size, -(-ids.size // P)
+    batch = prefill_batch(ids, np.arange(1, pages + 1, dtype=np.int32), P)
+    graphdef, state = nnx.split(model)
+    pool = init_pool(cfg, pages + 1, P, index_k_dtype=INDEX_K)
+    logits, _ = forward_step(graphdef, state, batch, pool, index_k_dtype=INDEX_K, block_bytes=1)
+    chex.assert_trees_all_close(np.asarray(logits[0]), ref_logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(InputError, match="token block budget"):
+        make_runner(cfg, model, n, block_bytes=0)
 
 
 @pytest.fixture(scope="module")

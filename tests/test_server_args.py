@@ -134,6 +134,7 @@ def test_non_default_values_round_trip_through_the_command_line():
         chunked_prefill_size=8192,
         max_running_requests=64,
         kv_pool_size=40 * 2**30,
+        transient_block_size=256 * 2**20,
         schedule_policy="lpm",
         enable_cp_shared_kv_prefill_bs_gt1=True,
         cp_shared_kv_prefill_max_batch_requests=4,
@@ -161,6 +162,9 @@ def test_optional_ints_accept_none_and_byte_sizes_accept_units():
     )
     assert args.chunked_prefill_size is None
     assert args.kv_pool_size == 512 * 2**20
+    assert ServerArgs.from_cli(["--model-path", "m"]).transient_block_size == 2**30
+    short = ServerArgs.from_cli(["--model-path", "m", "--transient-block-size", "64MiB"])
+    assert short.transient_block_size == 64 * 2**20
 
 
 @pytest.mark.parametrize(
@@ -539,6 +543,7 @@ def test_s5_limits_with_bs_gt1_are_accepted_and_bs_gt1_on_ordinary_cp_warns():
         ({"max_prefill_tokens": 0}, "--max-prefill-tokens must be >= 1"),
         ({"max_running_requests": 0}, "--max-running-requests must be >= 1"),
         ({"kv_pool_size": 0}, "--kv-pool-size must be >= 1"),
+        ({"transient_block_size": 0}, "--transient-block-size must be >= 1"),
         ({"port": 0}, "--port must be in [1, 65535]"),
         ({"request_timeout": -1.0}, "--request-timeout must be > 0"),
         ({"model_path": ""}, "--model-path is empty"),

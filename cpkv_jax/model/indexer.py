@@ -22,11 +22,17 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES, block_rows
+from cpkv_jax.buckets import block_rows
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.model.layers import LayerNorm, Linear
-from cpkv_jax.model.numerics import is_batch_invariant, per_sequence, rowwise, tokenwise
+from cpkv_jax.model.numerics import (
+    block_budget,
+    is_batch_invariant,
+    per_sequence,
+    rowwise,
+    tokenwise,
+)
 from cpkv_jax.model.rope import apply_rope
 
 
@@ -79,9 +85,10 @@ class Indexer(nnx.Module):
         return q, w * (self.head_dim**-0.5)
 
 
-def _block(q: Array, k_view: Array, block_bytes: int) -> int:
+def _block(q: Array, k_view: Array, block_bytes: int | None) -> int:
     """Query tokens per indexer block; one token's logits are `[b, heads, s]` float32."""
-    return block_rows(q.shape[1], q.shape[0] * q.shape[2] * k_view.shape[1] * 4, block_bytes)
+    row_bytes = q.shape[0] * q.shape[2] * k_view.shape[1] * 4
+    return block_rows(q.shape[1], row_bytes, block_budget(block_bytes))
 
 
 def index_scores(
@@ -91,14 +98,15 @@ def index_scores(
     positions: Int[Array, "b t"],
     kv_lens: Int[Array, " b"],
     *,
-    block_bytes: int = TRANSIENT_BLOCK_BYTES,
+    block_bytes: int | None = None,
 ) -> Float[Array, "b t s"]:
     """Causal indexer logits; -inf where `s > position` or `s >= kv_len`.
 
     The per-head logits `[b, t, heads, s]` float32 are the largest transient of a prefill
     step at long context; the query tokens go in blocks whose logits fit `block_bytes`
     (`cpkv_jax.buckets.block_rows`; one block when they all fit), which the buffer
-    estimator sizes the same way.
+    estimator sizes the same way. None: the traced `numerics.token_block_bytes` budget,
+    else `TRANSIENT_BLOCK_BYTES`.
     """
     s = jnp.arange(k_view.shape[1])
 
@@ -126,7 +134,7 @@ def indexer_topk(
     kv_lens: Int[Array, " b"],
     index_topk: int,
     *,
-    block_bytes: int = TRANSIENT_BLOCK_BYTES,
+    block_bytes: int | None = None,
 ) -> Int[Array, "b t k"]:
     """`select_topk(index_scores(...), positions, index_topk)`, block by block.
 

@@ -19,13 +19,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES, block_rows
+from cpkv_jax.buckets import block_rows
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.indexer import Indexer, indexer_topk
 from cpkv_jax.model.kv_cache import KVIO, KVPool, dequantize_index_k, quantize_index_k
 from cpkv_jax.model.layers import Linear, RMSNorm
-from cpkv_jax.model.numerics import per_sequence, tokenwise
+from cpkv_jax.model.numerics import block_budget, per_sequence, tokenwise
 from cpkv_jax.model.rope import apply_rope
 
 AttnForm = Literal["expanded", "absorbed"]
@@ -47,14 +47,15 @@ def sparse_attention(
     v_head_dim: int,
     scale: float,
     form: AttnForm,
-    block_bytes: int = TRANSIENT_BLOCK_BYTES,
+    block_bytes: int | None = None,
 ) -> Float[Array, "b t h v"]:
     """Attention of each query over its selected positions (`-1` = not selected).
 
     The query tokens go in blocks whose largest float32 array fits `block_bytes`
     (`cpkv_jax.buckets.block_rows`; one block when they all fit): the gathered rows
     `[b, tokens, k, c]`, or in the expanded form the per-head keys `[b, tokens, k, h,
-    nope]` when they are larger.
+    nope]` when they are larger. None: the traced `numerics.token_block_bytes` budget,
+    else `TRANSIENT_BLOCK_BYTES`.
     """
 
     def sequence(q_nope, q_pe, topk, latent_view):
@@ -71,7 +72,7 @@ def sparse_attention(
         if form == "expanded":  # per-head keys and values built from it
             per_selected = max(per_selected, q_nope.shape[2] * max(q_nope.shape[3], v_head_dim))
         row_bytes = topk.shape[0] * topk.shape[2] * per_selected * 4
-        block = block_rows(topk.shape[1], row_bytes, block_bytes)
+        block = block_rows(topk.shape[1], row_bytes, block_budget(block_bytes))
         return tokenwise(tokens, q_nope, q_pe, topk, axis=1, block=block)
 
     return per_sequence(sequence, q_nope, q_pe, topk, latent_view)

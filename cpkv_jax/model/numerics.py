@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES
+
 TILE = 16
 """Token rows per tile in batch-invariant mode (a multiple of the CPU GEMM micro-panel)."""
 
@@ -50,6 +52,35 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
 
 def is_batch_invariant() -> bool:
     return _ENABLED.get()
+
+
+_BLOCK_BYTES: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "cpkv_token_block_bytes", default=None
+)
+
+
+@contextlib.contextmanager
+def token_block_bytes(nbytes: int | None) -> Iterator[None]:
+    """Trace inside this context to give the indexer's and sparse attention's token
+    blocks a budget of `nbytes` (`cpkv_jax.buckets.block_rows`); None: the default,
+    `TRANSIENT_BLOCK_BYTES`. Read at trace time, like `batch_invariant`: make the budget
+    part of the jit's static arguments (`forward_step`) or build one program per budget
+    (`CPPrefillRunner`)."""
+    if nbytes is not None and nbytes <= 0:
+        raise ValueError(f"token block budget must be > 0 bytes, got {nbytes}")
+    token = _BLOCK_BYTES.set(nbytes)
+    try:
+        yield
+    finally:
+        _BLOCK_BYTES.reset(token)
+
+
+def block_budget(nbytes: int | None = None) -> int:
+    """`nbytes` if given, else the traced `token_block_bytes` budget, else the default."""
+    if nbytes is not None:
+        return nbytes
+    traced = _BLOCK_BYTES.get()
+    return TRANSIENT_BLOCK_BYTES if traced is None else traced
 
 
 def _opaque_map(fn: Callable[..., Any], xs: tuple[Array, ...]) -> Any:

@@ -19,7 +19,7 @@ from cpkv_jax.model.kv_cache import KVIO, SINGLE_DEVICE_KV_IO, KVPool
 from cpkv_jax.model.layers import Embedding, Linear, RMSNorm
 from cpkv_jax.model.mla import AttnForm, MLAttention
 from cpkv_jax.model.moe import DenseMLP, MoE
-from cpkv_jax.model.numerics import batch_invariant, rowwise
+from cpkv_jax.model.numerics import batch_invariant, rowwise, token_block_bytes
 from cpkv_jax.model.rope import rope_cos_sin
 
 
@@ -123,7 +123,15 @@ class CausalLM(nnx.Module):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "kv_io", "index_k_dtype", "form", "all_logits", "invariant"),
+    static_argnames=(
+        "graphdef",
+        "kv_io",
+        "index_k_dtype",
+        "form",
+        "all_logits",
+        "invariant",
+        "block_bytes",
+    ),
     donate_argnames=("pool",),
 )
 def forward_step(
@@ -137,13 +145,16 @@ def forward_step(
     form: AttnForm = "expanded",
     all_logits: bool = False,
     invariant: bool = False,
+    block_bytes: int | None = None,
 ) -> tuple[Float[Array, "b ... v"], KVPool]:
     """One jitted model step: logits (last valid token per row, or every token) + pool.
 
     The pool is donated: callers must use the returned pool and drop the old one.
-    `invariant` selects batch-invariant numerics (`cpkv_jax.model.numerics`).
+    `invariant` selects batch-invariant numerics (`cpkv_jax.model.numerics`);
+    `block_bytes` the indexer's and sparse attention's token-block budget (None: the
+    default, `cpkv_jax.buckets.TRANSIENT_BLOCK_BYTES`).
     """
-    with batch_invariant(invariant):
+    with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
         hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form)
         if not all_logits:
