@@ -19,6 +19,11 @@ batch-invariant kernels, not a fast path (measured: `benchmarks/batch_invariant.
 The mode is read while a function is *traced*: wrap the traced call in
 `batch_invariant(True)` and make the flag part of the jit's static arguments (as
 `forward_step` and `CPPrefillRunner` do), so the two modes never share a compiled program.
+
+With the default numerics, `tokenwise(..., block=)` instead bounds memory: the indexer
+and sparse attention run over the query tokens in blocks sized by
+`cpkv_jax.buckets.block_rows` for the budget `token_block_bytes` sets at trace time
+(`cpkv-serve --transient-block-size`; default `TRANSIENT_BLOCK_BYTES`).
 """
 
 from __future__ import annotations
