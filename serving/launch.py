@@ -97,6 +97,10 @@ def main(
     if args.check_config:
         print(json.dumps(effective_configuration(args, model, warnings), indent=2))
         return EXIT_OK
+    try:
+        args.refuse_unbuilt()
+    except CpkvError as e:
+        return _fail(str(e))
     logger.info(
         "effective configuration: %s",
         json.dumps(effective_configuration(args, model, warnings), sort_keys=True),

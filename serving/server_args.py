@@ -54,6 +54,12 @@ SchedulePolicy = Literal["fcfs", "lpm"]
 HiCacheMemLayout = Literal["layer_first", "page_first", "page_first_direct", "layer_page_first"]
 HiCacheIOBackend = Literal["direct", "kernel"]
 HiCacheStorageBackend = Literal["none", "file"]
+
+HICACHE_NOT_BUILT = (
+    "--enable-hierarchical-cache: the host KV cache (HiCache, SPEC S4) is not built yet; "
+    "its options are validated, but cpkv-serve refuses to start with it rather than serve "
+    "without it; drop --enable-hierarchical-cache and the --hicache-* options"
+)
 DisaggregationMode = Literal["null", "prefill", "decode"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
@@ -350,7 +356,10 @@ class ServerArgs:
 
     # HiCache (SPEC S4)
     enable_hierarchical_cache: bool = _arg(
-        False, help="keep evicted KV pages in a host (L2) cache", group="hicache"
+        False,
+        help="keep evicted KV pages in a host (L2) cache; NOT BUILT YET: the options are "
+        "validated (--check-config), the server refuses to start with them",
+        group="hicache",
     )
     hicache_mem_layout: HiCacheMemLayout = _arg(  # noqa: RUF009
         "layer_first",
@@ -579,6 +588,8 @@ class ServerArgs:
             raise ServerArgsError(str(e)) from e
         self._check_transfer(backends)
         self._check_hicache()
+        if self.enable_hierarchical_cache:
+            warnings.append(HICACHE_NOT_BUILT)
         if self.enable_cp_shared_kv_prefill_bs_gt1 and not self.enable_cp_shared_kv:
             warnings.append(
                 "--enable-cp-shared-kv-prefill-bs-gt1 has no effect without "
@@ -670,6 +681,12 @@ class ServerArgs:
                 f"with the wrong decode pages, SPEC S2.3); use --transfer-backend "
                 f"{' or '.join(fit) or '<a backend with both>'}, or drop --enable-cp-shared-kv"
             )
+
+    def refuse_unbuilt(self) -> None:
+        """Raise `ServerArgsError` for a valid flag whose feature the server does not have
+        yet: starting anyway would silently serve without it."""
+        if self.enable_hierarchical_cache:
+            raise ServerArgsError(HICACHE_NOT_BUILT)
 
     def _check_hicache(self) -> None:
         # SPEC S4.4: layer_page_first is host-only and direct-only, with no fallback.

@@ -16,6 +16,7 @@ from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving import launch
 from serving.server_args import (
     GROUPS,
+    HICACHE_NOT_BUILT,
     ServerArgs,
     ServerArgsError,
     flag_name,
@@ -481,7 +482,8 @@ def test_s4_4_layer_page_first_direct_host_only_is_accepted():
         enable_hierarchical_cache=True,
         hicache_mem_layout="layer_page_first",
     )
-    assert args.validate() == ()
+    # Valid; the only warning says the host cache itself is not built yet.
+    assert args.validate() == (HICACHE_NOT_BUILT,)
     # Other layouts may use a storage tier and the kernel I/O backend.
     args = _args(
         enable_hierarchical_cache=True,
@@ -489,7 +491,7 @@ def test_s4_4_layer_page_first_direct_host_only_is_accepted():
         hicache_io_backend="kernel",
         hicache_storage_backend="file",
     )
-    assert args.validate() == ()
+    assert args.validate() == (HICACHE_NOT_BUILT,)
 
 
 def test_hicache_options_need_the_hierarchical_cache():
@@ -684,6 +686,17 @@ def test_serve_without_weights_fails_startup_with_one_error_line(serve):
     rc, out, err = serve(check=False)
     assert rc == 2 and out == ""
     assert "model.safetensors" in _one_error_line(err)
+
+
+def test_unbuilt_host_cache_is_refused_at_startup_not_ignored(serve):
+    """HiCache flags are validated (--check-config warns), but the server does not start
+    with them: serving without the cache the user asked for would be silent."""
+    rc, out, _ = serve("--enable-hierarchical-cache")
+    assert rc == 0 and json.loads(out)["warnings"] == [HICACHE_NOT_BUILT]
+    rc, out, err = serve("--enable-hierarchical-cache", check=False)
+    assert rc == 2 and out == ""
+    line = _one_error_line(err)
+    assert "not built yet" in line and "model.safetensors" not in line  # before loading
 
 
 def test_help_exits_zero(capsys):

@@ -608,36 +608,37 @@ def test_fault_abort_then_late_write_stays_in_quarantine(prefill, decode, backen
 # ---- write retries ------------------------------------------------------------------------------
 
 
-class FlakyEngine:
-    """A sender engine whose first batch write from each rank thread half lands, then
-    fails the way the engine reports a peer reset (`MooncakeTransferError`, code -1):
-    the first half of the descriptors is really written, the rest is not."""
+class FlakyWrites:
+    """`batch_write` of a real sender engine whose first call from each rank thread half
+    lands, then fails the way the engine reports a peer reset (`MooncakeTransferError`,
+    code -1): the first half of the descriptors is really written, the rest is not.
+    Installed on the engine instance (`monkeypatch.setattr`), so the backend still gets
+    a real `MooncakeEngine`."""
 
-    def __init__(self, engine: MooncakeEngine):
-        self._engine = engine
+    def __init__(self, write):
+        self._write = write  # the engine's own bound batch_write
         self._failed: set[int] = set()
         self._lock = threading.Lock()
         self.failures = 0
 
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-    def batch_write(self, session_id, local, remote, lengths) -> None:
+    def __call__(self, session_id, local, remote, lengths) -> None:
         me = threading.get_ident()
         with self._lock:
             first = me not in self._failed
             self._failed.add(me)
         if not first:
-            return self._engine.batch_write(session_id, local, remote, lengths)
+            return self._write(session_id, local, remote, lengths)
         half = max(1, len(lengths) // 2)
-        self._engine.batch_write(session_id, local[:half], remote[:half], lengths[:half])
+        self._write(session_id, local[:half], remote[:half], lengths[:half])
         with self._lock:
             self.failures += 1
         raise MooncakeTransferError("simulated peer reset after a partial write", -1)
 
 
 @needs_mooncake
-def test_transient_write_failure_is_retried_and_succeeds(prefill, decode, sender_engine):
+def test_transient_write_failure_is_retried_and_succeeds(
+    prefill, decode, sender_engine, monkeypatch
+):
     """Every rank's first batch write fails after half of it landed: the rank retries
     the same write (same attempt, same destination rows), and the room succeeds with
     the decode pool bitwise equal to the prefill full view."""
@@ -647,8 +648,9 @@ def test_transient_write_failure_is_retried_and_succeeds(prefill, decode, sender
     table = new_table(pre, n_tok)
     n_pages = table.num_pages  # the hold's release empties the table
     view = pre.runner.full_view(table)
-    flaky = FlakyEngine(sender_engine)
-    backend = MooncakeBackend(CONFIG, engine=flaky)  # type: ignore[arg-type]
+    flaky = FlakyWrites(sender_engine.batch_write)
+    monkeypatch.setattr(sender_engine, "batch_write", flaky)
+    backend = MooncakeBackend(CONFIG, engine=sender_engine)
     try:
         hold, dst = run_transfer(pre, dec, table, "flaky", Aux(7, -0.2), backend=backend)
         outcome = finish(hold)

@@ -27,7 +27,8 @@ from typing import Any, Literal
 
 import ml_dtypes  # noqa: F401  (registers "bfloat16", "float8_e4m3fn" as numpy dtype names)
 import numpy as np
-from jaxtyping import Int
+import numpy.typing as npt
+from jaxtyping import Int, UInt64
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import CpkvError
@@ -192,8 +193,9 @@ class LayoutDescriptor:
         self._check(kind, layer)
         return layer if kind == "latent" else self.full_indexer_layers.index(layer)
 
-    def page_bytes(self, kind: BufferKind, layer: int) -> int:
-        """Bytes of one page of the (kind, layer) buffer."""
+    def page_bytes(self, kind: str, layer: int) -> int:
+        """Bytes of one page of the (kind, layer) buffer; `kind` is a `BufferKind` (it
+        may come off the wire: anything else raises `PagePlanError`)."""
         self._check(kind, layer)
         if kind == "latent":
             return self.page_size * self.kv_cache_dim * np.dtype(self.latent_dtype).itemsize
@@ -381,7 +383,7 @@ def _rank_descriptors(
     )
 
 
-def _page_array(pages: Sequence[int] | np.ndarray, name: str, n_pages: int) -> np.ndarray:
+def _page_array(pages: npt.ArrayLike, name: str, n_pages: int) -> np.ndarray:
     arr = np.asarray(pages)
     if arr.ndim != 1:
         raise PagePlanError(f"{name} must be 1-D, got shape {arr.shape}")
@@ -407,8 +409,8 @@ def plan_request(
     num_tokens: int,
     page_size: int,
     cp_size: int,
-    src_local_pages: Int[np.ndarray, " pages"] | Sequence[int],
-    dst_pages: Int[np.ndarray, " pages"] | Sequence[int],
+    src_local_pages: npt.ArrayLike,
+    dst_pages: npt.ArrayLike,
 ) -> RequestPlan:
     """Split one request's page transfer over its CP ranks (SPEC S2.1-S2.2).
 
@@ -416,7 +418,8 @@ def plan_request(
     `p % cp_size` (`RequestPageTable.local_pages()`); `dst_pages[p]` is the decode page
     for position `p`. Both have `pages_for_tokens(num_tokens, page_size)` entries, all
     >= 1 (page 0 is the trash page); decode pages are unique, and so are the local pages
-    of each lane. Raises `PagePlanError` naming the bad entry otherwise.
+    of each lane. Any array-like is accepted and checked here (not by annotations: the
+    pages can come from the wire); raises `PagePlanError` naming the bad entry otherwise.
     """
     for name, value, low in (("num_tokens", num_tokens, 1), ("page_size", page_size, 1)):
         if value < low:
@@ -514,7 +517,7 @@ def page_digest(array_bytes: bytes | bytearray | memoryview | np.ndarray) -> int
     return xxhash.xxh3_64_intdigest(array_bytes)
 
 
-def page_digests(pages: np.ndarray) -> Int[np.ndarray, " pages"]:
+def page_digests(pages: np.ndarray) -> UInt64[np.ndarray, " pages"]:
     """`page_digest` of every `pages[i]` of a `[pages, ...]` array, `[pages]` uint64."""
     pages = np.ascontiguousarray(pages)
     flat = pages.reshape(pages.shape[0], -1).view(np.uint8) if pages.size else pages
@@ -525,7 +528,7 @@ def page_digests(pages: np.ndarray) -> Int[np.ndarray, " pages"]:
 
 def row_digests(
     buffer: np.ndarray, rows: Int[np.ndarray, " k"] | Sequence[int]
-) -> Int[np.ndarray, " k"]:
+) -> UInt64[np.ndarray, " k"]:
     """`page_digest(buffer[rows[i]])` of rows of a C-contiguous `[R, page_bytes]` uint8
     buffer, `[k]` uint64, without copying the rows (staging regions, registered pools)."""
     if buffer.ndim != 2 or buffer.dtype != np.uint8 or not buffer.flags.c_contiguous:

@@ -71,8 +71,8 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol, TypeVar, runtime_checkable
 
 import grpc
 import jax
@@ -129,7 +129,7 @@ _QUOTED = 8
 COMMIT_WAIT_S = 1.0
 
 
-def _quote(values: np.ndarray | list[int]) -> str:
+def _quote(values: np.ndarray | Sequence[int]) -> str:
     v = [int(x) for x in values]
     return "[" + ", ".join(map(str, v[:_QUOTED])) + (", ...]" if len(v) > _QUOTED else "]")
 
@@ -145,6 +145,7 @@ def _scatter_pages(pool: KVPool, pages: jax.Array, staged: KVPool) -> KVPool:
     )
 
 
+@runtime_checkable
 class StagingEndpoint(Protocol):
     """A one-sided data plane's receive side (`mooncake_backend.MooncakeReceiverEndpoint`):
     the arena its engine registered, and what a sender needs to reach it."""

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ from transfer.protocol import Aux, RoomSnapshot, RoomState
 logger = logging.getLogger(__name__)
 
 
+@runtime_checkable
 class PageSource(Protocol):
     """Reads one prefill rank's pages of one (kind, layer) pool leaf to host memory."""
 
