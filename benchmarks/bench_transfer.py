@@ -24,16 +24,19 @@ is sent by `--cp` (8) prefill ranks to one decode server on 127.0.0.1:
   coverage check; the senders' hold release after Success is not timed. `*_gbps` =
   request bytes / median seconds over `--repeats` (1e9 B/s); `*_cpu_cores` = CPU
   seconds of both processes per second during the runs;
-- raw: `benchmarks.bench_mooncake_raw.raw_write_times` for the same total bytes as ONE
-  contiguous write between two engines, measured in the same run (median over
-  max(repeats, 3)); `*_ratio` = backend / raw.
+- raw: `benchmarks.bench_mooncake_raw.RawWriter`, the same total bytes as ONE contiguous
+  write between two engines of its own in this process, timed after every timed backend
+  run (so the baseline sees the same machine load as the runs around it); `*_ratio` =
+  backend GB/s / `raw_mooncake_gbps` (median over all those raw writes).
+  `raw_sync_call_gbps`: the same write through the binding's blocking call, which spins
+  on the transfer status (`transfer.backends.mooncake_engine`), shown for comparison.
 
 Backends: `grpc` (`GrpcBackendConfig`: 4 MiB chunks, `--grpc-channels` channels per
 rank) and `mooncake` (zero-copy from the registered host pools by default;
 `--mooncake-source copy` reads pages into the backend's registered host buffer first,
-as for device pools). On a 2-core machine the raw engine write alone keeps both cores
-busy, so every other CPU cycle (xxh3 digests on both sides, the Python control plane)
-comes out of the ratio.
+as for device pools). On a 2-core machine the raw engine write alone keeps most of both
+cores busy (the kernel's loopback copies), so every other CPU cycle and memory pass
+(xxh3 digests on both sides, the Python control plane) comes out of the ratio.
 
 Prints ONE JSON object on stdout; progress goes to stderr. Mooncake parts are null, with
 the reason in `mooncake_unavailable`, where the engine cannot load.
@@ -57,6 +60,7 @@ os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: errors only
 
 import numpy as np
 
+from benchmarks.bench_mooncake_raw import RawWriter
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.paging import PageAllocator, owned_pages, pages_for_tokens
 from transfer.backends.grpc_backend import GrpcBackend, GrpcBackendConfig
@@ -284,16 +288,31 @@ def source_digests(plan: Plan) -> np.ndarray:
     return out
 
 
+@dataclasses.dataclass
+class RawTimes:
+    """Raw engine writes timed between backend runs (`RawWriter`; seconds)."""
+
+    polled: list[float] = dataclasses.field(default_factory=list)
+    sync_call: list[float] = dataclasses.field(default_factory=list)
+
+    def take(self, raw: RawWriter) -> None:
+        self.polled.append(raw.write_seconds())
+        self.sync_call.append(raw.sync_call_seconds())
+
+
 def run_backend(
     name: str,
     backend: TransferBackend,
     decode: DecodeServer | DecodeProcess,
     plan: Plan,
     repeats: int,
+    raw: RawWriter | None = None,
+    raw_times: RawTimes | None = None,
 ) -> tuple[list[float], list[float]]:
     """Seconds from send to Success for `repeats` timed runs (after one warm-up whose
     every staged page is checked against its source), and the CPU seconds of each
-    (prefill and decode sides together)."""
+    (prefill and decode sides together). With `raw`, one raw engine write of the same
+    bytes (each way) is timed after each run into `raw_times`."""
     sources = [HostPoolPageSource(plan.layout, leaves) for leaves in plan.leaves]
     in_process = isinstance(decode, DecodeServer)
     times, cpu = [], []
@@ -321,6 +340,8 @@ def run_backend(
             times.append(dt)
             cpu.append(dc + (0.0 if in_process else decode_cpu))
             logger.info("%s run %d: %.3fs (%.2f GB/s, %.2f cores)", name, i, dt, gbps, cpu[-1] / dt)
+            if raw is not None and raw_times is not None:
+                raw_times.take(raw)
     return times, cpu
 
 
@@ -378,6 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not ok:
         logger.warning("Mooncake unavailable, mooncake and raw parts skipped: %s", why)
 
+    # The raw baseline: two engines of its own, timed between the backend runs.
+    raw = RawWriter(plan.bytes) if ok else None
+    raw_times = RawTimes()
     # One host-only decode server for both backends (its own process by default).
     arena_bytes = plan.bytes + 64 * MiB
     t = time.perf_counter()
@@ -422,7 +446,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     heartbeat_timeout_s=60.0,
                     rpc_timeout_s=600.0,
                 )
-                times, cpu = run_backend("grpc", GrpcBackend(cfg), decode, plan, args.repeats)
+                times, cpu = run_backend(
+                    "grpc", GrpcBackend(cfg), decode, plan, args.repeats, raw, raw_times
+                )
                 report["grpc_gbps"] = plan.bytes / statistics.median(times) / 1e9
                 report["grpc_seconds"] = times
                 report["grpc_cpu_cores"] = statistics.median(
@@ -447,7 +473,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     transfer_timeout_s=120.0,
                 )
                 with MooncakeBackend(mcfg) as backend:
-                    times, cpu = run_backend("mooncake", backend, decode, plan, args.repeats)
+                    times, cpu = run_backend(
+                        "mooncake", backend, decode, plan, args.repeats, raw, raw_times
+                    )
                     stats = backend.stats(f"mooncake-{args.repeats}")
                 report["mooncake_gbps"] = plan.bytes / statistics.median(times) / 1e9
                 report["mooncake_seconds"] = times
@@ -461,16 +489,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report["mooncake_batch_writes_per_rank"] = {
                     str(r): s.batch_writes for r, s in sorted(stats.items())
                 }
+        if raw is not None:
+            if not raw_times.polled:  # no backend ran: time the raw writes on their own
+                for _ in range(args.repeats):
+                    raw_times.take(raw)
+            raw.write_seconds()
+            raw.check()
     finally:
         decode.close()
-    del plan.leaves[:]  # free the pools before the raw engines allocate theirs
+        if raw is not None:
+            raw.close()
 
-    if ok:
-        from benchmarks.bench_mooncake_raw import raw_write_times
-
-        raw = raw_write_times(report["bytes"], max(args.repeats, 3))
-        report["raw_seconds"] = raw
-        report["raw_mooncake_gbps"] = report["bytes"] / statistics.median(raw) / 1e9
+    if raw is not None:
+        med = statistics.median(raw_times.polled)
+        report["raw_seconds"] = raw_times.polled
+        report["raw_mooncake_gbps"] = report["bytes"] / med / 1e9
+        report["raw_sync_call_seconds"] = raw_times.sync_call
+        report["raw_sync_call_gbps"] = (
+            report["bytes"] / statistics.median(raw_times.sync_call) / 1e9
+        )
         for name in ("grpc", "mooncake"):
             if report[f"{name}_gbps"] is not None:
                 report[f"{name}_ratio"] = report[f"{name}_gbps"] / report["raw_mooncake_gbps"]

@@ -40,11 +40,19 @@ def test_bench_transfer_reports_mooncake_and_raw(report):
     if not AVAILABLE:
         assert report["mooncake_unavailable"] == REASON
         pytest.skip(f"Mooncake Transfer Engine unavailable: {REASON}")
-    for key in ("mooncake_gbps", "raw_mooncake_gbps", "grpc_ratio", "mooncake_ratio"):
+    for key in (
+        "mooncake_gbps",
+        "raw_mooncake_gbps",
+        "raw_sync_call_gbps",
+        "grpc_ratio",
+        "mooncake_ratio",
+    ):
         assert report[key] > 0, key
     assert report["mooncake_ratio"] == pytest.approx(
         report["mooncake_gbps"] / report["raw_mooncake_gbps"]
     )
+    # One raw write each way after every timed run of each backend.
+    assert len(report["raw_seconds"]) == len(report["raw_sync_call_seconds"]) == 2
     # Contiguous local pages + owner-major staging: one descriptor per buffer per rank.
     assert set(report["mooncake_descriptors_per_rank"].values()) == {6}
 

@@ -24,23 +24,32 @@ Engine facts this wrapper relies on (mooncake-transfer-engine 0.3.13, found by t
 - Several engines can live in one process (the benchmark and tests use two). The memory
   allocator is process-global and fixed by the first engine's protocol. `"rdma"` without
   RDMA devices silently ends up on TCP.
-- `batch_transfer_sync_write(session_id, local_ptrs, remote_ptrs, lengths) -> int` blocks,
-  releases the GIL, returns 0 or a negative code. The remote side checks that every
-  destination range lies inside one of ITS registered buffers (else -1); the TCP transport
-  does NOT check local source ranges, so this wrapper checks them against its own
-  registrations. A batch of more than ~2000 descriptors to one peer fails (-1, "TCP lane
-  queue-full rejection"): `batch_write` splits batches into chunks of `max_batch`
-  (default 1024) descriptors and sends the chunks of one session one at a time.
-- A dead peer (process gone, nothing listening) fails fast (-1 / handshake refused). A
-  peer that is alive but stalled (e.g. SIGSTOP) blocks a sync write until the engine's
-  transfer timeout `MC_TRANSFER_TIMEOUT` (whole seconds, read when the engine object is
-  constructed, so per engine; at least 5 s; 30 s when the variable is unset).
-  `transfer_timeout_s` sets it for the engine being created. The single-transfer call
-  `transfer_sync_write` does not honour it (it blocked until the peer's TCP connection
-  reset, 25 s here), so `write` goes through the batch call too.
-- The async API (`batch_transfer_async_write` + `get_batch_transfer_status`) is not used:
-  the status call blocks until completion and frees the batch, and a second status call
-  on the same batch id crashes the process (double free).
+- `transfer_submit_write(session_id, local_ptr, remote_ptr, nbytes) -> batch_id` starts
+  one transfer (0 or (uint64) -1 when refused, e.g. a dead peer) and
+  `transfer_check_status(batch_id) -> int` polls it without blocking: 1 done (batch
+  freed), 0 running, -1 failed (freed), -2 timed out (not freed: the engine offers no way
+  to cancel or free it). `batch_write` submits one transfer per descriptor and polls
+  them with short sleeps. The remote side checks that every destination range lies
+  inside one of ITS registered buffers (else -1); the TCP transport does NOT check local
+  source ranges, so this wrapper checks them against its own registrations. More than
+  ~2000 transfers in flight to one peer fail ("TCP lane queue-full rejection"):
+  `batch_write` keeps at most `max_batch` (default 1024) in flight, and the writes of one
+  session go one call at a time.
+- Not used: `batch_transfer_sync_write` (blocks, releases the GIL) spins on the batch
+  status without pausing; on a 2-core host that thread takes the CPU the engine's socket
+  threads need: one 673 MB loopback write ran at 2.2-2.4 GB/s through it against
+  3.2-4.1 GB/s submitted and polled (2026-11-30). The async batch API
+  (`batch_transfer_async_write` + `get_batch_transfer_status`): the status call spins
+  the same way until completion and frees the batch, and a second status call on the
+  same batch id crashes the process (double free); `transfer_check_status` of a
+  multi-descriptor batch looks at its first descriptor only.
+- A dead peer (process gone, nothing listening) fails fast (submit refused, or -1). A
+  peer that is alive but stalled (e.g. SIGSTOP) leaves its transfers running until a
+  timeout: the engine's own `MC_TRANSFER_TIMEOUT` (whole seconds, read when the engine
+  object is constructed, at least 5 s, 30 s when unset; status -2) or, whichever comes
+  first, `transfer_timeout_s` + 1 s per GiB, which `batch_write` enforces itself. The
+  single-transfer sync call `transfer_sync_write` ignores the engine's timeout (it
+  blocked until the peer's TCP connection reset, 25 s here).
 - Destroying an engine takes ~1 s (its metadata thread winds down); `close()` does it.
 - Logs go to stderr through glog; set `GLOG_minloglevel=2` in the environment before
   `mooncake` is imported to keep only errors.
@@ -65,6 +74,7 @@ import math
 import os
 import re
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,6 +85,11 @@ from cpkv_jax.errors import CpkvError
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 DEFAULT_MAX_BATCH = 1024  # descriptors per engine call; the TCP per-peer queue holds ~2000
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+# Pauses between status polls of a write: from 50 us, doubling while nothing completes,
+# up to 1 ms (the most a poll adds to a write's latency).
+_POLL_PAUSE_MIN_S = 5e-5
+_POLL_PAUSE_MAX_S = 1e-3
+_BATCH_ID_ERROR = 1 << 63  # submit returns 0 or (uint64) -1 when it refuses a transfer
 
 # Shared objects engine.so loads that the wheel does not bundle -> the Debian package.
 _DEBIAN_PACKAGE_OF_LIB = {
@@ -211,10 +226,11 @@ class MooncakeEngine:
 
     `hostname` is the address peers reach this engine at (here 127.0.0.1); `protocol` is
     "tcp" (loopback, any host) or "rdma" (a cluster with RDMA NICs; `device_name` picks
-    them, "" = auto-discover). `transfer_timeout_s` bounds each sync write to a stalled
-    peer (`MC_TRANSFER_TIMEOUT`, whole seconds, at least 5; None = the environment's
-    value, or the engine's default of 30 s). `max_batch` is the most
-    descriptors handed to the engine in one call.
+    them, "" = auto-discover). `transfer_timeout_s` bounds each write to a stalled peer:
+    `batch_write` gives up this long (plus one second per GiB written) after it starts;
+    it also becomes the engine's own `MC_TRANSFER_TIMEOUT` (whole seconds, at least 5).
+    None = the environment's value, or the engine's default of 30 s. `max_batch` is the
+    most descriptors in flight to the engine at once.
     """
 
     def __init__(
@@ -261,6 +277,10 @@ class MooncakeEngine:
                 rc,
             )
         self._engine = engine
+        if transfer_timeout_s is None:  # what the engine itself read
+            env = os.environ.get("MC_TRANSFER_TIMEOUT")
+            transfer_timeout_s = max(5, int(env)) if env else DEFAULT_TRANSFER_TIMEOUT_S
+        self.transfer_timeout_s = float(transfer_timeout_s)
         self.rpc_port = int(engine.get_rpc_port())
         self.session_id = f"{hostname}:{self.rpc_port}"
 
@@ -419,25 +439,95 @@ class MooncakeEngine:
         if not sizes.size:
             return
         self._check_local(local, sizes)
+        # The engine's own timeout rule: the transfer timeout plus one second per GiB.
+        deadline = time.monotonic() + self.transfer_timeout_s + float(sizes.sum()) / (1 << 30)
         with self._call() as engine, self._session_lock(session_id):
             for lo in range(0, sizes.size, self.max_batch):
                 hi = min(lo + self.max_batch, sizes.size)
-                rc = engine.batch_transfer_sync_write(
-                    session_id, local[lo:hi].tolist(), remote[lo:hi].tolist(), sizes[lo:hi].tolist()
+                failure = self._write_polled(
+                    engine, session_id, local[lo:hi], remote[lo:hi], sizes[lo:hi], deadline
                 )
-                if rc != 0:
+                if failure is not None:
+                    code, what = failure
                     raise MooncakeTransferError(
-                        f"batch write to {session_id} failed with code {rc} (descriptors "
-                        f"{lo}..{hi - 1} of {sizes.size}, {int(sizes[lo:hi].sum())} bytes): the "
-                        "peer is dead, unreachable or stalled, or a remote range is not "
-                        "inside a buffer the peer registered",
-                        rc,
+                        f"batch write to {session_id} failed with code {code} ({what}; "
+                        f"descriptors {lo}..{hi - 1} "
+                        f"of {sizes.size}, {int(sizes[lo:hi].sum())} bytes): the peer is dead, "
+                        "unreachable or stalled, or a remote range is not inside a buffer the "
+                        "peer registered",
+                        code,
                     )
+
+    def _write_polled(
+        self,
+        engine: Any,
+        session_id: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        sizes: np.ndarray,
+        deadline: float,
+    ) -> tuple[int, str] | None:
+        """Submit one transfer per descriptor, then poll them, sleeping between polls;
+        returns None when all completed, else (code, what went wrong).
+
+        Not `batch_transfer_sync_write`: that call spins on the status without pausing,
+        and on a 2-core host the spinning thread takes the CPU the engine's own socket
+        threads need (a 673 MB loopback write: 2.2-2.4 GB/s with it, 3.2-4.1 GB/s polled).
+        A failed submit stops further submits; descriptors already in flight are still
+        waited for (to completion, failure or the deadline), so nothing of this call is
+        still moving when it returns - except past the deadline, where the engine gives
+        no way to cancel (the batch ids of stalled transfers are not freed, as in the
+        engine's own sync call)."""
+        pending: list[int] = []
+        failure: tuple[int, str] | None = None
+        for i in range(sizes.size):
+            batch_id = engine.transfer_submit_write(
+                session_id, int(local[i]), int(remote[i]), int(sizes[i])
+            )
+            if not 0 < batch_id < _BATCH_ID_ERROR:
+                failure = (-1, f"submit of descriptor {i} refused")
+                break
+            pending.append(batch_id)
+        pause = _POLL_PAUSE_MIN_S
+        while pending:
+            still = []
+            for batch_id in pending:
+                rc = engine.transfer_check_status(batch_id)
+                if rc == 0:
+                    still.append(batch_id)
+                elif rc != 1 and failure is None:  # -1 failed (freed), -2 engine timeout
+                    failure = (int(rc), "transfer timed out" if rc == -2 else "transfer failed")
+            # Back off while nothing finishes (a long transfer costs few polls), poll
+            # quickly again once something did (the rest are likely close behind).
+            pause = (
+                _POLL_PAUSE_MIN_S
+                if len(still) < len(pending)
+                else min(2 * pause, _POLL_PAUSE_MAX_S)
+            )
+            pending = still
+            if pending and time.monotonic() > deadline:
+                return (-2, f"{len(pending)} transfer(s) still running after the deadline")
+            if pending:
+                time.sleep(pause)
+        return failure
 
     def write(self, session_id: str, local_ptr: int, remote_ptr: int, nbytes: int) -> None:
         """One contiguous write: `batch_write` with one descriptor (same checks, errors and
         transfer timeout; the engine's single-transfer call ignores that timeout)."""
         self.batch_write(session_id, [local_ptr], [remote_ptr], [nbytes])
+
+    def blocking_write(self, session_id: str, local_ptr: int, remote_ptr: int, nbytes: int) -> None:
+        """One contiguous write through the binding's own blocking batch call
+        (`batch_transfer_sync_write`, which spins on the status: module docstring), for
+        benchmarks that compare it with `write`. Same checks and errors as `write`."""
+        local, sizes = _int_array([local_ptr], "local_ptr"), _int_array([nbytes], "nbytes")
+        self._check_local(local, sizes)
+        with self._call() as engine, self._session_lock(session_id):
+            rc = engine.batch_transfer_sync_write(session_id, [local_ptr], [remote_ptr], [nbytes])
+        if rc != 0:
+            raise MooncakeTransferError(
+                f"blocking write to {session_id} failed with code {rc} ({nbytes} bytes)", rc
+            )
 
     def probe(self, session_id: str) -> bool:
         """Whether the peer engine answers (a JSON-RPC probe; fast on a dead port)."""
