@@ -9,8 +9,9 @@ One `GrpcRankSender` per (room, prefill rank):
    the rank sends only the positions it owns (owner filtering), and every page carries
    its logical position (position-addressed destinations), so the decode side needs no
    ordering assumption.
-3. **Pages** - one `WritePages` client stream per (kind, layer) buffer, spread over
-   `channels_per_rank` channels (each its own TCP connection), chunks of at most
+3. **Pages** - one `WritePages` client stream per channel (`channels_per_rank`
+   channels, each its own TCP connection), each carrying the chunks of a share of the
+   (kind, layer) buffers balanced by bytes, chunks of at most
    `chunk_bytes` page bytes with a per-page xxh3 digest, compression off. The buffer is
    read to host once (`PageSource.read`), or used in place when the source is a host
    pool (`host_buffer`, as `HostPoolPageSource`); each chunk is serialized by hand
@@ -43,7 +44,14 @@ import grpc
 import numpy as np
 
 from transfer.capabilities import BackendCapabilities, default_backend_registry
-from transfer.page_plan import BufferKind, PagePlanError, RankPlan, plan_request, row_digests
+from transfer.page_plan import (
+    BufferKind,
+    LayoutDescriptor,
+    PagePlanError,
+    RankPlan,
+    plan_request,
+    row_digests,
+)
 from transfer.proto import kv_transfer_pb2 as pb
 from transfer.proto import kv_transfer_pb2_grpc as pb_grpc
 from transfer.protocol import (
@@ -144,6 +152,22 @@ def serialize_page_chunk(header: pb.PageChunk, data: memoryview | bytes) -> byte
         raise ValueError("serialize_page_chunk: the header must not carry data")
     n = data.nbytes if isinstance(data, memoryview) else len(data)
     return b"".join((header.SerializeToString(), _DATA_TAG, _varint_bytes(n), data))
+
+
+def _stream_groups(layout: LayoutDescriptor, streams: int) -> list[list[tuple[BufferKind, int]]]:
+    """The layout's buffers in at most `streams` groups of about equal bytes (largest
+    first, each to the lightest group), each group in layout order: one stream each.
+    One stream per buffer would open 3 x layers streams per rank and room, whose setup
+    dominates small transfers."""
+    buffers = layout.buffers()
+    n = max(1, min(streams, len(buffers)))
+    load = [0] * n
+    members: list[list[int]] = [[] for _ in range(n)]
+    for b in sorted(range(len(buffers)), key=lambda b: -layout.page_bytes(*buffers[b])):
+        g = load.index(min(load))
+        members[g].append(b)
+        load[g] += layout.page_bytes(*buffers[b])
+    return [[buffers[b] for b in sorted(m)] for m in members if m]
 
 
 def _page_rows(pages: np.ndarray, lo: int, hi: int) -> memoryview:
@@ -336,15 +360,17 @@ class GrpcRankSender:
 
     # ---- pages ------------------------------------------------------------------------------
     def _send_pages(self, plan: RankPlan, chunk_bytes: int) -> None:
-        """Every buffer of the layout, one stream each, over the rank's channels."""
+        """Every buffer of the layout over the rank's channels: one stream per channel,
+        each carrying the chunks of a share of the buffers (balanced by bytes)."""
         if plan.num_pages == 0:
             return
-        buffers = self.job.layout.buffers()
-        n = min(len(self._stubs), len(buffers))
-        with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="kv-send-ch") as pool:
+        groups = _stream_groups(self.job.layout, len(self._stubs))
+        with concurrent.futures.ThreadPoolExecutor(
+            len(groups), thread_name_prefix="kv-send-ch"
+        ) as pool:
             futures = [
-                pool.submit(self._send_buffer, plan, kind, layer, i % n, chunk_bytes)
-                for i, (kind, layer) in enumerate(buffers)
+                pool.submit(self._send_stream, plan, group, channel, chunk_bytes)
+                for channel, group in enumerate(groups)
             ]
             errors: list[BaseException] = []
             for f in concurrent.futures.as_completed(futures):
@@ -359,11 +385,11 @@ class GrpcRankSender:
                         raise e
             raise errors[0]
 
-    def _send_buffer(
-        self, plan: RankPlan, kind: BufferKind, layer: int, channel: int, chunk_bytes: int
-    ) -> None:
-        self._check()
-        job, cfg = self.job, self.config
+    def _buffer_chunks(
+        self, plan: RankPlan, kind: BufferKind, layer: int, chunk_bytes: int
+    ) -> Iterator[bytes]:
+        """The serialized chunks of one (kind, layer) buffer, its digests taken first."""
+        job = self.job
         nbytes = job.layout.page_bytes(kind, layer)
         pages, rows = self._source_pages(kind, layer, plan.src_pages, nbytes)
         digests = row_digests(pages, rows)  # native xxh3, releases the GIL
@@ -389,24 +415,42 @@ class GrpcRankSender:
                 digests=digests[i : i + per].tolist(),
             )
 
-        def chunks() -> Iterator[bytes]:
-            for i in range(0, plan.num_pages, per):
+        for i in range(0, plan.num_pages, per):
+            if self._must_stop():
+                return  # half-close; the caller's _check() says why
+            if self.faults.chunk is None:
+                raw = serialize_page_chunk(header(i), chunk_bytes_at(i))
+            else:  # tests: the hook sees (and may alter) the protobuf message
+                msg = header(i)
+                msg.data = bytes(chunk_bytes_at(i))
+                msg = self.faults.chunk(self, msg)
                 if self._must_stop():
-                    return  # half-close; the caller's _check() says why
-                if self.faults.chunk is None:
-                    raw = serialize_page_chunk(header(i), chunk_bytes_at(i))
-                else:  # tests: the hook sees (and may alter) the protobuf message
-                    msg = header(i)
-                    msg.data = bytes(chunk_bytes_at(i))
-                    msg = self.faults.chunk(self, msg)
-                    if self._must_stop():
-                        return
-                    if msg is None:
-                        continue
-                    raw = msg.SerializeToString()
-                with self._lock:
-                    self.chunks_sent += 1
-                yield raw
+                    return
+                if msg is None:
+                    continue
+                raw = msg.SerializeToString()
+            with self._lock:
+                self.chunks_sent += 1
+            yield raw
+
+    def _send_stream(
+        self,
+        plan: RankPlan,
+        group: list[tuple[BufferKind, int]],
+        channel: int,
+        chunk_bytes: int,
+    ) -> None:
+        """One `WritePages` stream with the chunks of `group`'s buffers, one buffer after
+        another. A failed stream is sent again whole with the same attempt id (the
+        receiver counts pages it already has as duplicates), up to `max_retries` times."""
+        job, cfg = self.job, self.config
+        what = ", ".join(f"{kind} layer {layer}" for kind, layer in group)
+
+        def chunks() -> Iterator[bytes]:
+            for kind, layer in group:
+                yield from self._buffer_chunks(plan, kind, layer, chunk_bytes)
+                if self._must_stop():
+                    return
 
         for attempt in range(cfg.max_retries + 1):
             self._check()
@@ -418,11 +462,10 @@ class GrpcRankSender:
                 code = e.code()
                 if code in RETRYABLE and attempt < cfg.max_retries:
                     logger.info(
-                        "room %s: rank %d %s layer %d stream %s (%s); retry %d",
+                        "room %s: rank %d stream of %s (%s: %s); retry %d",
                         job.room,
                         job.rank,
-                        kind,
-                        layer,
+                        what,
                         code.name,
                         e.details(),
                         attempt + 1,
@@ -430,10 +473,9 @@ class GrpcRankSender:
                     self._sleep(cfg.retry_backoff_s * 2**attempt)
                     continue
                 if code in FINAL:
-                    self._finish_with_status(f"{kind} layer {layer} pages refused: {e.details()}")
+                    self._finish_with_status(f"pages refused: {e.details()}")
                 self._fail(
-                    f"{kind} layer {layer} pages: {code.name} after {attempt + 1} tries: "
-                    f"{e.details()}"
+                    f"stream of {what}: {code.name} after {attempt + 1} tries: {e.details()}"
                 )
             self._check()  # a stream cut short by a stop condition ends here
             if ack.state == pb.ROOM_STATE_FAILED:
