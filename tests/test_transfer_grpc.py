@@ -190,6 +190,20 @@ def test_buffers_share_few_streams_balanced_by_bytes(streams):
     assert max(loads) - min(loads) <= max(layout.page_bytes(*b) for b in buffers)
 
 
+def test_backend_keeps_each_ranks_channels_across_rooms():
+    """Channels are made once per (decode target, rank) and reused by later rooms (no
+    connection setup per room); `close()` closes them and refuses later sends."""
+    backend = GrpcBackend(dataclasses.replace(SENDER, channels_per_rank=3))
+    first = backend.channels("127.0.0.1:1", 0)
+    assert len(first) == 3 and len({id(c) for c in first}) == 3
+    assert backend.channels("127.0.0.1:1", 0) == first  # the same objects, reused
+    assert not set(map(id, backend.channels("127.0.0.1:1", 1))) & set(map(id, first))
+    assert not set(map(id, backend.channels("127.0.0.1:2", 0))) & set(map(id, first))
+    backend.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.channels("127.0.0.1:1", 0)
+
+
 def test_room_state_machine_is_monotone_with_sticky_failure():
     S = RoomState
     order = [S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, S.TRANSFERRING, S.SUCCESS]

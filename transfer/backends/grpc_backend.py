@@ -154,6 +154,20 @@ def serialize_page_chunk(header: pb.PageChunk, data: memoryview | bytes) -> byte
     return b"".join((header.SerializeToString(), _DATA_TAG, _varint_bytes(n), data))
 
 
+def _data_channel(target: str) -> grpc.Channel:
+    """A channel to a decode receiver with its own subchannel pool, hence its own TCP
+    connection; big messages allowed, compression off."""
+    return grpc.insecure_channel(
+        target,
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.use_local_subchannel_pool", 1),
+        ],
+        compression=grpc.Compression.NoCompression,
+    )
+
+
 def _stream_groups(layout: LayoutDescriptor, streams: int) -> list[list[tuple[BufferKind, int]]]:
     """The layout's buffers in at most `streams` groups of about equal bytes (largest
     first, each to the lightest group), each group in layout order: one stream each.
@@ -196,10 +210,38 @@ class GrpcBackend(TransferBackend):
         self.config = config if config is not None else GrpcBackendConfig()
         self.faults = faults
         self._running: RunningSenders[GrpcRankSender] = RunningSenders()
+        self._lock = threading.Lock()
+        self._channels: dict[tuple[str, int, int], grpc.Channel] = {}
+        self._closed = False
 
     def send_rank(self, job: RankJob, hold: TransferHold) -> RoomSnapshot | None:
-        with self._running.running(job, GrpcRankSender(job, hold, self.config, self.faults)) as s:
+        sender = GrpcRankSender(job, hold, self.config, self.faults, channels=self.channels)
+        with self._running.running(job, sender) as s:
             return s.run()
+
+    def channels(self, target: str, rank: int) -> list[grpc.Channel]:
+        """Rank `rank`'s `channels_per_rank` channels to a decode receiver, each its own
+        TCP connection, made on first use and kept for later rooms (connection setup per
+        room and rank cost more than the pages of a small room)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the gRPC transfer backend is closed")
+            out = []
+            for i in range(self.config.channels_per_rank):
+                ch = self._channels.get((target, rank, i))
+                if ch is None:
+                    ch = _data_channel(target)
+                    self._channels[(target, rank, i)] = ch
+                out.append(ch)
+            return out
+
+    def close(self) -> None:
+        """Close the kept channels (server shutdown); later sends are refused."""
+        with self._lock:
+            self._closed = True
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
 
     def sender(self, room: str, rank: int) -> GrpcRankSender | None:
         """The running sender of (room, rank), e.g. to `kill()` it."""
@@ -215,9 +257,12 @@ class GrpcRankSender:
         hold: TransferHold,
         config: GrpcBackendConfig,
         faults: SenderFaults | None = None,
+        channels: Callable[[str, int], list[grpc.Channel]] | None = None,
     ):
         self.job, self.hold, self.config = job, hold, config
         self.faults = faults if faults is not None else SenderFaults()
+        # Kept channels (GrpcBackend.channels) or, without them, channels of its own.
+        self._channel_source = channels
         self.chunks_sent = 0
         self._killed = threading.Event()
         self._stop_heartbeat = threading.Event()
@@ -281,17 +326,14 @@ class GrpcRankSender:
         """Hook for subclasses: the rank is finished, its channels still open."""
 
     def _open(self) -> None:
-        options = [
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            # Each channel its own subchannel pool, hence its own TCP connection.
-            ("grpc.use_local_subchannel_pool", 1),
-        ]
-        for _ in range(self.config.channels_per_rank):
-            ch = grpc.insecure_channel(
-                self.job.target, options=options, compression=grpc.Compression.NoCompression
-            )
-            self._channels.append(ch)
+        if self._channel_source is not None:  # kept by the backend: run() leaves them open
+            channels = self._channel_source(self.job.target, self.job.rank)
+        else:
+            channels = [
+                _data_channel(self.job.target) for _ in range(self.config.channels_per_rank)
+            ]
+            self._channels.extend(channels)  # closed when the rank ends
+        for ch in channels:
             self._stubs.append(pb_grpc.KVTransferStub(ch))
             self._raw_writes.append(
                 ch.stream_unary(
