@@ -154,15 +154,26 @@ def serialize_page_chunk(header: pb.PageChunk, data: memoryview | bytes) -> byte
     return b"".join((header.SerializeToString(), _DATA_TAG, _varint_bytes(n), data))
 
 
+# Channels are kept across rooms: after the decode server was unreachable for a while,
+# gRPC's default reconnect backoff (up to 120 s) would keep failing new rooms' calls long
+# after it is back. Retry the connection at least every second instead.
+KEPT_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def _data_channel(target: str) -> grpc.Channel:
     """A channel to a decode receiver with its own subchannel pool, hence its own TCP
-    connection; big messages allowed, compression off."""
+    connection; big messages allowed, compression off, reconnecting within a second."""
     return grpc.insecure_channel(
         target,
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.use_local_subchannel_pool", 1),
+            *KEPT_CHANNEL_OPTIONS,
         ],
         compression=grpc.Compression.NoCompression,
     )

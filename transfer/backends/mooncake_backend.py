@@ -65,6 +65,7 @@ import grpc
 import numpy as np
 
 from transfer.backends.grpc_backend import (
+    KEPT_CHANNEL_OPTIONS,
     RETRYABLE,
     GrpcBackendConfig,
     GrpcRankSender,
@@ -333,6 +334,7 @@ class MooncakeBackend(TransferBackend):
                     options=[
                         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                        *KEPT_CHANNEL_OPTIONS,
                     ],
                     compression=grpc.Compression.NoCompression,
                 )
