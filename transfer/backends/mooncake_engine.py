@@ -83,7 +83,7 @@ import numpy as np
 from cpkv_jax.errors import CpkvError
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
-DEFAULT_MAX_BATCH = 1024  # descriptors per engine call; the TCP per-peer queue holds ~2000
+DEFAULT_MAX_BATCH = 1024  # transfers in flight per write call; the TCP per-peer queue holds ~2000
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 # Pauses between status polls of a write: from 50 us, doubling while nothing completes,
 # up to 1 ms (the most a poll adds to a write's latency).
@@ -424,7 +424,8 @@ class MooncakeEngine:
         dead or unreachable, or stalls past the transfer timeout, and `MooncakeError`
         before sending anything if a local range is not in a registered buffer. Order
         of the descriptors does not matter; zero-length ones are skipped. On an error,
-        earlier chunks may already have landed (a chunk is `max_batch` descriptors)."""
+        other descriptors may already have landed (in flight ones are waited for, except
+        past the timeout: `_write_polled`)."""
         local = _int_array(local_ptrs, "local_ptrs")
         remote = _int_array(remote_ptrs, "remote_ptrs")
         sizes = _int_array(lengths, "lengths")
