@@ -497,7 +497,8 @@ class GrpcRankSender:
         another. A failed stream is sent again whole with the same attempt id (the
         receiver counts pages it already has as duplicates), up to `max_retries` times."""
         job, cfg = self.job, self.config
-        what = ", ".join(f"{kind} layer {layer}" for kind, layer in group)
+        names = [f"{kind} layer {layer}" for kind, layer in group]
+        what = names[0] if len(names) == 1 else f"{len(names)} buffers ({names[0]} .. {names[-1]})"
 
         def chunks() -> Iterator[bytes]:
             for kind, layer in group:
