@@ -290,14 +290,15 @@ def source_digests(plan: Plan) -> np.ndarray:
 
 @dataclasses.dataclass
 class RawTimes:
-    """Raw engine writes timed between backend runs (`RawWriter`; seconds)."""
+    """The raw baseline's writer and its writes timed between backend runs (seconds)."""
 
+    writer: RawWriter
     polled: list[float] = dataclasses.field(default_factory=list)
     sync_call: list[float] = dataclasses.field(default_factory=list)
 
-    def take(self, raw: RawWriter) -> None:
-        self.polled.append(raw.write_seconds())
-        self.sync_call.append(raw.sync_call_seconds())
+    def take(self) -> None:
+        self.polled.append(self.writer.write_seconds())
+        self.sync_call.append(self.writer.sync_call_seconds())
 
 
 def run_backend(
@@ -306,13 +307,12 @@ def run_backend(
     decode: DecodeServer | DecodeProcess,
     plan: Plan,
     repeats: int,
-    raw: RawWriter | None = None,
-    raw_times: RawTimes | None = None,
+    raw: RawTimes | None = None,
 ) -> tuple[list[float], list[float]]:
     """Seconds from send to Success for `repeats` timed runs (after one warm-up whose
     every staged page is checked against its source), and the CPU seconds of each
     (prefill and decode sides together). With `raw`, one raw engine write of the same
-    bytes (each way) is timed after each run into `raw_times`."""
+    bytes (each way) is timed after each run."""
     sources = [HostPoolPageSource(plan.layout, leaves) for leaves in plan.leaves]
     in_process = isinstance(decode, DecodeServer)
     times, cpu = [], []
@@ -340,8 +340,8 @@ def run_backend(
             times.append(dt)
             cpu.append(dc + (0.0 if in_process else decode_cpu))
             logger.info("%s run %d: %.3fs (%.2f GB/s, %.2f cores)", name, i, dt, gbps, cpu[-1] / dt)
-            if raw is not None and raw_times is not None:
-                raw_times.take(raw)
+            if raw is not None:
+                raw.take()
     return times, cpu
 
 
@@ -400,8 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.warning("Mooncake unavailable, mooncake and raw parts skipped: %s", why)
 
     # The raw baseline: two engines of its own, timed between the backend runs.
-    raw = RawWriter(plan.bytes) if ok else None
-    raw_times = RawTimes()
+    raw = RawTimes(RawWriter(plan.bytes)) if ok else None
     # One host-only decode server for both backends (its own process by default).
     arena_bytes = plan.bytes + 64 * MiB
     t = time.perf_counter()
@@ -446,9 +445,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     heartbeat_timeout_s=60.0,
                     rpc_timeout_s=600.0,
                 )
-                times, cpu = run_backend(
-                    "grpc", GrpcBackend(cfg), decode, plan, args.repeats, raw, raw_times
-                )
+                grpc_backend = GrpcBackend(cfg)
+                try:
+                    times, cpu = run_backend("grpc", grpc_backend, decode, plan, args.repeats, raw)
+                finally:
+                    grpc_backend.close()  # its kept channels
                 report["grpc_gbps"] = plan.bytes / statistics.median(times) / 1e9
                 report["grpc_seconds"] = times
                 report["grpc_cpu_cores"] = statistics.median(
@@ -473,9 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     transfer_timeout_s=120.0,
                 )
                 with MooncakeBackend(mcfg) as backend:
-                    times, cpu = run_backend(
-                        "mooncake", backend, decode, plan, args.repeats, raw, raw_times
-                    )
+                    times, cpu = run_backend("mooncake", backend, decode, plan, args.repeats, raw)
                     stats = backend.stats(f"mooncake-{args.repeats}")
                 report["mooncake_gbps"] = plan.bytes / statistics.median(times) / 1e9
                 report["mooncake_seconds"] = times
@@ -490,24 +489,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                     str(r): s.batch_writes for r, s in sorted(stats.items())
                 }
         if raw is not None:
-            if not raw_times.polled:  # no backend ran: time the raw writes on their own
+            if not raw.polled:  # no backend ran: time the raw writes on their own
                 for _ in range(args.repeats):
-                    raw_times.take(raw)
-            raw.write_seconds()
-            raw.check()
+                    raw.take()
+            raw.writer.write_seconds()
+            raw.writer.check()
     finally:
         decode.close()
         if raw is not None:
-            raw.close()
+            raw.writer.close()
 
     if raw is not None:
-        med = statistics.median(raw_times.polled)
-        report["raw_seconds"] = raw_times.polled
+        med = statistics.median(raw.polled)
+        report["raw_seconds"] = raw.polled
         report["raw_mooncake_gbps"] = report["bytes"] / med / 1e9
-        report["raw_sync_call_seconds"] = raw_times.sync_call
-        report["raw_sync_call_gbps"] = (
-            report["bytes"] / statistics.median(raw_times.sync_call) / 1e9
-        )
+        report["raw_sync_call_seconds"] = raw.sync_call
+        report["raw_sync_call_gbps"] = report["bytes"] / statistics.median(raw.sync_call) / 1e9
         for name in ("grpc", "mooncake"):
             if report[f"{name}_gbps"] is not None:
                 report[f"{name}_ratio"] = report[f"{name}_gbps"] / report["raw_mooncake_gbps"]
