@@ -340,7 +340,7 @@ def test_glm5_descriptor_timing():
 def test_layout_from_glm5():
     cfg = _cfg("glm-5")
     layout = LayoutDescriptor.from_model(cfg, 64, "bfloat16", "fp8_e4m3")
-    assert layout.protocol_version == PROTOCOL_VERSION == 1
+    assert layout.protocol_version == PROTOCOL_VERSION == 2
     assert layout.num_layers == 78 and layout.full_indexer_layers == tuple(range(78))
     assert (layout.latent_dtype, layout.index_k_dtype, layout.has_index_scale) == (
         "bfloat16",
@@ -414,8 +414,10 @@ def test_layout_wire_round_trip_and_mismatches():
     with pytest.raises(LayoutMismatchError, match="page_size: 64 != 32"):
         ours.check_compatible(theirs)
 
-    newer = dict(wire, protocol_version=2)
-    assert ours.mismatches(LayoutDescriptor.from_dict(newer)) == ["protocol_version: 1 != 2"]
+    newer = dict(wire, protocol_version=PROTOCOL_VERSION + 1)
+    assert ours.mismatches(LayoutDescriptor.from_dict(newer)) == [
+        f"protocol_version: {PROTOCOL_VERSION} != {PROTOCOL_VERSION + 1}"
+    ]
     with pytest.raises(LayoutMismatchError, match=r"missing fields \['page_size'\]"):
         LayoutDescriptor.from_dict({k: v for k, v in wire.items() if k != "page_size"})
     with pytest.raises(LayoutMismatchError, match=r"unknown fields \['rope_dim'\]"):

@@ -52,7 +52,13 @@ from transfer.backends.grpc_backend import (
     serialize_page_chunk,
 )
 from transfer.capabilities import BackendCapabilities, default_backend_registry
-from transfer.page_plan import PROTOCOL_VERSION, LayoutDescriptor, RankPlan, page_digests
+from transfer.page_plan import (
+    PROTOCOL_VERSION,
+    LayoutDescriptor,
+    RankPlan,
+    page_digests,
+    plan_request,
+)
 from transfer.proto import generate as proto_generate
 from transfer.proto import kv_transfer_pb2 as pb
 from transfer.proto import kv_transfer_pb2_grpc as pb_grpc
@@ -63,6 +69,7 @@ from transfer.protocol import (
     ChunkTooLargeError,
     DigestMismatchError,
     NotHandshakenError,
+    PageSection,
     ProtocolVersionError,
     RoomClosedError,
     RoomExistsError,
@@ -71,12 +78,14 @@ from transfer.protocol import (
     TransferError,
     TransferTimeouts,
     UnknownRoomError,
+    kind_from_pb,
     kind_to_pb,
     layout_to_pb,
 )
 from transfer.receiver import Receiver, serve
 from transfer.sender import (
     CPPoolPageSource,
+    HostPoolPageSource,
     RankJob,
     TransferBackend,
     TransferHold,
@@ -188,6 +197,64 @@ def test_buffers_share_few_streams_balanced_by_bytes(streams):
         assert g == sorted(g, key=buffers.index)
     loads = [sum(layout.page_bytes(*b) for b in g) for g in groups]
     assert max(loads) - min(loads) <= max(layout.page_bytes(*b) for b in buffers)
+
+
+@pytest.mark.parametrize(("max_pages", "local"), [(None, "scattered"), (None, "run"), (5, "run")])
+def test_stream_packs_buffers_into_full_chunks(monkeypatch, max_pages, local):
+    """A stream's buffers are packed into chunks of at most `chunk_bytes` page bytes (and
+    `MAX_CHUNK_PAGES` pages), a chunk ending one buffer and beginning the next (one
+    section per buffer run); every chunk but the last is full; the sections carry
+    exactly the rank's pages of every buffer, in order, with their digests."""
+    import transfer.backends.grpc_backend as gb
+
+    if max_pages is not None:
+        monkeypatch.setattr(gb, "MAX_CHUNK_PAGES", max_pages)
+    layout = LayoutDescriptor(
+        PROTOCOL_VERSION, 4, 3, (0, 2), 16, "float32", 8, "float8_e4m3fn", True
+    )
+    rng = np.random.default_rng()
+    pool_pages, tokens = 40, 13 * 4 - 1
+    leaves = {
+        b: rng.integers(0, 256, (pool_pages, layout.page_bytes(*b)), dtype=np.uint8)
+        for b in layout.buffers()
+    }
+    # Local pages: one run (chunks are slices of the pool) or scattered (gathered).
+    src = np.arange(7, 20) if local == "run" else rng.permutation(np.arange(1, pool_pages))[:13]
+    job = RankJob(
+        "pack", "127.0.0.1:1", 0, 1, tokens, layout, src, HostPoolPageSource(layout, leaves)
+    )
+    plan = plan_request(tokens, 4, 1, src, np.arange(1, 14)).ranks[0]
+    sender = gb.GrpcRankSender(job, TransferHold("pack", [0], lambda _: None), SENDER)
+    group = layout.buffers()
+    chunk_bytes = 1000
+    chunks = [pb.PageChunk.FromString(c) for c in sender._stream_chunks(plan, group, chunk_bytes)]
+    assert sender.chunks_sent == len(chunks) > 1
+    got: dict[tuple[str, int], list[tuple[int, bytes, int]]] = {b: [] for b in group}
+    flat = []  # (buffer, page bytes) in stream order
+    for msg in chunks:
+        assert (msg.room, msg.sender_rank, msg.attempt) == ("pack", 0, 0)
+        assert len(msg.data) <= chunk_bytes
+        assert sum(len(sec.positions) for sec in msg.sections) <= (max_pages or 16384)
+        for sec, lo, _ in section_spans(msg, layout):
+            b = (kind_from_pb(sec.kind), sec.layer)
+            nb = layout.page_bytes(*b)
+            for i, (p, d) in enumerate(zip(sec.positions, sec.digests, strict=True)):
+                got[b].append((p, msg.data[lo + i * nb : lo + (i + 1) * nb], d))
+                flat.append(b)
+    for b in group:
+        want = leaves[b][src]
+        assert [p for p, _, _ in got[b]] == list(range(13))
+        assert [x for _, x, _ in got[b]] == [w.tobytes() for w in want]
+        assert [d for _, _, d in got[b]] == page_digests(want).tolist()
+    assert flat == [b for b in group for _ in range(13)]  # buffer after buffer
+    # Full: each chunk but the last could not take the stream's next page.
+    sizes = [len(m.data) for m in chunks]
+    pages = [sum(len(sec.positions) for sec in m.sections) for m in chunks]
+    done = 0
+    for size, n in zip(sizes[:-1], pages[:-1], strict=True):
+        done += n
+        nxt = layout.page_bytes(*flat[done])
+        assert size + nxt > chunk_bytes or n == max_pages
 
 
 def test_backend_keeps_each_ranks_channels_across_rooms():
@@ -400,6 +467,49 @@ def test_handshake_refuses_layout_mismatch_before_data_moves(cfg, layout):
     assert rx.num_free_pages == free0
 
 
+def test_chunk_sections_of_several_buffers(cfg, layout):
+    """One chunk carrying pages of three buffers (protocol v2): each section lands at its
+    positions in its own buffer; a chunk whose sections need more or fewer bytes than it
+    carries is refused with the room untouched; a bad digest in a later section fails the
+    room naming that section's buffer and position."""
+    rx = make_receiver(cfg, layout)
+    rx.register_room("s", rx.allocate_pages(3), 3 * P, 1)
+    rx.handshake("s", 0, 1, 3 * P, layout)
+    data = random_pages(layout, 3, seed=13)
+    picks = {0: [2, 0], 1: [1], 2: [0, 1, 2]}
+    sections = [
+        PageSection(*layout.buffers()[b], np.array(pos), page_digests(data[b][pos]))
+        for b, pos in picks.items()
+    ]
+    payload = b"".join(data[b][pos].tobytes() for b, pos in picks.items())
+    for bad in (payload[:-1], payload + b"x"):
+        with pytest.raises(BadRequestError, match=r"its 3 section\(s\) need"):
+            rx.write_chunk("s", 0, 0, sections, bad)
+    assert rx.status("s").state is RoomState.WAITING_FOR_INPUT and rx.staging("s") is None
+    res = rx.write_chunk("s", 0, 0, sections, payload)
+    assert (res.written, res.duplicate) == (6, 0)
+    staged = rx.staging("s")
+    for b, pos in picks.items():
+        np.testing.assert_array_equal(staged[b][pos], data[b][pos])
+    assert rx.write_chunk("s", 0, 0, sections, payload).duplicate == 6  # a resend
+
+    rx.register_room("t", rx.allocate_pages(3), 3 * P, 1)
+    rx.handshake("t", 0, 1, 3 * P, layout)
+    digests = sections[2].digests.copy()
+    digests[-1] ^= np.uint64(1)  # position 2's
+    wrong = dataclasses.replace(sections[2], digests=digests)
+    with pytest.raises(DigestMismatchError, match="position 2 from prefill rank 0"):
+        rx.write_chunk(
+            "t",
+            0,
+            0,
+            [sections[1], wrong],
+            payload[sections[0].positions.size * layout.page_bytes(*layout.buffers()[0]) :],
+        )
+    reason = rx.status("t").reason
+    assert f"{layout.buffers()[2][0]} layer {layout.buffers()[2][1]}" in reason
+
+
 def test_writes_need_handshake_and_valid_chunks(cfg, layout):
     rx = make_receiver(cfg, layout, max_chunk_bytes=3000)
     rx.register_room("w", rx.allocate_pages(2), 2 * P, 2)
@@ -544,7 +654,10 @@ def test_wire_bad_input_gets_a_status_and_the_server_keeps_serving(wire, layout)
         grpc.StatusCode.INVALID_ARGUMENT, "truncated", _raw, channel, "GetRoom", b"\xff\xff\xff"
     )
     chunk = pb.PageChunk(
-        room="v", sender_rank=0, kind=kind_to_pb("latent"), positions=[0], data=b"x" * 100
+        room="v",
+        sender_rank=0,
+        sections=[pb.PageSection(kind=kind_to_pb("latent"), positions=[0])],
+        data=b"x" * 100,
     )
     cut = chunk.SerializeToString()[:-10]
     _expect_status(
@@ -565,9 +678,8 @@ def test_wire_bad_input_gets_a_status_and_the_server_keeps_serving(wire, layout)
             room="big", sender_rank=0, cp_size=1, num_tokens=2 * P, layout=good_layout
         )
     ).accepted
-    mid = pb.PageChunk(
-        room="big", kind=kind_to_pb("latent"), positions=[0], digests=[0], data=bytes(100_000)
-    )
+    one_page = [pb.PageSection(kind=kind_to_pb("latent"), positions=[0], digests=[0])]
+    mid = pb.PageChunk(room="big", sections=one_page, data=bytes(100_000))
     _expect_status(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         "over the 65536 B limit",
@@ -575,7 +687,7 @@ def test_wire_bad_input_gets_a_status_and_the_server_keeps_serving(wire, layout)
         iter([mid]),
         timeout=5,
     )
-    huge = pb.PageChunk(room="big", kind=kind_to_pb("latent"), positions=[0], data=bytes(1 << 20))
+    huge = pb.PageChunk(room="big", sections=one_page, data=bytes(1 << 20))
     _expect_status(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         "larger than max",
@@ -589,24 +701,34 @@ def test_wire_bad_input_gets_a_status_and_the_server_keeps_serving(wire, layout)
 
 def test_fast_chunk_serialization_equals_protobuf():
     """`serialize_page_chunk` (the sender's one-copy path) parses to exactly the message
-    protobuf serializes, for empty, small and multi-byte-length payloads, and the
-    receiver's zero-copy split finds the same data bytes in it."""
+    protobuf serializes, for empty, small and multi-byte-length payloads given in 1-3
+    parts under 1-3 sections, and the receiver's zero-copy split finds the same data
+    bytes in it."""
     from transfer.receiver import _PAGE_CHUNK_DATA, _split_len_field
 
     rng = np.random.default_rng()
     for n in (0, 1, 127, 128, 16384, 3 * 65536 + 5):
         data = rng.integers(0, 256, n, dtype=np.uint8)
-        k = int(rng.integers(1, 9))
+        sections = []
+        for _ in range(int(rng.integers(1, 4))):
+            k = int(rng.integers(1, 9))
+            sections.append(
+                pb.PageSection(
+                    kind=kind_to_pb(str(rng.choice(["latent", "index_k", "index_scale"]))),
+                    layer=int(rng.integers(80)),
+                    positions=rng.integers(0, 1 << 20, k).tolist(),
+                    digests=rng.integers(0, 1 << 63, k, dtype=np.uint64).tolist(),
+                )
+            )
         header = pb.PageChunk(
             room=f"room-{n}",
             sender_rank=int(rng.integers(8)),
             attempt=int(rng.integers(3)),
-            kind=kind_to_pb("index_k"),
-            layer=int(rng.integers(80)),
-            positions=rng.integers(0, 1 << 20, k).tolist(),
-            digests=rng.integers(0, 1 << 63, k, dtype=np.uint64).tolist(),
+            sections=sections,
         )
-        raw = serialize_page_chunk(header, memoryview(data))
+        cuts = np.sort(rng.integers(0, n + 1, int(rng.integers(0, 3))))
+        parts = [memoryview(p) for p in np.split(data, cuts)]  # 1-3 parts, maybe empty
+        raw = serialize_page_chunk(header, parts)
         want = pb.PageChunk()
         want.CopyFrom(header)
         want.data = data.tobytes()
@@ -615,7 +737,7 @@ def test_fast_chunk_serialization_equals_protobuf():
         assert split is not None and bytes(split[1]) == data.tobytes()
         assert pb.PageChunk.FromString(split[0]) == header
     with pytest.raises(ValueError, match="must not carry data"):
-        serialize_page_chunk(pb.PageChunk(data=b"x"), b"y")
+        serialize_page_chunk(pb.PageChunk(data=b"x"), [b"y"])
 
 
 def test_committed_generated_code_is_up_to_date(tmp_path: Path):
@@ -891,21 +1013,21 @@ def test_stream_retries_resend_idempotently(prefill, decode):
     n_tok = 9 * P + 2
     table = new_table(pre, n_tok)
     view = pre.runner.full_view(table)
-    write = dec.receiver.write_pages
+    write = dec.receiver.write_chunk
     failed: set[int] = set()
     duplicates: list[int] = []
     lock = threading.Lock()
 
-    def flaky(room, rank, attempt, kind, layer, *rest):
-        res = write(room, rank, attempt, kind, layer, *rest)
+    def flaky(room, rank, attempt, sections, data):
+        res = write(room, rank, attempt, sections, data)
         with lock:
             duplicates.append(res.duplicate)
-            if kind == "latent" and rank not in failed:
+            if any(s.kind == "latent" for s in sections) and rank not in failed:
                 failed.add(rank)
                 raise LostAck("simulated lost ack")
         return res
 
-    dec.receiver.write_pages = flaky  # the servicer calls the receiver's attribute
+    dec.receiver.write_chunk = flaky  # the servicer calls the receiver's attribute
     hold, dst = run_transfer(pre, dec, table, "retry", Aux(3, -0.1))
     outcome = finish(hold)
     assert outcome.state is RoomState.SUCCESS, outcome
@@ -967,10 +1089,12 @@ def test_fault_corrupted_page(prefill, decode):
     free = prefill_free(pre)
 
     def chunk(sender, msg):
-        if sender.rank == 1 and msg.kind == kind_to_pb("index_k"):
-            data = bytearray(msg.data)
-            data[3] ^= 0x01
-            msg.data = bytes(data)
+        for section, lo, _ in section_spans(msg, pre.layout):
+            if sender.rank == 1 and section.kind == kind_to_pb("index_k"):
+                data = bytearray(msg.data)
+                data[lo + 3] ^= 0x01  # a page of a chunk's index K section
+                msg.data = bytes(data)
+                break
         return msg
 
     backend = GrpcBackend(SENDER, SenderFaults(chunk=chunk))
@@ -990,6 +1114,21 @@ def _with_positions(plan: RankPlan, positions: list[int], src: list[int]) -> Ran
         src_pages=np.asarray(src, np.int64),
         dst_pages=np.zeros(len(positions), np.int64),
     )
+
+
+def section_spans(
+    msg: pb.PageChunk, layout: LayoutDescriptor
+) -> list[tuple[pb.PageSection, int, int]]:
+    """(section, first byte, end) of each section of a chunk in its `data`."""
+    out, lo = [], 0
+    for section in msg.sections:
+        hi = lo + len(section.positions) * layout.page_bytes(
+            kind_from_pb(section.kind), section.layer
+        )
+        out.append((section, lo, hi))
+        lo = hi
+    assert lo == len(msg.data)
+    return out
 
 
 def test_fault_position_sent_by_two_ranks(prefill, decode):

@@ -39,8 +39,9 @@ try:
 except ImportError:  # surfaced by page_digest, never replaced by a slower digest
     xxhash = None
 
-# Bump on any change of the descriptor fields, the page plan or the digest.
-PROTOCOL_VERSION = 1
+# Bump on any change of the descriptor fields, the page plan, the digest or the wire
+# format of page data. 2: PageChunk carries PageSections of several buffers.
+PROTOCOL_VERSION = 2
 
 BufferKind = Literal["latent", "index_k", "index_scale"]
 BUFFER_KINDS: tuple[BufferKind, ...] = ("latent", "index_k", "index_scale")

@@ -23,6 +23,8 @@ import dataclasses
 import enum
 from typing import Literal
 
+import numpy as np
+
 from cpkv_jax.errors import CpkvError
 from transfer.page_plan import PROTOCOL_VERSION, BufferKind, LayoutDescriptor
 from transfer.proto import kv_transfer_pb2 as pb
@@ -37,6 +39,10 @@ DEFAULT_CHUNK_BYTES = 2 * MiB
 # 4 KiB pages carries 1024 positions and digests: ~14 KiB); 256 KiB leaves ample slack.
 MESSAGE_SLACK_BYTES = 256 * 1024
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + MESSAGE_SLACK_BYTES
+# Pages per chunk, whatever their size: each costs up to 13 header bytes (a position
+# varint and a fixed64 digest), so 16384 of them stay within the slack (tiny pages, e.g.
+# index scales at page size 1, would otherwise overflow the message limit).
+MAX_CHUNK_PAGES = 16384
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
 
@@ -151,6 +157,18 @@ class RoomSnapshot:
 
 
 @dataclasses.dataclass(frozen=True)
+class PageSection:
+    """Pages of one (kind, layer) buffer in a chunk (proto `PageSection`): `positions[i]`
+    is the logical position of the chunk's i-th page of this buffer and `digests[i]` its
+    xxh3-64. The bytes are the chunk data's next `len(positions) * page_bytes` bytes."""
+
+    kind: BufferKind
+    layer: int
+    positions: np.ndarray  # [k] int64 (any int array-like is checked by the receiver)
+    digests: np.ndarray  # [k] uint64
+
+
+@dataclasses.dataclass(frozen=True)
 class TransferTimeouts:
     """Decode-side timeouts, in seconds (ServerArgs `--transfer-*-timeout`).
 
@@ -200,6 +218,24 @@ def kind_from_pb(value: int) -> BufferKind:
             f"unknown buffer kind {value}; expected one of "
             f"{sorted((v, k) for k, v in _KIND_TO_PB.items())}"
         ) from None
+
+
+def section_to_pb(section: PageSection) -> pb.PageSection:
+    return pb.PageSection(
+        kind=kind_to_pb(section.kind),
+        layer=section.layer,
+        positions=np.asarray(section.positions).tolist(),
+        digests=np.asarray(section.digests).tolist(),
+    )
+
+
+def section_from_pb(msg: pb.PageSection) -> PageSection:
+    return PageSection(
+        kind_from_pb(msg.kind),
+        msg.layer,
+        np.asarray(msg.positions, np.int64),
+        np.asarray(msg.digests, np.uint64),
+    )
 
 
 def layout_to_pb(layout: LayoutDescriptor) -> pb.LayoutDescriptor:

@@ -102,6 +102,7 @@ from transfer.protocol import (
     DataPlane,
     DigestMismatchError,
     NotHandshakenError,
+    PageSection,
     ProtocolVersionError,
     RoomClosedError,
     RoomExistsError,
@@ -111,9 +112,9 @@ from transfer.protocol import (
     TransferTimeouts,
     UnknownRoomError,
     data_plane_from_pb,
-    kind_from_pb,
     layout_from_pb,
     layout_to_pb,
+    section_from_pb,
     snapshot_to_pb,
 )
 from transfer.staging_arena import Region, StagingArena, StagingFullError
@@ -186,6 +187,19 @@ class WriteResult:
     written: int  # pages copied into staging
     duplicate: int  # retried or stale pages ignored
     status: RoomSnapshot
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChunkPart:
+    """A checked section of a chunk: buffer index, its pages (a view of the chunk's
+    bytes, `[k, page_bytes]` uint8), their positions and the sender's digests."""
+
+    buffer: int
+    kind: BufferKind
+    layer: int
+    pages: np.ndarray
+    positions: np.ndarray
+    digests: np.ndarray
 
 
 @dataclasses.dataclass
@@ -654,11 +668,27 @@ class Receiver:
         digests: np.ndarray,
         data: bytes | memoryview,
     ) -> WriteResult:
-        """Stage `len(positions)` pages of one (kind, layer) buffer at their positions.
+        """Stage `len(positions)` pages of one (kind, layer) buffer: `write_chunk` with
+        one section."""
+        return self.write_chunk(
+            room, sender_rank, attempt, (PageSection(kind, layer, positions, digests),), data
+        )
+
+    def write_chunk(
+        self,
+        room: str,
+        sender_rank: int,
+        attempt: int,
+        sections: Sequence[PageSection],
+        data: bytes | memoryview,
+    ) -> WriteResult:
+        """Stage one chunk's pages at their positions: `sections` (one per run of pages
+        of a (kind, layer) buffer) lie back to back in `data`.
 
         Raises `RoomClosedError` for a finished room before reading `data`,
         `BadRequestError` for an inconsistent chunk (the room is untouched), and
-        `DigestMismatchError` after failing the room when a page's digest is wrong.
+        `DigestMismatchError` after failing the room when a page's digest is wrong
+        (nothing of the chunk is staged then).
         """
         r = self._live(room, "write")
         with r.lock:  # reject late writes before reading anything
@@ -668,62 +698,77 @@ class Receiver:
                 raise NotHandshakenError(
                     f"room {room!r}: prefill rank {sender_rank} wrote pages before its handshake"
                 )
-        b, pages, pos, sent = self._parse_chunk(r, kind, layer, positions, digests, data)
-        got = row_digests(pages, np.arange(pos.size))
-        bad = np.flatnonzero(got != sent)
+        parts = self._parse_chunk(r, sections, data)
+        got = [row_digests(p.pages, np.arange(p.positions.size)) for p in parts]
         with r.lock:
             self._check_open(r, "write")
             r.senders[sender_rank].last_seen = self._clock()
-            if bad.size:
-                i = int(bad[0])
-                msg = (
-                    f"digest mismatch on {kind} layer {layer} position {int(pos[i])} from "
-                    f"prefill rank {sender_rank}: page bytes hash to {int(got[i]):#018x}, the "
-                    f"sender's digest is {int(sent[i]):#018x} ({bad.size} bad page(s) in the chunk)"
-                )
-                self._fail(r, msg)
-                raise DigestMismatchError(f"room {room!r}: {msg}")
-            writer, prev_attempt = r.writer[b, pos], r.attempt[b, pos]
-            foreign = np.flatnonzero((writer >= 0) & (writer != sender_rank))
-            if foreign.size:
-                i = int(foreign[0])
-                msg = self._two_ranks(kind, layer, int(pos[i]), int(writer[i]), sender_rank)
-                self._fail(r, msg)
-                return WriteResult(0, 0, r.snapshot())
-            mine = writer == sender_rank
-            same = mine & (prev_attempt == attempt)
-            conflict = np.flatnonzero(same & (r.digest[b, pos] != got))
-            if conflict.size:
-                i = int(conflict[0])
-                msg = (
-                    f"prefill rank {sender_rank} resent position {int(pos[i])} of {kind} layer "
-                    f"{layer} in the same attempt {attempt} with different bytes"
-                )
-                self._fail(r, msg)
-                return WriteResult(0, 0, r.snapshot())
-            new = ~mine | (prev_attempt < attempt)  # unwritten, or a newer attempt of mine
+            for p, g in zip(parts, got, strict=True):
+                bad = np.flatnonzero(g != p.digests)
+                if bad.size:
+                    i = int(bad[0])
+                    msg = (
+                        f"digest mismatch on {p.kind} layer {p.layer} position "
+                        f"{int(p.positions[i])} from prefill rank {sender_rank}: page bytes hash "
+                        f"to {int(g[i]):#018x}, the sender's digest is {int(p.digests[i]):#018x} "
+                        f"({bad.size} bad page(s) in the section)"
+                    )
+                    self._fail(r, msg)
+                    raise DigestMismatchError(f"room {room!r}: {msg}")
             if r.staging is None:
                 self._ensure_staging(r, required=False)
-            assert r.staging is not None
-            if new.any():
-                where = pos[new]
-                rows = where if r.pos_row is None else r.pos_row[where]
-                src = pages if new.all() else pages[new]
-                if (
-                    rows.size > 1
-                    and rows[-1] - rows[0] == rows.size - 1
-                    and (np.diff(rows) == 1).all()
-                ):
-                    r.staging[b][rows[0] : rows[0] + rows.size] = src  # one memcpy
-                else:
-                    r.staging[b][rows] = src
-                r.writer[b, where] = sender_rank
-                r.attempt[b, where] = attempt
-                r.digest[b, where] = got[new]
+            written = duplicate = 0
+            for p, g in zip(parts, got, strict=True):
+                n_new = self._stage_locked(r, sender_rank, attempt, p, g)
+                if n_new is None:  # the room failed
+                    return WriteResult(0, 0, r.snapshot())
+                written += n_new
+                duplicate += int(p.positions.size) - n_new
             if r.state < RoomState.TRANSFERRING:
                 self._advance(r, RoomState.TRANSFERRING)
-            n_new = int(new.sum())
-            return WriteResult(n_new, int(pos.size) - n_new, r.snapshot())
+            return WriteResult(written, duplicate, r.snapshot())
+
+    def _stage_locked(
+        self, r: _Room, sender_rank: int, attempt: int, p: _ChunkPart, got: np.ndarray
+    ) -> int | None:
+        """Copy a section's new pages into staging (room lock held, digests checked);
+        returns how many were new, or None after failing the room (a position held by
+        another rank, or resent in the same attempt with other bytes)."""
+        b, pos = p.buffer, p.positions
+        writer, prev_attempt = r.writer[b, pos], r.attempt[b, pos]
+        foreign = np.flatnonzero((writer >= 0) & (writer != sender_rank))
+        if foreign.size:
+            i = int(foreign[0])
+            self._fail(
+                r, self._two_ranks(p.kind, p.layer, int(pos[i]), int(writer[i]), sender_rank)
+            )
+            return None
+        mine = writer == sender_rank
+        same = mine & (prev_attempt == attempt)
+        conflict = np.flatnonzero(same & (r.digest[b, pos] != got))
+        if conflict.size:
+            i = int(conflict[0])
+            self._fail(
+                r,
+                f"prefill rank {sender_rank} resent position {int(pos[i])} of {p.kind} layer "
+                f"{p.layer} in the same attempt {attempt} with different bytes",
+            )
+            return None
+        new = ~mine | (prev_attempt < attempt)  # unwritten, or a newer attempt of mine
+        assert r.staging is not None
+        if not new.any():
+            return 0
+        where = pos[new]
+        rows = where if r.pos_row is None else r.pos_row[where]
+        src = p.pages if new.all() else p.pages[new]
+        if rows.size > 1 and rows[-1] - rows[0] == rows.size - 1 and (np.diff(rows) == 1).all():
+            r.staging[b][rows[0] : rows[0] + rows.size] = src  # one memcpy
+        else:
+            r.staging[b][rows] = src
+        r.writer[b, where] = sender_rank
+        r.attempt[b, where] = attempt
+        r.digest[b, where] = got[new]
+        return int(where.size)
 
     @staticmethod
     def _two_ranks(kind: BufferKind, layer: int, position: int, first: int, second: int) -> str:
@@ -1073,37 +1118,44 @@ class Receiver:
         return pos
 
     def _parse_chunk(
-        self,
-        r: _Room,
-        kind: BufferKind,
-        layer: int,
-        positions: np.ndarray,
-        digests: np.ndarray,
-        data: bytes | memoryview,
-    ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-        """Validate a chunk against the layout; returns (buffer, pages, positions, digests)."""
-        if len(data) > self.max_chunk_bytes:
+        self, r: _Room, sections: Sequence[PageSection], data: bytes | memoryview
+    ) -> list[_ChunkPart]:
+        """Validate a chunk against the layout and split `data` over its sections."""
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        if size > self.max_chunk_bytes:
             raise ChunkTooLargeError(
-                f"room {r.room!r}: chunk carries {len(data)} page bytes, over the "
+                f"room {r.room!r}: chunk carries {size} page bytes, over the "
                 f"{self.max_chunk_bytes} B limit; send smaller chunks"
             )
-        b = self._buffer_index.get((kind, layer))
-        if b is None:
+        parts, need, shapes = [], 0, []
+        for s in sections:
+            b = self._buffer_index.get((s.kind, s.layer))
+            if b is None:
+                raise BadRequestError(
+                    f"room {r.room!r}: no {s.kind} buffer for layer {s.layer} in the decode "
+                    f"layout (full indexer layers: {list(self.layout.full_indexer_layers)})"
+                )
+            pos = self._positions(r, s.positions)
+            sent = np.asarray(s.digests, np.uint64).reshape(-1)
+            if sent.size != pos.size:
+                raise BadRequestError(
+                    f"room {r.room!r}: {s.kind} layer {s.layer} section has {pos.size} "
+                    f"positions and {sent.size} digests; expected one digest per position"
+                )
+            nb = self._page_bytes[b]
+            n = pos.size * nb
+            if need + n <= size:
+                pages = np.frombuffer(data, np.uint8, n, need).reshape(pos.size, nb)
+                parts.append(_ChunkPart(b, s.kind, s.layer, pages, pos, sent))
+            need += n
+            shapes.append(f"{s.kind} layer {s.layer}: {pos.size} x {nb} B")
+        if need != size:
+            listed = "; ".join(shapes[:4]) + ("; ..." if len(shapes) > 4 else "")
             raise BadRequestError(
-                f"room {r.room!r}: no {kind} buffer for layer {layer} in the decode layout "
-                f"(full indexer layers: {list(self.layout.full_indexer_layers)})"
+                f"room {r.room!r}: chunk has {size} page bytes, its {len(sections)} section(s) "
+                f"need {need} ({listed}); expected one digest and one page of bytes per position"
             )
-        pos = self._positions(r, positions)
-        sent = np.asarray(digests, np.uint64).reshape(-1)
-        nb = self._page_bytes[b]
-        if sent.size != pos.size or len(data) != pos.size * nb:
-            raise BadRequestError(
-                f"room {r.room!r}: {kind} layer {layer} chunk has {pos.size} positions, "
-                f"{sent.size} digests and {len(data)} bytes; expected one digest and {nb} bytes "
-                "per position"
-            )
-        pages = np.frombuffer(data, np.uint8).reshape(pos.size, nb)
-        return b, pages, pos, sent
+        return parts
 
     def _advance(self, r: _Room, new: RoomState) -> None:
         """Move `r` forward (room lock held); terminal states retire the room."""
@@ -1255,14 +1307,11 @@ class KVTransferServicer:
                 msg = _parse(pb.PageChunk, split[0], context)
                 data = split[1]
             with _status_on_error(context):
-                res = self.receiver.write_pages(
+                res = self.receiver.write_chunk(
                     msg.room,
                     msg.sender_rank,
                     msg.attempt,
-                    kind_from_pb(msg.kind),
-                    msg.layer,
-                    np.asarray(msg.positions, np.int64),
-                    np.asarray(msg.digests, np.uint64),
+                    [section_from_pb(sec) for sec in msg.sections],
                     data,
                 )
             written, duplicate, status = (

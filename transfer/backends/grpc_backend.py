@@ -10,13 +10,15 @@ One `GrpcRankSender` per (room, prefill rank):
    its logical position (position-addressed destinations), so the decode side needs no
    ordering assumption.
 3. **Pages** - one `WritePages` client stream per channel (`channels_per_rank`
-   channels, each its own TCP connection), each carrying the chunks of a share of the
-   (kind, layer) buffers balanced by bytes, chunks of at most
-   `chunk_bytes` page bytes with a per-page xxh3 digest, compression off. The buffer is
-   read to host once (`PageSource.read`), or used in place when the source is a host
-   pool (`host_buffer`, as `HostPoolPageSource`); each chunk is serialized by hand
-   (`serialize_page_chunk`: the protobuf header, then the page bytes copied once
-   straight from the rows - protobuf would copy them twice). A failed stream
+   channels, each its own TCP connection), each carrying a share of the (kind, layer)
+   buffers balanced by bytes, packed into chunks of at most `chunk_bytes` page bytes:
+   one `PageSection` (positions, per-page xxh3 digests) per buffer run in a chunk, so
+   small buffers (index scales, short requests) share chunks instead of costing one
+   message each. Compression off. A buffer is read to host once (`PageSource.read`),
+   or used in place when the source is a host pool (`host_buffer`, as
+   `HostPoolPageSource`); each chunk is serialized by hand (`serialize_page_chunk`: the
+   protobuf header, then the page bytes copied once straight from the rows - protobuf
+   would copy them twice). A failed stream
    (UNAVAILABLE, DEADLINE, ABORTED) is retried with the *same attempt id*, which the
    receiver treats as idempotent, up to `max_retries` times with exponential backoff.
 4. **Commit** - the positions sent; rank 0 adds the aux data (first token, log-prob).
@@ -37,7 +39,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
 
 import grpc
@@ -57,6 +59,7 @@ from transfer.proto import kv_transfer_pb2_grpc as pb_grpc
 from transfer.protocol import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
+    MAX_CHUNK_PAGES,
     MAX_MESSAGE_BYTES,
     SERVICE_NAME,
     RoomSnapshot,
@@ -142,16 +145,16 @@ def _varint_bytes(value: int) -> bytes:
 _DATA_TAG = _varint_bytes(_DATA_FIELD << 3 | 2)  # field `data`, wire type LEN
 
 
-def serialize_page_chunk(header: pb.PageChunk, data: memoryview | bytes) -> bytes:
-    """The wire bytes of `header` (a `PageChunk` without `data`) with `data` as its
-    `data` field, copying the page bytes once (protobuf would copy them twice: into
-    the message and again when serializing). Protobuf parsers accept fields in any
-    order, so this equals `PageChunk(..., data=data).SerializeToString()` as a message
-    (`test_transfer_grpc.test_fast_chunk_serialization_equals_protobuf`)."""
+def serialize_page_chunk(header: pb.PageChunk, parts: Sequence[memoryview | bytes]) -> bytes:
+    """The wire bytes of `header` (a `PageChunk` without `data`) with the concatenated
+    `parts` as its `data` field, copying the page bytes once (protobuf would copy them
+    twice: into the message and again when serializing). Protobuf parsers accept fields
+    in any order, so this equals `PageChunk(..., data=b"".join(parts)).SerializeToString()`
+    as a message (`test_transfer_grpc.test_fast_chunk_serialization_equals_protobuf`)."""
     if header.data:
         raise ValueError("serialize_page_chunk: the header must not carry data")
-    n = data.nbytes if isinstance(data, memoryview) else len(data)
-    return b"".join((header.SerializeToString(), _DATA_TAG, _varint_bytes(n), data))
+    n = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+    return b"".join((header.SerializeToString(), _DATA_TAG, _varint_bytes(n), *parts))
 
 
 # Channels are kept across rooms: after the decode server was unreachable for a while,
@@ -438,53 +441,76 @@ class GrpcRankSender:
                         raise e
             raise errors[0]
 
-    def _buffer_chunks(
-        self, plan: RankPlan, kind: BufferKind, layer: int, chunk_bytes: int
+    def _stream_chunks(
+        self, plan: RankPlan, group: list[tuple[BufferKind, int]], chunk_bytes: int
     ) -> Iterator[bytes]:
-        """The serialized chunks of one (kind, layer) buffer, its digests taken first."""
+        """The serialized chunks of one stream: the pages of `group`'s buffers, buffer
+        after buffer, packed into chunks of at most `chunk_bytes` page bytes and
+        `MAX_CHUNK_PAGES` pages (at least one page), one `PageSection` per buffer run in
+        a chunk - so a chunk may end one buffer and begin the next. A buffer's digests
+        are taken when the stream reaches it."""
         job = self.job
-        nbytes = job.layout.page_bytes(kind, layer)
-        pages, rows = self._source_pages(kind, layer, plan.src_pages, nbytes)
-        digests = row_digests(pages, rows)  # native xxh3, releases the GIL
-        per = max(1, chunk_bytes // nbytes)
         positions = plan.positions
-        # Consecutive source rows: each chunk is a slice of `pages`, no gather needed.
-        contiguous = rows.size < 2 or bool((np.diff(rows) == 1).all())
-
-        def chunk_bytes_at(i: int) -> memoryview:
-            if contiguous:
-                lo = int(rows[0]) + i if rows.size else 0
-                return _page_rows(pages, lo, lo + min(per, rows.size - i))
-            return memoryview(pages[rows[i : i + per]].reshape(-1))
-
-        def header(i: int) -> pb.PageChunk:
-            return pb.PageChunk(
-                room=job.room,
-                sender_rank=job.rank,
-                attempt=job.attempt,
-                kind=kind_to_pb(kind),
-                layer=layer,
-                positions=positions[i : i + per].tolist(),
-                digests=digests[i : i + per].tolist(),
-            )
-
-        for i in range(0, plan.num_pages, per):
-            if self._must_stop():
-                return  # half-close; the caller's _check() says why
-            if self.faults.chunk is None:
-                raw = serialize_page_chunk(header(i), chunk_bytes_at(i))
-            else:  # tests: the hook sees (and may alter) the protobuf message
-                msg = header(i)
-                msg.data = bytes(chunk_bytes_at(i))
-                msg = self.faults.chunk(self, msg)
-                if self._must_stop():
-                    return
-                if msg is None:
+        sections: list[pb.PageSection] = []
+        parts: list[memoryview] = []
+        room_bytes, room_pages = chunk_bytes, MAX_CHUNK_PAGES
+        for kind, layer in group:
+            nbytes = job.layout.page_bytes(kind, layer)
+            pages, rows = self._source_pages(kind, layer, plan.src_pages, nbytes)
+            digests = row_digests(pages, rows)  # native xxh3, releases the GIL
+            # Consecutive source rows: a run of pages is a slice of `pages`, no gather.
+            contiguous = rows.size < 2 or bool((np.diff(rows) == 1).all())
+            i = 0
+            while i < plan.num_pages:
+                n = min(plan.num_pages - i, room_bytes // nbytes, room_pages)
+                if n <= 0 and sections:  # this chunk is full
+                    chunk = self._chunk(sections, parts)
+                    if chunk is not None:
+                        yield chunk
+                    if self._must_stop():
+                        return  # half-close; the caller's _check() says why
+                    sections, parts = [], []
+                    room_bytes, room_pages = chunk_bytes, MAX_CHUNK_PAGES
                     continue
-                raw = msg.SerializeToString()
-            with self._lock:
-                self.chunks_sent += 1
-            yield raw
+                n = max(n, 1)  # a page larger than the chunk size travels alone
+                sections.append(
+                    pb.PageSection(
+                        kind=kind_to_pb(kind),
+                        layer=layer,
+                        positions=positions[i : i + n].tolist(),
+                        digests=digests[i : i + n].tolist(),
+                    )
+                )
+                if contiguous:
+                    lo = int(rows[0]) + i
+                    parts.append(_page_rows(pages, lo, lo + n))
+                else:
+                    parts.append(memoryview(pages[rows[i : i + n]].reshape(-1)))
+                room_bytes -= n * nbytes
+                room_pages -= n
+                i += n
+        if sections and not self._must_stop():
+            chunk = self._chunk(sections, parts)
+            if chunk is not None:
+                yield chunk
+
+    def _chunk(self, sections: list[pb.PageSection], parts: list[memoryview]) -> bytes | None:
+        """One chunk's wire bytes (None: a test hook dropped it)."""
+        job = self.job
+        header = pb.PageChunk(
+            room=job.room, sender_rank=job.rank, attempt=job.attempt, sections=sections
+        )
+        if self.faults.chunk is None:
+            raw = serialize_page_chunk(header, parts)
+        else:  # tests: the hook sees (and may alter) the protobuf message
+            header.data = b"".join(parts)
+            msg = self.faults.chunk(self, header)
+            if msg is None or self._must_stop():
+                return None
+            raw = msg.SerializeToString()
+        with self._lock:
+            self.chunks_sent += 1
+        return raw
 
     def _send_stream(
         self,
@@ -500,17 +526,13 @@ class GrpcRankSender:
         names = [f"{kind} layer {layer}" for kind, layer in group]
         what = names[0] if len(names) == 1 else f"{len(names)} buffers ({names[0]} .. {names[-1]})"
 
-        def chunks() -> Iterator[bytes]:
-            for kind, layer in group:
-                yield from self._buffer_chunks(plan, kind, layer, chunk_bytes)
-                if self._must_stop():
-                    return
-
         for attempt in range(cfg.max_retries + 1):
             self._check()
             write = self._raw_writes[(channel + attempt) % len(self._raw_writes)]
             try:
-                ack = write(chunks(), timeout=cfg.rpc_timeout_s)
+                ack = write(
+                    self._stream_chunks(plan, group, chunk_bytes), timeout=cfg.rpc_timeout_s
+                )
             except grpc.RpcError as e:
                 self._check()  # killed, room finished, or another rank failed meanwhile
                 code = e.code()

@@ -85,8 +85,8 @@ class KVTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WritePages(self, request_iterator, context):
-        """Page bytes of one (kind, layer) buffer, chunk by chunk. Idempotent per
-        (room, sender_rank, position, attempt): a retried stream may resend pages.
+        """Page bytes, chunk by chunk; a chunk may span buffers. Idempotent per
+        (room, sender_rank, buffer, position, attempt): a retried stream may resend pages.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
