@@ -32,11 +32,12 @@ is sent by `--cp` (8) prefill ranks to one decode server on 127.0.0.1:
   on the transfer status (`transfer.backends.mooncake_engine`), shown for comparison.
 
 Backends: `grpc` (`GrpcBackendConfig`: 4 MiB chunks, `--grpc-channels` channels per
-rank) and `mooncake` (zero-copy from the registered host pools by default;
-`--mooncake-source copy` reads pages into the backend's registered host buffer first,
-as for device pools). On a 2-core machine the raw engine write alone keeps most of both
-cores busy (the kernel's loopback copies), so every other CPU cycle and memory pass
-(xxh3 digests on both sides, the Python control plane) comes out of the ratio.
+rank, 2 by default as in production) and `mooncake` (zero-copy from the registered host
+pools by default; `--mooncake-source copy` reads pages into the backend's registered
+host buffer first, as for device pools). On a 2-core machine the raw engine write alone
+keeps most of both cores busy (the kernel's loopback copies), so every other CPU cycle
+and memory pass (xxh3 digests on both sides, the Python control plane) comes out of the
+ratio.
 
 Prints ONE JSON object on stdout; progress goes to stderr. Mooncake parts are null, with
 the reason in `mooncake_unavailable`, where the engine cannot load.
@@ -355,7 +356,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--backends", default="mooncake,grpc", help="comma-separated, run in this order"
     )
-    ap.add_argument("--grpc-channels", type=int, default=4, help="gRPC channels per rank")
+    ap.add_argument(
+        "--grpc-channels",
+        type=int,
+        default=GrpcBackendConfig.channels_per_rank,
+        help="gRPC channels per rank (default: the backend's default)",
+    )
     ap.add_argument("--grpc-chunk-mib", type=float, default=MAX_CHUNK_BYTES / MiB)
     ap.add_argument(
         "--mooncake-source",
