@@ -27,7 +27,10 @@ is sent by `--cp` (8) prefill ranks to one decode server on 127.0.0.1:
 - raw: `benchmarks.bench_mooncake_raw.RawWriter`, the same total bytes as ONE contiguous
   write between two engines of its own in this process, timed after every timed backend
   run (so the baseline sees the same machine load as the runs around it); `*_ratio` =
-  backend GB/s / `raw_mooncake_gbps` (median over all those raw writes).
+  backend GB/s / `raw_mooncake_gbps` (median over all those raw writes). Every timed
+  run and raw write starts after a `SETTLE_S` (0.3 s) pause, so none pays for the
+  aftermath of the one before (right after a gRPC run, a raw write was up to 70%
+  slower, flattering the ratios).
   `raw_sync_call_gbps`: the same write through the binding's blocking call, which spins
   on the transfer status (`transfer.backends.mooncake_engine`), shown for comparison.
 
@@ -289,6 +292,13 @@ def source_digests(plan: Plan) -> np.ndarray:
     return out
 
 
+# Pause before every timed run and raw write. Right after a gRPC run, an immediate raw
+# write measured 0.29-0.40 s instead of 0.19-0.23 s (64K tokens; neither process was
+# using CPU then: the aftermath is in the kernel - freed buffers, socket state), which
+# made the baseline slower and every ratio look better than it was.
+SETTLE_S = 0.3
+
+
 @dataclasses.dataclass
 class RawTimes:
     """The raw baseline's writer and its writes timed between backend runs (seconds)."""
@@ -298,7 +308,9 @@ class RawTimes:
     sync_call: list[float] = dataclasses.field(default_factory=list)
 
     def take(self) -> None:
+        time.sleep(SETTLE_S)
         self.polled.append(self.writer.write_seconds())
+        time.sleep(SETTLE_S)
         self.sync_call.append(self.writer.sync_call_seconds())
 
 
@@ -323,6 +335,7 @@ def run_backend(
         jobs = rank_jobs(
             room, decode.target, plan.layout, plan.tokens, plan.src_local, sources, Aux(1, -0.5)
         )
+        time.sleep(SETTLE_S)
         t0, c0 = time.perf_counter(), time.process_time()
         hold = send_request(backend, jobs, lambda _: None)
         state, reason, digests, decode_cpu = decode.wait(room)
