@@ -331,6 +331,45 @@ def test_unregistered_local_range_is_refused_before_sending(engines):
 
 
 @needs_mooncake
+def test_on_start_runs_in_the_calls_turn_on_the_peer(engines):
+    """`on_start` runs once per call, when the call's turn on the peer has come - after
+    a concurrent call to the same peer wrote all its bytes - and before any of its own
+    bytes land; it is not run when there is nothing to write."""
+    sender, receiver = engines
+    n = 1 << 20
+    src = np.random.default_rng().integers(0, 256, 2 * n, dtype=np.uint8)
+    dst = np.zeros(2 * n, np.uint8)
+    s, d = sender.register(src), receiver.register(dst)
+    seen: list[tuple[int, bool, bool]] = []  # (half, own bytes landed, other half complete)
+
+    def write(half: int) -> None:
+        own, other = slice(half * n, (half + 1) * n), slice((1 - half) * n, (2 - half) * n)
+
+        def on_start() -> None:
+            seen.append((half, bool(dst[own].any()), bool((dst[other] == src[other]).all())))
+
+        sender.batch_write(
+            receiver.session_id, [s.ptr + half * n], [d.ptr + half * n], [n], on_start
+        )
+
+    try:
+        threads = [threading.Thread(target=write, args=(h,)) for h in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(h for h, _, _ in seen) == [0, 1]
+        assert [landed for _, landed, _ in seen] == [False, False]
+        assert [complete for _, _, complete in seen] == [False, True]
+        np.testing.assert_array_equal(dst, src)
+        sender.batch_write(receiver.session_id, [], [], [], lambda: seen.append((9, 0, 0)))
+        assert len(seen) == 2
+    finally:
+        sender.unregister(s)
+        receiver.unregister(d)
+
+
+@needs_mooncake
 def test_bad_descriptor_arrays(engines):
     sender, receiver = engines
     with pytest.raises(ValueError, match="differ in number"):

@@ -621,15 +621,15 @@ class FlakyWrites:
         self._lock = threading.Lock()
         self.failures = 0
 
-    def __call__(self, session_id, local, remote, lengths) -> None:
+    def __call__(self, session_id, local, remote, lengths, on_start=None) -> None:
         me = threading.get_ident()
         with self._lock:
             first = me not in self._failed
             self._failed.add(me)
         if not first:
-            return self._write(session_id, local, remote, lengths)
+            return self._write(session_id, local, remote, lengths, on_start)
         half = max(1, len(lengths) // 2)
-        self._write(session_id, local[:half], remote[:half], lengths[:half])
+        self._write(session_id, local[:half], remote[:half], lengths[:half], on_start)
         with self._lock:
             self.failures += 1
         raise MooncakeTransferError("simulated peer reset after a partial write", -1)

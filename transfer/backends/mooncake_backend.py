@@ -629,12 +629,18 @@ class MooncakeRankSender(GrpcRankSender):
                 self._sources.append(view)
                 off += -(-sizes[b] // 4096) * 4096
         t1 = time.perf_counter()
-        # Digests are taken on a helper thread while this rank writes or waits for the
-        # engine's per-peer lock (ranks' writes to one peer go one at a time), so they
-        # stay off the critical path of all but the last rank.
+        # Digests are taken on a helper thread while this rank's pages are written, so
+        # they stay off the critical path. Ranks' writes to one peer go one at a time
+        # (the engine's per-peer lock), and the helper starts when this rank's turn
+        # comes: hashing every rank's pages at once while the first rank writes took
+        # the CPU that write needed (2 cores: the first rank's write ran at half speed).
         digest: dict[str, object] = {}
+        turn = threading.Event()
 
         def take_digests() -> None:
+            turn.wait()
+            if "skip" in digest:  # nothing will be committed
+                return
             t = time.perf_counter()
             try:
                 digest["value"] = np.stack([row_digests(src, src_rows) for src in self._sources])
@@ -648,9 +654,14 @@ class MooncakeRankSender(GrpcRankSender):
         digester.start()
         try:
             writes, descriptors = self._write(
-                engine, region.session_id, src_rows, dst_rows, page_bytes
+                engine, region.session_id, src_rows, dst_rows, page_bytes, turn.set
             )
+        except BaseException:
+            if not turn.is_set():  # failed before its turn: the helper need not hash
+                digest["skip"] = True
+            raise
         finally:
+            turn.set()
             digester.join()
         if "error" in digest:
             raise digest["error"]  # type: ignore[misc]
@@ -674,8 +685,10 @@ class MooncakeRankSender(GrpcRankSender):
         src_rows: np.ndarray,
         dst_rows: np.ndarray,
         page_bytes: np.ndarray,
+        on_start: Callable[[], None] | None = None,
     ) -> tuple[int, int]:
-        """The coalesced batch writes; returns (batch writes, descriptors)."""
+        """The coalesced batch writes; returns (batch writes, descriptors). `on_start`:
+        see `MooncakeEngine.batch_write` (called at each batch write's turn)."""
         assert self._region is not None
         addrs = self._region.buffer_addrs
         s, d, c = coalesce(src_rows, dst_rows)  # the same runs in every buffer
@@ -694,7 +707,9 @@ class MooncakeRankSender(GrpcRankSender):
                 self.faults.before_write(self, g)
                 if self._killed.is_set():
                     raise _Killed
-            self._batch_write(engine, session_id, g, local_a[lo:hi], remote_a[lo:hi], len_a[lo:hi])
+            self._batch_write(
+                engine, session_id, g, local_a[lo:hi], remote_a[lo:hi], len_a[lo:hi], on_start
+            )
             if self.faults.after_write is not None:
                 self.faults.after_write(self, g)
         return len(groups), int(len_a.size)
@@ -707,6 +722,7 @@ class MooncakeRankSender(GrpcRankSender):
         local: np.ndarray,
         remote: np.ndarray,
         lengths: np.ndarray,
+        on_start: Callable[[], None] | None = None,
     ) -> None:
         """One batch write with bounded retries (`MooncakeBackendConfig.write_retries`).
 
@@ -730,7 +746,7 @@ class MooncakeRankSender(GrpcRankSender):
             try:
                 if self.faults.write is not None:
                     self.faults.write(self, group, attempt)
-                engine.batch_write(session_id, local, remote, lengths)
+                engine.batch_write(session_id, local, remote, lengths, on_start)
                 return
             except MooncakeTransferError as e:
                 self._write_uncertain = True  # the engine may still move bytes of it

@@ -75,7 +75,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -416,6 +416,7 @@ class MooncakeEngine:
         local_ptrs: Sequence[int] | np.ndarray,
         remote_ptrs: Sequence[int] | np.ndarray,
         lengths: Sequence[int] | np.ndarray,
+        on_start: Callable[[], None] | None = None,
     ) -> None:
         """Write `lengths[i]` bytes from local `local_ptrs[i]` to the peer's `remote_ptrs[i]`.
 
@@ -425,7 +426,9 @@ class MooncakeEngine:
         before sending anything if a local range is not in a registered buffer. Order
         of the descriptors does not matter; zero-length ones are skipped. On an error,
         other descriptors may already have landed (in flight ones are waited for, except
-        past the timeout: `_write_polled`)."""
+        past the timeout: `_write_polled`). `on_start` is called once the call's turn on
+        the peer has come (writes to one peer go one call at a time), right before its
+        first submit; not when there is nothing to write or a local range is bad."""
         local = _int_array(local_ptrs, "local_ptrs")
         remote = _int_array(remote_ptrs, "remote_ptrs")
         sizes = _int_array(lengths, "lengths")
@@ -443,6 +446,8 @@ class MooncakeEngine:
         # The engine's own timeout rule: the transfer timeout plus one second per GiB.
         deadline = time.monotonic() + self.transfer_timeout_s + float(sizes.sum()) / (1 << 30)
         with self._call() as engine, self._session_lock(session_id):
+            if on_start is not None:  # this call's turn on the peer has come
+                on_start()
             for lo in range(0, sizes.size, self.max_batch):
                 hi = min(lo + self.max_batch, sizes.size)
                 failure = self._write_polled(
