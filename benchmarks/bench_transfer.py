@@ -30,7 +30,8 @@ is sent by `--cp` (8) prefill ranks to one decode server on 127.0.0.1:
   backend GB/s / `raw_mooncake_gbps` (median over all those raw writes). Every timed
   run and raw write starts after a `SETTLE_S` (0.3 s) pause, so none pays for the
   aftermath of the one before (right after a gRPC run, a raw write was up to 70%
-  slower, flattering the ratios).
+  slower, flattering the ratios). `*_paired_ratio`: the median over runs of (the raw
+  write right after a run) / (that run) - pairs measured under the same load.
   `raw_sync_call_gbps`: the same write through the binding's blocking call, which spins
   on the transfer status (`transfer.backends.mooncake_engine`), shown for comparison.
 
@@ -359,6 +360,28 @@ def run_backend(
     return times, cpu
 
 
+def backend_report(
+    name: str, plan: Plan, times: list[float], cpu: list[float], raw: RawTimes | None
+) -> dict:
+    """A backend's keys: GB/s of the median run, the run times, CPU cores, and (with the
+    raw baseline) `{name}_paired_ratio`: the median over runs of (raw write right after
+    the run) / (run), each pair measured under the same machine load - steadier than the
+    ratio of medians when the load drifts, and blind to how other backends' runs leave
+    the machine (the raw writes after one backend's runs can be slower than after
+    another's)."""
+    out = {
+        f"{name}_gbps": plan.bytes / statistics.median(times) / 1e9,
+        f"{name}_seconds": times,
+        f"{name}_cpu_cores": statistics.median(c / t for c, t in zip(cpu, times, strict=True)),
+    }
+    if raw is not None:
+        after = raw.polled[-len(times) :]  # one raw write after each timed run
+        out[f"{name}_paired_ratio"] = statistics.median(
+            r / t for r, t in zip(after, times, strict=True)
+        )
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_transfer", description=__doc__)
     ap.add_argument("--json", action="store_true", help="print one JSON object (default: also)")
@@ -469,11 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     times, cpu = run_backend("grpc", grpc_backend, decode, plan, args.repeats, raw)
                 finally:
                     grpc_backend.close()  # its kept channels
-                report["grpc_gbps"] = plan.bytes / statistics.median(times) / 1e9
-                report["grpc_seconds"] = times
-                report["grpc_cpu_cores"] = statistics.median(
-                    c / t for c, t in zip(cpu, times, strict=True)
-                )
+                report.update(backend_report("grpc", plan, times, cpu, raw))
                 report["grpc_config"] = {
                     "chunk_bytes": cfg.chunk_bytes,
                     "channels_per_rank": cfg.channels_per_rank,
@@ -495,11 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with MooncakeBackend(mcfg) as backend:
                     times, cpu = run_backend("mooncake", backend, decode, plan, args.repeats, raw)
                     stats = backend.stats(f"mooncake-{args.repeats}")
-                report["mooncake_gbps"] = plan.bytes / statistics.median(times) / 1e9
-                report["mooncake_seconds"] = times
-                report["mooncake_cpu_cores"] = statistics.median(
-                    c / t for c, t in zip(cpu, times, strict=True)
-                )
+                report.update(backend_report("mooncake", plan, times, cpu, raw))
                 report["mooncake_source"] = args.mooncake_source
                 report["mooncake_descriptors_per_rank"] = {
                     str(r): s.descriptors for r, s in sorted(stats.items())

@@ -51,8 +51,14 @@ def test_bench_transfer_reports_mooncake_and_raw(report):
     assert report["mooncake_ratio"] == pytest.approx(
         report["mooncake_gbps"] / report["raw_mooncake_gbps"]
     )
-    # One raw write each way after every timed run of each backend.
+    # One raw write each way after every timed run of each backend; each backend's
+    # paired ratio pairs its run with the raw write right after it (order: mooncake, grpc).
     assert len(report["raw_seconds"]) == len(report["raw_sync_call_seconds"]) == 2
+    assert report["backend_order"] == ["mooncake", "grpc"]
+    for i, name in enumerate(report["backend_order"]):
+        assert report[f"{name}_paired_ratio"] == pytest.approx(
+            report["raw_seconds"][i] / report[f"{name}_seconds"][0]
+        )
     # Contiguous local pages + owner-major staging: one descriptor per buffer per rank.
     assert set(report["mooncake_descriptors_per_rank"].values()) == {6}
 
