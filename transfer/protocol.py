@@ -220,15 +220,6 @@ def kind_from_pb(value: int) -> BufferKind:
         ) from None
 
 
-def section_to_pb(section: PageSection) -> pb.PageSection:
-    return pb.PageSection(
-        kind=kind_to_pb(section.kind),
-        layer=section.layer,
-        positions=np.asarray(section.positions).tolist(),
-        digests=np.asarray(section.digests).tolist(),
-    )
-
-
 def section_from_pb(msg: pb.PageSection) -> PageSection:
     return PageSection(
         kind_from_pb(msg.kind),
