@@ -43,6 +43,11 @@ keeps most of both cores busy (the kernel's loopback copies), so every other CPU
 and memory pass (xxh3 digests on both sides, the Python control plane) comes out of the
 ratio.
 
+Both processes apply `transfer.malloc_tuning.tune_malloc` first, as the prefill and
+decode servers do (`malloc_tuning` in the JSON; `--no-malloc-tuning` keeps glibc's
+defaults, for comparison): without it every 4 MiB gRPC chunk is a fresh `mmap` whose
+pages the kernel faults in again. The raw baseline runs in the tuned parent process too.
+
 Prints ONE JSON object on stdout; progress goes to stderr. Mooncake parts are null, with
 the reason in `mooncake_unavailable`, where the engine cannot load.
 """
@@ -70,6 +75,7 @@ from cpkv_jax.config import ModelConfig
 from cpkv_jax.paging import PageAllocator, owned_pages, pages_for_tokens
 from transfer.backends.grpc_backend import GrpcBackend, GrpcBackendConfig
 from transfer.backends.mooncake_engine import mooncake_available
+from transfer.malloc_tuning import tune_malloc
 from transfer.page_plan import PROTOCOL_VERSION, LayoutDescriptor, row_digests
 from transfer.protocol import MAX_CHUNK_BYTES, Aux, RoomState, TransferTimeouts
 from transfer.receiver import Receiver, serve
@@ -215,11 +221,15 @@ class DecodeServer:
             self.endpoint.close()
 
 
-def _decode_process(conn, layout: LayoutDescriptor, n_pages: int, arena: int, mc: bool) -> None:
+def _decode_process(
+    conn, layout: LayoutDescriptor, n_pages: int, arena: int, mc: bool, malloc_tuning: bool
+) -> None:
     """Child process body: a `DecodeServer` driven by (method, args) messages."""
     os.environ.setdefault("GLOG_minloglevel", "2")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     try:
+        if malloc_tuning:  # as the decode server process does (`serving.server.run_server`)
+            tune_malloc()
         server = DecodeServer(layout, n_pages, arena, mc)
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -243,12 +253,19 @@ class DecodeProcess:
     """A `DecodeServer` in a child process (spawned): the decode server runs apart from
     the prefill senders, as in a deployment, with its own interpreter lock."""
 
-    def __init__(self, layout: LayoutDescriptor, n_pages: int, arena_bytes: int, mooncake: bool):
+    def __init__(
+        self,
+        layout: LayoutDescriptor,
+        n_pages: int,
+        arena_bytes: int,
+        mooncake: bool,
+        malloc_tuning: bool = True,
+    ):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=_decode_process,
-            args=(child, layout, n_pages, arena_bytes, mooncake),
+            args=(child, layout, n_pages, arena_bytes, mooncake, malloc_tuning),
             name="bench-decode",
             daemon=True,
         )
@@ -411,6 +428,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="run the decode receiver in this process (default: a child process)",
     )
+    ap.add_argument(
+        "--no-malloc-tuning",
+        action="store_true",
+        help="keep glibc's malloc defaults in both processes (default: "
+        "transfer.malloc_tuning.tune_malloc, as the servers do)",
+    )
     ap.add_argument("--config", type=Path, default=GLM5_CONFIG, help="GLM-5 config dir")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -421,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not set(wanted) <= {"grpc", "mooncake"}:
         ap.error(f"--backends: unknown {sorted(set(wanted) - {'grpc', 'mooncake'})}")
 
+    tuning = None if args.no_malloc_tuning else tune_malloc()
     layout, layout_source = glm5_layout(args.layers, args.config)
     t = time.perf_counter()
     plan = build_plan(layout, args.tokens, args.cp, args.fragment, args.seed)
@@ -449,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     decode: DecodeServer | DecodeProcess = (
         DecodeServer(layout, plan.n_pages, arena_bytes, ok)
         if args.in_process_receiver
-        else DecodeProcess(layout, plan.n_pages, arena_bytes, ok)
+        else DecodeProcess(layout, plan.n_pages, arena_bytes, ok, tuning is not None)
     )
     logger.info("decode server at %s up in %.1fs", decode.target, time.perf_counter() - t)
     report: dict = {
@@ -474,6 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "receiver": "host-only (pool=None): staging verified by digest, no device scatter",
         "receiver_process": "this process" if args.in_process_receiver else "child process",
+        "malloc_tuning": tuning.describe() if tuning is not None else "glibc defaults",
     }
     if not ok:
         report["mooncake_unavailable"] = why

@@ -365,9 +365,26 @@ async def _serve(server: Server) -> None:
         await uv.drain_task
 
 
+def apply_transfer_malloc_tuning(args: ServerArgs) -> str | None:
+    """A PD server process's malloc setting for gRPC page chunks (`transfer.malloc_tuning`,
+    process-wide, so applied here at the entry point and not by `build_server`); returns
+    what it is (for `/server_info`), None in unified mode (no transfer, nothing done)."""
+    if not args.disaggregated():
+        return None
+    if args.disable_transfer_malloc_tuning:
+        return "glibc defaults (--disable-transfer-malloc-tuning)"
+    from transfer.malloc_tuning import tune_malloc
+
+    tuning = tune_malloc()
+    return tuning.describe() if tuning is not None else "C library defaults (not glibc)"
+
+
 def run_server(args: ServerArgs) -> int:
     """Build, warm up and serve until a signal; returns the process exit code."""
+    malloc = apply_transfer_malloc_tuning(args)  # before the transfer side allocates
     server = build_server(args)
+    if malloc is not None:
+        server.info["transfer_malloc_tuning"] = malloc
     logger.info(
         "serving %s on http://%s:%d%s",
         args.disaggregation_mode,

@@ -424,6 +424,15 @@ class ServerArgs:
         group="transfer",
         requires="disaggregated",
     )
+    disable_transfer_malloc_tuning: bool = _arg(
+        False,
+        help="keep glibc's malloc defaults; by default a prefill or decode process raises "
+        "the mmap / trim thresholds so 4 MiB gRPC page chunks reuse memory instead of "
+        "being faulted in afresh (transfer/malloc_tuning.py; keeps up to 64 MiB freed per "
+        "malloc arena)",
+        group="transfer",
+        requires="disaggregated",
+    )
 
     # kernels
     kernel_impl: GatherImpl = _arg(  # noqa: RUF009

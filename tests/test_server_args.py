@@ -148,6 +148,7 @@ def test_non_default_values_round_trip_through_the_command_line():
         disaggregation_mode="prefill",
         transfer_backend="mooncake",
         transfer_bootstrap_timeout=12.5,
+        disable_transfer_malloc_tuning=True,
         kernel_impl="pallas",
         port=8000,
         log_level="debug",
@@ -445,6 +446,10 @@ def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
         ),
         ({"transfer_backend": "grpc"}, "--transfer-backend has no effect without"),
         ({"transfer_waiting_timeout": 1.0}, "--transfer-waiting-timeout has no effect"),
+        (
+            {"disable_transfer_malloc_tuning": True},
+            "--disable-transfer-malloc-tuning has no effect",
+        ),
         (
             {"disaggregation_mode": "decode", "transfer_backend": "grpc"}
             | {"transfer_heartbeat_interval": 0.0},
