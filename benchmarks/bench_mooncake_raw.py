@@ -98,11 +98,6 @@ def raw_write_times(
     return times, sync_times
 
 
-def raw_write_gbps(total_bytes: int, repeats: int = 5) -> float:
-    """Median GB/s (1e9 B/s) of one contiguous loopback write of `total_bytes`."""
-    return total_bytes / statistics.median(raw_write_times(total_bytes, repeats)[0]) / 1e9
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bytes", type=int, default=64 << 20, help="bytes per write")

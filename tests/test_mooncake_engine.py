@@ -8,6 +8,7 @@ timeout, so a hung engine fails a test instead of hanging the suite.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -446,9 +447,10 @@ def test_stalled_peer_times_out():
 
 
 @needs_mooncake
-def test_raw_write_gbps_is_positive():
-    from benchmarks.bench_mooncake_raw import raw_write_gbps
+def test_bench_mooncake_raw_prints_its_json(capsys):
+    from benchmarks.bench_mooncake_raw import main
 
-    gbps = bounded(raw_write_gbps, 8 << 20, 3)
-    assert gbps > 0
-    print(f"raw Mooncake loopback write, 8 MiB: {gbps:.2f} GB/s")
+    assert bounded(main, ["--bytes", str(8 << 20), "--repeats", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bytes"] == 8 << 20 and len(report["gbps_each"]) == 3
+    assert report["raw_mooncake_gbps"] > 0 and report["raw_sync_call_gbps"] > 0

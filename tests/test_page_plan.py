@@ -28,6 +28,7 @@ from transfer.page_plan import (
     owner_major_order,
     page_digest,
     page_digests,
+    plan_rank,
     plan_request,
 )
 
@@ -132,6 +133,15 @@ def test_plan_properties(d):
     for r, rp in enumerate(plan.ranks):
         assert rp.rank == r
         assert rp.sends_aux == (r == 0)
+        # A sender's own plan (plan_rank) is that rank's part of the request's plan.
+        alone = plan_rank(r, num_tokens, P, cp, src, dst)
+        for field in ("positions", "src_pages", "dst_pages", "run_offsets"):
+            np.testing.assert_array_equal(getattr(alone, field), getattr(rp, field))
+        assert (alone.runs, alone.tail_tokens, alone.sends_aux) == (
+            rp.runs,
+            rp.tail_tokens,
+            rp.sends_aux,
+        )
         # Each rank sends exactly the positions it owns, ascending (S1.1 / S2.1).
         np.testing.assert_array_equal(rp.positions, np.arange(n)[np.arange(n) % cp == r])
         assert rp.positions.dtype == np.int64
@@ -236,6 +246,14 @@ def test_more_ranks_than_pages():
 def test_plan_rejects_bad_input(args, match):
     with pytest.raises(PagePlanError, match=match):
         plan_request(*args)
+    with pytest.raises(PagePlanError, match=match):  # the same checks of the whole tables
+        plan_rank(0, *args)
+
+
+def test_plan_rank_rejects_a_rank_outside_the_cp_group():
+    for rank in (-1, 2):
+        with pytest.raises(PagePlanError, match=r"rank must be in \[0, 2\)"):
+            plan_rank(rank, 8, 4, 2, [1, 1], [1, 2])
 
 
 def test_same_local_page_on_different_lanes_is_fine():

@@ -422,6 +422,42 @@ def plan_request(
     of each lane. Any array-like is accepted and checked here (not by annotations: the
     pages can come from the wire); raises `PagePlanError` naming the bad entry otherwise.
     """
+    n, src, dst = _checked_tables(num_tokens, page_size, cp_size, src_local_pages, dst_pages)
+    return RequestPlan(
+        ranks=tuple(
+            _rank_plan(r, num_tokens, page_size, cp_size, src, dst) for r in range(cp_size)
+        ),
+        num_pages=n,
+        num_tokens=num_tokens,
+        page_size=page_size,
+        cp_size=cp_size,
+    )
+
+
+def plan_rank(
+    rank: int,
+    num_tokens: int,
+    page_size: int,
+    cp_size: int,
+    src_local_pages: npt.ArrayLike,
+    dst_pages: npt.ArrayLike,
+) -> RankPlan:
+    """`plan_request(...).ranks[rank]`, with the same checks of the whole tables, without
+    building the other ranks' plans (each sender rank needs only its own)."""
+    _, src, dst = _checked_tables(num_tokens, page_size, cp_size, src_local_pages, dst_pages)
+    if not 0 <= rank < cp_size:
+        raise PagePlanError(f"rank must be in [0, {cp_size}), got {rank}")
+    return _rank_plan(rank, num_tokens, page_size, cp_size, src, dst)
+
+
+def _checked_tables(
+    num_tokens: int,
+    page_size: int,
+    cp_size: int,
+    src_local_pages: npt.ArrayLike,
+    dst_pages: npt.ArrayLike,
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """(page count, src, dst) as int64 arrays after `plan_request`'s checks."""
     for name, value, low in (("num_tokens", num_tokens, 1), ("page_size", page_size, 1)):
         if value < low:
             raise PagePlanError(f"{name} must be >= {low}, got {value}")
@@ -433,45 +469,40 @@ def plan_request(
     _check_unique(dst, "dst_pages", "decode page")
     lanes = owner_of_page(np.arange(n, dtype=np.int64), cp_size)
     _check_unique(lanes * (int(src.max()) + 1) + src, "src_local_pages", "local page of a lane")
+    return n, src, dst
 
+
+def _rank_plan(
+    r: int, num_tokens: int, page_size: int, cp_size: int, src: np.ndarray, dst: np.ndarray
+) -> RankPlan:
+    """Rank `r`'s plan from checked tables."""
+    n = src.size
     tail = num_tokens - (n - 1) * page_size if num_tokens % page_size else 0
-    tail_owner = int(owner_of_page(n - 1, cp_size))
-    ranks = []
-    for r in range(cp_size):
-        positions = owned_pages(n, r, cp_size)
-        s, d = src[positions], dst[positions]
-        # A run continues while both sides advance by exactly one page.
-        breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-        offsets = np.concatenate(([0], breaks, [positions.size])) if positions.size else np.zeros(1)
-        offsets = offsets.astype(np.int64)
-        runs = tuple(
-            PageRun(int(p), int(a), int(b), int(c), cp_size)
-            for p, a, b, c in zip(
-                positions[offsets[:-1]].tolist(),
-                s[offsets[:-1]].tolist(),
-                d[offsets[:-1]].tolist(),
-                np.diff(offsets).tolist(),
-                strict=True,
-            )
+    positions = owned_pages(n, r, cp_size)
+    s, d = src[positions], dst[positions]
+    # A run continues while both sides advance by exactly one page.
+    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    offsets = np.concatenate(([0], breaks, [positions.size])) if positions.size else np.zeros(1)
+    offsets = offsets.astype(np.int64)
+    runs = tuple(
+        PageRun(int(p), int(a), int(b), int(c), cp_size)
+        for p, a, b, c in zip(
+            positions[offsets[:-1]].tolist(),
+            s[offsets[:-1]].tolist(),
+            d[offsets[:-1]].tolist(),
+            np.diff(offsets).tolist(),
+            strict=True,
         )
-        ranks.append(
-            RankPlan(
-                rank=r,
-                positions=positions,
-                src_pages=s,
-                dst_pages=d,
-                run_offsets=offsets,
-                runs=runs,
-                tail_tokens=tail if r == tail_owner else 0,
-                sends_aux=r == 0,
-            )
-        )
-    return RequestPlan(
-        ranks=tuple(ranks),
-        num_pages=n,
-        num_tokens=num_tokens,
-        page_size=page_size,
-        cp_size=cp_size,
+    )
+    return RankPlan(
+        rank=r,
+        positions=positions,
+        src_pages=s,
+        dst_pages=d,
+        run_offsets=offsets,
+        runs=runs,
+        tail_tokens=tail if r == int(owner_of_page(n - 1, cp_size)) else 0,
+        sends_aux=r == 0,
     )
 
 

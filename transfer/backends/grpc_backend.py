@@ -5,10 +5,10 @@ One `GrpcRankSender` per (room, prefill rank):
 1. **Handshake** - its layout descriptor, cp size and token count; retried while the
    decode side is unreachable or has not registered the room yet, up to
    `bootstrap_timeout_s`. A refused handshake ends the rank before any data moves.
-2. **Plan** - `plan_request` against the decode page table from the handshake reply;
-   the rank sends only the positions it owns (owner filtering), and every page carries
-   its logical position (position-addressed destinations), so the decode side needs no
-   ordering assumption.
+2. **Plan** - `plan_rank` (`plan_request`'s checks of the whole tables, this rank's plan
+   only) against the decode page table from the handshake reply; the rank sends only
+   the positions it owns (owner filtering), and every page carries its logical position
+   (position-addressed destinations), so the decode side needs no ordering assumption.
 3. **Pages** - one `WritePages` client stream per channel (`channels_per_rank`
    channels, each its own TCP connection), each carrying a share of the (kind, layer)
    buffers balanced by bytes, packed into chunks of at most `chunk_bytes` page bytes:
@@ -51,7 +51,7 @@ from transfer.page_plan import (
     LayoutDescriptor,
     PagePlanError,
     RankPlan,
-    plan_request,
+    plan_rank,
     row_digests,
 )
 from transfer.proto import kv_transfer_pb2 as pb
@@ -403,13 +403,14 @@ class GrpcRankSender:
     def _plan(self, reply: pb.HandshakeReply) -> RankPlan:
         job = self.job
         try:
-            plan = plan_request(
+            plan = plan_rank(
+                job.rank,
                 job.num_tokens,
                 job.layout.page_size,
                 job.cp_size,
                 job.src_local_pages,
                 np.asarray(reply.dst_pages, np.int64),
-            ).ranks[job.rank]
+            )
         except PagePlanError as e:
             self._fail(f"page plan: {e}")
         return self.faults.plan(plan) if self.faults.plan is not None else plan
