@@ -45,8 +45,9 @@ ratio.
 
 Both processes apply `transfer.malloc_tuning.tune_malloc` first, as the prefill and
 decode servers do (`malloc_tuning` in the JSON; `--no-malloc-tuning` keeps glibc's
-defaults, for comparison): without it every 4 MiB gRPC chunk is a fresh `mmap` whose
-pages the kernel faults in again. The raw baseline runs in the tuned parent process too.
+defaults, for comparison): without it many 4 MiB gRPC chunk buffers are fresh `mmap`s
+whose pages the kernel faults in again. The raw baseline runs in the tuned parent
+process too (measured alone, the tuning does not change it beyond noise).
 
 Prints ONE JSON object on stdout; progress goes to stderr. Mooncake parts are null, with
 the reason in `mooncake_unavailable`, where the engine cannot load.
