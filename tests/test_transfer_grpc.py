@@ -257,6 +257,41 @@ def test_stream_packs_buffers_into_full_chunks(monkeypatch, max_pages, local):
         assert size + nxt > chunk_bytes or n == max_pages
 
 
+@pytest.mark.parametrize(("chunks", "streams"), [(1, 1), (2, 2), (3, 3), (40, 3)])
+def test_a_rank_opens_no_more_streams_than_it_has_chunks(monkeypatch, chunks, streams):
+    """Each stream costs a call and threads on both sides, so a rank whose pages fill
+    fewer chunks than it has channels opens one stream per chunk - a single one on the
+    rank's own thread (a 512-token GLM-5 room: ~36 -> ~29 ms); bigger ranks one stream
+    per channel. Every buffer goes in exactly one stream."""
+    import transfer.backends.grpc_backend as gb
+
+    layout = LayoutDescriptor(
+        PROTOCOL_VERSION, 4, 3, (0, 2), 16, "float32", 8, "float8_e4m3fn", True
+    )
+    src = np.arange(1, 14)
+    leaves = {b: np.zeros((20, layout.page_bytes(*b)), np.uint8) for b in layout.buffers()}
+    job = RankJob(
+        "streams", "127.0.0.1:1", 0, 1, 13 * 4, layout, src, HostPoolPageSource(layout, leaves)
+    )
+    plan = plan_request(13 * 4, 4, 1, src, np.arange(1, 14)).ranks[0]
+    config = dataclasses.replace(SENDER, channels_per_rank=3)
+    sender = gb.GrpcRankSender(job, TransferHold("streams", [0], lambda _: None), config)
+    sender._stubs = [None] * 3  # three channels; no call is made here
+    calls: list[tuple[int, list, threading.Thread]] = []
+
+    def record(plan, group, channel, chunk_bytes):
+        calls.append((channel, group, threading.current_thread()))
+
+    monkeypatch.setattr(sender, "_send_stream", record)
+    rank_bytes = plan.num_pages * layout.bytes_per_page()
+    sender._send_pages(plan, -(-rank_bytes // chunks))  # `chunks` chunks of pages
+    assert len(calls) == streams
+    assert sorted(b for _, g, _ in calls for b in g) == sorted(layout.buffers())
+    assert sorted(c for c, _, _ in calls) == list(range(streams))
+    if streams == 1:
+        assert calls[0][2] is threading.current_thread()
+
+
 def test_backend_keeps_each_ranks_channels_across_rooms():
     """Channels are made once per (decode target, rank) and reused by later rooms (no
     connection setup per room); `close()` closes them and refuses later sends."""

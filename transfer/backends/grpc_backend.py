@@ -418,10 +418,18 @@ class GrpcRankSender:
     # ---- pages ------------------------------------------------------------------------------
     def _send_pages(self, plan: RankPlan, chunk_bytes: int) -> None:
         """Every buffer of the layout over the rank's channels: one stream per channel,
-        each carrying the chunks of a share of the buffers (balanced by bytes)."""
+        each carrying the chunks of a share of the buffers (balanced by bytes). A rank
+        whose pages fill fewer chunks than it has channels opens one stream per chunk
+        (each stream costs a call and threads on both sides; a 512-token GLM-5 room went
+        from ~36 to ~29 ms), a single one on this thread."""
         if plan.num_pages == 0:
             return
-        groups = _stream_groups(self.job.layout, len(self._stubs))
+        rank_bytes = plan.num_pages * self.job.layout.bytes_per_page()
+        streams = min(len(self._stubs), -(-rank_bytes // chunk_bytes))
+        groups = _stream_groups(self.job.layout, streams)
+        if len(groups) == 1:
+            self._send_stream(plan, groups[0], 0, chunk_bytes)
+            return
         with concurrent.futures.ThreadPoolExecutor(
             len(groups), thread_name_prefix="kv-send-ch"
         ) as pool:
