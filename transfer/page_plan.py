@@ -11,7 +11,8 @@ Host-side numpy only (no JAX, no device), so the plan is cheap and unit-testable
 - `plan_request`: per CP rank, the logical pages it owns (`p mod cp_size`, SPEC S1.1) with
   their prefill-side local page and their decode-side page `dst_pages[p]`, chosen by
   position, never by "the next slice" (SPEC S2.1). The partial tail page goes as a page;
-  nothing is padded to a multiple of `cp_size` pages (SPEC S2.2).
+  nothing is padded to a multiple of `cp_size` pages (SPEC S2.2). `plan_rank`: one rank's
+  part of it, after the same checks of the whole tables (what a sender needs).
 - `RequestPlan.descriptors`: byte ranges per (page run, kind, layer). Contiguous page
   runs (source and destination both advancing by one page) are coalesced into one
   descriptor per layer run. They are kept as arrays (`RankDescriptors`), since a
