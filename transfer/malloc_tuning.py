@@ -34,7 +34,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
-import platform
+import os
 import threading
 
 from transfer.protocol import MAX_MESSAGE_BYTES
@@ -66,9 +66,18 @@ class MallocTuning:
         )
 
 
+def _glibc_version() -> str | None:
+    """This process's glibc ("glibc 2.36"), or None under another C library."""
+    try:
+        version = os.confstr("CS_GNU_LIBC_VERSION")
+    except (ValueError, OSError):  # not a glibc system
+        return None
+    return version if version and version.startswith("glibc") else None
+
+
 def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """glibc's `mallopt`, or None when this process's C library is not glibc."""
-    if platform.libc_ver()[0] != "glibc":
+    if _glibc_version() is None:
         return None
     fn = getattr(ctypes.CDLL(None), "mallopt", None)
     if fn is not None:
@@ -106,10 +115,7 @@ def tune_malloc(
             return want
         mallopt = _mallopt()
         if mallopt is None:
-            logger.info(
-                "malloc tuning skipped: the C library is %s, not glibc",
-                platform.libc_ver()[0] or "unknown",
-            )
+            logger.info("malloc tuning skipped: this process's C library is not glibc")
             return None
         # The mmap threshold first: it is the one glibc may refuse (a cap), and then
         # nothing has changed yet.
