@@ -10,7 +10,8 @@ One `GrpcRankSender` per (room, prefill rank):
    the positions it owns (owner filtering), and every page carries its logical position
    (position-addressed destinations), so the decode side needs no ordering assumption.
 3. **Pages** - one `WritePages` client stream per channel (`channels_per_rank`
-   channels, each its own TCP connection), each carrying a share of the (kind, layer)
+   channels, each its own TCP connection; fewer streams when the rank's pages fill
+   fewer chunks than that), each carrying a share of the (kind, layer)
    buffers balanced by bytes, packed into chunks of at most `chunk_bytes` page bytes:
    one `PageSection` (positions, per-page xxh3 digests) per buffer run in a chunk, so
    small buffers (index scales, short requests) share chunks instead of costing one
