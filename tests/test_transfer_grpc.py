@@ -269,7 +269,11 @@ def test_a_rank_opens_no_more_streams_than_it_has_chunks(monkeypatch, chunks, st
         PROTOCOL_VERSION, 4, 3, (0, 2), 16, "float32", 8, "float8_e4m3fn", True
     )
     src = np.arange(1, 14)
-    leaves = {b: np.zeros((20, layout.page_bytes(*b)), np.uint8) for b in layout.buffers()}
+    rng = np.random.default_rng()
+    leaves = {
+        b: rng.integers(0, 256, (20, layout.page_bytes(*b)), dtype=np.uint8)
+        for b in layout.buffers()
+    }
     job = RankJob(
         "streams", "127.0.0.1:1", 0, 1, 13 * 4, layout, src, HostPoolPageSource(layout, leaves)
     )
