@@ -19,11 +19,19 @@ is sent by `--cp` (8) prefill ranks to one decode server on 127.0.0.1:
   stage there too, so both backends write into the same warm memory), page digests are
   verified as in production, coverage is checked, the room succeeds. The first
   (untimed) run of each backend also checks every staged page against its source;
-- timing: from `send_request` (before the first handshake) to the decode side's room
-  reaching Success, i.e. handshakes, page reads, digests, data movement, commits and the
-  coverage check; the senders' hold release after Success is not timed. `*_gbps` =
-  request bytes / median seconds over `--repeats` (1e9 B/s); `*_cpu_cores` = CPU
-  seconds of both processes per second during the runs;
+- timing: each room is bootstrapped first, as a prefill server does when it admits a
+  request (`transfer.sender.bootstrap_request`: every rank handshakes and heartbeats,
+  waiting for its inputs); once every rank is ready, the clock starts when the page
+  table and aux data are provided (`TransferHold.provide`, where a prefill server's
+  prefill ends) and stops when the decode side's room reaches Success - the moment is
+  taken in the decode process (`time.perf_counter` is CLOCK_MONOTONIC, one clock for
+  both processes), not after the reply crosses the pipe back: page reads, digests,
+  data movement, commits and the coverage check. `*_bootstrap_ms`: the median time
+  from the bootstrap's start until every rank was ready (not in `*_gbps`: in a
+  server it overlaps the prefill). `--send-at-once` times `send_request` instead, from
+  before the first handshake (the handshakes on the clock, as before 2026-11-30).
+  `*_gbps` = request bytes / median seconds over `--repeats` (1e9 B/s); `*_cpu_cores`
+  = CPU seconds of both processes per second during the timed part;
 - raw: `benchmarks.bench_mooncake_raw.RawWriter`, the same total bytes as ONE contiguous
   write between two engines of its own in this process, timed after every timed backend
   run (so the baseline sees the same machine load as the runs around it); `*_ratio` =
@@ -80,7 +88,13 @@ from transfer.malloc_tuning import tune_malloc
 from transfer.page_plan import PROTOCOL_VERSION, LayoutDescriptor, row_digests
 from transfer.protocol import MAX_CHUNK_BYTES, Aux, RoomState, TransferTimeouts
 from transfer.receiver import Receiver, serve
-from transfer.sender import HostPoolPageSource, TransferBackend, rank_jobs, send_request
+from transfer.sender import (
+    HostPoolPageSource,
+    TransferBackend,
+    bootstrap_request,
+    rank_jobs,
+    send_request,
+)
 from transfer.staging_arena import StagingArena
 
 logger = logging.getLogger("bench_transfer")
@@ -175,7 +189,9 @@ class DecodeServer:
         self._check: set[str] = set()
         self._digests: dict[str, np.ndarray] = {}
         self._dst: dict[str, np.ndarray] = {}
+        self._success_at: dict[str, float] = {}
         self._rng = np.random.default_rng(1)
+        self._cpu0 = time.process_time()
         self.rx = Receiver(
             layout,
             None,
@@ -191,6 +207,8 @@ class DecodeServer:
         self.target = f"127.0.0.1:{port}"
 
     def _sink(self, room: str, positions, dst_pages, staging) -> None:
+        # Called by the receiver right before the room turns Success.
+        self._success_at[room] = time.perf_counter()
         if room not in self._check:
             return
         out = np.zeros((len(staging), positions.size), np.uint64)
@@ -206,14 +224,24 @@ class DecodeServer:
         self._dst[room] = dst
         self.rx.register_room(room, dst, tokens, cp)
 
-    def wait(self, room: str) -> tuple[str, str, np.ndarray | None, float]:
-        """(state label, reason, per-(buffer, position) digests of checked rooms, CPU s)."""
-        c0 = time.process_time()
+    def wait(self, room: str) -> tuple[str, str, np.ndarray | None, float, float | None]:
+        """(state label, reason, per-(buffer, position) digests of checked rooms, CPU s
+        since `mark_cpu`, `time.perf_counter()` when the room turned Success)."""
         snap = self.rx.wait(room, timeout=600)
-        cpu = time.process_time() - c0
+        cpu = time.process_time() - self._cpu0
         self.rx.free_pages(self._dst.pop(room))
         self._check.discard(room)
-        return snap.state.label, snap.reason, self._digests.pop(room, None), cpu
+        return (
+            snap.state.label,
+            snap.reason,
+            self._digests.pop(room, None),
+            cpu,
+            self._success_at.pop(room, None),
+        )
+
+    def mark_cpu(self) -> None:
+        """Start counting this process's CPU time for the next `wait`."""
+        self._cpu0 = time.process_time()
 
     def close(self) -> None:
         self.server.stop(0)
@@ -285,9 +313,13 @@ class DecodeProcess:
         self._conn.send(("open_room", (room, tokens, cp, check)))
         self._reply()
 
-    def wait(self, room: str) -> tuple[str, str, np.ndarray | None, float]:
+    def wait(self, room: str) -> tuple[str, str, np.ndarray | None, float, float | None]:
         self._conn.send(("wait", (room,)))
         return self._reply()
+
+    def mark_cpu(self) -> None:
+        self._conn.send(("mark_cpu", ()))
+        self._reply()
 
     def close(self) -> None:
         try:
@@ -333,6 +365,15 @@ class RawTimes:
         self.sync_call.append(self.writer.sync_call_seconds())
 
 
+@dataclasses.dataclass
+class BackendRuns:
+    """One backend's timed runs (seconds): to Success, CPU of both sides, bootstrap."""
+
+    times: list[float] = dataclasses.field(default_factory=list)
+    cpu: list[float] = dataclasses.field(default_factory=list)
+    bootstrap: list[float] = dataclasses.field(default_factory=list)
+
+
 def run_backend(
     name: str,
     backend: TransferBackend,
@@ -340,25 +381,42 @@ def run_backend(
     plan: Plan,
     repeats: int,
     raw: RawTimes | None = None,
-) -> tuple[list[float], list[float]]:
-    """Seconds from send to Success for `repeats` timed runs (after one warm-up whose
-    every staged page is checked against its source), and the CPU seconds of each
-    (prefill and decode sides together). With `raw`, one raw engine write of the same
-    bytes (each way) is timed after each run."""
+    at_once: bool = False,
+) -> BackendRuns:
+    """`repeats` timed runs (after one warm-up whose every staged page is checked
+    against its source): each room bootstrapped, then timed from `provide` to the
+    decode side's Success (`at_once`: from `send_request`, handshakes included), with
+    the CPU seconds of both sides. With `raw`, one raw engine write of the same bytes
+    (each way) is timed after each run."""
     sources = [HostPoolPageSource(plan.layout, leaves) for leaves in plan.leaves]
     in_process = isinstance(decode, DecodeServer)
-    times, cpu = [], []
+    runs = BackendRuns()
     for i in range(repeats + 1):
         room = f"{name}-{i}"
         decode.open_room(room, plan.tokens, plan.cp, check=i == 0)
-        jobs = rank_jobs(
-            room, decode.target, plan.layout, plan.tokens, plan.src_local, sources, Aux(1, -0.5)
-        )
+        aux = Aux(1, -0.5)
+        boot_s = None
+        if at_once:
+            jobs = rank_jobs(
+                room, decode.target, plan.layout, plan.tokens, plan.src_local, sources, aux
+            )
+        else:  # as a prefill server: handshakes at admission, pages when prefill ends
+            jobs = rank_jobs(room, decode.target, plan.layout, plan.tokens, None, sources, None)
+            tb = time.perf_counter()
+            hold = bootstrap_request(backend, jobs, lambda _: None)
+            if not hold.wait_ready(120):
+                raise RuntimeError(f"{name} room {room}: bootstrap failed: {hold.wait(120)}")
+            boot_s = time.perf_counter() - tb
         time.sleep(SETTLE_S)
+        decode.mark_cpu()
         t0, c0 = time.perf_counter(), time.process_time()
-        hold = send_request(backend, jobs, lambda _: None)
-        state, reason, digests, decode_cpu = decode.wait(room)
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        if at_once:
+            hold = send_request(backend, jobs, lambda _: None)
+        elif not hold.provide(plan.src_local, aux):
+            raise RuntimeError(f"{name} room {room}: failed before provide: {hold.wait(120)}")
+        state, reason, digests, decode_cpu, success_at = decode.wait(room)
+        dc = time.process_time() - c0
+        dt = (success_at if success_at is not None else time.perf_counter()) - t0
         outcome = hold.wait(120)
         if state != RoomState.SUCCESS.label:
             raise RuntimeError(f"{name} room {room} ended {state}: {reason}")
@@ -370,27 +428,38 @@ def run_backend(
                 raise RuntimeError(f"{name}: the staged pages differ from the sources")
             logger.info("%s warm-up: %.3fs (%.2f GB/s), every page checked", name, dt, gbps)
         else:
-            times.append(dt)
-            cpu.append(dc + (0.0 if in_process else decode_cpu))
-            logger.info("%s run %d: %.3fs (%.2f GB/s, %.2f cores)", name, i, dt, gbps, cpu[-1] / dt)
+            runs.times.append(dt)
+            runs.cpu.append(dc + (0.0 if in_process else decode_cpu))
+            if boot_s is not None:
+                runs.bootstrap.append(boot_s)
+            logger.info(
+                "%s run %d: %.3fs (%.2f GB/s, %.2f cores)%s",
+                name,
+                i,
+                dt,
+                gbps,
+                runs.cpu[-1] / dt,
+                "" if boot_s is None else f"; bootstrap before it {1e3 * boot_s:.1f} ms",
+            )
             if raw is not None:
                 raw.take()
-    return times, cpu
+    return runs
 
 
-def backend_report(
-    name: str, plan: Plan, times: list[float], cpu: list[float], raw: RawTimes | None
-) -> dict:
+def backend_report(name: str, plan: Plan, runs: BackendRuns, raw: RawTimes | None) -> dict:
     """A backend's keys: GB/s of the median run, the run times, CPU cores, and (with the
     raw baseline) `{name}_paired_ratio`: the median over runs of (raw write right after
     the run) / (run), each pair measured under the same machine load - steadier than the
     ratio of medians when the load drifts, and blind to how other backends' runs leave
     the machine (the raw writes after one backend's runs can be slower than after
-    another's)."""
+    another's). `{name}_bootstrap_ms`: median handshake phase before the timed part
+    (None with `--send-at-once`, whose times include it)."""
+    times = runs.times
     out = {
         f"{name}_gbps": plan.bytes / statistics.median(times) / 1e9,
         f"{name}_seconds": times,
-        f"{name}_cpu_cores": statistics.median(c / t for c, t in zip(cpu, times, strict=True)),
+        f"{name}_cpu_cores": statistics.median(c / t for c, t in zip(runs.cpu, times, strict=True)),
+        f"{name}_bootstrap_ms": 1e3 * statistics.median(runs.bootstrap) if runs.bootstrap else None,
     }
     if raw is not None:
         after = raw.polled[-len(times) :]  # one raw write after each timed run
@@ -434,6 +503,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="keep glibc's malloc defaults in both processes (default: "
         "transfer.malloc_tuning.tune_malloc, as the servers do)",
+    )
+    ap.add_argument(
+        "--send-at-once",
+        action="store_true",
+        help="time send_request from before the handshakes (default: bootstrap each room "
+        "first, as a prefill server does at admission, and time from provide)",
     )
     ap.add_argument("--config", type=Path, default=GLM5_CONFIG, help="GLM-5 config dir")
     ap.add_argument("--seed", type=int, default=0)
@@ -500,6 +575,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "receiver": "host-only (pool=None): staging verified by digest, no device scatter",
         "receiver_process": "this process" if args.in_process_receiver else "child process",
         "malloc_tuning": tuning.describe() if tuning is not None else "glibc defaults",
+        "timing": "send_request, handshakes included"
+        if args.send_at_once
+        else "provide -> Success, rooms bootstrapped first",
     }
     if not ok:
         report["mooncake_unavailable"] = why
@@ -515,10 +593,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 grpc_backend = GrpcBackend(cfg)
                 try:
-                    times, cpu = run_backend("grpc", grpc_backend, decode, plan, args.repeats, raw)
+                    runs = run_backend(
+                        "grpc", grpc_backend, decode, plan, args.repeats, raw, args.send_at_once
+                    )
                 finally:
                     grpc_backend.close()  # its kept channels
-                report.update(backend_report("grpc", plan, times, cpu, raw))
+                report.update(backend_report("grpc", plan, runs, raw))
                 report["grpc_config"] = {
                     "chunk_bytes": cfg.chunk_bytes,
                     "channels_per_rank": cfg.channels_per_rank,
@@ -538,9 +618,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     transfer_timeout_s=120.0,
                 )
                 with MooncakeBackend(mcfg) as backend:
-                    times, cpu = run_backend("mooncake", backend, decode, plan, args.repeats, raw)
+                    runs = run_backend(
+                        "mooncake", backend, decode, plan, args.repeats, raw, args.send_at_once
+                    )
                     stats = backend.stats(f"mooncake-{args.repeats}")
-                report.update(backend_report("mooncake", plan, times, cpu, raw))
+                report.update(backend_report("mooncake", plan, runs, raw))
                 report["mooncake_source"] = args.mooncake_source
                 report["mooncake_descriptors_per_rank"] = {
                     str(r): s.descriptors for r, s in sorted(stats.items())

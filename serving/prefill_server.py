@@ -5,12 +5,17 @@
 the decode server registered (`GenerateRequest.bootstrap_room`) and that server's
 transfer receiver (`decode_transfer_target`, "host:port"). A request's life here:
 
-1. `add`: validated and queued in the `PrefillScheduler` (nothing allocated yet);
+1. `add`: validated and queued in the `PrefillScheduler` (nothing allocated yet), and
+   its transfer bootstrapped at once (`transfer.sender.bootstrap_request`): one sender
+   per CP rank handshakes with the decode side (layout, token count, cp size checked;
+   on Mooncake the decode side carves the staging region) and heartbeats while the
+   request waits and prefills, so the handshakes are off its time to first token. A
+   decode side that refuses the room, or is gone, fails the request before it prefills;
 2. a `step` prefills it on the `cp` mesh (with other requests when bs > 1 is on), samples
-   its first token from the last position's log-probs, and starts one sender per CP rank
-   (`transfer.sender.send_request`): each rank sends only the pages it owns, tagged with
-   their logical positions (SPEC S2.1-S2.2); rank 0 commits the first token and its
-   log-prob as the room's aux data;
+   its first token from the last position's log-probs, and hands the senders its page
+   table and first token (`TransferHold.provide`): each rank sends only the pages it
+   owns, tagged with their logical positions (SPEC S2.1-S2.2); rank 0 commits the
+   first token and its log-prob as the room's aux data;
 3. while the room is in flight the request's pages are held: its whole pages sit in the
    radix cache, locked (other requests may reuse the prefix, nothing may evict it), its
    partial tail page stays allocated to it (`PrefillScheduler(hold_finished=True)`);
@@ -40,7 +45,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-import jax
 import numpy as np
 
 from cpkv_jax.errors import ConfigError, InputError
@@ -53,7 +57,13 @@ from serving.server_args import ServerArgs
 from transfer.backends import make_backend
 from transfer.page_plan import LayoutDescriptor
 from transfer.protocol import Aux, RoomSnapshot, RoomState
-from transfer.sender import CPPoolPageSource, TransferBackend, TransferHold, rank_jobs, send_request
+from transfer.sender import (
+    CPPoolPageSource,
+    TransferBackend,
+    TransferHold,
+    bootstrap_request,
+    rank_jobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -192,8 +202,20 @@ class PrefillModeEngine:
             )
         # Reserve one new token: decoded tokens' KV lives on the decode server, not here.
         self.scheduler.submit(req.rid, ids.astype(np.int32), max_new_tokens=1)
-        self._requests[req.rid] = _Request(req)
+        entry = _Request(req)
+        self._requests[req.rid] = entry
         self._rooms[req.bootstrap_room] = req.rid
+        # Handshake now, while the request waits and prefills; the pages follow it.
+        jobs = rank_jobs(
+            req.bootstrap_room,
+            req.decode_transfer_target,
+            self.layout,
+            int(ids.size),
+            None,
+            self._sources,
+            None,
+        )
+        entry.hold = bootstrap_request(self.backend, jobs, self._on_release)
 
     def abort(self, rid: str) -> None:
         """Cancel `rid`: drop it if queued or prefilling, else stop its transfer. Its
@@ -207,6 +229,8 @@ class PrefillModeEngine:
             if outcome is None:  # finished in the scheduler but not yet seen: cannot be
                 raise AssertionError(f"request {rid} is queued here but not in the scheduler")
             self._forget(rid)
+            if entry.hold is not None:  # its bootstrapped senders abort the room
+                entry.hold.cancel(f"request {rid} aborted by the client")
             self._pending.append(self._final(entry, "abort", error="aborted by the client"))
             return
         assert entry.hold is not None
@@ -218,6 +242,9 @@ class PrefillModeEngine:
         """Prefill one batch (if any is waiting), start its transfers, and emit the final
         chunk of every request whose transfer hold was released."""
         out, self._pending = self._pending, []
+        # First the released holds: a queued request whose room already failed (refused
+        # at its handshake, decode side gone) leaves the queue without a prefill.
+        out += self._poll_holds()
         batches = len(self.scheduler.batch_sizes)
         if self.scheduler.num_waiting:
             with self._pool_lock:
@@ -272,6 +299,8 @@ class PrefillModeEngine:
         entry = self._requests[outcome.rid]
         if outcome.status != "finished":  # a timeout in the queue (aborts are ours)
             self._forget(outcome.rid)
+            if entry.hold is not None:
+                entry.hold.cancel(f"request {outcome.rid}: {outcome.status}: {outcome.reason}")
             reason = "abort" if outcome.status == "aborted" else "error"
             return self._final(entry, reason, error=f"{outcome.status}: {outcome.reason}")
         assert outcome.last_logits is not None and outcome.table is not None
@@ -284,20 +313,18 @@ class PrefillModeEngine:
         entry.ttft_s = self.clock() - req.arrival_time
         table = outcome.table
         entry.num_pages = table.num_pages
-        assert req.bootstrap_room is not None and req.decode_transfer_target is not None
-        with jax.named_scope("transfer"):
-            jobs = rank_jobs(
-                req.bootstrap_room,
-                req.decode_transfer_target,
-                self.layout,
-                table.num_tokens,
-                table.local_pages(),
-                self._sources,
-                Aux(token, entry.logprob),
+        assert entry.hold is not None
+        if table.num_tokens != len(req.input_ids):  # the handshake promised the prompt's
+            raise AssertionError(
+                f"request {req.rid}: prefilled {table.num_tokens} tokens of a "
+                f"{len(req.input_ids)}-token prompt"
             )
-            entry.transfer_started = self.clock()
-            entry.hold = send_request(self.backend, jobs, self._on_release)
+        entry.transfer_started = self.clock()
         entry.state = "transferring"
+        if not entry.hold.provide(table.local_pages(), Aux(token, entry.logprob)):
+            # The room failed while the prefill ran: the next poll frees the pages and
+            # reports the hold's outcome.
+            logger.info("request %s: room failed during the prefill; nothing sent", req.rid)
         logger.debug(
             "request %s: first token %d, sending %d pages to %s room %s",
             req.rid,
@@ -318,9 +345,24 @@ class PrefillModeEngine:
             if entry.hold is None or not entry.hold.released:
                 continue
             outcome = entry.hold.outcome
+            req = entry.req
+            if entry.state == "queued":  # the room failed before the prefill: skip it
+                if self.scheduler.abort(rid) is None:
+                    raise AssertionError(f"request {rid} is queued here but not in the scheduler")
+                self._forget(rid)
+                self.transfer_failures += 1
+                why = outcome.reason if outcome is not None else "no outcome"
+                out.append(
+                    self._final(
+                        entry,
+                        "error",
+                        error=f"KV transfer to {req.decode_transfer_target} (room "
+                        f"{req.bootstrap_room}) failed before the prefill: {why}",
+                    )
+                )
+                continue
             self.scheduler.release_held(rid)
             self._forget(rid)
-            req = entry.req
             delivered = outcome is not None and outcome.state is RoomState.SUCCESS
             if delivered:  # counted even when the caller left after the room succeeded
                 self.transfer_bytes += entry.num_pages * self.layout.bytes_per_page()

@@ -219,11 +219,13 @@ class GatedBackend(TransferBackend):
         self.gate = threading.Event()
         self.gate.set()
         self.jobs: dict[tuple[str, int], RankJob] = {}
+        self.holds: dict[str, TransferHold] = {}
         self._lock = threading.Lock()
 
     def send_rank(self, job: RankJob, hold: TransferHold):
         with self._lock:
             self.jobs[(job.room, job.rank)] = job
+            self.holds[job.room] = hold
         deadline = time.monotonic() + WAIT
         while not self.gate.wait(0.01) and not hold.cancelled and time.monotonic() < deadline:
             pass
@@ -379,8 +381,9 @@ def drive(engine: PrefillModeEngine, rids: Sequence[str]) -> dict[str, OutputChu
 
 def held_view(pd: PD, room: str):
     """The prefill full view of the pages rank 0 was asked to send (hold in flight)."""
-    job = pd.backend.jobs[(room, 0)]
-    table = RequestPageTable.from_prefix(CP, job.src_local_pages, job.num_tokens, P)
+    job, inputs = pd.backend.jobs[(room, 0)], pd.backend.holds[room].inputs
+    assert inputs is not None, "the prefill has not provided the page table yet"
+    table = RequestPageTable.from_prefix(CP, inputs.src_local_pages, job.num_tokens, P)
     return pd.pre.runner.full_view(table)
 
 
@@ -597,6 +600,34 @@ def test_failure_nobody_listens_and_decode_side_abort(fresh):
     assert_no_transfer_counts(pd, [p1, p2])  # the prefix stays cached, nothing leaks
 
 
+def test_a_room_refused_at_admission_fails_the_request_before_its_prefill(fresh):
+    """Bootstrap ahead: the senders handshake when the request is admitted, so a room
+    the decode side refuses (here: registered for another token count) fails the request
+    before any prefill runs, and nothing is allocated or cached for it."""
+    pd = fresh
+    failures0 = pd.engine.stats().transfer_failures
+    p = prompt_of(2 * P + 5, 45)
+    open_room(pd, "refused", len(p) + 1, 45)  # the prompt has one token less
+    batches = len(pd.pre.scheduler.batch_sizes)
+    pd.engine.add(request("early", p, "refused", pd.target))
+    hold = pd.backend.holds.get("refused")
+    deadline = time.monotonic() + WAIT
+    while hold is None:  # the senders start on their threads
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+        hold = pd.backend.holds.get("refused")
+    outcome = hold.wait(WAIT)
+    assert outcome is not None and outcome.state is RoomState.FAILED
+    (chunk,) = drive(pd.engine, ["early"]).values()
+    assert chunk.finish_reason == "error" and chunk.token_ids == ()
+    assert "failed before the prefill" in chunk.error and "num_tokens" in chunk.error, chunk
+    assert len(pd.pre.scheduler.batch_sizes) == batches  # never prefilled
+    assert hold.inputs is None  # nothing was provided, no page left this server
+    assert pd.engine.stats().transfer_failures == failures0 + 1
+    assert pd.rx.status("refused").state is RoomState.FAILED
+    assert pd.rx.num_free_pages == pd.dec_free0  # the failed room's pages are freed
+
+
 def test_abort_while_transferring(fresh):
     pd = fresh
     p = prompt_of(2 * P, 40)  # whole pages only
@@ -652,9 +683,10 @@ def test_e2e_over_mooncake(fresh):
             backend.gate.clear()
             engine.add(request("mc", prompt, "mc", f"127.0.0.1:{port}"))
             assert engine.step() == []
-            job = backend.jobs[("mc", 0)]
+            job, inputs = backend.jobs[("mc", 0)], backend.holds["mc"].inputs
+            assert inputs is not None
             view = pd.pre.runner.full_view(
-                RequestPageTable.from_prefix(CP, job.src_local_pages, job.num_tokens, P)
+                RequestPageTable.from_prefix(CP, inputs.src_local_pages, job.num_tokens, P)
             )
             backend.gate.set()
             chunk = drive(engine, ["mc"])["mc"]

@@ -87,8 +87,10 @@ from transfer.sender import (
     CPPoolPageSource,
     HostPoolPageSource,
     RankJob,
+    RequestInputs,
     TransferBackend,
     TransferHold,
+    bootstrap_request,
     rank_jobs,
     send_request,
 )
@@ -1033,6 +1035,80 @@ def test_e2e_cp_prefill_to_decode_matches_full_view_and_reference(prefill, decod
         dec.receiver.free_pages(dst)  # the decode request is done
     assert pre.runner.allocator.num_free_per_lane().sum() == free_prefill + held
     assert dec.receiver.num_free_pages == dec.free0
+
+
+def bootstrap_room(
+    pre: Prefill, dec: Decode, table: RequestPageTable, room: str, num_tokens: int | None = None
+) -> tuple[TransferHold, np.ndarray]:
+    """Register `room` (for `num_tokens`, default the table's) at shuffled decode pages
+    and bootstrap its 8 senders without inputs; the hold releases `table`."""
+    dst = np.random.default_rng(len(room)).permutation(dec.receiver.allocate_pages(table.num_pages))
+    dec.receiver.register_room(room, dst, num_tokens or table.num_tokens, CP)
+    sources = [CPPoolPageSource(lambda: pre.runner.pool, pre.layout, r) for r in range(CP)]
+    jobs = rank_jobs(room, dec.target, pre.layout, table.num_tokens, None, sources, None)
+    hold = bootstrap_request(GrpcBackend(SENDER), jobs, lambda _: pre.runner.release(table))
+    return hold, dst
+
+
+def test_bootstrap_ahead_waits_for_inputs_then_sends(prefill, decode):
+    """`bootstrap_request` (a prefill server at admission): every rank handshakes and
+    heartbeats with no page table yet; the room waits for input past the heartbeat
+    timeout with nothing staged; `provide` sends it, and the decode layout equals the
+    prefill full view bitwise."""
+    pre, dec = prefill, decode(48)
+    free = prefill_free(pre)
+    table = new_table(pre, 5 * P + 9)
+    view = pre.runner.full_view(table)
+    hold, dst = bootstrap_room(pre, dec, table, "boot")
+    assert hold.wait_ready(WAIT) and hold.inputs is None
+    time.sleep(TIMEOUTS.heartbeat + 0.5)  # alive on heartbeats alone
+    assert dec.receiver.status("boot").state is RoomState.WAITING_FOR_INPUT
+    assert dec.receiver.staging("boot") is None and not hold.released  # nothing moved
+    aux = Aux(7, -0.25)
+    assert hold.provide(table.local_pages(), aux)
+    outcome = finish(hold)
+    assert outcome.state is RoomState.SUCCESS and dec.receiver.status("boot").aux == aux
+    assert_decode_layout_is(dec.receiver, dst, view, "bootstrapped room")
+    with pytest.raises(ValueError, match="provided twice"):
+        hold.provide(table.local_pages(), aux)
+    dec.receiver.free_pages(dst)
+    assert prefill_free(pre) == free and dec.receiver.num_free_pages == dec.free0
+
+
+def test_bootstrap_ahead_fails_early_and_refuses_misuse(prefill, decode):
+    """A room refused at the handshake releases the hold before the prefill provides
+    anything (`provide` -> False); a cancel while the senders wait aborts the room on
+    the decode side; jobs with and without inputs go to the right entry point only."""
+    pre, dec = prefill, decode(48)
+    free = prefill_free(pre)
+    refused = new_table(pre, 3 * P + 1)
+    hold, _ = bootstrap_room(pre, dec, refused, "boot-refused", num_tokens=3 * P + 2)
+    outcome = finish(hold)
+    assert outcome.state is RoomState.FAILED and "num_tokens: 50 != 49" in outcome.reason
+    assert not hold.provide(refused.local_pages(), Aux(1, -1.0)) and hold.inputs is None
+
+    waiting = new_table(pre, 2 * P)
+    hold, _ = bootstrap_room(pre, dec, waiting, "boot-cancel")
+    assert hold.wait_ready(WAIT)
+    hold.cancel("the client went away")
+    outcome = finish(hold)
+    assert outcome.state is RoomState.FAILED and "the client went away" in outcome.reason
+    snap = settle(dec.receiver, "boot-cancel")
+    assert snap.state is RoomState.FAILED and "the client went away" in snap.reason
+    assert not hold.provide(waiting.local_pages(), Aux(1, -1.0))
+    assert prefill_free(pre) == free and dec.receiver.num_free_pages == dec.free0
+
+    sources = [CPPoolPageSource(lambda: pre.runner.pool, pre.layout, r) for r in range(CP)]
+    bare = rank_jobs("x", dec.target, pre.layout, 16, None, sources, None)
+    full = rank_jobs("x", dec.target, pre.layout, 16, np.arange(1), sources, Aux(1, -1.0))
+    with pytest.raises(ValueError, match="use bootstrap_request"):
+        send_request(GrpcBackend(SENDER), bare, lambda _: None)
+    with pytest.raises(ValueError, match="already have a page table"):
+        bootstrap_request(GrpcBackend(SENDER), full, lambda _: None)
+    with pytest.raises(ValueError, match="both src_local_pages and aux"):
+        rank_jobs("x", dec.target, pre.layout, 16, np.arange(1), sources, None)
+    with pytest.raises(ValueError, match="rank 0 needs the aux data"):
+        bare[0].with_inputs(RequestInputs(np.arange(1), None))
 
 
 # ---- faults ------------------------------------------------------------------------------------

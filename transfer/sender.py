@@ -2,9 +2,19 @@
 
 One request is sent by its `cp_size` prefill ranks, each running one `RankJob` on a
 `TransferBackend`: handshake (layout checked before any data moves) -> plan its owned
-pages against the decode page table (`transfer.page_plan.plan_request`) -> send them
+pages against the decode page table (`transfer.page_plan.plan_rank`) -> send them
 tagged with their logical positions -> commit (rank 0 adds the aux data) -> heartbeat
 until the decode side reports the room finished.
+
+**Bootstrap ahead** (`bootstrap_request`): a prefill server starts a request's senders
+when it admits the request, before its prefill has run - the request's page table and
+first token do not exist yet. Each rank handshakes (and, on the Mooncake data plane,
+gets its staging region), starts heartbeating and then waits; the prefill provides
+the `RequestInputs` (`TransferHold.provide`) when it is done, and only the plan, the
+data, the commit and the outcome remain on the request's time to first token. A room
+the decode side refuses, or a decode side that is gone, fails the request before its
+prefill runs. This is SGLang's bootstrap-then-send shape (`KVSender.init` at request
+arrival, `send` after the forward pass). `send_request` does both at once.
 
 The request's prefill pages are held for the whole transfer (a retry re-reads them) and
 released exactly once, when every rank's sender has stopped and the room's outcome is
@@ -22,6 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -142,8 +153,27 @@ class HostPoolPageSource:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class RequestInputs:
+    """What a request's prefill produces for its transfer: the page table and rank 0's
+    aux data. `bootstrap_request`'s senders wait for them (`TransferHold.provide`)."""
+
+    src_local_pages: np.ndarray  # the request's `RequestPageTable.local_pages()`, [n_pages]
+    aux: Aux | None  # first output token and its log-prob; rank 0 commits it (needed there)
+
+    def __post_init__(self) -> None:
+        pages = np.asarray(self.src_local_pages)
+        if pages.ndim != 1 or not np.issubdtype(pages.dtype, np.integer):
+            raise ValueError(
+                f"src_local_pages must be a 1-D integer array, got {pages.shape} {pages.dtype}"
+            )
+        object.__setattr__(self, "src_local_pages", pages)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class RankJob:
-    """What one prefill CP rank sends for one room."""
+    """What one prefill CP rank sends for one room. `src_local_pages` (and rank 0's
+    `aux`) are None for a job started by `bootstrap_request` until the hold's inputs
+    are provided (`with_inputs`)."""
 
     room: str
     target: str  # the decode receiver, "host:port"
@@ -151,10 +181,24 @@ class RankJob:
     cp_size: int
     num_tokens: int
     layout: LayoutDescriptor
-    src_local_pages: np.ndarray  # the request's `RequestPageTable.local_pages()`, [n_pages]
+    src_local_pages: np.ndarray | None  # the request's `RequestPageTable.local_pages()`
     source: PageSource
     aux: Aux | None = None  # rank 0 only: first output token and its log-prob
     attempt: int = 0  # the sender's incarnation; retries of a write reuse it
+
+    @property
+    def has_inputs(self) -> bool:
+        return self.src_local_pages is not None
+
+    def with_inputs(self, inputs: RequestInputs) -> RankJob:
+        """This job with the request's page table and (rank 0) aux data."""
+        if self.rank == 0 and inputs.aux is None:
+            raise ValueError(f"room {self.room!r}: rank 0 needs the aux data (first token)")
+        return dataclasses.replace(
+            self,
+            src_local_pages=inputs.src_local_pages,
+            aux=inputs.aux if self.rank == 0 else None,
+        )
 
 
 def rank_jobs(
@@ -162,13 +206,20 @@ def rank_jobs(
     target: str,
     layout: LayoutDescriptor,
     num_tokens: int,
-    src_local_pages: np.ndarray,
+    src_local_pages: np.ndarray | None,
     sources: Sequence[PageSource],
-    aux: Aux,
+    aux: Aux | None,
     attempt: int = 0,
 ) -> list[RankJob]:
-    """One `RankJob` per rank (`len(sources)` ranks); rank 0 carries `aux`."""
-    return [
+    """One `RankJob` per rank (`len(sources)` ranks); rank 0 carries `aux`. Without
+    `src_local_pages` and `aux` (both None) the jobs are for `bootstrap_request`."""
+    if (src_local_pages is None) != (aux is None):
+        raise ValueError(
+            "rank_jobs: give both src_local_pages and aux (send now) or neither (bootstrap "
+            "ahead, provide them later)"
+        )
+    inputs = None if src_local_pages is None or aux is None else RequestInputs(src_local_pages, aux)
+    jobs = [
         RankJob(
             room=room,
             target=target,
@@ -176,13 +227,13 @@ def rank_jobs(
             cp_size=len(sources),
             num_tokens=num_tokens,
             layout=layout,
-            src_local_pages=np.asarray(src_local_pages),
+            src_local_pages=None,
             source=source,
-            aux=aux if r == 0 else None,
             attempt=attempt,
         )
         for r, source in enumerate(sources)
     ]
+    return jobs if inputs is None else [j.with_inputs(inputs) for j in jobs]
 
 
 class TransferHold:
@@ -194,12 +245,23 @@ class TransferHold:
     exactly once with the room's outcome: Success if any rank saw Success (the decode
     side only succeeds a room when every rank committed), else Failed with the first
     reason. `cancel` lets one rank that saw the room fail stop the others early.
+
+    A hold made by `bootstrap_request` starts without the request's `RequestInputs`:
+    its senders handshake, say they are ready (`mark_ready`; `wait_ready` waits for all)
+    and wait until `provide` hands the inputs over, or the hold is cancelled.
     """
 
-    def __init__(self, room: str, ranks: Sequence[int], release: Callable[[RoomSnapshot], None]):
+    def __init__(
+        self,
+        room: str,
+        ranks: Sequence[int],
+        release: Callable[[RoomSnapshot], None],
+        inputs: RequestInputs | None = None,
+    ):
         if not ranks:
             raise ValueError(f"room {room!r}: a hold needs at least one rank")
         self.room = room
+        self._ranks = frozenset(ranks)
         self._pending = set(ranks)
         self._outcomes: dict[int, RoomSnapshot | None] = {}
         self._release = release
@@ -208,6 +270,60 @@ class TransferHold:
         self._cancelled = threading.Event()
         self._cancel_reason = ""
         self._outcome: RoomSnapshot | None = None
+        self._inputs = inputs
+        self._wakers: list[threading.Event] = []  # senders waiting for inputs or a cancel
+        self._ready: set[int] = set()
+        self._all_ready = threading.Event()
+
+    # ---- inputs (bootstrap ahead) ---------------------------------------------------------
+    @property
+    def inputs(self) -> RequestInputs | None:
+        """The request's inputs once provided (at once for `send_request`), else None."""
+        return self._inputs
+
+    def provide(self, src_local_pages: np.ndarray, aux: Aux | None) -> bool:
+        """Hand the prefill's page table and aux data to the waiting senders. Returns
+        False (nothing sent) when the hold is already released - the room failed while
+        the prefill ran; its outcome says why. Providing twice is a bug (ValueError).
+        `aux` may be None only where this process runs no rank 0."""
+        inputs = RequestInputs(src_local_pages, aux)
+        with self._lock:
+            if self._inputs is not None:
+                raise ValueError(f"room {self.room!r}: the request's inputs were provided twice")
+            if self._done.is_set():
+                return False
+            self._inputs = inputs
+            wakers = list(self._wakers)
+        for w in wakers:
+            w.set()
+        return True
+
+    def add_waker(self, event: threading.Event) -> None:
+        """`event` is set on `provide` and `cancel` (a sender waiting for its inputs)."""
+        with self._lock:
+            self._wakers.append(event)
+            now = self._inputs is not None or self._cancelled.is_set()
+        if now:
+            event.set()
+
+    def mark_ready(self, rank: int) -> None:
+        """Rank `rank` handshook and is heartbeating: it can send once it has inputs."""
+        with self._lock:
+            self._ready.add(rank)
+            if self._ready >= self._ranks:
+                self._all_ready.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until every rank is ready, or the hold is released (then False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._all_ready.is_set():
+            if self._done.is_set():
+                return False
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._all_ready.wait(0.01 if left is None else min(left, 0.01))
+        return True
 
     @property
     def cancelled(self) -> bool:
@@ -222,7 +338,10 @@ class TransferHold:
         with self._lock:
             if not self._cancel_reason:
                 self._cancel_reason = reason
-        self._cancelled.set()
+            self._cancelled.set()
+            wakers = list(self._wakers)
+        for w in wakers:
+            w.set()
 
     @property
     def released(self) -> bool:
@@ -246,7 +365,12 @@ class TransferHold:
             if outcome is not None and outcome.state is RoomState.FAILED:
                 self._cancel_reason = self._cancel_reason or outcome.reason
                 self._cancelled.set()
+                wakers = list(self._wakers)
+            else:
+                wakers = []
             if self._pending:
+                for w in wakers:
+                    w.set()
                 return
             self._outcome = self._aggregate()
         logger.debug("room %s: releasing prefill pages (%s)", self.room, self._outcome.state.label)
@@ -324,17 +448,56 @@ def send_request(
     jobs: Sequence[RankJob],
     release: Callable[[RoomSnapshot], None],
 ) -> TransferHold:
-    """Start one thread per rank job; returns the hold, released after the last rank.
+    """Start one thread per rank job (each with its inputs); returns the hold, released
+    after the last rank.
 
     In a multi-process deployment each process runs the jobs of its own ranks; the
     decode side's exact-coverage commit ties them together.
     """
+    missing = [j.rank for j in jobs if not j.has_inputs]
+    if missing:
+        raise ValueError(
+            f"send_request: rank job(s) {missing} have no page table; use bootstrap_request "
+            "and provide the inputs later"
+        )
+    return _start(backend, jobs, release, bootstrap=False)
+
+
+def bootstrap_request(
+    backend: TransferBackend,
+    jobs: Sequence[RankJob],
+    release: Callable[[RoomSnapshot], None],
+) -> TransferHold:
+    """Start one thread per rank job before the request's prefill has run (jobs without
+    inputs, `rank_jobs(..., None, sources, None)`): each rank handshakes, heartbeats and
+    waits for `TransferHold.provide`; see the module docstring."""
+    given = [j.rank for j in jobs if j.has_inputs]
+    if given:
+        raise ValueError(
+            f"bootstrap_request: rank job(s) {given} already have a page table; the inputs "
+            "come through TransferHold.provide (or use send_request)"
+        )
+    return _start(backend, jobs, release, bootstrap=True)
+
+
+def _start(
+    backend: TransferBackend,
+    jobs: Sequence[RankJob],
+    release: Callable[[RoomSnapshot], None],
+    bootstrap: bool,
+) -> TransferHold:
     if not jobs:
-        raise ValueError("send_request needs at least one rank job")
+        raise ValueError("a request needs at least one rank job")
     rooms = {j.room for j in jobs}
     if len(rooms) != 1:
         raise ValueError(f"rank jobs of one request must share a room, got {sorted(rooms)}")
-    hold = TransferHold(jobs[0].room, [j.rank for j in jobs], release)
+    job0 = jobs[0]
+    inputs = None
+    if not bootstrap:  # the jobs carry them; the hold records them too
+        assert job0.src_local_pages is not None
+        aux = next((j.aux for j in jobs if j.rank == 0), None)
+        inputs = RequestInputs(job0.src_local_pages, aux)
+    hold = TransferHold(job0.room, [j.rank for j in jobs], release, inputs)
 
     def run(job: RankJob) -> None:
         outcome: RoomSnapshot | None

@@ -307,9 +307,10 @@ class GrpcRankSender:
         try:
             self._open()
             reply = self._handshake()
-            plan = self._plan(reply)
             interval = self.config.heartbeat_interval_s or reply.heartbeat_interval_s or 1.0
             self._start_heartbeat(interval)
+            self._await_inputs()
+            plan = self._plan(reply)
             chunk = min(self.config.chunk_bytes, reply.max_chunk_bytes or MAX_CHUNK_BYTES)
             self._send_pages(plan, chunk)
             self._commit(plan)
@@ -400,6 +401,26 @@ class GrpcRankSender:
         if not reply.accepted:
             self._finish_with_status(f"handshake refused: {'; '.join(reply.mismatches)}")
         return reply
+
+    def _await_inputs(self) -> None:
+        """Bootstrap ahead (`transfer.sender.bootstrap_request`): handshaken and
+        heartbeating, wait until the prefill provides the request's page table and aux
+        data (or the room fails, the hold is cancelled, the sender is killed)."""
+        self.hold.add_waker(self._wake)
+        self.hold.mark_ready(self.rank)
+        if self.job.has_inputs:
+            return
+        while True:
+            self._check()
+            inputs = self.hold.inputs
+            if inputs is not None:
+                try:
+                    self.job = self.job.with_inputs(inputs)
+                except ValueError as e:
+                    self._fail(str(e))
+                return
+            self._wake.wait(1.0)
+            self._wake.clear()
 
     def _plan(self, reply: pb.HandshakeReply) -> RankPlan:
         job = self.job
