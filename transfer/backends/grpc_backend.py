@@ -5,6 +5,10 @@ One `GrpcRankSender` per (room, prefill rank):
 1. **Handshake** - its layout descriptor, cp size and token count; retried while the
    decode side is unreachable or has not registered the room yet, up to
    `bootstrap_timeout_s`. A refused handshake ends the rank before any data moves.
+   The heartbeat (5.) starts here. A rank started by `transfer.sender.bootstrap_request`
+   (a prefill server, at admission) then waits for the request's page table and aux
+   data (`TransferHold.provide`, when its prefill ends), or for a cancel or the room's
+   failure, whichever comes first.
 2. **Plan** - `plan_rank` (`plan_request`'s checks of the whole tables, this rank's plan
    only) against the decode page table from the handshake reply; the rank sends only
    the positions it owns (owner filtering), and every page carries its logical position
