@@ -345,21 +345,11 @@ class PrefillModeEngine:
             if entry.hold is None or not entry.hold.released:
                 continue
             outcome = entry.hold.outcome
-            req = entry.req
             if entry.state == "queued":  # the room failed before the prefill: skip it
                 if self.scheduler.abort(rid) is None:
                     raise AssertionError(f"request {rid} is queued here but not in the scheduler")
                 self._forget(rid)
-                self.transfer_failures += 1
-                why = outcome.reason if outcome is not None else "no outcome"
-                out.append(
-                    self._final(
-                        entry,
-                        "error",
-                        error=f"KV transfer to {req.decode_transfer_target} (room "
-                        f"{req.bootstrap_room}) failed before the prefill: {why}",
-                    )
-                )
+                out.append(self._transfer_failed(entry, outcome, " before the prefill"))
                 continue
             self.scheduler.release_held(rid)
             self._forget(rid)
@@ -373,17 +363,22 @@ class PrefillModeEngine:
             elif delivered:
                 out.append(self._final(entry, "length"))
             else:
-                self.transfer_failures += 1
-                why = outcome.reason if outcome is not None else "no outcome"
-                out.append(
-                    self._final(
-                        entry,
-                        "error",
-                        error=f"KV transfer to {req.decode_transfer_target} (room "
-                        f"{req.bootstrap_room}) failed: {why}",
-                    )
-                )
+                out.append(self._transfer_failed(entry, outcome))
         return out
+
+    def _transfer_failed(
+        self, entry: _Request, outcome: RoomSnapshot | None, when: str = ""
+    ) -> OutputChunk:
+        """Count a failed transfer and give the request's error chunk."""
+        self.transfer_failures += 1
+        req = entry.req
+        why = outcome.reason if outcome is not None else "no outcome"
+        return self._final(
+            entry,
+            "error",
+            error=f"KV transfer to {req.decode_transfer_target} (room {req.bootstrap_room}) "
+            f"failed{when}: {why}",
+        )
 
     def _final(
         self,

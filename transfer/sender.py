@@ -454,12 +454,6 @@ def send_request(
     In a multi-process deployment each process runs the jobs of its own ranks; the
     decode side's exact-coverage commit ties them together.
     """
-    missing = [j.rank for j in jobs if not j.has_inputs]
-    if missing:
-        raise ValueError(
-            f"send_request: rank job(s) {missing} have no page table; use bootstrap_request "
-            "and provide the inputs later"
-        )
     return _start(backend, jobs, release, bootstrap=False)
 
 
@@ -471,13 +465,15 @@ def bootstrap_request(
     """Start one thread per rank job before the request's prefill has run (jobs without
     inputs, `rank_jobs(..., None, sources, None)`): each rank handshakes, heartbeats and
     waits for `TransferHold.provide`; see the module docstring."""
-    given = [j.rank for j in jobs if j.has_inputs]
-    if given:
-        raise ValueError(
-            f"bootstrap_request: rank job(s) {given} already have a page table; the inputs "
-            "come through TransferHold.provide (or use send_request)"
-        )
     return _start(backend, jobs, release, bootstrap=True)
+
+
+_WRONG_ENTRY = {
+    False: "send_request: rank job(s) {} have no page table; use bootstrap_request and "
+    "provide the inputs later",
+    True: "bootstrap_request: rank job(s) {} already have a page table; the inputs come "
+    "through TransferHold.provide (or use send_request)",
+}
 
 
 def _start(
@@ -486,6 +482,9 @@ def _start(
     release: Callable[[RoomSnapshot], None],
     bootstrap: bool,
 ) -> TransferHold:
+    wrong = [j.rank for j in jobs if j.has_inputs == bootstrap]
+    if wrong:
+        raise ValueError(_WRONG_ENTRY[bootstrap].format(wrong))
     if not jobs:
         raise ValueError("a request needs at least one rank job")
     rooms = {j.room for j in jobs}
