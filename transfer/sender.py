@@ -218,7 +218,7 @@ def rank_jobs(
             "rank_jobs: give both src_local_pages and aux (send now) or neither (bootstrap "
             "ahead, provide them later)"
         )
-    inputs = None if src_local_pages is None or aux is None else RequestInputs(src_local_pages, aux)
+    inputs = None if aux is None else RequestInputs(src_local_pages, aux)
     jobs = [
         RankJob(
             room=room,
@@ -293,10 +293,13 @@ class TransferHold:
             if self._done.is_set():
                 return False
             self._inputs = inputs
-            wakers = list(self._wakers)
-        for w in wakers:
-            w.set()
+            self._wake_all()
         return True
+
+    def _wake_all(self) -> None:
+        """Set every waiting sender's event (lock held; `Event.set` never blocks)."""
+        for w in self._wakers:
+            w.set()
 
     def add_waker(self, event: threading.Event) -> None:
         """`event` is set on `provide` and `cancel` (a sender waiting for its inputs)."""
@@ -339,9 +342,7 @@ class TransferHold:
             if not self._cancel_reason:
                 self._cancel_reason = reason
             self._cancelled.set()
-            wakers = list(self._wakers)
-        for w in wakers:
-            w.set()
+            self._wake_all()
 
     @property
     def released(self) -> bool:
@@ -365,12 +366,8 @@ class TransferHold:
             if outcome is not None and outcome.state is RoomState.FAILED:
                 self._cancel_reason = self._cancel_reason or outcome.reason
                 self._cancelled.set()
-                wakers = list(self._wakers)
-            else:
-                wakers = []
+                self._wake_all()
             if self._pending:
-                for w in wakers:
-                    w.set()
                 return
             self._outcome = self._aggregate()
         logger.debug("room %s: releasing prefill pages (%s)", self.room, self._outcome.state.label)
