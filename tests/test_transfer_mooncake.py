@@ -735,7 +735,8 @@ def test_randomized_mixed_faults_leak_nothing_over_mooncake(prefill, decode, bac
     pages equal the prefill full view, prefill pages and the round's decode pages are
     back, no staging region is live (a failed room's may be quarantined until its
     writers are done or the quarantine times out) and the sender's host buffer is whole.
-    At the end the staging arena is entirely free again. About 40 s on 2 cores (0.1-0.3 s
+    Odd rounds hash each rank's pages before its write, even ones while it writes. At
+    the end the staging arena is entirely free again. About 40 s on 2 cores (0.1-0.3 s
     a round; "kill" and "dies" rounds wait for the 2 s heartbeat timeout)."""
     pre = prefill
     count = int(os.environ.get("CPKV_TRANSFER_FAULTS", "100"))
@@ -799,6 +800,11 @@ def test_randomized_mixed_faults_leak_nothing_over_mooncake(prefill, decode, bac
         succeeds = kind in ("none", "flaky")
         view = pre.runner.full_view(table) if succeeds else None
         backend.faults = faults  # read by each rank sender as it starts
+        # Rooms here are small: odd rounds hash on the rank thread before the write (as
+        # small rooms do), even ones on a helper thread during it (as large rooms do).
+        backend.config = dataclasses.replace(
+            CONFIG, inline_digest_max_bytes=CONFIG.inline_digest_max_bytes if i % 2 else 0
+        )
         t0 = time.perf_counter()
         hold, dst = run_transfer(
             pre, round_dec, table, room, Aux(i, -0.5), backend=backend, layout=layout, seed=i
