@@ -402,7 +402,8 @@ def backends(sender_engine):
 
 
 def all_back(pre: Prefill, dec: Decode, free_prefill: int, backend: MooncakeBackend) -> None:
-    """Every allocator at its initial free count (the arena after its quarantine)."""
+    """Every allocator at its initial free count (the arena after its quarantine), no
+    preparation gate held."""
     assert prefill_free(pre) == free_prefill
     assert dec.receiver.num_free_pages == dec.free0
     deadline = time.monotonic() + QUARANTINE_S + 3.0
@@ -417,6 +418,8 @@ def all_back(pre: Prefill, dec: Decode, free_prefill: int, backend: MooncakeBack
     while host is not None and host.free_bytes != host.nbytes and time.monotonic() < deadline:
         time.sleep(0.02)
     assert host is None or host.free_bytes == host.nbytes
+    # Every rank let go of its peer's preparation gate, whatever ended it.
+    assert not any(gate.locked() for gate in backend._prep_gates.values())
 
 
 @needs_mooncake
@@ -829,6 +832,7 @@ def test_randomized_mixed_faults_leak_nothing_over_mooncake(prefill, decode, bac
         while host is not None and host.free_bytes != host.nbytes and time.monotonic() < deadline:
             time.sleep(0.01)
         assert host is None or host.free_bytes == host.nbytes, (i, kind)
+        assert not any(g.locked() for g in backend._prep_gates.values()), (i, kind)
     deadline = time.monotonic() + QUARANTINE_S + 3.0  # the last quarantines expire
     while dec.arena.free_bytes != dec.arena.nbytes and time.monotonic() < deadline:
         time.sleep(0.05)
