@@ -22,7 +22,9 @@ room's region is quarantined until every writer says it is done, or
 `quarantine_timeout_s` passes (see `transfer.receiver`).
 
 **Prefill side** - `MooncakeBackend`: one engine per process, shared by the ranks this
-process runs (`engine` may also be passed in). Per rank, after the handshake:
+process runs (`engine` may also be passed in). Per rank, after the handshake (and, with
+bootstrap ahead, once the request's pages are provided; the ranks writing to one decode
+engine go through steps 1-3 up to their first engine call one at a time):
 
 1. source bytes: when the rank's `PageSource` has `host_buffer(kind, layer)` (a host
    pool leaf `[pages, ...]` that stays at its address - a host-memory KV pool) and its
