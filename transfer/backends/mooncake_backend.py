@@ -59,6 +59,7 @@ TransferHold`, as for every backend). `MooncakeSenderFaults` are the tests' hook
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -675,6 +676,9 @@ class MooncakeRankSender(GrpcRankSender):
                 self._sources.append(view)
                 off += -(-sizes[b] // 4096) * 4096
         t1 = time.perf_counter()
+        write = functools.partial(
+            self._write, engine, region.session_id, src_rows, dst_rows, page_bytes
+        )
         if k * int(page_bytes.sum()) <= cfg.inline_digest_max_bytes:
             # A small rank hashes its pages itself, then writes (usually while it waits
             # for its turn on the peer): a helper thread would cost more than the
@@ -684,16 +688,31 @@ class MooncakeRankSender(GrpcRankSender):
             t = time.perf_counter()
             self._digests = np.stack([row_digests(src, src_rows) for src in self._sources])
             digest_s = time.perf_counter() - t
-            writes, descriptors = self._write(
-                engine, region.session_id, src_rows, dst_rows, page_bytes
-            )
-            self._record_stats(k, page_bytes, descriptors, writes, zero_copy, t1 - t0, digest_s, t1)
-            return
-        # Larger ranks: digests are taken on a helper thread while the pages are written,
-        # so they stay off the critical path. Ranks' writes to one peer go one at a time
-        # (the engine's per-peer lock), and the helper starts when this rank's turn
-        # comes: hashing every rank's pages at once while the first rank writes took
-        # the CPU that write needed (2 cores: the first rank's write ran at half speed).
+            writes, descriptors = write()
+        else:
+            writes, descriptors, digest_s = self._write_hashing_alongside(write, src_rows)
+        self.stats = RankWriteStats(
+            pages=k,
+            bytes=k * int(page_bytes.sum()),
+            descriptors=descriptors,
+            batch_writes=writes,
+            zero_copy=zero_copy,
+            copy_s=t1 - t0,
+            digest_s=digest_s,
+            write_s=time.perf_counter() - t1,
+        )
+        logger.debug("room %s: rank %d wrote %s", job.room, self.rank, self.stats)
+
+    def _write_hashing_alongside(
+        self, write: Callable[..., tuple[int, int]], src_rows: np.ndarray
+    ) -> tuple[int, int, float]:
+        """`write(on_start=)` while a helper thread takes the digests; returns
+        (batch writes, descriptors, seconds hashing).
+
+        The digests stay off the critical path this way. Ranks' writes to one peer go one
+        at a time (the engine's per-peer lock), and the helper starts when this rank's
+        turn comes: hashing every rank's pages at once while the first rank writes took
+        the CPU that write needed (2 cores: the first rank's write ran at half speed)."""
         digest: dict[str, object] = {}
         turn = threading.Event()
 
@@ -709,13 +728,11 @@ class MooncakeRankSender(GrpcRankSender):
             digest["seconds"] = time.perf_counter() - t
 
         digester = threading.Thread(
-            target=take_digests, name=f"kv-digest-{job.room}-r{self.rank}", daemon=True
+            target=take_digests, name=f"kv-digest-{self.job.room}-r{self.rank}", daemon=True
         )
         digester.start()
         try:
-            writes, descriptors = self._write(
-                engine, region.session_id, src_rows, dst_rows, page_bytes, turn.set
-            )
+            writes, descriptors = write(on_start=turn.set)
         except BaseException:
             if not turn.is_set():  # failed before its turn: the helper need not hash
                 digest["skip"] = True
@@ -726,39 +743,7 @@ class MooncakeRankSender(GrpcRankSender):
         if "error" in digest:
             raise digest["error"]  # type: ignore[misc]
         self._digests = digest["value"]  # type: ignore[assignment]
-        self._record_stats(
-            k,
-            page_bytes,
-            descriptors,
-            writes,
-            zero_copy,
-            t1 - t0,
-            float(digest["seconds"]),  # type: ignore[arg-type]
-            t1,
-        )
-
-    def _record_stats(
-        self,
-        k: int,
-        page_bytes: np.ndarray,
-        descriptors: int,
-        writes: int,
-        zero_copy: bool,
-        copy_s: float,
-        digest_s: float,
-        write_start: float,
-    ) -> None:
-        self.stats = RankWriteStats(
-            pages=k,
-            bytes=k * int(page_bytes.sum()),
-            descriptors=descriptors,
-            batch_writes=writes,
-            zero_copy=zero_copy,
-            copy_s=copy_s,
-            digest_s=digest_s,
-            write_s=time.perf_counter() - write_start,
-        )
-        logger.debug("room %s: rank %d wrote %s", self.job.room, self.rank, self.stats)
+        return writes, descriptors, float(digest["seconds"])  # type: ignore[arg-type]
 
     def _write(
         self,
