@@ -226,8 +226,23 @@ def test_token_blocks_benchmark_reports_both_parts(tmp_path, capsys):
         assert blocked["budget_mib"] == 2 and blocked["rows_per_block"] == 16
         assert blocked["temp_bytes"] < whole["temp_bytes"], printed[part]
         assert blocked["time_ratio"] > 0
-    assert printed["indexer"][1]["same_topk"]
+    assert printed["indexer"][1]["same_topk"] and printed["indexer"][1]["topk_overlap"] == 1.0
     assert printed["sparse_attention"][1]["max_abs_diff"] < 1e-5
+
+
+def test_token_blocks_topk_overlap_ignores_order_and_padding():
+    """The overlap the benchmark reports where the top-k differ (GPU rounding): a set
+    measure per token, blind to order and to the -1 padding of short rows."""
+    from benchmarks.token_blocks import topk_overlap
+
+    rng = np.random.default_rng(5)
+    a = np.stack([rng.choice(1000, 8, replace=False) for _ in range(6)])[None]
+    assert topk_overlap(a, a[..., ::-1]) == 1.0
+    b = a.copy()
+    b[0, 0, 0] = 1000  # one position of 48 replaced by one `a` never selects
+    assert topk_overlap(a, b) == 47 / 48
+    short = np.array([[[3, 7, -1, -1], [1, 2, 4, 5]]])
+    assert topk_overlap(short, np.array([[[7, 9, -1, -1], [5, 4, 2, 1]]])) == 5 / 6
 
 
 # ---- indexer scores and top-k -------------------------------------------------------
