@@ -11,7 +11,9 @@
 - Faults, each ending with both allocators back to their initial free counts, and a
   randomized run of mixed faults, the decode side dying included (`CPKV_TRANSFER_FAULTS`,
   default 100, the issue's acceptance count; about 45 s on 2 cores). Lower it locally
-  with `CPKV_TRANSFER_FAULTS=20`.
+  with `CPKV_TRANSFER_FAULTS=20`; soak it with more faults and other schedules
+  (`CPKV_TRANSFER_FAULTS=1000 CPKV_TRANSFER_FAULT_SEED=7`; the seed defaults to the
+  suite's fixed one).
 """
 
 from __future__ import annotations
@@ -1449,7 +1451,7 @@ def test_randomized_mixed_faults_leak_nothing(prefill, decode):
     full view."""
     pre = prefill
     count = int(os.environ.get("CPKV_TRANSFER_FAULTS", "100"))
-    rng = np.random.default_rng(1234)
+    rng = np.random.default_rng(int(os.environ.get("CPKV_TRANSFER_FAULT_SEED", "1234")))
     dec = decode(64)
     free = prefill_free(pre)
     t_start = time.perf_counter()

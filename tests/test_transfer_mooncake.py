@@ -17,7 +17,8 @@
   same attempt and destinations and the room succeeds bitwise; a write failing past
   `write_retries` fails the room.
 - A randomized run of mixed faults (`CPKV_TRANSFER_FAULTS`, default 100 as for gRPC;
-  about 40 s on 2 cores), the decode side dying and transient write failures included.
+  about 40 s on 2 cores; `CPKV_TRANSFER_FAULT_SEED` picks another schedule), the decode
+  side dying and transient write failures included.
 
 The prefill fixture and helpers are the gRPC test module's (`test_transfer_grpc`).
 """
@@ -743,7 +744,7 @@ def test_randomized_mixed_faults_leak_nothing_over_mooncake(prefill, decode, bac
     a round; "kill" and "dies" rounds wait for the 2 s heartbeat timeout)."""
     pre = prefill
     count = int(os.environ.get("CPKV_TRANSFER_FAULTS", "100"))
-    rng = np.random.default_rng(4321)
+    rng = np.random.default_rng(int(os.environ.get("CPKV_TRANSFER_FAULT_SEED", "4321")))
     dec = decode(64)
     backend = backends()  # one backend (engine, host buffer, channel); faults per round
     free = prefill_free(pre)
