@@ -47,10 +47,17 @@ from typing import Any, Literal
 
 import numpy as np
 
+from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.model.transformer import CausalLM, log_probs
+from cpkv_jax.paging import pages_for_tokens
 from serving.engine_api import EngineStats, GenerateRequest, OutputChunk, ServerMode
-from serving.prefill_engine import PrefillEngine, build_prefill_engine
+from serving.prefill_engine import (
+    DTYPES,
+    PrefillEngine,
+    build_prefill_engine,
+    pool_pages_per_rank,
+)
 from serving.sampling import request_seed, sample_token
 from serving.scheduler.prefill_scheduler import PrefillOutcome
 from serving.server_args import ServerArgs
@@ -73,6 +80,8 @@ DEFAULT_IDLE_WAIT_S = 0.005
 # The prefill side declares the decode side lost after this many missed heartbeats.
 HEARTBEAT_TIMEOUT_INTERVALS = 3
 MIN_HEARTBEAT_TIMEOUT_S = 15.0
+# The Mooncake sender's registered host copy buffer is never smaller than this.
+MOONCAKE_HOST_BUFFER_MIN_BYTES = 64 << 20
 
 
 def parse_target(target: str) -> tuple[str, int]:
@@ -408,8 +417,27 @@ class PrefillModeEngine:
         )
 
 
-def backend_from_args(args: ServerArgs) -> TransferBackend:
-    """The `--transfer-backend` sender, with the `--transfer-*` timeouts applied.
+def mooncake_host_buffer_bytes(args: ServerArgs, cfg: ModelConfig) -> int:
+    """`--transfer-host-buffer-size`, else the largest share of one request a rank can
+    send: its pages of a request as long as the model's context, capped by the rank's
+    pool (`pool_pages_per_rank`), at least `MOONCAKE_HOST_BUFFER_MIN_BYTES`.
+
+    The Mooncake sender copies a rank's device pages into this registered buffer
+    before writing them and gives the region back once its writes are over, so one
+    rank's share is what it must hold (the ranks take turns)."""
+    if args.transfer_host_buffer_size is not None:
+        return args.transfer_host_buffer_size
+    layout = LayoutDescriptor.from_model(
+        cfg, args.page_size, DTYPES[args.dtype], args.index_k_dtype
+    )
+    context_pages = pages_for_tokens(cfg.max_position_embeddings, args.page_size)
+    share = min(-(-context_pages // args.cp_size), pool_pages_per_rank(args, cfg))
+    return max(MOONCAKE_HOST_BUFFER_MIN_BYTES, share * layout.bytes_per_page())
+
+
+def backend_from_args(args: ServerArgs, cfg: ModelConfig) -> TransferBackend:
+    """The `--transfer-backend` sender, with the `--transfer-*` timeouts applied (and,
+    for Mooncake, its host buffer sized by `mooncake_host_buffer_bytes`).
 
     The bootstrap timeout bounds how long a sender retries its handshake (decode server
     not up, room not registered yet); the heartbeat interval is the decode side's;
@@ -435,7 +463,9 @@ def backend_from_args(args: ServerArgs) -> TransferBackend:
     if name == "mooncake":
         from transfer.backends.mooncake_backend import MooncakeBackendConfig
 
-        return make_backend(name, config=MooncakeBackendConfig(**timing))
+        host = mooncake_host_buffer_bytes(args, cfg)
+        logger.info("Mooncake sender: %d MiB registered host copy buffer", host >> 20)
+        return make_backend(name, config=MooncakeBackendConfig(host_buffer_bytes=host, **timing))
     return make_backend(name)
 
 
@@ -448,6 +478,7 @@ def build_prefill_mode_engine(
             f"the prefill-mode engine serves --disaggregation-mode prefill, got "
             f"{args.disaggregation_mode!r}"
         )
-    backend = backend_from_args(args)
+    cfg = args.model_config() if model is None else model.cfg
+    backend = backend_from_args(args, cfg)
     engine = build_prefill_engine(args, model=model, devices=devices, hold_finished=True)
     return PrefillModeEngine(engine, backend)

@@ -261,7 +261,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
     if args.disaggregation_mode == "prefill":
         engine: StepEngine = PrefillModeEngine(
             build_prefill_engine(args, model=model, devices=devices, hold_finished=True),
-            backend_from_args(args),
+            backend_from_args(args, cfg),
         )
         backend_close = getattr(engine.backend, "close", None)
         if backend_close is not None:

@@ -424,6 +424,18 @@ class ServerArgs:
         group="transfer",
         requires="disaggregated",
     )
+    transfer_host_buffer_size: int | None = _arg(
+        None,
+        help="prefill mode with --transfer-backend mooncake: the registered host buffer "
+        "the ranks copy their device pages into before writing them (bytes, e.g. 4GiB); "
+        "the ranks of a request take turns in it, so it must hold one rank's share. "
+        "Default: one rank's share of a request as long as the model's context, capped "
+        "by the rank's pool (at least 64MiB)",
+        group="transfer",
+        parse=parse_byte_size,
+        metavar="BYTES",
+        requires="disaggregated",
+    )
     disable_transfer_malloc_tuning: bool = _arg(
         False,
         help="keep glibc's malloc defaults; by default a prefill or decode process raises "
@@ -622,6 +634,7 @@ class ServerArgs:
             "cp_shared_kv_prefill_max_cached_tokens",
             "cp_shared_kv_prefill_max_buffer_size",
             "hicache_size",
+            "transfer_host_buffer_size",
         ]
         for name in at_least_one:
             value = getattr(self, name)
@@ -671,6 +684,13 @@ class ServerArgs:
             raise ServerArgsError(
                 f"--disaggregation-mode {self.disaggregation_mode} needs --transfer-backend "
                 f"(one of: {', '.join(backends.names())})"
+            )
+        if self.transfer_host_buffer_size is not None and (
+            self.disaggregation_mode != "prefill" or self.transfer_backend != "mooncake"
+        ):
+            raise ServerArgsError(
+                "--transfer-host-buffer-size sizes the Mooncake sender's registered host "
+                "buffer: it needs --disaggregation-mode prefill --transfer-backend mooncake"
             )
         if self.transfer_backend is None:
             return

@@ -35,6 +35,8 @@ import pytest
 from test_cp_prefill import reference as cp_reference
 from test_transfer_grpc import bitwise_equal, decode_layout
 
+from benchmarks.bench_memory import DEFAULT_CONFIG as GLM5_DIR
+from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
@@ -43,10 +45,12 @@ from cpkv_jax.model.weights import load_model
 from cpkv_jax.paging import PageAllocator, owner_of_page, pages_for_tokens
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from serving.engine_api import GenerateRequest, OutputChunk, SamplingParams, StepEngine
-from serving.prefill_engine import PrefillEngine, build_prefill_engine
+from serving.prefill_engine import PrefillEngine, build_prefill_engine, pool_pages_per_rank
 from serving.prefill_server import (
     PrefillModeEngine,
+    backend_from_args,
     build_prefill_mode_engine,
+    mooncake_host_buffer_bytes,
     request_seed,
 )
 from serving.radix_cache import RadixCache
@@ -55,6 +59,7 @@ from serving.server_args import ServerArgs
 from transfer.backends.grpc_backend import GrpcBackend, GrpcBackendConfig
 from transfer.backends.mooncake_engine import mooncake_available
 from transfer.capabilities import BackendCapabilities, default_backend_registry
+from transfer.page_plan import LayoutDescriptor
 from transfer.protocol import Aux, RoomState, TransferTimeouts
 from transfer.receiver import Receiver, serve
 from transfer.sender import RankJob, TransferBackend, TransferHold
@@ -430,6 +435,48 @@ def test_engine_is_a_step_engine_and_builds_from_args(tiny):
     )
     with pytest.raises(ConfigError, match="hold_finished=True"):
         PrefillModeEngine(dataclasses.replace(engine.engine, scheduler=plain), engine.backend)
+
+
+def test_mooncake_host_buffer_size_floor_and_flag(tiny):
+    """The Mooncake sender's registered host buffer (`mooncake_host_buffer_bytes`): the
+    tiny model's largest rank share is far below the 64 MiB floor; the flag overrides
+    the default and reaches the backend's config."""
+    path, _, model = tiny
+    args = dataclasses.replace(server_args(path), transfer_backend="mooncake")
+    assert mooncake_host_buffer_bytes(args, model.cfg) == 64 << 20
+    sized = dataclasses.replace(args, transfer_host_buffer_size=3 << 30)
+    assert mooncake_host_buffer_bytes(sized, model.cfg) == 3 << 30
+    backend = backend_from_args(sized, model.cfg)
+    try:
+        assert backend.config.host_buffer_bytes == 3 << 30  # registered when first used
+    finally:
+        backend.close()
+
+
+@pytest.mark.skipif(not GLM5_DIR.is_dir(), reason=f"shared config {GLM5_DIR} not present")
+def test_mooncake_host_buffer_holds_one_ranks_largest_share_of_glm5(tiny):
+    """Sized for the full GLM-5 config (78 layers, 64-token pages of 576 bf16 latent +
+    132 B index K per token and layer, cp 8): by default one rank's pages of the
+    default 128K-token pool (the pool is shorter than the 200K context), about 1.6 GiB; a
+    4-page pool gets the 64 MiB floor."""
+    path, _, _ = tiny
+    glm5 = ModelConfig.from_pretrained(GLM5_DIR)
+    args = dataclasses.replace(
+        server_args(path),
+        transfer_backend="mooncake",
+        page_size=64,
+        dtype="bfloat16",
+        index_k_dtype="fp8_e4m3",
+        kv_pool_size=None,  # the default pool: 128K tokens
+    )
+    page = 78 * 64 * (1152 + 132)
+    assert LayoutDescriptor.from_model(glm5, 64, jnp.bfloat16, "fp8_e4m3").bytes_per_page() == page
+    pool = pool_pages_per_rank(args, glm5)  # 128K tokens / 64 / 8 = 256, plus slack
+    context_share = -(-pages_for_tokens(glm5.max_position_embeddings, 64) // CP)
+    assert 256 <= pool < context_share  # the pool, not the 200K context, binds
+    assert mooncake_host_buffer_bytes(args, glm5) == pool * page  # about 1.6 GiB
+    small = dataclasses.replace(args, kv_pool_size=4 * page)
+    assert mooncake_host_buffer_bytes(small, glm5) == 64 << 20
 
 
 def test_add_refuses_bad_requests_with_nothing_queued(fresh):

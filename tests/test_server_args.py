@@ -455,6 +455,21 @@ def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
             | {"transfer_heartbeat_interval": 0.0},
             "--transfer-heartbeat-interval must be > 0",
         ),
+        (
+            {"disaggregation_mode": "prefill", "transfer_backend": "grpc"}
+            | {"transfer_host_buffer_size": 1 << 30},
+            "needs --disaggregation-mode prefill --transfer-backend mooncake",
+        ),
+        (
+            {"disaggregation_mode": "decode", "transfer_backend": "mooncake"}
+            | {"transfer_host_buffer_size": 1 << 30},
+            "needs --disaggregation-mode prefill --transfer-backend mooncake",
+        ),
+        (
+            {"disaggregation_mode": "prefill", "transfer_backend": "mooncake"}
+            | {"transfer_host_buffer_size": 0},
+            "--transfer-host-buffer-size must be >= 1",
+        ),
     ],
 )
 def test_transfer_flag_refusals(kw, needle):

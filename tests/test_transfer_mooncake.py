@@ -460,6 +460,40 @@ def test_e2e_cp_prefill_to_decode_over_mooncake(prefill, decode, backends):
 
 
 @needs_mooncake
+def test_room_larger_than_the_host_copy_buffer_takes_turns(prefill, decode, sender_engine):
+    """Device pools go through the backend's registered host buffer (the copy path). A
+    rank gives its region back once its writes are over, so a room whose ranks' copies
+    together need several times the buffer still succeeds, bitwise, when the largest
+    one fits alone. (Held until the room ended, the ranks with a region waited for that
+    end and the others for space: the room failed after `host_buffer_wait_s`.)"""
+    pre, dec = prefill, decode(32)
+    free = prefill_free(pre)
+    table = new_table(pre, 14 * P + 7)  # reuses pages holding real KV (the fixture's)
+    view = pre.runner.full_view(table)  # before the hold releases the table
+    page_bytes = [pre.layout.page_bytes(kind, layer) for kind, layer in pre.layout.buffers()]
+
+    def copy_bytes(k: int) -> int:  # a rank's region: buffer after buffer, 4 KiB aligned
+        return sum(-(-k * nb // 4096) * 4096 for nb in page_bytes)
+
+    owned = np.bincount(table.owners(), minlength=CP)
+    largest = copy_bytes(int(owned.max()))
+    assert sum(copy_bytes(int(k)) for k in owned) > 3 * largest
+    config = dataclasses.replace(CONFIG, host_buffer_bytes=largest, host_buffer_wait_s=5.0)
+    backend = MooncakeBackend(config, engine=sender_engine)
+    try:
+        hold, dst = run_transfer(pre, dec, table, "mc-turns", Aux(3, -0.25), backend=backend)
+        outcome = finish(hold)
+        assert outcome.state is RoomState.SUCCESS, outcome
+        stats = backend.stats("mc-turns")
+        assert len(stats) == CP and not any(s.zero_copy for s in stats.values())
+        assert_decode_layout_is(dec.receiver, dst, view, "room larger than the host buffer")
+        dec.receiver.free_pages(dst)
+        all_back(pre, dec, free, backend)
+    finally:
+        backend.close()
+
+
+@needs_mooncake
 def test_fault_corrupted_page(prefill, decode, backends):
     pre, dec = prefill, decode(48)
     free = prefill_free(pre)

@@ -34,7 +34,11 @@ engine go through steps 1-3 up to their first engine call one at a time):
    otherwise (device pools, scattered pages) the rank's owned pages are read once
    (`PageSource.read`, or `read_into` when the source has it) into a region of the
    backend's registered host buffer (`host_buffer_bytes`), laid out buffer by buffer,
-   so each buffer is one contiguous source range;
+   so each buffer is one contiguous source range. The region goes back as soon as
+   the rank's writes are over (a write that failed with an engine error: after
+   `uncertain_hold_s`), so a room larger than the host buffer goes through as long as
+   one rank's pages fit: its ranks take turns, waiting up to `host_buffer_wait_s` for
+   space;
 2. digests: xxh3 of every page (`page_plan.row_digests`), from the bytes that are sent:
    by the rank itself before its write when it has at most `inline_digest_max_bytes`,
    else by a helper thread while its pages are written;
@@ -373,15 +377,26 @@ class MooncakeBackend(TransferBackend):
                 f"{tag}: the rank's pages need {nbytes} B, more than the whole registered "
                 f"host buffer ({arena.nbytes} B); raise MooncakeBackendConfig.host_buffer_bytes"
             )
-        deadline = time.monotonic() + self.config.host_buffer_wait_s
+        wait_s = self.config.host_buffer_wait_s
+        deadline = time.monotonic() + wait_s
         with self._space:
             while True:
                 try:
                     return arena.alloc(nbytes, tag)
                 except StagingFullError:
                     left = deadline - time.monotonic()
-                    if left <= 0 or stop():
+                    if stop():
                         raise
+                    if left <= 0:
+                        stats = arena.stats()
+                        raise StagingFullError(
+                            f"{tag}: no {nbytes} B free in the registered host copy buffer "
+                            f"({arena.nbytes} B) after {wait_s:g}s: {stats.live_regions} other "
+                            f"rank copies hold {stats.live_bytes} B (largest free range "
+                            f"{stats.largest_free_bytes} B); raise "
+                            "MooncakeBackendConfig.host_buffer_bytes (cpkv-serve "
+                            "--transfer-host-buffer-size) or host_buffer_wait_s"
+                        ) from None
                     self._space.wait(min(left, 0.05))
 
     def free_host(self, region: Region) -> None:
@@ -594,6 +609,12 @@ class MooncakeRankSender(GrpcRankSender):
             self._send_prepared(plan, chunk_bytes)
         finally:
             self._prepared()
+            # The writes are over (or failed: then a delayed return) and the digests
+            # taken: the host copy goes back now, not when the room ends, so the ranks of
+            # a room larger than the host buffer take turns in it. (Held to the room's
+            # end, the ranks holding it waited for that end and the others for space:
+            # the room failed after host_buffer_wait_s.)
+            self._release_host_region()
 
     def _prepared(self) -> None:
         """Let the next rank prepare (idempotent)."""
