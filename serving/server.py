@@ -49,13 +49,15 @@ from serving.metrics import ServerMetrics
 from serving.prefill_engine import DTYPES, build_prefill_engine, pool_pages_per_rank
 from serving.prefill_server import PrefillModeEngine, backend_from_args
 from serving.server_args import ServerArgs
+from transfer.page_plan import LayoutDescriptor
+from transfer.receiver import staging_region_bytes
+from transfer.staging_arena import DEFAULT_ALIGNMENT
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING = 64
 WARMUP_STEPS_LIMIT = 64
-# A Mooncake receiver's staging arena: room for this many full pools' worth of in-flight
-# pages is excessive; a quarter of the pool (at least 64 MiB) keeps several rooms going.
+# A Mooncake receiver's staging arena is never smaller than this.
 MOONCAKE_ARENA_MIN_BYTES = 64 << 20
 
 
@@ -96,6 +98,22 @@ class Server:
         return stats.kv_pages_free != stats.kv_pages_total
 
 
+def mooncake_staging_bytes(
+    args: ServerArgs, cfg: ModelConfig, layout: LayoutDescriptor, pool_pages: int
+) -> int:
+    """The decode side's Mooncake staging arena: `--transfer-staging-size`, else room to
+    stage the longest request this server can hold (its pages of a context-length
+    request, capped by the pool's `pool_pages` less the trash page), at least
+    `MOONCAKE_ARENA_MIN_BYTES`. Rooms
+    stage there whole, so a smaller arena refuses longer requests at their handshake;
+    rooms that fit but find it full wait (the prefill side retries its handshake)."""
+    if args.transfer_staging_size is not None:
+        return args.transfer_staging_size
+    longest = min(pool_pages - 1, pages_for_tokens(cfg.max_position_embeddings, args.page_size))
+    need = staging_region_bytes(layout, longest, DEFAULT_ALIGNMENT)
+    return max(MOONCAKE_ARENA_MIN_BYTES, need)
+
+
 def _detokenizer(tokenizer: Tokenizer | None):
     if tokenizer is None:
         return None
@@ -122,7 +140,8 @@ def _build_decode_side(
         if args.transfer_backend == "mooncake":
             from transfer.backends.mooncake_backend import MooncakeReceiverEndpoint
 
-            arena = max(MOONCAKE_ARENA_MIN_BYTES, pages * layout.bytes_per_page() // 4)
+            arena = mooncake_staging_bytes(args, cfg, layout, pages)
+            logger.info("Mooncake receiver: %d MiB registered staging arena", arena >> 20)
             endpoint = MooncakeReceiverEndpoint(arena, hostname=args.host)
             closers.append(endpoint.close)
         timeouts = TransferTimeouts(

@@ -436,6 +436,18 @@ class ServerArgs:
         metavar="BYTES",
         requires="disaggregated",
     )
+    transfer_staging_size: int | None = _arg(
+        None,
+        help="decode mode with --transfer-backend mooncake: the registered host arena "
+        "the prefill ranks write a request's pages into before they go to the decode "
+        "pool (bytes, e.g. 16GiB); a request stages there whole, and one too large for "
+        "it is refused at its handshake. Default: room for the longest request the "
+        "decode pool can hold (at least 64MiB)",
+        group="transfer",
+        parse=parse_byte_size,
+        metavar="BYTES",
+        requires="disaggregated",
+    )
     disable_transfer_malloc_tuning: bool = _arg(
         False,
         help="keep glibc's malloc defaults; by default a prefill or decode process raises "
@@ -635,6 +647,7 @@ class ServerArgs:
             "cp_shared_kv_prefill_max_buffer_size",
             "hicache_size",
             "transfer_host_buffer_size",
+            "transfer_staging_size",
         ]
         for name in at_least_one:
             value = getattr(self, name)
@@ -691,6 +704,13 @@ class ServerArgs:
             raise ServerArgsError(
                 "--transfer-host-buffer-size sizes the Mooncake sender's registered host "
                 "buffer: it needs --disaggregation-mode prefill --transfer-backend mooncake"
+            )
+        if self.transfer_staging_size is not None and (
+            self.disaggregation_mode != "decode" or self.transfer_backend != "mooncake"
+        ):
+            raise ServerArgsError(
+                "--transfer-staging-size sizes the Mooncake receiver's staging arena: it "
+                "needs --disaggregation-mode decode --transfer-backend mooncake"
             )
         if self.transfer_backend is None:
             return

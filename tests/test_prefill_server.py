@@ -55,13 +55,14 @@ from serving.prefill_server import (
 )
 from serving.radix_cache import RadixCache
 from serving.scheduler.prefill_scheduler import PrefillScheduler, StepRow
+from serving.server import mooncake_staging_bytes
 from serving.server_args import ServerArgs
 from transfer.backends.grpc_backend import GrpcBackend, GrpcBackendConfig
 from transfer.backends.mooncake_engine import mooncake_available
 from transfer.capabilities import BackendCapabilities, default_backend_registry
 from transfer.page_plan import LayoutDescriptor
 from transfer.protocol import Aux, RoomState, TransferTimeouts
-from transfer.receiver import Receiver, serve
+from transfer.receiver import Receiver, serve, staging_region_bytes
 from transfer.sender import RankJob, TransferBackend, TransferHold
 
 P = 16
@@ -477,6 +478,38 @@ def test_mooncake_host_buffer_holds_one_ranks_largest_share_of_glm5(tiny):
     assert mooncake_host_buffer_bytes(args, glm5) == pool * page  # about 1.6 GiB
     small = dataclasses.replace(args, kv_pool_size=4 * page)
     assert mooncake_host_buffer_bytes(small, glm5) == 64 << 20
+
+
+@pytest.mark.skipif(not GLM5_DIR.is_dir(), reason=f"shared config {GLM5_DIR} not present")
+def test_mooncake_decode_staging_holds_the_longest_request_of_glm5(tiny):
+    """The decode side's Mooncake staging arena (`serving.server.mooncake_staging_bytes`):
+    by default room for the longest request the decode pool holds: GLM-5's default
+    128K-token pool has 2,050 pages with the trash page, so 2,049 pages of 6.4 MB, 13.1
+    GB; a 1,000-page pool stages 999 pages; the flag overrides it."""
+    path, _, _ = tiny
+    glm5 = ModelConfig.from_pretrained(GLM5_DIR)
+    args = dataclasses.replace(
+        server_args(path),
+        disaggregation_mode="decode",
+        transfer_backend="mooncake",
+        cp_size=1,
+        page_size=64,
+        dtype="bfloat16",
+        index_k_dtype="fp8_e4m3",
+        kv_pool_size=None,
+    )
+    layout = LayoutDescriptor.from_model(glm5, 64, jnp.bfloat16, "fp8_e4m3")
+    page = layout.bytes_per_page()
+    pool = pool_pages_per_rank(args, glm5)
+    assert pool == 2050  # 131,072 / 64 pages, the trash page and slack
+    aligned = 3 * 78 * 4096  # each of the 234 buffers starts 4 KiB-aligned
+    got = mooncake_staging_bytes(args, glm5, layout, pool)
+    assert got == staging_region_bytes(layout, 2049, 4096) and 0 <= got - 2049 * page < aligned
+    got = mooncake_staging_bytes(args, glm5, layout, 1000)
+    assert 0 <= got - 999 * page < aligned
+    assert mooncake_staging_bytes(args, glm5, layout, 3) == 64 << 20  # the floor
+    sized = dataclasses.replace(args, transfer_staging_size=5 << 30)
+    assert mooncake_staging_bytes(sized, glm5, layout, pool) == 5 << 30
 
 
 def test_add_refuses_bad_requests_with_nothing_queued(fresh):

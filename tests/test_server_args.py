@@ -470,6 +470,16 @@ def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
             | {"transfer_host_buffer_size": 0},
             "--transfer-host-buffer-size must be >= 1",
         ),
+        (
+            {"disaggregation_mode": "prefill", "transfer_backend": "mooncake"}
+            | {"transfer_staging_size": 1 << 30},
+            "needs --disaggregation-mode decode --transfer-backend mooncake",
+        ),
+        (
+            {"disaggregation_mode": "decode", "transfer_backend": "grpc"}
+            | {"transfer_staging_size": 1 << 30},
+            "needs --disaggregation-mode decode --transfer-backend mooncake",
+        ),
     ],
 )
 def test_transfer_flag_refusals(kw, needle):

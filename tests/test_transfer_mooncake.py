@@ -79,7 +79,7 @@ from transfer.backends.mooncake_engine import (
 )
 from transfer.page_plan import owner_major_order, page_digests, row_digests
 from transfer.protocol import Aux, RoomState
-from transfer.receiver import Receiver, serve
+from transfer.receiver import Receiver, pow2_pieces, serve, staging_region_bytes
 from transfer.staging_arena import StagingArena, StagingFullError
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def test_region_owner_major_rows_digests_and_scatter(cfg, layout):
     assert region is not None and region.session_id == ep.session_id
     # Owner-major: rank 0's positions 0, 2, 4 take rows 0-2, rank 1's 1, 3, 5 rows 3-5.
     np.testing.assert_array_equal(region.rows[owner_major_order(n, cp)], np.arange(n))
-    assert region.row_count == 8  # padded to a power of two for the device scatter
+    assert region.row_count == n  # exactly the room's 6 pages, scattered as 4 + 2
     staging = rx.staging("m")
     assert [int(s.ctypes.data) for s in staging] == list(region.buffer_addrs)
     assert rx.handshake("m", 0, cp, n_tok, layout, data_plane="mooncake").region == region
@@ -282,6 +282,37 @@ def test_region_refusals(cfg, layout):
     assert ep.arena.free_bytes == ep.arena.nbytes
 
 
+def test_room_larger_than_the_whole_staging_arena_is_refused_at_once(cfg, layout):
+    """A room whose staging can never fit the arena (even empty) is refused at its
+    handshake with the reason, and its pages freed; one that fits but finds the arena
+    busy stays retryable. `staging_bytes` is what `_ensure_staging` carves: the room's
+    pages, buffer after buffer, each 4 KiB-aligned."""
+    pages = 16
+    pool = init_pool(cfg, pages, P, jnp.float32, INDEX_K)
+    small = StagingArena(staging_region_bytes(layout, 4, 4096))
+    ep = FakeEndpoint(small)
+    rx = Receiver(
+        layout, pool, PageAllocator(pages), timeouts=TIMEOUTS, clock=FakeClock(), mooncake=ep
+    )
+    assert rx.staging_bytes(4) == small.nbytes < rx.staging_bytes(5)
+    free0 = rx.num_free_pages
+    rx.register_room("long", rx.allocate_pages(5), 5 * P, 2)
+    res = rx.handshake("long", 1, 2, 5 * P, layout, data_plane="mooncake")
+    assert not res.accepted and res.status.state is RoomState.FAILED
+    assert "need" in res.status.reason and "--transfer-staging-size" in res.status.reason
+    assert rx.num_free_pages == free0 and small.free_bytes == small.nbytes
+    rx.register_room("fits", rx.allocate_pages(4), 4 * P - 3, 2)  # the whole arena
+    hog = small.alloc(4096, "hog")  # another room's region: busy, not too small
+    with pytest.raises(StagingFullError, match="staging arena full"):
+        rx.handshake("fits", 0, 2, 4 * P - 3, layout, data_plane="mooncake")
+    small.free(hog)
+    assert rx.handshake("fits", 0, 2, 4 * P - 3, layout, data_plane="mooncake").accepted
+    rx.abort("fits", "done")
+    for rank in (0, 1):
+        rx.heartbeat("fits", rank, writes_done=True)
+    assert rx.num_free_pages == free0 and small.free_bytes == small.nbytes
+
+
 def test_host_only_receiver_hands_verified_rows_to_the_sink(layout):
     ep = FakeEndpoint(StagingArena(ARENA_BYTES, prefault=False))
     got = {}
@@ -315,6 +346,14 @@ def test_host_only_receiver_hands_verified_rows_to_the_sink(layout):
         np.testing.assert_array_equal(staged[b], data[b][pos])
     with pytest.raises(ValueError, match="host-only"):
         _ = rx.pool
+
+
+def test_pow2_pieces_sum_to_n_largest_first():
+    for n in [0, 1, 2, 3, 7, 8, 2049, 1999]:
+        parts = pow2_pieces(n)
+        assert sum(parts) == n and parts == sorted(set(parts), reverse=True)
+        assert all(p & (p - 1) == 0 for p in parts)
+    assert pow2_pieces(2049) == [2048, 1]
 
 
 def test_row_digests_equal_page_digests():

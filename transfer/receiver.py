@@ -26,9 +26,11 @@ gRPC servicer below, or called directly in tests - drive the room's status machi
 - **Exact coverage** (SPEC S2.4): each sender commits the positions it sent, which must
   equal what it wrote in every buffer; when all `cp_size` senders committed, the
   positions must cover `[0, n_pages)` exactly once and rank 0 must have sent the aux
-  data. Then one jitted scatter writes every (kind, layer) leaf of the decode pool (pool
-  donated) and the room succeeds. Otherwise it fails with the reason, and on every
-  failure the room's decode pages go back to the allocator.
+  data. Then a jitted scatter writes every (kind, layer) leaf of the decode pool (pool
+  donated; one call per power-of-two piece of the room's rows, so compiles stay bounded
+  and staging holds exactly the room's pages) and the room succeeds. Otherwise it fails
+  with the reason, and on every failure the room's decode pages go back to the
+  allocator.
 - **Staging arena** (optional, `staging_arena=` or a Mooncake endpoint's arena): one
   pre-allocated (pre-faulted) host arena; each room stages in a region carved from it,
   rows in owner-major order (`page_plan.owner_major_order`: rank 0's positions, then rank
@@ -80,7 +82,6 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.model.kv_cache import KVPool
 from cpkv_jax.paging import TRASH_PAGE, PageAllocator, pages_for_tokens
 from transfer.page_plan import (
@@ -135,12 +136,25 @@ def _quote(values: np.ndarray | Sequence[int]) -> str:
     return "[" + ", ".join(map(str, v[:_QUOTED])) + (", ...]" if len(v) > _QUOTED else "]")
 
 
+def staging_region_bytes(layout: LayoutDescriptor, n_pages: int, alignment: int) -> int:
+    """Bytes of one room's staging region in an arena: buffer after buffer, each of
+    `n_pages` rows and starting `alignment`-aligned."""
+    return sum(
+        -(-n_pages * layout.page_bytes(kind, layer) // alignment) * alignment
+        for kind, layer in layout.buffers()
+    )
+
+
+def pow2_pieces(n: int) -> list[int]:
+    """`n` as a sum of distinct powers of two, largest first (2049 -> [2048, 1]): the
+    commit scatters a room's rows in these pieces, so compiles stay bounded (one per
+    power of two) without padding the staging to a power of two."""
+    return [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _scatter_pages(pool: KVPool, pages: jax.Array, staged: KVPool) -> KVPool:
-    """`pool.leaf.at[pages].set(staged.leaf)` for every leaf (one scatter per leaf).
-
-    Padding rows carry an out-of-range page and are dropped (they may hold stale bytes
-    of an earlier room when staged in an arena region)."""
+    """`pool.leaf.at[pages].set(staged.leaf)` for every leaf (one scatter per leaf)."""
     return jax.tree_util.tree_map(
         lambda leaf, rows: leaf.at[pages].set(rows, mode="drop"), pool, staged
     )
@@ -589,6 +603,15 @@ class Receiver:
                 "data plane: the room already stages gRPC pages outside the staging arena, "
                 "where a Mooncake engine cannot write"
             )
+        elif r.staging is None and self._arena is not None:
+            need = self.staging_bytes(r.n_pages)
+            if need > self._arena.nbytes:  # would never fit: retrying cannot help
+                out.append(
+                    f"staging: the room's {r.n_pages} pages need {need} B of staging, more "
+                    f"than this decode server's whole Mooncake staging arena "
+                    f"({self._arena.nbytes} B); start it with a larger one (cpkv-serve "
+                    "--transfer-staging-size) or send the request to another decode server"
+                )
         if s.handshaken and s.plane == "mooncake" and s.attempt != attempt:
             out.append(
                 f"attempt: prefill rank {rank} handshook on the Mooncake data plane with "
@@ -597,17 +620,24 @@ class Receiver:
             )
         return out
 
+    def staging_bytes(self, n_pages: int) -> int:
+        """Arena bytes a room of `n_pages` pages stages in (0 without an arena)."""
+        if self._arena is None:
+            return 0
+        return staging_region_bytes(self.layout, n_pages, self._arena.alignment)
+
     def _ensure_staging(self, r: _Room, required: bool) -> None:
         """Give `r` its staging buffers (room lock held).
 
         With an arena: one region, buffer after buffer, rows in owner-major order
         (`StagingFullError` if `required` and the arena is full; otherwise a full arena
-        falls back to private arrays). Rows are padded to a power of two when a device
-        scatter follows (bounded compiles); the padding rows are never scattered."""
-        rows = pow2_at_least(r.n_pages) if self._pool is not None else r.n_pages
+        falls back to private arrays). Exactly `n_pages` rows: the commit scatters them
+        in power-of-two pieces (`pow2_pieces`), which bounds the compiles."""
+        rows = r.n_pages
         if self._arena is not None:
             align = self._arena.alignment
             sizes = [-(-rows * nb // align) * align for nb in self._page_bytes]
+            assert sum(sizes) == self.staging_bytes(r.n_pages)
             try:
                 region = self._arena.alloc(sum(sizes), r.room)
             except StagingFullError:
@@ -929,7 +959,6 @@ class Receiver:
             self._fail(r, "coverage is exact but some (kind, layer) pages were never written")
             return
         assert r.staging is not None or r.n_pages == 0
-        rows = r.staging[0].shape[0] if r.staging else pow2_at_least(r.n_pages)
         row_pos = r.row_pos if r.row_pos is not None else np.arange(r.n_pages, dtype=np.int64)
         dst_rows = r.dst_pages[row_pos]  # decode page of each staging row
         try:
@@ -941,11 +970,12 @@ class Receiver:
                     )
             else:
                 with self._pool_lock:
-                    # Padding rows go to an out-of-range page: dropped by the scatter.
-                    pages = np.full(rows, self._pool.num_pages, np.int32)
-                    pages[: r.n_pages] = dst_rows
-                    staged = self._staged_pool(self._pool, r.staging or [], rows)
-                    self._pool = _scatter_pages(self._pool, pages, staged)
+                    pages, lo = dst_rows.astype(np.int32), 0
+                    for size in pow2_pieces(r.n_pages):
+                        part = [st[lo : lo + size] for st in r.staging or []]
+                        staged = self._staged_pool(self._pool, part, size)
+                        self._pool = _scatter_pages(self._pool, pages[lo : lo + size], staged)
+                        lo += size
                     if r.region is not None:  # the region is reused once the room is over
                         jax.block_until_ready(self._pool)
         except Exception as e:  # device failure: fail the room, keep serving others
