@@ -104,9 +104,9 @@ def mooncake_staging_bytes(
     """The decode side's Mooncake staging arena: `--transfer-staging-size`, else room to
     stage the longest request this server can hold (its pages of a context-length
     request, capped by the pool's `pool_pages` less the trash page), at least
-    `MOONCAKE_ARENA_MIN_BYTES`. Rooms
-    stage there whole, so a smaller arena refuses longer requests at their handshake;
-    rooms that fit but find it full wait (the prefill side retries its handshake)."""
+    `MOONCAKE_ARENA_MIN_BYTES`. Rooms stage there whole, so a smaller arena refuses
+    longer requests at their handshake; rooms that fit but find it full wait (the
+    prefill side retries its handshake)."""
     if args.transfer_staging_size is not None:
         return args.transfer_staging_size
     longest = min(pool_pages - 1, pages_for_tokens(cfg.max_position_embeddings, args.page_size))

@@ -375,7 +375,8 @@ class MooncakeBackend(TransferBackend):
         if nbytes > arena.nbytes:
             raise StagingFullError(
                 f"{tag}: the rank's pages need {nbytes} B, more than the whole registered "
-                f"host buffer ({arena.nbytes} B); raise MooncakeBackendConfig.host_buffer_bytes"
+                f"host buffer ({arena.nbytes} B); raise MooncakeBackendConfig.host_buffer_bytes "
+                "(cpkv-serve --transfer-host-buffer-size)"
             )
         wait_s = self.config.host_buffer_wait_s
         deadline = time.monotonic() + wait_s
