@@ -285,6 +285,9 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         backend_close = getattr(engine.backend, "close", None)
         if backend_close is not None:
             closers.append(backend_close)
+        t = time.perf_counter()
+        engine.backend.prepare()  # Mooncake: engine up, host copy buffer registered
+        logger.info("transfer backend ready in %.2fs", time.perf_counter() - t)
     else:
         if args.cp_size != 1:
             raise ConfigError(

@@ -499,6 +499,23 @@ def test_e2e_cp_prefill_to_decode_over_mooncake(prefill, decode, backends):
 
 
 @needs_mooncake
+def test_prepare_registers_the_host_copy_buffer_up_front(sender_engine):
+    """A prefill server calls `prepare()` at startup, so its first device-pool request
+    does not allocate, pre-fault and register the host copy buffer on its critical path."""
+    backend = MooncakeBackend(CONFIG, engine=sender_engine)
+    try:
+        assert backend._host is None  # lazy until asked
+        backend.prepare()
+        host = backend._host
+        assert host is not None and host.nbytes == CONFIG.host_buffer_bytes
+        assert host.free_bytes == host.nbytes
+        backend.prepare()  # idempotent
+        assert backend._host is host
+    finally:
+        backend.close()
+
+
+@needs_mooncake
 def test_room_larger_than_the_host_copy_buffer_takes_turns(prefill, decode, sender_engine):
     """Device pools go through the backend's registered host buffer (the copy path). A
     rank gives its region back once its writes are over, so a room whose ranks' copies

@@ -439,6 +439,11 @@ class TransferBackend(abc.ABC):
     @abc.abstractmethod
     def send_rank(self, job: RankJob, hold: TransferHold) -> RoomSnapshot | None: ...
 
+    def prepare(self) -> None:
+        """Set up what the first transfer would otherwise set up on its critical path
+        (a server calls this at startup). Nothing by default."""
+        return None
+
 
 def send_request(
     backend: TransferBackend,

@@ -336,6 +336,12 @@ class MooncakeBackend(TransferBackend):
                 )
             return self._engine
 
+    def prepare(self) -> None:
+        """Start the engine and register the host copy buffer (allocated and pre-faulted)
+        now, not during the first device-pool request: for a GLM-5 prefill server that is
+        ~1.6 GiB to touch and register."""
+        self._host_arena()
+
     def control_channel(self, target: str) -> grpc.Channel:
         """The control-plane channel to a decode receiver, shared by every rank and room
         (gRPC multiplexes calls; no connection setup per rank)."""
