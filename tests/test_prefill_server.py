@@ -458,7 +458,7 @@ def test_mooncake_host_buffer_size_floor_and_flag(tiny):
 def test_mooncake_host_buffer_holds_one_ranks_largest_share_of_glm5(tiny):
     """Sized for the full GLM-5 config (78 layers, 64-token pages of 576 bf16 latent +
     132 B index K per token and layer, cp 8): by default one rank's pages of the
-    default 128K-token pool (the pool is shorter than the 200K context), about 1.6 GiB; a
+    default 128K-token pool (the pool is shorter than the 200K context), about 1.66 GB; a
     4-page pool gets the 64 MiB floor."""
     path, _, _ = tiny
     glm5 = ModelConfig.from_pretrained(GLM5_DIR)
@@ -475,7 +475,7 @@ def test_mooncake_host_buffer_holds_one_ranks_largest_share_of_glm5(tiny):
     pool = pool_pages_per_rank(args, glm5)  # 128K tokens / 64 / 8 = 256, plus slack
     context_share = -(-pages_for_tokens(glm5.max_position_embeddings, 64) // CP)
     assert 256 <= pool < context_share  # the pool, not the 200K context, binds
-    assert mooncake_host_buffer_bytes(args, glm5) == pool * page  # about 1.6 GiB
+    assert mooncake_host_buffer_bytes(args, glm5) == pool * page  # 1.66 GB
     small = dataclasses.replace(args, kv_pool_size=4 * page)
     assert mooncake_host_buffer_bytes(small, glm5) == 64 << 20
 

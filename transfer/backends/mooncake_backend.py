@@ -339,7 +339,7 @@ class MooncakeBackend(TransferBackend):
     def prepare(self) -> None:
         """Start the engine and register the host copy buffer (allocated and pre-faulted)
         now, not during the first device-pool request: for a GLM-5 prefill server that is
-        ~1.6 GiB to touch and register."""
+        ~1.66 GB to touch and register."""
         self._host_arena()
 
     def control_channel(self, target: str) -> grpc.Channel:
