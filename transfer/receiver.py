@@ -136,13 +136,16 @@ def _quote(values: np.ndarray | Sequence[int]) -> str:
     return "[" + ", ".join(map(str, v[:_QUOTED])) + (", ...]" if len(v) > _QUOTED else "]")
 
 
+def staging_buffer_sizes(page_bytes: Sequence[int], n_pages: int, alignment: int) -> list[int]:
+    """Bytes each buffer of a room's staging region takes in an arena (buffer after
+    buffer, `n_pages` rows of `page_bytes[b]`, each rounded up to `alignment`)."""
+    return [-(-n_pages * nb // alignment) * alignment for nb in page_bytes]
+
+
 def staging_region_bytes(layout: LayoutDescriptor, n_pages: int, alignment: int) -> int:
-    """Bytes of one room's staging region in an arena: buffer after buffer, each of
-    `n_pages` rows and starting `alignment`-aligned."""
-    return sum(
-        -(-n_pages * layout.page_bytes(kind, layer) // alignment) * alignment
-        for kind, layer in layout.buffers()
-    )
+    """Bytes of one room's staging region in an arena (`staging_buffer_sizes` summed)."""
+    page_bytes = [layout.page_bytes(kind, layer) for kind, layer in layout.buffers()]
+    return sum(staging_buffer_sizes(page_bytes, n_pages, alignment))
 
 
 def pow2_pieces(n: int) -> list[int]:
@@ -624,7 +627,7 @@ class Receiver:
         """Arena bytes a room of `n_pages` pages stages in (0 without an arena)."""
         if self._arena is None:
             return 0
-        return staging_region_bytes(self.layout, n_pages, self._arena.alignment)
+        return sum(staging_buffer_sizes(self._page_bytes, n_pages, self._arena.alignment))
 
     def _ensure_staging(self, r: _Room, required: bool) -> None:
         """Give `r` its staging buffers (room lock held).
@@ -635,8 +638,7 @@ class Receiver:
         in power-of-two pieces (`pow2_pieces`), which bounds the compiles."""
         rows = r.n_pages
         if self._arena is not None:
-            align = self._arena.alignment
-            sizes = [-(-rows * nb // align) * align for nb in self._page_bytes]
+            sizes = staging_buffer_sizes(self._page_bytes, rows, self._arena.alignment)
             try:
                 region = self._arena.alloc(sum(sizes), r.room)
             except StagingFullError:
