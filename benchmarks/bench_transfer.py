@@ -46,10 +46,20 @@ is sent by `--cp` (8) prefill ranks to one decode server on 127.0.0.1:
 Backends: `grpc` (`GrpcBackendConfig`: 4 MiB chunks, `--grpc-channels` channels per
 rank, 2 by default as in production) and `mooncake` (zero-copy from the registered host
 pools by default; `--mooncake-source copy` reads pages into the backend's registered
-host buffer first, as for device pools). On a 2-core machine the raw engine write alone
-keeps most of both cores busy (the kernel's loopback copies), so every other CPU cycle
-and memory pass (xxh3 digests on both sides, the Python control plane) comes out of the
-ratio.
+host buffer first, as for device pools).
+
+Sender digests: the host pools are sealed once built (`HostPoolPageSource.seal`, the
+digests a host cache takes once when a page is written and keeps for every transfer
+of it; `seal_ms`: one rank's pool, median, not on the timed path), so senders send
+those and only the decode side hashes on the clock. `mooncake-at-send` and
+`grpc-at-send` run the same backends from unsealed pools - every page hashed by its
+sender during the timed part, as for device pools - and report under
+`mooncake_at_send_*` / `grpc_at_send_*`. By default `mooncake`, `grpc` and
+`mooncake-at-send` run, in that order, against the same raw baseline.
+
+On a 2-core machine the raw engine write alone keeps most of both cores busy (the
+kernel's loopback copies), so every other CPU cycle and memory pass (xxh3 digests, the
+Python control plane) comes out of the ratio.
 
 Both processes apply `transfer.malloc_tuning.tune_malloc` first, as the prefill and
 decode servers do (`malloc_tuning` in the JSON; `--no-malloc-tuning` keeps glibc's
@@ -102,6 +112,7 @@ logger = logging.getLogger("bench_transfer")
 GLM5_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "configs" / "glm-5"
 PAGE_SIZE = 64
 MiB = 1 << 20
+BACKENDS = ("mooncake", "mooncake-at-send", "grpc", "grpc-at-send")
 
 
 def glm5_layout(layers: int, config_dir: Path = GLM5_CONFIG) -> tuple[LayoutDescriptor, str]:
@@ -372,6 +383,7 @@ class BackendRuns:
     times: list[float] = dataclasses.field(default_factory=list)
     cpu: list[float] = dataclasses.field(default_factory=list)
     bootstrap: list[float] = dataclasses.field(default_factory=list)
+    seal: list[float] = dataclasses.field(default_factory=list)  # per rank's pool
 
 
 def run_backend(
@@ -382,15 +394,23 @@ def run_backend(
     repeats: int,
     raw: RawTimes | None = None,
     at_once: bool = False,
+    seal: bool = True,
 ) -> BackendRuns:
     """`repeats` timed runs (after one warm-up whose every staged page is checked
     against its source): each room bootstrapped, then timed from `provide` to the
     decode side's Success (`at_once`: from `send_request`, handshakes included), with
     the CPU seconds of both sides. With `raw`, one raw engine write of the same bytes
-    (each way) is timed after each run."""
+    (each way) is timed after each run. `seal`: seal every rank's pool first (its
+    digests taken once, before any room; the senders send them), else the senders hash
+    every page they send."""
     sources = [HostPoolPageSource(plan.layout, leaves) for leaves in plan.leaves]
-    in_process = isinstance(decode, DecodeServer)
     runs = BackendRuns()
+    if seal:
+        for source in sources:
+            t = time.perf_counter()
+            source.seal()
+            runs.seal.append(time.perf_counter() - t)
+    in_process = isinstance(decode, DecodeServer)
     for i in range(repeats + 1):
         room = f"{name}-{i}"
         decode.open_room(room, plan.tokens, plan.cp, check=i == 0)
@@ -448,19 +468,23 @@ def run_backend(
 
 def backend_report(name: str, plan: Plan, runs: BackendRuns, raw: RawTimes | None) -> dict:
     """A backend's keys: GB/s of the median run, the run times, CPU cores, and (with the
-    raw baseline) `{name}_paired_ratio`: the median over runs of (raw write right after
-    the run) / (run), each pair measured under the same machine load - steadier than the
-    ratio of medians when the load drifts, and blind to how other backends' runs leave
-    the machine (the raw writes after one backend's runs can be slower than after
-    another's). `{name}_bootstrap_ms`: median handshake phase before the timed part
-    (None with `--send-at-once`, whose times include it)."""
+        raw baseline) `{name}_paired_ratio`: the median over runs of (raw write right after
+        the run) / (run), each pair measured under the same machine load - steadier than the
+        ratio of medians when the load drifts, and blind to how other backends' runs leave
+        the machine (the raw writes after one backend's runs can be slower than after
+        another's). `{name}_bootstrap_ms`: median handshake phase before the timed part
+        (None with `--send-at-once`, whose times include it). `{name}_sender_digests`: "sealed"
+    (`seal_ms`: sealing one rank's pool, median) or "at send"."""
     times = runs.times
     out = {
         f"{name}_gbps": plan.bytes / statistics.median(times) / 1e9,
         f"{name}_seconds": times,
         f"{name}_cpu_cores": statistics.median(c / t for c, t in zip(runs.cpu, times, strict=True)),
         f"{name}_bootstrap_ms": 1e3 * statistics.median(runs.bootstrap) if runs.bootstrap else None,
+        f"{name}_sender_digests": "sealed" if runs.seal else "at send",
     }
+    if runs.seal:
+        out["seal_ms"] = 1e3 * statistics.median(runs.seal)
     if raw is not None:
         after = raw.polled[-len(times) :]  # one raw write after each timed run
         out[f"{name}_paired_ratio"] = statistics.median(
@@ -477,7 +501,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cp", type=int, default=8, help="prefill CP ranks (senders)")
     ap.add_argument(
-        "--backends", default="mooncake,grpc", help="comma-separated, run in this order"
+        "--backends",
+        default="mooncake,grpc,mooncake-at-send",
+        help=f"comma-separated, run in this order, of {', '.join(BACKENDS)} (*-at-send: "
+        "from unsealed pools, every page hashed by its sender on the clock)",
     )
     ap.add_argument(
         "--grpc-channels",
@@ -517,8 +544,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats < 1 or args.tokens < 1 or args.cp < 1:
         ap.error("--repeats, --tokens and --cp must be >= 1")
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if not set(wanted) <= {"grpc", "mooncake"}:
-        ap.error(f"--backends: unknown {sorted(set(wanted) - {'grpc', 'mooncake'})}")
+    if not set(wanted) <= set(BACKENDS) or len(set(wanted)) != len(wanted) or not wanted:
+        ap.error(
+            f"--backends: {args.backends!r}: give each of {', '.join(BACKENDS)} at most "
+            "once, at least one"
+        )
 
     tuning = None if args.no_malloc_tuning else tune_malloc()
     layout, layout_source = glm5_layout(args.layers, args.config)
@@ -537,7 +567,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         time.perf_counter() - t,
     )
     ok, why = mooncake_available()
-    use_mooncake = ok and "mooncake" in wanted
     if not ok:
         logger.warning("Mooncake unavailable, mooncake and raw parts skipped: %s", why)
 
@@ -560,6 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "raw_mooncake_gbps": None,
         "grpc_ratio": None,
         "mooncake_ratio": None,
+        "mooncake_at_send_gbps": None,
+        "mooncake_at_send_ratio": None,
         "layers": layout.num_layers,
         "layout": layout_source,
         "page_size": layout.page_size,
@@ -583,7 +614,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["mooncake_unavailable"] = why
     try:
         for name in wanted:  # in the order given
-            if name == "grpc":
+            key, seal = name.removesuffix("-at-send"), not name.endswith("-at-send")
+            prefix = name.replace("-", "_")  # JSON keys: mooncake_at_send_gbps, ...
+            if key == "grpc":
                 cfg = GrpcBackendConfig(
                     chunk_bytes=int(args.grpc_chunk_mib * MiB),
                     channels_per_rank=args.grpc_channels,
@@ -594,16 +627,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 grpc_backend = GrpcBackend(cfg)
                 try:
                     runs = run_backend(
-                        "grpc", grpc_backend, decode, plan, args.repeats, raw, args.send_at_once
+                        name, grpc_backend, decode, plan, args.repeats, raw, args.send_at_once, seal
                     )
                 finally:
                     grpc_backend.close()  # its kept channels
-                report.update(backend_report("grpc", plan, runs, raw))
+                report.update(backend_report(prefix, plan, runs, raw))
                 report["grpc_config"] = {
                     "chunk_bytes": cfg.chunk_bytes,
                     "channels_per_rank": cfg.channels_per_rank,
                 }
-            if name == "mooncake" and use_mooncake:
+            if key == "mooncake" and ok:
                 from transfer.backends.mooncake_backend import (
                     MooncakeBackend,
                     MooncakeBackendConfig,
@@ -619,10 +652,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 with MooncakeBackend(mcfg) as backend:
                     runs = run_backend(
-                        "mooncake", backend, decode, plan, args.repeats, raw, args.send_at_once
+                        name, backend, decode, plan, args.repeats, raw, args.send_at_once, seal
                     )
-                    stats = backend.stats(f"mooncake-{args.repeats}")
-                report.update(backend_report("mooncake", plan, runs, raw))
+                    stats = backend.stats(f"{name}-{args.repeats}")
+                    assert all(s.sealed_digests == seal for s in stats.values()), stats
+                report.update(backend_report(prefix, plan, runs, raw))
                 report["mooncake_source"] = args.mooncake_source
                 report["mooncake_descriptors_per_rank"] = {
                     str(r): s.descriptors for r, s in sorted(stats.items())
@@ -647,8 +681,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["raw_mooncake_gbps"] = report["bytes"] / med / 1e9
         report["raw_sync_call_seconds"] = raw.sync_call
         report["raw_sync_call_gbps"] = report["bytes"] / statistics.median(raw.sync_call) / 1e9
-        for name in ("grpc", "mooncake"):
-            if report[f"{name}_gbps"] is not None:
+        for name in (n.replace("-", "_") for n in BACKENDS):
+            if report.get(f"{name}_gbps") is not None:
                 report[f"{name}_ratio"] = report[f"{name}_gbps"] / report["raw_mooncake_gbps"]
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")

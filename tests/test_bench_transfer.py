@@ -37,6 +37,8 @@ def test_bench_transfer_reports_the_plan_and_grpc(report):
     assert report["bytes"] == 4096 * 2 * (1152 + 132)
     assert report["grpc_gbps"] > 0 and len(report["grpc_seconds"]) == 1
     assert report["malloc_tuning"] == "glibc defaults"
+    # The host pools are sealed once built: the senders send those digests.
+    assert report["grpc_sender_digests"] == "sealed" and report["seal_ms"] > 0
 
 
 def test_bench_transfer_reports_mooncake_and_raw(report):
@@ -49,18 +51,25 @@ def test_bench_transfer_reports_mooncake_and_raw(report):
         "raw_sync_call_gbps",
         "grpc_ratio",
         "mooncake_ratio",
+        "mooncake_at_send_gbps",
+        "mooncake_at_send_ratio",
     ):
         assert report[key] > 0, key
-    assert report["mooncake_ratio"] == pytest.approx(
-        report["mooncake_gbps"] / report["raw_mooncake_gbps"]
-    )
+    for name in ("mooncake", "mooncake_at_send"):
+        assert report[f"{name}_ratio"] == pytest.approx(
+            report[f"{name}_gbps"] / report["raw_mooncake_gbps"]
+        )
+    assert report["mooncake_sender_digests"] == "sealed"
+    assert report["mooncake_at_send_sender_digests"] == "at send"
     # One raw write each way after every timed run of each backend; each backend's
-    # paired ratio pairs its run with the raw write right after it (order: mooncake, grpc).
-    assert len(report["raw_seconds"]) == len(report["raw_sync_call_seconds"]) == 2
-    assert report["backend_order"] == ["mooncake", "grpc"]
+    # paired ratio pairs its run with the raw write right after it (default order:
+    # mooncake, grpc, mooncake-at-send).
+    assert len(report["raw_seconds"]) == len(report["raw_sync_call_seconds"]) == 3
+    assert report["backend_order"] == ["mooncake", "grpc", "mooncake-at-send"]
     for i, name in enumerate(report["backend_order"]):
-        assert report[f"{name}_paired_ratio"] == pytest.approx(
-            report["raw_seconds"][i] / report[f"{name}_seconds"][0]
+        key = name.replace("-", "_")
+        assert report[f"{key}_paired_ratio"] == pytest.approx(
+            report["raw_seconds"][i] / report[f"{key}_seconds"][0]
         )
     # Contiguous local pages + owner-major staging: one descriptor per buffer per rank.
     assert set(report["mooncake_descriptors_per_rank"].values()) == {6}
@@ -81,3 +90,11 @@ def test_bench_transfer_fragmented_host_pools_over_grpc():
     report = json.loads(out.getvalue().strip().splitlines()[-1])
     assert report["fragmented_sources"] is True and report["grpc_gbps"] > 0
     assert report["mooncake_gbps"] is None  # not asked for
+
+
+def test_bench_transfer_refuses_unknown_or_repeated_backends(capsys):
+    for bad in ("grpc,rdma", "grpc,grpc", ","):
+        with pytest.raises(SystemExit) as e:
+            main(["--backends", bad, "--no-malloc-tuning"])
+        assert e.value.code == 2
+        assert "--backends" in capsys.readouterr().err

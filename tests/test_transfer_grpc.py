@@ -46,6 +46,7 @@ from cpkv_jax.model.transformer import CausalLM, forward_step
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens, slots_for_positions
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving.server_args import ServerArgs, ServerArgsError
+from transfer.backends import grpc_backend as gb
 from transfer.backends.grpc_backend import (
     GrpcBackend,
     GrpcBackendConfig,
@@ -88,6 +89,7 @@ from transfer.receiver import Receiver, serve
 from transfer.sender import (
     CPPoolPageSource,
     HostPoolPageSource,
+    PageSource,
     RankJob,
     RequestInputs,
     TransferBackend,
@@ -918,14 +920,17 @@ def run_transfer(
     layout: LayoutDescriptor | None = None,
     extra_pages: int = 0,
     seed: int = 0,
+    sources: list[PageSource] | None = None,
 ) -> tuple[TransferHold, np.ndarray]:
-    """Register the room at shuffled decode pages and send it from all 8 ranks."""
+    """Register the room at shuffled decode pages and send it from all 8 ranks (from
+    the CP pool, or from `sources`)."""
     n_pages = table.num_pages
     rng = np.random.default_rng(seed)
     dst = dec.receiver.allocate_pages(n_pages + extra_pages)
     dst[:n_pages] = rng.permutation(dst[:n_pages])  # non-contiguous, out of order
     dec.receiver.register_room(room, dst, table.num_tokens, CP)
-    sources = [CPPoolPageSource(lambda: pre.runner.pool, pre.layout, r) for r in range(CP)]
+    if sources is None:
+        sources = [CPPoolPageSource(lambda: pre.runner.pool, pre.layout, r) for r in range(CP)]
     jobs = rank_jobs(
         room, dec.target, layout or pre.layout, table.num_tokens, table.local_pages(), sources, aux
     )
@@ -1173,6 +1178,111 @@ def finish(hold: TransferHold) -> RoomSnapshot:
 
 def settle(rx: Receiver, room: str) -> RoomSnapshot:
     return rx.wait(room, WAIT)
+
+
+def host_pool_sources(pre: Prefill, seed: int) -> list[HostPoolPageSource]:
+    """Per rank, a host KV pool shaped like its CP pool shard, of fresh random bytes."""
+    rng = np.random.default_rng(seed)
+    pages = pre.runner.pool.latent[0].shape[0] // CP
+    out = []
+    for _ in range(CP):
+        leaves = {
+            (kind, layer): rng.integers(
+                0, 256, (pages, pre.layout.page_bytes(kind, layer)), np.uint8
+            )
+            for kind, layer in pre.layout.buffers()
+        }
+        out.append(HostPoolPageSource(pre.layout, leaves))
+    return out
+
+
+def expected_pages(
+    sources: list[HostPoolPageSource], layout: LayoutDescriptor, table: RequestPageTable
+) -> list[np.ndarray]:
+    """The request's pages from host pools, per buffer `[n_pages, page_bytes]` by
+    position (position p lives on rank p mod cp at its local page)."""
+    local = table.local_pages()
+    owner = np.arange(table.num_pages) % CP
+    return [
+        np.stack(
+            [
+                sources[int(r)].read(kind, layer, np.array([int(q)])).reshape(-1).view(np.uint8)
+                for r, q in zip(owner, local, strict=True)
+            ]
+        )
+        for kind, layer in layout.buffers()
+    ]
+
+
+def test_host_pool_seal_unseal_and_sealed_digests(prefill):
+    """`seal` takes each page's digest of every buffer once; `sealed_digests` returns them
+    only when every asked page is sealed; `unseal` forgets them; bad pages are refused."""
+    pre = prefill
+    src = host_pool_sources(pre, seed=3)[0]
+    key = pre.layout.buffers()[-1]
+    leaf = src.host_buffer(*key)
+    assert src.sealed_digests(*key, np.array([1, 2])) is None  # nothing sealed yet
+    src.seal([1, 2, 5])
+    got = src.sealed_digests(*key, np.array([5, 1]))
+    assert got is not None and got.dtype == np.uint64
+    np.testing.assert_array_equal(got, page_digests(leaf[[5, 1]]))
+    assert src.sealed_digests(*key, np.array([1, 3])) is None  # page 3 is not sealed
+    src.unseal([1])
+    assert src.sealed_digests(*key, np.array([1])) is None
+    assert src.sealed_digests(*key, np.array([2, 5])) is not None
+    src.seal()  # every page
+    assert src.sealed_digests(*key, np.arange(leaf.shape[0])) is not None
+    with pytest.raises(ValueError, match="outside the pool"):
+        src.seal([leaf.shape[0]])
+
+
+def test_sealed_host_pool_sends_its_digests_and_decode_still_checks(prefill, decode):
+    """A sealed host pool's digests travel instead of digests taken at send time; the
+    decode side still checks every page on arrival: a page rewritten after its seal fails
+    the room with a digest mismatch (never goes through as good), and one unsealed
+    before it is rewritten is hashed at send time again - the room succeeds bitwise."""
+    pre, dec = prefill, decode(48)
+    free = prefill_free(pre)
+    sources = host_pool_sources(pre, seed=4)
+    for s in sources:
+        s.seal()
+    hashed_at_send: list[int] = []
+    real = gb.row_digests
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gb, "row_digests", lambda *a: hashed_at_send.append(1) or real(*a))
+        table = new_table(pre, 9 * P + 5)
+        want = expected_pages(sources, pre.layout, table)
+        hold, dst = run_transfer(pre, dec, table, "sealed", Aux(2, -0.5), sources=sources)
+        assert finish(hold).state is RoomState.SUCCESS
+        assert not hashed_at_send  # every digest came from the seal
+        for got, exp in zip(decode_pages(dec.receiver, dst), want, strict=True):
+            np.testing.assert_array_equal(got, exp)
+        dec.receiver.free_pages(dst)
+
+        # Rewritten while sealed: the stale digest is caught on arrival.
+        table = new_table(pre, 9 * P)
+        rank, local = 3, int(table.local_pages()[3])  # position 3 lives on rank 3
+        leaf = sources[rank].host_buffer("latent", 1)
+        leaf[local, 7] ^= 0xFF
+        hold, _ = run_transfer(pre, dec, table, "stale-seal", Aux(2, -0.5), sources=sources)
+        outcome = finish(hold)
+        assert outcome.state is RoomState.FAILED, outcome
+        assert "digest mismatch on latent layer 1 position 3" in outcome.reason
+        assert "from prefill rank 3" in outcome.reason
+        assert prefill_free(pre) == free and dec.receiver.num_free_pages == dec.free0
+
+        # Unsealed, rewritten (as the contract says): hashed at send, good again.
+        sources[rank].unseal([local])
+        leaf[local, 8] ^= 0xFF
+        table = new_table(pre, 9 * P)
+        want = expected_pages(sources, pre.layout, table)
+        hold, dst = run_transfer(pre, dec, table, "resealed", Aux(2, -0.5), sources=sources)
+        assert finish(hold).state is RoomState.SUCCESS
+        assert hashed_at_send  # rank 3's buffers, whose pages are not all sealed now
+        for got, exp in zip(decode_pages(dec.receiver, dst), want, strict=True):
+            np.testing.assert_array_equal(got, exp)
+        dec.receiver.free_pages(dst)
+    assert prefill_free(pre) == free and dec.receiver.num_free_pages == dec.free0
 
 
 def test_fault_sender_killed_mid_transfer(prefill, decode):

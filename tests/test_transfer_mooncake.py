@@ -550,6 +550,51 @@ def test_room_larger_than_the_host_copy_buffer_takes_turns(prefill, decode, send
 
 
 @needs_mooncake
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "copied"])
+def test_sealed_host_pool_over_mooncake(prefill, decode, sender_engine, zero_copy):
+    """Host pools whose pages were sealed (`HostPoolPageSource.seal`), written from the
+    registered pool (zero copy) or through the host copy buffer: the ranks send the
+    sealed digests and hash nothing, the decode pool gets the pool's bytes, and the
+    decode side still hashes every staged page: a page rewritten after its seal fails
+    the room with a digest mismatch, every allocator back."""
+    pre, dec = prefill, decode(48)
+    free = prefill_free(pre)
+    min_descriptor = 1 if zero_copy else 1 << 40  # the tiny pages are far below 1 MiB
+    config = dataclasses.replace(CONFIG, zero_copy_min_descriptor_bytes=min_descriptor)
+    backend = MooncakeBackend(config, engine=sender_engine)
+    try:
+        sources = grpc_tests.host_pool_sources(pre, seed=5)
+        for s in sources:
+            s.seal()
+        table = new_table(pre, 9 * P + 5)
+        want = grpc_tests.expected_pages(sources, pre.layout, table)
+        room = f"mc-sealed-{zero_copy}"
+        hold, dst = run_transfer(
+            pre, dec, table, room, Aux(2, -0.5), backend=backend, sources=sources
+        )
+        assert finish(hold).state is RoomState.SUCCESS
+        stats = backend.stats(room)
+        assert len(stats) == CP
+        for st in stats.values():
+            assert st.sealed_digests and st.digest_s == 0.0 and st.zero_copy == zero_copy, st
+        for got, exp in zip(grpc_tests.decode_pages(dec.receiver, dst), want, strict=True):
+            np.testing.assert_array_equal(got, exp)
+        dec.receiver.free_pages(dst)
+
+        table = new_table(pre, 9 * P)
+        sources[3].host_buffer("latent", 1)[int(table.local_pages()[3]), 11] ^= 0x40
+        hold, _ = run_transfer(
+            pre, dec, table, f"{room}-stale", Aux(2, -0.5), backend=backend, sources=sources
+        )
+        outcome = finish(hold)
+        assert outcome.state is RoomState.FAILED, outcome
+        assert "digest mismatch on latent layer 1 position 3 from prefill rank 3" in outcome.reason
+        all_back(pre, dec, free, backend)
+    finally:
+        backend.close()
+
+
+@needs_mooncake
 def test_fault_corrupted_page(prefill, decode, backends):
     pre, dec = prefill, decode(48)
     free = prefill_free(pre)

@@ -43,7 +43,7 @@ import numpy as np
 from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.model.kv_cache import KVPool
 from transfer.capabilities import BackendCapabilities
-from transfer.page_plan import BufferKind, LayoutDescriptor
+from transfer.page_plan import BufferKind, LayoutDescriptor, row_digests
 from transfer.protocol import Aux, RoomSnapshot, RoomState
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,33 @@ class CPPoolPageSource:
         )
 
 
+@runtime_checkable
+class SealedPageSource(Protocol):
+    """A `PageSource` that keeps the digests of pages it holds unchanged ("sealed").
+
+    `sealed_digests(kind, layer, src_pages)` is the xxh3 digest (`page_plan.row_digests`)
+    of each page taken when it was sealed, `[len(src_pages)]` uint64, or None when any
+    of those pages is not sealed. Senders send these instead of hashing the pages again
+    at send time; the decode side still hashes every page on arrival, so a page that
+    changed after its seal fails its room with a digest mismatch - never silently."""
+
+    def read(self, kind: BufferKind, layer: int, src_pages: np.ndarray) -> np.ndarray: ...
+
+    def sealed_digests(
+        self, kind: BufferKind, layer: int, src_pages: np.ndarray
+    ) -> np.ndarray | None: ...
+
+
+def sealed_digests(
+    source: PageSource, kind: BufferKind, layer: int, src_pages: np.ndarray
+) -> np.ndarray | None:
+    """The source's sealed digests of `src_pages` (`SealedPageSource`), else None: the
+    sender hashes the bytes it sends."""
+    if isinstance(source, SealedPageSource):
+        return source.sealed_digests(kind, layer, src_pages)
+    return None
+
+
 class HostPoolPageSource:
     """`PageSource` over one rank's pool held in host memory: per (kind, layer) buffer a
     C-contiguous array `[pages, ...]` indexed by the rank's local page id.
@@ -121,7 +148,18 @@ class HostPoolPageSource:
     `read` gathers pages (a copy, as every `PageSource`; `read_into` into a given
     buffer); `host_buffer` returns the leaf itself, which the Mooncake backend registers
     once and writes from without a copy (`mooncake_backend.HostPageSource`). Used by
-    `benchmarks.bench_transfer`."""
+    `benchmarks.bench_transfer`.
+
+    **Sealed pages** (`SealedPageSource`): a host pool's pages are written once and then
+    sent, possibly many times (a host cache keeps a prefix for every request that reuses
+    it). `seal(pages)` takes their digests once, after they are written - where the
+    writer's bytes are still warm - and every later transfer sends those digests instead
+    of hashing the pages again on its critical path: stored checksums, as block stores
+    keep them. The decode side checks every page on arrival either way, so the digests
+    now also cover the time the page spent in the pool. Contract: `unseal(pages)` before
+    rewriting sealed pages (then `seal` them again); a page rewritten while sealed fails
+    the transfers that send it with a digest mismatch (SPEC S2.4), it is never sent as
+    good. Pages not sealed are hashed at send time, as for every other source."""
 
     def __init__(self, layout: LayoutDescriptor, leaves: dict[tuple[BufferKind, int], np.ndarray]):
         missing = [b for b in layout.buffers() if b not in leaves]
@@ -136,9 +174,50 @@ class HostPoolPageSource:
                 )
         self.layout = layout
         self._leaves = dict(leaves)
+        self._seal_lock = threading.Lock()
+        self._digests = {b: np.zeros(leaf.shape[0], np.uint64) for b, leaf in leaves.items()}
+        self._sealed = {b: np.zeros(leaf.shape[0], bool) for b, leaf in leaves.items()}
 
     def read(self, kind: BufferKind, layer: int, src_pages: np.ndarray) -> np.ndarray:
         return self._leaves[(kind, layer)][np.asarray(src_pages, np.int64)]
+
+    def _pages(self, src_pages: np.ndarray | Sequence[int] | None) -> np.ndarray:
+        n = min(leaf.shape[0] for leaf in self._leaves.values())
+        if src_pages is None:
+            return np.arange(n, dtype=np.int64)
+        pages = np.asarray(src_pages, np.int64).reshape(-1)
+        if pages.size and (pages.min() < 0 or pages.max() >= n):
+            raise ValueError(f"pages {pages.min()}..{pages.max()} outside the pool [0, {n})")
+        return pages
+
+    def seal(self, src_pages: np.ndarray | Sequence[int] | None = None) -> None:
+        """Take the digests of `src_pages` (default: every page) in every buffer, now that
+        they are written; transfers send them from now on (see the class docstring)."""
+        pages = self._pages(src_pages)
+        for key, leaf in self._leaves.items():
+            flat = leaf.reshape(leaf.shape[0], -1).view(np.uint8)
+            digests = row_digests(flat, pages)
+            with self._seal_lock:
+                self._digests[key][pages] = digests
+                self._sealed[key][pages] = True
+
+    def unseal(self, src_pages: np.ndarray | Sequence[int] | None = None) -> None:
+        """Forget the digests of `src_pages` (default: every page) before rewriting them."""
+        pages = self._pages(src_pages)
+        with self._seal_lock:
+            for sealed in self._sealed.values():
+                sealed[pages] = False
+
+    def sealed_digests(
+        self, kind: BufferKind, layer: int, src_pages: np.ndarray
+    ) -> np.ndarray | None:
+        """The sealed digests of `src_pages` in buffer (kind, layer), None unless every
+        one of them is sealed."""
+        pages = np.asarray(src_pages, np.int64)
+        with self._seal_lock:
+            if not self._sealed[(kind, layer)][pages].all():
+                return None
+            return self._digests[(kind, layer)][pages]
 
     def host_buffer(self, kind: BufferKind, layer: int) -> np.ndarray:
         return self._leaves[(kind, layer)]

@@ -17,7 +17,8 @@ One `GrpcRankSender` per (room, prefill rank):
    channels, each its own TCP connection; fewer streams when the rank's pages fill
    fewer chunks than that), each carrying a share of the (kind, layer)
    buffers balanced by bytes, packed into chunks of at most `chunk_bytes` page bytes:
-   one `PageSection` (positions, per-page xxh3 digests) per buffer run in a chunk, so
+   one `PageSection` (positions, per-page xxh3 digests - the source's sealed ones when
+   it keeps them, `transfer.sender.SealedPageSource`) per buffer run in a chunk, so
    small buffers (index scales, short requests) share chunks instead of costing one
    message each. Compression off. A buffer is read to host once (`PageSource.read`),
    or used in place when the source is a host pool (`host_buffer`, as
@@ -74,7 +75,13 @@ from transfer.protocol import (
     layout_to_pb,
     snapshot_from_pb,
 )
-from transfer.sender import RankJob, RunningSenders, TransferBackend, TransferHold
+from transfer.sender import (
+    RankJob,
+    RunningSenders,
+    TransferBackend,
+    TransferHold,
+    sealed_digests,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -492,7 +499,9 @@ class GrpcRankSender:
         for kind, layer in group:
             nbytes = job.layout.page_bytes(kind, layer)
             pages, rows = self._source_pages(kind, layer, plan.src_pages, nbytes)
-            digests = row_digests(pages, rows)  # native xxh3, releases the GIL
+            digests = sealed_digests(job.source, kind, layer, plan.src_pages)
+            if digests is None:  # not sealed: hash what is sent (xxh3 releases the GIL)
+                digests = row_digests(pages, rows)
             # Consecutive source rows: a run of pages is a slice of `pages`, no gather.
             contiguous = rows.size < 2 or bool((np.diff(rows) == 1).all())
             i = 0

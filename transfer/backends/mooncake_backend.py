@@ -39,9 +39,11 @@ engine go through steps 1-3 up to their first engine call one at a time):
    `uncertain_hold_s`), so a room larger than the host buffer goes through as long as
    one rank's pages fit: its ranks take turns, waiting up to `host_buffer_wait_s` for
    space;
-2. digests: xxh3 of every page (`page_plan.row_digests`), from the bytes that are sent:
-   by the rank itself before its write when it has at most `inline_digest_max_bytes`,
-   else by a helper thread while its pages are written;
+2. digests: xxh3 of every page (`page_plan.row_digests`): the source's sealed digests
+   when it keeps them for every page sent (`transfer.sender.SealedPageSource`, e.g. a
+   host pool whose pages were sealed once written); otherwise from the bytes that are
+   sent, by the rank itself before its write when it has at most
+   `inline_digest_max_bytes`, else by a helper thread while its pages are written;
 3. writes: descriptors coalesced where source and destination rows both advance by
    one (owner-major staging: one descriptor per buffer when the source is contiguous),
    batched by `write_group_bytes` (the engine wrapper splits calls at `max_batch`
@@ -93,7 +95,13 @@ from transfer.page_plan import BufferKind, RankPlan, row_digests
 from transfer.proto import kv_transfer_pb2 as pb
 from transfer.proto import kv_transfer_pb2_grpc as pb_grpc
 from transfer.protocol import MAX_MESSAGE_BYTES, MiB, RoomSnapshot
-from transfer.sender import RankJob, RunningSenders, TransferBackend, TransferHold
+from transfer.sender import (
+    RankJob,
+    RunningSenders,
+    TransferBackend,
+    TransferHold,
+    sealed_digests,
+)
 from transfer.staging_arena import Region, StagingArena, StagingFullError
 
 logger = logging.getLogger(__name__)
@@ -285,6 +293,7 @@ class RankWriteStats:
     copy_s: float
     digest_s: float
     write_s: float
+    sealed_digests: bool = False  # the source's digests were sent: no hashing at send
 
 
 class MooncakeBackend(TransferBackend):
@@ -711,7 +720,11 @@ class MooncakeRankSender(GrpcRankSender):
         write = functools.partial(
             self._write, engine, region.session_id, src_rows, dst_rows, page_bytes
         )
-        if k * int(page_bytes.sum()) <= cfg.inline_digest_max_bytes:
+        sealed = self._sealed_digests(plan)
+        if sealed is not None:  # taken once when the pages were written: nothing to hash
+            self._digests, digest_s = sealed, 0.0
+            writes, descriptors = write()
+        elif k * int(page_bytes.sum()) <= cfg.inline_digest_max_bytes:
             # A small rank hashes its pages itself, then writes (usually while it waits
             # for its turn on the peer): a helper thread would cost more than the
             # hashing. 512-token rooms (0.66 MB a rank) took 17.7-21.9 ms against
@@ -732,8 +745,20 @@ class MooncakeRankSender(GrpcRankSender):
             copy_s=t1 - t0,
             digest_s=digest_s,
             write_s=time.perf_counter() - t1,
+            sealed_digests=sealed is not None,
         )
         logger.debug("room %s: rank %d wrote %s", job.room, self.rank, self.stats)
+
+    def _sealed_digests(self, plan: RankPlan) -> np.ndarray | None:
+        """`[buffers, pages]` sealed digests of the plan's pages from the source, or None
+        unless it has them for every (buffer, page)."""
+        got = []
+        for kind, layer in self.job.layout.buffers():
+            d = sealed_digests(self.job.source, kind, layer, plan.src_pages)
+            if d is None:
+                return None
+            got.append(d)
+        return np.stack(got)
 
     def _page_digests(self, src_rows: np.ndarray) -> np.ndarray:
         """xxh3 of each page this rank sends, `[buffers, pages]` (the commit's digests)."""
