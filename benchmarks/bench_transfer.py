@@ -19,6 +19,13 @@ is sent by `--cp` (8) prefill ranks to one decode server on 127.0.0.1:
   stage there too, so both backends write into the same warm memory), page digests are
   verified as in production, coverage is checked, the room succeeds. The first
   (untimed) run of each backend also checks every staged page against its source;
+- warm-up: `--warmup` (3) untimed rooms per backend before the timed ones, so the runs
+  measure the steady state. A fresh process's first gRPC rooms fault in the memory
+  their message buffers come to live in (glibc malloc arenas of the handler threads,
+  grown until they hold a room's peak): measured at 64K tokens, about 28K, 23K, 3K and
+  then 0-5K page faults per room on the decode side, and rooms of 0.72, 0.62, 0.48,
+  then 0.37-0.43 s. A server pays that on its first requests only. The warm-up rooms'
+  times are in `*_warmup_seconds`;
 - timing: each room is bootstrapped first, as a prefill server does when it admits a
   request (`transfer.sender.bootstrap_request`: every rank handshakes and heartbeats,
   waiting for its inputs); once every rank is ready, the clock starts when the page
@@ -384,6 +391,7 @@ class BackendRuns:
     cpu: list[float] = dataclasses.field(default_factory=list)
     bootstrap: list[float] = dataclasses.field(default_factory=list)
     seal: list[float] = dataclasses.field(default_factory=list)  # per rank's pool
+    warmup: list[float] = dataclasses.field(default_factory=list)  # untimed rooms
 
 
 def run_backend(
@@ -395,14 +403,15 @@ def run_backend(
     raw: RawTimes | None = None,
     at_once: bool = False,
     seal: bool = True,
+    warmup: int = 1,
 ) -> BackendRuns:
-    """`repeats` timed runs (after one warm-up whose every staged page is checked
-    against its source): each room bootstrapped, then timed from `provide` to the
-    decode side's Success (`at_once`: from `send_request`, handshakes included), with
-    the CPU seconds of both sides. With `raw`, one raw engine write of the same bytes
-    (each way) is timed after each run. `seal`: seal every rank's pool first (its
-    digests taken once, before any room; the senders send them), else the senders hash
-    every page they send."""
+    """`repeats` timed runs after `warmup` (>= 1) untimed ones, the first of which
+    checks every staged page against its source: each room bootstrapped, then timed
+    from `provide` to the decode side's Success (`at_once`: from `send_request`,
+    handshakes included), with the CPU seconds of both sides. With `raw`, one raw
+    engine write of the same bytes (each way) is timed after each run. `seal`: seal
+    every rank's pool first (its digests taken once, before any room; the senders send
+    them), else the senders hash every page they send."""
     sources = [HostPoolPageSource(plan.layout, leaves) for leaves in plan.leaves]
     runs = BackendRuns()
     if seal:
@@ -411,7 +420,7 @@ def run_backend(
             source.seal()
             runs.seal.append(time.perf_counter() - t)
     in_process = isinstance(decode, DecodeServer)
-    for i in range(repeats + 1):
+    for i in range(warmup + repeats):
         room = f"{name}-{i}"
         decode.open_room(room, plan.tokens, plan.cp, check=i == 0)
         aux = Aux(1, -0.5)
@@ -443,10 +452,18 @@ def run_backend(
         if outcome is None or outcome.state is not RoomState.SUCCESS:
             raise RuntimeError(f"{name} room {room}: the senders saw {outcome}")
         gbps = plan.bytes / dt / 1e9
-        if i == 0:
-            if digests is None or not np.array_equal(digests, source_digests(plan)):
+        if i < warmup:
+            if i == 0 and (digests is None or not np.array_equal(digests, source_digests(plan))):
                 raise RuntimeError(f"{name}: the staged pages differ from the sources")
-            logger.info("%s warm-up: %.3fs (%.2f GB/s), every page checked", name, dt, gbps)
+            runs.warmup.append(dt)
+            logger.info(
+                "%s warm-up %d: %.3fs (%.2f GB/s)%s",
+                name,
+                i + 1,
+                dt,
+                gbps,
+                ", every page checked" if i == 0 else "",
+            )
         else:
             runs.times.append(dt)
             runs.cpu.append(dc + (0.0 if in_process else decode_cpu))
@@ -455,7 +472,7 @@ def run_backend(
             logger.info(
                 "%s run %d: %.3fs (%.2f GB/s, %.2f cores)%s",
                 name,
-                i,
+                i - warmup + 1,
                 dt,
                 gbps,
                 runs.cpu[-1] / dt,
@@ -482,6 +499,7 @@ def backend_report(name: str, plan: Plan, runs: BackendRuns, raw: RawTimes | Non
         f"{name}_cpu_cores": statistics.median(c / t for c, t in zip(runs.cpu, times, strict=True)),
         f"{name}_bootstrap_ms": 1e3 * statistics.median(runs.bootstrap) if runs.bootstrap else None,
         f"{name}_sender_digests": "sealed" if runs.seal else "at send",
+        f"{name}_warmup_seconds": runs.warmup,
     }
     if runs.seal:
         out["seal_ms"] = 1e3 * statistics.median(runs.seal)
@@ -499,6 +517,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--layers", type=int, default=8, help="first N GLM-5 layers (of 78)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed rooms per backend before the timed ones (the first checks every page)",
+    )
     ap.add_argument("--cp", type=int, default=8, help="prefill CP ranks (senders)")
     ap.add_argument(
         "--backends",
@@ -541,8 +565,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
-    if args.repeats < 1 or args.tokens < 1 or args.cp < 1:
-        ap.error("--repeats, --tokens and --cp must be >= 1")
+    if args.repeats < 1 or args.tokens < 1 or args.cp < 1 or args.warmup < 1:
+        ap.error("--repeats, --warmup, --tokens and --cp must be >= 1")
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not set(wanted) <= set(BACKENDS) or len(set(wanted)) != len(wanted) or not wanted:
         ap.error(
@@ -599,6 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "buffers": len(layout.buffers()),
         "cp": args.cp,
         "repeats": args.repeats,
+        "warmup": args.warmup,
         "backend_order": wanted,
         "fragmented_sources": args.fragment,
         "host": "127.0.0.1",
@@ -627,7 +652,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 grpc_backend = GrpcBackend(cfg)
                 try:
                     runs = run_backend(
-                        name, grpc_backend, decode, plan, args.repeats, raw, args.send_at_once, seal
+                        name,
+                        grpc_backend,
+                        decode,
+                        plan,
+                        args.repeats,
+                        raw,
+                        args.send_at_once,
+                        seal,
+                        args.warmup,
                     )
                 finally:
                     grpc_backend.close()  # its kept channels
@@ -652,9 +685,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 with MooncakeBackend(mcfg) as backend:
                     runs = run_backend(
-                        name, backend, decode, plan, args.repeats, raw, args.send_at_once, seal
+                        name,
+                        backend,
+                        decode,
+                        plan,
+                        args.repeats,
+                        raw,
+                        args.send_at_once,
+                        seal,
+                        args.warmup,
                     )
-                    stats = backend.stats(f"{name}-{args.repeats}")
+                    stats = backend.stats(f"{name}-{args.warmup + args.repeats - 1}")
                     assert all(s.sealed_digests == seal for s in stats.values()), stats
                 report.update(backend_report(prefix, plan, runs, raw))
                 report["mooncake_source"] = args.mooncake_source

@@ -111,6 +111,8 @@ class TransferRooms(Protocol):
 
     def abort(self, room: str, reason: str, sender_rank: int | None = None) -> Any: ...
 
+    def staging_refusal(self, n_pages: int) -> str | None: ...
+
 
 class LocalKVStore:
     """A `KVStore` over one pool and one `PageAllocator`, guarded by one lock."""
@@ -403,6 +405,10 @@ class DecodeEngine:
                 f">= 1 (got {req.bootstrap_room!r}, {req.bootstrap_cp_size!r}); send it "
                 "through the router",
             )
+        if self._rooms is not None:  # the prompt's pages stage whole on the way in
+            why = self._rooms.staging_refusal(pages_for_tokens(n, self.page_size))
+            if why is not None:
+                raise self._reject("staging_capacity", f"request {rid!r}: {why}")
         return _Request(
             req=req,
             prompt=prompt.astype(np.int32),

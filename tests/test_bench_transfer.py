@@ -22,7 +22,7 @@ def report() -> dict:
     out = io.StringIO()
     with redirect_stdout(out):
         # glibc's defaults: tune_malloc would change this pytest process for good.
-        argv = ["--json", "--tokens", "4096", "--layers", "2", "--repeats", "1"]
+        argv = ["--json", "--tokens", "4096", "--layers", "2", "--repeats", "1", "--warmup", "2"]
         assert main([*argv, "--no-malloc-tuning"]) == 0
     lines = out.getvalue().strip().splitlines()
     assert len(lines) == 1, "the benchmark prints exactly one JSON object"
@@ -36,6 +36,7 @@ def test_bench_transfer_reports_the_plan_and_grpc(report):
     # 64 pages of (2 latent + 2 index_k + 2 scale) buffers: 2 * (1152 + 132) B per token.
     assert report["bytes"] == 4096 * 2 * (1152 + 132)
     assert report["grpc_gbps"] > 0 and len(report["grpc_seconds"]) == 1
+    assert report["warmup"] == 2 and len(report["grpc_warmup_seconds"]) == 2
     assert report["malloc_tuning"] == "glibc defaults"
     # The host pools are sealed once built: the senders send those digests.
     assert report["grpc_sender_digests"] == "sealed" and report["seal_ms"] > 0
@@ -84,6 +85,7 @@ def test_bench_transfer_fragmented_host_pools_over_grpc():
 
     out = io.StringIO()
     args = ["--json", "--tokens", "2048", "--layers", "2", "--repeats", "1", "--fragment"]
+    args += ["--warmup", "1"]
     args.append("--no-malloc-tuning")  # as in `report`
     with redirect_stdout(out):
         assert main([*args, "--backends", "grpc", "--in-process-receiver"]) == 0

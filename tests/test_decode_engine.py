@@ -14,6 +14,7 @@ of programs.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +33,9 @@ from serving.decode_engine import DecodeEngine, KVStore, LocalKVStore
 from serving.engine_api import EngineStats, GenerateRequest, SamplingParams, StepEngine
 from serving.sampling import sample_token
 from transfer.page_plan import LayoutDescriptor, page_digests
-from transfer.protocol import Aux, RoomState
-from transfer.receiver import Receiver
+from transfer.protocol import Aux, RoomState, UnknownRoomError
+from transfer.receiver import Receiver, staging_region_bytes
+from transfer.staging_arena import DEFAULT_ALIGNMENT, StagingArena
 
 P = 16
 INDEX_K = "fp8_e4m3"
@@ -311,6 +313,48 @@ def send(rx: Receiver, room: str, n_tokens: int, data, aux: Aux) -> None:
     for b, (kind, layer) in enumerate(rx.layout.buffers()):
         rx.write_pages(room, 0, 0, kind, layer, positions, page_digests(data[b]), data[b].tobytes())
     assert rx.commit(room, 0, 0, positions, aux).state is RoomState.SUCCESS
+
+
+def test_decode_mode_refuses_prompts_too_long_for_the_mooncake_staging_arena(tiny):
+    """With a Mooncake endpoint, a prompt whose pages can never stage in the receiver's
+    arena is refused at admission (an `InputError`: a 4xx naming
+    `--transfer-staging-size`), before any room or page exists; one that fits is
+    registered. (Before, the room was refused at the prefill side's handshake.)"""
+    cfg, model, _ = tiny
+    layout = LayoutDescriptor.from_model(cfg, P, "float32", INDEX_K)
+    pool = init_pool(cfg, POOL_PAGES, P, jnp.float32, INDEX_K)
+    arena = StagingArena(staging_region_bytes(layout, 3, DEFAULT_ALIGNMENT), prefault=False)
+    endpoint = types.SimpleNamespace(
+        arena=arena, session_id="127.0.0.1:1", protocol="tcp", quarantine_timeout_s=10.0
+    )
+    rx = Receiver(layout, pool, PageAllocator(POOL_PAGES), mooncake=endpoint)
+    assert rx.staging_bytes(3) == arena.nbytes < rx.staging_bytes(4)
+    engine = DecodeEngine(
+        cfg=cfg, model=model, kv=rx, page_size=P, index_k_dtype=INDEX_K, mode="decode",
+        max_running_requests=4,
+    )  # fmt: skip
+    free0 = rx.num_free_pages
+    rng = np.random.default_rng(11)
+
+    def request(rid: str, n: int) -> GenerateRequest:
+        ids = tuple(int(t) for t in rng.integers(3, 300, n))
+        return GenerateRequest(
+            rid, ids, SamplingParams(max_new_tokens=4), bootstrap_room=f"room-{rid}",
+            bootstrap_cp_size=2,
+        )  # fmt: skip
+
+    with pytest.raises(InputError, match="--transfer-staging-size") as e:
+        engine.add(request("long", 3 * P + 1))  # 4 prompt pages; the arena holds 3
+    assert "4 pages need" in str(e.value)
+    assert rx.num_free_pages == free0 and arena.free_bytes == arena.nbytes
+    with pytest.raises(UnknownRoomError):
+        rx.status("room-long")
+    assert engine.stats().admission_rejections == {"staging_capacity": 1}
+    engine.add(request("fits", 3 * P))  # 3 prompt pages (its decode pages are not staged)
+    assert rx.status("room-fits").state is RoomState.BOOTSTRAPPING
+    engine.abort("fits")
+    assert rx.status("room-fits").state is RoomState.FAILED
+    assert rx.num_free_pages == free0
 
 
 def test_decode_mode_continues_transferred_kv(tiny):

@@ -606,15 +606,10 @@ class Receiver:
                 "data plane: the room already stages gRPC pages outside the staging arena, "
                 "where a Mooncake engine cannot write"
             )
-        elif r.staging is None and self._arena is not None:
-            need = self.staging_bytes(r.n_pages)
-            if need > self._arena.nbytes:  # would never fit: retrying cannot help
-                out.append(
-                    f"staging: the room's {r.n_pages} pages need {need} B of staging, more "
-                    f"than this decode server's whole Mooncake staging arena "
-                    f"({self._arena.nbytes} B); start it with a larger one (cpkv-serve "
-                    "--transfer-staging-size) or send the request to another decode server"
-                )
+        elif r.staging is None:
+            why = self.staging_refusal(r.n_pages)
+            if why is not None:  # would never fit: retrying cannot help
+                out.append(f"staging: {why}")
         if s.handshaken and s.plane == "mooncake" and s.attempt != attempt:
             out.append(
                 f"attempt: prefill rank {rank} handshook on the Mooncake data plane with "
@@ -622,6 +617,22 @@ class Receiver:
                 "writes cannot be fenced"
             )
         return out
+
+    def staging_refusal(self, n_pages: int) -> str | None:
+        """Why a Mooncake room of `n_pages` pages can never stage here - it needs more
+        than the whole staging arena - or None (it fits, or there is no Mooncake
+        endpoint). A decode server asks at admission, before the room exists."""
+        if self._mooncake is None or self._arena is None:
+            return None
+        need = self.staging_bytes(n_pages)
+        if need <= self._arena.nbytes:
+            return None
+        return (
+            f"the room's {n_pages} pages need {need} B of staging, more than this decode "
+            f"server's whole Mooncake staging arena ({self._arena.nbytes} B); start it with "
+            "a larger one (cpkv-serve --transfer-staging-size) or send the request to "
+            "another decode server"
+        )
 
     def staging_bytes(self, n_pages: int) -> int:
         """Arena bytes a room of `n_pages` pages stages in (0 without an arena)."""
