@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import multiprocessing
@@ -637,6 +638,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if not ok:
         report["mooncake_unavailable"] = why
+    timed = functools.partial(
+        run_backend,
+        decode=decode,
+        plan=plan,
+        repeats=args.repeats,
+        raw=raw,
+        at_once=args.send_at_once,
+        warmup=args.warmup,
+    )
     try:
         for name in wanted:  # in the order given
             key, seal = name.removesuffix("-at-send"), not name.endswith("-at-send")
@@ -651,17 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 grpc_backend = GrpcBackend(cfg)
                 try:
-                    runs = run_backend(
-                        name,
-                        grpc_backend,
-                        decode,
-                        plan,
-                        args.repeats,
-                        raw,
-                        args.send_at_once,
-                        seal,
-                        args.warmup,
-                    )
+                    runs = timed(name, grpc_backend, seal=seal)
                 finally:
                     grpc_backend.close()  # its kept channels
                 report.update(backend_report(prefix, plan, runs, raw))
@@ -684,17 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     transfer_timeout_s=120.0,
                 )
                 with MooncakeBackend(mcfg) as backend:
-                    runs = run_backend(
-                        name,
-                        backend,
-                        decode,
-                        plan,
-                        args.repeats,
-                        raw,
-                        args.send_at_once,
-                        seal,
-                        args.warmup,
-                    )
+                    runs = timed(name, backend, seal=seal)
                     stats = backend.stats(f"{name}-{args.warmup + args.repeats - 1}")
                     assert all(s.sealed_digests == seal for s in stats.values()), stats
                 report.update(backend_report(prefix, plan, runs, raw))
