@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -138,6 +139,10 @@ class CPPrefillRunner:
         self.graphdef = graphdef
         self.state = jax.device_put(state, NamedSharding(mesh, P()))
         self.pool = init_cp_pool(cfg, self.layout, mesh, model.dtype, index_k_dtype)
+        # Held while a step swaps the pool (it donates the old one). A reader on another
+        # thread (a KV transfer) holds it while its gather runs, so a step never donates
+        # a pool being read; the step's compute and the reads' host copies run outside.
+        self.pool_lock = threading.Lock()
         self._shardings = (NamedSharding(mesh, P(None, CP_AXIS)), NamedSharding(mesh, P()))
         self.batch_invariant = batch_invariant
         self.block_bytes = block_bytes
@@ -270,6 +275,7 @@ class CPPrefillRunner:
         return result
 
     def _step_args(self, plan: StepPlan) -> tuple:
+        """The step's arguments but the pool (the caller reads that under the lock)."""
         split, rep = self._shardings
         tokens = tuple(
             _global(x, split)
@@ -280,18 +286,22 @@ class CPPrefillRunner:
             tokens,
             _global(plan.page_table, rep),
             _global(plan.kv_lens, rep),
-            self.pool,
             _global(plan.last_index, rep),
         )
 
     def run_step(self, plan: StepPlan) -> np.ndarray:
-        logits, self.pool = self._step(*self._step_args(plan))
+        """Dispatch one step (the pool swap under `pool_lock`) and wait for its logits."""
+        state, tokens, table, kv_lens, last = self._step_args(plan)
+        with self.pool_lock:
+            logits, self.pool = self._step(state, tokens, table, kv_lens, self.pool, last)
         return np.asarray(logits)
 
     def step_hlo_text(self, plan: StepPlan) -> str:
         """The optimized HLO of the step compiled for `plan`'s shape (for profilers:
         maps the instruction names in a trace back to their `named_scope`s)."""
-        return self._step.lower(*self._step_args(plan)).compile().as_text()
+        state, tokens, table, kv_lens, last = self._step_args(plan)
+        lowered = self._step.lower(state, tokens, table, kv_lens, self.pool, last)
+        return lowered.compile().as_text()
 
     def full_view(self, table: RequestPageTable) -> KVPool:
         """The request's materialized full view: leaves `[num_tokens, ...]` (device sync)."""

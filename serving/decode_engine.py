@@ -3,7 +3,9 @@
 One `DecodeEngine` serves two server modes behind the `StepEngine` contract
 (`serving.engine_api`):
 
-- `"null"` (unified): a request waits in a FCFS queue until its pages fit; each `step`
+- `"null"` (unified): a request waits in the FIFO wait queue until its pages and a batch
+  slot are free (`serving.wait_queue`: bounded by `max_queued_requests`, a full queue
+  refuses with `QueueFullError`, HTTP 503 + Retry-After); each `step`
   prefills at most one newly admitted request (expanded MLA over the whole prompt,
   length bucketed as `ReferenceGenerator` does, first token sampled at step 0), then
   runs one batched decode step (absorbed MLA, one token per row) for every running
@@ -12,9 +14,13 @@ One `DecodeEngine` serves two server modes behind the `StepEngine` contract
   request's tokens and log-probs do not depend on the rows it is batched with;
   `block_bytes` (`--transient-block-size`) bounds the prefill's indexer and sparse-
   attention token blocks;
-- `"decode"` (PD): `add` allocates the request's pages and registers its transfer room
-  with the receiver at once (the router hears back only after `add`, so the room exists
-  before the prefill server sends); each `step` polls the rooms without blocking. On
+- `"decode"` (PD): a request waits in the same bounded FIFO queue until its pages and a
+  batch slot are free, then its pages are allocated and its transfer room registered
+  with the receiver (at once in `add` when it fits; else by a later `step`, in arrival
+  order). The prefill side's handshake waits for the room (`Receiver.handshake` long-
+  polls an unknown room), and the prefill server prefills a request only once every
+  rank's handshake is accepted, so a request queued here holds no prefill pages. Each
+  `step` polls the rooms without blocking. On
   SUCCESS the room's aux data is the first token (emitted as the first chunk) and the
   request joins the decode batch; on FAILED the request ends with "error" and the
   receiver's reason (the receiver has already freed the pages of a failed room).
@@ -52,7 +58,7 @@ from jax.typing import DTypeLike
 
 from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.config import ModelConfig
-from cpkv_jax.errors import CacheCapacityError, ConfigError, CpkvError, InputError
+from cpkv_jax.errors import ConfigError, CpkvError, InputError
 from cpkv_jax.generate import bucket
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, IndexKDtype, KVPool, init_pool
@@ -66,6 +72,7 @@ from cpkv_jax.paging import (
 )
 from serving.engine_api import EngineStats, GenerateRequest, OutputChunk, ServerMode
 from serving.sampling import Detokenize, StopChecker, StopResult, request_seed, sample_token
+from serving.wait_queue import WaitQueue
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +80,8 @@ T = TypeVar("T")
 
 # Room states as `transfer.protocol.RoomState` names them: compared by name so this
 # module needs neither the transfer package nor its generated protobuf code.
+# Decode mode with only transfers in flight: `step` waits this long for a room to change.
+DEFAULT_IDLE_WAIT_S = 0.005
 _ROOM_SUCCESS = "SUCCESS"
 _ROOM_FAILED = "FAILED"
 
@@ -112,6 +121,8 @@ class TransferRooms(Protocol):
     def abort(self, room: str, reason: str, sender_rank: int | None = None) -> Any: ...
 
     def staging_refusal(self, n_pages: int) -> str | None: ...
+
+    def wait_for_change(self, timeout: float) -> None: ...
 
 
 class LocalKVStore:
@@ -210,6 +221,8 @@ class DecodeEngine:
         clock: Callable[[], float] = time.monotonic,
         batch_invariant: bool = False,
         block_bytes: int | None = None,
+        max_queued_requests: int | None = None,
+        idle_wait_s: float = DEFAULT_IDLE_WAIT_S,
     ):
         if mode not in ("null", "decode"):
             raise ConfigError(
@@ -251,12 +264,16 @@ class DecodeEngine:
                 f"max_position_embeddings={cfg.max_position_embeddings}]"
             )
         self.detokenize = detokenize
+        self.idle_wait_s = idle_wait_s
         self._clock = clock
         self._graphdef, self._state = nnx.split(model)
         self._num_pages = pool.num_pages
         self._usable_pages = pool.num_pages - 1  # page 0 is the trash page
         self._bytes_per_page = pool.nbytes() // pool.num_pages
-        self._waiting: collections.deque[_Request] = collections.deque()  # null mode
+        # Waiting for pages and a batch slot (null: to prefill; decode: to register its room).
+        self._queue: WaitQueue[_Request] = WaitQueue(
+            max_queued_requests, what="unified" if mode == "null" else "decode", clock=clock
+        )
         self._transferring: dict[str, _Request] = {}  # decode mode, waiting for KV
         self._running: dict[str, _Request] = {}
         self._finals: list[OutputChunk] = []  # abort chunks due on the next step
@@ -265,23 +282,23 @@ class DecodeEngine:
         self._transfer_bytes = 0  # KV pages received in successful rooms
         # Shapes dispatched to the model so far: (form, rows, tokens, width).
         self.step_shapes: set[tuple[str, int, int, int]] = set()
-        self._snapshot: tuple[int, int, int, int, tuple[tuple[str, int], ...]] = (0, 0, 0, 0, ())
+        self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, (), self._queue.stats())
 
     # ---- StepEngine ----------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:
-        """Validate and queue (null) or register the transfer room (decode).
+        """Validate and queue the request (decode mode: register its room at once when
+        its pages and a slot are free and nobody waits before it).
 
-        Raises `InputError` for a request this engine can never serve, and (decode mode)
-        `CacheCapacityError` when its pages or a batch slot are not free right now (the
-        room must exist before `add` returns, so it cannot wait); nothing is held then.
+        Raises `InputError` for a request this engine can never serve and
+        `QueueFullError` when the wait queue is full; nothing is held then.
         """
         try:
             r = self._validate(req)
-            if self.mode == "null":
-                self._waiting.append(r)
-            else:
-                self._register_room(r)
+            if self.mode == "decode" and not self._queue and self._fits_now(r):
+                self._register_room(r)  # its errors are the caller's (400)
                 self._transferring[r.rid] = r
+            else:
+                self._queue.push(r.rid, r)
         finally:
             self._update_snapshot()
 
@@ -304,18 +321,17 @@ class DecodeEngine:
         else:
             r = self._running.pop(rid, None)
             if r is None:
-                r = next((w for w in self._waiting if w.rid == rid), None)
+                r = self._queue.remove(rid)  # left the queue: it never held pages
                 if r is None:
                     logger.debug("abort of unknown or finished request %s ignored", rid)
                     return
-                self._waiting.remove(r)
             self._release(r)
         r.finish = StopResult("abort")
         self._finals.append(self._chunk(r))
         self._update_snapshot()
 
     def has_work(self) -> bool:
-        return bool(self._finals or self._waiting or self._transferring or self._running)
+        return bool(self._finals or self._queue or self._transferring or self._running)
 
     def step(self) -> Sequence[OutputChunk]:
         """One unit of work: pending abort chunks, then (null) admit and prefill one
@@ -325,14 +341,20 @@ class DecodeEngine:
         if self.mode == "null":
             self._admit_and_prefill(touched)
         else:
+            self._register_queued(touched)
             self._poll_transfers(touched)
+            if not touched and not finals and not self._running:
+                # Only transfers in flight: sleep until a room changes, not spin.
+                assert self._rooms is not None
+                self._rooms.wait_for_change(self.idle_wait_s)
+                self._poll_transfers(touched)
         self._decode_step(touched)
         self._update_snapshot()
         return [*finals, *(self._chunk(r) for r in touched.values())]
 
     def stats(self) -> EngineStats:
         """A snapshot; safe from any thread."""
-        waiting, running, failures, received, rejections = self._snapshot
+        waiting, running, failures, received, rejections, queue = self._snapshot
         return EngineStats(
             mode=self.mode,
             waiting=waiting,
@@ -343,6 +365,7 @@ class DecodeEngine:
             transfer_bytes=received,
             transfer_failures=failures,
             admission_rejections=dict(rejections),
+            queue=queue,
         )
 
     # ---- admission -----------------------------------------------------------------------
@@ -353,11 +376,7 @@ class DecodeEngine:
     def _validate(self, req: GenerateRequest) -> _Request:
         cfg = self.cfg
         rid = req.rid
-        if (
-            rid in self._running
-            or rid in self._transferring
-            or any(w.rid == rid for w in self._waiting)
-        ):
+        if rid in self._running or rid in self._transferring or rid in self._queue:
             raise self._reject("duplicate_rid", f"request id {rid!r} is already in flight")
         n = len(req.input_ids)
         if n == 0:
@@ -418,21 +437,23 @@ class DecodeEngine:
             stop=stop,
         )
 
-    def _register_room(self, r: _Request) -> None:
+    def _fits_now(self, r: _Request) -> bool:
+        """A batch slot and the request's pages are free (decode: transfers count)."""
         active = len(self._transferring) + len(self._running)
-        if active >= self.max_running_requests:
-            self._rejections["busy"] += 1
-            raise CacheCapacityError(
-                f"decode server is full: {active} requests running or transferring (max "
-                f"{self.max_running_requests}); retry later or on another decode server"
-            )
-        free = self.kv.num_free_pages
-        if free < r.n_pages:
-            self._rejections["kv_full"] += 1
-            raise CacheCapacityError(
-                f"request {r.rid!r} needs {r.n_pages} KV pages, {free} are free; retry later "
-                "or on another decode server"
-            )
+        return active < self.max_running_requests and self.kv.num_free_pages >= r.n_pages
+
+    def _register_queued(self, touched: dict[str, _Request]) -> None:
+        """Register the rooms of queued requests, in arrival order, while they fit."""
+        while (r := self._queue.head()) is not None and self._fits_now(r):
+            self._queue.pop(r.rid)
+            try:
+                self._register_room(r)
+            except CpkvError as e:  # e.g. the room id is taken: this request fails alone
+                self._fail(r, str(e), touched)
+                continue
+            self._transferring[r.rid] = r
+
+    def _register_room(self, r: _Request) -> None:
         assert self._rooms is not None
         r.pages = self.kv.allocate_pages(r.n_pages)
         try:
@@ -447,12 +468,12 @@ class DecodeEngine:
             raise
 
     def _admit_and_prefill(self, touched: dict[str, _Request]) -> None:
-        if not self._waiting or len(self._running) >= self.max_running_requests:
+        r = self._queue.head()
+        if r is None or len(self._running) >= self.max_running_requests:
             return
-        r = self._waiting[0]
         if self.kv.num_free_pages < r.n_pages:
-            return  # FCFS: nobody overtakes the head of the queue
-        self._waiting.popleft()
+            return  # FIFO: nobody overtakes the head of the queue
+        self._queue.pop(r.rid)
         r.pages = self.kv.allocate_pages(r.n_pages)
         self._running[r.rid] = r
         logprobs = self._prefill(r)
@@ -627,11 +648,12 @@ class DecodeEngine:
         """Publish the counters `stats` reads (one tuple assignment: atomic for readers
         on other threads)."""
         self._snapshot = (
-            len(self._waiting) + len(self._transferring),
+            len(self._queue) + len(self._transferring),
             len(self._running),
             self._transfer_failures,
             self._transfer_bytes,
             tuple(self._rejections.items()),
+            self._queue.stats(),
         )
 
 

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 from cpkv_jax.errors import InputError
+from serving.wait_queue import QueueStats
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 ServerMode = Literal["null", "prefill", "decode"]
@@ -125,6 +126,10 @@ class EngineStats:
     transfer_failures: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     admission_rejections: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Per rank, same order as kv_pages_free: pages the prefix cache holds (a server
+    # without one: empty). Free + cached == total when no request holds pages.
+    kv_pages_cached: tuple[int, ...] = ()
+    queue: QueueStats = QueueStats()  # noqa: RUF009 - frozen; the wait queue (`serving.wait_queue`)
 
 
 @runtime_checkable
@@ -164,5 +169,9 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats: ...
 
     def healthy(self) -> bool: ...
+
+    def fatal_reason(self) -> str | None:
+        """Why this client can serve no more (its engine failed or died), else None."""
+        ...
 
     async def shutdown(self, drain_timeout: float) -> None: ...

@@ -13,9 +13,15 @@ Failure and lifecycle:
   it yields anything, so the HTTP layer can answer 400 (or 503);
 - a consumer that stops early (client disconnect: `GeneratorExit` / `CancelledError`)
   aborts its request in the engine, which frees its pages;
+- one command never stops the thread: an add whose caller left while it was queued (a
+  cancelled future) is skipped, and anything a command or a chunk delivery raises is
+  logged and fails only that request;
 - an exception from `engine.step()` is logged with its traceback, ends every in-flight
   request with `finish_reason="error"`, and marks the loop unhealthy (later requests
-  get `EngineFailedError`);
+  get `EngineFailedError`): a step's state (a donated KV pool) cannot be trusted after
+  it raised. `fatal_reason()` says why; the server exits non-zero on it (a supervisor
+  restarts the process) instead of keeping a port open that cannot serve;
+- if the thread dies anyway, `healthy()` turns False and `fatal_reason()` says so;
 - `shutdown(drain_timeout)` refuses new requests (`ServerShuttingDownError`), lets the
   in-flight ones finish for up to `drain_timeout` seconds, aborts the rest, and stops
   the thread.
@@ -142,7 +148,15 @@ class EngineLoop:
     def healthy(self) -> bool:
         """False once shutdown started (so routers stop sending), the thread died, or a
         step failed fatally."""
-        return self._accepting and self._thread.is_alive() and self._fatal is None
+        return self._accepting and self.fatal_reason() is None
+
+    def fatal_reason(self) -> str | None:
+        """Why this loop can serve no more (a failed step, a dead thread), else None."""
+        if self._fatal is not None:
+            return self._fatal
+        if not self._thread.is_alive() and not self._stop:
+            return "the engine thread is not running"
+        return None
 
     async def shutdown(self, drain_timeout: float) -> None:
         """Stop taking requests, drain for up to `drain_timeout` s, abort the rest,
@@ -195,6 +209,14 @@ class EngineLoop:
             self._cv.notify()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a bug in the loop itself: say why, never hang silently
+            self._fatal = f"engine thread died: {type(e).__name__}: {e}"
+            logger.critical("%s", self._fatal, exc_info=e)
+            self._fail_routes(self._fatal)  # logged above; the thread ends here
+
+    def _serve(self) -> None:
         engine = self._engine
         while True:
             with self._cv:
@@ -204,7 +226,12 @@ class EngineLoop:
                 self._inbox.clear()
                 stop = self._stop
             for cmd in commands:
-                self._apply(cmd, refuse=stop)
+                try:
+                    self._apply(cmd, refuse=stop)
+                except Exception as e:  # one command fails its own request, never the loop
+                    logger.exception("engine command %r failed", cmd)
+                    if isinstance(cmd, _Add):
+                        self._fail_add(cmd, f"the engine could not take the request: {e}")
             if stop:
                 return
             if self._can_step():
@@ -225,6 +252,10 @@ class EngineLoop:
                     self._engine.abort(cmd.rid)
                 except Exception:
                     logger.exception("engine abort of %s failed", cmd.rid)
+            return
+        if not cmd.done.set_running_or_notify_cancel():
+            # The caller left while the add was queued; its abort follows and finds nothing.
+            logger.debug("request %s was cancelled before the engine took it", cmd.req.rid)
             return
         if refuse or self._fatal is not None:
             err: CpkvError = (
@@ -251,10 +282,51 @@ class EngineLoop:
                 )
             if route is None:
                 continue  # its consumer left (the engine was told to abort it)
+            self._deliver_to({chunk.rid: route}, [chunk])
+
+    def _fail_add(self, cmd: _Add, message: str) -> None:
+        """An add that broke half way: answer its caller, whichever step it reached."""
+        if not cmd.done.done():
+            with self._cv:
+                self._routes.pop(cmd.req.rid, None)
             try:
-                route.loop.call_soon_threadsafe(route.queue.put_nowait, chunk)
-            except RuntimeError:  # that event loop is closed
-                logger.debug("dropping chunk of %s: its event loop is closed", chunk.rid)
+                self._engine.abort(cmd.req.rid)
+            except Exception:
+                logger.exception("abort of %s after its failure failed", cmd.req.rid)
+            cmd.done.set_exception(EngineFailedError(message))
+        elif not cmd.done.cancelled() and cmd.done.exception() is None:
+            self._fail_one(cmd.req.rid, message)  # accepted: its stream gets the error
+
+    def _fail_one(self, rid: str, message: str) -> None:
+        """End one accepted request with an error chunk."""
+        with self._cv:
+            route = self._routes.pop(rid, None)
+        try:
+            self._engine.abort(rid)
+        except Exception:
+            logger.exception("abort of %s after its failure failed", rid)
+        if route is not None:
+            self._deliver_to(
+                {rid: route},
+                [OutputChunk(rid, finished=True, finish_reason="error", error=message)],
+            )
+
+    def _fail_routes(self, message: str) -> None:
+        """Every waiting consumer gets an error chunk (the thread is going away)."""
+        with self._cv:
+            routes, self._routes = self._routes, {}
+            inbox = list(self._inbox)
+            self._inbox.clear()
+        for cmd in inbox:
+            if isinstance(cmd, _Add) and cmd.done.set_running_or_notify_cancel():
+                cmd.done.set_exception(EngineFailedError(message))
+        self._deliver_to(
+            routes,
+            [
+                OutputChunk(rid, finished=True, finish_reason="error", error=message)
+                for rid in routes
+            ],
+        )
 
     def _fail_all(self, exc: Exception) -> None:
         message = f"engine step failed: {type(exc).__name__}: {exc}"
@@ -281,5 +353,5 @@ class EngineLoop:
             route = routes[chunk.rid]
             try:
                 route.loop.call_soon_threadsafe(route.queue.put_nowait, chunk)
-            except RuntimeError:
+            except RuntimeError:  # that event loop is closed: its consumer is gone
                 logger.debug("dropping chunk of %s: its event loop is closed", chunk.rid)

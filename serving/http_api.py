@@ -57,6 +57,7 @@ from serving.api_models import (
 from serving.chat_template import ChatTemplate
 from serving.engine_api import EngineClient, GenerateRequest, OutputChunk, SamplingParams
 from serving.metrics import RequestTimer, ServerMetrics
+from serving.wait_queue import QueueFullError
 
 logger = logging.getLogger(__name__)
 _M = TypeVar("_M", bound=BaseModel)
@@ -78,11 +79,18 @@ _CLIENT_CLOSED_REQUEST = 499
 class ApiError(Exception):
     """An HTTP error answered as `{"error": {"message", "type", "code"}}`."""
 
-    def __init__(self, status: int, message: str, kind: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind or _ERROR_TYPES.get(status, "invalid_request_error")
+        self.headers = headers
 
 
 class ClientDisconnectedError(Exception):
@@ -514,6 +522,11 @@ class _Api:
         except InputError as e:
             stream.close(self.background)
             raise ApiError(400, str(e)) from None
+        except QueueFullError as e:  # backpressure: come back later
+            stream.close(self.background)
+            raise ApiError(
+                503, str(e), "service_unavailable", {"Retry-After": str(e.retry_after_s)}
+            ) from None
         except CpkvError as e:  # e.g. the engine loop's ServerShuttingDownError
             stream.close(self.background)
             raise ApiError(503, f"{type(e).__name__}: {e}") from None
@@ -802,7 +815,10 @@ class _Api:
     def health(self) -> Response:
         if self.client.healthy():
             return JSONResponse({"status": "ok"})
-        raise ApiError(503, "the engine is not healthy")
+        why = self.client.fatal_reason()
+        raise ApiError(
+            503, f"the engine is not healthy: {why}" if why else "the server is shutting down"
+        )
 
     def metrics_text(self) -> Response:
         text, content_type = self.metrics.render()
@@ -892,14 +908,16 @@ def build_app(
     app = FastAPI(title="cpkv-jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = api
 
-    def error_response(status: int, message: str, kind: str | None = None) -> JSONResponse:
+    def error_response(
+        status: int, message: str, kind: str | None = None, headers: dict[str, str] | None = None
+    ) -> JSONResponse:
         if 400 <= status < 500:
             metrics.record_bad_request()
-        return JSONResponse(error_body(status, message, kind), status_code=status)
+        return JSONResponse(error_body(status, message, kind), status_code=status, headers=headers)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.kind)
+        return error_response(exc.status, exc.message, exc.kind, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -8,8 +8,10 @@ an embedded router) never share or collide on series. Two kinds of series:
   generation tokens, bad requests. Latencies are measured from the moment the HTTP
   request arrived, so they include tokenization and queueing, as a client sees them;
 - read from the engine at scrape time (`EngineClient.stats()`, see `attach_stats`):
-  queue length, running requests, KV pages used / total per rank, PD transfer bytes,
-  seconds and failures, admission rejections per gate. These are the engine's own cumulative
+  queue length, time spent in the wait queue (a summary: `_sum` / `_count`) and
+  requests refused by a full queue, running requests, KV pages used / total / held by
+  the prefix cache per rank, PD transfer bytes, seconds and failures, admission
+  rejections per gate. These are the engine's own cumulative
   counts, reported as-is (no double counting across scrapes).
 """
 
@@ -26,7 +28,12 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from serving.engine_api import EngineStats
@@ -59,6 +66,22 @@ class _EngineStatsCollector(Collector):
             return
         queue = GaugeMetricFamily("cpkv_queue_length", "Requests queued, not yet started.")
         queue.add_metric([], stats.waiting)
+        q = stats.queue
+        wait = SummaryMetricFamily(
+            "cpkv_queue_wait_seconds",
+            "Time requests waited in the wait queue before they started.",
+            count_value=q.waits,
+            sum_value=q.wait_seconds,
+        )
+        full = CounterMetricFamily(
+            "cpkv_queue_full_rejections",
+            "Requests refused with 503 because the wait queue was full.",
+        )
+        full.add_metric([], q.rejected)
+        limit = GaugeMetricFamily(
+            "cpkv_queue_limit", "Requests the wait queue holds (--max-queued-requests; -1: none)."
+        )
+        limit.add_metric([], -1 if q.limit is None else q.limit)
         running = GaugeMetricFamily("cpkv_running_requests", "Requests being served.")
         running.add_metric([], stats.running)
         used = GaugeMetricFamily(
@@ -67,11 +90,18 @@ class _EngineStatsCollector(Collector):
         total = GaugeMetricFamily(
             "cpkv_kv_pages_total", "KV cache pages in the pool, per rank.", labels=["rank"]
         )
+        cached = GaugeMetricFamily(
+            "cpkv_kv_pages_cached",
+            "KV cache pages the prefix cache holds, per rank.",
+            labels=["rank"],
+        )
         for rank, (n_total, n_free) in enumerate(
             zip(stats.kv_pages_total, stats.kv_pages_free, strict=True)
         ):
             used.add_metric([str(rank)], n_total - n_free)
             total.add_metric([str(rank)], n_total)
+        for rank, n in enumerate(stats.kv_pages_cached):
+            cached.add_metric([str(rank)], n)
         t_bytes = CounterMetricFamily(
             "cpkv_transfer_bytes", "Bytes sent or received over PD KV transfer."
         )
@@ -89,7 +119,8 @@ class _EngineStatsCollector(Collector):
         )
         for gate, n in sorted(stats.admission_rejections.items()):
             rejections.add_metric([gate], n)
-        yield from (queue, running, used, total, t_bytes, t_secs, t_fail, rejections)
+        yield from (queue, wait, full, limit, running, used, total, cached)
+        yield from (t_bytes, t_secs, t_fail, rejections)
 
 
 class ServerMetrics:

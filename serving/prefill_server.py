@@ -5,12 +5,17 @@
 the decode server registered (`GenerateRequest.bootstrap_room`) and that server's
 transfer receiver (`decode_transfer_target`, "host:port"). A request's life here:
 
-1. `add`: validated and queued in the `PrefillScheduler` (nothing allocated yet), and
+1. `add`: validated and put in the bounded wait queue (`serving.wait_queue`; a full
+   queue refuses with `QueueFullError`, HTTP 503 + Retry-After; nothing allocated), and
    its transfer bootstrapped at once (`transfer.sender.bootstrap_request`): one sender
    per CP rank handshakes with the decode side (layout, token count, cp size checked;
    on Mooncake the decode side carves the staging region) and heartbeats while the
-   request waits and prefills, so the handshakes are off its time to first token. A
-   decode side that refuses the room, or is gone, fails the request before it prefills;
+   request waits and prefills. A decode side that refuses the room, or is gone, fails
+   the request before it prefills. Only once **every rank's handshake is accepted** -
+   the decode side has registered the room, i.e. holds its pages, which may take a
+   while when the decode server queues it - is the request submitted to the
+   `PrefillScheduler`: a request whose decode side is not ready holds no prefill pages
+   (which could otherwise fill the pool with KV nobody can receive, and deadlock);
 2. a `step` prefills it on the `cp` mesh (with other requests when bs > 1 is on), samples
    its first token from the last position's log-probs, and hands the senders its page
    table and first token (`TransferHold.provide`): each rank sends only the pages it
@@ -27,8 +32,11 @@ transfer receiver (`decode_transfer_target`, "host:port"). A request's life here
    client cancelled it.
 
 Sender threads never touch the scheduler or the cache: they only signal; every page
-release happens on the engine thread, in `step`. Senders read the pool under a lock
-that the engine also holds for each prefill step, since the step donates the pool.
+release happens on the engine thread, in `step`. A prefill step donates the pool:
+senders run their page gathers under `CPPrefillRunner.pool_lock`, which a step holds
+only while it swaps the pool, so a read never meets a donated pool; a step waits at
+most for one gather, a read at most for the step on the device (`CPPoolPageSource`;
+figures in docs/results.md, "Transfer reads beside prefill steps").
 
 The seed rule (`request_seed`) must be the decode server's too: token `i` of a request
 is drawn with `serving.sampling.sample_token(..., step=i, seed=request_seed(req))`, so a
@@ -61,6 +69,7 @@ from serving.prefill_engine import (
 from serving.sampling import request_seed, sample_token
 from serving.scheduler.prefill_scheduler import PrefillOutcome
 from serving.server_args import ServerArgs
+from serving.wait_queue import WaitQueue
 from transfer.backends import make_backend
 from transfer.page_plan import LayoutDescriptor
 from transfer.protocol import Aux, RoomSnapshot, RoomState
@@ -100,7 +109,9 @@ class _Request:
     """One request's state on this server (engine thread only)."""
 
     req: GenerateRequest
-    state: Literal["queued", "transferring"] = "queued"
+    # bootstrapping: waiting for the decode side (not in the scheduler); queued: in the
+    # scheduler (waiting or prefilling); transferring: prefilled, its KV in flight.
+    state: Literal["bootstrapping", "queued", "transferring"] = "bootstrapping"
     hold: TransferHold | None = None
     first_token: int = -1
     logprob: float = 0.0
@@ -108,6 +119,7 @@ class _Request:
     num_pages: int = 0
     ttft_s: float = 0.0
     abort_reason: str | None = None
+    error: str | None = None  # serving this request failed here (its chunk says why)
     transfer_started: float = 0.0
 
 
@@ -129,6 +141,7 @@ class PrefillModeEngine:
         *,
         clock: Callable[[], float] = time.monotonic,
         idle_wait_s: float = DEFAULT_IDLE_WAIT_S,
+        max_queued_requests: int | None = None,
     ):
         if not engine.scheduler.hold_finished:
             raise ConfigError(
@@ -149,14 +162,19 @@ class PrefillModeEngine:
         self.layout = LayoutDescriptor.from_model(
             self.cfg, self.page_size, pool.latent[0].dtype, self.runner.index_k_dtype
         )
-        # A prefill step donates the pool: senders read it only between steps.
-        self._pool_lock = threading.Lock()
+        # A prefill step donates the pool: senders gather under the lock the runner swaps
+        # the pool under (`CPPoolPageSource`), so a read never meets a donated pool; the
+        # pages it reads are held until the transfer ends.
         runner = self.runner
         self._sources = [
-            CPPoolPageSource(lambda: runner.pool, self.layout, r, lock=self._pool_lock)
+            CPPoolPageSource(lambda: runner.pool, self.layout, r, lock=runner.pool_lock)
             for r in range(self.cp_size)
         ]
         self._requests: dict[str, _Request] = {}
+        # Bootstrapping and queued requests, in arrival order (left when prefill starts).
+        self._queue: WaitQueue[_Request] = WaitQueue(
+            max_queued_requests, what="prefill", clock=clock
+        )
         self._rooms: dict[str, str] = {}  # room -> rid, for requests on this server
         self._pending: list[OutputChunk] = []
         self._wake = threading.Event()
@@ -209,9 +227,9 @@ class PrefillModeEngine:
                 f"({req.sampling.max_new_tokens}) = {total} exceeds the context length "
                 f"{self.cfg.max_position_embeddings}; shorten the prompt or ask for fewer tokens"
             )
-        # Reserve one new token: decoded tokens' KV lives on the decode server, not here.
-        self.scheduler.submit(req.rid, ids.astype(np.int32), max_new_tokens=1)
+        self.scheduler.check_submit(req.rid, int(ids.size))
         entry = _Request(req)
+        self._queue.push(req.rid, entry)  # QueueFullError: nothing started
         self._requests[req.rid] = entry
         self._rooms[req.bootstrap_room] = req.rid
         # Handshake now, while the request waits and prefills; the pages follow it.
@@ -224,7 +242,12 @@ class PrefillModeEngine:
             self._sources,
             None,
         )
-        entry.hold = bootstrap_request(self.backend, jobs, self._on_release)
+        try:
+            entry.hold = bootstrap_request(self.backend, jobs, self._on_release, self._wake.set)
+        except BaseException:
+            self._queue.remove(req.rid)
+            self._forget(req.rid)
+            raise
 
     def abort(self, rid: str) -> None:
         """Cancel `rid`: drop it if queued or prefilling, else stop its transfer. Its
@@ -233,10 +256,11 @@ class PrefillModeEngine:
         if entry is None:
             logger.debug("abort of unknown or finished request %s ignored", rid)
             return
-        if entry.state == "queued":
-            outcome = self.scheduler.abort(rid)
-            if outcome is None:  # finished in the scheduler but not yet seen: cannot be
+        if entry.state in ("bootstrapping", "queued"):
+            if entry.state == "queued" and self.scheduler.abort(rid) is None:
+                # finished in the scheduler but not yet seen: cannot be
                 raise AssertionError(f"request {rid} is queued here but not in the scheduler")
+            self._queue.remove(rid)
             self._forget(rid)
             if entry.hold is not None:  # its bootstrapped senders abort the room
                 entry.hold.cancel(f"request {rid} aborted by the client")
@@ -251,23 +275,25 @@ class PrefillModeEngine:
         """Prefill one batch (if any is waiting), start its transfers, and emit the final
         chunk of every request whose transfer hold was released."""
         out, self._pending = self._pending, []
-        # First the released holds: a queued request whose room already failed (refused
+        # First the released holds: a waiting request whose room already failed (refused
         # at its handshake, decode side gone) leaves the queue without a prefill.
         out += self._poll_holds()
+        self._submit_ready()
         batches = len(self.scheduler.batch_sizes)
         if self.scheduler.num_waiting:
-            with self._pool_lock:
-                outcomes = self.scheduler.step()
+            outcomes = self.scheduler.step()
+            self._note_started()
             for outcome in outcomes:
-                chunk = self._on_outcome(outcome)
+                chunk = self._on_outcome_safely(outcome)
                 if chunk is not None:
                     out.append(chunk)
         prefilled = len(self.scheduler.batch_sizes) > batches
         self._wake.clear()
         out += self._poll_holds()
-        # Nothing prefilled (queue empty, or waiting for pages that transfers hold) and
-        # nothing finished: wait briefly for a release instead of spinning.
-        if not out and not prefilled and self._num_transferring():
+        # Nothing prefilled (queue empty, waiting for pages that transfers hold, or for
+        # decode sides) and nothing finished: wait briefly for a release or a ready
+        # handshake (both set `_wake`) instead of spinning.
+        if not out and not prefilled and (self._num_transferring() or self._num_bootstrapping()):
             self._wake.wait(self.idle_wait_s)
             out += self._poll_holds()
         return out
@@ -281,12 +307,17 @@ class PrefillModeEngine:
         total = (int(alloc.capacity_per_lane),) * len(free)
         if len(free) == 1 and self.cp_size > 1:  # replicated: every rank holds the same
             free, total = free * self.cp_size, total * self.cp_size
+        cached = tuple(int(x) for x in self.scheduler.cache.total_pages_per_lane())
+        if len(cached) == 1 and self.cp_size > 1:
+            cached = cached * self.cp_size
         return EngineStats(
             mode="prefill",
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self._queue),
             running=int(self.scheduler.chunked is not None) + self._num_transferring(),
             kv_pages_total=total,
             kv_pages_free=free,
+            kv_pages_cached=cached,
+            queue=self._queue.stats(),
             kv_bytes_per_page=self.layout.bytes_per_page(),
             transfer_bytes=self.transfer_bytes,
             transfer_seconds=self.transfer_seconds,
@@ -299,6 +330,50 @@ class PrefillModeEngine:
     def _num_transferring(self) -> int:
         return sum(e.state == "transferring" for e in self._requests.values())
 
+    def _num_bootstrapping(self) -> int:
+        return sum(e.state == "bootstrapping" for e in self._requests.values())
+
+    def _submit_ready(self) -> None:
+        """Requests whose every rank handshook go to the scheduler, in arrival order."""
+        for entry in self._queue:
+            if entry.state != "bootstrapping" or entry.hold is None or not entry.hold.ready:
+                continue
+            if entry.hold.released:
+                continue  # failed meanwhile: `_poll_holds` reports it
+            ids = np.asarray(entry.req.input_ids, dtype=np.int32)
+            # Reserve one new token: decoded tokens' KV lives on the decode server.
+            self.scheduler.submit(entry.req.rid, ids, max_new_tokens=1)
+            entry.state = "queued"
+
+    def _note_started(self) -> None:
+        """Queued requests the scheduler took into a step leave the wait queue."""
+        waiting = {r.rid for r in self.scheduler.waiting}
+        for entry in self._queue:
+            if entry.state == "queued" and entry.req.rid not in waiting:
+                self._queue.pop(entry.req.rid)
+
+    def _on_outcome_safely(self, outcome: PrefillOutcome) -> OutputChunk | None:
+        """`_on_outcome`, but a failure there fails this request alone."""
+        try:
+            return self._on_outcome(outcome)
+        except Exception as e:
+            logger.exception("request %s: handling its prefill outcome failed", outcome.rid)
+            entry = self._requests.get(outcome.rid)
+            if entry is None:
+                return None
+            entry.error = f"the prefill server failed this request: {type(e).__name__}: {e}"
+            if outcome.rid in self.scheduler.held:
+                # Its pages stay held until every sender stopped (`_poll_holds` frees them).
+                entry.state = "transferring"
+                assert entry.hold is not None
+                entry.hold.cancel(entry.error)
+                return None
+            self._queue.remove(outcome.rid)
+            self._forget(outcome.rid)
+            if entry.hold is not None:
+                entry.hold.cancel(entry.error)
+            return self._final(entry, "error", error=entry.error)
+
     def _forget(self, rid: str) -> _Request:
         entry = self._requests.pop(rid)
         self._rooms.pop(entry.req.bootstrap_room or "", None)
@@ -307,6 +382,7 @@ class PrefillModeEngine:
     def _on_outcome(self, outcome: PrefillOutcome) -> OutputChunk | None:
         entry = self._requests[outcome.rid]
         if outcome.status != "finished":  # a timeout in the queue (aborts are ours)
+            self._queue.remove(outcome.rid)
             self._forget(outcome.rid)
             if entry.hold is not None:
                 entry.hold.cancel(f"request {outcome.rid}: {outcome.status}: {outcome.reason}")
@@ -354,9 +430,10 @@ class PrefillModeEngine:
             if entry.hold is None or not entry.hold.released:
                 continue
             outcome = entry.hold.outcome
-            if entry.state == "queued":  # the room failed before the prefill: skip it
-                if self.scheduler.abort(rid) is None:
+            if entry.state in ("bootstrapping", "queued"):  # failed before the prefill
+                if entry.state == "queued" and self.scheduler.abort(rid) is None:
                     raise AssertionError(f"request {rid} is queued here but not in the scheduler")
+                self._queue.remove(rid)
                 self._forget(rid)
                 out.append(self._transfer_failed(entry, outcome, " before the prefill"))
                 continue
@@ -367,7 +444,9 @@ class PrefillModeEngine:
                 self.transfer_bytes += entry.num_pages * self.layout.bytes_per_page()
                 # Start of the send to the outcome seen here (polled within idle_wait_s).
                 self.transfer_seconds += self.clock() - entry.transfer_started
-            if entry.abort_reason is not None:
+            if entry.error is not None:
+                out.append(self._final(entry, "error", error=entry.error))
+            elif entry.abort_reason is not None:
                 out.append(self._final(entry, "abort", error=entry.abort_reason))
             elif delivered:
                 out.append(self._final(entry, "length"))
@@ -481,4 +560,4 @@ def build_prefill_mode_engine(
     cfg = args.model_config() if model is None else model.cfg
     backend = backend_from_args(args, cfg)
     engine = build_prefill_engine(args, model=model, devices=devices, hold_finished=True)
-    return PrefillModeEngine(engine, backend)
+    return PrefillModeEngine(engine, backend, max_queued_requests=args.max_queued_requests)

@@ -514,9 +514,13 @@ class Failure:
     type: str
     message: str
     reason: str  # metrics label: connect, timeout, protocol, status_4xx, status_5xx
+    retry_after: str | None = None  # an upstream's Retry-After (its queue is full)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.status}}
+
+    def headers(self) -> dict[str, str] | None:
+        return None if self.retry_after is None else {"Retry-After": self.retry_after}
 
 
 def error_response(status: int, message: str, type_: str) -> JSONResponse:
@@ -711,8 +715,12 @@ class PDRouter:
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("router background task failed", exc_info=task.exception())
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        if isinstance(exc, httpx.HTTPError):  # an upstream call: its request reports it
+            logger.debug("router upstream call failed: %s: %s", type(exc).__name__, exc)
+        else:
+            logger.error("router background task failed", exc_info=exc)
 
     # -- health -------------------------------------------------------------------------
 
@@ -780,6 +788,7 @@ class PDRouter:
         """A prefill server's non-2xx answer: its 4xx stays a 4xx (the request is bad),
         anything else is a 503."""
         message, type_ = _upstream_message(r)
+        retry_after = r.headers.get("retry-after")
         if 400 <= r.status_code < 500:
             failure = Failure(
                 r.status_code,
@@ -793,6 +802,7 @@ class PDRouter:
                 "service_unavailable",
                 f"{s.role} server {s.url} failed ({r.status_code}): {message}",
                 "status_5xx",
+                retry_after,
             )
         self.metrics.upstream_failures.labels(s.role, s.url, failure.reason).inc()
         return failure
@@ -951,7 +961,7 @@ class _Relay:
                         return self._fail(failure)
             assert self.resp is not None
             headers = dict(self.headers)
-            for name in ("content-type", "content-encoding"):
+            for name in ("content-type", "content-encoding", "retry-after"):
                 if name in self.resp.headers:
                     headers[name] = self.resp.headers[name]
             handed_off = True
@@ -970,7 +980,7 @@ class _Relay:
     def _fail(self, failure: Failure) -> Response:
         self.outcome = "upstream_rejected" if failure.status < 500 else "upstream_failed"
         logger.warning("%s request failed: %s", self.endpoint, failure.message)
-        return JSONResponse(failure.body(), failure.status)
+        return JSONResponse(failure.body(), failure.status, headers=failure.headers())
 
     # -- phase 2: streaming the decode body -----------------------------------------------
 

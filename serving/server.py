@@ -56,6 +56,10 @@ from transfer.staging_arena import DEFAULT_ALIGNMENT
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING = 64
+# Exit code of a server whose engine failed while serving (distinct from a leak's 1).
+EXIT_ENGINE_FAILED = 3
+# How often the server checks that its engine thread can still serve.
+ENGINE_WATCH_S = 0.5
 WARMUP_STEPS_LIMIT = 64
 # A Mooncake receiver's staging arena is never smaller than this.
 MOONCAKE_ARENA_MIN_BYTES = 64 << 20
@@ -72,6 +76,7 @@ class Server:
     app: FastAPI
     info: dict[str, Any]
     closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    engine_failure: str | None = None  # set when the engine failed while serving
 
     def close(self) -> None:
         for close in reversed(self.closers):
@@ -170,6 +175,7 @@ def _build_decode_side(
         block_bytes=args.transient_block_size,
         mode=args.disaggregation_mode,
         max_running_requests=args.max_running_requests or DEFAULT_MAX_RUNNING,
+        max_queued_requests=args.max_queued_requests,
         detokenize=_detokenizer(tokenizer),
     )
     return engine, info, closers
@@ -281,6 +287,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         engine: StepEngine = PrefillModeEngine(
             build_prefill_engine(args, model=model, devices=devices, hold_finished=True),
             backend_from_args(args, cfg),
+            max_queued_requests=args.max_queued_requests,
         )
         backend_close = getattr(engine.backend, "close", None)
         if backend_close is not None:
@@ -380,11 +387,29 @@ async def _serve(server: Server) -> None:
         lifespan="off",
     )
     uv = _DrainingServer(config, server)
-    await uv.serve()
-    if uv.drain_task is None:  # stopped without a signal (startup failure)
+    watchdog = asyncio.get_running_loop().create_task(_watch_engine(server, uv))
+    try:
+        await uv.serve()
+    finally:
+        watchdog.cancel()
+    if uv.drain_task is None:  # stopped without a signal (startup failure, dead engine)
         await server.loop.shutdown(0.0)
     else:
         await uv.drain_task
+
+
+async def _watch_engine(server: Server, uv: _DrainingServer) -> None:
+    """Stop serving once the engine can serve no more (a failed step, a dead thread):
+    `/health` says why until then, and the process exits with `EXIT_ENGINE_FAILED`, so
+    a supervisor restarts it instead of clients hanging on an open port."""
+    while True:
+        await asyncio.sleep(ENGINE_WATCH_S)
+        why = server.loop.fatal_reason()
+        if why is not None:
+            logger.critical("the engine can serve no more (%s): stopping the server", why)
+            server.engine_failure = why
+            uv.should_exit = True
+            return
 
 
 def apply_transfer_malloc_tuning(args: ServerArgs) -> str | None:
@@ -420,6 +445,13 @@ def run_server(args: ServerArgs) -> int:
         asyncio.run(_serve(server))
     finally:
         server.close()
+    if server.engine_failure is not None:
+        logger.critical(
+            "exiting with code %d: the engine failed (%s)",
+            EXIT_ENGINE_FAILED,
+            server.engine_failure,
+        )
+        return EXIT_ENGINE_FAILED
     server.settle_caches()
     leaked = server.kv_leaked()
     log = logger.error if leaked else logger.info

@@ -49,6 +49,9 @@ from transfer.capabilities import TransferBackendRegistry, default_backend_regis
 
 logger = logging.getLogger(__name__)
 
+# Requests a server lets wait before it answers 503 (SGLang's --max-queued-requests).
+DEFAULT_MAX_QUEUED_REQUESTS = 256
+
 Dtype = Literal["float32", "bfloat16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 HiCacheMemLayout = Literal["layer_first", "page_first", "page_first_direct", "layer_page_first"]
@@ -298,6 +301,13 @@ class ServerArgs:
     )
     max_running_requests: int | None = _arg(
         None, help="requests running at once; none = bounded by KV memory only", group="scheduler"
+    )
+    max_queued_requests: int | None = _arg(
+        DEFAULT_MAX_QUEUED_REQUESTS,
+        help="requests that may wait (FIFO) for KV pages, batch slots or, on a prefill "
+        "server, their decode side; a request beyond that gets 503 with Retry-After; "
+        "none = unbounded",
+        group="scheduler",
     )
     kv_pool_size: int | None = _arg(
         None,
@@ -637,6 +647,7 @@ class ServerArgs:
         at_least_one = [
             "max_prefill_tokens",
             "max_running_requests",
+            "max_queued_requests",
             "kv_pool_size",
             "transient_block_size",
             "nsa_index_topk_freq",

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 from cpkv_jax.config import ModelConfig
-from cpkv_jax.errors import CacheCapacityError, InputError
+from cpkv_jax.errors import InputError
 from cpkv_jax.generate import ReferenceGenerator, bucket, prefill_batch
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.transformer import CausalLM, forward_step
@@ -32,6 +32,7 @@ from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving.decode_engine import DecodeEngine, KVStore, LocalKVStore
 from serving.engine_api import EngineStats, GenerateRequest, SamplingParams, StepEngine
 from serving.sampling import sample_token
+from serving.wait_queue import QueueFullError
 from transfer.page_plan import LayoutDescriptor, page_digests
 from transfer.protocol import Aux, RoomState, UnknownRoomError
 from transfer.receiver import Receiver, staging_region_bytes
@@ -364,7 +365,7 @@ def test_decode_mode_continues_transferred_kv(tiny):
     rx = Receiver(layout, pool, PageAllocator(POOL_PAGES))
     engine = DecodeEngine(
         cfg=cfg, model=model, kv=rx, page_size=P, index_k_dtype=INDEX_K, mode="decode",
-        max_running_requests=4,
+        max_running_requests=4, max_queued_requests=1,
     )  # fmt: skip
     free0 = rx.num_free_pages
     reqs = wave_requests(4, "d", ignore_eos=True)
@@ -386,8 +387,16 @@ def test_decode_mode_continues_transferred_kv(tiny):
         rooms[r.rid] = req
         assert rx.status(f"room-{r.rid}").state is RoomState.BOOTSTRAPPING
     assert engine.stats().waiting == 4 and not engine.step()  # nothing arrived yet
-    with pytest.raises(CacheCapacityError, match="decode server is full"):
-        engine.add(GenerateRequest("e", (5,), bootstrap_room="room-e", bootstrap_cp_size=1))
+    # Every batch slot is taken: the next request waits in the queue, its room not yet
+    # registered; one more finds the queue full (SPEC-less backpressure, HTTP 503).
+    engine.add(GenerateRequest("e", (5,), bootstrap_room="room-e", bootstrap_cp_size=1))
+    with pytest.raises(UnknownRoomError):
+        rx.status("room-e")
+    with pytest.raises(QueueFullError, match="max-queued-requests 1"):
+        engine.add(GenerateRequest("f", (5,), bootstrap_room="room-f", bootstrap_cp_size=1))
+    assert engine.stats().queue.rejected == 1 and engine.stats().waiting == 5
+    engine.abort("e")  # its client left while it waited: dropped, nothing was held
+    assert [c.finish_reason for c in engine.step()] == ["abort"]
 
     # The prefill side: greedy and seeded-sampled first tokens (step 0), one failure.
     for r in (greedy, sampled):

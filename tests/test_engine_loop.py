@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 
 import jax.numpy as jnp
@@ -247,3 +248,102 @@ def test_step_exception_fails_requests_and_marks_unhealthy(tiny, caplog):
         assert "RuntimeError: device lost" in chunks[-1].error
     assert kv.num_free_pages == POOL_PAGES - 1  # the failed requests' pages were freed
     assert any("engine step failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+class BlockingAdd(WrappedEngine):
+    """`add` of request `block` waits for `release`: commands queue up behind it."""
+
+    def __init__(self, engine: DecodeEngine, block: str):
+        super().__init__(engine)
+        self.block = block
+        self.adding = threading.Event()
+        self.release = threading.Event()
+
+    def add(self, req):
+        if req.rid == self.block:
+            self.adding.set()
+            assert self.release.wait(WAIT_S)
+        self.engine.add(req)
+
+
+def test_a_request_cancelled_while_its_add_is_queued_leaves_the_loop_running(tiny):
+    """The client of a queued add leaves (its future is cancelled) before the engine
+    thread takes it: the add is skipped and the loop keeps serving. Before the fix the
+    thread took the add, then `set_result` on the cancelled future raised
+    InvalidStateError and the engine thread died (every later request hung)."""
+    loop, kv = make_loop(tiny, lambda e: BlockingAdd(e, "first"))
+    engine = loop._engine
+
+    async def main():
+        first = asyncio.create_task(collect(loop, request("first", 11, 6, 4)))
+        assert await asyncio.to_thread(engine.adding.wait, WAIT_S)
+        victim = asyncio.create_task(collect(loop, request("victim", 12, 6, 4)))
+        await asyncio.sleep(0.05)  # its add is queued behind "first"
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        engine.release.set()
+        got = await asyncio.wait_for(first, WAIT_S)
+        after = await asyncio.wait_for(collect(loop, request("after", 13, 7, 5)), WAIT_S)
+        healthy = loop.healthy(), loop.fatal_reason()
+        await loop.shutdown(drain_timeout=5.0)
+        return got, after, healthy
+
+    got, after, (healthy, why) = asyncio.run(main())
+    assert healthy and why is None
+    assert got[-1].finish_reason == after[-1].finish_reason == "length"
+    assert kv.num_free_pages == POOL_PAGES - 1
+    assert "victim" not in {r.rid for r in engine.engine._running.values()}
+
+
+class BrokenLoopEngine(WrappedEngine):
+    """`has_work` raises after `n` calls: a bug the loop itself cannot survive."""
+
+    def __init__(self, engine: DecodeEngine, n: int):
+        super().__init__(engine)
+        self.calls = n
+
+    def has_work(self):
+        self.calls -= 1
+        if self.calls < 0:
+            raise RuntimeError("corrupt engine state")
+        return self.engine.has_work()
+
+
+def test_a_dead_engine_thread_says_why_and_fails_waiting_requests(tiny):
+    loop, _ = make_loop(tiny, lambda e: BrokenLoopEngine(e, 4))
+
+    async def main():
+        chunks = await asyncio.wait_for(collect(loop, request("doomed", 14, 6, 30)), WAIT_S)
+        await wait_for(lambda: not loop._thread.is_alive())
+        with pytest.raises(EngineFailedError, match="engine thread died"):
+            await loop.generate(request("late", 15, 5, 4)).__anext__()
+        return chunks, loop.healthy(), loop.fatal_reason()
+
+    chunks, healthy, why = asyncio.run(main())
+    assert chunks[-1].finish_reason == "error" and "engine thread died" in chunks[-1].error
+    assert not healthy and "RuntimeError: corrupt engine state" in why
+
+
+def test_server_watchdog_stops_serving_when_the_engine_dies():
+    """`serving.server._watch_engine`: once the loop reports a fatal reason, uvicorn is
+    told to exit and the server records why (`run_server` then exits non-zero)."""
+    from types import SimpleNamespace
+
+    from serving import server as server_mod
+
+    loop = SimpleNamespace(reason=None)
+    loop.fatal_reason = lambda: loop.reason
+    srv = SimpleNamespace(loop=loop, engine_failure=None)
+    uv = SimpleNamespace(should_exit=False)
+
+    async def main():
+        task = asyncio.create_task(server_mod._watch_engine(srv, uv))
+        await asyncio.sleep(2 * server_mod.ENGINE_WATCH_S)
+        assert not task.done() and not uv.should_exit
+        loop.reason = "engine step failed: RuntimeError: device lost"
+        await asyncio.wait_for(task, WAIT_S)
+
+    asyncio.run(main())
+    assert uv.should_exit and srv.engine_failure == loop.reason
+    assert server_mod.EXIT_ENGINE_FAILED not in (0, 1)

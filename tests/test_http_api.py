@@ -42,6 +42,7 @@ from serving.engine_api import EngineStats, GenerateRequest, OutputChunk
 from serving.engine_loop import EngineLoop
 from serving.http_api import OutputText, build_app
 from serving.metrics import ServerMetrics
+from serving.wait_queue import QueueFullError
 
 VOCAB = 320  # the tiny config's vocab_size (the byte tokenizer uses ids < 259)
 CONTEXT = 256
@@ -74,6 +75,7 @@ class EchoEngine:
         self._lock = threading.Lock()
         self._active: dict[str, dict[str, Any]] = {}
         self.step_delay = 0.0005
+        self.queue_full = False  # refuse adds as a server whose wait queue is full
         self.added: list[str] = []
         self.aborted: set[str] = set()
         self.finished: dict[str, int] = {}  # rid -> tokens produced
@@ -81,6 +83,8 @@ class EchoEngine:
     def add(self, req: GenerateRequest) -> None:
         if PAD_ID in req.input_ids:
             raise InputError(f"request {req.rid}: the prompt contains the pad token {PAD_ID}")
+        if self.queue_full:
+            raise QueueFullError("the echo server's wait queue is full", retry_after_s=7)
         with self._lock:
             self._active[req.rid] = {"req": req, "out": [], "abort": False, "t0": time.monotonic()}
             self.added.append(req.rid)
@@ -720,6 +724,25 @@ def test_shutting_down_server_answers_503(tmp_path):
     finally:
         s.http.close()
         s.server.stop()
+
+
+def test_full_wait_queue_is_503_with_retry_after(tmp_path):
+    """Backpressure: a server whose wait queue is full answers 503 with `Retry-After`
+    (non-streamed and streamed alike, before any event), and serves again after."""
+    s = _start(tmp_path, tokenizer=None, template=None, name="full")
+    try:
+        s.engine.queue_full = True
+        for stream in (False, True):
+            r = s.http.post("/generate", json={"input_ids": [5, 6], "stream": stream})
+            assert r.status_code == 503 and r.headers["retry-after"] == "7", r.text
+            assert "wait queue is full" in r.json()["error"]["message"]
+        r = s.http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "7"
+        assert s.http.get("/health").status_code == 200  # busy, not broken
+        s.engine.queue_full = False
+        assert s.http.post("/generate", json={"input_ids": [5, 6]}).status_code == 200
+    finally:
+        _stop(s)
 
 
 # ---- client disconnect ----------------------------------------------------------------------

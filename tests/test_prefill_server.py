@@ -232,6 +232,11 @@ class GatedBackend(TransferBackend):
         with self._lock:
             self.jobs[(job.room, job.rank)] = job
             self.holds[job.room] = hold
+        if not self.gate.is_set():
+            # The engine prefills once every rank says it handshook; these tests open the
+            # rooms themselves, so a gated rank says so at once and the prefill runs while
+            # its transfer is held here (the real handshake follows when the gate opens).
+            hold.mark_ready(job.rank)
         deadline = time.monotonic() + WAIT
         while not self.gate.wait(0.01) and not hold.cancelled and time.monotonic() < deadline:
             pass
@@ -783,3 +788,85 @@ def test_e2e_over_mooncake(fresh):
             server.stop(0)
             rx.close()
             backend.inner.close()
+
+
+def test_prefill_waits_for_the_decode_room_and_holds_no_pages_meanwhile(fresh):
+    """A request whose decode side has not registered its room yet (it waits in the
+    decode server's queue) is not prefilled: it holds no prefill pages until every
+    rank's handshake is accepted. The decode side's registration wakes the held
+    handshakes at once (`KVTransferServicer` holds a handshake for an unknown room)."""
+    pd = fresh
+    n = 2 * P + 3
+    prompt = prompt_of(n, 31)
+    pd.engine.add(request("late", prompt, "late-room", pd.target))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.4:  # the room does not exist yet
+        assert pd.engine.step() == []
+    s = pd.engine.stats()
+    assert (s.waiting, s.running) == (1, 0) and s.queue.length == 1
+    np.testing.assert_array_equal(pd.pre.runner.allocator.num_free_per_lane(), pd.free0)
+    assert not pd.pre.scheduler.batch_sizes or pd.pre.scheduler.num_waiting == 0
+    dst = open_room(pd, "late-room", n, 31)  # the decode side takes it from its queue
+    t_open = time.monotonic()
+    chunk = drive(pd.engine, ["late"])["late"]
+    assert chunk.finish_reason == "length", chunk
+    assert pd.rx.status("late-room").state is RoomState.SUCCESS
+    assert time.monotonic() - t_open < 5.0
+    s = pd.engine.stats()
+    assert s.queue.waits >= 1 and s.queue.length == 0
+    assert_reference_first_token(pd, prompt, chunk)
+    assert_no_transfer_counts(pd, [prompt])
+    pd.rx.free_pages(dst)
+
+
+def test_transfer_reads_beside_donating_prefill_steps(fresh):
+    """A transfer reads its held pages while later prefill steps donate the pool: every
+    read sees a live pool (none raises "Array has been deleted") and returns the held
+    pages' bytes unchanged. Failed before the fix: the source looked the pool up outside
+    the step lock, then read the array the next step had donated."""
+    pd = fresh
+    n = 3 * P + 2
+    prompt = prompt_of(n, 40)
+    dst = open_room(pd, "held", n, 40)
+    pd.backend.gate.clear()  # keeps the transfer (and its page hold) in flight
+    pd.engine.add(request("held", prompt, "held", pd.target))
+    assert pd.engine.step() == []
+    inputs = pd.backend.holds["held"].inputs
+    assert inputs is not None
+    buffers = pd.engine.layout.buffers()
+    sources = pd.engine._sources
+    pages = {r: inputs.src_local_pages[r::CP] for r in range(CP)}
+    want = {(r, b): sources[r].read(*b, pages[r]) for r in range(CP) for b in buffers}
+    errors: list[BaseException] = []
+    reads = 0
+    stop = threading.Event()
+
+    def reader() -> None:
+        nonlocal reads
+        while not stop.is_set():
+            for (r, b), expected in want.items():
+                try:
+                    got = sources[r].read(*b, pages[r])
+                except BaseException as e:  # reported below
+                    errors.append(e)
+                    return
+                if not np.array_equal(got, expected):
+                    errors.append(AssertionError(f"rank {r} {b}: the held pages changed"))
+                    return
+                reads += 1
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    try:
+        for i in range(6):  # other prompts, two chunks each: steps that donate the pool
+            result = pd.pre.runner.prefill([prompt_of(4 * P * CP // 2 + i, 50 + i)], 2 * P * CP)
+            pd.pre.runner.release(result.tables[0])
+    finally:
+        stop.set()
+        thread.join(WAIT)
+    assert not errors, errors[0]
+    assert reads > len(want)
+    pd.backend.gate.set()
+    assert drive(pd.engine, ["held"])["held"].finish_reason == "length"
+    assert_no_transfer_counts(pd, [prompt])
+    pd.rx.free_pages(dst)

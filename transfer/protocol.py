@@ -43,6 +43,11 @@ MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + MESSAGE_SLACK_BYTES
 # varint and a fixed64 digest), so 16384 of them stay within the slack (tiny pages, e.g.
 # index scales at page size 1, would otherwise overflow the message limit).
 MAX_CHUNK_PAGES = 16384
+# A Handshake for a room the decode side has not registered yet (its request waits in the
+# decode server's queue) is held this long for the room to appear before NOT_FOUND, so a
+# sender learns of the registration at once and does not poll. Senders retry at once
+# after a held NOT_FOUND.
+HANDSHAKE_HOLD_S = 1.0
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
 

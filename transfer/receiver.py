@@ -94,6 +94,7 @@ from transfer.page_plan import (
 )
 from transfer.proto import kv_transfer_pb2 as pb
 from transfer.protocol import (
+    HANDSHAKE_HOLD_S,
     MAX_CHUNK_BYTES,
     MESSAGE_SLACK_BYTES,
     SERVICE_NAME,
@@ -453,6 +454,7 @@ class Receiver:
                 )
             r = _Room(room, dst, num_tokens, n_pages, cp_size, len(self._buffers), self._clock())
             self._rooms[room] = r
+            self._changed.notify_all()  # a handshake may be waiting for it
         logger.debug(
             "room %s registered: %d tokens, %d pages, cp %d", room, num_tokens, n_pages, cp_size
         )
@@ -467,6 +469,22 @@ class Receiver:
                 raise UnknownRoomError(f"unknown room {room!r}")
         with live.lock:
             return live.snapshot()
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Block until a room is registered or finishes, or `timeout` s pass."""
+        with self._changed:
+            self._changed.wait(timeout)
+
+    def wait_registered(self, room: str, timeout: float) -> bool:
+        """Block until `room` is registered (or was, and finished), or `timeout` s pass."""
+        deadline = self._clock() + timeout
+        with self._changed:
+            while room not in self._rooms and room not in self._finished:
+                left = deadline - self._clock()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
 
     def wait(self, room: str, timeout: float | None = None) -> RoomSnapshot:
         """Block until the room is finished (or `timeout`); returns its status."""
@@ -1269,9 +1287,20 @@ class KVTransferServicer:
     deserialization error; receiver errors keep their reason text and map to their
     `code`. Nothing a client sends can stop the server."""
 
-    def __init__(self, receiver: Receiver, commit_wait_s: float = COMMIT_WAIT_S):
+    def __init__(
+        self,
+        receiver: Receiver,
+        commit_wait_s: float = COMMIT_WAIT_S,
+        *,
+        handshake_hold_s: float = HANDSHAKE_HOLD_S,
+        max_held_handshakes: int = 16,
+    ):
         self.receiver = receiver
         self.commit_wait_s = commit_wait_s
+        self.handshake_hold_s = handshake_hold_s
+        # Held handshakes occupy server threads: at most this many at once (the rest get
+        # NOT_FOUND at once and back off), so page streams always find a thread.
+        self._holds = threading.BoundedSemaphore(max_held_handshakes)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         ser = pb.RoomStatus.SerializeToString
@@ -1301,7 +1330,7 @@ class KVTransferServicer:
         with _status_on_error(context):
             if not msg.HasField("layout"):
                 raise BadRequestError("Handshake has no layout descriptor")
-            res = self.receiver.handshake(
+            args = (
                 msg.room,
                 msg.sender_rank,
                 msg.cp_size,
@@ -1310,6 +1339,19 @@ class KVTransferServicer:
                 msg.attempt,
                 data_plane_from_pb(msg.data_plane),
             )
+            try:
+                res = self.receiver.handshake(*args)
+            except UnknownRoomError:
+                # Its request may be queued here: hold the call until the room appears.
+                if not self._holds.acquire(blocking=False):
+                    raise
+                try:
+                    registered = self.receiver.wait_registered(msg.room, self.handshake_hold_s)
+                finally:
+                    self._holds.release()
+                if not registered:
+                    raise
+                res = self.receiver.handshake(*args)
             reply = pb.HandshakeReply(
                 accepted=res.accepted,
                 mismatches=list(res.mismatches),

@@ -28,6 +28,7 @@ needs owner filtering and position-addressed destinations (SPEC S2.3), which
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -59,8 +60,14 @@ class PageSource(Protocol):
 
 
 @jax.jit
-def _gather_rows(leaf: jax.Array, idx: jax.Array) -> jax.Array:
-    return jnp.take(leaf, idx, axis=0)
+def _gather_rows(leaves: tuple[jax.Array, ...], idx: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(jnp.take(leaf, idx, axis=0) for leaf in leaves)
+
+
+# A read gathers the pages of several buffers in one dispatch, up to this many bytes.
+READ_GROUP_BYTES = 256 << 20
+# Page sets whose gathered rows a source keeps for later reads (oldest dropped first).
+MAX_PENDING_READS = 16
 
 
 class CPPoolPageSource:
@@ -69,11 +76,25 @@ class CPPoolPageSource:
     Pool leaves are global arrays `[cp * pages_per_rank, P, ...]` sharded `P("cp")` on
     the page axis, so the rank's pages are its addressable shard, indexed by rank-local
     page ids. The owned pages are gathered on the rank's device (index padded to a power
-    of two with the trash page, bounding compiles) and copied to host once per read.
+    of two with the trash page, bounding compiles) and copied to host.
 
     `pool` may be a callable returning the current pool, since a runner replaces its
-    pool (donation) on every step; the caller must not run a step that donates the pool
-    while a read is in flight (pass the step lock as `lock`).
+    pool (donation) on every step. Then pass the lock the runner swaps the pool under
+    (`CPPrefillRunner.pool_lock`) as `lock`: a read looks the pool up, dispatches its
+    gather and waits for it to run under the lock, so a step never donates a pool that
+    a read still reads (whatever the runtime does with pending reads of a donated
+    buffer); the gather's result is a new array, copied to host outside the lock. A
+    step waits at most for one gather; a read waits at most for the step already on
+    the device. The pages themselves must not change meanwhile: the caller holds them
+    (`TransferHold`).
+
+    A gather dispatched while the engine runs steps executes after the steps already
+    queued on the device, so each dispatch may wait for one step. Hence one read
+    gathers the same pages of a run of buffers that fits in `group_bytes` (every
+    buffer, for all but very long requests) in one dispatch and keeps the run's other
+    rows until each is read once (a sender reads every buffer of its plan's pages); a
+    later read of the same pages and buffer (a retry) gathers again. Rows of at most
+    `MAX_PENDING_READS` page sets are kept (a sender that stopped early leaves some).
     """
 
     def __init__(
@@ -82,24 +103,69 @@ class CPPoolPageSource:
         layout: LayoutDescriptor,
         rank: int,
         lock: threading.Lock | None = None,
+        *,
+        group_bytes: int = READ_GROUP_BYTES,
     ):
         self._pool = pool
         self.layout = layout
         self.rank = rank
         self._lock = lock
+        self.group_bytes = group_bytes
+        self._buffers = layout.buffers()
+        # pages -> buffer -> host rows gathered with another buffer, not read yet.
+        self._pending: collections.OrderedDict[bytes, dict[tuple[BufferKind, int], np.ndarray]] = (
+            collections.OrderedDict()
+        )
+        self._pending_lock = threading.Lock()
+        self.dispatches = 0  # gathers dispatched (tests, benchmarks)
 
     def read(self, kind: BufferKind, layer: int, src_pages: np.ndarray) -> np.ndarray:
-        pool = self._pool() if callable(self._pool) else self._pool
-        leaf = getattr(pool, kind)[self.layout.leaf_index(kind, layer)]
-        k = len(src_pages)
-        idx = np.zeros(pow2_at_least(k), np.int32)  # padding reads the trash page
-        idx[:k] = src_pages
-        if self._lock is None:
-            rows = np.asarray(_gather_rows(self._shard(leaf), idx))
-        else:
-            with self._lock:
-                rows = np.asarray(_gather_rows(self._shard(leaf), idx))
-        return rows[:k]
+        pages = np.ascontiguousarray(src_pages, dtype=np.int32)
+        key, buffer = pages.tobytes(), (kind, layer)
+        with self._pending_lock:
+            rows = self._pending.get(key, {}).pop(buffer, None)
+        if rows is not None:
+            return rows
+        k = len(pages)
+        padded = pow2_at_least(k)
+        idx = np.zeros(padded, np.int32)  # padding reads the trash page
+        idx[:k] = pages
+        group = next(g for g in self._groups(padded) if buffer in g)
+        with self._lock if self._lock is not None else contextlib.nullcontext():
+            pool = self._pool() if callable(self._pool) else self._pool
+            leaves = tuple(
+                self._shard(getattr(pool, b[0])[self.layout.leaf_index(*b)]) for b in group
+            )
+            # Held until the gather ran: a step never donates a pool a read still reads.
+            gathered = jax.block_until_ready(_gather_rows(leaves, idx))
+            self.dispatches += 1
+        host = {b: np.asarray(x)[:k] for b, x in zip(group, jax.device_get(gathered), strict=True)}
+        rows = host.pop(buffer)
+        with self._pending_lock:
+            self._pending.setdefault(key, {}).update(host)
+            self._pending.move_to_end(key)
+            while len(self._pending) > MAX_PENDING_READS:  # a sender that stopped early
+                self._pending.popitem(last=False)
+            if not self._pending[key]:
+                del self._pending[key]
+        return rows
+
+    def _groups(self, rows: int) -> list[tuple[tuple[BufferKind, int], ...]]:
+        """The buffers in layout order, cut into runs whose `rows` rows fit `group_bytes`
+        (a run of one buffer if that alone is larger): one gather each. Fixed for a row
+        count, so the compiles stay one per run and power-of-two row count."""
+        groups: list[tuple[tuple[BufferKind, int], ...]] = []
+        run: list[tuple[BufferKind, int]] = []
+        total = 0
+        for b in self._buffers:
+            nbytes = rows * self.layout.page_bytes(*b)
+            if run and total + nbytes > self.group_bytes:
+                groups.append(tuple(run))
+                run, total = [], 0
+            run.append(b)
+            total += nbytes
+        groups.append(tuple(run))
+        return groups
 
     def _shard(self, leaf: jax.Array) -> jax.Array:
         for s in leaf.addressable_shards:
@@ -336,6 +402,7 @@ class TransferHold:
         ranks: Sequence[int],
         release: Callable[[RoomSnapshot], None],
         inputs: RequestInputs | None = None,
+        on_ready: Callable[[], None] | None = None,
     ):
         if not ranks:
             raise ValueError(f"room {room!r}: a hold needs at least one rank")
@@ -353,6 +420,7 @@ class TransferHold:
         self._wakers: list[threading.Event] = []  # senders waiting for inputs or a cancel
         self._ready: set[int] = set()
         self._all_ready = threading.Event()
+        self._on_ready = on_ready
 
     # ---- inputs (bootstrap ahead) ---------------------------------------------------------
     @property
@@ -389,11 +457,23 @@ class TransferHold:
             event.set()
 
     def mark_ready(self, rank: int) -> None:
-        """Rank `rank` handshook and is heartbeating: it can send once it has inputs."""
+        """Rank `rank` handshook and is heartbeating: it can send once it has inputs.
+        After the last rank, `on_ready` runs (on this sender's thread; it must not block)."""
         with self._lock:
             self._ready.add(rank)
-            if self._ready >= self._ranks:
+            now_all = self._ready >= self._ranks and not self._all_ready.is_set()
+            if now_all:
                 self._all_ready.set()
+        if now_all and self._on_ready is not None:
+            try:
+                self._on_ready()
+            except Exception:
+                logger.exception("room %s: the on_ready callback failed", self.room)
+
+    @property
+    def ready(self) -> bool:
+        """Every rank handshook: the decode side holds the room's pages (non-blocking)."""
+        return self._all_ready.is_set()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until every rank is ready, or the hold is released (then False)."""
@@ -542,11 +622,13 @@ def bootstrap_request(
     backend: TransferBackend,
     jobs: Sequence[RankJob],
     release: Callable[[RoomSnapshot], None],
+    on_ready: Callable[[], None] | None = None,
 ) -> TransferHold:
     """Start one thread per rank job before the request's prefill has run (jobs without
     inputs, `rank_jobs(..., None, sources, None)`): each rank handshakes, heartbeats and
-    waits for `TransferHold.provide`; see the module docstring."""
-    return _start(backend, jobs, release, bootstrap=True)
+    waits for `TransferHold.provide`; see the module docstring. `on_ready` runs once
+    every rank's handshake was accepted (`TransferHold.ready`)."""
+    return _start(backend, jobs, release, bootstrap=True, on_ready=on_ready)
 
 
 _WRONG_ENTRY = {
@@ -562,6 +644,7 @@ def _start(
     jobs: Sequence[RankJob],
     release: Callable[[RoomSnapshot], None],
     bootstrap: bool,
+    on_ready: Callable[[], None] | None = None,
 ) -> TransferHold:
     wrong = [j.rank for j in jobs if j.has_inputs == bootstrap]
     if wrong:
@@ -577,7 +660,7 @@ def _start(
         assert job0.src_local_pages is not None
         aux = next((j.aux for j in jobs if j.rank == 0), None)
         inputs = RequestInputs(job0.src_local_pages, aux)
-    hold = TransferHold(job0.room, [j.rank for j in jobs], release, inputs)
+    hold = TransferHold(job0.room, [j.rank for j in jobs], release, inputs, on_ready)
 
     def run(job: RankJob) -> None:
         outcome: RoomSnapshot | None

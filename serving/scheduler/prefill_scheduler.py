@@ -153,20 +153,24 @@ class PrefillScheduler:
         timeout: float | None = None,
     ) -> None:
         ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
-        if ids.size == 0:
-            raise InputError(f"request {rid!r}: empty prompt")
-        if rid in self._ids:
-            raise InputError(f"request id {rid!r} is already queued or running")
-        capacity = self.allocator.capacity_per_lane * self.allocator.cp_size * self.page_size
-        if ids.size > capacity:
-            raise InputError(
-                f"request {rid!r} has {ids.size} tokens but the KV pool holds {capacity}; "
-                "raise the KV pool size or shorten the prompt"
-            )
+        self.check_submit(rid, ids.size)
         timeout = self.request_timeout if timeout is None else timeout
         deadline = None if timeout is None else self.clock() + timeout
         self.waiting.append(PrefillRequest(rid, ids, max_new_tokens, deadline, next(self._seq)))
         self._ids.add(rid)
+
+    def check_submit(self, rid: str, num_tokens: int) -> None:
+        """`InputError` if `submit(rid, <num_tokens tokens>)` would refuse the request."""
+        if num_tokens == 0:
+            raise InputError(f"request {rid!r}: empty prompt")
+        if rid in self._ids:
+            raise InputError(f"request id {rid!r} is already queued or running")
+        capacity = self.allocator.capacity_per_lane * self.allocator.cp_size * self.page_size
+        if num_tokens > capacity:
+            raise InputError(
+                f"request {rid!r} has {num_tokens} tokens but the KV pool holds {capacity}; "
+                "raise the KV pool size or shorten the prompt"
+            )
 
     def abort(self, rid: str) -> PrefillOutcome | None:
         """Drop a waiting or in-flight request, releasing its pages; None if unknown."""

@@ -64,6 +64,7 @@ from transfer.proto import kv_transfer_pb2 as pb
 from transfer.proto import kv_transfer_pb2_grpc as pb_grpc
 from transfer.protocol import (
     DEFAULT_CHUNK_BYTES,
+    HANDSHAKE_HOLD_S,
     MAX_CHUNK_BYTES,
     MAX_CHUNK_PAGES,
     MAX_MESSAGE_BYTES,
@@ -394,6 +395,7 @@ class GrpcRankSender:
         tries = 0
         while True:
             self._check()
+            sent = time.monotonic()
             try:
                 reply = self._stubs[0].Handshake(req, timeout=cfg.rpc_timeout_s)
                 break
@@ -402,6 +404,10 @@ class GrpcRankSender:
                 code = e.code()
                 waitable = code in self.HANDSHAKE_WAITABLE
                 if waitable and time.monotonic() < deadline:
+                    held = time.monotonic() - sent >= HANDSHAKE_HOLD_S / 2
+                    if code is grpc.StatusCode.NOT_FOUND and held:
+                        tries = 0  # the receiver held the call for the room: ask again now
+                        continue
                     tries += 1
                     self._sleep(min(cfg.retry_backoff_s * 2 ** min(tries, 6), 1.0))
                     continue

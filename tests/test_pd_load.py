@@ -1,0 +1,169 @@
+"""PD serving under concurrent load and a decode server killed (issue: PD under load).
+
+Real processes on 127.0.0.1 (`benchmarks.pd_load.PDCluster`): a decode server, a CP=8
+shared-KV prefill server (8 virtual CPU devices, `--chunked-prefill-size 256`) and the
+router, with small KV pools so requests wait for pages and some prompts are near the
+decode pool's size. 16 clients send a mixed load (`LoadMix`: 5 to ~1,300-token prompts,
+1-16 new tokens, 40% streamed and half of those cancelled after two chunks, a few bad
+requests). Then, under load, the decode server is SIGKILLed and started again.
+
+Asserts:
+- before the kill, every request ends with 200 and the right token count, a client
+  cancel, a 400 for a bad request, or a 503 with Retry-After (a full queue): none fails;
+- a sample of greedy outputs equals the single-device reference (`ReferenceGenerator`);
+- while the decode server dies, requests end with an explicit error (a 503 or an SSE
+  error event) within the per-request bound, never a hang; after the restart, service
+  resumes (every request of a new wave succeeds);
+- at the end, every prefill lane's free pages equal its total minus what the prefix
+  cache holds (the cache's own count, `/server_info` `kv_pages_cached`), the restarted
+  decode server has every page free, no engine thread died (`/health` 200), and the
+  prefill log never shows a read of a donated pool ("Array has been deleted").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks.pd_load import (
+    ClusterConfig,
+    LoadMix,
+    Outcome,
+    PDCluster,
+    page_balance,
+    pool_tokens,
+    run_load,
+    summarize,
+    wait_idle,
+)
+from cpkv_jax.generate import ReferenceGenerator
+from cpkv_jax.model.weights import load_model
+from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
+from transfer.backends.mooncake_engine import mooncake_available
+
+pytestmark = pytest.mark.slow
+
+DECODE_POOL = "1536KiB"  # ~87 pages of 16 tokens: long prompts wait for each other
+PREFILL_POOL = "2MiB"  # per rank
+CONCURRENCY = 16
+REQUEST_TIMEOUT_S = 120.0  # one request's bound; a hang fails the test
+KILL_AFTER_S = 4.0
+SAMPLE = 4  # outputs checked against the single-device reference
+OK_KINDS = {"ok", "cancelled", "bad_request_ok", "queue_full"}
+
+
+def _explicit(o: Outcome) -> bool:
+    """Ended by the servers with a stated reason (not a timeout or a dropped socket)."""
+    if o.kind in OK_KINDS | {"unavailable"}:
+        return True
+    return o.status in (200, 500, 503, 504) and bool(o.detail) and "no answer" not in o.detail
+
+
+def _run(url: str, requests, *, timeout_s: float = REQUEST_TIMEOUT_S) -> list[Outcome]:
+    return asyncio.run(run_load(url, requests, concurrency=CONCURRENCY, timeout_s=timeout_s))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("pd-load") / "tiny-glm5"
+    make_tiny_checkpoint(d, "glm_moe_dsa")
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> ReferenceGenerator:
+    cfg, model = load_model(model_dir, progress=False)
+    return ReferenceGenerator(cfg, model, page_size=16)
+
+
+MOONCAKE, MOONCAKE_WHY = mooncake_available()
+BACKENDS = [
+    "grpc",
+    pytest.param(
+        "mooncake",
+        marks=pytest.mark.skipif(
+            not MOONCAKE, reason=f"Mooncake Transfer Engine unavailable: {MOONCAKE_WHY}"
+        ),
+    ),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, reference, tmp_path):
+    config = ClusterConfig(
+        model_dir=model_dir,
+        log_dir=tmp_path / "logs",
+        transfer_backend=backend,
+        prefill_pool=PREFILL_POOL,
+        decode_pool=DECODE_POOL,
+        max_queued_requests=64,
+    )
+    c = PDCluster(config)
+    try:
+        c.start()
+        router = c.urls["router"]
+        info = httpx.get(c.urls["decode"] + "/server_info", timeout=10).json()
+        near = pool_tokens(DECODE_POOL, info["kv_bytes_per_page"]) - 16 - 1
+        mix = LoadMix(vocab_size=info["vocab_size"], max_prompt=600, near_pool_tokens=near,
+                      max_new_tokens=16)  # fmt: skip
+        n1 = 32 if backend == "grpc" else 20
+
+        # 1. Mixed load: nothing fails.
+        wave = mix.make(n1, seed=1)
+        outcomes = _run(router, wave)
+        summary = summarize(outcomes)
+        assert summary["outcomes"].get("failed", 0) == 0, summary
+        assert all(o.kind in OK_KINDS for o in outcomes), summary
+        assert sum(o.kind == "ok" for o in outcomes) >= n1 // 2, summary
+        good = sorted(
+            (o for o in outcomes if o.kind == "ok"), key=lambda o: len(o.request.input_ids)
+        )
+        for o in good[:SAMPLE]:
+            want = reference.generate(
+                o.request.input_ids, o.request.max_new_tokens, ignore_eos=True
+            )
+            assert o.output_ids == want.output_ids, f"request #{o.request.index}"
+
+        # 2. The decode server dies under load: requests end with a reason, never hang.
+        kill_wave = mix.make(24, seed=2)
+        result: list[list[Outcome]] = []
+        load = threading.Thread(target=lambda: result.append(_run(router, kill_wave)))
+        load.start()
+        time.sleep(KILL_AFTER_S)
+        assert c.kill_decode() == -9
+        load.join(REQUEST_TIMEOUT_S + 60)
+        assert not load.is_alive(), "the load did not finish after the decode server died"
+        (killed,) = result
+        hung = [o for o in killed if not _explicit(o)]
+        assert not hung, [(o.request.index, o.kind, o.status, o.detail) for o in hung]
+
+        # 3. Restarted: service resumes once the router sees it healthy.
+        c.restart_decode()
+        deadline = time.monotonic() + 30
+        while httpx.get(router + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "router did not take the restarted decode back"
+            time.sleep(0.25)
+        after = _run(router, [r for r in mix.make(12, seed=3) if r.bad is None])
+        summary = summarize(after)
+        assert all(o.kind in ("ok", "cancelled") for o in after), summary
+
+        # 4. Every page accounted for; no engine died.
+        assert wait_idle([c.urls["prefill"], c.urls["decode"]], timeout_s=60)
+        for name in ("prefill", "decode"):
+            balance = page_balance(c.urls[name])
+            assert balance["balanced"], (name, balance)
+            assert httpx.get(c.urls[name] + "/health", timeout=5).status_code == 200
+        assert page_balance(c.urls["decode"])["cached"] == [0]
+        assert c.alive() == {"decode": True, "prefill": True, "router": True}
+    finally:
+        codes = c.close()
+    log = (config.log_dir / "prefill.log").read_text(errors="replace")
+    assert "Array has been deleted" not in log
+    assert "engine thread died" not in log and "InvalidStateError" not in log
+    assert codes["prefill"] == 0, f"prefill exit code {codes['prefill']} (1: KV pages leaked)"
