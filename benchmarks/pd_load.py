@@ -36,6 +36,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -43,12 +44,13 @@ from typing import Any
 
 import httpx
 
-from serving.demo import Proc, free_port, wait_healthy
+from serving.demo import SSE_DONE, Proc, free_port, sse_event, wait_healthy
 
 CP = 8
 PAGE = 16
 VOCAB_LOW = 3  # ids below are the tiny tokenizer's specials
 STARTUP_TIMEOUT_S = 420.0
+RSS_SAMPLE_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,12 +306,11 @@ async def _one(client: httpx.AsyncClient, url: str, r: LoadRequest, timeout_s: f
                     return Outcome(r, kind, resp.status_code, time.monotonic() - t0, detail=detail)
                 chunks, ids, ttft = 0, [], None
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+                    event = sse_event(line)
+                    if event is None:
                         continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    if event is SSE_DONE:
                         break
-                    event = json.loads(data)
                     if "error" in event:
                         return Outcome(
                             r,
@@ -495,12 +496,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         mix = LoadMix(
             vocab_size=vocab, max_prompt=min(args.max_prompt, near), near_pool_tokens=near
         )
-        requests = mix.make(1_000_000, args.seed)
+        # More than the clients can send in the time (~1 request/s here); made up front.
+        requests = mix.make(max(200, int(400 * args.minutes)), args.seed)
         rss0 = c.rss_mib()
-        until = time.monotonic() + 60 * args.minutes
+        t0 = time.monotonic()
+        until = t0 + 60 * args.minutes
+        samples: list[dict[str, Any]] = []
+        stop = threading.Event()
+
+        def sample() -> None:  # RSS every RSS_SAMPLE_S: growth after the first compiles
+            while not stop.wait(RSS_SAMPLE_S):
+                samples.append({"t_s": round(time.monotonic() - t0), **c.rss_mib()})
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         outcomes = asyncio.run(
-            run_load(c.urls["router"], requests, concurrency=args.concurrency, until=until)
+            run_load(
+                c.urls["router"], requests, concurrency=args.concurrency, until=until, progress=True
+            )
         )
+        stop.set()
+        sampler.join()
         idle = wait_idle([c.urls["prefill"], c.urls["decode"]])
         rss1 = c.rss_mib()
         balance = {k: page_balance(c.urls[k]) for k in ("prefill", "decode")}
@@ -521,6 +537,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rss_mib_start": rss0,
         "rss_mib_end": rss1,
         "rss_growth_mib": {k: round(rss1.get(k, 0) - v, 1) for k, v in rss0.items()},
+        # From the first sample (a minute in: most shapes compiled) to the end.
+        "rss_growth_after_1min_mib": {
+            k: round(rss1.get(k, 0) - v, 1)
+            for k, v in (samples[1] if len(samples) > 1 else rss0).items()
+            if k != "t_s"
+        },
+        "rss_samples_mib": samples,
         "processes_alive_at_end": alive,
     }
     text = json.dumps(result, indent=2)

@@ -206,6 +206,17 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
             print(f"stopped {p.name} (exit code {code})")
 
 
+SSE_DONE: Any = object()  # `sse_event` at `data: [DONE]`
+
+
+def sse_event(line: str) -> Any:
+    """One line of an SSE body: its JSON event, `SSE_DONE` at the end, else None."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return SSE_DONE if data == "[DONE]" else json.loads(data)
+
+
 def send(router: str, body: dict[str, Any], stream: bool) -> dict[str, Any]:
     """One /generate request through the router; TTFT measured here (client side)."""
     t0 = time.perf_counter()
@@ -224,12 +235,11 @@ def send(router: str, body: dict[str, Any], stream: bool) -> dict[str, Any]:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
         for line in r.iter_lines():
-            if not line.startswith("data:"):
+            event = sse_event(line)
+            if event is None:
                 continue
-            data = line[5:].strip()
-            if data == "[DONE]":
+            if event is SSE_DONE:
                 break
-            event = json.loads(data)
             if "error" in event:
                 raise RuntimeError(f"stream error: {event['error']}")
             if ttft is None and event.get("output_ids"):

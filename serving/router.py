@@ -12,16 +12,19 @@ One client request through the router (ARCHITECTURE "Data flow of one request", 
 2. Make a room id (uuid4 hex); on `/generate` it is the request's `rid` on both servers.
 3. POST the client's body to the decode server's same endpoint with `bootstrap_room` and
    `bootstrap_cp_size` (the prefill server's CP size) added, streaming the response.
-4. Once the decode server's response headers arrive (it registers the room before it
-   answers), POST the same body to the prefill server's same endpoint with
+4. Once the decode server's response headers arrive, POST the same body to the prefill
+   server's same endpoint with
    `bootstrap_room`, `decode_transfer_target` (the decode server's transfer receiver) and
    `stream=false`. A decode server that holds its headers back until its first output (a
    non-streaming answer does; `cpkv-serve` streams headers with the first token) would
    deadlock a router waiting for them, so the prefill call also starts after
    `--decode-register-wait` seconds without headers (default 0: at once, as any wait is
    added to the TTFT): the transfer layer retries its handshake until the room is
-   registered (`bootstrap_timeout_s` in `transfer.backends.grpc_backend`), and the prefill
-   computes before it sends anyway, so starting early is safe. A decode answer that is
+   registered (`bootstrap_timeout_s` in `transfer.backends.grpc_backend`; a decode
+   server that queues the request registers it once its pages are free), and the
+   prefill server computes a request only after every rank's handshake succeeded, so
+   starting early holds no prefill pages. A full queue on either server is a 503 with
+   `Retry-After`, passed on to the client. A decode answer that is
    not 200 (a bad request) means no room: the prefill call is not made, or is cancelled.
 5. The decode response goes back to the client unchanged (status, content type, bytes).
    The prefill call runs concurrently and decides nothing unless it fails (connection

