@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.lane_allocator import OwnerLaneAllocator
+from cpkv_jax.model_configs import config_dir
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving.radix_cache import RadixCache
 from serving.scheduler.buffer_estimator import BufferEstimator
@@ -47,7 +48,7 @@ from serving.scheduler.prefill_scheduler import PrefillScheduler, StepRow
 
 logger = logging.getLogger("bench_admission")
 
-SHARED_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "configs" / "glm-5" / "config.json"
+SHARED_CONFIG = config_dir("glm-5") / "config.json"
 GIB = 1 << 30
 
 

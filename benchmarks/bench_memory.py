@@ -5,7 +5,7 @@
         [--json-model-override-args '{"index_topk_freq": 4, "index_skip_topk_offset": 3}']
         [--dtype bfloat16] [--index-k-dtype fp8_e4m3] [--measured | --no-measured]
 
-Figures at real model dimensions (GLM-5 by default, from `shared/configs/glm-5`) are
+Figures at real model dimensions (GLM-5 by default, from `cpkv_jax/model_configs/glm-5`) are
 computed from `jax.ShapeDtypeStruct`s, never allocated: every byte goes through
 `kv_cache.pool_shapes` (via `kv_pool.per_rank_pool_bytes`), the function the device
 pools are built from, so no per-token size is written down here.
@@ -80,13 +80,13 @@ from cpkv_jax.generate import DTYPES
 from cpkv_jax.kv_pool import PoolLayout, init_cp_pool, per_rank_pool_bytes
 from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, IndexKDtype, KVPool, pool_shapes
+from cpkv_jax.model_configs import CONFIGS_DIR, config_dir
 from cpkv_jax.paging import pages_for_tokens
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 logger = logging.getLogger(__name__)
 
-SHARED_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
-DEFAULT_CONFIG = SHARED_CONFIGS / "glm-5"
+DEFAULT_CONFIG = config_dir("glm-5")
 GIB = 1 << 30
 
 
@@ -172,7 +172,7 @@ def load_config(path: Path | None, json_model_override_args: str = "") -> ModelC
     if not path.is_file():
         raise ConfigError(
             f"no model config at {path}: pass --config PATH (a config.json or its directory; "
-            f"the shared configs live in {SHARED_CONFIGS})"
+            f"the real models' configs are in {CONFIGS_DIR})"
         )
     try:
         raw = json.loads(path.read_text())

@@ -99,6 +99,7 @@ import numpy as np
 
 from benchmarks.bench_mooncake_raw import RawWriter
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.model_configs import config_dir
 from cpkv_jax.paging import PageAllocator, owned_pages, pages_for_tokens
 from transfer.backends.grpc_backend import GrpcBackend, GrpcBackendConfig
 from transfer.backends.mooncake_engine import mooncake_available
@@ -117,7 +118,7 @@ from transfer.staging_arena import StagingArena
 
 logger = logging.getLogger("bench_transfer")
 
-GLM5_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "configs" / "glm-5"
+GLM5_CONFIG = config_dir("glm-5")
 PAGE_SIZE = 64
 MiB = 1 << 20
 BACKENDS = ("mooncake", "mooncake-at-send", "grpc", "grpc-at-send")

@@ -1,6 +1,6 @@
 """Model configuration read from a Hugging Face `config.json`.
 
-Two `config.json` styles exist in the wild and both are read (see shared/configs):
+Two `config.json` styles exist in the wild and both are read (see cpkv_jax/model_configs):
 - newer: `rope_parameters` (theta + scaling type), explicit `indexer_types` and
   `mlp_layer_types` lists;
 - older: top-level `rope_theta` / `rope_scaling`, and the indexer schedule given only by

@@ -8,7 +8,6 @@ GLM-5 figures are checked against bytes written out here from the SPEC's vocabul
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -16,12 +15,10 @@ from hypothesis import strategies as st
 
 from benchmarks import bench_memory as bm
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.model_configs import config_dir
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 GLM5 = bm.DEFAULT_CONFIG / "config.json"
-needs_glm5 = pytest.mark.skipif(
-    not GLM5.is_file(), reason=f"shared config {GLM5} not present in this checkout"
-)
 
 FREQ4 = '{"index_topk_freq": 4, "index_skip_topk_offset": 3}'
 GLM5_LATENT = 1152  # (512 + 64) bf16 values per token per layer
@@ -57,7 +54,6 @@ def _glm5_report(*argv: str) -> dict:
     return bm.model_report(bm.load_config(args.config, args.json_model_override_args), args)
 
 
-@needs_glm5
 def test_glm5_shared_is_one_over_cp_of_replicated_at_128k():
     r = _glm5_report()  # defaults: cp 8, page 64, 131072 tokens, bf16, fp8 index K
     assert (r["cp_size"], r["page_size"], r["context_tokens"]) == (8, 64, 131072)
@@ -71,7 +67,6 @@ def test_glm5_shared_is_one_over_cp_of_replicated_at_128k():
     assert r["transient_full_view_bytes"] == 131072 * (GLM5_LATENT + GLM5_INDEX)
 
 
-@needs_glm5
 def test_glm5_max_context_at_64gib_grows_at_least_7x():
     r = _glm5_report("--budget-gib", "64")
     assert r["budget_bytes"] == 64 * GIB
@@ -79,7 +74,6 @@ def test_glm5_max_context_at_64gib_grows_at_least_7x():
     assert r["max_context_ratio"] == r["max_context_shared"] / r["max_context_replicated"]
 
 
-@needs_glm5
 @pytest.mark.parametrize("shared", [True, False])
 def test_glm5_max_context_is_the_largest_that_fits(shared):
     """max_context fits the budget (pool + transient view); one more page does not."""
@@ -97,7 +91,6 @@ def test_glm5_max_context_is_the_largest_that_fits(shared):
     )
 
 
-@needs_glm5
 def test_glm5_index_share_override_drops_shared_layers_index_k():
     r = _glm5_report("--json-model-override-args", FREQ4)
     assert r["full_indexer_layers"] == 21
@@ -157,7 +150,6 @@ def test_main_json_with_config_file(tmp_path, capsys):
     assert report["cp_size"] == 4 and report["config"] == str(path)
 
 
-@needs_glm5
 def test_main_default_json_has_all_keys(capsys):
     assert bm.main(["--json", "--measured-tokens", "4096"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -186,7 +178,7 @@ def test_main_no_measured_and_bad_flags(tmp_path, capsys):
     assert "--cp-size" in capsys.readouterr().err
 
 
-def test_default_config_is_beside_the_repo():
-    """CI clones the repo with `shared/` beside it: the default resolves there."""
-    repo = Path(bm.__file__).resolve().parents[1]
-    assert repo.parent / "shared" / "configs" / "glm-5" == bm.DEFAULT_CONFIG
+def test_default_config_is_the_vendored_glm5():
+    """The default resolves inside the package (a clone anywhere has it)."""
+    assert config_dir("glm-5") == bm.DEFAULT_CONFIG
+    assert (bm.DEFAULT_CONFIG / "config.json").is_file()

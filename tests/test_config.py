@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from cpkv_jax.config import ModelConfig, derive_indexer_types, merge_model_overrides
 from cpkv_jax.errors import ConfigError, UnknownModelTypeError
+from cpkv_jax.model_configs import config_dir
 from cpkv_jax.tools.tiny_config import tiny_config_dict
-
-SHARED_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
 
 
 def _real(name: str) -> dict:
-    path = SHARED_CONFIGS / name / "config.json"
-    if not path.is_file():
-        pytest.skip(f"shared config {path} not present in this checkout")
-    return json.loads(path.read_text())
+    return json.loads((config_dir(name) / "config.json").read_text())
 
 
 def test_glm5_config_reads_dims_and_lists():

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
+from cpkv_jax.model_configs import config_dir
 from cpkv_jax.paging import pages_for_tokens
 from transfer import page_plan
 from transfer.page_plan import (
@@ -33,12 +34,11 @@ from transfer.page_plan import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_CONFIGS = REPO.parent / "shared" / "configs"
 log = logging.getLogger(__name__)
 
 
 def _cfg(name: str) -> ModelConfig:
-    return ModelConfig.from_dict(json.loads((SHARED_CONFIGS / name / "config.json").read_text()))
+    return ModelConfig.from_dict(json.loads((config_dir(name) / "config.json").read_text()))
 
 
 def _small_layout(page_size: int, index_k_dtype: str = "float8_e4m3fn") -> LayoutDescriptor:

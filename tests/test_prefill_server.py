@@ -459,7 +459,6 @@ def test_mooncake_host_buffer_size_floor_and_flag(tiny):
         backend.close()
 
 
-@pytest.mark.skipif(not GLM5_DIR.is_dir(), reason=f"shared config {GLM5_DIR} not present")
 def test_mooncake_host_buffer_holds_one_ranks_largest_share_of_glm5(tiny):
     """Sized for the full GLM-5 config (78 layers, 64-token pages of 576 bf16 latent +
     132 B index K per token and layer, cp 8): by default one rank's pages of the
@@ -485,7 +484,6 @@ def test_mooncake_host_buffer_holds_one_ranks_largest_share_of_glm5(tiny):
     assert mooncake_host_buffer_bytes(small, glm5) == 64 << 20
 
 
-@pytest.mark.skipif(not GLM5_DIR.is_dir(), reason=f"shared config {GLM5_DIR} not present")
 def test_mooncake_decode_staging_holds_the_longest_request_of_glm5(tiny):
     """The decode side's Mooncake staging arena (`serving.server.mooncake_staging_bytes`):
     by default room for the longest request the decode pool holds: GLM-5's default

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cpkv_jax.errors import ConfigError
+from cpkv_jax.model_configs import config_dir
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving import launch
 from serving.server_args import (
@@ -29,7 +30,7 @@ from transfer.capabilities import (
     default_backend_registry,
 )
 
-GLM5_DIR = Path(__file__).resolve().parents[2] / "shared" / "configs" / "glm-5"
+GLM5_DIR = config_dir("glm-5")
 LIMIT_FLAGS = (
     "--cp-shared-kv-prefill-max-batch-requests",
     "--cp-shared-kv-prefill-max-total-extend-tokens",
@@ -316,8 +317,6 @@ def test_s11_4_model_config_derives_schedule_from_flags(model_dir):
 
 
 def test_s11_4_glm5_freq4_offset3_schedule():
-    if not (GLM5_DIR / "config.json").is_file():
-        pytest.skip(f"shared GLM-5 config {GLM5_DIR} not present in this checkout")
     args = _args(model_path=str(GLM5_DIR), nsa_index_topk_freq=4, nsa_index_skip_topk_offset=3)
     cfg = args.model_config()
     full = list(cfg.full_indexer_layers)
