@@ -17,8 +17,9 @@ One `DecodeEngine` serves two server modes behind the `StepEngine` contract
 - `"decode"` (PD): a request waits in the same bounded FIFO queue until its pages and a
   batch slot are free, then its pages are allocated and its transfer room registered
   with the receiver (at once in `add` when it fits; else by a later `step`, in arrival
-  order). The prefill side's handshake waits for the room (`Receiver.handshake` long-
-  polls an unknown room), and the prefill server prefills a request only once every
+  order). The prefill side's handshake waits for the room (the receiver's gRPC
+  servicer holds a handshake for an unknown room), and the prefill server prefills a
+  request only once every
   rank's handshake is accepted, so a request queued here holds no prefill pages. Each
   `step` polls the rooms without blocking. On
   SUCCESS the room's aux data is the first token (emitted as the first chunk) and the

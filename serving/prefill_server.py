@@ -305,11 +305,9 @@ class PrefillModeEngine:
         alloc = self.runner.allocator
         free = tuple(int(x) for x in alloc.num_free_per_lane())
         total = (int(alloc.capacity_per_lane),) * len(free)
-        if len(free) == 1 and self.cp_size > 1:  # replicated: every rank holds the same
-            free, total = free * self.cp_size, total * self.cp_size
         cached = tuple(int(x) for x in self.scheduler.cache.total_pages_per_lane())
-        if len(cached) == 1 and self.cp_size > 1:
-            cached = cached * self.cp_size
+        if len(free) == 1 and self.cp_size > 1:  # replicated: every rank holds the same
+            free, total, cached = (x * self.cp_size for x in (free, total, cached))
         return EngineStats(
             mode="prefill",
             waiting=len(self._queue),

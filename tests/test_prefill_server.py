@@ -834,7 +834,10 @@ def test_transfer_reads_beside_donating_prefill_steps(fresh):
     buffers = pd.engine.layout.buffers()
     sources = pd.engine._sources
     pages = {r: inputs.src_local_pages[r::CP] for r in range(CP)}
+    before = [s.dispatches for s in sources]
     want = {(r, b): sources[r].read(*b, pages[r]) for r in range(CP) for b in buffers}
+    # A rank's read of every buffer is one gather (each waits behind the step on its device).
+    assert [s.dispatches - d for s, d in zip(sources, before, strict=True)] == [1] * CP
     errors: list[BaseException] = []
     reads = 0
     stop = threading.Event()

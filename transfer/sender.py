@@ -117,7 +117,7 @@ class CPPoolPageSource:
             collections.OrderedDict()
         )
         self._pending_lock = threading.Lock()
-        self.dispatches = 0  # gathers dispatched (tests, benchmarks)
+        self.dispatches = 0  # gathers dispatched (tests check one per read of all buffers)
 
     def read(self, kind: BufferKind, layer: int, src_pages: np.ndarray) -> np.ndarray:
         pages = np.ascontiguousarray(src_pages, dtype=np.int32)
