@@ -37,11 +37,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from cpkv_jax.cache.radix import RadixCache
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.lane_allocator import OwnerLaneAllocator
 from cpkv_jax.model_configs import config_dir
 from cpkv_jax.tools.tiny_config import tiny_config_dict
-from serving.radix_cache import RadixCache
 from serving.scheduler.buffer_estimator import BufferEstimator
 from serving.scheduler.prefill_adder import AddResult, Candidate, CPSharedKVLimits, PrefillAdder
 from serving.scheduler.prefill_scheduler import PrefillScheduler, StepRow

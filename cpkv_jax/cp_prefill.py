@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from cpkv_jax.buckets import page_table_width, step_shape
 from cpkv_jax.config import CPConfig, ModelConfig
-from cpkv_jax.errors import CpkvError, InputError
+from cpkv_jax.errors import InputError
 from cpkv_jax.kv_pool import PoolLayout, init_cp_pool
 from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
 from cpkv_jax.materialize import CPKVIO, GatherImpl
@@ -41,14 +41,13 @@ from cpkv_jax.model.mla import AttnForm
 from cpkv_jax.model.numerics import batch_invariant, token_block_bytes
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import pages_for_tokens
+from cpkv_jax.shared_kv_debug import (
+    DEBUG_ENV,
+    check_step,
+    shadow_pages_per_rank,
+)
 
 logger = logging.getLogger(__name__)
-
-DEBUG_ENV = "CPKV_DEBUG_SHARED_KV"
-
-
-class SharedKVInvariantError(CpkvError):
-    """A `CPKV_DEBUG_SHARED_KV=1` invariant check failed (a bug, not bad input)."""
 
 
 def zigzag_order(n_tokens: int, cp_size: int, block: int) -> np.ndarray:
@@ -168,7 +167,7 @@ class CPPrefillRunner:
                 model,
                 mesh,
                 dataclasses.replace(cp, shared_kv=False),
-                pages_per_rank=cp.cp_size * (pages_per_rank - 1) + 1,
+                pages_per_rank=shadow_pages_per_rank(self.layout),
                 index_k_dtype=index_k_dtype,
                 gather_impl=gather_impl,
                 debug=False,
@@ -269,10 +268,7 @@ class CPPrefillRunner:
                 done[i] += lengths[row]
                 if done[i] == arrays[i].size:
                     last_logits[i] = logits[row]
-        result = PrefillResult(np.stack(last_logits), tables)  # type: ignore[arg-type]
-        if self._shadow is not None:
-            self._check_invariants(arrays, chunk, result)
-        return result
+        return PrefillResult(np.stack(last_logits), tables)  # type: ignore[arg-type]
 
     def _step_args(self, plan: StepPlan) -> tuple:
         """The step's arguments but the pool (the caller reads that under the lock)."""
@@ -294,7 +290,10 @@ class CPPrefillRunner:
         state, tokens, table, kv_lens, last = self._step_args(plan)
         with self.pool_lock:
             logits, self.pool = self._step(state, tokens, table, kv_lens, self.pool, last)
-        return np.asarray(logits)
+        out = np.asarray(logits)
+        if self._shadow is not None:  # SPEC S1.7: every step, served requests included
+            check_step(self, self._shadow, plan, out)
+        return out
 
     def step_hlo_text(self, plan: StepPlan) -> str:
         """The optimized HLO of the step compiled for `plan`'s shape (for profilers:
@@ -310,32 +309,13 @@ class CPPrefillRunner:
         views = self._view(self.pool, row)
         return jax.tree_util.tree_map(lambda v: v[0, : table.num_tokens], views)
 
+    def views(self, page_table: np.ndarray) -> KVPool:
+        """Materialized full views of page-table rows `[B, width]`: leaves `[B, tokens,
+        ...]` (device sync; rows past a request's length are padding)."""
+        return self._view(self.pool, _global(page_table, self._shardings[1]))
+
     def release(self, table: RequestPageTable) -> None:
         table.release(self.allocator)
-
-    # ---- debug invariants (SPEC S1.7) -------------------------------------------------
-    def _check_invariants(
-        self, prompts: Sequence[np.ndarray], chunk: int | None, result: PrefillResult
-    ) -> None:
-        """Ownership of every page, and full views equal to a replicated shadow's."""
-        assert self._shadow is not None
-        for table in result.tables:
-            want = np.arange(table.num_pages) % self.cp.cp_size
-            if not np.array_equal(table.owners(), want):
-                raise SharedKVInvariantError(f"page owners {table.owners()} != p mod cp {want}")
-        shadow = self._shadow.prefill(prompts, chunk)
-        try:
-            for i, (mine, theirs) in enumerate(zip(result.tables, shadow.tables, strict=True)):
-                a = jax.tree_util.tree_leaves(self.full_view(mine))
-                b = jax.tree_util.tree_leaves(self._shadow.full_view(theirs))
-                for x, y in zip(a, b, strict=True):
-                    if not np.array_equal(np.asarray(x), np.asarray(y)):
-                        raise SharedKVInvariantError(
-                            f"request {i}: shared-KV full view differs from the replicated shadow"
-                        )
-        finally:
-            for t in shadow.tables:
-                self._shadow.release(t)
 
 
 def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:

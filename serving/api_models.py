@@ -211,6 +211,18 @@ class ChatMessage(_Body):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _needs_content(self) -> ChatMessage:
+        # OpenAI answers 400 here too: only an assistant turn carrying tool calls may omit
+        # content, and this server accepts no tool calls.
+        if self.content is None:
+            raise ValueError(
+                f"a {self.role} message needs `content` (text or text parts); a message "
+                "without content is valid only for an assistant turn with tool_calls, "
+                "which this server does not accept"
+            )
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""

@@ -5,8 +5,8 @@ the model and the devices, load the model, build the `cp` mesh, the page-owned (
 replicated) pools sized from `--kv-pool-size`, the radix prefix cache on the pools'
 owner-lane allocator, the CPU-only buffer estimator, and the prefill scheduler with the
 CP shared-KV limits. When `--cp-shared-kv-prefill-max-buffer-size` is set, that many
-bytes are allocated once on every CP device (SPEC S9.4) and startup fails with a clear
-message if they do not fit.
+bytes are allocated once on every CP device after the weights and pools are placed
+(SPEC S9.4), and startup fails with a clear message if they do not fit beside them.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from cpkv_jax.cache.radix import RadixCache
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
 from cpkv_jax.errors import ConfigError
@@ -24,7 +25,6 @@ from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.model.weights import load_model
-from serving.radix_cache import RadixCache
 from serving.scheduler.buffer_estimator import (
     BufferEstimator,
     profile_for_platform,
@@ -97,8 +97,6 @@ def build_prefill_engine(
             json_model_override_args=args.effective_model_overrides(),
         )
     mesh = make_cp_mesh(args.cp_size, devices)
-    if args.cp_shared_kv_prefill_max_buffer_size is not None:
-        startup_smoke_allocation(args.cp_shared_kv_prefill_max_buffer_size, list(mesh.devices.flat))
     pages = pool_pages_per_rank(args, cfg)
     runner = CPPrefillRunner(
         cfg,
@@ -111,6 +109,11 @@ def build_prefill_engine(
         batch_invariant=args.enable_batch_invariant,
         block_bytes=args.transient_block_size,
     )
+    if args.cp_shared_kv_prefill_max_buffer_size is not None:
+        # SPEC S9.4: the buffer limit must fit beside the weights and pools, so allocate it
+        # only once both are resident (placement is asynchronous).
+        jax.block_until_ready((runner.state, runner.pool))
+        startup_smoke_allocation(args.cp_shared_kv_prefill_max_buffer_size, list(mesh.devices.flat))
     cache = RadixCache(runner.allocator, args.page_size)
     estimator = BufferEstimator(
         cfg,

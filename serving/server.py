@@ -34,7 +34,6 @@ import uvicorn
 from fastapi import FastAPI
 
 from cpkv_jax.config import ModelConfig
-from cpkv_jax.errors import ConfigError
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.model.weights import load_model
@@ -295,12 +294,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         t = time.perf_counter()
         engine.backend.prepare()  # Mooncake: engine up, host copy buffer registered
         logger.info("transfer backend ready in %.2fs", time.perf_counter() - t)
-    else:
-        if args.cp_size != 1:
-            raise ConfigError(
-                f"--disaggregation-mode {args.disaggregation_mode} serves on one device; "
-                f"--cp-size {args.cp_size} needs --disaggregation-mode prefill"
-            )
+    else:  # validate() refused --cp-size > 1 outside prefill mode
         engine, extra, more = _build_decode_side(args, cfg, model, tokenizer)
         info.update(extra)
         closers += more

@@ -45,6 +45,7 @@ from cpkv_jax.config import CPConfig, CPSplitMode, ModelConfig, check_cp_config,
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.model.kv_cache import IndexKDtype
 from cpkv_jax.pallas.paged_gather import GatherImpl
+from transfer.capabilities import DEFAULT_BACKEND as DEFAULT_TRANSFER_BACKEND
 from transfer.capabilities import TransferBackendRegistry, default_backend_registry
 
 logger = logging.getLogger(__name__)
@@ -401,10 +402,9 @@ class ServerArgs:
         help="null = prefill and decode here; prefill / decode = one side of PD",
         group="transfer",
     )
-    transfer_backend: str | None = _arg(
-        None,
-        help="PD KV transfer backend, one of: {transfer_backends}; needed with "
-        "--disaggregation-mode prefill|decode",
+    transfer_backend: str = _arg(
+        DEFAULT_TRANSFER_BACKEND,
+        help="PD KV transfer backend, one of: {transfer_backends}",
         group="transfer",
         metavar="NAME",
         requires="disaggregated",
@@ -704,10 +704,12 @@ class ServerArgs:
                 f"--disaggregation-mode decode with --cp-size {self.cp_size}: the decode side "
                 "is not context-parallel (SPEC S2.1); use --cp-size 1 on decode servers"
             )
-        if self.disaggregated() and self.transfer_backend is None:
+        if self.disaggregation_mode == "null" and self.cp_size > 1:
+            # Refused here, before any weights load: only a PD prefill server runs CP.
             raise ServerArgsError(
-                f"--disaggregation-mode {self.disaggregation_mode} needs --transfer-backend "
-                f"(one of: {', '.join(backends.names())})"
+                f"--cp-size {self.cp_size} needs --disaggregation-mode prefill: a unified "
+                "(null) server prefills and decodes on one device; use --cp-size 1 or run "
+                "a PD pair (SPEC S2.1)"
             )
         if self.transfer_host_buffer_size is not None and (
             self.disaggregation_mode != "prefill" or self.transfer_backend != "mooncake"
@@ -723,8 +725,6 @@ class ServerArgs:
                 "--transfer-staging-size sizes the Mooncake receiver's staging arena: it "
                 "needs --disaggregation-mode decode --transfer-backend mooncake"
             )
-        if self.transfer_backend is None:
-            return
         if self.transfer_backend not in backends:
             raise ServerArgsError(
                 f"--transfer-backend {self.transfer_backend!r} is not registered; use one of: "

@@ -25,18 +25,14 @@ import pytest
 from flax import nnx
 
 from cpkv_jax.config import CPConfig, ModelConfig
-from cpkv_jax.cp_prefill import (
-    CPPrefillRunner,
-    SharedKVInvariantError,
-    pages_per_rank_for,
-    zigzag_order,
-)
+from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for, zigzag_order
 from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.generate import prefill_batch
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, init_pool
 from cpkv_jax.model.transformer import CausalLM, forward_step
+from cpkv_jax.shared_kv_debug import SharedKVInvariantError
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 P = 16
@@ -304,20 +300,38 @@ def test_compiles_once_per_shape_bucket(setup):
     assert runner.compiled_step_shapes == len(buckets) < 20
 
 
-def test_debug_switch_checks_against_replicated_shadow(setup, monkeypatch):
+def _swap_lanes_after_each_step(runner: CPPrefillRunner, a: int, b: int) -> None:
+    """Fault: after each step, lanes `a` and `b` of the latent pool trade places, as if
+    the owners' writes had gone to the wrong rank. Logits stay right (computed before)."""
+    step, ppr = runner._step, runner.layout.pages_per_rank
+
+    def faulty(*args):
+        logits, pool = step(*args)
+        lat = pool.latent[0]
+        rows = np.arange(lat.shape[0])
+        rows[a * ppr : (a + 1) * ppr], rows[b * ppr : (b + 1) * ppr] = (
+            rows[b * ppr : (b + 1) * ppr].copy(),
+            rows[a * ppr : (a + 1) * ppr].copy(),
+        )
+        swapped = jax.device_put(lat[rows], lat.sharding)
+        return logits, dataclasses.replace(pool, latent=(swapped, *pool.latent[1:]))
+
+    runner._step = faulty
+
+
+def test_s1_7_debug_switch_checks_every_step_against_the_device_shards(setup, monkeypatch):
     cfg, model, _ = setup
     monkeypatch.setenv("CPKV_DEBUG_SHARED_KV", "1")
     runner = make_runner(cfg, model, 100)
     assert runner.debug and runner._shadow is not None
     ids = _prompt(3 * P + 2, 3)
-    result = runner.prefill([ids], 32)  # passes: checks ran inside
-    # Corrupt one owned page: the invariant check must now fail.
-    table = result.tables[0]
-    lane1 = runner.pool.latent[0]
-    bad = lane1.at[1 * runner.layout.pages_per_rank + table.local_pages()[1]].add(1.0)
-    runner.pool = dataclasses.replace(runner.pool, latent=(bad, *runner.pool.latent[1:]))
-    with pytest.raises(SharedKVInvariantError, match="differs from the replicated shadow"):
-        runner._check_invariants([ids], 32, result)
+    result = runner.prefill([ids], 32)  # passes: every step was checked
+    runner.release(result.tables[0])
+    # Ownership comes from what the shards hold, not from the page table (which still
+    # says p mod cp): pages written into the wrong lanes fail the next step's check.
+    _swap_lanes_after_each_step(runner, 0, 1)
+    with pytest.raises(SharedKVInvariantError, match=r"latent.*on its owner's shard differs"):
+        runner.prefill([_prompt(3 * P + 2, 4)], 32)
 
 
 def test_zigzag_split_gives_rank_r_blocks_r_and_mirror():

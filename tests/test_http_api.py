@@ -647,6 +647,8 @@ def _bad_requests(rng: np.random.Generator) -> list[tuple[str, str, Any, int]]:
         ("POST", "/v1/chat/completions", {"messages": []}, 400),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 2}, 400),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400),
         (
             "POST",
             "/v1/chat/completions",
@@ -711,6 +713,13 @@ def test_error_messages_name_the_field_and_numbers(srv, bare):
     assert "token ids" in r.json()["error"]["message"]
     r = srv.http.post("/generate", json={"input_ids": [5, PAD_ID]})
     assert "pad token" in r.json()["error"]["message"]
+    # OpenAI refuses a message without content (only an assistant turn with tool calls may
+    # omit it); the template would otherwise render an empty turn.
+    for role in ("user", "assistant"):
+        r = srv.http.post("/v1/chat/completions", json={"messages": [{"role": role}]})
+        assert r.status_code == 400, r.text
+        assert "messages.0" in r.json()["error"]["message"]
+        assert "content" in r.json()["error"]["message"]
 
 
 def test_engine_error_is_500_or_an_error_event(srv):

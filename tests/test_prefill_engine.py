@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
+from cpkv_jax import cp_prefill
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
+from serving import prefill_engine
 from serving.prefill_engine import build_prefill_engine
 from serving.server_args import ServerArgs
 
@@ -21,7 +24,8 @@ def tiny(tmp_path_factory):
 
 def args_for(path, *extra: str) -> ServerArgs:
     base = ["--model-path", str(path), "--dtype", "float32", "--page-size", "16"]
-    base += ["--cp-size", "8", "--enable-cp-shared-kv", "--chunked-prefill-size", "64"]
+    base += ["--disaggregation-mode", "prefill", "--cp-size", "8", "--enable-cp-shared-kv"]
+    base += ["--chunked-prefill-size", "64"]
     return ServerArgs.from_cli([*base, *extra])
 
 
@@ -70,6 +74,59 @@ def test_s9_4_startup_fails_cleanly_when_the_buffer_limit_does_not_fit(tiny):
     )
     with pytest.raises(ConfigError, match="max-buffer-size .* does not fit on device"):
         build_prefill_engine(args, model=model)
+
+
+def test_s9_4_smoke_allocation_runs_beside_the_placed_weights_and_pools(tiny, monkeypatch):
+    """The limit must fit next to what the server keeps resident: when the smoke runs,
+    every weight and pool leaf is already on the devices."""
+    path, (_, model) = tiny
+    seen: list[set[int]] = []
+
+    def record(max_bytes, devices):
+        seen.append({id(a) for a in jax.live_arrays()})
+
+    monkeypatch.setattr(prefill_engine, "startup_smoke_allocation", record)
+    args = args_for(
+        path,
+        "--enable-cp-shared-kv-prefill-bs-gt1",
+        "--cp-shared-kv-prefill-max-buffer-size",
+        "1MiB",
+    )
+    runner = build_prefill_engine(args, model=model).runner
+    (live,) = seen
+    resident = jax.tree.leaves((runner.state, runner.pool))
+    assert resident and all(id(leaf) in live for leaf in resident)
+
+
+def test_s1_7_debug_checks_cover_served_requests(tiny, monkeypatch):
+    """`CPKV_DEBUG_SHARED_KV=1` checks every step the scheduler dispatches (batched and
+    prefix-cached requests too), not only `CPPrefillRunner.prefill`."""
+    path, (_, model) = tiny
+    monkeypatch.setenv("CPKV_DEBUG_SHARED_KV", "1")
+    checked: list[int] = []
+    real = cp_prefill.check_step
+
+    def counting(runner, shadow, plan, logits):
+        real(runner, shadow, plan, logits)
+        checked.append(int(plan.valid.sum()))
+
+    monkeypatch.setattr(cp_prefill, "check_step", counting)
+    args = args_for(path, "--enable-cp-shared-kv-prefill-bs-gt1", "--kv-pool-size", "1MiB")
+    engine = build_prefill_engine(args, model=model)
+    rng = np.random.default_rng()
+    shared_prefix = rng.integers(3, 300, 32).astype(np.int32)
+    prompts = {
+        "a": rng.integers(3, 300, 40).astype(np.int32),
+        "b": np.concatenate([shared_prefix, rng.integers(3, 300, 20).astype(np.int32)]),
+    }
+    for rid, p in prompts.items():
+        engine.scheduler.submit(rid, p)
+    assert {o.rid for o in engine.scheduler.run_until_idle()} == set(prompts)
+    # Same prefix again: served from the radix cache, the rest checked against the shadow.
+    engine.scheduler.submit("c", np.concatenate([shared_prefix, prompts["a"][:9]]))
+    (out,) = engine.scheduler.run_until_idle()
+    assert out.rid == "c" and out.cached_tokens >= 32
+    assert sum(checked) == 40 + 52 + 41 - out.cached_tokens
 
 
 def test_kv_pool_size_too_small_is_refused(tiny):

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cpkv_jax.cache.radix import RadixCache
 from cpkv_jax.errors import InputError
 from cpkv_jax.lane_allocator import OwnerLaneAllocator
-from serving.radix_cache import RadixCache
 from serving.scheduler.prefill_adder import CPSharedKVLimits
 from serving.scheduler.prefill_scheduler import PrefillScheduler, StepRow
 

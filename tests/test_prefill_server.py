@@ -36,6 +36,7 @@ from test_cp_prefill import reference as cp_reference
 from test_transfer_grpc import bitwise_equal, decode_layout
 
 from benchmarks.bench_memory import DEFAULT_CONFIG as GLM5_DIR
+from cpkv_jax.cache.radix import RadixCache
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.generate import ReferenceGenerator
@@ -53,7 +54,6 @@ from serving.prefill_server import (
     mooncake_host_buffer_bytes,
     request_seed,
 )
-from serving.radix_cache import RadixCache
 from serving.scheduler.prefill_scheduler import PrefillScheduler, StepRow
 from serving.server import mooncake_staging_bytes
 from serving.server_args import ServerArgs

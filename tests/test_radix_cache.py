@@ -16,14 +16,14 @@ from hypothesis.stateful import (
     rule,
 )
 
-from cpkv_jax.errors import CacheCapacityError
-from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
-from serving.radix_cache import (
+from cpkv_jax.cache.radix import (
     RadixCache,
     alloc_with_evict,
     cache_finished_request,
     table_from_prefix,
 )
+from cpkv_jax.errors import CacheCapacityError
+from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
 
 
 def _cache(cp_size: int, pages_per_lane: int, page_size: int) -> RadixCache:

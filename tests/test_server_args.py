@@ -37,7 +37,7 @@ LIMIT_FLAGS = (
     "--cp-shared-kv-prefill-max-cached-tokens",
     "--cp-shared-kv-prefill-max-buffer-size",
 )
-SHARED_KV = ("--cp-size", "8", "--enable-cp-shared-kv")
+SHARED_KV = ("--disaggregation-mode", "prefill", "--cp-size", "8", "--enable-cp-shared-kv")
 
 
 @pytest.fixture
@@ -51,6 +51,8 @@ def model_dir(tmp_path: Path) -> Path:
 
 def _args(**kw) -> ServerArgs:
     kw.setdefault("model_path", "unused")
+    if kw.get("cp_size", 1) > 1:  # CP runs only on a PD prefill server
+        kw.setdefault("disaggregation_mode", "prefill")
     return ServerArgs(**kw)
 
 
@@ -434,7 +436,10 @@ def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [
-        ({"disaggregation_mode": "prefill"}, "needs --transfer-backend (one of: grpc, mooncake"),
+        (
+            {"disaggregation_mode": "null", "cp_size": 8, "enable_cp_shared_kv": True},
+            "--cp-size 8 needs --disaggregation-mode prefill",
+        ),
         (
             {"disaggregation_mode": "prefill", "transfer_backend": "nixl"},
             "--transfer-backend 'nixl' is not registered",
@@ -443,7 +448,7 @@ def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
             {"disaggregation_mode": "decode", "transfer_backend": "grpc", "cp_size": 8},
             "decode side is not context-parallel",
         ),
-        ({"transfer_backend": "grpc"}, "--transfer-backend has no effect without"),
+        ({"transfer_backend": "mooncake"}, "--transfer-backend has no effect without"),
         ({"transfer_waiting_timeout": 1.0}, "--transfer-waiting-timeout has no effect"),
         (
             {"disable_transfer_malloc_tuning": True},
@@ -485,6 +490,14 @@ def test_transfer_flag_refusals(kw, needle):
     with pytest.raises(ServerArgsError) as e:
         _args(**kw).validate()
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_pd_mode_without_a_backend_uses_the_embedded_default(mode):
+    """SGLang applies its default transfer backend; ours is gRPC (no system libraries)."""
+    args = ServerArgs.from_cli(["--model-path", "m", "--disaggregation-mode", mode])
+    assert args.transfer_backend == "grpc"
+    assert args.validate() == ()
 
 
 # ---- SPEC S4.4: layer_page_first host layout ---------------------------------------------
@@ -697,10 +710,19 @@ def test_check_config_prints_merged_overrides(serve):
 
 
 def test_check_config_reports_warnings(serve):
-    rc, out, _ = serve("--cp-size", "8", "--enable-cp-shared-kv-prefill-bs-gt1")
+    rc, out, _ = serve(
+        "--disaggregation-mode", "prefill", "--cp-size", "8", "--enable-cp-shared-kv-prefill-bs-gt1"
+    )
     assert rc == 0
     (warning,) = json.loads(out)["warnings"]
     assert "no effect" in warning
+
+
+def test_check_config_refuses_cp_on_a_unified_server(serve):
+    """Refused by --check-config, before any weights load (it used to fail after)."""
+    rc, out, err = serve("--cp-size", "8", "--enable-cp-shared-kv", check=True)
+    assert rc == 2 and out == ""
+    assert "--cp-size 8 needs --disaggregation-mode prefill" in _one_error_line(err)
 
 
 def test_check_config_missing_model_dir_is_one_line(serve, tmp_path, capsys):

@@ -70,6 +70,9 @@ class TransferBackendRegistry:
         return name in self._backends
 
 
+DEFAULT_BACKEND = "grpc"  # embedded, no system libraries; what PD modes use unless told
+
+
 def default_backend_registry() -> TransferBackendRegistry:
     """A new registry with the built-in backends, both fit for CP shared KV."""
     return TransferBackendRegistry(

@@ -30,16 +30,16 @@ from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from cpkv_jax.errors import CacheCapacityError, InputError
-from cpkv_jax.lane_allocator import RequestPageTable
-from cpkv_jax.paging import owner_of_page, pages_for_tokens
-from serving.radix_cache import (
+from cpkv_jax.cache.radix import (
     RadixCache,
     RadixNode,
     alloc_with_evict,
     cache_finished_request,
     table_from_prefix,
 )
+from cpkv_jax.errors import CacheCapacityError, InputError
+from cpkv_jax.lane_allocator import RequestPageTable
+from cpkv_jax.paging import owner_of_page, pages_for_tokens
 from serving.scheduler.prefill_adder import (
     AddResult,
     Admitted,
