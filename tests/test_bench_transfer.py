@@ -1,5 +1,5 @@
 """bench_transfer runs end to end (tiny: 4096 tokens, 2 layers, 1 repeat) and reports
-the issue's keys. The benchmark figures themselves are not checked here (README)."""
+the issue's keys. The benchmark figures themselves are not checked here (docs/results.md)."""
 
 from __future__ import annotations
 
