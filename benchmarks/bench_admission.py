@@ -42,14 +42,14 @@ from cpkv_jax.config import ModelConfig
 from cpkv_jax.lane_allocator import OwnerLaneAllocator
 from cpkv_jax.model_configs import config_dir
 from cpkv_jax.tools.tiny_config import tiny_config_dict
-from serving.scheduler.buffer_estimator import BufferEstimator
-from serving.scheduler.prefill_adder import AddResult, Candidate, CPSharedKVLimits, PrefillAdder
-from serving.scheduler.prefill_scheduler import PrefillScheduler, StepRow
+from cpkv_jax.units import GiB
+from serving.prefill.adder import AddResult, Candidate, CPSharedKVLimits, PrefillAdder
+from serving.prefill.buffer_estimator import BufferEstimator
+from serving.prefill.scheduler import PrefillScheduler, StepRow
 
 logger = logging.getLogger("bench_admission")
 
 SHARED_CONFIG = config_dir("glm-5") / "config.json"
-GIB = 1 << 30
 
 
 class NoDeviceExecutor:
@@ -100,7 +100,7 @@ def run_once(prompts, cfg, args, *, gates: bool) -> dict:
             max_batch_requests=args.max_batch_requests,
             max_total_extend_tokens=args.max_total_extend_tokens,
             max_cached_tokens=args.max_cached_tokens,
-            max_buffer_bytes=int(args.max_buffer_gib * GIB),
+            max_buffer_bytes=int(args.max_buffer_gib * GiB),
         )
         if gates
         else CPSharedKVLimits()
@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "rejections": first["rejections"],
         "estimate_bytes": {
-            "limit": int(args.max_buffer_gib * GIB),
+            "limit": int(args.max_buffer_gib * GiB),
             "p50": pct(est, 50),
             "p90": pct(est, 90),
             "max": int(max(est)),

@@ -76,18 +76,17 @@ from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import CPConfig, ModelConfig, parse_override_args
 from cpkv_jax.errors import ConfigError, CpkvError
-from cpkv_jax.generate import DTYPES
 from cpkv_jax.kv_pool import PoolLayout, init_cp_pool, per_rank_pool_bytes
 from cpkv_jax.mesh import make_cp_mesh
-from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, IndexKDtype, KVPool, pool_shapes
+from cpkv_jax.model.kv_cache import DTYPES, INDEX_K_DTYPES, IndexKDtype, KVPool, pool_shapes
 from cpkv_jax.model_configs import CONFIGS_DIR, config_dir
 from cpkv_jax.paging import pages_for_tokens
 from cpkv_jax.tools.tiny_config import tiny_config_dict
+from cpkv_jax.units import GiB
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = config_dir("glm-5")
-GIB = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +279,7 @@ def model_report(cfg: ModelConfig, args: MemoryBenchArgs) -> dict[str, Any]:
     replicated_bytes = per_rank_pool_bytes(cfg, replicated, dtype, ikd)
     # The CP runner pads the page-table width to cp * pow2(pages per rank) (cp_prefill).
     width = cp * pow2_at_least(-(-n_pages // cp))
-    budget = int(args.budget_gib * GIB)
+    budget = int(args.budget_gib * GiB)
     logger.info("max context search: %.1f GiB per rank, cp %d", args.budget_gib, cp)
     max_shared = max_context_tokens(cfg, budget, cp, page, dtype, ikd, shared=True)
     max_replicated = max_context_tokens(cfg, budget, cp, page, dtype, ikd, shared=False)
@@ -385,7 +384,7 @@ _BYTE_KEYS = ("_bytes", "_bytes_shared", "_bytes_replicated", "_bytes_bucketed")
 
 
 def _human_bytes(n: int) -> str:
-    return f"{n / GIB:.3f} GiB" if n >= GIB else f"{n / (1 << 20):.3f} MiB"
+    return f"{n / GiB:.3f} GiB" if n >= GiB else f"{n / (1 << 20):.3f} MiB"
 
 
 def _text(report: dict[str, Any], indent: str = "") -> str:

@@ -5,7 +5,7 @@
 
 A PD prefill server's transfers read a finished request's held pages while the engine
 runs the next prefill steps, and every step donates the pool. The choice made
-(`CPPrefillRunner.pool_lock`, `transfer.sender.CPPoolPageSource`): a read dispatches
+(`CPPrefillRunner.pool_lock`, `transfer.page_source.CPPoolPageSource`): a read dispatches
 its gather under the lock the step swaps the pool under, so it always reads a live pool;
 the copy to host and the step's compute run outside the lock. What that costs is
 measured here on the tiny model (float32, CP=8 shared KV on 8 virtual CPU devices):
@@ -43,7 +43,7 @@ from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 from transfer.page_plan import LayoutDescriptor
-from transfer.sender import CPPoolPageSource
+from transfer.page_source import CPPoolPageSource
 
 CP = 8
 PAGE = 16

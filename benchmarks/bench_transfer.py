@@ -10,7 +10,7 @@ is sent by `--cp` (8) prefill ranks to one decode server on 127.0.0.1:
 
 - prefill side (this process, one thread per rank, as a JAX single-controller prefill
   runs its CP ranks): per rank a host-memory pool per (kind, layer) buffer holding random
-  bytes (`transfer.sender.HostPoolPageSource`); each rank owns pages `p mod cp`, held in
+  bytes (`transfer.page_source.HostPoolPageSource`); each rank owns pages `p mod cp`, held in
   contiguous local pages (a fresh allocation; `--fragment` scatters them);
 - decode side (a child process by default, `--in-process-receiver` otherwise):
   `transfer.receiver.Receiver` in its documented host-only mode (`pool=None`): no decode
@@ -101,26 +101,21 @@ from benchmarks.bench_mooncake_raw import RawWriter
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model_configs import config_dir
 from cpkv_jax.paging import PageAllocator, owned_pages, pages_for_tokens
+from cpkv_jax.units import MiB
 from transfer.backends.grpc_backend import GrpcBackend, GrpcBackendConfig
 from transfer.backends.mooncake_engine import mooncake_available
 from transfer.malloc_tuning import tune_malloc
 from transfer.page_plan import PROTOCOL_VERSION, LayoutDescriptor, row_digests
+from transfer.page_source import HostPoolPageSource
 from transfer.protocol import MAX_CHUNK_BYTES, Aux, RoomState, TransferTimeouts
 from transfer.receiver import Receiver, serve
-from transfer.sender import (
-    HostPoolPageSource,
-    TransferBackend,
-    bootstrap_request,
-    rank_jobs,
-    send_request,
-)
+from transfer.sender import TransferBackend, bootstrap_request, rank_jobs, send_request
 from transfer.staging_arena import StagingArena
 
 logger = logging.getLogger("bench_transfer")
 
 GLM5_CONFIG = config_dir("glm-5")
 PAGE_SIZE = 64
-MiB = 1 << 20
 BACKENDS = ("mooncake", "mooncake-at-send", "grpc", "grpc-at-send")
 
 

@@ -33,11 +33,11 @@ from benchmarks.report import emit, environment
 from cpkv_jax.buckets import block_rows
 from cpkv_jax.model.indexer import indexer_topk
 from cpkv_jax.model.mla import sparse_attention
+from cpkv_jax.units import MiB
 
 INDEX_HEADS, INDEX_DIM, TOPK = 32, 128, 2048
 LORA, ROPE, NOPE, V = 512, 64, 128, 128
 UNLIMITED = 1 << 62
-MiB = 1 << 20
 
 
 def _timed(fn, args, repeats: int) -> tuple[float, object]:

@@ -19,6 +19,14 @@ def pow2_at_least(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+MIN_PREFILL_BUCKET = 16  # smallest padded prompt of a one-request prefill
+
+
+def prefill_bucket(n: int) -> int:
+    """Padded token count of an `n`-token prefill: bounds the number of compiled shapes."""
+    return pow2_at_least(n, MIN_PREFILL_BUCKET)
+
+
 def page_table_width(num_pages: int, cp_size: int) -> int:
     """Page-table entries for `num_pages` logical pages: `cp * pow2(ceil(pages / cp))`."""
     return cp_size * pow2_at_least(-(-num_pages // cp_size))
@@ -72,7 +80,7 @@ both run over the query tokens in blocks of `block_rows(...)` rows so that one b
 array stays within this budget (all rows at once when they fit, as for every shape the
 tiny model sees). The model (`cpkv_jax.model.indexer.index_scores` and `indexer_topk`,
 `cpkv_jax.model.mla.sparse_attention`) and the admission-time buffer estimator
-(`serving.scheduler.buffer_estimator`) both size their blocks with `block_rows`, so the
+(`serving.prefill.buffer_estimator`) both size their blocks with `block_rows`, so the
 estimate follows the program.
 """
 

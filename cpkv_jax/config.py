@@ -150,7 +150,7 @@ class ModelConfig:
         path = Path(model_path) / "config.json"
         if not path.is_file():
             raise ConfigError(
-                f"no config.json in {model_path!s}: point --model-path at a HF model dir"
+                f"no config.json in {model_path!s}: point `model_path` at a HF model dir"
             )
         try:
             raw = json.loads(path.read_text())
@@ -167,7 +167,7 @@ class ModelConfig:
 
 
 def parse_override_args(json_model_override_args: str | Mapping[str, Any] | None) -> dict[str, Any]:
-    """`--json-model-override-args` as a dict ('' / None -> {})."""
+    """`json_model_override_args` (a JSON object, as text) as a dict ('' / None -> {})."""
     if json_model_override_args is None or json_model_override_args == "":
         return {}
     if isinstance(json_model_override_args, Mapping):
@@ -175,10 +175,10 @@ def parse_override_args(json_model_override_args: str | Mapping[str, Any] | None
     try:
         value = json.loads(json_model_override_args)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--json-model-override-args is not valid JSON: {e}") from e
+        raise ConfigError(f"`json_model_override_args` is not valid JSON: {e}") from e
     if not isinstance(value, dict):
         raise ConfigError(
-            f"--json-model-override-args must be a JSON object, got {type(value).__name__}"
+            f"`json_model_override_args` must be a JSON object, got {type(value).__name__}"
         )
     return value
 
@@ -398,42 +398,40 @@ def check_cp_config(
     cp: CPConfig, model: ModelConfig | None = None, device_count: int | None = None
 ) -> None:
     if cp.cp_size < 1:
-        raise ConfigError(f"--cp-size must be >= 1, got {cp.cp_size}")
+        raise ConfigError(f"`cp_size` must be >= 1, got {cp.cp_size}")
     if cp.page_size < 1:
-        raise ConfigError(f"--page-size must be >= 1, got {cp.page_size}")
+        raise ConfigError(f"`page_size` must be >= 1, got {cp.page_size}")
     if cp.split_mode not in ("in_seq", "round_robin"):
-        raise ConfigError(
-            f"--cp-split-mode must be 'in_seq' or 'round_robin', got {cp.split_mode!r}"
-        )
+        raise ConfigError(f"`split_mode` must be 'in_seq' or 'round_robin', got {cp.split_mode!r}")
     if cp.chunked_prefill_size is not None and cp.chunked_prefill_size < cp.page_size:
         raise ConfigError(
-            f"--chunked-prefill-size {cp.chunked_prefill_size} is smaller than one page "
+            f"`chunked_prefill_size` {cp.chunked_prefill_size} is smaller than one page "
             f"({cp.page_size} tokens): chunks are floored to whole pages; use >= {cp.page_size}"
         )
     if device_count is not None and (cp.cp_size > device_count or device_count % cp.cp_size):
         raise ConfigError(
-            f"--cp-size {cp.cp_size} must divide the {device_count} available devices"
+            f"`cp_size` {cp.cp_size} must divide the {device_count} available devices"
         )
     if cp.shared_kv:
         _check_shared_kv(cp, model)
     if cp.split_mode == "round_robin" and cp.cp_size > 1:
         raise ConfigError(
-            "--cp-split-mode round_robin is not implemented yet; use in_seq (zigzag) split"
+            "`split_mode` round_robin is not implemented yet; use in_seq (zigzag) split"
         )
 
 
 def _check_shared_kv(cp: CPConfig, model: ModelConfig | None) -> None:
     if cp.cp_size == 1:
         raise ConfigError(
-            "--enable-cp-shared-kv needs --cp-size > 1 (with one rank there is nothing to share)"
+            "`shared_kv` needs `cp_size` > 1 (with one rank there is nothing to share)"
         )
     if cp.split_mode != "in_seq":
         raise ConfigError(
-            f"--enable-cp-shared-kv requires --cp-split-mode in_seq, got {cp.split_mode!r} "
+            f"`shared_kv` requires `split_mode` in_seq, got {cp.split_mode!r} "
             "(round-robin / interleave split is not wired for shared KV)"
         )
     if model is not None and model.model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
-            f"--enable-cp-shared-kv needs an NSA model ({', '.join(SUPPORTED_MODEL_TYPES)}), "
+            f"`shared_kv` needs an NSA model ({', '.join(SUPPORTED_MODEL_TYPES)}), "
             f"got model_type {model.model_type!r}"
         )

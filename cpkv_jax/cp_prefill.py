@@ -127,7 +127,7 @@ class CPPrefillRunner:
             raise InputError(f"token block budget must be > 0 bytes, got {block_bytes}")
         if mesh.shape[CP_AXIS] != cp.cp_size:
             raise InputError(
-                f"mesh has {mesh.shape[CP_AXIS]} cp ranks but --cp-size is {cp.cp_size}"
+                f"mesh has {mesh.shape[CP_AXIS]} cp ranks but `cp_size` is {cp.cp_size}"
             )
         self.cfg, self.cp, self.mesh = cfg, cp, mesh
         self.index_k_dtype = index_k_dtype

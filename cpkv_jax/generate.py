@@ -33,13 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cpkv_jax.buckets import pow2_at_least, prefill_bucket
 from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
 from cpkv_jax.errors import CpkvError, InputError
 from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.model.forward_batch import ForwardBatch
-from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, IndexKDtype, KVPool, init_pool
+from cpkv_jax.model.kv_cache import DTYPES, INDEX_K_DTYPES, IndexKDtype, KVPool, init_pool
 from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens, slots_for_positions
@@ -48,22 +49,14 @@ from cpkv_jax.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-MIN_PREFILL_BUCKET = 16
-
-
-def bucket(n: int, minimum: int = MIN_PREFILL_BUCKET) -> int:
-    """Smallest power of two >= max(n, minimum): bounds the number of compiled shapes."""
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
-
 
 def prefill_batch(prompt: np.ndarray, table: np.ndarray, page_size: int) -> ForwardBatch:
-    """One request's whole-prompt prefill batch, padded to `bucket(len(prompt))` tokens.
+    """One request's whole-prompt prefill batch, padded to `prefill_bucket(len(prompt))`.
 
     `table` is the request's page-table row (logical page -> pool page); padding tokens
     write to slot 0 (the trash page)."""
     n = len(prompt)
-    t_len = bucket(n)
+    t_len = prefill_bucket(n)
     ids = np.zeros((1, t_len), np.int32)
     ids[0, :n] = prompt
     positions = np.zeros((1, t_len), np.int32)
@@ -175,7 +168,7 @@ class ReferenceGenerator:
         p = self.page_size
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         n_pages = pages_for_tokens(len(prompt) + max_new_tokens, p)
-        width = bucket(n_pages, minimum=1)
+        width = pow2_at_least(n_pages)
         allocator = PageAllocator(width + 1)
         pages = allocator.alloc(n_pages)
         table = padded_page_table(pages, width)

@@ -25,10 +25,10 @@ def make_cp_mesh(cp_size: int, devices: list[jax.Device] | None = None) -> Mesh:
     """A 1-D mesh `("cp",)` over `cp_size` devices (all processes' devices by default)."""
     devices = list(jax.devices()) if devices is None else list(devices)
     if cp_size < 1:
-        raise ConfigError(f"--cp-size must be >= 1, got {cp_size}")
+        raise ConfigError(f"`cp_size` must be >= 1, got {cp_size}")
     if cp_size > len(devices) or len(devices) % cp_size:
         raise ConfigError(
-            f"--cp-size {cp_size} must divide the {len(devices)} available devices "
+            f"`cp_size` {cp_size} must divide the {len(devices)} available devices "
             f"({devices[0].platform}); pick a divisor of {len(devices)} or expose more "
             "devices (tests: XLA_FLAGS=--xla_force_host_platform_device_count=N)"
         )

@@ -4,7 +4,7 @@
     cpkv-serve --model-path DIR [flags ...] --check-config
 
 Serving. The model and tokenizer load once; the mode picks the engine behind the HTTP
-API (`serving.http_api`):
+API (`serving.http.app`):
 - `null` (unified, cp_size 1): `DecodeEngine` prefills and decodes on one device;
 - `prefill`: `PrefillModeEngine`, the CP prefill scheduler on the `cp` mesh, which ships
   each request's KV to the decode server the router names (`--transfer-backend`);
@@ -34,7 +34,7 @@ from typing import Any
 from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import CpkvError
-from serving.server_args import ServerArgs
+from serving.server_args import ServerArgs, as_flags
 from transfer.capabilities import TransferBackendRegistry
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def effective_configuration(
 
 
 def _fail(message: str) -> int:
-    print("error: " + " ".join(message.split()), file=sys.stderr)
+    print("error: " + " ".join(as_flags(message).split()), file=sys.stderr)
     return EXIT_USAGE
 
 

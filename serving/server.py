@@ -4,7 +4,7 @@
 the app on their own uvicorn); `run_server(args)` serves until SIGTERM / SIGINT.
 
 Modes (`--disaggregation-mode`):
-- `null`: `DecodeEngine(mode="null")` over a `LocalKVStore` on one device;
+- `null`: `DecodeEngine(mode="null")` over a `KVSink` on one device;
 - `decode`: a `transfer.receiver.Receiver` owns the pool and allocator (page-addressed
   writes from the prefill ranks land in it), served over gRPC on `--transfer-port` (plus
   a Mooncake receiver endpoint with `--transfer-backend mooncake`), and
@@ -14,7 +14,7 @@ Modes (`--disaggregation-mode`):
   backend). `/server_info` reports `cp_size`.
 
 Pool size of a single-device (null / decode) server: as a prefill rank's
-(`serving.prefill_engine.pool_pages_per_rank` with one lane): `--kv-pool-size` bytes, else
+(`serving.prefill.build.pool_pages_per_rank` with one lane): `--kv-pool-size` bytes, else
 enough pages for `min(max_position_embeddings, 131072)` tokens.
 """
 
@@ -34,20 +34,21 @@ import uvicorn
 from fastapi import FastAPI
 
 from cpkv_jax.config import ModelConfig
-from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
-from serving.chat_template import load_chat_template
-from serving.decode_engine import DecodeEngine, LocalKVStore
-from serving.engine_api import GenerateRequest, SamplingParams, StepEngine
-from serving.engine_loop import EngineLoop
-from serving.http_api import build_app
-from serving.metrics import ServerMetrics
-from serving.prefill_engine import DTYPES, build_prefill_engine, pool_pages_per_rank
-from serving.prefill_server import PrefillModeEngine, backend_from_args
+from serving.decode.engine import DecodeEngine
+from serving.engine.api import GenerateRequest, SamplingParams, StepEngine
+from serving.engine.loop import EngineLoop
+from serving.http.app import build_app
+from serving.http.chat_template import load_chat_template
+from serving.http.metrics import ServerMetrics
+from serving.prefill.build import build_prefill_engine, pool_pages_per_rank
+from serving.prefill.engine import PrefillModeEngine, backend_from_args
 from serving.server_args import ServerArgs
+from transfer.kv_sink import KVSink
 from transfer.page_plan import LayoutDescriptor
 from transfer.receiver import staging_region_bytes
 from transfer.staging_arena import DEFAULT_ALIGNMENT
@@ -133,7 +134,7 @@ def _build_decode_side(
     info: dict[str, Any] = {}
     closers: list[Callable[[], None]] = []
     if args.disaggregation_mode == "null":
-        kv: Any = LocalKVStore(pool, PageAllocator(pages))
+        kv: Any = KVSink(pool, PageAllocator(pages))
     else:
         from transfer.page_plan import LayoutDescriptor
         from transfer.protocol import TransferTimeouts

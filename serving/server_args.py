@@ -2,7 +2,8 @@
 
 Each field carries its help text and help group in `dataclasses.field(metadata=...)`;
 the flag name is the field name with dashes (`page_size` -> `--page-size`), and the
-argparse type comes from the annotation:
+argparse type comes from the annotation (the generic part, shared with `cpkv-router`,
+is `serving.flags`):
 
 - `bool` -> `--flag` (store_true, default off);
 - `Literal[...]` -> `choices`;
@@ -34,9 +35,8 @@ import argparse
 import dataclasses
 import logging
 import re
-import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
@@ -45,6 +45,8 @@ from cpkv_jax.config import CPConfig, CPSplitMode, ModelConfig, check_cp_config,
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.model.kv_cache import IndexKDtype
 from cpkv_jax.pallas.paged_gather import GatherImpl
+from serving import flags
+from serving.flags import flag_name
 from transfer.capabilities import DEFAULT_BACKEND as DEFAULT_TRANSFER_BACKEND
 from transfer.capabilities import TransferBackendRegistry, default_backend_registry
 
@@ -159,9 +161,9 @@ def _arg(
     override_key: str | None = None,
     requires: str | None = None,
 ) -> Any:
-    """A `ServerArgs` field with what the flag needs.
+    """A `ServerArgs` field with what the flag needs (`serving.flags.arg`, plus):
 
-    parse: converts the command-line string (instead of the annotation's type).
+    group: its help group, a key of `GROUPS`.
     override_key: the model-config key this flag overrides (SPEC S11); the default
         value means "not set".
     requires: name of the boolean-valued predicate method that must hold when this field
@@ -169,66 +171,20 @@ def _arg(
     """
     if group not in GROUPS:
         raise ValueError(f"unknown help group {group!r}")
-    metadata = {
-        "help": help,
-        "group": group,
-        "parse": parse,
-        "metavar": metavar,
-        "override_key": override_key,
-        "requires": requires,
-    }
-    return dataclasses.field(default=default, metadata=metadata)
+    return flags.arg(
+        default,
+        help=help,
+        group=group,
+        parse=parse,
+        metavar=metavar,
+        format_default=_format_byte_default if parse is parse_byte_size else None,
+        override_key=override_key,
+        requires=requires,
+    )
 
 
-def flag_name(field_name: str) -> str:
-    """`page_size` -> `--page-size`."""
-    return "--" + field_name.replace("_", "-")
-
-
-def _unwrap_optional(tp: Any) -> tuple[bool, Any]:
-    """`X | None` -> (True, X); `X` -> (False, X)."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) != len(typing.get_args(tp)) - 1 or len(args) != 1:
-            raise TypeError(f"only `X | None` unions are supported as flag types, got {tp}")
-        return True, args[0]
-    return False, tp
-
-
-def _cli_converter(convert: Callable[[str], Any], optional: bool) -> Callable[[str], Any]:
-    """argparse `type=`: `none` -> None when optional; our message survives argparse."""
-
-    def parse(text: str) -> Any:
-        if optional and text.strip().lower() == "none":
-            return None
-        try:
-            return convert(text)
-        except (ValueError, TypeError) as e:
-            # argparse replaces a ValueError's text by "invalid <type> value"; keep ours.
-            raise argparse.ArgumentTypeError(str(e) or f"invalid value {text!r}") from e
-
-    return parse
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"expected an integer, got {text!r}") from None
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"expected a number, got {text!r}") from None
-
-
-class _RaisingParser(argparse.ArgumentParser):
-    """Parse errors become `ServerArgsError` (one line) instead of usage + exit."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        raise ServerArgsError(message)
+def _format_byte_default(default: Any) -> str:
+    return format_byte_size(default) if isinstance(default, int) else str(default)
 
 
 # ---- the arguments -------------------------------------------------------------------
@@ -506,41 +462,23 @@ class ServerArgs:
         """Add one flag per field, in help groups. `backends` names the transfer backends
         listed in `--transfer-backend`'s help (default: `default_backend_registry()`)."""
         backends = backends if backends is not None else default_backend_registry()
-        hints = typing.get_type_hints(cls)
-        groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
-        for f in dataclasses.fields(cls):
-            optional, base = _unwrap_optional(hints[f.name])
-            meta = f.metadata
-            help_text = meta["help"].format(transfer_backends=", ".join(backends.names()))
-            kwargs: dict[str, Any] = {"dest": f.name}
-            if f.default is dataclasses.MISSING:
-                kwargs["required"] = True
-            else:
-                kwargs["default"] = f.default
-                if base is not bool:
-                    help_text += f" (default: {_default_text(f.default, meta)})"
-            if base is bool:
-                if f.default is not False:
-                    raise TypeError(f"boolean flag {f.name} must default to False")
-                kwargs["action"] = "store_true"
-            elif typing.get_origin(base) is Literal:
-                kwargs["choices"] = typing.get_args(base)
-                if optional:
-                    raise TypeError(f"{f.name}: optional Literal flags are not supported")
-            else:
-                convert = meta["parse"] or {int: _int, float: _float, str: str}[base]
-                kwargs["type"] = _cli_converter(convert, optional)
-                kwargs["metavar"] = meta["metavar"] or base.__name__.upper()
-            kwargs["help"] = help_text
-            groups[meta["group"]].add_argument(flag_name(f.name), **kwargs)
+        flags.add_dataclass_args(
+            parser,
+            cls,
+            groups=GROUPS,
+            converters={int: flags.parse_int, float: flags.parse_float},
+            type_metavar=True,
+            help_format={"transfer_backends": ", ".join(backends.names())},
+        )
 
     @classmethod
     def build_parser(
         cls, backends: TransferBackendRegistry | None = None
     ) -> argparse.ArgumentParser:
-        parser = _RaisingParser(
+        parser = flags.RaisingParser(
             prog="cpkv-serve",
             description="Serve a GLM-5 / DeepSeek-V3.2 NSA model with CP prefill.",
+            error_class=ServerArgsError,
         )
         cls.add_cli_args(parser, backends)
         return parser
@@ -550,8 +488,7 @@ class ServerArgs:
         cls, argv: Sequence[str] | None = None, backends: TransferBackendRegistry | None = None
     ) -> ServerArgs:
         """Parse (not validate) the command line; errors raise `ServerArgsError`."""
-        namespace = cls.build_parser(backends).parse_args(argv)
-        return cls(**vars(namespace))
+        return flags.from_cli(cls, cls.build_parser(backends), argv)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -589,7 +526,7 @@ class ServerArgs:
         try:
             overrides = parse_override_args(self.json_model_override_args)
         except ConfigError as e:
-            raise ServerArgsError(str(e)) from e
+            raise ServerArgsError(as_flags(str(e))) from e
         for f in dataclasses.fields(self):
             key = f.metadata["override_key"]
             value = getattr(self, f.name)
@@ -605,7 +542,13 @@ class ServerArgs:
 
     def model_config(self) -> ModelConfig:
         """The model config of `--model-path` with the effective overrides merged in."""
-        return ModelConfig.from_pretrained(self.model_path, self.effective_model_overrides())
+        overrides = self.effective_model_overrides()
+        try:
+            return ModelConfig.from_pretrained(self.model_path, overrides)
+        except ServerArgsError:
+            raise
+        except ConfigError as e:
+            raise ServerArgsError(as_flags(str(e))) from e
 
     # ---- the one validation pass -------------------------------------------------------
     def validate(
@@ -628,7 +571,7 @@ class ServerArgs:
         try:  # SPEC S1.6 lives with the CP config; reuse it, as a ServerArgsError.
             check_cp_config(self.cp_config(), model_config, device_count)
         except ConfigError as e:
-            raise ServerArgsError(str(e)) from e
+            raise ServerArgsError(as_flags(str(e))) from e
         self._check_transfer(backends)
         self._check_hicache()
         if self.enable_hierarchical_cache:
@@ -663,7 +606,7 @@ class ServerArgs:
         for name in at_least_one:
             value = getattr(self, name)
             if value is not None and value < 1:
-                optional = _unwrap_optional(typing.get_type_hints(type(self))[name])[0]
+                optional = flags.unwrap_optional(typing.get_type_hints(type(self))[name])[0]
                 fix = "use a value >= 1" + (" or none (unlimited / not set)" if optional else "")
                 raise ServerArgsError(f"{flag_name(name)} must be >= 1, got {value}: {fix}")
         if self.nsa_index_skip_topk_offset < 0:
@@ -782,11 +725,22 @@ class ServerArgs:
                 )
 
 
-def _default_text(default: Any, meta: Mapping[str, Any]) -> str:
-    if default is None:
-        return "none"
-    if meta["parse"] is parse_byte_size and isinstance(default, int):
-        return format_byte_size(default)
-    if default == "":
-        return "''"
-    return str(default)
+# Library parameters that `ServerArgs` sets under another field's name; the rest match.
+_PARAMETER_FIELDS = {
+    "shared_kv": "enable_cp_shared_kv",
+    "split_mode": "cp_split_mode",
+    "host_buffer_bytes": "transfer_host_buffer_size",
+    "staging_bytes": "transfer_staging_size",
+}
+
+
+def as_flags(message: str) -> str:
+    """Library errors name parameters in backticks (`cp_size`, as `cpkv_jax` and
+    `transfer` know them); a server user typed flags, so say `--cp-size` instead."""
+    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+
+    def flag(m: re.Match[str]) -> str:
+        name = _PARAMETER_FIELDS.get(m.group(1), m.group(1))
+        return flag_name(name) if name in fields else m.group(0)
+
+    return re.sub(r"`([a-z][a-z0-9_]*)`", flag, message)

@@ -64,8 +64,8 @@ from cpkv_jax.model.kv_cache import TRASH_PAGE, dequantize_index_k
 from cpkv_jax.model.mla import _gather_rows
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.tools.tiny_config import tiny_config_dict
-from serving.scheduler import buffer_estimator as be
-from serving.scheduler.buffer_estimator import (
+from serving.prefill import buffer_estimator as be
+from serving.prefill.buffer_estimator import (
     KINDS,
     XLA_CPU,
     BufferEstimator,
@@ -676,7 +676,7 @@ def test_s9_2_estimator_module_does_not_import_jax():
         "import sys\n"
         "from cpkv_jax.config import ModelConfig\n"
         "from cpkv_jax.tools.tiny_config import tiny_config_dict\n"
-        "from serving.scheduler.buffer_estimator import BufferEstimator, RequestShape\n"
+        "from serving.prefill.buffer_estimator import BufferEstimator, RequestShape\n"
         "cfg = ModelConfig.from_dict(tiny_config_dict('glm_moe_dsa'))\n"
         "e = BufferEstimator(cfg, cp_size=8, page_size=16)\n"
         "assert e.estimate([RequestShape(100, 1000)]).total_bytes > 0\n"

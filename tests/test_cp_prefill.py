@@ -341,17 +341,17 @@ def test_zigzag_split_gives_rank_r_blocks_r_and_mirror():
 
 def test_bad_input_is_typed_and_names_the_fix(setup):
     cfg, model, runners = setup
-    with pytest.raises(ConfigError, match="--cp-size 3 must divide the 8 available devices"):
+    with pytest.raises(ConfigError, match="`cp_size` 3 must divide the 8 available devices"):
         make_cp_mesh(3)
-    with pytest.raises(ConfigError, match="requires --cp-split-mode in_seq"):
+    with pytest.raises(ConfigError, match="requires `split_mode` in_seq"):
         CPConfig(cp_size=8, shared_kv=True, split_mode="round_robin").validate(cfg)
-    with pytest.raises(ConfigError, match="needs --cp-size > 1"):
+    with pytest.raises(ConfigError, match="needs `cp_size` > 1"):
         CPConfig(cp_size=1, shared_kv=True).validate(cfg)
     with pytest.raises(ConfigError, match="pages_per_rank must be >= 2"):
         PoolLayout(8, True, 1, P)
     with pytest.raises(InputError, match="at least one token"):
         runners[True].prefill([[]], None)
-    with pytest.raises(InputError, match="mesh has 8 cp ranks but --cp-size is 4"):
+    with pytest.raises(InputError, match="mesh has 8 cp ranks but `cp_size` is 4"):
         CPPrefillRunner(
             cfg,
             model,

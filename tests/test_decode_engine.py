@@ -1,4 +1,4 @@
-"""`serving.decode_engine.DecodeEngine`: continuous batching against the reference.
+"""`serving.decode.engine.DecodeEngine`: continuous batching against the reference.
 
 The oracle is `ReferenceGenerator` (single request, single device). Greedy tokens must
 be equal exactly; log-probs within 1e-5 absolute: a batched decode row and the
@@ -22,17 +22,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cpkv_jax.buckets import pow2_at_least, prefill_bucket
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import InputError
-from cpkv_jax.generate import ReferenceGenerator, bucket, prefill_batch
+from cpkv_jax.generate import ReferenceGenerator, prefill_batch
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.transformer import CausalLM, forward_step
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
 from cpkv_jax.tools.tiny_config import tiny_config_dict
-from serving.decode_engine import DecodeEngine, KVStore, LocalKVStore
-from serving.engine_api import EngineStats, GenerateRequest, SamplingParams, StepEngine
-from serving.sampling import sample_token
-from serving.wait_queue import QueueFullError
+from serving.decode.engine import DecodeEngine
+from serving.decode.sampling import sample_token
+from serving.engine.api import EngineStats, GenerateRequest, SamplingParams, StepEngine
+from serving.engine.wait_queue import QueueFullError
+from transfer.kv_sink import KVSink, KVStore
 from transfer.page_plan import LayoutDescriptor, page_digests
 from transfer.protocol import Aux, RoomState, UnknownRoomError
 from transfer.receiver import Receiver, staging_region_bytes
@@ -69,9 +71,9 @@ def tiny():
     return cfg, model, ReferenceGenerator(cfg, model, page_size=P, index_k_dtype=INDEX_K)
 
 
-def make_engine(tiny, num_pages=POOL_PAGES, **kw) -> tuple[DecodeEngine, LocalKVStore]:
+def make_engine(tiny, num_pages=POOL_PAGES, **kw) -> tuple[DecodeEngine, KVSink]:
     cfg, model, _ = tiny
-    kv = LocalKVStore.create(cfg, num_pages, P, jnp.float32, INDEX_K)
+    kv = KVSink.create(cfg, num_pages, P, jnp.float32, INDEX_K)
     opts = dict(max_running_requests=8) | kw
     engine = DecodeEngine(
         cfg=cfg, model=model, kv=kv, page_size=P, index_k_dtype=INDEX_K, mode="null", **opts
@@ -143,7 +145,7 @@ def test_continuous_batching_matches_reference_with_bounded_compiles(tiny):
     # Decode rows and widths are powers of two; prefill lengths are `bucket`s.
     for form, rows, t, width in shapes:
         assert rows & (rows - 1) == 0 and width & (width - 1) == 0
-        assert t == 1 if form == "absorbed" else t == bucket(t)
+        assert t == 1 if form == "absorbed" else t == prefill_bucket(t)
     # A second wave (fresh prompts, eos honoured, same buckets and join pattern)
     # compiles nothing new.
     wave2 = wave_requests(2, "b")
@@ -293,7 +295,7 @@ def prefill_into_pages(tiny, prompt: tuple[int, ...], max_new: int, layout: Layo
     cfg, model, ref = tiny
     n = len(prompt)
     n_pages = pages_for_tokens(n, P)
-    width = bucket(pages_for_tokens(n + max_new, P), minimum=1)
+    width = pow2_at_least(pages_for_tokens(n + max_new, P))
     pool = init_pool(cfg, width + 1, P, jnp.float32, INDEX_K)
     table = padded_page_table(np.arange(1, n_pages + 1, dtype=np.int32), width)
     batch = prefill_batch(np.asarray(prompt), table, P)

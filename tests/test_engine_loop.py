@@ -1,4 +1,4 @@
-"""`serving.engine_loop.EngineLoop` around the real `DecodeEngine` on the tiny model.
+"""`serving.engine.loop.EngineLoop` around the real `DecodeEngine` on the tiny model.
 
 Concurrent `generate` calls from asyncio must give the reference's greedy tokens
 (exact; log-probs within 1e-5, see tests/test_decode_engine.py); a consumer that leaves
@@ -24,9 +24,10 @@ from cpkv_jax.errors import InputError
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.tools.tiny_config import tiny_config_dict
-from serving.decode_engine import DecodeEngine, LocalKVStore
-from serving.engine_api import EngineClient, GenerateRequest, OutputChunk, SamplingParams
-from serving.engine_loop import EngineFailedError, EngineLoop, ServerShuttingDownError
+from serving.decode.engine import DecodeEngine
+from serving.engine.api import EngineClient, GenerateRequest, OutputChunk, SamplingParams
+from serving.engine.loop import EngineFailedError, EngineLoop, ServerShuttingDownError
+from transfer.kv_sink import KVSink
 
 P = 16
 INDEX_K = "fp8_e4m3"
@@ -48,9 +49,9 @@ def tiny():
     return cfg, model, ReferenceGenerator(cfg, model, page_size=P, index_k_dtype=INDEX_K)
 
 
-def make_loop(tiny, engine_wrapper=None) -> tuple[EngineLoop, LocalKVStore]:
+def make_loop(tiny, engine_wrapper=None) -> tuple[EngineLoop, KVSink]:
     cfg, model, _ = tiny
-    kv = LocalKVStore.create(cfg, POOL_PAGES, P, jnp.float32, INDEX_K)
+    kv = KVSink.create(cfg, POOL_PAGES, P, jnp.float32, INDEX_K)
     engine = DecodeEngine(
         cfg=cfg,
         model=model,

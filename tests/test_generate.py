@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cpkv_jax.buckets import prefill_bucket
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import InputError
-from cpkv_jax.generate import ReferenceGenerator, bucket, main
+from cpkv_jax.generate import ReferenceGenerator, main
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from cpkv_jax.tools.tiny_config import tiny_config_dict
@@ -23,7 +24,7 @@ def generator():
 
 
 def test_bucket_is_power_of_two_with_floor():
-    assert [bucket(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+    assert [prefill_bucket(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,12 @@
-"""The HTTP API (`serving.http_api`) over a real uvicorn server and a real `httpx` client.
+"""The HTTP API (`serving.http.app`) over a real uvicorn server and a real `httpx` client.
 
-The engine is `EchoEngine`, a closed-form `StepEngine` (JetStream's mock-engine idea):
-output token `i` is `prompt[i % len(prompt)]` with log-prob `_logprob(token, i)`, one
-token per step, behind the real `serving.engine_loop.EngineLoop`. Every expected output is
-recomputed here from that rule (and, for chat, from a plain-jinja2 rendering of the tiny
-checkpoint's template), never read back from the server. Log-probs are compared exactly
-(`==`): they are Python floats that only pass through JSON, which round-trips doubles.
+The engine is `serving.engine.mock.MockEngine`, a closed-form `StepEngine` (JetStream's
+mock-engine idea): output token `i` is `prompt[i % len(prompt)]` (`echo_ids`) with log-prob
+`mock_logprob(token, i)`, one token per step, behind the real `serving.engine.loop.EngineLoop`.
+Every expected output is recomputed here from that rule (and, for chat, from a plain-jinja2
+rendering of the tiny checkpoint's template), never read back from the server. Log-probs are
+compared exactly (`==`): they are Python floats that only pass through JSON, which
+round-trips doubles.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -37,143 +38,35 @@ from cpkv_jax.tools.make_tiny_checkpoint import (
     build_byte_tokenizer,
     write_tokenizer_files,
 )
-from serving.chat_template import ChatTemplate, load_chat_template
-from serving.engine_api import EngineStats, GenerateRequest, OutputChunk
-from serving.engine_loop import EngineLoop
-from serving.http_api import OutputText, build_app
-from serving.metrics import ServerMetrics
-from serving.wait_queue import QueueFullError, QueueStats
+from serving.engine.mock import (
+    MOCK_EOS_ID,
+    MOCK_FAIL_ID,
+    MOCK_PAGES,
+    MOCK_REFUSE_ID,
+    MockEngine,
+    echo_ids,
+    mock_logprob,
+)
+from serving.engine.wait_queue import QueueStats
+from serving.http.app import build_app
+from serving.http.chat_template import ChatTemplate, load_chat_template
+from serving.http.metrics import ServerMetrics
+from serving.http.text import OutputText
 
 VOCAB = 320  # the tiny config's vocab_size (the byte tokenizer uses ids < 259)
 CONTEXT = 256
-EOS_ID, PAD_ID = 1, 2
-FAIL_ID = 3 + 255  # byte 0xff: never in UTF-8 text; the engine fails requests starting with it
-PAGES = (64, 48)
-
-
-def _logprob(token: int, i: int) -> float:
-    return -(((token * 7 + i) % 11) / 10.0) - 0.05
-
-
-def echo_ids(prompt: Sequence[int], n: int) -> list[int]:
-    return [prompt[i % len(prompt)] for i in range(n)]
-
-
-class EchoEngine:
-    """A deterministic `StepEngine`: echoes the prompt cyclically, one token per step.
-
-    Finishes with "stop" on a stop token id, on EOS (unless `ignore_eos`), or once the
-    decoded output contains a stop string (the engine-side check the contract asks for);
-    "length" at `max_new_tokens`; "error" for prompts starting with FAIL_ID. Refuses
-    prompts that contain PAD_ID with `InputError` (an engine-side validation).
-    """
-
-    mode = "null"
-
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
-        self._tok = tokenizer
-        self._lock = threading.Lock()
-        self._active: dict[str, dict[str, Any]] = {}
-        self.step_delay = 0.0005
-        self.queue_full = False  # refuse adds as a server whose wait queue is full
-        self.added: list[str] = []
-        self.aborted: set[str] = set()
-        self.finished: dict[str, int] = {}  # rid -> tokens produced
-
-    def add(self, req: GenerateRequest) -> None:
-        if PAD_ID in req.input_ids:
-            raise InputError(f"request {req.rid}: the prompt contains the pad token {PAD_ID}")
-        if self.queue_full:
-            raise QueueFullError("the echo server's wait queue is full", retry_after_s=7)
-        with self._lock:
-            self._active[req.rid] = {"req": req, "out": [], "abort": False, "t0": time.monotonic()}
-            self.added.append(req.rid)
-
-    def abort(self, rid: str) -> None:
-        with self._lock:
-            if rid in self._active:
-                self._active[rid]["abort"] = True
-                self.aborted.add(rid)
-
-    def has_work(self) -> bool:
-        with self._lock:
-            return bool(self._active)
-
-    def stats(self) -> EngineStats:
-        with self._lock:
-            running = len(self._active)
-        return EngineStats(
-            mode="null",
-            waiting=0,
-            running=running,
-            kv_pages_total=PAGES,
-            kv_pages_free=(PAGES[0] - running, PAGES[1]),
-            kv_bytes_per_page=4096,
-            transfer_bytes=123456,
-            transfer_seconds=1.5,
-            transfer_failures=2,
-            admission_rejections={"buffer_bytes": 3, "max_requests": 1},
-            kv_pages_cached=(5, 0),
-            queue=QueueStats(length=0, limit=9, waits=4, wait_seconds=2.5, rejected=1),
-        )
-
-    def step(self) -> list[OutputChunk]:
-        time.sleep(self.step_delay)  # a decode step takes time (and the loop must not spin)
-        chunks = []
-        with self._lock:
-            for rid, st_ in list(self._active.items()):
-                req: GenerateRequest = st_["req"]
-                out: list[int] = st_["out"]
-                meta = {
-                    "prompt_tokens": len(req.input_ids),
-                    "completion_tokens": len(out),
-                    "cached_tokens": len(req.input_ids) // 2,
-                    "ttft_s": 0.0,
-                    "e2e_s": time.monotonic() - st_["t0"],
-                }
-                if st_["abort"]:
-                    chunks.append(OutputChunk(rid, finished=True, finish_reason="abort", meta=meta))
-                elif req.input_ids[0] == FAIL_ID:
-                    chunks.append(
-                        OutputChunk(
-                            rid,
-                            finished=True,
-                            finish_reason="error",
-                            error="the KV transfer of this request failed",
-                            meta=meta,
-                        )
-                    )
-                else:
-                    i = len(out)
-                    tok = req.input_ids[i % len(req.input_ids)]
-                    out.append(tok)
-                    meta["completion_tokens"] = len(out)
-                    reason = self._finish_reason(req, out)
-                    chunks.append(
-                        OutputChunk(
-                            rid,
-                            token_ids=(tok,),
-                            logprobs=(_logprob(tok, i),) if req.return_logprob else None,
-                            finished=reason is not None,
-                            finish_reason=reason,
-                            meta=meta if reason else {},
-                        )
-                    )
-                    if reason is None:
-                        continue
-                del self._active[rid]
-                self.finished[rid] = len(out)
-        return chunks
-
-    def _finish_reason(self, req: GenerateRequest, out: list[int]) -> str | None:
-        sp = req.sampling
-        if out[-1] in sp.stop_token_ids or (out[-1] == EOS_ID and not sp.ignore_eos):
-            return "stop"
-        if sp.stop and self._tok is not None:
-            text = self._tok.decode(out)
-            if any(s in text for s in sp.stop):
-                return "stop"
-        return "length" if len(out) >= sp.max_new_tokens else None
+EOS_ID, PAD_ID = MOCK_EOS_ID, MOCK_REFUSE_ID  # the mock refuses prompts with the pad token
+FAIL_ID = MOCK_FAIL_ID  # byte 0xff: never in UTF-8 text; the mock fails requests starting with it
+PAGES = MOCK_PAGES
+# Known values for the `EngineStats` fields the mock does not compute (`/metrics` checks).
+STATS_EXTRA = {
+    "transfer_bytes": 123456,
+    "transfer_seconds": 1.5,
+    "transfer_failures": 2,
+    "admission_rejections": {"buffer_bytes": 3, "max_requests": 1},
+    "kv_pages_cached": (5, 0),
+    "queue": QueueStats(length=0, limit=9, waits=4, wait_seconds=2.5, rejected=1),
+}
 
 
 class LiveServer:
@@ -200,8 +93,8 @@ class LiveServer:
 
 
 def _start(tmp: Path, *, tokenizer: Tokenizer | None, template: Any, name: str) -> SimpleNamespace:
-    engine = EchoEngine(tokenizer)
-    loop = EngineLoop(engine, idle_wait_s=0.01, name=f"engine-{name}")
+    engine = MockEngine(tokenizer, stats_extra=STATS_EXTRA)
+    loop = engine.loop(idle_wait_s=0.01, name=f"engine-{name}")
     metrics = ServerMetrics()
     app = build_app(
         loop,
@@ -316,7 +209,9 @@ def test_generate_text_and_ids_non_stream(srv, tok):
     assert meta["cached_tokens"] == len(prompt) // 2
     assert meta["finish_reason"] == {"type": "length"}
     assert 0 < meta["ttft"] <= meta["e2e_latency"]
-    assert meta["output_token_logprobs"] == [[_logprob(t, i), t, None] for i, t in enumerate(want)]
+    assert meta["output_token_logprobs"] == [
+        [mock_logprob(t, i), t, None] for i, t in enumerate(want)
+    ]
 
     ids = [int(x) for x in rng.integers(3, 259, size=5)]
     r = srv.http.post(
@@ -405,7 +300,7 @@ def test_completions_non_stream_and_stream_multibyte(srv, tok):
     assert choice["text"] == want_text and choice["finish_reason"] == "length"
     assert choice["token_ids"] == want_ids
     lp = choice["logprobs"]
-    assert lp["token_logprobs"] == [_logprob(t, i) for i, t in enumerate(want_ids)]
+    assert lp["token_logprobs"] == [mock_logprob(t, i) for i, t in enumerate(want_ids)]
     assert lp["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in want_ids]
     # text_offset: the characters complete before the token (byte tokens: id = byte + 3).
     raw = bytes(t - 3 for t in want_ids)
@@ -476,7 +371,7 @@ def test_chat_completions_non_stream_and_stream(srv, tok):
     assert choice["message"] == {"role": "assistant", "content": want_text}
     assert choice["finish_reason"] == "length"
     content = choice["logprobs"]["content"]
-    assert [c["logprob"] for c in content] == [_logprob(t, i) for i, t in enumerate(want_ids)]
+    assert [c["logprob"] for c in content] == [mock_logprob(t, i) for i, t in enumerate(want_ids)]
     assert content[0]["token"] == SPECIAL_TOKENS[0] and content[1]["bytes"] == list(b"<")
     assert body["usage"]["prompt_tokens"] == len(prompt_ids)
     assert body["usage"]["completion_tokens"] == n

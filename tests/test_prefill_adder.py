@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from serving.scheduler.prefill_adder import (
+from serving.prefill.adder import (
     AddResult,
     Admitted,
     Candidate,

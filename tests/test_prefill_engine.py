@@ -11,8 +11,8 @@ from cpkv_jax.errors import ConfigError
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
-from serving import prefill_engine
-from serving.prefill_engine import build_prefill_engine
+from serving.prefill import build as prefill_build
+from serving.prefill.build import build_prefill_engine
 from serving.server_args import ServerArgs
 
 
@@ -85,7 +85,7 @@ def test_s9_4_smoke_allocation_runs_beside_the_placed_weights_and_pools(tiny, mo
     def record(max_bytes, devices):
         seen.append({id(a) for a in jax.live_arrays()})
 
-    monkeypatch.setattr(prefill_engine, "startup_smoke_allocation", record)
+    monkeypatch.setattr(prefill_build, "startup_smoke_allocation", record)
     args = args_for(
         path,
         "--enable-cp-shared-kv-prefill-bs-gt1",

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from cpkv_jax.cache.radix import RadixCache
 from cpkv_jax.errors import InputError
 from cpkv_jax.lane_allocator import OwnerLaneAllocator
-from serving.scheduler.prefill_adder import CPSharedKVLimits
-from serving.scheduler.prefill_scheduler import PrefillScheduler, StepRow
+from serving.prefill.adder import CPSharedKVLimits
+from serving.prefill.scheduler import PrefillScheduler, StepRow
 
 PAGE = 4
 VOCAB = 97
@@ -203,7 +203,7 @@ def test_real_cp_prefill_step_through_the_scheduler():
     from cpkv_jax.mesh import make_cp_mesh
     from cpkv_jax.model.transformer import CausalLM
     from cpkv_jax.tools.tiny_config import tiny_config_dict
-    from serving.scheduler.prefill_scheduler import CPRunnerExecutor
+    from serving.prefill.scheduler import CPRunnerExecutor
 
     cfg = ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa"))
     model = CausalLM(cfg, rngs=nnx.Rngs(5))

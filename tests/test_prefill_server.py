@@ -1,4 +1,4 @@
-"""The PD prefill-mode engine (`serving.prefill_server`): CP prefill -> KV to a decode server.
+"""The PD prefill-mode engine (`serving.prefill.engine`): CP prefill -> KV to a decode server.
 
 - Scheduler page holds (`PrefillScheduler(hold_finished=True)`), host only with a
   closed-form executor: a finished request's pages stay allocated and locked until
@@ -45,25 +45,26 @@ from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.paging import PageAllocator, owner_of_page, pages_for_tokens
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
-from serving.engine_api import GenerateRequest, OutputChunk, SamplingParams, StepEngine
-from serving.prefill_engine import PrefillEngine, build_prefill_engine, pool_pages_per_rank
-from serving.prefill_server import (
+from serving.engine.api import GenerateRequest, OutputChunk, SamplingParams, StepEngine
+from serving.prefill.build import PrefillEngine, build_prefill_engine, pool_pages_per_rank
+from serving.prefill.engine import (
     PrefillModeEngine,
     backend_from_args,
     build_prefill_mode_engine,
     mooncake_host_buffer_bytes,
     request_seed,
 )
-from serving.scheduler.prefill_scheduler import PrefillScheduler, StepRow
+from serving.prefill.scheduler import PrefillScheduler, StepRow
 from serving.server import mooncake_staging_bytes
 from serving.server_args import ServerArgs
 from transfer.backends.grpc_backend import GrpcBackend, GrpcBackendConfig
 from transfer.backends.mooncake_engine import mooncake_available
 from transfer.capabilities import BackendCapabilities, default_backend_registry
+from transfer.hold import TransferHold
 from transfer.page_plan import LayoutDescriptor
 from transfer.protocol import Aux, RoomState, TransferTimeouts
 from transfer.receiver import Receiver, serve, staging_region_bytes
-from transfer.sender import RankJob, TransferBackend, TransferHold
+from transfer.sender import RankJob, TransferBackend
 
 P = 16
 CP = 8
@@ -431,9 +432,7 @@ def test_engine_is_a_step_engine_and_builds_from_args(tiny):
     assert s.kv_bytes_per_page == engine.layout.bytes_per_page() > 0
     with pytest.raises(ConfigError, match="disaggregation-mode prefill"):
         build_prefill_mode_engine(
-            dataclasses.replace(
-                server_args(path), disaggregation_mode="null", transfer_backend=None
-            ),
+            dataclasses.replace(server_args(path), disaggregation_mode="null"),
             model=model,
         )
     plain = PrefillScheduler(

@@ -1,6 +1,12 @@
 """`serving.router` (cpkv-router) against in-test fake servers, all over real HTTP.
 
-The fakes implement the `cpkv-serve` contract the router relies on (`/health`,
+Unified (`--worker`) servers are the real server app (`serving.http.app.build_app`) around
+the real `EngineLoop` and `serving.engine.mock.MockEngine` (no model needed). The PD pair
+is in-test fakes: a mock engine's decode side does not wait for a prefill's KV, and the
+checks below need exactly that dependency (who waits for whom, and what each side sees
+when the other fails or the client leaves).
+
+The PD fakes implement the `cpkv-serve` contract the router relies on (`/health`,
 `/server_info`, the three generate endpoints with the PD fields) around an in-test
 `Cluster` that stands in for the KV transfer layer: a fake decode server registers the
 request's room and waits (bounded) until a fake prefill server completes that room, then
@@ -29,6 +35,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
+from serving.engine.mock import MOCK_FAIL_ID, MockEngine, echo_ids
+from serving.http.app import build_app
+from serving.http.metrics import ServerMetrics
 from serving.router import (
     EXIT_STARTUP_FAILED,
     EXIT_USAGE,
@@ -46,6 +55,8 @@ from serving.router import (
     pd_bodies,
 )
 
+# The mock worker's vocabulary: prompt ids above `MOCK_FAIL_ID` are echoed as they are.
+MOCK_VOCAB = 320
 # Fake-server wait bounds: longer than every wall-time bound asserted below, so a test only
 # passes when the router itself ends the request, never the fakes' own timeouts.
 FAKE_WAIT_S = 10.0
@@ -177,7 +188,7 @@ def base_app(state: FakeState, info: Callable[[], dict[str, Any]]) -> FastAPI:
 
 
 def queue_full_response() -> JSONResponse:
-    """What `cpkv-serve` answers when its wait queue is full (`serving.wait_queue`)."""
+    """What `cpkv-serve` answers when its wait queue is full (`serving.engine.wait_queue`)."""
     error = {"message": "wait queue is full", "type": "service_unavailable", "code": 503}
     return JSONResponse({"error": error}, 503, headers={"Retry-After": "4"})
 
@@ -303,19 +314,28 @@ def fake_prefill(cluster: Cluster, state: FakeState, cp_size: int) -> FastAPI:
     return app
 
 
-def fake_worker(state: FakeState) -> FastAPI:
-    """A unified (mode null) server: answers without any PD field."""
-    app = base_app(state, lambda: {"mode": "null"})
+class MockWorker:
+    """A unified (mode null) `cpkv-serve` app on uvicorn: the real HTTP app and
+    `EngineLoop` around a `MockEngine` (token ids only, output `echo_ids`)."""
 
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        body = await request.json()
-        if any(k.startswith("bootstrap") for k in body):
-            return bad_request("a unified server takes no PD fields")
-        prompt, n = prompt_of("/generate", body)
-        return JSONResponse(full_answer("/generate", state.name, expected_tokens(prompt, n)))
+    def __init__(self) -> None:
+        self.engine = MockEngine(None)
+        self.loop = self.engine.loop(name="router-test-worker")
+        app = build_app(
+            self.loop,
+            model_name="mock",
+            tokenizer=None,
+            vocab_size=MOCK_VOCAB,
+            context_length=256,
+            chat_template=None,
+            metrics=ServerMetrics(),
+        )
+        self.served = Served(app)
+        self.url = self.served.url
 
-    return app
+    def stop(self) -> None:
+        self.served.stop()
+        asyncio.run(self.loop.shutdown(1.0))
 
 
 # ---- running servers -------------------------------------------------------------------------
@@ -773,19 +793,28 @@ def test_dead_prefill_is_503_leaves_rotation_and_comes_back() -> None:
 
 
 def test_worker_only_router_forwards_as_is() -> None:
-    """With only --worker servers, requests go through unchanged (no PD fields)."""
-    worker = Served(fake_worker(FakeState("w")))
+    """With only --worker servers, requests go through unchanged (no PD fields): the real
+    server app over a mock engine answers the client's prompt, and the request that
+    reached the engine carries no PD field and no router-made rid."""
+    worker = MockWorker()
     router = Served(build_router_app(router_config(worker=(worker.url,))))
     try:
         with httpx.Client(base_url=router.url, timeout=10.0, trust_env=False) as client:
-            ids = [random.randrange(1000) for _ in range(7)]
+            # Ids the mock echoes as they are: no EOS, no refused or failing token.
+            ids = [random.randrange(MOCK_FAIL_ID + 1, MOCK_VOCAB) for _ in range(7)]
             r = client.post(
                 "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 4}}
             )
             assert r.status_code == 200, r.text
-            assert r.json()["output_ids"] == expected_tokens(ids, 4)
+            assert r.json()["output_ids"] == echo_ids(ids, 4)
             assert r.headers["x-cpkv-worker"] == worker.url
             assert client.get("/health").json()["healthy"]["worker"] == 1
+        (req,) = worker.engine.requests.values()
+        assert list(req.input_ids) == ids and req.sampling.max_new_tokens == 4
+        pd_fields = (req.bootstrap_room, req.bootstrap_cp_size, req.decode_transfer_target)
+        assert pd_fields == (None, None, None)
+        assert r.json()["meta_info"]["id"] == req.rid  # the server's own rid, not a room
+        assert "x-cpkv-room" not in r.headers
     finally:
         router.stop()
         worker.stop()

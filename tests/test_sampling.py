@@ -1,4 +1,4 @@
-"""Sampling (`serving.sampling.sample_token`) and stop conditions (`StopChecker`).
+"""Sampling (`serving.decode.sampling.sample_token`) and stop conditions (`StopChecker`).
 
 The filters are checked against an independent float64 reference written with plain
 Python sorting and accumulation; the draws against that distribution by frequency over
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from cpkv_jax.errors import InputError
-from serving.engine_api import SamplingParams
-from serving.sampling import StopChecker, sample_token, sampling_probs
+from serving.decode.sampling import StopChecker, sample_token, sampling_probs
+from serving.engine.api import SamplingParams
 
 
 def random_logprobs(rng: np.random.Generator, vocab: int, scale: float = 2.0) -> np.ndarray:

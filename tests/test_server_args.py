@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cpkv_jax.config import CPConfig
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.model_configs import config_dir
 from cpkv_jax.tools.tiny_config import tiny_config_dict
@@ -20,6 +21,7 @@ from serving.server_args import (
     HICACHE_NOT_BUILT,
     ServerArgs,
     ServerArgsError,
+    as_flags,
     flag_name,
     format_byte_size,
     parse_byte_size,
@@ -762,3 +764,17 @@ def test_parser_is_a_plain_argparse_parser_when_added_to_one():
     assert "grpc, mooncake, slice, broadcast" in help_text
     ns = parser.parse_args(["--model-path", "m", "--cp-size", "2"])
     assert ServerArgs(**vars(ns)) == ServerArgs(model_path="m", cp_size=2)
+
+
+def test_library_errors_name_parameters_and_the_server_says_flags():
+    """`cpkv_jax` and `transfer` name parameters, not flags (they are also used without
+    `cpkv-serve`); `as_flags` turns the names a server user can set into their flags."""
+    with pytest.raises(ConfigError) as e:
+        CPConfig(cp_size=1, shared_kv=True).validate()
+    assert "`shared_kv` needs `cp_size` > 1" in str(e.value) and "--" not in str(e.value)
+    assert as_flags(str(e.value)).startswith("--enable-cp-shared-kv needs --cp-size > 1")
+    assert as_flags("`page_size` and `staging_bytes`, not `pages_per_rank`") == (
+        "--page-size and --transfer-staging-size, not `pages_per_rank`"
+    )
+    with pytest.raises(ServerArgsError, match="--cp-size must be >= 1, got 0"):
+        _args(cp_size=0).validate()

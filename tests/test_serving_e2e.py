@@ -39,7 +39,7 @@ from fastapi import FastAPI
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
-from serving.prefill_server import PrefillModeEngine
+from serving.prefill.engine import PrefillModeEngine
 from serving.router import RouterConfig, build_router_app
 from serving.server import Server, build_server
 from serving.server_args import ServerArgs

@@ -69,14 +69,13 @@ from transfer.backends.mooncake_backend import (
     MooncakeBackend,
     MooncakeBackendConfig,
     MooncakeReceiverEndpoint,
-    MooncakeSenderFaults,
-    coalesce,
 )
 from transfer.backends.mooncake_engine import (
     MooncakeEngine,
     MooncakeTransferError,
     mooncake_available,
 )
+from transfer.backends.mooncake_sender import MooncakeSenderFaults, coalesce
 from transfer.page_plan import owner_major_order, page_digests, row_digests
 from transfer.protocol import Aux, RoomState
 from transfer.receiver import Receiver, pow2_pieces, serve, staging_region_bytes

@@ -1,11 +1,11 @@
-"""`serving.wait_queue.WaitQueue`: FIFO order, the bound, removal, wait accounting and the
+"""`serving.engine.wait_queue.WaitQueue`: FIFO order, the bound, removal, wait accounting and the
 `Retry-After` a refusal suggests (a fake clock, so every figure is exact)."""
 
 from __future__ import annotations
 
 import pytest
 
-from serving.wait_queue import RETRY_AFTER_MAX_S, QueueFullError, WaitQueue
+from serving.engine.wait_queue import RETRY_AFTER_MAX_S, QueueFullError, WaitQueue
 
 
 class Clock:

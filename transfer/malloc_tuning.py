@@ -37,11 +37,11 @@ import logging
 import os
 import threading
 
+from cpkv_jax.units import MiB
 from transfer.protocol import MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 
-MiB = 1 << 20
 DEFAULT_MMAP_THRESHOLD_BYTES = 16 * MiB
 DEFAULT_TRIM_THRESHOLD_BYTES = 64 * MiB
 # mallopt parameter numbers (glibc <malloc.h>).

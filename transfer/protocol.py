@@ -26,10 +26,10 @@ from typing import Literal
 import numpy as np
 
 from cpkv_jax.errors import CpkvError
+from cpkv_jax.units import MiB
 from transfer.page_plan import PROTOCOL_VERSION, BufferKind, LayoutDescriptor
 from transfer.proto import kv_transfer_pb2 as pb
 
-MiB = 1 << 20
 # Page bytes per PageChunk: the 1-4 MiB messages. A chunk always holds at least
 # one page, so a page larger than the chunk size is refused at sender construction.
 MIN_CHUNK_BYTES = 1 * MiB

@@ -29,6 +29,8 @@ from jaxtyping import Array, Float, Int
 from cpkv_jax.config import ModelConfig
 
 IndexKDtype = Literal["fp8_e4m3", "bfloat16", "float32"]
+# Activation / weight / MLA latent KV dtypes by their flag names (`--dtype`).
+DTYPES: dict[str, DTypeLike] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 INDEX_K_DTYPES: dict[str, DTypeLike] = {
     "fp8_e4m3": jnp.float8_e4m3fn,
     "bfloat16": jnp.bfloat16,

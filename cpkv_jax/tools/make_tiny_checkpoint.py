@@ -29,6 +29,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.model.weights import save_hf_weights
 from cpkv_jax.tokenizer import TOKENIZER_FILE
@@ -36,7 +37,6 @@ from cpkv_jax.tools.tiny_config import ARCHS, tiny_config_dict
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
 BYTE_ID_OFFSET = len(SPECIAL_TOKENS)
 # A ChatML-like template: bos once, each message as `<|role|>\ncontent` + eos, then the

@@ -8,7 +8,12 @@
   decode receiver's registered staging arena (`MooncakeReceiverEndpoint`), coalesced
   runs, owner-major staging; handshake, heartbeats, the commit with per-page digests
   and aborts stay on the gRPC control plane. Needs `pip install 'cpkv-jax[mooncake]'`
-  (`mooncake_engine.mooncake_available()` says why it cannot load).
+  (`mooncake_engine.mooncake_available()` says why it cannot load). Its rank sender
+  is `mooncake_sender.MooncakeRankSender`.
+
+Both backends' rank senders run their control plane (handshake, heartbeats, commit,
+outcome, abort) through one `transfer.session.SenderSession`; only the data plane
+differs.
 
 Each backend declares its `transfer.capabilities.BackendCapabilities` (both: owner
 filtering and position-addressed destinations); startup refuses CP shared-KV prefill

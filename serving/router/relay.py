@@ -1,7 +1,5 @@
-"""`cpkv-router`: the HTTP front door of a PD (prefill/decode disaggregated) deployment.
-
-    cpkv-router --prefill URL [URL ...] --decode URL [URL ...] [--worker URL ...]
-                --host 127.0.0.1 --port 8000
+"""The routing core of `cpkv-router` (`PDRouter`, with its Prometheus metrics) and the
+relay of one client request.
 
 One client request through the router (ARCHITECTURE "Data flow of one request", step 1):
 
@@ -51,69 +49,43 @@ Decisions written down here:
   prefill+decode pair is healthy, or when the router has no PD servers at all.
 - No retry on another server: by the time a failure is seen the decode server holds a
   room and the client may already have output; the client retries.
-
-Health: a background task polls `/health` and `/server_info` of every server every
-`--health-interval` seconds. A server is out of rotation after `--health-failures`
-consecutive failed checks, at once when it refuses connections (also when a request finds
-that out), and when it reports another mode than the flag it was registered with; one good
-check puts it back.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
-import sys
-import typing
-import urllib.parse
 import uuid
-from collections.abc import (
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Coroutine,
-    Iterator,
-    Mapping,
-    Sequence,
-)
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from typing import Any
 
 import httpx
 import prometheus_client
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi import Request
+from fastapi.responses import Response
 
-from cpkv_jax.cli_logging import configure_logging
-from cpkv_jax.errors import ConfigError, CpkvError, InputError
+from cpkv_jax.errors import CpkvError, InputError
+from serving.http.errors import CLIENT_CLOSED_REQUEST, error_body, error_response
+from serving.http.streaming import SSE_DONE, ClosingStreamingResponse, sse_event, wait_disconnect
+from serving.router.config import ROLES, RouterConfig
+from serving.router.upstreams import (
+    HealthMonitor,
+    Lease,
+    NoHealthyServerError,
+    ServerPool,
+    ServerState,
+    describe,
+)
 
 logger = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode", "worker"]
-ROLES: tuple[Role, ...] = ("prefill", "decode", "worker")
-# The `/server_info` "mode" each registration flag expects.
-EXPECTED_MODE: dict[Role, str] = {"prefill": "prefill", "decode": "decode", "worker": "null"}
 PD_ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
 PD_FIELDS = ("bootstrap_room", "bootstrap_cp_size", "decode_transfer_target")
 
-EXIT_OK = 0
-EXIT_STARTUP_FAILED = 1
-EXIT_USAGE = 2  # argparse's convention for a bad command line
-
-# Status for a request whose client went away (nginx's convention; nobody reads it).
-CLIENT_CLOSED_REQUEST = 499
 # Upstream connections the router may hold open at once; a proxy should not queue here.
 _MAX_UPSTREAM_CONNECTIONS = 4096
-_SSE_DONE = b"data: [DONE]\n\n"
-
-
-class RouterConfigError(ConfigError):
-    """A `cpkv-router` flag is missing, malformed or inconsistent."""
 
 
 class RouterStartupError(CpkvError):
@@ -122,348 +94,6 @@ class RouterStartupError(CpkvError):
 
 class RouterInputError(InputError):
     """A client body the router cannot forward (not a JSON object, or carrying PD fields)."""
-
-
-class NoHealthyServerError(CpkvError):
-    """No healthy server can take a request; the message lists each server's last error."""
-
-
-# ---- configuration -------------------------------------------------------------------
-
-
-def _arg(default: Any, *, help: str, metavar: str | None = None) -> Any:
-    """A `RouterConfig` field with its help text (argparse is generated from the fields)."""
-    return dataclasses.field(default=default, metadata={"help": help, "metavar": metavar})
-
-
-def normalize_url(url: str, flag: str) -> str:
-    """`http://host:port[/]` -> `http://host:port`; anything else is a `RouterConfigError`."""
-    parts = urllib.parse.urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise RouterConfigError(f"{flag} {url!r} is not a server URL: write it as http://HOST:PORT")
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise RouterConfigError(
-            f"{flag} {url!r} has a path or query: give the server root, http://HOST:PORT"
-        )
-    try:
-        parts.port  # noqa: B018 - raises ValueError for a port out of range
-    except ValueError as e:
-        raise RouterConfigError(f"{flag} {url!r}: {e}") from None
-    return f"{parts.scheme}://{parts.netloc}"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RouterConfig:
-    """Every `cpkv-router` flag, its default and its help. Build with `from_cli` or directly
-    (then call `validate`, which also normalizes the URLs: use its return value)."""
-
-    prefill: tuple[str, ...] = _arg(
-        (), help="prefill server URLs (cpkv-serve, mode prefill)", metavar="URL"
-    )
-    decode: tuple[str, ...] = _arg(
-        (), help="decode server URLs (cpkv-serve, mode decode)", metavar="URL"
-    )
-    worker: tuple[str, ...] = _arg(
-        (), help="unified server URLs (mode null): requests forwarded as is", metavar="URL"
-    )
-    host: str = _arg("127.0.0.1", help="address to listen on")
-    port: int = _arg(8000, help="port to listen on (0: any free port)")
-    request_timeout: float = _arg(
-        600.0,
-        help="seconds the router waits for any single upstream event (response headers, the "
-        "next body bytes, the prefill answer) before failing the request",
-        metavar="S",
-    )
-    connect_timeout: float = _arg(5.0, help="seconds to open an upstream connection", metavar="S")
-    decode_register_wait: float = _arg(
-        0.0,
-        help="seconds to wait for the decode server's response headers (its room is "
-        "registered) before starting the prefill call anyway; 0 = start both at once "
-        "(the prefill's transfer handshake retries until the room exists, and a decode "
-        "server streams headers only with its first token, so any wait here is TTFT)",
-        metavar="S",
-    )
-    health_interval: float = _arg(
-        1.0, help="seconds between health polls of every server", metavar="S"
-    )
-    health_failures: int = _arg(
-        3, help="consecutive failed health checks that take a server out of rotation", metavar="N"
-    )
-    health_timeout: float = _arg(2.0, help="seconds one health check may take", metavar="S")
-    startup_timeout: float = _arg(
-        300.0,
-        help="seconds to wait at startup for a healthy prefill+decode pair or worker "
-        "(0: do not wait)",
-        metavar="S",
-    )
-    log_level: Literal["debug", "info", "warning", "error", "critical"] = _arg(
-        "info", help="log level"
-    )
-
-    def validate(self) -> RouterConfig:
-        """Raise `RouterConfigError` naming the flag and the fix; return the config with
-        normalized URLs."""
-        urls = {
-            role: tuple(normalize_url(u, f"--{role}") for u in getattr(self, role))
-            for role in ROLES
-        }
-        if bool(urls["prefill"]) != bool(urls["decode"]):
-            have, missing = (
-                ("--prefill", "--decode") if urls["prefill"] else ("--decode", "--prefill")
-            )
-            raise RouterConfigError(
-                f"{have} needs {missing}: PD serving pairs a prefill server with a decode server "
-                "(use --worker for unified servers)"
-            )
-        if not urls["prefill"] and not urls["worker"]:
-            raise RouterConfigError(
-                "no servers: give --prefill URL ... --decode URL ..., or --worker URL ..."
-            )
-        seen: dict[str, str] = {}
-        for role in ROLES:
-            for u in urls[role]:
-                if u in seen:
-                    raise RouterConfigError(
-                        f"{u} is given twice (--{seen[u]} and --{role}): register each server once"
-                    )
-                seen[u] = role
-        for name in ("request_timeout", "connect_timeout", "health_interval", "health_timeout"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise RouterConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-        for name in ("decode_register_wait", "startup_timeout"):
-            value = getattr(self, name)
-            if not value >= 0:
-                raise RouterConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-        if self.health_failures < 1:
-            raise RouterConfigError(f"--health-failures must be >= 1, got {self.health_failures}")
-        if not 0 <= self.port <= 65535:
-            raise RouterConfigError(f"--port must be in [0, 65535], got {self.port}")
-        return dataclasses.replace(self, **urls)
-
-    @classmethod
-    def build_parser(cls) -> argparse.ArgumentParser:
-        parser = _RaisingParser(
-            prog="cpkv-router",
-            description="Route requests over cpkv-serve prefill/decode (PD) servers.",
-        )
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            tp = hints[f.name]
-            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default}
-            help_text = f.metadata["help"]
-            if typing.get_origin(tp) is tuple:
-                # `--prefill A B` and `--prefill A --prefill B` both work.
-                kwargs.update(nargs="+", action="extend", type=str, default=None)
-            elif typing.get_origin(tp) is Literal:
-                kwargs["choices"] = typing.get_args(tp)
-                help_text += f" (default: {f.default})"
-            else:
-                kwargs["type"] = tp
-                help_text += f" (default: {f.default})"
-            if f.metadata["metavar"]:
-                kwargs["metavar"] = f.metadata["metavar"]
-            parser.add_argument("--" + f.name.replace("_", "-"), help=help_text, **kwargs)
-        return parser
-
-    @classmethod
-    def from_cli(cls, argv: Sequence[str] | None = None) -> RouterConfig:
-        """Parse and validate the command line; errors raise `RouterConfigError`."""
-        ns = vars(cls.build_parser().parse_args(argv))
-        for role in ROLES:
-            ns[role] = tuple(ns[role] or ())
-        return cls(**ns).validate()
-
-
-class _RaisingParser(argparse.ArgumentParser):
-    """Parse errors become `RouterConfigError` (one line) instead of usage + exit."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        raise RouterConfigError(message)
-
-
-# ---- server registry and selection ---------------------------------------------------
-
-
-@dataclasses.dataclass
-class ServerState:
-    """What the router knows about one upstream server (mutated on the event loop only)."""
-
-    url: str
-    role: Role
-    healthy: bool = False
-    consecutive_failures: int = 0
-    last_error: str = "not checked yet"
-    mode: str | None = None
-    waiting: int = 0
-    running: int = 0
-    in_flight: int = 0
-    cp_size: int | None = None  # prefill servers
-    transfer_target: str | None = None  # decode servers
-
-    @property
-    def load(self) -> int:
-        return self.waiting + self.running + self.in_flight
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "role": self.role,
-            "mode": self.mode,
-            "healthy": self.healthy,
-            "load": self.load,
-            "waiting": self.waiting,
-            "running": self.running,
-            "in_flight": self.in_flight,
-            "consecutive_failures": self.consecutive_failures,
-            "last_error": None if self.healthy else self.last_error,
-            "cp_size": self.cp_size,
-            "transfer_target": self.transfer_target,
-        }
-
-
-class ServerModeError(ValueError):
-    """A server reports another mode than the flag it was registered with."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerInfo:
-    """The fields of `/server_info` the router uses, checked against the server's role."""
-
-    mode: str
-    waiting: int
-    running: int
-    cp_size: int | None = None
-    transfer_target: str | None = None
-
-
-def parse_server_info(role: Role, info: object) -> ServerInfo:
-    """Check a `/server_info` JSON body for a server registered as `role`; `ValueError`
-    says which field is wrong (a misregistered server must not take traffic)."""
-    if not isinstance(info, dict):
-        raise ValueError(f"/server_info is not a JSON object: {str(info)[:80]!r}")
-    mode = info.get("mode")
-    if mode != EXPECTED_MODE[role]:
-        raise ServerModeError(
-            f"registered as --{role} but /server_info reports mode {mode!r} "
-            f"(expected {EXPECTED_MODE[role]!r}): fix the router flags or the server's mode"
-        )
-    counts = {}
-    for key in ("waiting", "running"):
-        value = info.get(key)
-        if type(value) is not int or value < 0:
-            raise ValueError(f"/server_info {key!r} must be an int >= 0, got {value!r}")
-        counts[key] = value
-    cp_size = transfer_target = None
-    if role == "prefill":
-        cp_size = info.get("cp_size")
-        if type(cp_size) is not int or cp_size < 1:
-            raise ValueError(f"prefill /server_info 'cp_size' must be an int >= 1, got {cp_size!r}")
-    if role == "decode":
-        transfer_target = info.get("transfer_target")
-        if not isinstance(transfer_target, str) or ":" not in transfer_target:
-            raise ValueError(
-                "decode /server_info 'transfer_target' must be 'host:port' of its KV receiver, "
-                f"got {transfer_target!r}"
-            )
-    return ServerInfo(mode, counts["waiting"], counts["running"], cp_size, transfer_target)
-
-
-@dataclasses.dataclass(frozen=True)
-class Route:
-    """Where one request goes: a PD pair (`prefill` set) or a unified worker (`prefill` None)."""
-
-    target: ServerState  # the decode server, or the worker
-    prefill: ServerState | None = None
-
-
-class ServerPool:
-    """The registered servers, their health and load, and the least-loaded choice."""
-
-    def __init__(self, config: RouterConfig):
-        self.config = config
-        self.servers: dict[Role, list[ServerState]] = {
-            role: [ServerState(url, role) for url in getattr(config, role)] for role in ROLES
-        }
-        self._rr: dict[Role, int] = dict.fromkeys(ROLES, 0)
-
-    def all(self) -> list[ServerState]:
-        return [s for role in ROLES for s in self.servers[role]]
-
-    def healthy(self, role: Role) -> list[ServerState]:
-        return [s for s in self.servers[role] if s.healthy]
-
-    def usable(self) -> bool:
-        """A prefill+decode pair or a worker is healthy."""
-        pd = bool(self.healthy("prefill")) and bool(self.healthy("decode"))
-        return pd or bool(self.healthy("worker"))
-
-    def pick(self, role: Role) -> ServerState | None:
-        """Least-loaded healthy server of `role`; ties round-robin. None if none is healthy."""
-        candidates = self.healthy(role)
-        if not candidates:
-            return None
-        least = min(s.load for s in candidates)
-        ties = [s for s in candidates if s.load == least]
-        chosen = ties[self._rr[role] % len(ties)]
-        self._rr[role] += 1
-        return chosen
-
-    def route(self) -> Route:
-        """Choose the servers for one request or raise `NoHealthyServerError` with why."""
-        if self.servers["prefill"]:
-            prefill, decode = self.pick("prefill"), self.pick("decode")
-            if prefill is not None and decode is not None:
-                return Route(target=decode, prefill=prefill)
-        worker = self.pick("worker")
-        if worker is not None:
-            return Route(target=worker)
-        raise NoHealthyServerError(self.unavailable_reason())
-
-    def unavailable_reason(self) -> str:
-        parts = []
-        for role in ROLES:
-            servers = self.servers[role]
-            if servers and not self.healthy(role):
-                why = ", ".join(f"{s.url} ({s.last_error})" for s in servers)
-                parts.append(f"no healthy {role} server: {why}")
-        return "; ".join(parts) or "no healthy server"
-
-    def record_success(self, s: ServerState, info: ServerInfo) -> None:
-        s.mode, s.waiting, s.running = info.mode, info.waiting, info.running
-        s.cp_size, s.transfer_target = info.cp_size, info.transfer_target
-        s.consecutive_failures = 0
-        if not s.healthy:
-            s.healthy = True
-            logger.info("%s server %s is healthy (%s)", s.role, s.url, _describe(s))
-
-    def record_failure(self, s: ServerState, reason: str, *, immediate: bool = False) -> None:
-        """A failed check; `immediate` (connection refused, wrong mode) skips the count."""
-        s.consecutive_failures += 1
-        s.last_error = reason
-        limit = 1 if immediate else self.config.health_failures
-        if s.healthy and s.consecutive_failures >= limit:
-            s.healthy = False
-            logger.warning("%s server %s is out of rotation: %s", s.role, s.url, reason)
-
-
-def _describe(s: ServerState) -> str:
-    extra = {"prefill": f"cp_size={s.cp_size}", "decode": f"transfer_target={s.transfer_target}"}
-    return f"mode={s.mode}, load={s.load}" + (f", {extra[s.role]}" if s.role in extra else "")
-
-
-class _Lease:
-    """One request counted in a server's `in_flight` until `release` (idempotent)."""
-
-    def __init__(self, server: ServerState):
-        self.server = server
-        self._held = True
-        server.in_flight += 1
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self.server.in_flight -= 1
 
 
 # ---- request bodies ------------------------------------------------------------------
@@ -520,15 +150,10 @@ class Failure:
     retry_after: str | None = None  # an upstream's Retry-After (its queue is full)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.status}}
+        return error_body(self.status, self.message, self.type)
 
     def headers(self) -> dict[str, str] | None:
         return None if self.retry_after is None else {"Retry-After": self.retry_after}
-
-
-def error_response(status: int, message: str, type_: str) -> JSONResponse:
-    """The error body every cpkv server uses: `{"error": {"message", "type", "code"}}`."""
-    return JSONResponse({"error": {"message": message, "type": type_, "code": status}}, status)
 
 
 def _upstream_message(r: httpx.Response) -> tuple[str, str | None]:
@@ -615,13 +240,6 @@ async def _next_chunk(chunks: AsyncIterator[bytes]) -> bytes | None:
         return None
 
 
-async def _wait_disconnect(receive: Receive) -> None:
-    """Return when the client goes away (the body is already read: the next ASGI message
-    is `http.disconnect`)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 def _status_outcome(status: int) -> str:
     """Metrics outcome of a forwarded upstream answer."""
     if status < 400:
@@ -632,7 +250,7 @@ def _status_outcome(status: int) -> str:
 def _sse_error(failure: Failure, tail: bytes) -> bytes:
     """An SSE error event then `[DONE]`, starting on an event boundary."""
     sep = b"" if not tail or tail.endswith((b"\n\n", b"\r\n\r\n")) else b"\n\n"
-    return sep + b"data: " + json.dumps(failure.body()).encode() + b"\n\n" + _SSE_DONE
+    return sep + sse_event(failure.body()) + SSE_DONE
 
 
 class PDRouter:
@@ -644,8 +262,7 @@ class PDRouter:
         self.pool = ServerPool(config)
         self.metrics = RouterMetrics()
         self._client: httpx.AsyncClient | None = None
-        self._health_client: httpx.AsyncClient | None = None
-        self._health_task: asyncio.Task[None] | None = None
+        self._health: HealthMonitor | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._started = False
 
@@ -668,12 +285,9 @@ class PDRouter:
             limits=httpx.Limits(max_connections=_MAX_UPSTREAM_CONNECTIONS),
             trust_env=False,  # a proxy from the environment must not sit between router and servers
         )
-        # A separate client, so health checks are never queued behind request traffic.
-        self._health_client = httpx.AsyncClient(
-            timeout=httpx.Timeout(cfg.health_timeout), trust_env=False
-        )
-        await self.poll_once()
-        self._health_task = asyncio.create_task(self._health_loop(), name="cpkv-router-health")
+        self._health = HealthMonitor(cfg, self.pool, on_failure=self._count_check_failure)
+        await self._health.poll_once()
+        self._health.start()
         if cfg.startup_timeout > 0 and not self.pool.usable():
             loop = asyncio.get_running_loop()
             deadline = loop.time() + cfg.startup_timeout
@@ -690,18 +304,21 @@ class PDRouter:
                 await asyncio.sleep(min(0.05, cfg.health_interval))
         for s in self.pool.all():
             state = "healthy" if s.healthy else f"NOT healthy ({s.last_error})"
-            logger.info("%s server %s: %s, %s", s.role, s.url, state, _describe(s))
+            logger.info("%s server %s: %s, %s", s.role, s.url, state, describe(s))
 
     async def close(self) -> None:
         """Stop the health monitor and background work, close the clients (idempotent)."""
-        tasks = [t for t in (self._health_task, *self._tasks) if t is not None]
+        tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
+        if self._health is not None:
+            await self._health.close()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._health_task = None
-        for client in (self._client, self._health_client):
-            if client is not None:
-                await client.aclose()
+        if self._client is not None:
+            await self._client.aclose()
+
+    def _count_check_failure(self, s: ServerState) -> None:
+        self.metrics.health_check_failures.labels(s.role, s.url).inc()
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -724,42 +341,6 @@ class PDRouter:
             logger.debug("router upstream call failed: %s: %s", type(exc).__name__, exc)
         else:
             logger.error("router background task failed", exc_info=exc)
-
-    # -- health -------------------------------------------------------------------------
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health_interval)
-            await self.poll_once()
-
-    async def poll_once(self) -> None:
-        """Check every server now, concurrently."""
-        await asyncio.gather(*(self._check(s) for s in self.pool.all()))
-
-    async def _check(self, s: ServerState) -> None:
-        assert self._health_client is not None
-        try:
-            health = await self._health_client.get(s.url + "/health")
-            if health.status_code != 200:
-                raise ValueError(f"/health answered {health.status_code}")
-            r = await self._health_client.get(s.url + "/server_info")
-            if r.status_code != 200:
-                raise ValueError(f"/server_info answered {r.status_code}")
-            info = parse_server_info(s.role, r.json())
-        except httpx.ConnectError as e:
-            self.metrics.health_check_failures.labels(s.role, s.url).inc()
-            self.pool.record_failure(s, f"connection refused ({e})", immediate=True)
-        except httpx.TimeoutException:
-            self.metrics.health_check_failures.labels(s.role, s.url).inc()
-            self.pool.record_failure(
-                s, f"health check timed out after {self.config.health_timeout:g} s"
-            )
-        except (httpx.HTTPError, ValueError) as e:
-            self.metrics.health_check_failures.labels(s.role, s.url).inc()
-            immediate = isinstance(e, ServerModeError)  # misregistered: never route to it
-            self.pool.record_failure(s, str(e) or type(e).__name__, immediate=immediate)
-        else:
-            self.pool.record_success(s, info)
 
     # -- upstream failures ----------------------------------------------------------------
 
@@ -811,7 +392,7 @@ class PDRouter:
         return failure
 
     async def call_prefill(
-        self, s: ServerState, path: str, body: dict[str, Any], lease: _Lease
+        self, s: ServerState, path: str, body: dict[str, Any], lease: Lease
     ) -> Failure | None:
         """POST the prefill body; None when the server accepted it (2xx)."""
         try:
@@ -875,9 +456,9 @@ class _Relay:
         self.target = target
         self.prefill_call = prefill_call
         self.headers = headers
-        self.target_lease = _Lease(target)
+        self.target_lease = Lease(target)
         # Counted from the choice on, so a burst of requests spreads over prefill servers.
-        self.prefill_lease = _Lease(prefill_call[0]) if prefill_call else None
+        self.prefill_lease = Lease(prefill_call[0]) if prefill_call else None
         self.prefill_task: asyncio.Task[Failure | None] | None = None
         self.prefill_checked = False
         self.resp: httpx.Response | None = None
@@ -905,7 +486,7 @@ class _Relay:
         loop = asyncio.get_running_loop()
         upstream = router.client.build_request("POST", self.target.url + self.endpoint, json=body)
         headers_task = router.spawn(router.client.send(upstream, stream=True))
-        disconnect = router.spawn(_wait_disconnect(request.receive))
+        disconnect = router.spawn(wait_disconnect(request.receive))
         first: bytes | None = None
         start_prefill_at = loop.time() + cfg.decode_register_wait
         deadline = loop.time() + cfg.connect_timeout + cfg.request_timeout
@@ -968,7 +549,14 @@ class _Relay:
                 if name in self.resp.headers:
                     headers[name] = self.resp.headers[name]
             handed_off = True
-            return _RelayResponse(self, first or b"", self.resp.status_code, headers)
+            # Closes the relay even when the body never starts (a client gone before the
+            # first byte would otherwise leave the upstream open).
+            return ClosingStreamingResponse(
+                self.body(first or b""),
+                self.close,
+                status_code=self.resp.status_code,
+                headers=headers,
+            )
         finally:
             _drop(disconnect)
             if not headers_task.done():
@@ -983,7 +571,7 @@ class _Relay:
     def _fail(self, failure: Failure) -> Response:
         self.outcome = "upstream_rejected" if failure.status < 500 else "upstream_failed"
         logger.warning("%s request failed: %s", self.endpoint, failure.message)
-        return JSONResponse(failure.body(), failure.status, headers=failure.headers())
+        return error_response(failure.status, failure.message, failure.type, failure.headers())
 
     # -- phase 2: streaming the decode body -----------------------------------------------
 
@@ -1076,153 +664,3 @@ class _Relay:
 
 class UpstreamStreamError(CpkvError):
     """A non-SSE upstream body broke after the client's response had started."""
-
-
-class _RelayResponse(StreamingResponse):
-    """A streaming response that releases its relay even when the body never starts (a
-    client gone before the first byte would otherwise leave the upstream open)."""
-
-    def __init__(self, relay: _Relay, first: bytes, status_code: int, headers: dict[str, str]):
-        super().__init__(relay.body(first), status_code=status_code, headers=headers)
-        self._relay = relay
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._relay.close()
-
-
-# ---- the app ---------------------------------------------------------------------------
-
-
-def build_router_app(config: RouterConfig, *, router: PDRouter | None = None) -> FastAPI:
-    """The router's FastAPI app. Its lifespan starts `router` (a new `PDRouter(config)` by
-    default; starting an already started one does nothing): the health monitor, then the
-    wait for a usable server (`RouterStartupError` after `startup_timeout`). The app owns
-    the router from here: shutting the app down closes it. `config` is validated here."""
-    config = config.validate()
-    router = router if router is not None else PDRouter(config)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await router.start()
-        try:
-            yield
-        finally:
-            await router.close()
-
-    app = FastAPI(title="cpkv-router", lifespan=lifespan)
-    app.state.router = router
-
-    def pd_route(endpoint: str) -> Callable[[Request], Awaitable[Response]]:
-        async def route(request: Request) -> Response:
-            return await router.handle(request, endpoint)
-
-        return route
-
-    for endpoint in PD_ENDPOINTS:
-        app.add_api_route(endpoint, pd_route(endpoint), methods=["POST"])
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        servers = router.pool.healthy("decode") + router.pool.healthy("worker")
-        if not servers:
-            return error_response(503, router.pool.unavailable_reason(), "service_unavailable")
-        s = servers[0]
-        try:
-            r = await router.client.get(s.url + "/v1/models")
-        except httpx.HTTPError as e:
-            f = router.failure_from_exception(s, e)
-            return JSONResponse(f.body(), f.status)
-        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
-
-    @app.get("/health")
-    async def health() -> Response:
-        pool = router.pool
-        if pool.usable():
-            pairs = min(len(pool.healthy("prefill")), len(pool.healthy("decode")))
-            return JSONResponse(
-                {
-                    "status": "ok",
-                    "healthy": {r: len(pool.healthy(r)) for r in ROLES},
-                    "pairs": pairs,
-                }
-            )
-        return error_response(503, pool.unavailable_reason(), "service_unavailable")
-
-    @app.get("/servers")
-    async def servers() -> Response:
-        return JSONResponse({"servers": [s.to_dict() for s in router.pool.all()]})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(
-            router.metrics.render(router.pool), media_type=prometheus_client.CONTENT_TYPE_LATEST
-        )
-
-    return app
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`cpkv-router`: 0 after a clean shutdown, 1 when no server pair became healthy within
-    `--startup-timeout`, 2 for a bad command line (one `error: ...` line on stderr)."""
-    try:
-        config = RouterConfig.from_cli(argv)
-    except SystemExit as e:  # --help
-        return int(e.code or 0)
-    except RouterConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    configure_logging(config.log_level)
-    if config.log_level != "debug":  # httpx logs every request, health polls included
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-    try:
-        return asyncio.run(_serve(config))
-    except SystemExit as e:  # uvicorn exits when it cannot bind or start
-        logger.error("router did not start (exit %s)", e.code)
-        return EXIT_STARTUP_FAILED
-    except KeyboardInterrupt:
-        return EXIT_OK
-
-
-class _QuietExitServer(uvicorn.Server):
-    """uvicorn without its re-raise of the stopping signal after a graceful shutdown, so
-    SIGTERM ends the router with exit code 0 once it has closed its upstreams."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        with super().capture_signals():
-            try:
-                yield
-            finally:
-                self._captured_signals.clear()
-
-
-async def _serve(config: RouterConfig) -> int:
-    """Wait for the servers first (so a startup failure is one log line, not a
-    traceback from the ASGI lifespan), then serve until a signal stops uvicorn."""
-    router = PDRouter(config)
-    try:
-        await router.start()
-    except RouterStartupError:
-        return EXIT_STARTUP_FAILED  # `start` logged the reason and closed the router
-    try:
-        server = _QuietExitServer(
-            uvicorn.Config(
-                build_router_app(config, router=router),
-                host=config.host,
-                port=config.port,
-                log_level=config.log_level,
-                lifespan="on",
-                timeout_graceful_shutdown=5,
-            )
-        )
-        await server.serve()
-    finally:
-        await router.close()
-    return EXIT_OK
-
-
-if __name__ == "__main__":
-    sys.exit(main())

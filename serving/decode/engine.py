@@ -34,7 +34,7 @@ pool) is refused in `add` with `InputError`, before anything is allocated.
 Shapes (bounded compiles): decode batch rows are padded to a power of two (padding rows
 have `valid=False` and write into the trash page), and the page-table width to a power
 of two of the longest reservation in the batch; prefill pads the prompt to
-`generate.bucket(len)` and the table to a power of two of the reservation. The KV pool
+`buckets.prefill_bucket(len)` and the table to a power of two of the reservation. The KV pool
 is donated to every forward step, through `KVStore.update_pool`.
 
 All methods run on the engine thread (`serving.engine_loop.EngineLoop`); only `stats`
@@ -46,67 +46,36 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.typing import DTypeLike
 
 from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError, CpkvError, InputError
-from cpkv_jax.generate import bucket
-from cpkv_jax.model.forward_batch import ForwardBatch
-from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, IndexKDtype, KVPool, init_pool
-from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
+from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, IndexKDtype
+from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import (
-    TRASH_PAGE,
-    PageAllocator,
-    padded_page_table,
     pages_for_tokens,
-    slots_for_positions,
 )
-from serving.engine_api import EngineStats, GenerateRequest, OutputChunk, ServerMode
-from serving.sampling import Detokenize, StopChecker, StopResult, request_seed, sample_token
-from serving.wait_queue import WaitQueue
+from serving.decode.sampling import Detokenize, StopChecker, StopResult, request_seed, sample_token
+from serving.decode.steps import DecodeSteps
+from serving.engine.api import EngineStats, GenerateRequest, OutputChunk, ServerMode
+from serving.engine.wait_queue import WaitQueue
+from transfer.kv_sink import KVStore
+
+# The unified-mode store is the transfer receiver's KV sink: one object for both.
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 # Room states as `transfer.protocol.RoomState` names them: compared by name so this
-# module needs neither the transfer package nor its generated protobuf code.
+# module needs neither the transfer receiver nor its generated protobuf code.
 # Decode mode with only transfers in flight: `step` waits this long for a room to change.
 DEFAULT_IDLE_WAIT_S = 0.005
 _ROOM_SUCCESS = "SUCCESS"
 _ROOM_FAILED = "FAILED"
-
-
-@runtime_checkable
-class KVStore(Protocol):
-    """The decode pool and its page allocator, shared with whoever else writes it.
-
-    `transfer.receiver.Receiver` is one (decode mode: transfers commit into the same
-    pool); `LocalKVStore` is the unified-mode one. The total page count is
-    `pool.num_pages` (page 0, the trash page, is never handed out).
-    """
-
-    @property
-    def pool(self) -> KVPool: ...
-
-    @property
-    def num_free_pages(self) -> int: ...
-
-    def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T: ...
-
-    def allocate_pages(self, n: int) -> np.ndarray: ...
-
-    def free_pages(self, pages: np.ndarray) -> None: ...
 
 
 @runtime_checkable
@@ -124,58 +93,6 @@ class TransferRooms(Protocol):
     def staging_refusal(self, n_pages: int) -> str | None: ...
 
     def wait_for_change(self, timeout: float) -> None: ...
-
-
-class LocalKVStore:
-    """A `KVStore` over one pool and one `PageAllocator`, guarded by one lock."""
-
-    def __init__(self, pool: KVPool, allocator: PageAllocator):
-        if allocator.num_pages != pool.num_pages:
-            raise ConfigError(
-                f"allocator manages {allocator.num_pages} pages but the pool has "
-                f"{pool.num_pages}; build both with the same page count"
-            )
-        self._pool = pool
-        self._allocator = allocator
-        self._lock = threading.Lock()
-
-    @classmethod
-    def create(
-        cls,
-        cfg: ModelConfig,
-        num_pages: int,
-        page_size: int,
-        dtype: DTypeLike,
-        index_k_dtype: IndexKDtype,
-    ) -> LocalKVStore:
-        """A zeroed pool of `num_pages` pages (page 0 = trash) and its allocator."""
-        allocator = PageAllocator(num_pages)  # validates num_pages >= 2
-        return cls(init_pool(cfg, num_pages, page_size, dtype, index_k_dtype), allocator)
-
-    @property
-    def pool(self) -> KVPool:
-        with self._lock:
-            return self._pool
-
-    @property
-    def num_free_pages(self) -> int:
-        with self._lock:
-            return self._allocator.num_free
-
-    def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T:
-        """Run `step(pool) -> (result, new_pool)` under the lock and keep `new_pool`
-        (the old pool may have been donated)."""
-        with self._lock:
-            result, self._pool = step(self._pool)
-            return result
-
-    def allocate_pages(self, n: int) -> np.ndarray:
-        with self._lock:
-            return self._allocator.alloc(n)
-
-    def free_pages(self, pages: np.ndarray) -> None:
-        with self._lock:
-            self._allocator.free(pages)
 
 
 @dataclasses.dataclass(eq=False)
@@ -250,11 +167,6 @@ class DecodeEngine:
         # Decode mode: the same object (a Receiver) also holds the transfer rooms.
         self._rooms = cast(TransferRooms, kv) if mode == "decode" else None
         self.page_size = page_size
-        self.index_k_dtype = index_k_dtype
-        self.batch_invariant = batch_invariant
-        self.block_bytes = block_bytes  # token-block budget of the indexer / sparse attention
-        # Batch-invariant numerics use one attention form everywhere (the CP prefill's).
-        self.prefill_form = "absorbed" if batch_invariant else "expanded"
         self.max_running_requests = max_running_requests
         self.context_length = (
             cfg.max_position_embeddings if context_length is None else context_length
@@ -267,7 +179,7 @@ class DecodeEngine:
         self.detokenize = detokenize
         self.idle_wait_s = idle_wait_s
         self._clock = clock
-        self._graphdef, self._state = nnx.split(model)
+        self._steps = DecodeSteps(model, kv, page_size, index_k_dtype, batch_invariant, block_bytes)
         self._num_pages = pool.num_pages
         self._usable_pages = pool.num_pages - 1  # page 0 is the trash page
         self._bytes_per_page = pool.nbytes() // pool.num_pages
@@ -281,8 +193,6 @@ class DecodeEngine:
         self._rejections: collections.Counter[str] = collections.Counter()
         self._transfer_failures = 0
         self._transfer_bytes = 0  # KV pages received in successful rooms
-        # Shapes dispatched to the model so far: (form, rows, tokens, width).
-        self.step_shapes: set[tuple[str, int, int, int]] = set()
         self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, (), self._queue.stats())
 
     # ---- StepEngine ----------------------------------------------------------------------
@@ -477,7 +387,7 @@ class DecodeEngine:
         self._queue.pop(r.rid)
         r.pages = self.kv.allocate_pages(r.n_pages)
         self._running[r.rid] = r
-        logprobs = self._prefill(r)
+        logprobs = self._steps.prefill(r.prompt, r.pages, r.width)
         tok = sample_token(logprobs, r.req.sampling, 0, r.seed)
         self._record(r, tok, float(logprobs[tok]))
         touched[r.rid] = r
@@ -514,83 +424,21 @@ class DecodeEngine:
                 self._record(r, int(aux.first_token), float(aux.logprob))
                 touched[rid] = r
 
-    # ---- model steps ---------------------------------------------------------------------
-    def _prefill(self, r: _Request) -> np.ndarray:
-        """Prefill of the whole prompt (expanded MLA form; absorbed with batch-invariant
-        numerics); log-probs after its last token."""
-        assert r.pages is not None
-        n = len(r.prompt)
-        t_len = bucket(n)
-        table = padded_page_table(r.pages, r.width)
-        ids = np.zeros((1, t_len), np.int32)
-        ids[0, :n] = r.prompt
-        positions = np.zeros((1, t_len), np.int32)
-        positions[0, :n] = np.arange(n)
-        valid = np.arange(t_len)[None] < n
-        slots = np.where(valid, slots_for_positions(table, positions[0], self.page_size)[None], 0)
-        batch = ForwardBatch(
-            input_ids=jnp.asarray(ids),
-            positions=jnp.asarray(positions),
-            valid=jnp.asarray(valid),
-            write_slots=jnp.asarray(slots, jnp.int32),
-            page_table=jnp.asarray(table[None]),
-            kv_lens=jnp.asarray([n], jnp.int32),
-        )
-        self.step_shapes.add((self.prefill_form, 1, t_len, r.width))
-        with jax.named_scope("decode_engine.prefill"):
-            logits = self.kv.update_pool(lambda pool: self._forward(batch, pool, self.prefill_form))
-        return np.asarray(log_probs(logits[0]))
-
     def _decode_step(self, touched: dict[str, _Request]) -> None:
         rows = [r for r in self._running.values() if r.finish is None]
         if not rows:
             return
-        b = len(rows)
-        rows_p = pow2_at_least(b)
-        width = pow2_at_least(max(r.n_pages for r in rows))
-        ids = np.zeros((rows_p, 1), np.int32)
-        positions = np.zeros((rows_p, 1), np.int32)
-        valid = np.zeros((rows_p, 1), bool)
-        slots = np.full((rows_p, 1), TRASH_PAGE * self.page_size, np.int32)
-        tables = np.full((rows_p, width), TRASH_PAGE, np.int32)
-        kv_lens = np.zeros((rows_p,), np.int32)
-        for i, r in enumerate(rows):
-            assert r.pages is not None
-            pos = r.kv_len  # position of the last output token, the one fed now
-            tables[i] = padded_page_table(r.pages, width)
-            ids[i, 0] = r.out_ids[-1]
-            positions[i, 0] = pos
-            valid[i, 0] = True
-            slots[i, 0] = slots_for_positions(tables[i], np.asarray([pos]), self.page_size)[0]
-            kv_lens[i] = pos + 1
-        batch = ForwardBatch(
-            input_ids=jnp.asarray(ids),
-            positions=jnp.asarray(positions),
-            valid=jnp.asarray(valid),
-            write_slots=jnp.asarray(slots),
-            page_table=jnp.asarray(tables),
-            kv_lens=jnp.asarray(kv_lens),
-        )
-        self.step_shapes.add(("absorbed", rows_p, 1, width))
-        with jax.named_scope("decode_engine.decode"):
-            logits = self.kv.update_pool(lambda pool: self._forward(batch, pool, "absorbed"))
-        logprobs = np.asarray(log_probs(logits))
+        # Each row feeds its last output token, at position kv_len.
+        logprobs = self._steps.decode([(r.out_ids[-1], r.kv_len, r.pages, r.n_pages) for r in rows])
         for i, r in enumerate(rows):
             tok = sample_token(logprobs[i], r.req.sampling, len(r.out_ids), r.seed)
             self._record(r, tok, float(logprobs[i, tok]))
             touched[r.rid] = r
 
-    def _forward(self, batch: ForwardBatch, pool: KVPool, form: str) -> tuple[jax.Array, KVPool]:
-        return forward_step(
-            self._graphdef,
-            self._state,
-            batch,
-            pool,
-            index_k_dtype=self.index_k_dtype,
-            form=form,
-            invariant=self.batch_invariant,
-            block_bytes=self.block_bytes,
-        )
+    @property
+    def step_shapes(self) -> set[tuple[str, int, int, int]]:
+        """Shapes dispatched to the model so far: (form, rows, tokens, width)."""
+        return self._steps.shapes
 
     # ---- bookkeeping ---------------------------------------------------------------------
     def _record(self, r: _Request, tok: int, logprob: float) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from cpkv_jax.errors import InputError
-from serving.engine_api import FinishReason, GenerateRequest, SamplingParams
+from serving.engine.api import FinishReason, GenerateRequest, SamplingParams
 
 _SEED_MASK = (1 << 63) - 1
 

@@ -1,4 +1,4 @@
-"""Request bodies of the HTTP API (pydantic v2) and their mapping to `engine_api` types.
+"""Request bodies of the HTTP API (pydantic v2) and their mapping to `serving.engine.api` types.
 
 Every body is strict, on every endpoint: an unknown field is refused (a typo such as
 `max_token` must not silently fall back to a default), and types are not coerced (`"5"`
@@ -8,7 +8,7 @@ does not tell them apart). Non-finite floats are refused. Validation errors beco
 
 OpenAI fields that this server cannot honour are accepted only at the value that means
 "off" (`n=1`, `echo=false`, `presence_penalty=0`, `top_logprobs=0`, ...), and any other
-value is a 400 that says so. Defaults: `/generate` uses `engine_api.SamplingParams`'
+value is a 400 that says so. Defaults: `/generate` uses `SamplingParams`'
 (greedy, 16 new tokens, SGLang-native clients set what they need); the OpenAI endpoints
 use OpenAI's (temperature 1, top_p 1; `max_tokens` 16 for completions, and for chat "as
 many as the context leaves").
@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from serving.engine_api import MAX_NEW_TOKENS_LIMIT, SamplingParams
+from serving.engine.api import MAX_NEW_TOKENS_LIMIT, SamplingParams
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 _HOST_PORT = re.compile(r"^[^\s:]+:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$")
@@ -69,7 +69,7 @@ class GenerateSamplingParams(_Body):
 
 class _PDFields(_Body):
     """Set by the PD router (`serving.router.pd_bodies`) on every generation endpoint, never
-    by end users; see `engine_api.GenerateRequest`. `decode_transfer_target` is "host:port"."""
+    by end users; see `engine.api.GenerateRequest`. `decode_transfer_target` is "host:port"."""
 
     bootstrap_room: str | None = Field(default=None, min_length=1, max_length=256)
     decode_transfer_target: str | None = None

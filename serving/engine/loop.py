@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from cpkv_jax.errors import CpkvError, InputError
-from serving.engine_api import EngineStats, GenerateRequest, OutputChunk, ServerMode, StepEngine
+from serving.engine.api import EngineStats, GenerateRequest, OutputChunk, ServerMode, StepEngine
 
 logger = logging.getLogger(__name__)
 

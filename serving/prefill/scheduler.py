@@ -11,7 +11,7 @@ timeouts release a request's own pages and unlock its cached prefix; a finished
 request's whole pages go to the prefix cache (so a later request with the same prefix
 reuses them, on the same owner lanes) and its partial tail page is freed.
 
-With `hold_finished` (a PD prefill server, `serving.prefill_server`), a finished
+With `hold_finished` (a PD prefill server, `serving.prefill.engine`), a finished
 request's pages must outlive its step: they are read by the KV transfer to the decode
 server. Its whole pages still go to the prefix cache at once (so later requests reuse
 the prefix while the transfer runs) but stay locked, and its tail page stays its own,
@@ -40,7 +40,7 @@ from cpkv_jax.cache.radix import (
 from cpkv_jax.errors import CacheCapacityError, InputError
 from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.paging import owner_of_page, pages_for_tokens
-from serving.scheduler.prefill_adder import (
+from serving.prefill.adder import (
     AddResult,
     Admitted,
     BatchEstimator,

@@ -2,7 +2,7 @@
 
 Every server mode puts one engine behind the same `EngineClient`:
 
-- `null` (unified): `serving.decode_engine.DecodeEngine` prefills on one device and
+- `null` (unified): `serving.decode.engine.DecodeEngine` prefills on one device and
   decodes with continuous batching;
 - `decode`: the same engine, whose requests arrive as KV transferred by a prefill
   server (`GenerateRequest.bootstrap_room`), then decode;
@@ -10,7 +10,7 @@ Every server mode puts one engine behind the same `EngineClient`:
   its KV goes to the decode server named in `GenerateRequest.decode_transfer_target`.
 
 Engines run their steps on one background thread (JAX dispatch and host planning stay
-off the event loop); `serving.engine_loop.EngineLoop` bridges a `StepEngine` to the
+off the event loop); `serving.engine.loop.EngineLoop` bridges a `StepEngine` to the
 asyncio `EngineClient` the HTTP layer awaits. Everything here is plain data: no JAX.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 from cpkv_jax.errors import InputError
-from serving.wait_queue import QueueStats
+from serving.engine.wait_queue import QueueStats
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 ServerMode = Literal["null", "prefill", "decode"]
@@ -129,7 +129,7 @@ class EngineStats:
     # Per rank, same order as kv_pages_free: pages the prefix cache holds (a server
     # without one: empty). Free + cached == total when no request holds pages.
     kv_pages_cached: tuple[int, ...] = ()
-    queue: QueueStats = QueueStats()  # noqa: RUF009 - frozen; the wait queue (`serving.wait_queue`)
+    queue: QueueStats = QueueStats()  # noqa: RUF009 - frozen; the wait queue (`serving.engine.wait_queue`)
 
 
 @runtime_checkable

@@ -39,7 +39,7 @@ most for one gather, a read at most for the step on the device (`CPPoolPageSourc
 figures in docs/results.md, "Transfer reads beside prefill steps").
 
 The seed rule (`request_seed`) must be the decode server's too: token `i` of a request
-is drawn with `serving.sampling.sample_token(..., step=i, seed=request_seed(req))`, so a
+is drawn with `serving.decode.sampling.sample_token(..., step=i, seed=request_seed(req))`, so a
 prefill server sampling token 0 and a decode server sampling the rest give the stream a
 unified server would.
 """
@@ -57,29 +57,25 @@ import numpy as np
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError, InputError
+from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import pages_for_tokens
-from serving.engine_api import EngineStats, GenerateRequest, OutputChunk, ServerMode
-from serving.prefill_engine import (
-    DTYPES,
+from serving.decode.sampling import request_seed, sample_token
+from serving.engine.api import EngineStats, GenerateRequest, OutputChunk, ServerMode
+from serving.engine.wait_queue import WaitQueue
+from serving.prefill.build import (
     PrefillEngine,
     build_prefill_engine,
     pool_pages_per_rank,
 )
-from serving.sampling import request_seed, sample_token
-from serving.scheduler.prefill_scheduler import PrefillOutcome
+from serving.prefill.scheduler import PrefillOutcome
 from serving.server_args import ServerArgs
-from serving.wait_queue import WaitQueue
 from transfer.backends import make_backend
+from transfer.hold import TransferHold
 from transfer.page_plan import LayoutDescriptor
+from transfer.page_source import CPPoolPageSource
 from transfer.protocol import Aux, RoomSnapshot, RoomState
-from transfer.sender import (
-    CPPoolPageSource,
-    TransferBackend,
-    TransferHold,
-    bootstrap_request,
-    rank_jobs,
-)
+from transfer.sender import TransferBackend, bootstrap_request, rank_jobs
 
 logger = logging.getLogger(__name__)
 

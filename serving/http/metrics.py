@@ -36,7 +36,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from serving.engine_api import EngineStats
+from serving.engine.api import EngineStats
 
 logger = logging.getLogger(__name__)
 

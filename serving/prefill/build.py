@@ -15,7 +15,6 @@ import dataclasses
 import logging
 
 import jax
-import jax.numpy as jnp
 
 from cpkv_jax.cache.radix import RadixCache
 from cpkv_jax.config import ModelConfig
@@ -23,20 +22,20 @@ from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.mesh import make_cp_mesh
+from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.model.weights import load_model
-from serving.scheduler.buffer_estimator import (
+from serving.prefill.adder import CPSharedKVLimits
+from serving.prefill.buffer_estimator import (
     BufferEstimator,
     profile_for_platform,
     startup_smoke_allocation,
 )
-from serving.scheduler.prefill_adder import CPSharedKVLimits
-from serving.scheduler.prefill_scheduler import CPRunnerExecutor, PrefillScheduler
+from serving.prefill.scheduler import CPRunnerExecutor, PrefillScheduler
 from serving.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Without --kv-pool-size, pools hold this many tokens of context (or the model's maximum).
 DEFAULT_POOL_TOKENS = 131_072
 
@@ -84,7 +83,7 @@ def build_prefill_engine(
 
     `hold_finished`: finished requests keep their pages until the caller releases them
     (`PrefillScheduler.release_held`), as a PD prefill server needs while it transfers
-    their KV (`serving.prefill_server`).
+    their KV (`serving.prefill.engine`).
     """
     cfg = args.model_config() if model is None else model.cfg
     devices = list(jax.devices()) if devices is None else devices

@@ -1,0 +1,118 @@
+"""The decode engine's two model steps on the single-device pool, as host-built batches.
+
+- `prefill`: one request's whole prompt (expanded MLA form; absorbed with batch-invariant
+  numerics, the CP prefill's form), padded to `prefill_bucket(len)` tokens;
+- `decode`: one token for each running request, rows padded to a power of two and page
+  tables to a power of two of the longest reservation.
+
+Both donate the pool through `KVStore.update_pool` and return log-probs on the host, so
+the number of compiled shapes is bounded by the buckets (`shapes` records them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cpkv_jax.buckets import pow2_at_least, prefill_bucket
+from cpkv_jax.model.forward_batch import ForwardBatch
+from cpkv_jax.model.kv_cache import IndexKDtype, KVPool
+from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
+from cpkv_jax.paging import TRASH_PAGE, padded_page_table, slots_for_positions
+from transfer.kv_sink import KVStore
+
+# One decode row: (token fed now, its position, the request's pages, pages reserved).
+DecodeRow = tuple[int, int, np.ndarray, int]
+
+
+class DecodeSteps:
+    """The compiled steps of one model over one `KVStore` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: KVStore,
+        page_size: int,
+        index_k_dtype: IndexKDtype,
+        batch_invariant: bool,
+        block_bytes: int | None,
+    ):
+        self._graphdef, self._state = nnx.split(model)
+        self.kv = kv
+        self.page_size = page_size
+        self.index_k_dtype = index_k_dtype
+        self.batch_invariant = batch_invariant
+        self.block_bytes = block_bytes  # token-block budget of the indexer / sparse attention
+        # Batch-invariant numerics use one attention form everywhere (the CP prefill's).
+        self.prefill_form = "absorbed" if batch_invariant else "expanded"
+        self.shapes: set[tuple[str, int, int, int]] = set()  # (form, rows, tokens, width)
+
+    def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> np.ndarray:
+        """Log-probs after the prompt's last token; its KV lands in `pages`."""
+        n = len(prompt)
+        t_len = prefill_bucket(n)
+        table = padded_page_table(pages, width)
+        ids = np.zeros((1, t_len), np.int32)
+        ids[0, :n] = prompt
+        positions = np.zeros((1, t_len), np.int32)
+        positions[0, :n] = np.arange(n)
+        valid = np.arange(t_len)[None] < n
+        slots = np.where(valid, slots_for_positions(table, positions[0], self.page_size)[None], 0)
+        batch = ForwardBatch(
+            input_ids=jnp.asarray(ids),
+            positions=jnp.asarray(positions),
+            valid=jnp.asarray(valid),
+            write_slots=jnp.asarray(slots, jnp.int32),
+            page_table=jnp.asarray(table[None]),
+            kv_lens=jnp.asarray([n], jnp.int32),
+        )
+        self.shapes.add((self.prefill_form, 1, t_len, width))
+        with jax.named_scope("decode_engine.prefill"):
+            logits = self.kv.update_pool(lambda pool: self._forward(batch, pool, self.prefill_form))
+        return np.asarray(log_probs(logits[0]))
+
+    def decode(self, rows: Sequence[DecodeRow]) -> np.ndarray:
+        """Log-probs `[len(rows), vocab]` after feeding each row's token at its position."""
+        rows_p = pow2_at_least(len(rows))
+        width = pow2_at_least(max(n_pages for *_, n_pages in rows))
+        ids = np.zeros((rows_p, 1), np.int32)
+        positions = np.zeros((rows_p, 1), np.int32)
+        valid = np.zeros((rows_p, 1), bool)
+        slots = np.full((rows_p, 1), TRASH_PAGE * self.page_size, np.int32)
+        tables = np.full((rows_p, width), TRASH_PAGE, np.int32)
+        kv_lens = np.zeros((rows_p,), np.int32)
+        for i, (token, pos, pages, _) in enumerate(rows):
+            tables[i] = padded_page_table(pages, width)
+            ids[i, 0] = token
+            positions[i, 0] = pos
+            valid[i, 0] = True
+            slots[i, 0] = slots_for_positions(tables[i], np.asarray([pos]), self.page_size)[0]
+            kv_lens[i] = pos + 1
+        batch = ForwardBatch(
+            input_ids=jnp.asarray(ids),
+            positions=jnp.asarray(positions),
+            valid=jnp.asarray(valid),
+            write_slots=jnp.asarray(slots),
+            page_table=jnp.asarray(tables),
+            kv_lens=jnp.asarray(kv_lens),
+        )
+        self.shapes.add(("absorbed", rows_p, 1, width))
+        with jax.named_scope("decode_engine.decode"):
+            logits = self.kv.update_pool(lambda pool: self._forward(batch, pool, "absorbed"))
+        return np.asarray(log_probs(logits))[: len(rows)]
+
+    def _forward(self, batch: ForwardBatch, pool: KVPool, form: str) -> tuple[jax.Array, KVPool]:
+        return forward_step(
+            self._graphdef,
+            self._state,
+            batch,
+            pool,
+            index_k_dtype=self.index_k_dtype,
+            form=form,
+            invariant=self.batch_invariant,
+            block_bytes=self.block_bytes,
+        )

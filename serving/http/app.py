@@ -1,0 +1,176 @@
+"""The HTTP front of one server: SGLang-style `/generate` (`serving.http.native`),
+OpenAI-compatible completions and chat (`serving.http.openai`), and here health,
+Prometheus metrics, server info and profiling, and the app that wires them together.
+
+    app = build_app(client, model_name=..., tokenizer=..., vocab_size=..., context_length=...,
+                    chat_template=load_chat_template(model_dir), metrics=ServerMetrics())
+
+Every endpoint validates its request before the engine sees it (`serving.http.models`:
+strict bodies; token ids in `[0, vocab_size)`; a non-empty prompt; `prompt + max_new_tokens
+<= context_length`; `SamplingParams.validate`), and every error is an OpenAI-style body
+`{"error": {"message", "type", "code"}}`: 4xx for the request's fault (including an
+`InputError` the engine raises at submit), 503 for a server that cannot take work now (any
+other `CpkvError` at submit, e.g. the engine loop's `ServerShuttingDownError`, or a request
+the server aborted), 500 for an engine error (`finish_reason == "error"`); see
+`serving.http.errors`.
+
+Streaming (`stream: true`) answers Server-Sent Events, `data: {json}\\n\\n` ... `data:
+[DONE]\\n\\n`. The status line is sent with the first generated token, so a request the
+engine refuses still gets its 4xx / 503; an error after that is one `data: {"error": ...}`
+event before `[DONE]`. `/generate` events carry the cumulative `text` and `output_ids` so
+far (as SGLang does); OpenAI chunks carry deltas. Text is decoded incrementally and only
+emitted once it no longer ends in an incomplete UTF-8 character, and stop strings are
+trimmed (`serving.http.text`).
+
+A client that goes away aborts its request in the engine: every wait on the engine races
+a listener for the ASGI `http.disconnect` message, and the streaming response closes the
+engine stream (which aborts, per `EngineClient`) however it ends
+(`serving.http.generation`, `serving.http.streaming`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from cpkv_jax.tokenizer import Tokenizer
+from serving.engine.api import EngineClient
+from serving.http.chat_template import ChatTemplate
+from serving.http.errors import ApiError, install_error_handlers
+from serving.http.generation import ApiCore
+from serving.http.metrics import ServerMetrics
+from serving.http.models import ProfileBody
+from serving.http.native import NativeRoutes
+from serving.http.openai import OpenAIRoutes
+
+logger = logging.getLogger(__name__)
+
+
+class AdminRoutes:
+    """`/health`, `/metrics`, `/server_info` and the JAX profiler routes of one app."""
+
+    def __init__(
+        self,
+        core: ApiCore,
+        *,
+        server_info: Callable[[], dict[str, Any]] | None,
+        profile_dir: str,
+    ) -> None:
+        self.core = core
+        self.server_info_fn = server_info
+        self.profile_dir = profile_dir
+        self.profiling_to: str | None = None
+
+    def register(self, app: FastAPI) -> None:
+        app.add_api_route("/health", self.health, response_model=None, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics_text, response_model=None, methods=["GET"])
+        app.add_api_route("/server_info", self.server_info, response_model=None, methods=["GET"])
+        app.add_api_route(
+            "/start_profile", self.start_profile, response_model=None, methods=["POST"]
+        )
+        app.add_api_route("/stop_profile", self.stop_profile, response_model=None, methods=["POST"])
+
+    def health(self) -> Response:
+        if self.core.client.healthy():
+            return JSONResponse({"status": "ok"})
+        why = self.core.client.fatal_reason()
+        raise ApiError(
+            503, f"the engine is not healthy: {why}" if why else "the server is shutting down"
+        )
+
+    def metrics_text(self) -> Response:
+        text, content_type = self.core.metrics.render()
+        return Response(content=text, media_type=content_type)
+
+    async def server_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = dict(self.server_info_fn()) if self.server_info_fn else {}
+        try:
+            stats = self.core.client.stats()
+        except Exception as e:
+            raise ApiError(503, f"the engine could not report its stats: {e}") from e
+        info.update(dataclasses.asdict(stats))
+        info.update(
+            model_name=self.core.model_name,
+            context_length=self.core.context_length,
+            vocab_size=self.core.vocab_size,
+            has_tokenizer=self.core.tokenizer is not None,
+            has_chat_template=self.core.chat_template is not None,
+        )
+        return info
+
+    async def start_profile(self, request: Request) -> dict[str, Any]:
+        body = await self.core.parse(request, ProfileBody, empty_ok=True)
+        if self.profiling_to is not None:
+            raise ApiError(400, f"a profile is already being recorded to {self.profiling_to}")
+        out_dir = body.output_dir or self.profile_dir
+        import jax.profiler  # only this endpoint needs JAX
+
+        try:
+            await asyncio.to_thread(jax.profiler.start_trace, out_dir)
+        except (RuntimeError, OSError) as e:
+            raise ApiError(400, f"could not start the JAX profiler to {out_dir}: {e}") from e
+        self.profiling_to = out_dir
+        logger.info("JAX profiler trace started, writing to %s", out_dir)
+        return {"status": "started", "output_dir": out_dir}
+
+    async def stop_profile(self) -> dict[str, Any]:
+        if self.profiling_to is None:
+            raise ApiError(400, "no profile is being recorded: POST /start_profile first")
+        import jax.profiler
+
+        out_dir, self.profiling_to = self.profiling_to, None
+        try:
+            await asyncio.to_thread(jax.profiler.stop_trace)
+        except RuntimeError as e:
+            raise ApiError(400, f"could not stop the JAX profiler: {e}") from e
+        logger.info("JAX profiler trace written to %s", out_dir)
+        return {"status": "stopped", "output_dir": out_dir}
+
+
+def build_app(
+    client: EngineClient,
+    *,
+    model_name: str,
+    tokenizer: Tokenizer | None,
+    vocab_size: int,
+    context_length: int,
+    chat_template: str | ChatTemplate | None,
+    metrics: ServerMetrics,
+    server_info: Callable[[], dict[str, Any]] | None = None,
+    profile_dir: str = "/tmp/cpkv-profile",
+) -> FastAPI:
+    """The FastAPI app serving `client`.
+
+    `chat_template` is a `ChatTemplate` (from `serving.http.chat_template.load_chat_template`,
+    which knows the model's bos / eos strings) or a bare template source. `metrics` gets
+    the engine's stats attached (read at each scrape of `/metrics`). `server_info()` is
+    merged into `GET /server_info` with the engine's `stats()`.
+    """
+    if vocab_size <= 0 or context_length <= 0:
+        raise ValueError(
+            f"vocab_size and context_length must be positive, got {vocab_size}, {context_length}"
+        )
+    template = ChatTemplate(chat_template) if isinstance(chat_template, str) else chat_template
+    metrics.attach_stats(client.stats)
+    core = ApiCore(
+        client,
+        model_name=model_name,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        context_length=context_length,
+        chat_template=template,
+        metrics=metrics,
+    )
+    app = FastAPI(title="cpkv-jax", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.api = core  # the shared state, for tests and debugging
+    install_error_handlers(app, on_client_error=metrics.record_bad_request)
+    NativeRoutes(core).register(app)
+    OpenAIRoutes(core).register(app)
+    AdminRoutes(core, server_info=server_info, profile_dir=profile_dir).register(app)
+    return app

@@ -1,0 +1,362 @@
+"""Serving one HTTP request against the engine, shared by the `/generate` and OpenAI
+routes: parse and validate (`ApiCore.parse`, `tokenize`, `make_request`), submit and wait
+for the first chunk (`first_chunk`, which maps an engine refusal to its 4xx / 503), then
+either collect every chunk (`run_to_end`) or stream them as SSE (`stream_response`).
+
+The status line of a stream is sent with the first generated token, so a request the
+engine refuses still gets its 4xx / 503; an error after that is one `data: {"error": ...}`
+event before `[DONE]`. A client that goes away aborts its request in the engine: every
+wait on the engine races `wait_disconnect`, and the streaming response closes the engine
+stream (which aborts, per `EngineClient`) however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from cpkv_jax.errors import InputError
+from cpkv_jax.tokenizer import Tokenizer
+from serving.engine.api import EngineClient, GenerateRequest, OutputChunk, SamplingParams
+from serving.http.chat_template import ChatTemplate
+from serving.http.errors import ApiError, ClientDisconnectedError, engine_error, error_body
+from serving.http.metrics import RequestTimer, ServerMetrics
+from serving.http.models import describe_validation_error
+from serving.http.streaming import (
+    SSE_DONE,
+    ClosingStreamingResponse,
+    sse_event,
+    sse_response,
+    wait_disconnect,
+)
+from serving.http.text import OutputText
+
+logger = logging.getLogger(__name__)
+_M = TypeVar("_M", bound=BaseModel)
+
+# Prompts longer than this many characters are tokenized off the event loop.
+_TOKENIZE_INLINE_CHARS = 4096
+# `render(gen, chunk, delta, n_tokens_before)`: the SSE events of one chunk.
+Render = Callable[["Generation", OutputChunk, str, int], list[dict[str, Any]]]
+
+
+class EngineStream:
+    """The engine's chunk stream for one request, raced against the client's disconnect.
+
+    `close` is synchronous so that it also runs to completion inside a task that is being
+    cancelled (Starlette cancels a streaming response whose client went away).
+    """
+
+    def __init__(self, client: EngineClient, req: GenerateRequest, request: Request) -> None:
+        self._client = client
+        self.req = req
+        self._agen = client.generate(req)
+        self._receive = request.receive
+        self._disconnect: asyncio.Task[None] | None = None
+        self._pending: asyncio.Task[OutputChunk] | None = None
+        self.finished = False
+        self._dead = False
+        self._closed = False
+
+    async def next(self) -> OutputChunk:
+        """The next chunk; raises `ClientDisconnectedError` if the client left first."""
+        if self._disconnect is None:
+            self._disconnect = asyncio.ensure_future(wait_disconnect(self._receive))
+        self._pending = asyncio.ensure_future(anext(self._agen))
+        done, _ = await asyncio.wait(
+            {self._pending, self._disconnect}, return_when=asyncio.FIRST_COMPLETED
+        )
+        if self._pending in done:
+            try:
+                chunk = self._pending.result()
+            except StopAsyncIteration:
+                self._dead = True
+                raise RuntimeError(
+                    f"the engine stream of request {self.req.rid} ended without a final chunk"
+                ) from None
+            except BaseException:
+                # The generator raised (e.g. the engine refused the request at submit):
+                # it is finished, and there is nothing in the engine to abort.
+                self._dead = True
+                raise
+            finally:
+                self._pending = None
+            self.finished = chunk.finished
+            return chunk
+        raise ClientDisconnectedError(self.req.rid)
+
+    def close(self, background: set[asyncio.Task[None]]) -> None:
+        """Stop listening; abort the request in the engine unless it finished."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._disconnect is not None:
+            self._disconnect.cancel()
+        if self._dead:
+            return
+        if not self.finished:
+            # Closing the stream aborts per the EngineClient contract; the explicit abort
+            # also covers a stream still waiting inside a cancelled task.
+            self._client.abort(self.req.rid)
+        if self._pending is not None and not self._pending.done():
+            # The engine generator is suspended in this task: cancelling it closes it.
+            self._pending.cancel()
+        else:
+            task = asyncio.ensure_future(self._agen.aclose())
+            background.add(task)
+            task.add_done_callback(background.discard)
+
+
+@dataclasses.dataclass
+class Generation:
+    """What one request produced, accumulated chunk by chunk."""
+
+    req: GenerateRequest
+    timer: RequestTimer
+    out: OutputText
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    meta: dict[str, float | int] = dataclasses.field(default_factory=dict)
+    e2e: float | None = None
+
+    @property
+    def ids(self) -> list[int]:
+        return self.out.detok.ids
+
+    def absorb(self, chunk: OutputChunk) -> str:
+        """Take one chunk in; returns the text delta that is now safe to send."""
+        self.timer.on_tokens(len(chunk.token_ids))
+        if chunk.logprobs is not None:
+            self.logprobs.extend(chunk.logprobs)
+        delta = self.out.add(chunk.token_ids)
+        if chunk.finished:
+            delta += self.out.finish()
+            self.finish_reason = chunk.finish_reason or "stop"
+            self.error = chunk.error
+            self.meta = dict(chunk.meta)
+            self.e2e = self.timer.finish(self.finish_reason, len(self.req.input_ids))
+        return delta
+
+    def abandon(self) -> None:
+        """The client left or the stream broke before the final chunk."""
+        if self.finish_reason is None:
+            self.finish_reason = "abort"
+            self.e2e = self.timer.finish("abort", len(self.req.input_ids))
+
+    def failure(self) -> ApiError | None:
+        """The HTTP error of a request that finished with "error" or "abort"."""
+        if self.finish_reason == "error":
+            return ApiError(500, self.error or "the engine failed while serving this request")
+        if self.finish_reason == "abort":
+            return ApiError(503, "the request was aborted by the server (shutting down?)")
+        return None
+
+    def matched(self) -> str | int | None:
+        if self.finish_reason != "stop":
+            return None
+        if self.out.matched is not None:
+            return self.out.matched
+        return self.ids[-1] if self.ids else None
+
+    def usage(self) -> dict[str, Any]:
+        prompt = len(self.req.input_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": len(self.ids),
+            "total_tokens": prompt + len(self.ids),
+            "prompt_tokens_details": {"cached_tokens": int(self.meta.get("cached_tokens", 0))},
+        }
+
+
+class ApiCore:
+    """What every route of one app shares (the engine client, the model's limits, the
+    tokenizer, metrics), and the steps of serving one request."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        *,
+        model_name: str,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        context_length: int,
+        chat_template: ChatTemplate | None,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.client = client
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        self.chat_template = chat_template
+        self.metrics = metrics
+        self.created = int(time.time())
+        # Engine streams closing after their response ended (kept so they are not GCed).
+        self.background: set[asyncio.Task[None]] = set()
+
+    # -- parsing and validation --
+
+    @staticmethod
+    async def parse(request: Request, model: type[_M], *, empty_ok: bool) -> _M:
+        body = await request.body()
+        if not body.strip() and empty_ok:
+            body = b"{}"
+        try:
+            return model.model_validate_json(body)
+        except ValidationError as e:
+            raise ApiError(400, describe_validation_error(e)) from None
+
+    async def tokenize(self, text: str, *, field: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(
+                400,
+                f"'{field}' is text, but this server has no tokenizer (no tokenizer.json in "
+                "the model dir): send token ids instead",
+            )
+        if len(text) > _TOKENIZE_INLINE_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text)
+        return self.tokenizer.encode(text)
+
+    def make_request(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        arrival: float,
+        bootstrap_room: str | None = None,
+        decode_transfer_target: str | None = None,
+        bootstrap_cp_size: int | None = None,
+    ) -> GenerateRequest:
+        """Validate a tokenized request against this model and build the engine request."""
+        if not input_ids:
+            raise ApiError(400, "the prompt is empty: send at least one token")
+        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(
+                400,
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+            )
+        try:
+            sampling.validate(self.vocab_size)
+        except InputError as e:
+            raise ApiError(400, str(e)) from None
+        if sampling.stop and self.tokenizer is None:
+            raise ApiError(
+                400,
+                "stop strings need a tokenizer, and this server has none: use stop_token_ids",
+            )
+        total = len(input_ids) + sampling.max_new_tokens
+        if total > self.context_length:
+            raise ApiError(
+                400,
+                f"the prompt ({len(input_ids)} tokens) plus max new tokens "
+                f"({sampling.max_new_tokens}) is {total}, over the context length "
+                f"{self.context_length}: shorten the prompt or lower max_tokens",
+            )
+        return GenerateRequest(
+            rid=rid or uuid.uuid4().hex,
+            input_ids=tuple(input_ids),
+            sampling=sampling,
+            return_logprob=return_logprob,
+            bootstrap_room=bootstrap_room,
+            decode_transfer_target=decode_transfer_target,
+            bootstrap_cp_size=bootstrap_cp_size,
+            arrival_time=arrival,
+        )
+
+    # -- driving the engine --
+
+    async def first_chunk(
+        self, req: GenerateRequest, request: Request, arrival: float
+    ) -> tuple[EngineStream, Generation, OutputChunk]:
+        """Submit and wait for the first chunk, mapping submit errors to HTTP statuses."""
+        stream = EngineStream(self.client, req, request)
+        gen = Generation(
+            req=req,
+            timer=self.metrics.start_request(arrival),
+            out=OutputText(self.tokenizer, req.sampling.stop),
+        )
+        try:
+            chunk = await stream.next()
+        except BaseException as e:
+            stream.close(self.background)
+            # An engine refusal at submit (bad input, full queue, shutting down) is the
+            # client's 4xx / 503; anything else (a disconnect, a bug) goes on as it is.
+            if (err := engine_error(e)) is not None:
+                raise err from None
+            raise
+        return stream, gen, chunk
+
+    async def run_to_end(
+        self, req: GenerateRequest, request: Request, arrival: float
+    ) -> Generation:
+        """A non-streaming request: every chunk, or `ClientDisconnectedError`."""
+        stream, gen, chunk = await self.first_chunk(req, request, arrival)
+        try:
+            gen.absorb(chunk)
+            while not chunk.finished:
+                chunk = await stream.next()
+                gen.absorb(chunk)
+        except BaseException:
+            gen.abandon()
+            raise
+        finally:
+            stream.close(self.background)
+        if (err := gen.failure()) is not None:
+            raise err
+        return gen
+
+    def stream_response(
+        self,
+        stream: EngineStream,
+        gen: Generation,
+        first: OutputChunk,
+        render: Render,
+        tail: Callable[[Generation], list[dict[str, Any]]] = lambda g: [],
+    ) -> ClosingStreamingResponse:
+        """SSE of one request: `render(gen, chunk, delta, n_tokens_before)` gives the events
+        of each chunk, `tail(gen)` those after the last one; then `[DONE]`."""
+
+        async def events() -> AsyncIterator[bytes]:
+            chunk = first
+            try:
+                while True:
+                    before = len(gen.ids)
+                    delta = gen.absorb(chunk)
+                    if chunk.finished and (err := gen.failure()) is not None:
+                        yield sse_event(err.body())
+                        break
+                    for event in render(gen, chunk, delta, before):
+                        yield sse_event(event)
+                    if chunk.finished:
+                        for event in tail(gen):
+                            yield sse_event(event)
+                        break
+                    chunk = await stream.next()
+            except ClientDisconnectedError:
+                gen.abandon()
+                return
+            except Exception as e:
+                gen.abandon()
+                logger.exception("stream of request %s failed", gen.req.rid)
+                yield sse_event(error_body(500, f"the stream failed: {type(e).__name__}: {e}"))
+            finally:
+                stream.close(self.background)
+            yield SSE_DONE
+
+        def on_close() -> None:
+            gen.abandon()
+            stream.close(self.background)
+
+        return sse_response(events(), on_close)

@@ -1,1 +1,0 @@
-"""Prefill scheduler: admission (PrefillAdder gates) and the transient-buffer estimator."""
