@@ -30,8 +30,8 @@ from flax import nnx
 from benchmarks.report import emit, environment
 from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
-from cpkv_jax.generate import prefill_batch
 from cpkv_jax.mesh import make_cp_mesh
+from cpkv_jax.model.forward_batch import prefill_batch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, init_pool
 from cpkv_jax.model.transformer import CausalLM, forward_step
 from cpkv_jax.tools.tiny_config import tiny_config_dict

@@ -75,7 +75,7 @@ from jax.typing import DTypeLike
 from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import CPConfig, ModelConfig, parse_override_args
-from cpkv_jax.errors import ConfigError, CpkvError
+from cpkv_jax.errors import ConfigError, CpkvError, name_flags
 from cpkv_jax.kv_pool import PoolLayout, init_cp_pool, per_rank_pool_bytes
 from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.model.kv_cache import DTYPES, INDEX_K_DTYPES, IndexKDtype, KVPool, pool_shapes
@@ -409,7 +409,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging(args.log_level)
         report = run(args)
     except CpkvError as e:
-        print(f"error: {e}", file=sys.stderr)
+        flags = {
+            f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(MemoryBenchArgs)
+        }
+        print(f"error: {name_flags(str(e), flags)}", file=sys.stderr)
         return 2
     print(json.dumps(report) if args.json else _text(report))
     return 0

@@ -3,7 +3,7 @@
     python -m benchmarks.pd_load --minutes 10 --concurrency 16 [--transfer-backend grpc]
         [--json benchmarks/results/pd_soak.json]
 
-The soak (not in the suite; `tests/test_pd_load.py` runs a short version with a decode
+The soak (not in the suite; `tests/serving/test_pd_load.py` runs a short version with a decode
 server killed and restarted): it starts the three processes of `make demo` on 127.0.0.1
 (tiny checkpoint, small KV pools so requests queue and some prompts are near a pool's
 size) and keeps `--concurrency` clients busy for `--minutes` with a mixed load:

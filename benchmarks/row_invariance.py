@@ -21,7 +21,7 @@ Both numerics modes are measured side by side: `default` (the plain model) and
 `invariant` (batch-invariant numerics, `cpkv_jax.model.numerics`: fixed-shape tiles).
 Prints one JSON object per prompt length and mode and a summary; `--json` writes all of
 it. In the default mode the tests compare CP and single-device KV at atol 1e-5 because of
-what this measures; in batch-invariant mode they compare bitwise (tests/test_cp_prefill.py).
+what this measures; in batch-invariant mode they compare bitwise (tests/core/test_cp_prefill.py).
 Results from each backend are kept in `benchmarks/results/row_invariance_*.json`.
 """
 

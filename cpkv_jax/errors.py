@@ -6,6 +6,25 @@ bad config or checkpoint never surfaces as a traceback from deep inside JAX.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+QUOTED = 8  # values an error message quotes; the rest is elided
+
+
+def name_flags(message: str, flags: Mapping[str, str]) -> str:
+    """Library errors name parameters in backticks (`cp_size`); a command line says the
+    flag its user typed instead (`flags`: parameter -> flag; other names stay)."""
+    return re.sub(r"`([a-z][a-z0-9_]*)`", lambda m: flags.get(m.group(1), m.group(0)), message)
+
+
+def quote(values: np.ndarray | Iterable[int], limit: int = QUOTED) -> str:
+    """`values` as `[a, b, ...]` for an error message: the first `limit`, then `...`."""
+    v = [int(x) for x in values]
+    return "[" + ", ".join(map(str, v[:limit])) + (", ...]" if len(v) > limit else "]")
+
 
 class CpkvError(Exception):
     """Base class of every error cpkv_jax raises on purpose."""

@@ -33,13 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cpkv_jax.buckets import pow2_at_least, prefill_bucket
+from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
-from cpkv_jax.errors import CpkvError, InputError
+from cpkv_jax.errors import CpkvError, InputError, name_flags
 from cpkv_jax.mesh import make_cp_mesh
-from cpkv_jax.model.forward_batch import ForwardBatch
+from cpkv_jax.model.forward_batch import ForwardBatch, prefill_batch
 from cpkv_jax.model.kv_cache import DTYPES, INDEX_K_DTYPES, IndexKDtype, KVPool, init_pool
 from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
 from cpkv_jax.model.weights import load_model
@@ -48,29 +48,6 @@ from cpkv_jax.pallas.paged_gather import GatherImpl
 from cpkv_jax.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def prefill_batch(prompt: np.ndarray, table: np.ndarray, page_size: int) -> ForwardBatch:
-    """One request's whole-prompt prefill batch, padded to `prefill_bucket(len(prompt))`.
-
-    `table` is the request's page-table row (logical page -> pool page); padding tokens
-    write to slot 0 (the trash page)."""
-    n = len(prompt)
-    t_len = prefill_bucket(n)
-    ids = np.zeros((1, t_len), np.int32)
-    ids[0, :n] = prompt
-    positions = np.zeros((1, t_len), np.int32)
-    positions[0, :n] = np.arange(n)
-    valid = np.arange(t_len)[None] < n
-    slots = np.where(valid, slots_for_positions(table, positions[0], page_size)[None], 0)
-    return ForwardBatch(
-        input_ids=jnp.asarray(ids),
-        positions=jnp.asarray(positions),
-        valid=jnp.asarray(valid),
-        write_slots=jnp.asarray(slots, jnp.int32),
-        page_table=jnp.asarray(np.asarray(table, np.int32)[None]),
-        kv_lens=jnp.asarray([n], jnp.int32),
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
         cfg, model = load_model(
@@ -390,7 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             cp_prefill=cp_opts,
         )
     except CpkvError as e:
-        print(f"error: {e}", file=sys.stderr)
+        flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+        flags |= {"shared_kv": "--enable-cp-shared-kv"}  # CPConfig's name for it
+        print(f"error: {name_flags(str(e), flags)}", file=sys.stderr)
         return 2
     print(f"prompt ids ({len(prompt_ids)}): {prompt_ids}")
     print(

@@ -32,7 +32,7 @@ from cpkv_jax.paging import (
 class OwnerLaneAllocator:
     """Free lists of `cp_size` owner lanes, `pages_per_lane` physical pages each.
 
-    Invariants (checked by tests/test_ownership.py):
+    Invariants (checked by tests/core/test_ownership.py):
     - local page `TRASH_PAGE` (0) of a lane is never allocated;
     - a page is allocated at most once until freed;
     - the page handed out for logical page `p` is local to lane `p mod cp_size`;

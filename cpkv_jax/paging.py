@@ -17,15 +17,12 @@ from collections.abc import Sequence
 import numpy as np
 from jaxtyping import Int
 
-from cpkv_jax.errors import CacheCapacityError, ConfigError, CpkvError
+from cpkv_jax.errors import CacheCapacityError, ConfigError, CpkvError, quote
 
 TRASH_PAGE = 0
 
 # A page position or an array of them; numpy integer scalars come out of array indexing.
 PageIndex = int | np.integer | np.ndarray
-
-# Group values quoted in a PageAlignmentError message.
-_QUOTED_VALUES = 8
 
 
 class PageAlignmentError(CpkvError, ValueError):
@@ -121,11 +118,6 @@ def owned_pages(n_pages: int, rank: int, cp_size: int) -> Int[np.ndarray, " owne
     return np.arange(rank, n_pages, cp_size, dtype=np.int64)
 
 
-def _quote(values: np.ndarray) -> str:
-    head = ", ".join(str(v) for v in values[:_QUOTED_VALUES].tolist())
-    return f"[{head}{', ...' if len(values) > _QUOTED_VALUES else ''}]"
-
-
 def validate_page_aligned_token_indices(
     indices: np.ndarray | Sequence[int], page_size: int
 ) -> None:
@@ -155,13 +147,13 @@ def validate_page_aligned_token_indices(
     if not np.issubdtype(arr.dtype, np.integer):
         raise PageAlignmentError(
             f"token indices must be integers, got dtype {arr.dtype} (first values "
-            f"{_quote(arr)}); convert them to int64, then {fix}"
+            f"{quote(arr)}); convert them to int64, then {fix}"
         )
     num_groups, tail = divmod(arr.size, page_size)
     if tail:
         raise PageAlignmentError(
             f"page group {num_groups} (index entries {num_groups * page_size}..{arr.size - 1}) "
-            f"is partial: {tail} of page_size={page_size} tokens {_quote(arr[-tail:])}; "
+            f"is partial: {tail} of page_size={page_size} tokens {quote(arr[-tail:])}; "
             f"the index length {arr.size} is not a multiple of {page_size}; {fix}"
         )
     # One signed dtype for the arithmetic; uint64 values past int64 turn negative and fail.
@@ -186,7 +178,7 @@ def validate_page_aligned_token_indices(
             f"is non-contiguous: its entry {k} is {int(groups[g, k])} where a whole page "
             f"starting at {start} has {start + k}"
         )
-    raise PageAlignmentError(f"{where} {why}: {_quote(groups[g])}; {fix}")
+    raise PageAlignmentError(f"{where} {why}: {quote(groups[g])}; {fix}")
 
 
 def page_ids_of_token_indices(

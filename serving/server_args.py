@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES
 from cpkv_jax.config import CPConfig, CPSplitMode, ModelConfig, check_cp_config, parse_override_args
-from cpkv_jax.errors import ConfigError
+from cpkv_jax.errors import ConfigError, name_flags
 from cpkv_jax.model.kv_cache import IndexKDtype
 from cpkv_jax.pallas.paged_gather import GatherImpl
 from serving import flags
@@ -737,10 +737,6 @@ _PARAMETER_FIELDS = {
 def as_flags(message: str) -> str:
     """Library errors name parameters in backticks (`cp_size`, as `cpkv_jax` and
     `transfer` know them); a server user typed flags, so say `--cp-size` instead."""
-    fields = {f.name for f in dataclasses.fields(ServerArgs)}
-
-    def flag(m: re.Match[str]) -> str:
-        name = _PARAMETER_FIELDS.get(m.group(1), m.group(1))
-        return flag_name(name) if name in fields else m.group(0)
-
-    return re.sub(r"`([a-z][a-z0-9_]*)`", flag, message)
+    flags = {f.name: flag_name(f.name) for f in dataclasses.fields(ServerArgs)}
+    flags |= {param: flag_name(field) for param, field in _PARAMETER_FIELDS.items()}
+    return name_flags(message, flags)

@@ -175,7 +175,7 @@ class PageSection:
 
 @dataclasses.dataclass(frozen=True)
 class TransferTimeouts:
-    """Decode-side timeouts, in seconds (ServerArgs `--transfer-*-timeout`).
+    """Decode-side timeouts, in seconds (set by the server's `--transfer-*-timeout` flags).
 
     - `bootstrap`: from registration until every sender's handshake was accepted;
     - `waiting`: in WaitingForInput, i.e. from the last handshake to the first page;

@@ -172,6 +172,33 @@ class DataPlane(Protocol):
         ...
 
 
+class RankSender:
+    """What both backends' rank senders share: a `SenderSession` they drive as its
+    `DataPlane`, and the job, hold and rank it knows. Subclasses set `self.session`."""
+
+    session: SenderSession
+
+    @property
+    def job(self) -> RankJob:
+        return self.session.job
+
+    @property
+    def hold(self) -> TransferHold:
+        return self.session.hold
+
+    @property
+    def rank(self) -> int:
+        return self.session.rank
+
+    def kill(self) -> None:
+        """Simulate this sender's process dying: no further RPC or write of any kind."""
+        self.session.kill()
+
+    def run(self) -> RoomSnapshot | None:
+        """The whole transfer; returns the room's final status (None when killed)."""
+        return self.session.run(self)  # type: ignore[arg-type]  # subclasses are DataPlanes
+
+
 class SenderSession:
     """The control plane of one rank's transfer of one room (see the module docstring).
 

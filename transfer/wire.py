@@ -5,7 +5,7 @@ twice each way. `serialize_page_chunk` (`transfer.backends.grpc_backend`) serial
 header with protobuf and appends the `data` field itself, copying the page bytes once;
 `split_len_field` (`transfer.receiver.servicer`) finds that field in a received message
 and returns a view of it, so the receiver parses only the header. Both agree with
-protobuf (`test_transfer_grpc.test_fast_chunk_serialization_equals_protobuf`).
+protobuf (`test_grpc_wire.test_fast_chunk_serialization_equals_protobuf`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def serialize_page_chunk(header: pb.PageChunk, parts: Sequence[memoryview | byte
     `parts` as its `data` field, copying the page bytes once (protobuf would copy them
     twice: into the message and again when serializing). Protobuf parsers accept fields
     in any order, so this equals `PageChunk(..., data=b"".join(parts)).SerializeToString()`
-    as a message (`test_transfer_grpc.test_fast_chunk_serialization_equals_protobuf`)."""
+    as a message (`test_grpc_wire.test_fast_chunk_serialization_equals_protobuf`)."""
     if header.data:
         raise ValueError("serialize_page_chunk: the header must not carry data")
     n = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)

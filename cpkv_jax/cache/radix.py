@@ -37,7 +37,7 @@ from collections.abc import Iterator
 import numpy as np
 from jaxtyping import Int
 
-from cpkv_jax.errors import CacheCapacityError, ConfigError
+from cpkv_jax.errors import CacheCapacityError, ConfigError, quote
 from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
 from cpkv_jax.paging import TRASH_PAGE, owner_of_page, pages_for_tokens
 
@@ -46,7 +46,6 @@ logger = logging.getLogger(__name__)
 # Token ids are stored in one dtype so that a page's bytes are its child key.
 _TOKEN_DTYPE = np.int64
 # Tokens quoted per node by `RadixCache.pretty`.
-_QUOTED_TOKENS = 8
 
 
 class RadixNode:
@@ -364,12 +363,10 @@ class RadixCache:
 
         def walk(node: RadixNode, depth: int) -> None:
             for child in sorted(node.children.values(), key=lambda c: c.node_id):
-                head = child.tokens[:_QUOTED_TOKENS].tolist()
-                more = ", ..." if child.tokens.size > _QUOTED_TOKENS else ""
                 lines.append(
                     f"{'  ' * depth}#{child.node_id} pages [{child.start_page}, "
                     f"{child.end_page}) local={child.pages.tolist()} "
-                    f"lanes={self._lanes(child).tolist()} tokens={str(head)[:-1]}{more}] "
+                    f"lanes={self._lanes(child).tolist()} tokens={quote(child.tokens)} "
                     f"lock={child.lock_ref} t={child.last_access}"
                 )
                 walk(child, depth + 1)

@@ -9,7 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Int
+
+from cpkv_jax.buckets import prefill_bucket
+from cpkv_jax.paging import slots_for_positions
 
 
 @jax.tree_util.register_dataclass
@@ -21,3 +26,26 @@ class ForwardBatch:
     write_slots: Int[Array, "b t"]  # flat pool slot (page * page_size + offset)
     page_table: Int[Array, "b pages"]  # logical page -> physical page (trash-padded)
     kv_lens: Int[Array, " b"]  # tokens of KV each request has after this step
+
+
+def prefill_batch(prompt: np.ndarray, table: np.ndarray, page_size: int) -> ForwardBatch:
+    """One request's whole-prompt prefill batch, padded to `prefill_bucket(len(prompt))`.
+
+    `table` is the request's page-table row (logical page -> pool page); padding tokens
+    write to slot 0 (the trash page)."""
+    n = len(prompt)
+    t_len = prefill_bucket(n)
+    ids = np.zeros((1, t_len), np.int32)
+    ids[0, :n] = prompt
+    positions = np.zeros((1, t_len), np.int32)
+    positions[0, :n] = np.arange(n)
+    valid = np.arange(t_len)[None] < n
+    slots = np.where(valid, slots_for_positions(table, positions[0], page_size)[None], 0)
+    return ForwardBatch(
+        input_ids=jnp.asarray(ids),
+        positions=jnp.asarray(positions),
+        valid=jnp.asarray(valid),
+        write_slots=jnp.asarray(slots, jnp.int32),
+        page_table=jnp.asarray(np.asarray(table, np.int32)[None]),
+        kv_lens=jnp.asarray([n], jnp.int32),
+    )

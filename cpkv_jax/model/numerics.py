@@ -11,8 +11,8 @@ sparse attention run one sequence (batch row, with its own KV view) at a time, s
 matmul and reduction a token goes through has the same shapes whatever the batch, the
 chunking or the CP size. Per-token results are then bitwise equal between CP and
 single-device prefill, and between a request served alone and in a batch, on XLA:CPU
-(SPEC S1.5; `tests/test_cp_prefill.py`, `tests/test_batch_invariant.py`,
-`tests/test_decode_engine.py`), at the cost of running the tiles sequentially - a
+(SPEC S1.5; `tests/core/test_cp_prefill.py`, `tests/core/test_batch_invariant.py`,
+`tests/serving/test_decode_engine.py`), at the cost of running the tiles sequentially - a
 correctness and reproducibility mode, like SGLang's deterministic inference or vLLM's
 batch-invariant kernels, not a fast path (measured: `benchmarks/batch_invariant.py`).
 

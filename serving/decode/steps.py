@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cpkv_jax.buckets import pow2_at_least, prefill_bucket
-from cpkv_jax.model.forward_batch import ForwardBatch
+from cpkv_jax.buckets import pow2_at_least
+from cpkv_jax.model.forward_batch import ForwardBatch, prefill_batch
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool
 from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
 from cpkv_jax.paging import TRASH_PAGE, padded_page_table, slots_for_positions
@@ -53,23 +53,9 @@ class DecodeSteps:
 
     def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> np.ndarray:
         """Log-probs after the prompt's last token; its KV lands in `pages`."""
-        n = len(prompt)
-        t_len = prefill_bucket(n)
         table = padded_page_table(pages, width)
-        ids = np.zeros((1, t_len), np.int32)
-        ids[0, :n] = prompt
-        positions = np.zeros((1, t_len), np.int32)
-        positions[0, :n] = np.arange(n)
-        valid = np.arange(t_len)[None] < n
-        slots = np.where(valid, slots_for_positions(table, positions[0], self.page_size)[None], 0)
-        batch = ForwardBatch(
-            input_ids=jnp.asarray(ids),
-            positions=jnp.asarray(positions),
-            valid=jnp.asarray(valid),
-            write_slots=jnp.asarray(slots, jnp.int32),
-            page_table=jnp.asarray(table[None]),
-            kv_lens=jnp.asarray([n], jnp.int32),
-        )
+        batch = prefill_batch(prompt, table, self.page_size)
+        t_len = batch.input_ids.shape[1]
         self.shapes.add((self.prefill_form, 1, t_len, width))
         with jax.named_scope("decode_engine.prefill"):
             logits = self.kv.update_pool(lambda pool: self._forward(batch, pool, self.prefill_form))

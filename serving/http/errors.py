@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cpkv_jax.errors import CpkvError, InputError
 from serving.engine.wait_queue import QueueFullError
+from serving.server_args import as_flags
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,12 @@ def error_type(status: int) -> str:
 
 
 def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
-    """`{"error": {"message", "type", "code"}}`; `kind` defaults to `error_type(status)`."""
-    return {"error": {"message": message, "type": kind or error_type(status), "code": status}}
+    """`{"error": {"message", "type", "code"}}`; `kind` defaults to `error_type(status)`.
+
+    Parameters that library errors name (`staging_bytes`) are said as the flags a server
+    user sets (`--transfer-staging-size`)."""
+    body = {"message": as_flags(message), "type": kind or error_type(status), "code": status}
+    return {"error": body}
 
 
 def error_response(

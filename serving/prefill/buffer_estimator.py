@@ -76,7 +76,7 @@ model is of CP shared-KV mode (replicated pools have no all-gathers).
 
 Bytes are live bytes: allocator fragmentation is not modelled.
 
-Calibration: `tests/test_buffer_estimator.py` checks the `XLA_CPU` profile (float32
+Calibration: `tests/serving/test_buffer_estimator.py` checks the `XLA_CPU` profile (float32
 compute, fp8 index K, as the tiny model runs) against `compiled.memory_analysis()` per
 buffer kind and for two-layer probes (full + shared, full + full): estimate >= XLA and
 <= 1.25 x XLA. With bf16 latent pools it stays an upper bound but looser (<= 1.29 x

@@ -58,6 +58,7 @@ from transfer.session import (
     RETRYABLE,
     ControlConfig,
     RankDone,
+    RankSender,
     SenderKilled,
     SenderSession,
     SessionFaults,
@@ -165,7 +166,7 @@ class GrpcBackend(TransferBackend):
         return self._running.get(room, rank)
 
 
-class GrpcRankSender:
+class GrpcRankSender(RankSender):
     """One prefill rank's transfer of one room: its `SenderSession` (the control plane)
     and the `WritePages` streams that carry its pages (see the module docstring)."""
 
@@ -191,26 +192,6 @@ class GrpcRankSender:
         self._stubs: list[pb_grpc.KVTransferStub] = []
         # Per channel, `WritePages` taking pre-serialized chunks (`serialize_page_chunk`).
         self._raw_writes: list[grpc.StreamUnaryMultiCallable] = []
-
-    @property
-    def job(self) -> RankJob:
-        return self.session.job
-
-    @property
-    def hold(self) -> TransferHold:
-        return self.session.hold
-
-    @property
-    def rank(self) -> int:
-        return self.session.rank
-
-    def kill(self) -> None:
-        """Simulate this sender's process dying: no further RPC of any kind."""
-        self.session.kill()
-
-    def run(self) -> RoomSnapshot | None:
-        """The whole transfer; returns the room's final status (None when killed)."""
-        return self.session.run(self)
 
     # ---- data plane (`transfer.session.DataPlane`) -------------------------------------------
     def open(self) -> pb_grpc.KVTransferStub:

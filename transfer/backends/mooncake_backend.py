@@ -293,8 +293,7 @@ class MooncakeBackend(TransferBackend):
         if nbytes > arena.nbytes:
             raise StagingFullError(
                 f"{tag}: the rank's pages need {nbytes} B, more than the whole registered "
-                f"host buffer ({arena.nbytes} B); raise MooncakeBackendConfig.host_buffer_bytes "
-                "(cpkv-serve --transfer-host-buffer-size)"
+                f"host buffer ({arena.nbytes} B); raise `host_buffer_bytes`"
             )
         wait_s = self.config.host_buffer_wait_s
         deadline = time.monotonic() + wait_s
@@ -312,9 +311,8 @@ class MooncakeBackend(TransferBackend):
                             f"{tag}: no {nbytes} B free in the registered host copy buffer "
                             f"({arena.nbytes} B) after {wait_s:g}s: {stats.live_regions} other "
                             f"rank copies hold {stats.live_bytes} B (largest free range "
-                            f"{stats.largest_free_bytes} B); raise "
-                            "MooncakeBackendConfig.host_buffer_bytes (cpkv-serve "
-                            "--transfer-host-buffer-size) or host_buffer_wait_s"
+                            f"{stats.largest_free_bytes} B); raise `host_buffer_bytes` or "
+                            "`host_buffer_wait_s`"
                         ) from None
                     self._space.wait(min(left, 0.05))
 

@@ -32,10 +32,10 @@ from transfer.page_plan import RankPlan, row_digests
 from transfer.page_source import HostPageSource, sealed_digests
 from transfer.proto import kv_transfer_pb2 as pb
 from transfer.proto import kv_transfer_pb2_grpc as pb_grpc
-from transfer.protocol import RoomSnapshot
 from transfer.sender import RankJob
 from transfer.session import (
     HANDSHAKE_WAITABLE,
+    RankSender,
     SenderKilled,
     SenderSession,
     SessionFaults,
@@ -97,7 +97,7 @@ def coalesce(src_rows: np.ndarray, dst_rows: np.ndarray) -> tuple[np.ndarray, ..
     return src_rows[starts], dst_rows[starts], counts
 
 
-class MooncakeRankSender:
+class MooncakeRankSender(RankSender):
     """One prefill rank's Mooncake transfer of one room (see the module docstring)."""
 
     def __init__(
@@ -125,26 +125,6 @@ class MooncakeRankSender:
         self._host_region: Region | None = None
         self._write_uncertain = False  # an engine write failed: bytes may still move
         self._gate: _Gate | None = None  # held from the plan to the first engine call
-
-    @property
-    def job(self) -> RankJob:
-        return self.session.job
-
-    @property
-    def hold(self) -> TransferHold:
-        return self.session.hold
-
-    @property
-    def rank(self) -> int:
-        return self.session.rank
-
-    def kill(self) -> None:
-        """Simulate this sender's process dying: no further RPC or write of any kind."""
-        self.session.kill()
-
-    def run(self) -> RoomSnapshot | None:
-        """The whole transfer; returns the room's final status (None when killed)."""
-        return self.session.run(self)
 
     def source_rows(self, buffer: int) -> np.ndarray:
         """The bytes this rank writes for buffer `buffer` (uint8 `[rows, page_bytes]`):

@@ -6,7 +6,7 @@
 Uses `grpc_tools.protoc` (the `grpcio-tools` test extra), so no system `protoc` is
 needed. The proto is compiled with the repository root as include path, so the generated
 gRPC module imports `transfer.proto.kv_transfer_pb2` by its package path.
-`tests/test_transfer_grpc.py` regenerates into a temporary directory and checks that the
+`tests/transfer/test_grpc_wire.py` regenerates into a temporary directory and checks that the
 committed files are up to date.
 """
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from cpkv_jax.errors import quote
 from cpkv_jax.model.kv_cache import KVPool
-from transfer._text import quote
 from transfer.kv_sink import KVSink
 from transfer.page_plan import BufferKind, LayoutDescriptor
 from transfer.protocol import Aux, RoomSnapshot, RoomState

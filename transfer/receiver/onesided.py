@@ -109,7 +109,7 @@ class OneSidedPlane:
         if self._endpoint is None:
             out.append(
                 "data plane: mooncake asked for, but this decode receiver has no Mooncake "
-                "endpoint (start it with one, or use --transfer-backend grpc)"
+                "endpoint (start it with one, or send with `transfer_backend` grpc)"
             )
         elif r.staging is not None and r.region is None:
             out.append(
@@ -140,7 +140,7 @@ class OneSidedPlane:
         return (
             f"the room's {n_pages} pages need {need} B of staging, more than this decode "
             f"server's whole Mooncake staging arena ({arena.nbytes} B); start it with "
-            "a larger one (cpkv-serve --transfer-staging-size) or send the request to "
+            "a larger one (`staging_bytes`) or send the request to "
             "another decode server"
         )
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cpkv_jax.errors import quote
 from cpkv_jax.paging import TRASH_PAGE, pages_for_tokens
-from transfer._text import quote
 from transfer.protocol import (
     Aux,
     BadRequestError,

@@ -7,7 +7,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from transfer._text import quote
+from cpkv_jax.errors import quote
 from transfer.protocol import RoomState, TransferTimeouts
 from transfer.receiver.rooms import RoomTable, _Room
 

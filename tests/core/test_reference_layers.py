@@ -14,11 +14,11 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy_reference as ref
+import support.numpy_reference as ref
 from absl.testing import parameterized
 from flax import nnx
 from jax.extend.core import jaxprs_in_params
-from numpy_reference import normal, pure, randomize_norms
+from support.numpy_reference import normal, pure, randomize_norms
 
 from cpkv_jax.config import ModelConfig, RopeConfig
 from cpkv_jax.model.layers import LayerNorm, RMSNorm

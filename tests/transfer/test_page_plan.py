@@ -33,7 +33,7 @@ from transfer.page_plan import (
     plan_request,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 log = logging.getLogger(__name__)
 
 

@@ -1,7 +1,7 @@
 """`serving.engine.loop.EngineLoop` around the real `DecodeEngine` on the tiny model.
 
 Concurrent `generate` calls from asyncio must give the reference's greedy tokens
-(exact; log-probs within 1e-5, see tests/test_decode_engine.py); a consumer that leaves
+(exact; log-probs within 1e-5, see tests/serving/test_decode_engine.py); a consumer that leaves
 mid-stream aborts its request and every page comes back; shutdown drains, then aborts
 what is left; an `InputError` from `add` surfaces before any chunk; an engine step that
 raises fails the in-flight requests and marks the loop unhealthy.

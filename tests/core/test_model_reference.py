@@ -17,10 +17,10 @@ import dataclasses
 import chex
 import jax.numpy as jnp
 import numpy as np
-import numpy_reference as ref
 import pytest
+import support.numpy_reference as ref
 from flax import nnx
-from numpy_reference import f64, randomize_norms
+from support.numpy_reference import f64, randomize_norms
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.forward_batch import ForwardBatch

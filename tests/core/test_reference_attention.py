@@ -15,10 +15,10 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy_reference as ref
+import support.numpy_reference as ref
 from absl.testing import parameterized
 from flax import nnx
-from numpy_reference import f64, normal, randomize_norms
+from support.numpy_reference import f64, normal, randomize_norms
 
 from cpkv_jax.buckets import BLOCK_ROW_MULTIPLE, block_rows
 from cpkv_jax.config import ModelConfig

@@ -33,7 +33,7 @@ from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 WORKER = Path(__file__).with_name("cp_multiprocess_worker.py")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CP_SIZE = 8
 PAGE = 16
 CHUNK = 48

@@ -34,6 +34,7 @@ from serving.decode.engine import DecodeEngine
 from serving.decode.sampling import sample_token
 from serving.engine.api import EngineStats, GenerateRequest, SamplingParams, StepEngine
 from serving.engine.wait_queue import QueueFullError
+from serving.http.errors import error_body
 from transfer.kv_sink import KVSink, KVStore
 from transfer.page_plan import LayoutDescriptor, page_digests
 from transfer.protocol import Aux, RoomState, UnknownRoomError
@@ -321,7 +322,7 @@ def send(rx: Receiver, room: str, n_tokens: int, data, aux: Aux) -> None:
 def test_decode_mode_refuses_prompts_too_long_for_the_mooncake_staging_arena(tiny):
     """With a Mooncake endpoint, a prompt whose pages can never stage in the receiver's
     arena is refused at admission (an `InputError`: a 4xx naming
-    `--transfer-staging-size`), before any room or page exists; one that fits is
+    `--transfer-staging-size` over HTTP), before any room or page exists; one that fits is
     registered. (Before, the room was refused at the prefill side's handshake.)"""
     cfg, model, _ = tiny
     layout = LayoutDescriptor.from_model(cfg, P, "float32", INDEX_K)
@@ -346,9 +347,11 @@ def test_decode_mode_refuses_prompts_too_long_for_the_mooncake_staging_arena(tin
             bootstrap_cp_size=2,
         )  # fmt: skip
 
-    with pytest.raises(InputError, match="--transfer-staging-size") as e:
+    with pytest.raises(InputError, match="`staging_bytes`") as e:
         engine.add(request("long", 3 * P + 1))  # 4 prompt pages; the arena holds 3
     assert "4 pages need" in str(e.value)
+    # The library names its parameter; the HTTP answer names the flag.
+    assert "--transfer-staging-size" in error_body(400, str(e.value))["error"]["message"]
     assert rx.num_free_pages == free0 and arena.free_bytes == arena.nbytes
     with pytest.raises(UnknownRoomError):
         rx.status("room-long")

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support.cp_reference import INDEX_K, P, reference
 
 from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for, zigzag_order
@@ -30,15 +31,13 @@ from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.generate import prefill_batch
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.mesh import make_cp_mesh
-from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, init_pool
+from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.transformer import CausalLM, forward_step
 from cpkv_jax.shared_kv_debug import SharedKVInvariantError
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
-P = 16
 CP = 8
 LENGTHS = [1, P - 1, P, P + 1, 7 * P + 3, 33 * P + 5]
-INDEX_K = "float32"  # fp8 index K: see test_fp8_index_k_cp_prefill
 
 
 @pytest.fixture(scope="module")
@@ -72,31 +71,6 @@ def make_runner(cfg, model, tokens, *, shared=True, index_k=INDEX_K, **kw) -> CP
         index_k_dtype=index_k,
         **kw,
     )
-
-
-def reference(cfg, model, ids, index_k=INDEX_K, *, invariant=False):
-    """Single-device prefill (padded to the generator's bucket): last logits, full view.
-
-    `invariant`: batch-invariant numerics and the CP runner's absorbed attention form."""
-    n = len(ids)
-    pages = -(-n // P)
-    table = np.arange(1, pages + 1, dtype=np.int32)
-    batch = prefill_batch(np.asarray(ids), table, P)
-    graphdef, state = nnx.split(model)
-    pool = init_pool(cfg, pages + 1, P, index_k_dtype=index_k)
-    logits, pool = forward_step(
-        graphdef,
-        state,
-        batch,
-        pool,
-        index_k_dtype=index_k,
-        form="absorbed" if invariant else "expanded",
-        invariant=invariant,
-    )
-    view = jax.tree_util.tree_map(
-        lambda leaf: SINGLE_DEVICE_KV_IO.view(leaf, batch.page_table)[0, :n], pool
-    )
-    return np.asarray(logits[0]), view
 
 
 def _prompt(n, seed):

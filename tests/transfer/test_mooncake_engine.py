@@ -28,7 +28,7 @@ needs_mooncake = pytest.mark.skipif(
     not AVAILABLE, reason=f"Mooncake Transfer Engine unavailable: {REASON}"
 )
 CALL_TIMEOUT_S = 20.0
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def bounded(fn, *args, timeout: float = CALL_TIMEOUT_S):

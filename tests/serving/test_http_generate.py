@@ -1,0 +1,285 @@
+"""The HTTP API's generation endpoints (`/generate`, `/v1/completions`,
+`/v1/chat/completions`), streaming and not, over a real uvicorn server and a real `httpx`
+client around `MockEngine`; and a client leaving mid-request aborts the engine request.
+
+Every expected output is recomputed here from the mock's rule (`support.http_client`)
+and, for chat, from a plain-jinja2 rendering of the tiny checkpoint's template, never read
+back from the server. Log-probs are compared exactly (`==`): they are Python floats that
+only pass through JSON, which round-trips doubles.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import httpx
+import numpy as np
+import pytest
+from support.http_client import CONTEXT, EOS_ID, reference_chat_prompt, sse, wait_for
+
+from cpkv_jax.tools.make_tiny_checkpoint import SPECIAL_TOKENS
+from serving.engine.mock import echo_ids, mock_logprob
+
+# ---- /generate -----------------------------------------------------------------------------
+
+
+def test_generate_text_and_ids_non_stream(srv, tok):
+    rng = np.random.default_rng()
+    word = "".join(rng.choice(list("abcdefghijk"), size=int(rng.integers(3, 9))))
+    n = int(rng.integers(5, 20))
+    r = srv.http.post(
+        "/generate",
+        json={"text": word, "sampling_params": {"max_new_tokens": n}, "return_logprob": True},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    prompt = tok.encode(word)
+    want = echo_ids(prompt, n)
+    assert body["output_ids"] == want
+    assert body["text"] == (word * n)[:n]
+    meta = body["meta_info"]
+    assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == n
+    assert meta["cached_tokens"] == len(prompt) // 2
+    assert meta["finish_reason"] == {"type": "length"}
+    assert 0 < meta["ttft"] <= meta["e2e_latency"]
+    assert meta["output_token_logprobs"] == [
+        [mock_logprob(t, i), t, None] for i, t in enumerate(want)
+    ]
+
+    ids = [int(x) for x in rng.integers(3, 259, size=5)]
+    r = srv.http.post(
+        "/generate",
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": 7}, "rid": "ids-rid-1"},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["output_ids"] == echo_ids(ids, 7)
+    assert body["meta_info"]["id"] == "ids-rid-1"
+    assert "output_token_logprobs" not in body["meta_info"]
+
+
+def test_generate_stream_is_cumulative_and_stop_string_trimmed(srv, tok):
+    # Output "abcXYabcXY...": the stop string "cX" appears at output char 2.
+    r = srv.http.post(
+        "/generate",
+        json={
+            "text": "abcXY",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 30, "stop": ["Yz", "cX"]},
+        },
+    )
+    assert r.status_code == 200, r.text
+    events = sse(r)
+    texts = [e["text"] for e in events]
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts)), texts
+    last = events[-1]
+    assert last["text"] == "ab"
+    assert last["meta_info"]["finish_reason"] == {"type": "stop", "matched": "cX"}
+    # The engine stopped at the token that completed "cX": 4 tokens "abcX".
+    assert last["output_ids"] == tok.encode("abcX")
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+
+    r = srv.http.post(
+        "/generate",
+        json={"text": "abcXY", "sampling_params": {"max_new_tokens": 30, "stop": "cX"}},
+    )
+    assert r.json()["text"] == "ab"
+
+
+def test_stop_token_id_and_eos(bare):
+    ids = [10, 11, 12, 13, 14]
+    r = bare.http.post(
+        "/generate",
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": 20, "stop_token_ids": [13]}},
+    )
+    body = r.json()
+    assert body["output_ids"] == [10, 11, 12, 13]
+    assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": 13}
+    assert "text" not in body  # no tokenizer
+    with_eos = [20, EOS_ID, 21]
+    r = bare.http.post(
+        "/generate", json={"input_ids": with_eos, "sampling_params": {"max_new_tokens": 9}}
+    )
+    assert r.json()["output_ids"] == [20, EOS_ID]
+    r = bare.http.post(
+        "/generate",
+        json={"input_ids": with_eos, "sampling_params": {"max_new_tokens": 9, "ignore_eos": True}},
+    )
+    assert r.json()["output_ids"] == echo_ids(with_eos, 9)
+
+
+# ---- OpenAI endpoints ---------------------------------------------------------------------
+
+
+def test_completions_non_stream_and_stream_multibyte(srv, tok):
+    prompt = "é€😀 ok"  # 2-, 3- and 4-byte characters: split over byte tokens
+    n = 23
+    want_ids = echo_ids(tok.encode(prompt), n)
+    want_text = tok.decode(want_ids)
+    r = srv.http.post(
+        "/v1/completions",
+        json={
+            "model": "tiny-tok",
+            "prompt": prompt,
+            "max_tokens": n,
+            "logprobs": 0,
+            "temperature": 0,
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "tiny-tok"
+    choice = body["choices"][0]
+    assert choice["text"] == want_text and choice["finish_reason"] == "length"
+    assert choice["token_ids"] == want_ids
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"] == [mock_logprob(t, i) for i, t in enumerate(want_ids)]
+    assert lp["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in want_ids]
+    # text_offset: the characters complete before the token (byte tokens: id = byte + 3).
+    raw = bytes(t - 3 for t in want_ids)
+    assert lp["text_offset"] == [len(raw[:i].decode("utf-8", "ignore")) for i in range(n)]
+    assert body["usage"] == {
+        "prompt_tokens": len(tok.encode(prompt)),
+        "completion_tokens": n,
+        "total_tokens": len(tok.encode(prompt)) + n,
+        "prompt_tokens_details": {"cached_tokens": len(tok.encode(prompt)) // 2},
+    }
+
+    r = srv.http.post(
+        "/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": n,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    events = sse(r)
+    usage = events[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == n
+    chunks = events[:-1]
+    deltas = [c["choices"][0]["text"] for c in chunks]
+    assert all("\ufffd" not in d for d in deltas), deltas
+    assert "".join(deltas) == want_text
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["object"] == "text_completion" for c in chunks)
+
+
+def test_completions_token_ids_without_tokenizer(bare):
+    ids = [30, 31, 32]
+    r = bare.http.post("/v1/completions", json={"prompt": ids, "max_tokens": 5})
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == echo_ids(ids, 5) and choice["text"] == ""
+    r = bare.http.post("/v1/completions", json={"prompt": ids, "max_tokens": 5, "stream": True})
+    chunks = sse(r)
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == echo_ids(ids, 5)
+
+
+def test_chat_completions_non_stream_and_stream(srv, tok):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}],
+        },
+    ]
+    flat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    prompt_ids = tok.encode(reference_chat_prompt(flat))
+    n = 12
+    want_ids = echo_ids(prompt_ids, n)  # starts with <|bos|>: not in the text
+    want_text = tok.decode(want_ids)
+    r = srv.http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny-tok",
+            "messages": messages,
+            "max_completion_tokens": n,
+            "logprobs": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": want_text}
+    assert choice["finish_reason"] == "length"
+    content = choice["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [mock_logprob(t, i) for i, t in enumerate(want_ids)]
+    assert content[0]["token"] == SPECIAL_TOKENS[0] and content[1]["bytes"] == list(b"<")
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert body["usage"]["completion_tokens"] == n
+
+    r = srv.http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": messages,
+            "max_tokens": n,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    events = sse(r)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[-1]["usage"]["total_tokens"] == len(prompt_ids) + n
+    chunks = [e for e in events[1:] if e["choices"]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == want_text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+    # No max_tokens: as many as the context leaves after the prompt.
+    r = srv.http.post("/v1/chat/completions", json={"messages": flat, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == CONTEXT - len(prompt_ids)
+
+
+def test_chat_without_template_is_400(bare):
+    r = bare.http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+    )
+    assert r.status_code == 400
+    assert "no chat template" in r.json()["error"]["message"]
+
+
+# ---- client disconnect ----------------------------------------------------------------------
+
+
+def test_client_disconnect_aborts_the_engine_request(srv):
+    srv.engine.step_delay = 0.01
+    try:
+        with (
+            httpx.Client(base_url=srv.server.url, timeout=20) as c,
+            c.stream(
+                "POST",
+                "/generate",
+                json={
+                    "input_ids": [60, 61],
+                    "stream": True,
+                    "rid": "gone-stream",
+                    "sampling_params": {"max_new_tokens": 200},
+                },
+            ) as r,
+        ):
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == 3:
+                    break  # leaving the blocks closes the connection mid-stream
+        wait_for(lambda: "gone-stream" in srv.engine.finished)
+        assert "gone-stream" in srv.engine.aborted
+        assert srv.engine.finished["gone-stream"] < 200
+
+        with pytest.raises(httpx.ReadTimeout):
+            srv.http.post(
+                "/generate",
+                json={
+                    "input_ids": [62],
+                    "rid": "gone-plain",
+                    "sampling_params": {"max_new_tokens": 200},
+                },
+                timeout=0.3,
+            )
+        wait_for(lambda: "gone-plain" in srv.engine.finished)
+        assert "gone-plain" in srv.engine.aborted
+        assert srv.engine.finished["gone-plain"] < 200
+    finally:
+        srv.engine.step_delay = 0.0005

@@ -1,0 +1,141 @@
+"""`serving.router` (cpkv-router) relaying PD requests, over real HTTP: every endpoint
+streaming and not, the room wiring a prefill server to a decode server, load balancing,
+/servers and /v1/models, and bodies the router or the decode server refuses.
+
+The PD pair is in-test fakes (`support.router_fakes`): a mock engine's decode side does
+not wait for a prefill's KV, and the checks need exactly that dependency. Failures of a
+server or of the client are in test_router_failures.py; worker-only routing, the pure
+parts and the command line in test_router_config.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import pytest
+from support.router_fakes import (
+    ENDPOINTS,
+    PREFILL_CP,
+    Deployment,
+    decode_of,
+    expected_tokens,
+    fresh_prompt,
+    output_tokens,
+    sse_events,
+    wait_until,
+)
+
+# ---- PD success ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_pd_request_round_trip(deployment: Deployment, endpoint: str, stream: bool) -> None:
+    """One request through the router on every endpoint, streaming and not: the client
+    gets the decode server's tokens for its prompt; the room wires the chosen prefill
+    server (its CP size, non-streaming body) to the chosen decode server's transfer
+    target; nothing stays in flight."""
+    body, prompt = fresh_prompt(endpoint)
+    body["stream"] = stream
+    c = deployment.client
+    if stream:
+        with c.stream("POST", endpoint, json=body) as r:
+            assert r.status_code == 200, r.read()
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        answer: Any = [e for e in events if not (isinstance(e, dict) and "role" in str(e))]
+    else:
+        r = c.post(endpoint, json=body)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+    assert output_tokens(endpoint, answer) == expected_tokens(prompt, 5)
+
+    room = deployment.cluster.room(r.headers["x-cpkv-room"])
+    assert room.error is None and room.done.is_set()
+    by_url = {
+        s.url: (st.name, cp)
+        for s, st, cp in zip(deployment.prefill, deployment.prefill_states, PREFILL_CP, strict=True)
+    }
+    assert (room.prefill, room.cp_size) == by_url[r.headers["x-cpkv-prefill"]]
+    decode_names = {
+        s.url: st.name for s, st in zip(deployment.decode, deployment.decode_states, strict=True)
+    }
+    assert room.decode == decode_names[r.headers["x-cpkv-decode"]]
+    if endpoint == "/generate" and not stream:
+        assert answer["meta_info"]["id"] == r.headers["x-cpkv-room"]  # the room is the rid
+    wait_until(
+        lambda: all(s["in_flight"] == 0 for s in deployment.servers().values()),
+        what="in-flight counts back to 0",
+    )
+
+
+# ---- load balancing ----------------------------------------------------------------------
+
+
+def test_least_loaded_decode_then_round_robin_then_in_flight(deployment: Deployment) -> None:
+    """Reported load steers requests to the idle decode server; equal loads alternate;
+    a request the router has in flight counts as load before any poll sees it."""
+    d = deployment
+    u0, u1 = d.decode[0].url, d.decode[1].url
+    d.decode_states[0].waiting, d.decode_states[0].running = 3, 2
+    wait_until(lambda: d.servers()[u0]["load"] == 5, what="the load of d0 polled")
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+    assert [decode_of(d.client.post("/generate", json=body), d) for _ in range(3)] == ["d1"] * 3
+
+    d.decode_states[0].waiting = d.decode_states[0].running = 0
+    wait_until(lambda: d.servers()[u0]["load"] == 0, what="d0 idle again")
+    names = [decode_of(d.client.post("/generate", json=body), d) for _ in range(4)]
+    assert sorted(names) == ["d0", "d0", "d1", "d1"]
+    assert all(a != b for a, b in itertools.pairwise(names)), names  # round-robin on ties
+
+    d.cluster.token_delay = 0.3  # one slow stream holds its decode server
+    slow = {**body, "stream": True, "sampling_params": {"max_new_tokens": 4}}
+    with d.client.stream("POST", "/generate", json=slow) as r:
+        busy = decode_of(r, d)
+        busy_url = u0 if busy == "d0" else u1
+        assert d.servers()[busy_url]["in_flight"] == 1
+        d.cluster.token_delay = 0.0
+        other = decode_of(d.client.post("/generate", json=body), d)
+        assert other != busy
+        assert sse_events(r.iter_lines())[-1] == "[DONE]"
+
+
+# ---- router endpoints and refused bodies -------------------------------------------------
+
+
+def test_servers_and_models_and_bad_bodies(deployment: Deployment) -> None:
+    """/servers lists each server with its mode and role facts; /v1/models comes from a
+    decode server; malformed or PD-field bodies are 400 without touching a server."""
+    d = deployment
+    servers = d.servers()
+    for s, cp in zip(d.prefill, PREFILL_CP, strict=True):
+        got = {k: servers[s.url][k] for k in ("role", "mode", "cp_size", "load")}
+        assert got == {"role": "prefill", "mode": "prefill", "cp_size": cp, "load": 0}
+    for i, s in enumerate(d.decode):
+        assert servers[s.url]["transfer_target"] == f"10.0.0.{i}:1700{i}"
+    assert all(s["healthy"] for s in servers.values())
+    assert d.client.get("/health").json()["pairs"] == 2
+    models = d.client.get("/v1/models")
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "fake"
+    n_rooms = len(d.cluster.rooms)
+    bad = d.client.post("/generate", content=b"{not json")
+    assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
+    pd_field = d.client.post("/generate", json={"text": "x", "bootstrap_room": "r"})
+    assert pd_field.status_code == 400
+    assert "bootstrap_room" in pd_field.json()["error"]["message"]
+    assert len(d.cluster.rooms) == n_rooms
+
+
+def test_decode_rejection_is_forwarded_without_a_prefill_call(deployment: Deployment) -> None:
+    """A 400 from the decode server reaches the client unchanged and no prefill call is
+    made for it (there is no room to send KV to)."""
+    d = deployment
+    before = len(d.cluster.prefill_bodies)
+    # The fake decode refuses a client-provided `rid` on OpenAI endpoints (strict models).
+    r = d.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "rid": "mine"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "unknown field rid"
+    time.sleep(0.3)  # longer than --decode-register-wait: a prefill call would have started
+    assert len(d.cluster.prefill_bodies) == before

@@ -1,0 +1,380 @@
+"""ServerArgs validation, the one pass before anything is built: NSA index top-k
+overrides (SPEC S11), CP and shared KV (S1.6), transfer backend capabilities and transfer
+flags (S2.3), the layer_page_first host layout (S4.4), bs > 1 limits (S5) and ranges.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from support.server_args_cases import GLM5_DIR, make_args, registry_with_test_backends
+
+from cpkv_jax.errors import ConfigError
+from serving.server_args import HICACHE_NOT_BUILT, ServerArgs, ServerArgsError, flag_name
+from transfer.capabilities import BackendCapabilities, default_backend_registry
+
+# ---- SPEC S11: NSA index top-k overrides -------------------------------------------------
+
+
+def test_s11_1_flags_merge_into_json_override_keeping_other_keys(tiny_config_dir):
+    args = make_args(
+        model_path=str(tiny_config_dir),
+        json_model_override_args='{"index_topk": 7, "rms_norm_eps": 1e-5}',
+        nsa_index_topk_freq=2,
+        nsa_index_skip_topk_offset=3,
+    )
+    assert args.effective_model_overrides() == {
+        "index_topk": 7,
+        "rms_norm_eps": 1e-5,
+        "index_topk_freq": 2,
+        "index_skip_topk_offset": 3,
+    }
+    cfg = args.model_config()
+    assert cfg.index_topk == 7 and cfg.rms_norm_eps == 1e-5
+    assert make_args(nsa_index_topk_pattern="FSFSFS").effective_model_overrides() == {
+        "index_topk_pattern": "FSFSFS"
+    }
+
+
+def test_s11_2_offset_zero_injects_nothing(tiny_config_dir):
+    assert make_args().effective_model_overrides() == {}
+    assert make_args(nsa_index_skip_topk_offset=0).effective_model_overrides() == {}
+    args = make_args(
+        model_path=str(tiny_config_dir),
+        json_model_override_args='{"index_topk": 8}',
+        nsa_index_topk_freq=2,
+        nsa_index_skip_topk_offset=0,
+    )
+    assert args.effective_model_overrides() == {"index_topk": 8, "index_topk_freq": 2}
+    # Unset offset -> default 2: full at max(i - 1, 0) % 2 == 0 -> layers 0, 1, 3, 5.
+    assert args.model_config().full_indexer_layers == (0, 1, 3, 5)
+    # An offset 0 flag does not contradict an offset in the JSON: it is not set.
+    args = make_args(json_model_override_args='{"index_skip_topk_offset": 3}')
+    assert args.effective_model_overrides() == {"index_skip_topk_offset": 3}
+
+
+@pytest.mark.parametrize(
+    ("key", "json_value", "field", "flag_value"),
+    [
+        ("index_topk_freq", 2, "nsa_index_topk_freq", 4),
+        ("index_skip_topk_offset", 2, "nsa_index_skip_topk_offset", 3),
+        ("index_topk_pattern", "FFSFSS", "nsa_index_topk_pattern", "FSSSSS"),
+    ],
+)
+def test_s11_3_flag_contradicting_json_override_is_error(key, json_value, field, flag_value):
+    flags = {field: flag_value}
+    flag = flag_name(field)
+    args = make_args(json_model_override_args=json.dumps({key: json_value}), **flags)
+    with pytest.raises(ServerArgsError) as e:
+        args.effective_model_overrides()
+    assert f"{flag} {flag_value}" in str(e.value) and f"{key!r}: {json_value!r}" in str(e.value)
+    assert "--json-model-override-args" in str(e.value)
+    with pytest.raises(ServerArgsError, match=flag):
+        args.validate()
+    # Agreeing values are fine.
+    agree = make_args(json_model_override_args=json.dumps({key: flag_value}), **flags)
+    assert agree.effective_model_overrides() == {key: flag_value}
+
+
+def test_s11_4_model_config_derives_schedule_from_flags(tiny_config_dir):
+    base = make_args(model_path=str(tiny_config_dir))
+    assert base.model_config().indexer_types == (
+        "full",
+        "full",
+        "shared",
+        "full",
+        "shared",
+        "shared",
+    )
+    # freq 2 offset 3: full iff max(i - 2, 0) % 2 == 0 -> 0, 1, 2, 4.
+    cfg = make_args(
+        model_path=str(tiny_config_dir), nsa_index_topk_freq=2, nsa_index_skip_topk_offset=3
+    )
+    assert cfg.model_config().full_indexer_layers == (0, 1, 2, 4)
+    # A pattern wins over freq / offset.
+    cfg = make_args(
+        model_path=str(tiny_config_dir), nsa_index_topk_freq=2, nsa_index_topk_pattern="FSSSSF"
+    )
+    assert cfg.model_config().full_indexer_layers == (0, 5)
+
+
+def test_s11_4_glm5_freq4_offset3_schedule():
+    args = make_args(model_path=str(GLM5_DIR), nsa_index_topk_freq=4, nsa_index_skip_topk_offset=3)
+    cfg = args.model_config()
+    full = list(cfg.full_indexer_layers)
+    assert full == [l for l in range(78) if l < 3 or (l - 2) % 4 == 0]
+    assert len(full) == 21
+    assert args.validate(cfg) == ()
+
+
+def test_nsa_flag_ranges():
+    with pytest.raises(ServerArgsError, match="--nsa-index-topk-freq must be >= 1"):
+        make_args(nsa_index_topk_freq=0).validate()
+    with pytest.raises(ServerArgsError, match="--nsa-index-skip-topk-offset must be >= 0"):
+        make_args(nsa_index_skip_topk_offset=-1).validate()
+    with pytest.raises(ServerArgsError, match="--nsa-index-topk-pattern"):
+        make_args(nsa_index_topk_pattern="FXS").validate()
+    with pytest.raises(ServerArgsError, match="--json-model-override-args"):
+        make_args(json_model_override_args="[1]").validate()
+
+
+# ---- SPEC S1.6: CP and shared KV ---------------------------------------------------------
+
+
+def test_s1_6_defaults_validate_clean(tiny_config_dir):
+    args = make_args(model_path=str(tiny_config_dir))
+    assert args.validate(args.model_config(), device_count=8) == ()
+    shared = make_args(model_path=str(tiny_config_dir), cp_size=8, enable_cp_shared_kv=True)
+    assert shared.validate(shared.model_config(), device_count=8) == ()
+
+
+@pytest.mark.parametrize(
+    ("kw", "needles"),
+    [
+        ({"enable_cp_shared_kv": True}, ("--enable-cp-shared-kv", "--cp-size")),
+        (
+            {"enable_cp_shared_kv": True, "cp_size": 8, "cp_split_mode": "round_robin"},
+            ("--enable-cp-shared-kv", "--cp-split-mode in_seq"),
+        ),
+        ({"cp_size": 8, "cp_split_mode": "round_robin"}, ("--cp-split-mode",)),
+        ({"cp_size": 0}, ("--cp-size",)),
+        ({"page_size": 0}, ("--page-size",)),
+        ({"chunked_prefill_size": 32}, ("--chunked-prefill-size",)),
+        ({"cp_size": 3}, ("--cp-size 3", "8 available devices")),
+    ],
+)
+def test_s1_6_refusals(kw, needles):
+    with pytest.raises(ServerArgsError) as e:
+        make_args(**kw).validate(device_count=8)
+    for needle in needles:
+        assert needle in str(e.value)
+
+
+def test_cp_config_is_built_from_the_args():
+    cp = make_args(cp_size=4, enable_cp_shared_kv=True, page_size=32, chunked_prefill_size=64)
+    c = cp.cp_config()
+    assert (c.cp_size, c.shared_kv, c.split_mode, c.page_size, c.chunked_prefill_size) == (
+        4,
+        True,
+        "in_seq",
+        32,
+        64,
+    )
+
+
+# ---- SPEC S2.3: transfer backend capabilities --------------------------------------------
+
+
+def test_default_backend_registry_is_a_fresh_object_with_both_backends():
+    a, b = default_backend_registry(), default_backend_registry()
+    assert a is not b and a.names() == ("grpc", "mooncake")
+    for name in a.names():
+        caps = a.get(name)
+        assert caps.owner_filtering and caps.position_addressed and caps.supports_cp_shared_kv
+    a.register(BackendCapabilities("x", owner_filtering=False, position_addressed=False))
+    assert "x" in a and "x" not in b
+    with pytest.raises(ConfigError, match="already registered"):
+        a.register(BackendCapabilities("grpc", owner_filtering=True, position_addressed=True))
+    with pytest.raises(ConfigError, match="unknown transfer backend 'nixl'"):
+        a.get("nixl")
+
+
+def test_s2_3_backend_without_position_addressed_destinations_is_refused():
+    reg = registry_with_test_backends()
+    prefill = {"cp_size": 8, "enable_cp_shared_kv": True, "disaggregation_mode": "prefill"}
+    with pytest.raises(ServerArgsError) as e:
+        make_args(**prefill, transfer_backend="slice").validate(backends=reg)
+    msg = str(e.value)
+    assert "--transfer-backend slice" in msg and "position-addressed destinations" in msg
+    assert "owner filtering" not in msg and "grpc or mooncake" in msg
+    assert "--enable-cp-shared-kv" in msg
+
+
+def test_s2_3_backend_without_owner_filtering_is_refused_even_without_disaggregation():
+    reg = registry_with_test_backends()
+    with pytest.raises(ServerArgsError, match="lacks owner filtering"):
+        make_args(cp_size=8, enable_cp_shared_kv=True, transfer_backend="broadcast").validate(
+            backends=reg
+        )
+
+
+def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
+    reg = registry_with_test_backends()
+    for name in ("grpc", "mooncake"):
+        args = make_args(
+            cp_size=8,
+            enable_cp_shared_kv=True,
+            disaggregation_mode="prefill",
+            transfer_backend=name,
+        )
+        assert args.validate(backends=reg) == ()
+    # Without shared KV the chunk-slice backend is fine: every rank holds every page.
+    args = make_args(cp_size=8, disaggregation_mode="prefill", transfer_backend="slice")
+    assert args.validate(backends=reg) == ()
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        (
+            {"disaggregation_mode": "null", "cp_size": 8, "enable_cp_shared_kv": True},
+            "--cp-size 8 needs --disaggregation-mode prefill",
+        ),
+        (
+            {"disaggregation_mode": "prefill", "transfer_backend": "nixl"},
+            "--transfer-backend 'nixl' is not registered",
+        ),
+        (
+            {"disaggregation_mode": "decode", "transfer_backend": "grpc", "cp_size": 8},
+            "decode side is not context-parallel",
+        ),
+        ({"transfer_backend": "mooncake"}, "--transfer-backend has no effect without"),
+        ({"transfer_waiting_timeout": 1.0}, "--transfer-waiting-timeout has no effect"),
+        (
+            {"disable_transfer_malloc_tuning": True},
+            "--disable-transfer-malloc-tuning has no effect",
+        ),
+        (
+            {"disaggregation_mode": "decode", "transfer_backend": "grpc"}
+            | {"transfer_heartbeat_interval": 0.0},
+            "--transfer-heartbeat-interval must be > 0",
+        ),
+        (
+            {"disaggregation_mode": "prefill", "transfer_backend": "grpc"}
+            | {"transfer_host_buffer_size": 1 << 30},
+            "needs --disaggregation-mode prefill --transfer-backend mooncake",
+        ),
+        (
+            {"disaggregation_mode": "decode", "transfer_backend": "mooncake"}
+            | {"transfer_host_buffer_size": 1 << 30},
+            "needs --disaggregation-mode prefill --transfer-backend mooncake",
+        ),
+        (
+            {"disaggregation_mode": "prefill", "transfer_backend": "mooncake"}
+            | {"transfer_host_buffer_size": 0},
+            "--transfer-host-buffer-size must be >= 1",
+        ),
+        (
+            {"disaggregation_mode": "prefill", "transfer_backend": "mooncake"}
+            | {"transfer_staging_size": 1 << 30},
+            "needs --disaggregation-mode decode --transfer-backend mooncake",
+        ),
+        (
+            {"disaggregation_mode": "decode", "transfer_backend": "grpc"}
+            | {"transfer_staging_size": 1 << 30},
+            "needs --disaggregation-mode decode --transfer-backend mooncake",
+        ),
+    ],
+)
+def test_transfer_flag_refusals(kw, needle):
+    with pytest.raises(ServerArgsError) as e:
+        make_args(**kw).validate()
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_pd_mode_without_a_backend_uses_the_embedded_default(mode):
+    """SGLang applies its default transfer backend; ours is gRPC (no system libraries)."""
+    args = ServerArgs.from_cli(["--model-path", "m", "--disaggregation-mode", mode])
+    assert args.transfer_backend == "grpc"
+    assert args.validate() == ()
+
+
+# ---- SPEC S4.4: layer_page_first host layout ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"hicache_storage_backend": "file"}, "--hicache-storage-backend none"),
+        ({"hicache_io_backend": "kernel"}, "--hicache-io-backend direct"),
+    ],
+)
+def test_s4_4_layer_page_first_refusals(kw, needle):
+    args = make_args(enable_hierarchical_cache=True, hicache_mem_layout="layer_page_first", **kw)
+    with pytest.raises(ServerArgsError) as e:
+        args.validate()
+    assert "--hicache-mem-layout layer_page_first" in str(e.value) and needle in str(e.value)
+
+
+def test_s4_4_layer_page_first_direct_host_only_is_accepted():
+    args = make_args(
+        cp_size=8,
+        enable_cp_shared_kv=True,
+        enable_hierarchical_cache=True,
+        hicache_mem_layout="layer_page_first",
+    )
+    # Valid; the only warning says the host cache itself is not built yet.
+    assert args.validate() == (HICACHE_NOT_BUILT,)
+    # Other layouts may use a storage tier and the kernel I/O backend.
+    args = make_args(
+        enable_hierarchical_cache=True,
+        hicache_mem_layout="page_first",
+        hicache_io_backend="kernel",
+        hicache_storage_backend="file",
+    )
+    assert args.validate() == (HICACHE_NOT_BUILT,)
+
+
+def test_hicache_options_need_the_hierarchical_cache():
+    with pytest.raises(ServerArgsError, match="--hicache-size has no effect without"):
+        make_args(hicache_size=2**30).validate()
+
+
+# ---- SPEC S5: bs > 1 limits ---------------------------------------------------------------
+
+
+LIMIT_FIELDS = (
+    "cp_shared_kv_prefill_max_batch_requests",
+    "cp_shared_kv_prefill_max_total_extend_tokens",
+    "cp_shared_kv_prefill_max_cached_tokens",
+    "cp_shared_kv_prefill_max_buffer_size",
+)
+BS_GT1 = {"cp_size": 8, "enable_cp_shared_kv": True, "enable_cp_shared_kv_prefill_bs_gt1": True}
+
+
+@pytest.mark.parametrize("field", LIMIT_FIELDS)
+@pytest.mark.parametrize("value", [0, -1])
+def test_s5_2_zero_or_negative_limits_are_refused(field, value):
+    with pytest.raises(ServerArgsError) as e:
+        make_args(**BS_GT1, **{field: value}).validate()
+    assert f"{flag_name(field)} must be >= 1, got {value}" in str(e.value)
+    assert "none" in str(e.value)
+
+
+@pytest.mark.parametrize("field", LIMIT_FIELDS)
+def test_s5_limits_without_the_bs_gt1_flag_are_refused(field):
+    with pytest.raises(ServerArgsError) as e:
+        make_args(cp_size=8, enable_cp_shared_kv=True, **{field: 4}).validate()
+    assert f"{flag_name(field)} has no effect without --enable-cp-shared-kv-prefill-bs-gt1" in str(
+        e.value
+    )
+
+
+def test_s5_limits_with_bs_gt1_are_accepted_and_bs_gt1_on_ordinary_cp_warns():
+    limits = dict.fromkeys(LIMIT_FIELDS, 1)
+    args = make_args(**BS_GT1, **limits)
+    assert args.bs_gt1_active() and args.validate() == ()
+    ordinary = make_args(cp_size=8, enable_cp_shared_kv_prefill_bs_gt1=True, **limits)
+    (warning,) = ordinary.validate()
+    assert not ordinary.bs_gt1_active()
+    assert "--enable-cp-shared-kv-prefill-bs-gt1 has no effect" in warning and "S5.1" in warning
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"max_prefill_tokens": 0}, "--max-prefill-tokens must be >= 1"),
+        ({"max_running_requests": 0}, "--max-running-requests must be >= 1"),
+        ({"kv_pool_size": 0}, "--kv-pool-size must be >= 1"),
+        ({"transient_block_size": 0}, "--transient-block-size must be >= 1"),
+        ({"port": 0}, "--port must be in [1, 65535]"),
+        ({"request_timeout": -1.0}, "--request-timeout must be > 0"),
+        ({"model_path": ""}, "--model-path is empty"),
+    ],
+)
+def test_range_refusals(kw, needle):
+    with pytest.raises(ServerArgsError) as e:
+        make_args(**kw).validate()
+    assert needle in str(e.value)
