@@ -165,7 +165,25 @@ def _build_decode_side(
         info["transfer_target"] = f"{args.host}:{port}"
         info["transfer_backend"] = args.transfer_backend
         kv = receiver
-    engine = DecodeEngine(
+    engine = _decode_engine(
+        args,
+        cfg,
+        model,
+        kv,
+        mode=args.disaggregation_mode,
+        max_running_requests=args.max_running_requests or DEFAULT_MAX_RUNNING,
+        max_queued_requests=args.max_queued_requests,
+        detokenize=_detokenizer(tokenizer),
+    )
+    return engine, info, closers
+
+
+def _decode_engine(
+    args: ServerArgs, cfg: ModelConfig, model: CausalLM, kv: Any, **kw: Any
+) -> DecodeEngine:
+    """A `DecodeEngine` with the model-facing flags of `args` (the served one and the
+    warm-up probe must compile the same shapes)."""
+    return DecodeEngine(
         cfg=cfg,
         model=model,
         kv=kv,
@@ -173,12 +191,8 @@ def _build_decode_side(
         index_k_dtype=args.index_k_dtype,
         batch_invariant=args.enable_batch_invariant,
         block_bytes=args.transient_block_size,
-        mode=args.disaggregation_mode,
-        max_running_requests=args.max_running_requests or DEFAULT_MAX_RUNNING,
-        max_queued_requests=args.max_queued_requests,
-        detokenize=_detokenizer(tokenizer),
+        **kw,
     )
-    return engine, info, closers
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -221,17 +235,7 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
     new_tokens = 9  # early requests keep decoding while later ones join: batches 1..8
     per_request = pages_for_tokens(args.page_size + 1 + new_tokens, args.page_size)
     k = max(1, min(8, engine.max_running_requests, free0 // per_request))
-    probe = DecodeEngine(
-        cfg=cfg,
-        model=model,
-        kv=engine.kv,
-        page_size=args.page_size,
-        index_k_dtype=args.index_k_dtype,
-        batch_invariant=args.enable_batch_invariant,
-        block_bytes=args.transient_block_size,
-        mode="null",
-        max_running_requests=k,
-    )
+    probe = _decode_engine(args, cfg, model, engine.kv, mode="null", max_running_requests=k)
     for i in range(k):
         n = args.page_size + 1 if i % 2 == 0 else 5  # two prefill buckets
         probe.add(

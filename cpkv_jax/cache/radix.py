@@ -186,22 +186,29 @@ class RadixCache:
         """
         key = self._whole_pages(token_ids)
         self._clock += 1
-        node = self._root
-        pos = 0
+        node, pos = self._root, 0
         matched: list[np.ndarray] = []
-        while pos * self.page_size < key.size:
+        for child, start, m in self._walk(key, key.size // self.page_size):
+            matched.append(child.pages)
+            node, pos = child, start + m
+        pages = np.concatenate(matched) if matched else np.zeros((0,), dtype=np.int32)
+        return PrefixMatch(num_tokens=pos * self.page_size, local_pages=pages, node=node)
+
+    def _walk(self, key: np.ndarray, n_pages: int) -> Iterator[tuple[RadixNode, int, int]]:
+        """Descend the cached prefix of `key` (whole pages, up to `n_pages`): yields each
+        node on the path as (node, its start page, pages of it that match), splitting a
+        node the match ends inside and touching every one (LRU)."""
+        node, pos = self._root, 0
+        while pos < n_pages:
             child = node.children.get(self._child_key(key, pos))
             if child is None:
-                break
+                return
             m = self._matching_pages(child, key, pos)
             if m < child.num_pages:
                 child = self._split(child, m)
             child.last_access = self._clock
-            matched.append(child.pages)
-            node = child
-            pos += m
-        pages = np.concatenate(matched) if matched else np.zeros((0,), dtype=np.int32)
-        return PrefixMatch(num_tokens=pos * self.page_size, local_pages=pages, node=node)
+            yield child, pos, m
+            node, pos = child, pos + m
 
     def insert(self, token_ids: Int[np.ndarray, " n"], local_pages: Int[np.ndarray, " p"]) -> int:
         """Cache the whole pages of a request; returns how many leading tokens were cached.
@@ -220,24 +227,15 @@ class RadixCache:
             local_pages, n, pages_for_tokens(np.size(token_ids), self.page_size)
         )
         self._clock += 1
-        node = self._root
-        pos = 0
+        node, pos = self._root, 0
         dup_lanes: list[np.ndarray] = []
         dup_pages: list[np.ndarray] = []
-        while pos < n:
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            m = self._matching_pages(child, key, pos)
-            if m < child.num_pages:
-                child = self._split(child, m)
-            child.last_access = self._clock
-            differ = np.flatnonzero(pages[pos : pos + m] != child.pages)
+        for child, start, m in self._walk(key, n):
+            differ = np.flatnonzero(pages[start : start + m] != child.pages)
             if differ.size:
-                dup_lanes.append(owner_of_page(pos + differ, self.cp_size))
-                dup_pages.append(pages[pos + differ])
-            node = child
-            pos += m
+                dup_lanes.append(owner_of_page(start + differ, self.cp_size))
+                dup_pages.append(pages[start + differ])
+            node, pos = child, start + m
         cached = pos
         if dup_pages:
             # Before the new leaf is linked: a bad page raises with the tree unchanged

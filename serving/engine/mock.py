@@ -26,11 +26,26 @@ PD modes behave as the real engines do at the contract: mode "prefill" needs
 `bootstrap_cp_size >= 1` and then echoes like "null". Every accepted request is kept in
 `requests` (PD fields included), so a router test can check what reached the server.
 
+With a shared `MockRooms` (an in-process stand-in for the KV transfer), a prefill mock and
+a decode mock depend on each other as the real pair does: the prefill mock, when it
+answers a request, publishes the room's KV (its first token, that token's log-prob and
+its `cp_size`) for the request's `decode_transfer_target`; a decode mock (built with its
+advertised `transfer_target`) holds a request, producing nothing, until the KV of its room
+is published for that target, then gives the published token as output token 0 and goes
+on with the echo (so the output is `echo_ids` again when the wiring is right). A room
+published for another target is never seen; a `bootstrap_cp_size` other than the
+prefill's, a failed room (`MockRooms.fail`) or no KV within `MockRooms.wait_s` ends the
+decode request with "error". `MockRooms.prefill_delay` holds every prefill request that
+long before it answers; `MockRooms.prefill_fail` makes it answer "error" (HTTP 500)
+without publishing, as a crashed CP step would (the decode side keeps waiting), or, with
+`prefill_fail_after_kv_s`, publish first and answer "error" that much later.
+
 Thread-safe: the loop thread calls `add` / `step` / `abort`, a test reads the counters.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -62,6 +77,55 @@ def echo_ids(prompt: Sequence[int], n: int) -> list[int]:
     return [prompt[i % len(prompt)] for i in range(n)]
 
 
+@dataclasses.dataclass(frozen=True)
+class RoomKV:
+    """What a prefill mock publishes for one room: the first token and its log-prob."""
+
+    token: int
+    logprob: float
+    cp_size: int
+    prefill_rid: str
+
+
+class MockRooms:
+    """The KV transfer between a prefill `MockEngine` and a decode `MockEngine` in one
+    process: `(transfer target, room) -> RoomKV` (or the error a failed room gives).
+    Thread-safe (each engine steps in its own loop thread); the switches may be changed
+    while the engines run."""
+
+    def __init__(self, wait_s: float = 10.0) -> None:
+        self.wait_s = wait_s  # how long a decode request waits for its room's KV
+        self._lock = threading.Lock()
+        self._kv: dict[tuple[str, str], RoomKV | str] = {}  # guarded by _lock
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the default switches (published rooms are kept)."""
+        self.prefill_delay = 0.0  # seconds each prefill request is held before it answers
+        self.prefill_fail = False  # prefill requests answer "error" and publish nothing
+        # With `prefill_fail`: publish the KV first, then answer "error" this much later
+        # (a prefill that fails after its transfer went out; the decode stream has begun).
+        self.prefill_fail_after_kv_s: float | None = None
+
+    def publish(self, target: str, room: str, kv: RoomKV) -> None:
+        with self._lock:
+            self._kv[(target, room)] = kv
+
+    def fail(self, target: str, room: str, why: str = "the KV transfer failed") -> None:
+        """The decode request of `room` at `target` ends with "error" saying `why`."""
+        with self._lock:
+            self._kv[(target, room)] = why
+
+    def get(self, target: str, room: str) -> RoomKV | str | None:
+        with self._lock:
+            return self._kv.get((target, room))
+
+    def targets(self, room: str) -> list[str]:
+        """The transfer targets `room` was published (or failed) for."""
+        with self._lock:
+            return [t for (t, r) in self._kv if r == room]
+
+
 class MockEngine:
     """A deterministic `StepEngine` (see the module docstring for its rules).
 
@@ -87,9 +151,16 @@ class MockEngine:
         pages: tuple[int, ...] = MOCK_PAGES,
         kv_bytes_per_page: int = 4096,
         stats_extra: Mapping[str, Any] | None = None,
+        rooms: MockRooms | None = None,
+        transfer_target: str | None = None,
+        cp_size: int = 1,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if rooms is not None and mode == "null":
+            raise ValueError("rooms are for a prefill or decode mock, not mode 'null'")
+        if rooms is not None and mode == "decode" and not transfer_target:
+            raise ValueError("a decode mock with rooms needs its transfer_target")
         if not pages:
             raise ValueError("pages needs one entry per rank, got none")
         self.mode: ServerMode = mode
@@ -102,6 +173,9 @@ class MockEngine:
         self.kv_bytes_per_page = kv_bytes_per_page
         self.stats_extra = dict(stats_extra or {})
         self.queue_full = False  # refuse adds as a server whose wait queue is full
+        self.rooms = rooms
+        self.transfer_target = transfer_target
+        self.cp_size = cp_size
         self._lock = threading.Lock()
         self._active: dict[str, dict[str, Any]] = {}  # guarded by _lock
         self.added: list[str] = []
@@ -181,6 +255,8 @@ class MockEngine:
         with self._lock:
             for rid, state in list(self._active.items()):
                 chunk = self._advance(state)
+                if chunk is None:
+                    continue  # held: waiting for its KV, or a slow prefill
                 chunks.append(chunk)
                 if chunk.finished:
                     del self._active[rid]
@@ -189,7 +265,7 @@ class MockEngine:
 
     # ---- one request -----------------------------------------------------------------
 
-    def _advance(self, state: dict[str, Any]) -> OutputChunk:
+    def _advance(self, state: dict[str, Any]) -> OutputChunk | None:
         req: GenerateRequest = state["req"]
         out: list[int] = state["out"]
         meta: dict[str, float | int] = {
@@ -211,17 +287,77 @@ class MockEngine:
             )
         i = len(out)
         tok = req.input_ids[i % len(req.input_ids)]
+        logprob = mock_logprob(tok, i)
+        if self.rooms is not None:
+            held = self._room_step(state, i, meta)
+            if isinstance(held, OutputChunk):
+                return held
+            if held is False:
+                return None
+            if isinstance(held, RoomKV):
+                tok, logprob = held.token, held.logprob
         out.append(tok)
         meta["completion_tokens"] = len(out)
         reason = self.finish_reason(req, out)
+        if self.rooms is not None and self.mode == "prefill":
+            assert req.decode_transfer_target and req.bootstrap_room  # checked by `add`
+            kv = RoomKV(tok, logprob, self.cp_size, req.rid)
+            self.rooms.publish(req.decode_transfer_target, req.bootstrap_room, kv)
         return OutputChunk(
             req.rid,
             token_ids=(tok,),
-            logprobs=(mock_logprob(tok, i),) if req.return_logprob else None,
+            logprobs=(logprob,) if req.return_logprob else None,
             finished=reason is not None,
             finish_reason=reason,
             meta=meta if reason else {},
         )
+
+    def _room_step(
+        self, state: dict[str, Any], i: int, meta: dict[str, float | int]
+    ) -> OutputChunk | RoomKV | bool:
+        """With `rooms`: False to hold the request this step, an error chunk to end it, the
+        room's KV for decode output token 0, else True (go on as without rooms)."""
+        assert self.rooms is not None
+        req: GenerateRequest = state["req"]
+        waited = time.monotonic() - state["t0"]
+        room = req.bootstrap_room
+        assert room is not None  # checked by `add`
+
+        def error(why: str) -> OutputChunk:
+            return OutputChunk(req.rid, finished=True, finish_reason="error", error=why, meta=meta)
+
+        if self.mode == "prefill":
+            if waited < self.rooms.prefill_delay:
+                return False
+            if self.rooms.prefill_fail:
+                after = self.rooms.prefill_fail_after_kv_s
+                if after is not None:
+                    if not state.get("published"):
+                        assert req.decode_transfer_target is not None  # checked by `add`
+                        tok = req.input_ids[0]
+                        kv = RoomKV(tok, mock_logprob(tok, 0), self.cp_size, req.rid)
+                        self.rooms.publish(req.decode_transfer_target, room, kv)
+                        state["published"] = True
+                    if waited < self.rooms.prefill_delay + after:
+                        return False
+                return error(f"room {room}: the CP prefill step failed")
+            return True
+        if i > 0:
+            return True
+        assert self.transfer_target is not None
+        kv = self.rooms.get(self.transfer_target, room)
+        if kv is None:
+            if waited > self.rooms.wait_s:
+                return error(f"room {room}: timed out waiting for the KV")
+            return False
+        if isinstance(kv, str):
+            return error(f"room {room}: {kv}")
+        if kv.cp_size != req.bootstrap_cp_size:
+            return error(
+                f"room {room}: the KV came from a CP {kv.cp_size} prefill, the request says "
+                f"bootstrap_cp_size {req.bootstrap_cp_size}"
+            )
+        return kv
 
     def finish_reason(self, req: GenerateRequest, out: Sequence[int]) -> FinishReason | None:
         """Why the output `out` of `req` ends here, or None to go on."""

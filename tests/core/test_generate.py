@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -64,23 +65,12 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_cli_writes_output_json_and_matches_library(tiny_dir, tmp_path, capsys):
+    def run(prompt: list[str], out: Path) -> int:
+        common = ["--max-new-tokens", "5", "--page-size", "16", "--ignore-eos"]
+        return main(["--model-path", str(tiny_dir), *prompt, *common, "--output-json", str(out)])
+
     out = tmp_path / "out.json"
-    rc = main(
-        [
-            "--model-path",
-            str(tiny_dir),
-            "--prompt",
-            "hello, paged world",
-            "--max-new-tokens",
-            "5",
-            "--page-size",
-            "16",
-            "--ignore-eos",
-            "--output-json",
-            str(out),
-        ]
-    )
-    assert rc == 0
+    assert run(["--prompt", "hello, paged world"], out) == 0
     data = json.loads(out.read_text())
     assert len(data["output_ids"]) == 5 and len(data["output_logprobs"]) == 5
     assert "output text:" in capsys.readouterr().out
@@ -88,22 +78,7 @@ def test_cli_writes_output_json_and_matches_library(tiny_dir, tmp_path, capsys):
     from cpkv_jax.tokenizer import load_tokenizer
 
     ids = load_tokenizer(tiny_dir).encode("hello, paged world")
-    rc = main(
-        [
-            "--model-path",
-            str(tiny_dir),
-            "--prompt-ids",
-            ",".join(map(str, ids)),
-            "--max-new-tokens",
-            "5",
-            "--page-size",
-            "16",
-            "--ignore-eos",
-            "--output-json",
-            str(tmp_path / "ids.json"),
-        ]
-    )
-    assert rc == 0
+    assert run(["--prompt-ids", ",".join(map(str, ids))], tmp_path / "ids.json") == 0
     assert json.loads((tmp_path / "ids.json").read_text()) == data
 
 

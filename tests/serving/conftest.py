@@ -21,13 +21,11 @@ import pytest
 from support.buffer_estimator_cases import CP, cpu_estimator
 from support.http_client import CONTEXT, start_server, stop_server
 from support.router_fakes import (
+    KV_WAIT_S,
     PREFILL_CP,
-    Cluster,
     Deployment,
-    FakeState,
+    MockPD,
     Served,
-    fake_decode,
-    fake_prefill,
     router_config,
     wait_until,
 )
@@ -38,42 +36,41 @@ from cpkv_jax.model.weights import load_model
 from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint, write_tokenizer_files
 from cpkv_jax.tools.tiny_config import tiny_config_dict
+from serving.engine.mock import MockRooms
 from serving.http.chat_template import load_chat_template
 from serving.prefill.buffer_estimator import BufferEstimator
 from serving.router import build_router_app
 
-# ---- router: a PD deployment of fakes --------------------------------------------------------
+# ---- router: a PD deployment of mock servers ------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def pd_deployment() -> Iterator[Deployment]:
-    """Two prefill (CP 8 and 4) and two decode fakes behind one router."""
-    cluster = Cluster()
-    p_states = [FakeState(f"p{i}") for i in range(2)]
-    d_states = [FakeState(f"d{i}") for i in range(2)]
-    prefill = [
-        Served(fake_prefill(cluster, s, cp)) for s, cp in zip(p_states, PREFILL_CP, strict=True)
-    ]
+def pd_deployment(tokenizer_dir, tok) -> Iterator[Deployment]:
+    """Two prefill (CP 8 and 4) and two decode servers (the real app over `MockEngine`s
+    sharing one `MockRooms`) behind one router."""
+    rooms = MockRooms(wait_s=KV_WAIT_S)
+    template = load_chat_template(tokenizer_dir)
+    common = {"tokenizer": tok, "chat_template": template}
+    prefill = [MockPD(f"p{i}", rooms, cp_size=cp, **common) for i, cp in enumerate(PREFILL_CP)]
     decode = [
-        Served(fake_decode(cluster, s, f"10.0.0.{i}:1700{i}")) for i, s in enumerate(d_states)
+        MockPD(f"d{i}", rooms, transfer_target=f"10.0.0.{i}:1700{i}", **common) for i in range(2)
     ]
     cfg = router_config(prefill=tuple(s.url for s in prefill), decode=tuple(s.url for s in decode))
     router = Served(build_router_app(cfg))
     client = httpx.Client(base_url=router.url, timeout=10.0, trust_env=False)
-    yield Deployment(cluster, prefill, p_states, decode, d_states, router, client)
+    yield Deployment(rooms, prefill, decode, router, client, tok)
     client.close()
-    for s in (router, *prefill, *decode):
+    router.stop()
+    for s in (*prefill, *decode):
         s.stop()
 
 
 @pytest.fixture
 def deployment(pd_deployment: Deployment) -> Iterator[Deployment]:
-    """The module's `pd_deployment`, reset (knobs, health, load) after each test."""
+    """The module's `pd_deployment`, reset (switches, health, load) after each test."""
     pd = pd_deployment
     yield pd
-    pd.cluster.reset()
-    for st in pd.prefill_states + pd.decode_states:
-        st.healthy, st.waiting, st.running = True, 0, 0
+    pd.reset()
     # The next test starts from a router that has seen the reset state.
     wait_until(
         lambda: all(s["healthy"] and s["load"] == 0 for s in pd.servers().values()),

@@ -21,15 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support.decode_model import INDEX_K, POOL_PAGES, P, two_layer_model
 
 from cpkv_jax.buckets import pow2_at_least, prefill_bucket
-from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import InputError
 from cpkv_jax.generate import ReferenceGenerator, prefill_batch
 from cpkv_jax.model.kv_cache import init_pool
-from cpkv_jax.model.transformer import CausalLM, forward_step
+from cpkv_jax.model.transformer import forward_step
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
-from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving.decode.engine import DecodeEngine
 from serving.decode.sampling import sample_token
 from serving.engine.api import EngineStats, GenerateRequest, SamplingParams, StepEngine
@@ -41,11 +40,8 @@ from transfer.protocol import Aux, RoomState, UnknownRoomError
 from transfer.receiver import Receiver, staging_region_bytes
 from transfer.staging_arena import DEFAULT_ALIGNMENT, StagingArena
 
-P = 16
-INDEX_K = "fp8_e4m3"
 LP_TOL = 1e-5  # see the module docstring
 
-POOL_PAGES = 40  # one pool size everywhere: the page count is part of compiled shapes
 # (prompt length, max_new_tokens): a page multiple (16) and not; each one's decode
 # crosses into its second page, so all share the prefill bucket and table width.
 WAVE = [(16, 6), (11, 8), (5, 12), (13, 5), (16, 2)]
@@ -54,22 +50,9 @@ WAVE = [(16, 6), (11, 8), (5, 12), (13, 5), (16, 2)]
 JOIN_AT = [0, 0, 0, 2, 4]
 
 
-def two_layer_config() -> ModelConfig:
-    d = tiny_config_dict("glm_moe_dsa")
-    d.update(
-        num_hidden_layers=2,
-        first_k_dense_replace=1,
-        indexer_types=["full", "shared"],
-        mlp_layer_types=["dense", "sparse"],
-    )
-    return ModelConfig.from_dict(d)
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = two_layer_config()
-    model = CausalLM(cfg, rngs=nnx.Rngs(0))
-    return cfg, model, ReferenceGenerator(cfg, model, page_size=P, index_k_dtype=INDEX_K)
+    return two_layer_model()
 
 
 def make_engine(tiny, num_pages=POOL_PAGES, **kw) -> tuple[DecodeEngine, KVSink]:

@@ -17,36 +17,20 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from support.decode_model import INDEX_K, POOL_PAGES, P, two_layer_model
 
-from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import InputError
-from cpkv_jax.generate import ReferenceGenerator
-from cpkv_jax.model.transformer import CausalLM
-from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving.decode.engine import DecodeEngine
 from serving.engine.api import EngineClient, GenerateRequest, OutputChunk, SamplingParams
 from serving.engine.loop import EngineFailedError, EngineLoop, ServerShuttingDownError
 from transfer.kv_sink import KVSink
 
-P = 16
-INDEX_K = "fp8_e4m3"
-POOL_PAGES = 40  # same pool, prompt bucket and table width as test_decode_engine.py
 WAIT_S = 30.0  # upper bound on any wait here; never reached when green
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    d = tiny_config_dict("glm_moe_dsa")
-    d.update(
-        num_hidden_layers=2,
-        first_k_dense_replace=1,
-        indexer_types=["full", "shared"],
-        mlp_layer_types=["dense", "sparse"],
-    )
-    cfg = ModelConfig.from_dict(d)
-    model = CausalLM(cfg, rngs=nnx.Rngs(0))
-    return cfg, model, ReferenceGenerator(cfg, model, page_size=P, index_k_dtype=INDEX_K)
+    return two_layer_model()
 
 
 def make_loop(tiny, engine_wrapper=None) -> tuple[EngineLoop, KVSink]:

@@ -29,15 +29,20 @@ def args_for(path, *extra: str) -> ServerArgs:
     return ServerArgs.from_cli([*base, *extra])
 
 
+def bs_gt1_args(path, buffer: str | None, *extra: str) -> ServerArgs:
+    """CP shared-KV batches of several requests (SPEC S5), with the S9 buffer limit
+    `buffer` when given."""
+    limit = ["--cp-shared-kv-prefill-max-buffer-size", buffer] if buffer else []
+    return args_for(path, "--enable-cp-shared-kv-prefill-bs-gt1", *limit, *extra)
+
+
 def test_engine_prefills_batches_and_matches_the_reference(tiny):
     path, (cfg, model) = tiny
-    args = args_for(
+    args = bs_gt1_args(
         path,
-        "--enable-cp-shared-kv-prefill-bs-gt1",
+        "64MiB",
         "--cp-shared-kv-prefill-max-batch-requests",
         "4",
-        "--cp-shared-kv-prefill-max-buffer-size",
-        "64MiB",
         "--kv-pool-size",
         "1MiB",
         "--index-k-dtype",
@@ -66,12 +71,7 @@ def test_engine_prefills_batches_and_matches_the_reference(tiny):
 
 def test_s9_4_startup_fails_cleanly_when_the_buffer_limit_does_not_fit(tiny):
     path, (_, model) = tiny
-    args = args_for(
-        path,
-        "--enable-cp-shared-kv-prefill-bs-gt1",
-        "--cp-shared-kv-prefill-max-buffer-size",
-        "1024TiB",
-    )
+    args = bs_gt1_args(path, "1024TiB")
     with pytest.raises(ConfigError, match="max-buffer-size .* does not fit on device"):
         build_prefill_engine(args, model=model)
 
@@ -86,12 +86,7 @@ def test_s9_4_smoke_allocation_runs_beside_the_placed_weights_and_pools(tiny, mo
         seen.append({id(a) for a in jax.live_arrays()})
 
     monkeypatch.setattr(prefill_build, "startup_smoke_allocation", record)
-    args = args_for(
-        path,
-        "--enable-cp-shared-kv-prefill-bs-gt1",
-        "--cp-shared-kv-prefill-max-buffer-size",
-        "1MiB",
-    )
+    args = bs_gt1_args(path, "1MiB")
     runner = build_prefill_engine(args, model=model).runner
     (live,) = seen
     resident = jax.tree.leaves((runner.state, runner.pool))
@@ -111,7 +106,7 @@ def test_s1_7_debug_checks_cover_served_requests(tiny, monkeypatch):
         checked.append(int(plan.valid.sum()))
 
     monkeypatch.setattr(cp_prefill, "check_step", counting)
-    args = args_for(path, "--enable-cp-shared-kv-prefill-bs-gt1", "--kv-pool-size", "1MiB")
+    args = bs_gt1_args(path, None, "--kv-pool-size", "1MiB")
     engine = build_prefill_engine(args, model=model)
     rng = np.random.default_rng()
     shared_prefix = rng.integers(3, 300, 32).astype(np.int32)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from support.transfer import Decode, Prefill, prefill_free
+from support.transfer import CONTROL, Decode, Prefill, prefill_free
 from transfer.backends.mooncake_backend import MooncakeBackend, MooncakeBackendConfig
 from transfer.backends.mooncake_engine import mooncake_available
 from transfer.staging_arena import StagingArena
@@ -24,12 +24,7 @@ CONFIG = MooncakeBackendConfig(
     transfer_timeout_s=5.0,
     host_buffer_bytes=1 << 20,
     write_group_bytes=16 * 1024,  # several batch writes per rank, so hooks fire between
-    rpc_timeout_s=10.0,
-    max_retries=2,
-    retry_backoff_s=0.02,
-    heartbeat_interval_s=0.1,
-    heartbeat_timeout_s=2.0,
-    bootstrap_timeout_s=3.0,
+    **CONTROL,
     write_retry_backoff_s=0.01,
     uncertain_hold_s=0.5,  # a failed write's host region comes back fast (tests check it)
 )

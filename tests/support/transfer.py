@@ -48,15 +48,20 @@ LENGTHS = (5 * P, 5 * P + 3)  # a page multiple and one with a partial tail page
 # Decode-side timeouts (s): short, so faults resolve fast; the heartbeat limit (20 beats)
 # leaves room for GIL and compile stalls on 2 cores.
 TIMEOUTS = TransferTimeouts(bootstrap=5.0, waiting=5.0, heartbeat=2.0, heartbeat_interval=0.1)
-SENDER = GrpcBackendConfig(
-    chunk_bytes=4096,  # small, so streams carry several chunks (tiny-model pages are KiBs)
-    channels_per_rank=2,
+# The senders' control plane in every transfer test, both backends: fast beats, a 2 s
+# loss deadline, and quick retries.
+CONTROL: dict[str, float | int] = dict(
+    rpc_timeout_s=10.0,
     max_retries=2,
     retry_backoff_s=0.02,
-    rpc_timeout_s=10.0,
     heartbeat_interval_s=0.1,
     heartbeat_timeout_s=2.0,
     bootstrap_timeout_s=3.0,
+)
+SENDER = GrpcBackendConfig(
+    chunk_bytes=4096,  # small, so streams carry several chunks (tiny-model pages are KiBs)
+    channels_per_rank=2,
+    **CONTROL,
 )
 WAIT = 30.0  # upper bound on any single transfer here; never reached when green
 

@@ -3,15 +3,28 @@ transfer fault tests (tests/transfer/test_*_fault*.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from support.transfer import CP, WAIT, Decode, with_positions
+from support.transfer import (
+    CP,
+    WAIT,
+    Decode,
+    P,
+    Prefill,
+    finish,
+    new_table,
+    run_transfer,
+    with_positions,
+)
 from transfer.hold import TransferHold
 from transfer.page_plan import RankPlan
+from transfer.protocol import Aux, RoomState
+from transfer.sender import TransferBackend
 
 logger = logging.getLogger(__name__)
 
@@ -89,3 +102,15 @@ def log_fault_run(label: str, count: int, seconds: float, per_kind: dict[str, li
         seconds / max(count, 1),
         {k: f"{len(v)} x {np.mean(v):.2f}s" for k, v in per_kind.items() if v},
     )
+
+
+def assert_layout_mismatch_refused(pre: Prefill, dec: Decode, backend: TransferBackend) -> None:
+    """Send 4 pages with a layout whose index-K dtype differs from the decode side's: the
+    handshake refuses the room before any data moves, naming the field."""
+    wrong = dataclasses.replace(pre.layout, index_k_dtype="bfloat16", has_index_scale=False)
+    hold, _ = run_transfer(
+        pre, dec, new_table(pre, 4 * P), "layout", Aux(5, -1.0), backend=backend, layout=wrong
+    )
+    outcome = finish(hold)
+    assert outcome.state is RoomState.FAILED and "refused before any data moved" in outcome.reason
+    assert "index_k_dtype: 'float8_e4m3fn' != 'bfloat16'" in outcome.reason

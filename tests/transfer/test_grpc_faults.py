@@ -11,7 +11,6 @@ test_grpc_fault_soak.py.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -32,11 +31,14 @@ from support.transfer import (
     run_transfer,
     section_spans,
     settle,
-    with_positions,
+)
+from support.transfer_faults import (
+    assert_layout_mismatch_refused,
+    duplicate_position_plan,
+    missing_position_plan,
 )
 
 from transfer.backends.grpc_backend import GrpcBackend, SenderFaults
-from transfer.page_plan import RankPlan
 from transfer.protocol import Aux, RoomState, TransferError, kind_to_pb
 
 logger = logging.getLogger(__name__)
@@ -132,16 +134,8 @@ def test_fault_corrupted_page(prefill, decode):
 def test_fault_position_sent_by_two_ranks(prefill, decode):
     pre, dec = prefill, decode(48)
     free = prefill_free(pre)
-
-    def plan(p: RankPlan) -> RankPlan:
-        if p.rank != 1:
-            return p
-        # Rank 1 also sends position 0 (rank 0's), from one of its own pages.
-        return with_positions(
-            p, [0, *p.positions.tolist()], [p.src_pages[0], *p.src_pages.tolist()]
-        )
-
-    backend = GrpcBackend(SENDER, SenderFaults(plan=plan))
+    # Rank 1 also sends position 0 (rank 0's), from one of its own pages.
+    backend = GrpcBackend(SENDER, SenderFaults(plan=duplicate_position_plan(0, 1)))
     hold, _ = run_transfer(pre, dec, new_table(pre, 10 * P), "dup", Aux(5, -1.0), backend=backend)
     outcome = finish(hold)
     assert outcome.state is RoomState.FAILED
@@ -152,13 +146,7 @@ def test_fault_position_sent_by_two_ranks(prefill, decode):
 def test_fault_missing_position(prefill, decode):
     pre, dec = prefill, decode(48)
     free = prefill_free(pre)
-
-    def plan(p: RankPlan) -> RankPlan:
-        if p.rank != 3:
-            return p
-        return with_positions(p, p.positions[1:].tolist(), p.src_pages[1:].tolist())
-
-    backend = GrpcBackend(SENDER, SenderFaults(plan=plan))
+    backend = GrpcBackend(SENDER, SenderFaults(plan=missing_position_plan(3)))
     hold, _ = run_transfer(
         pre, dec, new_table(pre, 12 * P + 1), "miss", Aux(5, -1.0), backend=backend
     )
@@ -173,13 +161,7 @@ def test_fault_layout_mismatch_refused_before_data_moves(prefill, decode):
     free = prefill_free(pre)
     sent: list[int] = []
     backend = GrpcBackend(SENDER, SenderFaults(chunk=lambda s, m: sent.append(1) or m))
-    wrong = dataclasses.replace(pre.layout, index_k_dtype="bfloat16", has_index_scale=False)
-    hold, _ = run_transfer(
-        pre, dec, new_table(pre, 4 * P), "layout", Aux(5, -1.0), backend=backend, layout=wrong
-    )
-    outcome = finish(hold)
-    assert outcome.state is RoomState.FAILED and "refused before any data moved" in outcome.reason
-    assert "index_k_dtype: 'float8_e4m3fn' != 'bfloat16'" in outcome.reason
+    assert_layout_mismatch_refused(pre, dec, backend)
     assert sent == []  # no chunk left any rank
     assert prefill_free(pre) == free and dec.receiver.num_free_pages == dec.free0
 

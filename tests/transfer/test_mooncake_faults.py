@@ -32,7 +32,11 @@ from support.transfer import (
     prefill_free,
     run_transfer,
     settle,
-    with_positions,
+)
+from support.transfer_faults import (
+    assert_layout_mismatch_refused,
+    duplicate_position_plan,
+    missing_position_plan,
 )
 
 from transfer.backends.mooncake_backend import MooncakeBackend
@@ -73,13 +77,7 @@ def test_fault_corrupted_page(prefill, mooncake_decode, backends):
 def test_fault_missing_position(prefill, mooncake_decode, backends):
     pre, dec = prefill, mooncake_decode(48)
     free = prefill_free(pre)
-
-    def plan(p):
-        if p.rank != 3:
-            return p
-        return with_positions(p, p.positions[1:].tolist(), p.src_pages[1:].tolist())
-
-    backend = backends(MooncakeSenderFaults(plan=plan))
+    backend = backends(MooncakeSenderFaults(plan=missing_position_plan(3)))
     hold, _ = run_transfer(
         pre, dec, new_table(pre, 12 * P + 1), "miss", Aux(5, -1.0), backend=backend
     )
@@ -93,15 +91,7 @@ def test_fault_missing_position(prefill, mooncake_decode, backends):
 def test_fault_position_sent_by_two_ranks(prefill, mooncake_decode, backends):
     pre, dec = prefill, mooncake_decode(48)
     free = prefill_free(pre)
-
-    def plan(p):
-        if p.rank != 1:
-            return p
-        return with_positions(
-            p, [0, *p.positions.tolist()], [p.src_pages[0], *p.src_pages.tolist()]
-        )
-
-    backend = backends(MooncakeSenderFaults(plan=plan))
+    backend = backends(MooncakeSenderFaults(plan=duplicate_position_plan(0, 1)))
     hold, _ = run_transfer(pre, dec, new_table(pre, 10 * P), "dup", Aux(5, -1.0), backend=backend)
     outcome = finish(hold)
     assert outcome.state is RoomState.FAILED
@@ -118,13 +108,7 @@ def test_fault_layout_mismatch_refused_before_data_moves(prefill, mooncake_decod
     free = prefill_free(pre)
     writes: list[int] = []
     backend = backends(MooncakeSenderFaults(before_write=lambda s, g: writes.append(g)))
-    wrong = dataclasses.replace(pre.layout, index_k_dtype="bfloat16", has_index_scale=False)
-    hold, _ = run_transfer(
-        pre, dec, new_table(pre, 4 * P), "layout", Aux(5, -1.0), backend=backend, layout=wrong
-    )
-    outcome = finish(hold)
-    assert outcome.state is RoomState.FAILED and "refused before any data moved" in outcome.reason
-    assert "index_k_dtype: 'float8_e4m3fn' != 'bfloat16'" in outcome.reason
+    assert_layout_mismatch_refused(pre, dec, backend)
     assert writes == []  # no rank wrote a byte
     assert dec.arena.stats().live_regions == dec.arena.stats().quarantined_regions == 0
     all_back(pre, dec, free, backend)
