@@ -63,7 +63,7 @@ import dataclasses
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import field
 from pathlib import Path
 from typing import Any
@@ -238,23 +238,12 @@ def footprint_bytes(
     return persistent + full_view_bytes(cfg, n_pages, page_size, dtype, index_k_dtype)
 
 
-def max_context_tokens(
-    cfg: ModelConfig,
-    budget_bytes: int,
-    cp_size: int,
-    page_size: int,
-    dtype: DTypeLike,
-    index_k_dtype: IndexKDtype,
-    *,
-    shared: bool,
-) -> int:
-    """Longest request (whole pages) whose per-rank footprint fits `budget_bytes`; 0 if none."""
+def max_context_tokens(budget_bytes: int, page_size: int, footprint: Callable[[int], int]) -> int:
+    """Longest request (whole pages) whose per-rank `footprint(n_pages)` bytes fit
+    `budget_bytes`; 0 if none (footprints grow with the page count)."""
 
     def fits(n_pages: int) -> bool:
-        return (
-            footprint_bytes(cfg, n_pages, cp_size, page_size, dtype, index_k_dtype, shared=shared)
-            <= budget_bytes
-        )
+        return footprint(n_pages) <= budget_bytes
 
     if not fits(1):
         return 0
@@ -281,8 +270,12 @@ def model_report(cfg: ModelConfig, args: MemoryBenchArgs) -> dict[str, Any]:
     width = cp * pow2_at_least(-(-n_pages // cp))
     budget = int(args.budget_gib * GiB)
     logger.info("max context search: %.1f GiB per rank, cp %d", args.budget_gib, cp)
-    max_shared = max_context_tokens(cfg, budget, cp, page, dtype, ikd, shared=True)
-    max_replicated = max_context_tokens(cfg, budget, cp, page, dtype, ikd, shared=False)
+    max_shared, max_replicated = (
+        max_context_tokens(
+            budget, page, lambda n, s=owned: footprint_bytes(cfg, n, cp, page, dtype, ikd, shared=s)
+        )
+        for owned in (True, False)
+    )
     return {
         "model_type": cfg.model_type,
         "num_layers": cfg.num_hidden_layers,

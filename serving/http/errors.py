@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cpkv_jax.errors import CpkvError, InputError
@@ -125,6 +125,10 @@ def install_error_handlers(
         if on_client_error is not None and 400 <= status < 500:
             on_client_error()
         return error_response(status, message, kind, headers)
+
+    @app.exception_handler(ClientDisconnectedError)
+    async def _client_gone(request: Request, exc: ClientDisconnectedError) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads a body
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

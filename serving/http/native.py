@@ -12,7 +12,6 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from serving.engine.api import OutputChunk
-from serving.http.errors import CLIENT_CLOSED_REQUEST, ClientDisconnectedError
 from serving.http.generation import ApiCore, Generation
 from serving.http.models import GenerateBody
 
@@ -43,15 +42,9 @@ class NativeRoutes:
             **body.pd_fields(),
         )
         if not body.stream:
-            try:
-                gen = await core.run_to_end(req, request, arrival)
-            except ClientDisconnectedError:
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            gen = await core.run_to_end(req, request, arrival)  # gone: 499 (errors.py)
             return JSONResponse(self.result(gen))
-        try:
-            stream, gen, first = await core.first_chunk(req, request, arrival)
-        except ClientDisconnectedError:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        stream, gen, first = await core.first_chunk(req, request, arrival)
 
         def render(
             g: Generation, chunk: OutputChunk, delta: str, before: int

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from cpkv_jax.errors import InputError
 from serving.engine.api import OutputChunk
-from serving.http.errors import CLIENT_CLOSED_REQUEST, ApiError, ClientDisconnectedError
+from serving.http.errors import ApiError
 from serving.http.generation import ApiCore, Generation
 from serving.http.models import ChatCompletionBody, CompletionBody
 from serving.http.text import REPLACEMENT_CHAR
@@ -90,19 +90,12 @@ class OpenAIRoutes:
         else:
             ids = list(body.prompt)
         want_logprobs = body.logprobs is not None
-        req = core.make_request(
-            ids,
-            body.to_engine(body.max_new_tokens()),
-            return_logprob=want_logprobs,
-            arrival=arrival,
-            **body.pd_fields(),
-        )
+        sampling = body.to_engine(body.max_new_tokens())
+        pd = body.pd_fields()
+        req = core.make_request(ids, sampling, return_logprob=want_logprobs, arrival=arrival, **pd)
         rid, created = f"cmpl-{req.rid}", int(time.time())
         if not body.stream:
-            try:
-                gen = await core.run_to_end(req, request, arrival)
-            except ClientDisconnectedError:
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            gen = await core.run_to_end(req, request, arrival)  # gone: 499 (errors.py)
             choice = {
                 "index": 0,
                 "text": gen.out.text,
@@ -112,10 +105,7 @@ class OpenAIRoutes:
             }
             body_out = self.envelope(rid, "text_completion", created, [choice])
             return JSONResponse({**body_out, "usage": gen.usage()})
-        try:
-            stream, gen, first = await core.first_chunk(req, request, arrival)
-        except ClientDisconnectedError:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        stream, gen, first = await core.first_chunk(req, request, arrival)
 
         def envelope(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return self.envelope(rid, "text_completion", created, choices)
@@ -159,19 +149,12 @@ class OpenAIRoutes:
         except InputError as e:
             raise ApiError(400, str(e)) from None
         ids = await core.tokenize(prompt, field="messages")
-        req = core.make_request(
-            ids,
-            body.to_engine(body.max_new_tokens(len(ids), core.context_length)),
-            return_logprob=body.logprobs,
-            arrival=arrival,
-            **body.pd_fields(),
-        )
+        sampling = body.to_engine(body.max_new_tokens(len(ids), core.context_length))
+        pd = body.pd_fields()
+        req = core.make_request(ids, sampling, return_logprob=body.logprobs, arrival=arrival, **pd)
         rid, created = f"chatcmpl-{req.rid}", int(time.time())
         if not body.stream:
-            try:
-                gen = await core.run_to_end(req, request, arrival)
-            except ClientDisconnectedError:
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            gen = await core.run_to_end(req, request, arrival)  # gone: 499 (errors.py)
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": gen.out.text},
@@ -180,10 +163,7 @@ class OpenAIRoutes:
             }
             body_out = self.envelope(rid, "chat.completion", created, [choice])
             return JSONResponse({**body_out, "usage": gen.usage()})
-        try:
-            stream, gen, first = await core.first_chunk(req, request, arrival)
-        except ClientDisconnectedError:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        stream, gen, first = await core.first_chunk(req, request, arrival)
 
         def envelope(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return self.envelope(rid, "chat.completion.chunk", created, choices)

@@ -130,7 +130,9 @@ def test_measured_pools_equal_predicted_bytes():
 def test_max_context_definition_on_tiny_config(cp, page, budget, shared):
     cfg = ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa"))
     dt, kdt = bm.DTYPES["float32"], "fp8_e4m3"
-    tokens = bm.max_context_tokens(cfg, budget, cp, page, dt, kdt, shared=shared)
+    tokens = bm.max_context_tokens(
+        budget, page, lambda n: bm.footprint_bytes(cfg, n, cp, page, dt, kdt, shared=shared)
+    )
     assert tokens % page == 0
     pages = tokens // page
     if pages:

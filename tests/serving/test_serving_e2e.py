@@ -33,8 +33,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import uvicorn
-from fastapi import FastAPI
+from support.http_client import Served
 
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
@@ -50,34 +49,6 @@ CP = 8
 NEW = 6
 WAIT_S = 60.0
 MOONCAKE, MOONCAKE_REASON = mooncake_available()
-
-
-class Served:
-    """An ASGI app on uvicorn, 127.0.0.1, any free port, in a daemon thread."""
-
-    def __init__(self, app: FastAPI):
-        config = uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=0,
-            log_level="warning",
-            timeout_graceful_shutdown=1,
-            # No uvicorn handlers: they would keep the stderr of the test that made them.
-            log_config=None,
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
 
 
 def wait_until(pred: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
@@ -365,7 +336,8 @@ def test_pd_client_disconnect_mid_stream_frees_pages_on_both_sides(ckpt, pd):
         "stream": True,
     }
     events = 0
-    with httpx.stream("POST", pd["served"]["router"].url + "/generate", json=body) as r:
+    # The first token waits for a CP prefill and its KV transfer: slow on a busy 2-core host.
+    with httpx.stream("POST", pd["served"]["router"].url + "/generate", json=body, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data:"):

@@ -46,27 +46,35 @@ STATS_EXTRA = {
 }
 
 
-class LiveServer:
-    """uvicorn on 127.0.0.1, an OS-chosen port, in a daemon thread."""
+class Served:
+    """An ASGI app on uvicorn, 127.0.0.1, in a daemon thread (`port` 0: any free one)."""
 
-    def __init__(self, app: Any) -> None:
-        # log_config=None: no uvicorn handlers, which would keep this test's stderr.
+    def __init__(self, app: Any, port: int = 0, lifespan: str = "on") -> None:
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", log_config=None
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan=lifespan,
+            timeout_graceful_shutdown=1,
+            # No uvicorn handlers: they would keep the stderr of the test that made them.
+            log_config=None,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
             time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.port: int = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(10)
+        self.thread.join(15)
+        assert not self.thread.is_alive(), "uvicorn did not stop"
 
 
 def start_server(
@@ -87,7 +95,7 @@ def start_server(
         server_info=lambda: {"server_name": name, "waiting": -1},
         profile_dir=str(tmp / f"profile-{name}"),
     )
-    server = LiveServer(app)
+    server = Served(app, lifespan="off")
     client = httpx.Client(base_url=server.url, timeout=20)
     return SimpleNamespace(engine=engine, loop=loop, server=server, http=client, name=name)
 

@@ -21,14 +21,11 @@ import asyncio
 import dataclasses
 import json
 import random
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
-import uvicorn
-from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from cpkv_jax.tokenizer import Tokenizer
@@ -38,6 +35,7 @@ from serving.engine.mock import MOCK_EOS_ID, MockEngine, MockRooms, echo_ids
 from serving.http.app import build_app
 from serving.http.metrics import ServerMetrics
 from serving.router import RouterConfig
+from support.http_client import Served
 
 # The mock worker's vocabulary: prompt ids above `MOCK_FAIL_ID` are echoed as they are.
 MOCK_VOCAB = 320
@@ -176,37 +174,6 @@ class MockWorker:
 
 
 # ---- running servers -------------------------------------------------------------------------
-
-
-class Served:
-    """A uvicorn server on 127.0.0.1 in a daemon thread."""
-
-    def __init__(self, app: FastAPI, port: int = 0):
-        config = uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-            lifespan="on",
-            timeout_graceful_shutdown=1,
-            # No uvicorn handlers: they would keep the stderr of the test that made them.
-            log_config=None,
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        self.port: int = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        assert not self.thread.is_alive(), "uvicorn did not stop"
 
 
 def router_config(**kw: Any) -> RouterConfig:
