@@ -35,6 +35,15 @@ from cpkv_jax.kv_pool import PoolLayout, init_cp_pool
 from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
 from cpkv_jax.materialize import CPKVIO, GatherImpl
 from cpkv_jax.mesh import CP_AXIS
+from cpkv_jax.model.expert_parallel import (
+    EPSpec,
+    check_divisible,
+    param_shardings,
+    param_specs,
+)
+from cpkv_jax.model.expert_parallel import (
+    expert_parallel as ep_context,
+)
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool
 from cpkv_jax.model.mla import AttnForm
@@ -104,7 +113,8 @@ class CPPrefillRunner:
 
     `batch_invariant` selects batch-invariant numerics (`cpkv_jax.model.numerics`);
     `block_bytes` the token-block budget of the indexer and sparse attention
-    (`cpkv_jax.buckets.block_rows`; None: `TRANSIENT_BLOCK_BYTES`).
+    (`cpkv_jax.buckets.block_rows`; None: `TRANSIENT_BLOCK_BYTES`); `expert_parallel`
+    shards the routed experts over the cp ranks (`cpkv_jax.model.expert_parallel`).
     """
 
     def __init__(
@@ -121,8 +131,17 @@ class CPPrefillRunner:
         attn_form: AttnForm = "absorbed",
         batch_invariant: bool = False,
         block_bytes: int | None = None,
+        expert_parallel: EPSpec | None = None,
     ):
         cp.validate(cfg, device_count=len(mesh.devices.reshape(-1)))
+        if expert_parallel is not None:
+            if (expert_parallel.axis, expert_parallel.size) != (CP_AXIS, cp.cp_size):
+                raise InputError(
+                    f"expert parallelism runs over the cp axis: got axis "
+                    f"{expert_parallel.axis!r} size {expert_parallel.size}, want {CP_AXIS!r} "
+                    f"size {cp.cp_size}"
+                )
+            check_divisible(cfg.n_routed_experts, cp.cp_size)
         if block_bytes is not None and block_bytes <= 0:
             raise InputError(f"token block budget must be > 0 bytes, got {block_bytes}")
         if mesh.shape[CP_AXIS] != cp.cp_size:
@@ -136,7 +155,11 @@ class CPPrefillRunner:
         self.kv_io = CPKVIO(cp.cp_size, cp.shared_kv, gather_impl)
         graphdef, state = nnx.split(model)
         self.graphdef = graphdef
-        self.state = jax.device_put(state, NamedSharding(mesh, P()))
+        self.expert_parallel = expert_parallel
+        ep_axis = None if expert_parallel is None else CP_AXIS
+        # Routed experts split over the ranks under EP, the rest replicated; a model the
+        # loader placed this way already moves nothing here.
+        self.state = jax.device_put(state, param_shardings(state, mesh, ep_axis))
         self.pool = init_cp_pool(cfg, self.layout, mesh, model.dtype, index_k_dtype)
         # Held while a step swaps the pool (it donates the old one). A reader on another
         # thread (a KV transfer) holds it while its gather runs, so a step never donates
@@ -154,6 +177,8 @@ class CPPrefillRunner:
             attn_form,
             batch_invariant,
             block_bytes,
+            param_specs(state, ep_axis),
+            expert_parallel,
         )
         self._view = _build_view(mesh, self.layout, self.kv_io)
         self.debug = os.environ.get(DEBUG_ENV) == "1" if debug is None else debug
@@ -174,6 +199,7 @@ class CPPrefillRunner:
                 attn_form=attn_form,
                 batch_invariant=batch_invariant,
                 block_bytes=block_bytes,
+                expert_parallel=expert_parallel,
             )
 
     @property
@@ -332,20 +358,23 @@ def _build_step(
     form: AttnForm,
     invariant: bool,
     block_bytes: int | None,
+    state_specs,
+    ep: EPSpec | None,
 ):
     def per_rank(state, tokens, page_table, kv_lens, pool):
         input_ids, positions, valid, write_slots = tokens
         batch = ForwardBatch(input_ids, positions, valid, write_slots, page_table, kv_lens)
         model = nnx.merge(graphdef, state)
-        with batch_invariant(invariant), token_block_bytes(block_bytes):
+        with batch_invariant(invariant), token_block_bytes(block_bytes), ep_context(ep):
             hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form)
         return hidden, pool
 
-    # Token fields split over cp (each rank: its two zigzag blocks); tables replicated.
+    # Token fields split over cp (each rank: its two zigzag blocks); tables replicated;
+    # routed experts split over cp under expert parallelism (`state_specs`).
     sharded = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(), P(None, CP_AXIS), P(), P(), layout.spec),
+        in_specs=(state_specs, P(None, CP_AXIS), P(), P(), layout.spec),
         out_specs=(P(None, CP_AXIS), layout.spec),
         # Replicated pools come out of all-gathered rows every rank writes identically;
         # the varying-manual-axes checker cannot prove that, so it is off.

@@ -13,11 +13,16 @@ from flax import nnx
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
+from cpkv_jax.model.fp8 import FP8_DTYPE, dequantize, scale_shape
 from cpkv_jax.model.numerics import rowwise
 
 
 class Linear(nnx.Module):
-    """`y = x @ weight.T`, no bias (none of the served models use one)."""
+    """`y = x @ weight.T`, no bias (none of the served models use one).
+
+    After `to_fp8(block)` the weight is FP8 with a per-block `weight_scale_inv` (HF names
+    `*.weight`, `*.weight_scale_inv`) and is dequantized inside the traced call.
+    """
 
     def __init__(
         self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype: DTypeLike, param_dtype
@@ -29,10 +34,32 @@ class Linear(nnx.Module):
             )
         )
         self.dtype = dtype
+        self.weight_scale_inv: nnx.Param | None = nnx.data(None)
+        self.block: tuple[int, int] | None = None
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """Make this an FP8 block-quantized layer (abstract leaves; the loader fills them)."""
+        self.weight, self.weight_scale_inv = fp8_params(self.weight.shape, block)
+        self.block = tuple(block)
+
+    def dense_weight(self, dtype: DTypeLike | None = None) -> Array:
+        """The weight in `dtype` (default: the compute dtype), dequantized here when FP8."""
+        dtype = self.dtype if dtype is None else dtype
+        if self.weight_scale_inv is None:
+            return self.weight[...].astype(dtype)
+        return dequantize(self.weight[...], self.weight_scale_inv[...], self.block, dtype)
 
     def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
-        w = self.weight[...].astype(self.dtype)
+        w = self.dense_weight()
         return rowwise(lambda rows: jnp.einsum("...i,oi->...o", rows, w), x.astype(self.dtype))
+
+
+def fp8_params(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[nnx.Param, nnx.Param]:
+    """Abstract `(weight, scale_inv)` Params of an FP8 weight of `shape` (`[..., out, in]`)."""
+    return (
+        nnx.Param(jax.ShapeDtypeStruct(tuple(shape), FP8_DTYPE)),
+        nnx.Param(jax.ShapeDtypeStruct(scale_shape(tuple(shape), block), jnp.float32)),
+    )
 
 
 class RMSNorm(nnx.Module):

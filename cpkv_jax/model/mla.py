@@ -190,7 +190,7 @@ class MLAttention(nnx.Module):
                 q_pe,
                 view,
                 topk,
-                self.kv_b_proj.weight[...],
+                self.kv_b_proj.dense_weight(jnp.float32),
                 kv_lora_rank=cfg.kv_lora_rank,
                 v_head_dim=cfg.v_head_dim,
                 scale=cfg.softmax_scale,

@@ -9,7 +9,8 @@ are a dense MLP added to every token.
 Routed experts run grouped: token-expert pairs are sorted by expert and fed to
 `lax.ragged_dot`, so compute scales with `num_experts_per_tok`, not `n_routed_experts`;
 the outputs are un-sorted and summed per token in a fixed order (no scatter-add), so the
-result is deterministic on GPU too.
+result is deterministic on GPU too. With expert parallelism the pairs travel to the rank
+holding their expert and back (`expert_parallel`), and the same per-token sum follows.
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from cpkv_jax.config import ModelConfig
-from cpkv_jax.model.layers import Linear
+from cpkv_jax.model import expert_parallel
+from cpkv_jax.model.fp8 import SCALE_SUFFIX, dequantize
+from cpkv_jax.model.layers import Linear, fp8_params
 from cpkv_jax.model.numerics import rowwise
+
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 class DenseMLP(nnx.Module):
@@ -65,7 +70,12 @@ def route(
 
 
 class RoutedExperts(nnx.Module):
-    """`n_routed_experts` SwiGLU experts, weights stacked in HF `[out, in]` layout."""
+    """`n_routed_experts` SwiGLU experts, weights stacked in HF `[out, in]` layout.
+
+    FP8 (`to_fp8`): each projection is `[E, out, in]` fp8 plus `<proj>_scale_inv`
+    `[E, ceil(out / B0), ceil(in / B1)]`, dequantized inside the traced call. Under
+    expert parallelism (`expert_parallel`) the leaves hold this rank's `E / S` experts.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -78,43 +88,79 @@ class RoutedExperts(nnx.Module):
         self.gate_proj = init((e, i, h), h)
         self.up_proj = init((e, i, h), h)
         self.down_proj = init((e, h, i), i)
+        self.gate_proj_scale_inv: nnx.Param | None = nnx.data(None)
+        self.up_proj_scale_inv: nnx.Param | None = nnx.data(None)
+        self.down_proj_scale_inv: nnx.Param | None = nnx.data(None)
+        self.block: tuple[int, int] | None = None
         self.dtype = dtype
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """Make the experts FP8 block-quantized (abstract leaves; the loader fills them)."""
+        for proj in EXPERT_PROJS:
+            weight, scale = fp8_params(getattr(self, proj).shape, block)
+            setattr(self, proj, weight)
+            setattr(self, proj + SCALE_SUFFIX, scale)
+        self.block = tuple(block)
+
+    def _weight(self, proj: str) -> Array:
+        """`[E_local, in, out]` in the compute dtype, as `ragged_dot` wants it."""
+        w, scale = getattr(self, proj)[...], getattr(self, proj + SCALE_SUFFIX)
+        w = (
+            w.astype(self.dtype)
+            if scale is None
+            else dequantize(w, scale[...], self.block, self.dtype)
+        )
+        return jnp.swapaxes(w, 1, 2)
+
+    def _ffn(self, rows: Float[Array, "m h"], sizes: Int[Array, " e"]) -> Float[Array, "m h"]:
+        """SwiGLU of rows sorted by (local) expert, `sizes[e]` rows per expert."""
+        gate, up, down = (self._weight(p) for p in EXPERT_PROJS)
+        hid = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(
+            rows, up, sizes
+        )
+        return jax.lax.ragged_dot(hid, down, sizes)
 
     def __call__(
         self, x: Float[Array, "n h"], experts: Int[Array, "n k"], weights: Float[Array, "n k"]
     ) -> Float[Array, "n h"]:
         n, k = experts.shape
-        e = self.gate_proj.shape[0]
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        token = (jnp.arange(n * k) // k)[order]
-        xs = x[token].astype(self.dtype)
-        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        xs = x.astype(self.dtype)
+        n_local = self.gate_proj.shape[0]
+        spec = expert_parallel.current()
+        if spec is None:
+            order, sizes = expert_parallel.sort_pairs(experts.reshape(-1), n_local)
+            ys = self._ffn(jnp.repeat(xs, k, axis=0)[order], sizes)
+            per_slot = ys[invert_permutation(order)].reshape(n, k, -1)  # token-slot major
+        else:
+            per_slot = expert_parallel.ep_expert_outputs(spec, xs, experts, n_local, self._ffn)
+        return sum_slots(per_slot * weights[..., None].astype(self.dtype)).astype(x.dtype)
 
-        def mm(a, w):  # w: [e, out, in] -> ragged_dot wants [e, in, out]
-            return jax.lax.ragged_dot(a, jnp.swapaxes(w[...].astype(self.dtype), 1, 2), sizes)
 
-        hid = jax.nn.silu(mm(xs, self.gate_proj)) * mm(xs, self.up_proj)
-        ys = mm(hid, self.down_proj) * weights.reshape(-1)[order][:, None].astype(self.dtype)
-        return combine_expert_outputs(ys, order, k).astype(x.dtype)
+def invert_permutation(order: Int[Array, " m"]) -> Int[Array, " m"]:
+    """`inverse[order[i]] = i` by a unique-index scatter (a set, not an add: exact)."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]), unique_indices=True)
 
 
 def combine_expert_outputs(
     ys: Float[Array, "nk h"], order: Int[Array, " nk"], k: int
 ) -> Float[Array, "n h"]:
-    """Sum each token's `k` expert outputs; `ys[i]` belongs to token-slot `order[i]`.
+    """Sum each token's `k` expert outputs; `ys[i]` belongs to token-slot `order[i]`
+    (rows as `ragged_dot` returns them, sorted by expert)."""
+    per_slot = ys[invert_permutation(order)]
+    return sum_slots(per_slot.reshape(order.shape[0] // k, k, -1))
 
-    No scatter-add: the rows are un-sorted by the inverse permutation back to token-major
-    `[n, k]` and each token's k outputs are added in slot order, in float32. A float
-    scatter-add lowers to atomics on GPU, whose order (and so the output bits) changes run
-    to run; the explicit adds give the same bits for every run, token and batch shape.
+
+def sum_slots(per_slot: Float[Array, "n k h"]) -> Float[Array, "n h"]:
+    """Sum each token's `k` expert outputs in slot order, in float32.
+
+    No scatter-add: a float scatter-add lowers to atomics on GPU, whose order (and so the
+    output bits) changes run to run; the explicit adds give the same bits for every run,
+    token, batch shape and expert placement.
     """
-    nk = order.shape[0]
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(nk), unique_indices=True)
-    unsorted = ys[inverse].reshape(nk // k, k, -1).astype(jnp.float32)
-    out = unsorted[:, 0]
-    for slot in range(1, k):
-        out = out + unsorted[:, slot]
+    per_slot = per_slot.astype(jnp.float32)
+    out = per_slot[:, 0]
+    for slot in range(1, per_slot.shape[1]):
+        out = out + per_slot[:, slot]
     return out
 
 

@@ -31,9 +31,10 @@ import logging
 import math
 import re
 import struct
-from collections.abc import Mapping
+import time
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 from jax.typing import DTypeLike
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -48,15 +50,17 @@ from tqdm.auto import tqdm
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import CheckpointError
+from cpkv_jax.model import expert_parallel
+from cpkv_jax.model.fp8 import DEFAULT_BLOCK, SCALE_SUFFIX, dequantize_np, quantize_np
+from cpkv_jax.model.layers import Linear
+from cpkv_jax.model.moe import EXPERT_PROJS, RoutedExperts
 from cpkv_jax.model.transformer import CausalLM
 
 logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-SCALE_SUFFIX = "_scale_inv"
-DEFAULT_WEIGHT_BLOCK = (128, 128)
-_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+DEFAULT_WEIGHT_BLOCK = DEFAULT_BLOCK
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 # How many names an error message lists before "... and N more".
 _LIST_LIMIT = 8
@@ -77,6 +81,7 @@ _ST_DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
 }
 _FP8_TAGS = ("F8_E4M3", "F8_E5M2")
+_FP8_DTYPES = (_ST_DTYPES["F8_E4M3"], _ST_DTYPES["F8_E5M2"])
 
 
 # ---- name layout ---------------------------------------------------------------------
@@ -97,8 +102,16 @@ def _natural_key(name: str) -> tuple[Any, ...]:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
-def _is_stacked_expert(path: tuple[str | int, ...], ndim: int) -> bool:
-    return len(path) >= 2 and path[-2] == "experts" and path[-1] in _EXPERT_PROJS and ndim == 3
+def _expert_hf_suffix(path: tuple[str | int, ...], ndim: int) -> str | None:
+    """`gate_proj.weight` (or `.weight_scale_inv`) for a stacked expert leaf, else None."""
+    if len(path) < 2 or path[-2] != "experts" or ndim != 3:
+        return None
+    leaf = str(path[-1])
+    if leaf in EXPERT_PROJS:
+        return f"{leaf}.weight"
+    if leaf.endswith(SCALE_SUFFIX) and leaf[: -len(SCALE_SUFFIX)] in EXPERT_PROJS:
+        return f"{leaf[: -len(SCALE_SUFFIX)]}.weight{SCALE_SUFFIX}"
+    return None
 
 
 def _layout(state: nnx.State) -> dict[str, _Slot]:
@@ -112,10 +125,11 @@ def _layout(state: nnx.State) -> dict[str, _Slot]:
             )
         shape, dtype = tuple(var.shape), np.dtype(var.dtype)
         name = ".".join(str(p) for p in path)
-        if _is_stacked_expert(path, len(shape)):
+        suffix = _expert_hf_suffix(path, len(shape))
+        if suffix is not None:
             prefix = ".".join(str(p) for p in path[:-1])
             for e in range(shape[0]):
-                slots[f"{prefix}.{e}.{path[-1]}.weight"] = _Slot(path, e, shape[1:], dtype)
+                slots[f"{prefix}.{e}.{suffix}"] = _Slot(path, e, shape[1:], dtype)
         else:
             slots[name] = _Slot(path, None, shape, dtype)
     return dict(sorted(slots.items(), key=lambda kv: _natural_key(kv[0])))
@@ -280,20 +294,6 @@ class _Reader:
         return np.frombuffer(data, dtype=dtype).reshape(info.shape)
 
 
-def dequantize_fp8_blocks(
-    weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]
-) -> np.ndarray:
-    """Block dequantization in float32: `w[o, i] = weight[o, i] * scale_inv[o // B0, i // B1]`.
-
-    `weight`: fp8 `[out, in]`; `scale_inv`: `[ceil(out / B0), ceil(in / B1)]`; returns
-    float32 `[out, in]` (the last block row/column is cropped when `B` does not divide).
-    """
-    b0, b1 = block
-    out_dim, in_dim = weight.shape
-    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), b0, axis=0), b1, axis=1)
-    return weight.astype(np.float32) * scale[:out_dim, :in_dim]
-
-
 def _first(names: list[str]) -> str:
     more = f" ... and {len(names) - _LIST_LIMIT} more" if len(names) > _LIST_LIMIT else ""
     return ", ".join(names[:_LIST_LIMIT]) + more
@@ -332,6 +332,12 @@ def _plan(
         else:
             plan.unexpected.append(name)
 
+    for name, info in plan.load.items():
+        if info.tag in _FP8_TAGS and name + SCALE_SUFFIX not in tensors:
+            raise CheckpointError(
+                f"tensor {name} is {info.tag} but the checkpoint has no {name}{SCALE_SUFFIX}"
+                " to dequantize it with"
+            )
     missing = [n for n in slots if n not in tensors]
     if missing:
         raise CheckpointError(
@@ -344,11 +350,6 @@ def _plan(
         expected = slots[name].shape
         scale = tensors.get(name + SCALE_SUFFIX)
         if info.tag in _FP8_TAGS:
-            if scale is None:
-                raise CheckpointError(
-                    f"tensor {name} is {info.tag} but the checkpoint has no {name}{SCALE_SUFFIX}"
-                    " to dequantize it with"
-                )
             if len(info.shape) != 2:
                 raise CheckpointError(f"fp8 tensor {name} has shape {info.shape}; only 2-D blocks")
             want = tuple(-(-d // b) for d, b in zip(info.shape, block, strict=True))
@@ -358,7 +359,8 @@ def _plan(
                     f"{info.shape} with block {block}, got {scale.shape}; check "
                     "quantization_config.weight_block_size"
                 )
-            plan.scales[name] = scale
+            if slots[name].dtype not in _FP8_DTYPES:  # kept FP8: the scale is a leaf too
+                plan.scales[name] = scale
         elif scale is not None:
             plan.unexpected.append(name + SCALE_SUFFIX)  # a scale for an unquantized weight
         if info.shape != expected:
@@ -373,6 +375,78 @@ def _plan(
 
 # ---- loading -------------------------------------------------------------------------
 
+Fp8Mode = Literal["keep", "dequantize"]
+FP8_MODES: tuple[str, ...] = get_args(Fp8Mode)
+
+
+def fp8_weight_names(model: CausalLM) -> list[str]:
+    """HF names of the weights the official FP8 checkpoints quantize: every linear layer
+    and routed expert of the decoder layers except the indexer's `weights_proj` (stored
+    bf16 there, like the router, embeddings, LM head and norms)."""
+    names = []
+    for path, node in nnx.iter_graph(model):
+        if not path or path[:2] != ("model", "layers"):
+            continue
+        prefix = ".".join(str(p) for p in path)
+        if isinstance(node, Linear) and path[-1] != "weights_proj":
+            names.append(f"{prefix}.weight")
+        elif isinstance(node, RoutedExperts):
+            n = node.gate_proj.shape[0]
+            names += [f"{prefix}.{e}.{p}.weight" for e in range(n) for p in EXPERT_PROJS]
+    return names
+
+
+def apply_fp8(model: CausalLM, block: tuple[int, int], names: Collection[str]) -> int:
+    """Turn the layers whose HF weight names are in `names` into FP8 block-quantized ones
+    (abstract leaves, for the loader to fill). Experts go all or none per layer. Returns
+    the number of layers converted."""
+    names = set(names)
+    converted = 0
+    for path, node in list(nnx.iter_graph(model)):
+        prefix = ".".join(str(p) for p in path)
+        if isinstance(node, Linear) and f"{prefix}.weight" in names:
+            node.to_fp8(block)
+            converted += 1
+        elif isinstance(node, RoutedExperts):
+            n = node.gate_proj.shape[0]
+            want = [f"{prefix}.{e}.{p}.weight" for e in range(n) for p in EXPERT_PROJS]
+            hits = sum(w in names for w in want)
+            if hits == len(want):
+                node.to_fp8(block)
+                converted += 1
+            elif hits:
+                raise CheckpointError(
+                    f"{prefix}: {hits} of the {len(want)} expert weights are FP8 and the rest "
+                    "are not; the loader keeps a layer's experts in one format (load with "
+                    "`fp8='dequantize'`)"
+                )
+    return converted
+
+
+def abstract_model(
+    cfg: ModelConfig,
+    dtype: DTypeLike = jnp.float32,
+    param_dtype: DTypeLike = jnp.float32,
+    *,
+    fp8_block: tuple[int, int] | None = None,
+) -> CausalLM:
+    """The model's structure, no data. `fp8_block`: FP8 where the official checkpoints
+    are (`fp8_weight_names`), for sizing a model without its files (`bench_memory`)."""
+    model = _abstract_model(cfg, dtype, param_dtype)
+    if fp8_block is not None:
+        apply_fp8(model, fp8_block, fp8_weight_names(model))
+    return model
+
+
+@dataclasses.dataclass
+class LoadStats:
+    """What one process read: bytes of tensor data (headers excluded), tensors, seconds."""
+
+    bytes_read: int = 0
+    tensors_read: int = 0
+    planned_bytes: int = 0  # what the plan said this process would read
+    seconds: float = 0.0
+
 
 def load_hf_weights(
     model_or_cfg: CausalLM | ModelConfig,
@@ -382,6 +456,10 @@ def load_hf_weights(
     param_dtype: DTypeLike = jnp.float32,
     strict: bool = False,
     progress: bool = True,
+    fp8: Fp8Mode = "keep",
+    mesh: Mesh | None = None,
+    expert_axis: str | None = None,
+    stats: LoadStats | None = None,
 ) -> CausalLM:
     """Load a HF safetensors checkpoint (`model.safetensors` or sharded + index json).
 
@@ -391,15 +469,41 @@ def load_hf_weights(
     `param_dtype` are then unused) and returns it. `strict=True` turns unexpected tensors
     into an error instead of a warning. Raises `CheckpointError` naming the tensor for
     missing tensors, wrong shapes, missing files or a bad index.
+
+    FP8 block-quantized tensors stay FP8 with their scales (`fp8="keep"`, dequantized in
+    the jitted step) or are dequantized here in float32 and cast to the leaf dtype
+    (`"dequantize"`, the comparison path).
+
+    Placement: with `mesh`, every leaf is built straight into its shards on the mesh's
+    devices (`expert_axis`: routed experts split over that axis, the rest replicated) by
+    `jax.make_array_from_callback`, so a process reads from the files only the tensors
+    its own devices hold - for an expert shard, just those experts - and host memory
+    peaks at one leaf's local shard (the largest replicated tensor or one device's
+    experts of one projection), never the checkpoint. Without `mesh`, a given model's
+    leaves keep their shardings and a new one lands on the default device. `stats`, if
+    given, is filled with what this process read.
     """
+    if fp8 not in FP8_MODES:
+        raise CheckpointError(f"`fp8` must be one of {FP8_MODES}, got {fp8!r}")
     model_path = Path(model_path)
     if isinstance(model_or_cfg, ModelConfig):
         cfg, model = model_or_cfg, _abstract_model(model_or_cfg, dtype, param_dtype)
     else:
         cfg, model = model_or_cfg.cfg, model_or_cfg
+    tensors = _checkpoint_tensors(model_path)
+    block = cfg.weight_block_size or DEFAULT_WEIGHT_BLOCK
+    fp8_names = [n for n, info in tensors.items() if info.tag in _FP8_TAGS]
+    if fp8 == "keep" and fp8_names:
+        odd = [n for n in fp8_names if tensors[n].tag != "F8_E4M3"]
+        if odd:
+            raise CheckpointError(
+                f"{len(odd)} tensor(s) are {tensors[odd[0]].tag}, which the device path "
+                f"does not keep (only F8_E4M3): {_first(odd)}; load with `fp8='dequantize'`"
+            )
+        converted = apply_fp8(model, block, fp8_names)
+        logger.info("keeping %d FP8 layers as FP8 + block scales %s", converted, block)
     state = nnx.state(model)
     slots = _layout(state)
-    tensors = _checkpoint_tensors(model_path)
     plan = _plan(tensors, slots, cfg)
 
     if plan.skipped_mtp:
@@ -419,13 +523,31 @@ def load_hf_weights(
         logger.warning("%s; ignoring them", msg)
 
     flat = nnx.to_flat_state(state)
-    # A concrete model's leaves keep their shardings; abstract ones land on the default device.
-    shardings = {path: getattr(var.get_value(), "sharding", None) for path, var in flat}
-    values = _read_all(plan, slots, cfg, shardings, progress)
+    if mesh is not None:
+        placed = dict(nnx.to_flat_state(expert_parallel.param_shardings(state, mesh, expert_axis)))
+        shardings = {path: _unwrap(placed[path]) for path, _ in flat}
+    else:
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = {
+            path: getattr(var.get_value(), "sharding", None) or default for path, var in flat
+        }
+    stats = LoadStats() if stats is None else stats
+    values = _read_all(plan, slots, block, shardings, progress, stats)
     new_state = nnx.from_flat_state([(path, var.replace(values[path])) for path, var in flat])
     nnx.update(model, new_state)
-    logger.info("loaded %d tensors from %s", len(plan.load), model_path)
+    logger.info(
+        "loaded %d tensors from %s: read %.3f GB in %.1f s (%.2f GB/s) on this process",
+        len(plan.load),
+        model_path,
+        stats.bytes_read / 1e9,
+        stats.seconds,
+        stats.bytes_read / 1e9 / max(stats.seconds, 1e-9),
+    )
     return model
+
+
+def _unwrap(x: Any) -> Any:
+    return x.get_value() if hasattr(x, "get_value") else x
 
 
 def load_model(
@@ -436,10 +558,15 @@ def load_model(
     json_model_override_args: str | Mapping[str, Any] | None = None,
     strict: bool = False,
     progress: bool = True,
+    fp8: Fp8Mode = "keep",
+    mesh: Mesh | None = None,
+    expert_axis: str | None = None,
+    stats: LoadStats | None = None,
 ) -> tuple[ModelConfig, CausalLM]:
     """`config.json` (+ overrides) and its weights from a HF model dir, in one call.
 
-    `param_dtype` defaults to `dtype` (a bfloat16 run keeps bfloat16 weights).
+    `param_dtype` defaults to `dtype` (a bfloat16 run keeps bfloat16 weights); the rest
+    as in `load_hf_weights`.
     """
     cfg = ModelConfig.from_pretrained(model_path, json_model_override_args)
     model = load_hf_weights(
@@ -449,42 +576,108 @@ def load_model(
         param_dtype=dtype if param_dtype is None else param_dtype,
         strict=strict,
         progress=progress,
+        fp8=fp8,
+        mesh=mesh,
+        expert_axis=expert_axis,
+        stats=stats,
     )
     return cfg, model
+
+
+def _index_key(index: tuple[slice, ...]) -> tuple[tuple[int | None, int | None], ...]:
+    return tuple((sl.start, sl.stop) for sl in index)
 
 
 def _read_all(
     plan: _Plan,
     slots: dict[str, _Slot],
-    cfg: ModelConfig,
+    block: tuple[int, int],
     shardings: dict[tuple[str | int, ...], Any],
     progress: bool,
+    stats: LoadStats,
 ) -> dict[tuple[str | int, ...], jax.Array]:
-    """Read, dequantize and cast every planned tensor; stack experts. Path -> device array."""
-    block = cfg.weight_block_size or DEFAULT_WEIGHT_BLOCK
-    stacks: dict[tuple[str | int, ...], np.ndarray] = {}
+    """Build every leaf from the files, shard by shard, on this process's devices only."""
+    by_path: dict[tuple[str | int, ...], dict[int | None, str]] = {}
+    for name, slot in slots.items():
+        by_path.setdefault(slot.path, {})[slot.expert] = name
+    leaf_shapes = {
+        path: (len(names), *slots[names[0]].shape) if 0 in names else slots[names[None]].shape
+        for path, names in by_path.items()
+    }
+    leaf_dtypes = {path: slots[next(iter(names.values()))].dtype for path, names in by_path.items()}
+
+    def tensor_bytes(name: str) -> int:
+        info = plan.load[name]
+        total = info.end - info.begin
+        if name in plan.scales:
+            total += plan.scales[name].end - plan.scales[name].begin
+        return total
+
+    # What this process will read: per leaf, the experts (or the whole tensor) its
+    # addressable shards cover, each once however many local devices share it.
+    wanted: dict[tuple[str | int, ...], list[str]] = {}
+    for path, names in by_path.items():
+        index_map = shardings[path].addressable_devices_indices_map(leaf_shapes[path])
+        if None in names:
+            wanted[path] = [names[None]] if index_map else []
+            continue
+        experts: set[int] = set()
+        for index in index_map.values():
+            experts.update(range(len(names))[index[0]])
+        wanted[path] = [names[e] for e in sorted(experts)]
+    stats.planned_bytes = sum(tensor_bytes(n) for ns in wanted.values() for n in ns)
+
+    start = time.perf_counter()
     values: dict[tuple[str | int, ...], jax.Array] = {}
-    # Read file by file so each shard is opened once and read front to back.
-    order = sorted(
-        plan.load, key=lambda n: (_natural_key(plan.load[n].file.name), plan.load[n].begin)
-    )
-    with contextlib.ExitStack() as stack:
+    with (
+        contextlib.ExitStack() as stack,
+        tqdm(
+            total=stats.planned_bytes,
+            desc="loading weights",
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1000,
+            disable=not progress,
+        ) as bar,
+    ):
         reader = _Reader(stack)
-        for name in tqdm(order, desc="loading weights", unit="tensor", disable=not progress):
-            info, slot = plan.load[name], slots[name]
-            arr = reader.read(name, info)
-            if name in plan.scales:
-                arr = dequantize_fp8_blocks(arr, reader.read(name, plan.scales[name]), block)
-            arr = arr.astype(slot.dtype, copy=False)
-            if slot.expert is None:
-                values[slot.path] = jax.device_put(arr, shardings[slot.path])
-                continue
-            if slot.path not in stacks:
-                n_experts = cfg.n_routed_experts
-                stacks[slot.path] = np.empty((n_experts, *slot.shape), slot.dtype)
-            stacks[slot.path][slot.expert] = arr
-    for path, stacked in stacks.items():
-        values[path] = jax.device_put(stacked, shardings[path])
+
+        def read(name: str) -> np.ndarray:
+            arr = reader.read(name, plan.load[name])
+            if name in plan.scales:  # dequantize-at-load path
+                arr = dequantize_np(arr, reader.read(name, plan.scales[name]), block)
+            nbytes = tensor_bytes(name)
+            stats.bytes_read += nbytes
+            stats.tensors_read += 1
+            bar.update(nbytes)
+            return arr.astype(slots[name].dtype, copy=False)
+
+        # Files are visited in order, front to back within each, leaf by leaf.
+        def first_offset(path: tuple[str | int, ...]) -> tuple[Any, int]:
+            info = plan.load[next(iter(by_path[path].values()))]
+            return _natural_key(info.file.name), info.begin
+
+        for path in sorted(by_path, key=first_offset):
+            names = by_path[path]
+            cache: dict[Any, np.ndarray] = {}  # one host copy per distinct local shard
+
+            def shard(index: tuple[slice, ...], names=names, cache=cache) -> np.ndarray:
+                key = _index_key(index)
+                if key not in cache:
+                    cache.clear()  # devices come in index order: keep one shard at a time
+                    if None in names:
+                        cache[key] = read(names[None])[index]
+                    else:
+                        picked = range(len(names))[index[0]]
+                        cache[key] = np.stack([read(names[e]) for e in picked])[
+                            (slice(None), *index[1:])
+                        ]
+                return cache[key]
+
+            values[path] = jax.make_array_from_callback(
+                leaf_shapes[path], shardings[path], shard, dtype=leaf_dtypes[path]
+            )
+    stats.seconds = time.perf_counter() - start
     return values
 
 
@@ -492,13 +685,19 @@ def _read_all(
 
 
 def save_hf_weights(
-    model: CausalLM, out_dir: str | Path, *, max_shard_bytes: int | None = None
+    model: CausalLM,
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int | None = None,
+    fp8_block: tuple[int, int] | None = None,
 ) -> list[Path]:
     """Write the model's parameters as HF-named safetensors in their own dtypes.
 
     One `model.safetensors`, or with `max_shard_bytes` shards `model-0000k-of-0000n`
     (a tensor larger than the limit gets a shard of its own) plus `model.safetensors.index.json`.
-    Checkpoint files of either layout already in `out_dir` are replaced. Returns the
+    Checkpoint files of either layout already in `out_dir` are replaced. `fp8_block`
+    block-quantizes the weights the official FP8 checkpoints quantize
+    (`fp8_weight_names`) to `float8_e4m3fn` + `weight_scale_inv`. Returns the
     safetensors paths written.
     """
     out_dir = Path(out_dir)
@@ -510,6 +709,12 @@ def save_hf_weights(
     ]:
         stale.unlink(missing_ok=True)
     tensors = hf_state_dict(model)
+    if fp8_block is not None:
+        for name in fp8_weight_names(model):
+            if tensors[name].dtype in _FP8_DTYPES:
+                continue  # already FP8 (a model loaded with fp8="keep")
+            tensors[name], tensors[name + SCALE_SUFFIX] = quantize_np(tensors[name], fp8_block)
+        tensors = dict(sorted(tensors.items(), key=lambda kv: _natural_key(kv[0])))
     metadata = {"format": "pt"}  # what transformers expects of a safetensors checkpoint
     if max_shard_bytes is None:
         path = out_dir / SINGLE_FILE

@@ -37,6 +37,10 @@ from cpkv_jax.tools.tiny_config import ARCHS, tiny_config_dict
 
 logger = logging.getLogger(__name__)
 
+# FP8 blocks of the tiny checkpoint: the tiny layers (64..320 wide) span several blocks,
+# and kv_a_proj's 40 output rows end in a cropped one.
+TINY_FP8_BLOCK = (16, 32)
+TINY_FP8_SHARD_BYTES = 256 * 1024  # several files, so the index-json path is the one used
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
 BYTE_ID_OFFSET = len(SPECIAL_TOKENS)
 # A ChatML-like template: bos once, each message as `<|role|>\ncontent` + eos, then the
@@ -127,23 +131,47 @@ def make_tiny_checkpoint(
     *,
     seed: int = 0,
     dtype: str = "float32",
+    fp8: bool = False,
+    n_routed_experts: int | None = None,
 ) -> Path:
-    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json (with a
-    chat template)."""
+    """Write config.json, the weights, tokenizer.json, tokenizer_config.json (with a chat
+    template).
+
+    `fp8`: the official FP8 format - block-quantized `float8_e4m3fn` weights with
+    `weight_scale_inv` (`TINY_FP8_BLOCK`, small enough that the tiny layers span several
+    blocks, some cropped), `quantization_config` in config.json, and the weights in
+    several `model-0000k-of-0000n.safetensors` files with `model.safetensors.index.json`,
+    as the released checkpoints are laid out. `n_routed_experts` overrides the tiny
+    config's expert count (e.g. 16, to shard over 8 ranks with 2 experts each).
+    """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = tiny_config_dict(arch)
     raw["torch_dtype"] = dtype
+    if n_routed_experts is not None:
+        raw["n_routed_experts"] = n_routed_experts
+    if fp8:
+        raw["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": list(TINY_FP8_BLOCK),
+        }
     cfg = ModelConfig.from_dict(raw)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
 
     model = random_tiny_model(cfg, seed=seed, param_dtype=DTYPES[dtype])
-    save_hf_weights(model, out)
+    if fp8:
+        save_hf_weights(model, out, max_shard_bytes=TINY_FP8_SHARD_BYTES, fp8_block=TINY_FP8_BLOCK)
+    else:
+        save_hf_weights(model, out)
 
     write_tokenizer_files(out, model_max_length=raw["max_position_embeddings"])
-    logger.info("wrote tiny %s checkpoint (seed %d, %s) to %s", arch, seed, dtype, out)
+    logger.info(
+        "wrote tiny %s checkpoint (seed %d, %s%s) to %s", arch, seed, dtype, ", fp8" * fp8, out
+    )
     return out
 
 
@@ -155,9 +183,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--arch", choices=ARCHS, default="glm_moe_dsa", help="model_type")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
+    parser.add_argument(
+        "--fp8", action="store_true", help="FP8 block-quantized, sharded files + index"
+    )
+    parser.add_argument("--n-routed-experts", type=int, default=None, help="expert count")
     args = parser.parse_args(argv)
     configure_logging("INFO")
-    out = make_tiny_checkpoint(args.out_dir, args.arch, seed=args.seed, dtype=args.dtype)
+    out = make_tiny_checkpoint(
+        args.out_dir,
+        args.arch,
+        seed=args.seed,
+        dtype=args.dtype,
+        fp8=args.fp8,
+        n_routed_experts=args.n_routed_experts,
+    )
     print(f"tiny {args.arch} checkpoint (seed {args.seed}, {args.dtype}) written to {out}")
     return 0
 

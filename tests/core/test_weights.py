@@ -175,11 +175,32 @@ def test_fp8_block_dequant_matches_float64(glm_model, tmp_path):
         )
         expected[name] = ref.astype(np.float32)
         assert not np.array_equal(expected[name], hf_state_dict(glm_model)[name])  # really lossy
-    loaded = load_hf_weights(cfg, _write(tensors, tmp_path), progress=False, strict=True)
+    path = _write(tensors, tmp_path)
+    loaded = load_hf_weights(cfg, path, progress=False, strict=True, fp8="dequantize")
     got = hf_state_dict(loaded)
     assert got.keys() == expected.keys()
     for name, ref in expected.items():
         np.testing.assert_array_equal(got[name], ref, err_msg=name)
+
+    # Kept FP8 (the default): the same bytes and scales on device, and the in-step
+    # dequantization gives the same float32 weights bit for bit.
+    kept = load_hf_weights(cfg, path, progress=False, strict=True)
+    raw = hf_state_dict(kept)
+    assert raw.keys() == tensors.keys()
+    for name in quantized:
+        assert raw[name].dtype == ml_dtypes.float8_e4m3fn, name
+        np.testing.assert_array_equal(raw[name].view(np.uint8), tensors[name].view(np.uint8))
+        np.testing.assert_array_equal(raw[name + "_scale_inv"], tensors[name + "_scale_inv"])
+    layer = kept.model.layers[0].self_attn.kv_a_proj_with_mqa
+    np.testing.assert_array_equal(
+        np.asarray(layer.dense_weight(jnp.float32)),
+        expected["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"],
+    )
+    experts = kept.model.layers[4].mlp.experts
+    np.testing.assert_array_equal(
+        np.asarray(experts._weight("down_proj"))[3].T,
+        expected["model.layers.4.mlp.experts.3.down_proj.weight"],
+    )
 
 
 def test_fp8_without_scale_or_with_bad_scale_shape(glm_model, tmp_path):
