@@ -46,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--init-timeout", type=int, default=30, help="seconds for all to join")
     p.add_argument("--timeout", type=float, default=200.0, help="hard limit, whole worker")
+    p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="routed experts sharded over the cp ranks, loaded straight into their shards",
+    )
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--shared", dest="shared_kv", action="store_true", default=True)
     kv.add_argument("--replicated", dest="shared_kv", action="store_false")
@@ -122,9 +127,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from cpkv_jax.config import CPConfig
     from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
-    from cpkv_jax.model.weights import load_model
+    from cpkv_jax.model.expert_parallel import EPSpec
+    from cpkv_jax.model.weights import LoadStats, load_model
 
-    cfg, model = load_model(args.model_path, progress=False)
+    stats = LoadStats()
+    ep = args.expert_parallel
+    cfg, model = load_model(
+        args.model_path,
+        progress=False,
+        mesh=mesh if ep else None,
+        expert_axis=CP_AXIS if ep else None,
+        stats=stats,
+    )
     cp = CPConfig(
         cp_size=args.cp_size,
         shared_kv=args.shared_kv,
@@ -139,7 +153,21 @@ def main(argv: list[str] | None = None) -> int:
         cp,
         pages_per_rank=pages_per_rank_for(prompt.size, cp.page_size, cp),
         index_k_dtype="float32",
+        expert_parallel=EPSpec(CP_AXIS, args.cp_size) if ep else None,
     )
+    # What this process holds of one routed-expert leaf, and what it read from the files.
+    expert_leaf = runner.state["model"]["layers"][cfg.first_k_dense_replace]["mlp"]["experts"]
+    local = {
+        "process_id": jax.process_index(),
+        "bytes_read": stats.bytes_read,
+        "planned_bytes": stats.planned_bytes,
+        "expert_shard_bytes": [
+            s.data.nbytes for s in expert_leaf["gate_proj"][...].addressable_shards
+        ],
+        "expert_leaf_bytes": expert_leaf["gate_proj"][...].nbytes,
+    }
+    with open(f"{args.out}.p{jax.process_index()}.json", "w") as f:
+        json.dump(local, f)
     result = runner.prefill([prompt], args.chunked_prefill_size)
     # A collective: every process calls it. The view is replicated, so each process can
     # read it whole.

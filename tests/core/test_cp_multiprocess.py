@@ -1,4 +1,9 @@
-"""Multi-process CP: 2 processes x 4 CPU devices give the same prefill as 1 process x 8.
+"""Multi-process CP + EP: 2 processes x 4 CPU devices give the same prefill as 1 process x 8.
+
+The checkpoint is the FP8 tiny one with 16 routed experts (sharded files + index json),
+loaded straight into the mesh with the experts split over the 8 ranks (expert
+parallelism, 2 experts per rank), so the MoE dispatch crosses processes too, and each
+process must read from the files only the experts its own devices hold (issue 22).
 
 Both runs use the same 8-rank `("cp",)` mesh, shared (page-owned) KV, page 16 and
 chunked prefill 48 on a 5-pages-plus-3-tokens prompt, so pages 0..5 are owned by ranks
@@ -29,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cpkv_jax.model.weights import _checkpoint_tensors
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
@@ -157,6 +163,7 @@ def _run_workers(
                 "--timeout",
                 str(WORKER_TIMEOUT_S),
                 "--shared",
+                "--expert-parallel",
                 "--prompt-ids",
                 *map(str, ids),
             ]
@@ -207,7 +214,9 @@ def _run_or_skip(tmp: Path, tag: str, model: Path, ids: list[int], n: int, k: in
 
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path: Path):
-    model = make_tiny_checkpoint(tmp_path / "tiny-glm5", "glm_moe_dsa", seed=0)
+    model = make_tiny_checkpoint(
+        tmp_path / "tiny-glm5-fp8", "glm_moe_dsa", seed=0, fp8=True, n_routed_experts=16
+    )
     vocab = tiny_config_dict("glm_moe_dsa")["vocab_size"]
     ids = np.random.default_rng(0).integers(3, vocab, PROMPT_LEN).tolist()
 
@@ -230,3 +239,18 @@ def test_two_processes_match_one_process(tmp_path: Path):
     assert np.abs(view_1).sum(axis=1).min() > 0, "a token's latent was never written"
     np.testing.assert_array_equal(logits_2, logits_1)
     np.testing.assert_array_equal(view_2, view_1)
+
+    # Sharded loading: each process read every replicated tensor once and only its half
+    # of the routed experts; each device holds 1/8 of an expert leaf.
+    tensors = _checkpoint_tensors(model)
+    expert = sum(t.end - t.begin for n, t in tensors.items() if ".mlp.experts." in n)
+    other = sum(t.end - t.begin for n, t in tensors.items() if ".mlp.experts." not in n)
+    for tag, n, share in (("1x8", 1, 1.0), ("2x4", 2, 0.5)):
+        for pid in range(n):
+            last_attempt = sorted(tmp_path.glob(f"{tag}-*.json.p{pid}.json"))[-1]
+            local = json.loads(last_attempt.read_text())
+            assert local["bytes_read"] == local["planned_bytes"] == other + share * expert
+            shards = local["expert_shard_bytes"]
+            assert len(shards) == 8 // n and all(
+                b * 8 == local["expert_leaf_bytes"] for b in shards
+            )
