@@ -21,6 +21,13 @@ Dispatches (`EPDispatch`), both exact:
   exact; servers warn about it at startup. XLA:CPU has `all_to_all`, so this runs here
   too; `ragged_all_to_all` (which XLA:CPU lacks) would avoid the padding on GPUs.
 
+"Exact" is about the exchange: no row is lost, and no float is added but zeros. The
+local expert matmul itself may still round differently from one device's: XLA:CPU
+lowers `ragged_dot` as a dense contraction over every group, so its reduction length,
+and with it the rounding, depends on how many experts the rank holds (measured:
+`benchmarks/bench_moe_ep.py`, bf16 at hidden 256 differs in the last bits; the tiny
+model's CP8/EP8 prefill is bitwise equal to one device under batch-invariant numerics).
+
 The setting is read while the step is traced, like `numerics.batch_invariant`.
 """
 
