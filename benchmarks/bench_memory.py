@@ -4,6 +4,8 @@
         [--context-tokens 131072] [--budget-gib 64] [--config PATH]
         [--json-model-override-args '{"index_topk_freq": 4, "index_skip_topk_offset": 3}']
         [--dtype bfloat16] [--index-k-dtype fp8_e4m3] [--measured | --no-measured]
+        [--weights | --no-weights] [--device-gb 141] [--mem-fraction-static 0.88]
+        [--measured-weights-checkpoint DIR]
 
 Figures at real model dimensions (GLM-5 by default, from `cpkv_jax/model_configs/glm-5`) are
 computed from `jax.ShapeDtypeStruct`s, never allocated: every byte goes through
@@ -42,6 +44,36 @@ layouts holding the same logical pages are allocated with `init_cp_pool`, and th
 each device really holds (sum of `shard.data.nbytes` over `addressable_shards`) are
 reported next to `per_rank_pool_bytes`'s prediction.
 
+`--weights` (default on) adds a `"weights"` section: the weights one device holds for
+GLM-5-FP8 and DeepSeek-V3.2-FP8 (the vendored `glm-5` / `deepseek-v3.2` configs, no
+overrides; FP8 block 128x128 where the official checkpoints are FP8, `fp8_weight_names`;
+bfloat16 params and compute) at EP 1, 8 and 16 over the cp axis, computed only through
+the code the server sizes and places them with: `weights.abstract_model` (eval_shape, so
+seconds and no allocation), `expert_parallel.param_shardings` on an `AbstractMesh` and
+`expert_parallel.bytes_per_device`. Also per model:
+- the bf16 figure (`fp8_block=None`) at EP 8, and the parameter counts (scales excluded);
+- `bytes_by_dtype` at EP 1, what OUR model holds: FP8 weights, their float32
+  `weight_scale_inv`, bf16 for the rest except norms and the router (`MoEGate`), which
+  our model keeps float32 (the releases store norms and the router weight bf16);
+- `dequant_transient_bytes_per_device`: the step dequantizes one layer's experts at a
+  time, so the largest layer's local routed-expert weights in the compute dtype (3
+  projections x local experts x out x in x 2 bytes). `..._layer_all_fp8` adds that
+  layer's other FP8 weights (attention, indexer, shared expert), the upper bound
+  `serving.prefill.memory_plan` budgets;
+- `kv_tokens_per_rank_on_device`: on one `--device-gb` device (decimal GB; 141 = an H200)
+  with `--mem-fraction-static` of it for weights + KV pool (SGLang's meaning), the CP
+  shared KV pool (cp = `--cp-size`, EP = cp over the same devices, `--page-size`,
+  `--dtype`, `--index-k-dtype`) left after the weights and the dequant transient: its
+  usable pages (trash page excluded) in tokens per rank, sized through
+  `per_rank_pool_bytes`, and the context one node holds (a page-owned pool holds 1/cp of
+  each request's pages: tokens per rank x cp). `fits`: at least one usable page is left.
+`measured_weights` (with `--measured`): a tiny FP8 checkpoint (`make_tiny_checkpoint(...,
+fp8=True, n_routed_experts=16)`, temp dir) loaded by `weights.load_model` on a
+`jax.device_count()`-rank mesh with experts split over `"cp"`; the bytes each device's
+addressable shards really hold, per leaf, beside `bytes_per_device` of the abstract state
+`abstract_model(cfg, fp8_block=cfg.weight_block_size)` under `param_shardings`
+(`--measured-weights-checkpoint DIR` loads that checkpoint instead of writing one).
+
 JSON goes to stdout (one object with `--json`, `key: value` lines otherwise); progress is
 logged to stderr.
 """
@@ -59,17 +91,24 @@ if __name__ == "__main__" and "xla_force_host_platform_device_count" not in os.e
     ).strip()
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import logging
+import math
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh
 from jax.typing import DTypeLike
 
 from cpkv_jax.buckets import pow2_at_least
@@ -77,16 +116,32 @@ from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import CPConfig, ModelConfig, parse_override_args
 from cpkv_jax.errors import ConfigError, CpkvError, name_flags
 from cpkv_jax.kv_pool import PoolLayout, init_cp_pool, per_rank_pool_bytes
-from cpkv_jax.mesh import make_cp_mesh
+from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
+from cpkv_jax.model.expert_parallel import (
+    bytes_per_device,
+    check_divisible,
+    is_expert_leaf,
+    param_shardings,
+)
+from cpkv_jax.model.fp8 import DEFAULT_BLOCK, SCALE_SUFFIX
 from cpkv_jax.model.kv_cache import DTYPES, INDEX_K_DTYPES, IndexKDtype, KVPool, pool_shapes
+from cpkv_jax.model.weights import abstract_model, load_model
 from cpkv_jax.model_configs import CONFIGS_DIR, config_dir
 from cpkv_jax.paging import pages_for_tokens
+from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 from cpkv_jax.units import GiB
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = config_dir("glm-5")
+# The weights section's models: release name -> vendored config (FP8 releases, 128x128).
+WEIGHT_MODELS = {"GLM-5-FP8": "glm-5", "DeepSeek-V3.2-FP8": "deepseek-v3.2"}
+WEIGHT_EP_SIZES = (1, 8, 16)
+WEIGHT_DTYPE = "bfloat16"  # param and compute dtype of the served real models
+BF16_EP = 8  # the bf16 (no FP8) comparison's EP size
+MEASURED_EXPERTS = 16  # tiny checkpoint's routed experts (2 per rank on 8 ranks)
+GB = 10**9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +182,26 @@ class MemoryBenchArgs:
     measured_tokens: int = field(
         default=16384, metadata={"help": "tokens (logical pages) of the measured tiny pools"}
     )
+    measured_weights_checkpoint: Path | None = field(
+        default=None,
+        metadata={
+            "help": "tiny FP8 checkpoint dir for measured_weights (default: one written to a "
+            "temp dir by make_tiny_checkpoint(fp8=True, n_routed_experts=16))",
+            "type": Path,
+        },
+    )
+    weights: bool = field(
+        default=True,
+        metadata={"help": "also size GLM-5-FP8 / DeepSeek-V3.2-FP8 weights per device (EP)"},
+    )
+    device_gb: float = field(
+        default=141.0,
+        metadata={"help": "device memory, decimal GB (1e9 B), for kv_tokens_per_rank (H200)"},
+    )
+    mem_fraction_static: float = field(
+        default=0.88,
+        metadata={"help": "fraction of --device-gb for weights + KV pool (as SGLang's)"},
+    )
     log_level: str = field(default="INFO", metadata={"help": "logging level (stderr)"})
 
     def validate(self) -> None:
@@ -139,6 +214,19 @@ class MemoryBenchArgs:
                 )
         if not self.budget_gib > 0:
             raise ConfigError(f"--budget-gib must be > 0, got {self.budget_gib}")
+        if not self.device_gb > 0:
+            raise ConfigError(f"--device-gb must be > 0, got {self.device_gb}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ConfigError(
+                f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}"
+            )
+        ckpt = self.measured_weights_checkpoint
+        if ckpt is not None and not (ckpt / "config.json").is_file():
+            raise ConfigError(
+                f"--measured-weights-checkpoint {ckpt} has no config.json (write one with "
+                "`python -m cpkv_jax.tools.make_tiny_checkpoint DIR --fp8 "
+                f"--n-routed-experts {MEASURED_EXPERTS}`)"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -359,8 +447,265 @@ def measure_tiny_pools(page_size: int, tokens: int) -> dict[str, Any]:
     return out
 
 
+# ---- weights per device (abstract: the server's sizing and placement code) -------------
+@contextlib.contextmanager
+def fast_tracer_probes() -> Iterator[None]:
+    """Trace without building the messages of the AttributeErrors that
+    `getattr(tracer, "sharding", None)` probes swallow.
+
+    flax NNX's `Variable.set_value` probes `value.sharding` at every assignment (the
+    `Rngs` counter's, once per parameter init); on a tracer, JAX 0.10.2 builds that
+    error's message by walking every equation traced so far (`_origin_msg`), so tracing a
+    whole model in one `eval_shape` is quadratic: ~50 s per real-dims model here, ~4 s
+    without the message (jax-ml/jax#40041 proposes dropping that part upstream).
+    Only the text of errors nobody reads changes; shapes, dtypes and bytes are the same
+    (the tests build the tiny model both ways). A no-op if JAX's internals moved.
+    """
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        cls = pe.DynamicJaxprTracer
+        original = cls.__dict__["_origin_msg"]
+    except (ImportError, AttributeError, KeyError):
+        yield
+        return
+    cls._origin_msg = lambda self: ""
+    try:
+        yield
+    finally:
+        cls._origin_msg = original
+
+
+def _value(x: Any) -> Any:
+    return x.get_value() if hasattr(x, "get_value") else x
+
+
+def _flat(state: nnx.State) -> list[tuple[tuple, Any]]:
+    return [(path, _value(var)) for path, var in nnx.to_flat_state(state)]
+
+
+@functools.cache
+def real_abstract_state(
+    config: Path, fp8_block: tuple[int, int] | None
+) -> tuple[ModelConfig, nnx.State]:
+    """`nnx.state(abstract_model(cfg, bf16, bf16, fp8_block=...))` of a config dir (cached:
+    the sections and tests reuse it)."""
+    cfg = ModelConfig.from_pretrained(config)
+    dt = DTYPES[WEIGHT_DTYPE]
+    logger.info("abstract %s model (eval_shape), fp8 block %s", config.name, fp8_block)
+    with fast_tracer_probes():
+        model = abstract_model(cfg, dt, dt, fp8_block=fp8_block)
+    return cfg, nnx.state(model)
+
+
+def ep_shardings(state: nnx.State, ep: int) -> nnx.State:
+    """What the server places `state` with at EP `ep` over the cp axis (1: no EP)."""
+    return param_shardings(state, AbstractMesh((ep,), (CP_AXIS,)), CP_AXIS if ep > 1 else None)
+
+
+def param_counts(state: nnx.State) -> dict[str, int]:
+    """Parameters (FP8 scales not counted) and the routed experts' share of them."""
+    total = routed = 0
+    for path, value in _flat(state):
+        if str(path[-1]).endswith(SCALE_SUFFIX):
+            continue
+        n = math.prod(value.shape)
+        total += n
+        routed += n if is_expert_leaf(path) else 0
+    return {"params": total, "routed_expert_params": routed}
+
+
+def bytes_by_dtype(state: nnx.State) -> dict[str, int]:
+    """Bytes of the whole model (no sharding) by leaf dtype; FP8 scales on their own."""
+    out: dict[str, int] = {}
+    for path, value in _flat(state):
+        dt = np.dtype(value.dtype)
+        key = f"{dt.name}_scale_inv" if str(path[-1]).endswith(SCALE_SUFFIX) else dt.name
+        out[key] = out.get(key, 0) + math.prod(value.shape) * dt.itemsize
+    return dict(sorted(out.items()))
+
+
+def dequant_transient_bytes(
+    state: nnx.State, shardings: nnx.State, dtype: DTypeLike, *, experts_only: bool = True
+) -> int:
+    """The largest decoder layer's FP8 weights on one device (shard shapes), dequantized to
+    `dtype`: its routed experts' 3 projections (`experts_only`), or every FP8 weight of
+    the layer. 0 for a model without FP8 weights."""
+    itemsize = np.dtype(dtype).itemsize
+    flat_sh = {path: _value(sh) for path, sh in nnx.to_flat_state(shardings)}
+    per_layer: dict[int, int] = {}
+    for path, value in _flat(state):
+        if path[:2] != ("model", "layers") or not np.dtype(value.dtype).name.startswith("float8"):
+            continue
+        if experts_only and not is_expert_leaf(path):
+            continue
+        shard = flat_sh[path].shard_shape(tuple(value.shape))
+        per_layer[int(path[2])] = per_layer.get(int(path[2]), 0) + math.prod(shard) * itemsize
+    return max(per_layer.values(), default=0)
+
+
+def ep_figures(state: nnx.State, ep: int) -> dict[str, Any]:
+    """Weights and dequant transient one device holds at EP `ep`."""
+    shardings = ep_shardings(state, ep)
+    dt = DTYPES[WEIGHT_DTYPE]
+    return {
+        "weights_bytes_per_device": bytes_per_device(state, shardings),
+        "dequant_transient_bytes_per_device": dequant_transient_bytes(state, shardings, dt),
+        "dequant_transient_bytes_per_device_layer_all_fp8": dequant_transient_bytes(
+            state, shardings, dt, experts_only=False
+        ),
+    }
+
+
+def kv_on_device(
+    cfg: ModelConfig, weights_bytes: int, dequant_bytes: int, args: MemoryBenchArgs
+) -> dict[str, Any]:
+    """The CP shared KV pool one `--device-gb` device has room for after the weights."""
+    cp, page = args.cp_size, args.page_size
+    dtype = DTYPES[args.dtype]
+    ikd: IndexKDtype = args.index_k_dtype  # type: ignore[assignment]
+    device_bytes = int(args.device_gb * GB)
+    static = int(device_bytes * args.mem_fraction_static)
+    kv_budget = static - weights_bytes - dequant_bytes
+
+    def pool_bytes(usable_pages: int) -> int:  # + the lane's trash page
+        return per_rank_pool_bytes(cfg, PoolLayout(cp, True, usable_pages + 1, page), dtype, ikd)
+
+    tokens = max_context_tokens(kv_budget, page, pool_bytes)
+    node_tokens = tokens * cp
+    view = full_view_bytes(cfg, node_tokens // page, page, dtype, ikd) if tokens else 0
+    return {
+        "cp_size": cp,
+        "ep_size": cp,
+        "shared_kv": True,
+        "page_size": page,
+        "dtype": args.dtype,
+        "index_k_dtype": args.index_k_dtype,
+        "device_bytes": device_bytes,
+        "mem_fraction_static": args.mem_fraction_static,
+        "static_bytes": static,
+        "weights_bytes": weights_bytes,
+        "dequant_transient_bytes": dequant_bytes,
+        "kv_budget_bytes": kv_budget,
+        "pool_bytes_per_rank": pool_bytes(tokens // page) if tokens else 0,
+        "tokens_per_rank": tokens,
+        "context_tokens_per_node": node_tokens,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "holds_max_position_embeddings": node_tokens >= cfg.max_position_embeddings,
+        # One layer's full view of a node-length request; must fit the 1 - fraction left.
+        "transient_full_view_bytes_at_node_context": view,
+        "headroom_bytes": device_bytes - static,
+        "fits": tokens > 0,
+    }
+
+
+def weights_model_report(name: str, args: MemoryBenchArgs) -> dict[str, Any]:
+    """One model's weights per device at each EP size, FP8 and (EP 8) bf16."""
+    config = config_dir(WEIGHT_MODELS[name])
+    cfg, fp8 = real_abstract_state(config, DEFAULT_BLOCK)
+    _, bf16 = real_abstract_state(config, None)
+    for ep in (*WEIGHT_EP_SIZES, args.cp_size):
+        check_divisible(cfg.n_routed_experts, ep)
+    per_ep = {str(ep): ep_figures(fp8, ep) for ep in WEIGHT_EP_SIZES}
+    at_cp = ep_figures(fp8, args.cp_size)
+    return {
+        "config": str(config.relative_to(CONFIGS_DIR.parents[1])),
+        "model_type": cfg.model_type,
+        "num_layers": cfg.num_hidden_layers,
+        "n_routed_experts": cfg.n_routed_experts,
+        **param_counts(fp8),
+        "bytes_by_dtype": bytes_by_dtype(fp8),
+        "ep": per_ep,
+        "bf16_ep": BF16_EP,
+        "bf16_weights_bytes_per_device": bytes_per_device(bf16, ep_shardings(bf16, BF16_EP)),
+        "kv_tokens_per_rank_on_device": kv_on_device(
+            cfg,
+            at_cp["weights_bytes_per_device"]["total"],
+            at_cp["dequant_transient_bytes_per_device"],
+            args,
+        ),
+    }
+
+
+def weights_report(args: MemoryBenchArgs) -> dict[str, Any]:
+    """The `"weights"` section (module docstring)."""
+    return {
+        "fp8_block": list(DEFAULT_BLOCK),
+        "param_dtype": WEIGHT_DTYPE,
+        "compute_dtype": WEIGHT_DTYPE,
+        "ep_sizes": list(WEIGHT_EP_SIZES),
+        "device_gb": args.device_gb,
+        "mem_fraction_static": args.mem_fraction_static,
+        "models": {name: weights_model_report(name, args) for name in WEIGHT_MODELS},
+    }
+
+
+def measure_tiny_weights(checkpoint: Path | None = None) -> dict[str, Any]:
+    """Load a tiny FP8 checkpoint (`checkpoint`, else one written to a temp dir) with
+    experts split over every device; the bytes each device's shards hold, per leaf,
+    against `bytes_per_device`'s prediction."""
+    ep = jax.device_count()
+    with contextlib.ExitStack() as stack:
+        if checkpoint is None:
+            checkpoint = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bm_fp8_")))
+            make_tiny_checkpoint(
+                checkpoint, "glm_moe_dsa", fp8=True, n_routed_experts=MEASURED_EXPERTS
+            )
+        check_divisible(ModelConfig.from_pretrained(checkpoint).n_routed_experts, ep)
+        mesh = make_cp_mesh(ep)
+        logger.info("loading %s with experts over %d ranks", checkpoint, ep)
+        cfg, model = load_model(checkpoint, mesh=mesh, expert_axis=CP_AXIS, progress=False)
+    with fast_tracer_probes():
+        abstract = nnx.state(
+            abstract_model(cfg, jnp.float32, jnp.float32, fp8_block=cfg.weight_block_size)
+        )
+    shardings = param_shardings(abstract, mesh, CP_AXIS)
+    predicted = bytes_per_device(abstract, shardings)
+    flat_sh = {path: _value(sh) for path, sh in nnx.to_flat_state(shardings)}
+    expected = {
+        path: math.prod(flat_sh[path].shard_shape(tuple(v.shape))) * np.dtype(v.dtype).itemsize
+        for path, v in _flat(abstract)
+    }
+    devices = [d for d in mesh.devices.reshape(-1) if d.process_index == jax.process_index()]
+    held = {d: {"routed_experts": 0, "other": 0} for d in devices}
+    mismatched: list[str] = []
+    loaded = _flat(nnx.state(model))
+    total_routed = 0
+    for path, arr in loaded:
+        kind = "routed_experts" if is_expert_leaf(path) else "other"
+        total_routed += arr.nbytes if kind == "routed_experts" else 0
+        leaf: dict[jax.Device, int] = dict.fromkeys(devices, 0)
+        for shard in arr.addressable_shards:
+            leaf[shard.device] += shard.data.nbytes
+        for d, n in leaf.items():
+            held[d][kind] += n
+        if any(n != expected.get(path) for n in leaf.values()):
+            mismatched.append(".".join(map(str, path)))
+    missing = sorted(".".join(map(str, p)) for p in expected.keys() - {p for p, _ in loaded})
+    per_device = {kind: [held[d][kind] for d in devices] for kind in ("routed_experts", "other")}
+    per_device["total"] = [r + o for r, o in zip(*per_device.values(), strict=True)]
+    return {
+        "measured": True,
+        "model": f"tiny glm_moe_dsa, FP8 block {list(cfg.weight_block_size or ())}",
+        "platform": jax.devices()[0].platform,
+        "param_dtype": "float32",
+        "n_routed_experts": cfg.n_routed_experts,
+        "ep_size": ep,
+        "leaves": len(loaded),
+        "leaves_mismatched": mismatched[:10],
+        "leaves_missing": missing[:10],
+        "total_routed_expert_bytes": total_routed,
+        "per_device_weights_bytes": per_device,
+        "predicted_weights_bytes_per_device": predicted,
+        "measured_equals_predicted": not mismatched
+        and not missing
+        and all(b == predicted[kind] for kind, col in per_device.items() for b in col),
+    }
+
+
 def run(args: MemoryBenchArgs) -> dict[str, Any]:
-    """The whole report: model figures, then (unless `--no-measured`) the measured section."""
+    """The whole report: model figures, the measured pools, the weights, the measured
+    weights (`--no-measured` / `--no-weights` leave sections out: None)."""
     args.validate()
     cfg = load_config(args.config, args.json_model_override_args)
     logger.info("model figures for %s (%d layers)", cfg.model_type, cfg.num_hidden_layers)
@@ -369,6 +714,12 @@ def run(args: MemoryBenchArgs) -> dict[str, Any]:
     report["model_overrides"] = parse_override_args(args.json_model_override_args)
     report["measured"] = (
         measure_tiny_pools(args.page_size, args.measured_tokens) if args.measured else None
+    )
+    report["weights"] = weights_report(args) if args.weights else None
+    report["measured_weights"] = (
+        measure_tiny_weights(args.measured_weights_checkpoint)
+        if args.weights and args.measured
+        else None
     )
     return report
 

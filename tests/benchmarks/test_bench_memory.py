@@ -2,20 +2,27 @@
 
 GLM-5 figures are checked against bytes written out here from the SPEC's vocabulary
 (latent 512 + 64 values in bf16, index K 128 B fp8 + 4 B fp32 scale), so the benchmark's
-`pool_shapes` route and this independent arithmetic have to agree.
+`pool_shapes` route and this independent arithmetic have to agree. The weights section
+is checked against the released models' parameter counts and closed forms of the FP8
+block format, and its measured part against real sharded arrays.
 """
 
 from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks import bench_memory as bm
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.kv_pool import PoolLayout
+from cpkv_jax.model.weights import abstract_model
 from cpkv_jax.model_configs import config_dir
+from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 GLM5 = bm.DEFAULT_CONFIG / "config.json"
@@ -36,6 +43,8 @@ REPORT_KEYS = {
     "max_context_replicated",
     "max_context_ratio",
     "measured",
+    "weights",
+    "measured_weights",
 }
 MEASURED_KEYS = {
     "measured",
@@ -47,6 +56,10 @@ MEASURED_KEYS = {
     "ratio",
     "measured_equals_predicted",
 }
+# Released parameter counts (B, MTP layers excluded): total, routed experts.
+RELEASED_PARAMS = {"GLM-5-FP8": (743.9e9, 724.8e9), "DeepSeek-V3.2-FP8": (671.9e9, 653.9e9)}
+# Routed experts: n weights of 1 B (fp8) + one 4 B scale per 128 x 128 block, vs 2n B (bf16).
+FP8_OVER_BF16 = (128 * 128 + 4, 2 * 128 * 128)
 
 
 def _glm5_report(*argv: str) -> dict:
@@ -145,15 +158,17 @@ def test_main_json_with_config_file(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(tiny_config_dict("glm_moe_dsa")))
     argv = ["--json", "--config", str(path), "--cp-size", "4", "--measured-tokens", "1024"]
-    assert bm.main(argv) == 0
+    assert bm.main([*argv, "--no-weights"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report.keys() >= REPORT_KEYS
     assert report["measured"].keys() >= MEASURED_KEYS
     assert report["cp_size"] == 4 and report["config"] == str(path)
+    assert report["weights"] is None and report["measured_weights"] is None
 
 
-def test_main_default_json_has_all_keys(capsys):
-    assert bm.main(["--json", "--measured-tokens", "4096"]) == 0
+def test_main_default_json_has_all_keys(capsys, tiny_fp8):
+    argv = ["--json", "--measured-tokens", "4096", "--measured-weights-checkpoint", str(tiny_fp8)]
+    assert bm.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report.keys() >= REPORT_KEYS
     assert report["model_type"] == "glm_moe_dsa" and report["num_layers"] == 78
@@ -164,13 +179,20 @@ def test_main_default_json_has_all_keys(capsys):
     assert m["measured"] is True and m["measured_equals_predicted"] is True
     assert m["per_rank_pool_bytes_shared"] == m["predicted_per_rank_pool_bytes_shared"]
     assert m["per_rank_pool_bytes_replicated"] == m["predicted_per_rank_pool_bytes_replicated"]
+    assert report["weights"]["models"].keys() == set(RELEASED_PARAMS)
+    for model in report["weights"]["models"].values():
+        assert model["ep"].keys() == {"1", "8", "16"}
+        assert model["kv_tokens_per_rank_on_device"]["fits"] is True
+    assert report["measured_weights"]["measured_equals_predicted"] is True
 
 
 def test_main_no_measured_and_bad_flags(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(tiny_config_dict("deepseek_v32")))
     assert bm.main(["--json", "--no-measured", "--config", str(path)]) == 0
-    assert json.loads(capsys.readouterr().out)["measured"] is None
+    report = json.loads(capsys.readouterr().out)
+    assert report["measured"] is None and report["measured_weights"] is None
+    assert report["weights"]["models"].keys() == set(RELEASED_PARAMS)
 
     assert bm.main(["--config", str(tmp_path / "missing")]) == 2
     assert "--config" in capsys.readouterr().err
@@ -178,9 +200,140 @@ def test_main_no_measured_and_bad_flags(tmp_path, capsys):
     assert "--budget-gib" in capsys.readouterr().err
     assert bm.main(["--config", str(path), "--cp-size", "0"]) == 2
     assert "--cp-size" in capsys.readouterr().err
+    assert bm.main(["--config", str(path), "--device-gb", "0"]) == 2
+    assert "--device-gb" in capsys.readouterr().err
+    assert bm.main(["--config", str(path), "--mem-fraction-static", "1.5"]) == 2
+    assert "--mem-fraction-static" in capsys.readouterr().err
+    assert (
+        bm.main(["--config", str(path), "--measured-weights-checkpoint", str(tmp_path / "no")]) == 2
+    )
+    assert "--measured-weights-checkpoint" in capsys.readouterr().err
 
 
 def test_default_config_is_the_vendored_glm5():
     """The default resolves inside the package (a clone anywhere has it)."""
     assert config_dir("glm-5") == bm.DEFAULT_CONFIG
     assert (bm.DEFAULT_CONFIG / "config.json").is_file()
+
+
+# ---- weights per device ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def weights():
+    """The weights section at the defaults (cp 8, page 64, 141 GB, fraction 0.88)."""
+    return bm.weights_report(bm.parse_args([]))
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fp8") / "tiny"
+    return make_tiny_checkpoint(path, "glm_moe_dsa", fp8=True, n_routed_experts=16)
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED_PARAMS))
+def test_param_counts_match_the_releases(weights, name):
+    m = weights["models"][name]
+    total, routed = RELEASED_PARAMS[name]
+    assert m["params"] == pytest.approx(total, rel=0.005)
+    assert m["routed_expert_params"] == pytest.approx(routed, rel=0.005)
+    # The bf16 model has the same parameters (FP8 scales are not counted).
+    _, bf16 = bm.real_abstract_state(config_dir(bm.WEIGHT_MODELS[name]), None)
+    assert bm.param_counts(bf16) == {
+        "params": m["params"],
+        "routed_expert_params": m["routed_expert_params"],
+    }
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED_PARAMS))
+def test_ep_splits_the_routed_experts_only(weights, name):
+    ep = weights["models"][name]["ep"]
+    w1 = ep["1"]["weights_bytes_per_device"]
+    for n in (8, 16):
+        wn = ep[str(n)]["weights_bytes_per_device"]
+        assert wn["routed_experts"] * n == w1["routed_experts"]
+        assert wn["other"] == w1["other"]
+        assert wn["total"] == wn["routed_experts"] + wn["other"]
+        d1, dn = (ep[k]["dequant_transient_bytes_per_device"] for k in ("1", str(n)))
+        assert dn * n == d1
+        assert dn < ep[str(n)]["dequant_transient_bytes_per_device_layer_all_fp8"]
+    # One MoE layer's routed experts in bf16: 3 projections x 256 experts x i x h x 2 B.
+    cfg = ModelConfig.from_pretrained(config_dir(bm.WEIGHT_MODELS[name]))
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    assert ep["1"]["dequant_transient_bytes_per_device"] == 3 * 256 * i * h * 2
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED_PARAMS))
+def test_fp8_weights_are_about_half_of_bf16(weights, name):
+    m = weights["models"][name]
+    fp8, bf16 = m["ep"]["8"]["weights_bytes_per_device"], m["bf16_weights_bytes_per_device"]
+    assert m["bf16_ep"] == 8
+    assert fp8["total"] < bf16["total"]
+    num, den = FP8_OVER_BF16  # every expert dim is a multiple of 128: no cropped block
+    assert fp8["routed_experts"] * den == bf16["routed_experts"] * num
+    # What our model holds: FP8 + float32 scales, bf16, and float32 norms + router.
+    held = m["bytes_by_dtype"]
+    assert held.keys() == {"bfloat16", "float32", "float32_scale_inv", "float8_e4m3fn"}
+    assert sum(held.values()) == m["ep"]["1"]["weights_bytes_per_device"]["total"]
+
+
+def test_glm5_fp8_fits_a_cp8_ep8_h200_node(weights):
+    m = weights["models"]["GLM-5-FP8"]
+    kv = m["kv_tokens_per_rank_on_device"]
+    assert (kv["cp_size"], kv["ep_size"], kv["page_size"]) == (8, 8, 64)
+    assert (kv["device_bytes"], kv["mem_fraction_static"]) == (141 * 10**9, 0.88)
+    ep8 = m["ep"]["8"]
+    assert kv["weights_bytes"] == ep8["weights_bytes_per_device"]["total"]
+    assert kv["dequant_transient_bytes"] == ep8["dequant_transient_bytes_per_device"]
+    left = kv["static_bytes"] - kv["weights_bytes"] - kv["dequant_transient_bytes"]
+    assert kv["kv_budget_bytes"] == left
+    assert kv["fits"] is True and kv["holds_max_position_embeddings"] is True
+    # The pool: usable pages + the trash page, each 64 tokens x 78 x (latent + index K).
+    pages = kv["tokens_per_rank"] // 64
+    per_page = 64 * 78 * (GLM5_LATENT + GLM5_INDEX)
+    assert kv["pool_bytes_per_rank"] == (pages + 1) * per_page
+    assert kv["pool_bytes_per_rank"] <= kv["kv_budget_bytes"] < (pages + 2) * per_page
+    assert kv["context_tokens_per_node"] == 8 * kv["tokens_per_rank"]
+    assert kv["transient_full_view_bytes_at_node_context"] < kv["headroom_bytes"]
+
+
+def test_weights_that_do_not_fit_leave_no_kv(weights):
+    kv = weights["models"]["GLM-5-FP8"]["kv_tokens_per_rank_on_device"]
+    cfg = ModelConfig.from_pretrained(config_dir("glm-5"))
+    args = bm.parse_args(["--device-gb", "100"])  # 88 GB static < 112 GB of weights
+    small = bm.kv_on_device(cfg, kv["weights_bytes"], kv["dequant_transient_bytes"], args)
+    assert small["kv_budget_bytes"] < 0
+    assert (small["tokens_per_rank"], small["pool_bytes_per_rank"]) == (0, 0)
+    assert small["fits"] is False
+    # The 141 GB pool is the one PoolLayout / per_rank_pool_bytes build.
+    layout = PoolLayout(8, True, kv["tokens_per_rank"] // 64 + 1, 64)
+    pool = bm.per_rank_pool_bytes(cfg, layout, jnp.bfloat16, "fp8_e4m3")
+    assert pool == kv["pool_bytes_per_rank"]
+
+
+def test_measured_weights_equal_predicted(tiny_fp8):
+    """The tiny FP8 checkpoint loaded over 8 devices holds what bytes_per_device says."""
+    m = bm.measure_tiny_weights(tiny_fp8)
+    assert (m["measured"], m["ep_size"], m["n_routed_experts"]) == (True, 8, 16)
+    assert m["leaves_mismatched"] == [] and m["leaves_missing"] == []
+    per_device, predicted = m["per_device_weights_bytes"], m["predicted_weights_bytes_per_device"]
+    for kind in ("routed_experts", "other", "total"):
+        assert per_device[kind] == [predicted[kind]] * 8
+    assert predicted["routed_experts"] * 8 == m["total_routed_expert_bytes"]
+    assert m["measured_equals_predicted"] is True
+
+
+def test_fast_tracer_probes_change_no_leaf():
+    """The eval_shape speed-up leaves every shape and dtype as it was, and is undone."""
+    from jax._src.interpreters import partial_eval as pe
+
+    cfg = ModelConfig.from_dict(tiny_config_dict("deepseek_v32"))
+
+    def leaves():
+        model = abstract_model(cfg, jnp.bfloat16, jnp.bfloat16, fp8_block=(16, 32))
+        return [(p, v.shape, v.dtype) for p, v in bm._flat(nnx.state(model))]
+
+    original = pe.DynamicJaxprTracer._origin_msg
+    plain = leaves()
+    with bm.fast_tracer_probes():
+        fast = leaves()
+    assert fast == plain
+    assert pe.DynamicJaxprTracer._origin_msg is original
