@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m serving.demo --model-dir $(DEMO_DIR)/tiny-glm5 $(ARGS)
+	$(PY) -m serving.demo --model-dir $(DEMO_DIR)/tiny-glm5-fp8 $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

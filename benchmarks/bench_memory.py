@@ -99,7 +99,7 @@ import logging
 import math
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import field
 from pathlib import Path
 from typing import Any
@@ -448,34 +448,6 @@ def measure_tiny_pools(page_size: int, tokens: int) -> dict[str, Any]:
 
 
 # ---- weights per device (abstract: the server's sizing and placement code) -------------
-@contextlib.contextmanager
-def fast_tracer_probes() -> Iterator[None]:
-    """Trace without building the messages of the AttributeErrors that
-    `getattr(tracer, "sharding", None)` probes swallow.
-
-    flax NNX's `Variable.set_value` probes `value.sharding` at every assignment (the
-    `Rngs` counter's, once per parameter init); on a tracer, JAX 0.10.2 builds that
-    error's message by walking every equation traced so far (`_origin_msg`), so tracing a
-    whole model in one `eval_shape` is quadratic: ~50 s per real-dims model here, ~4 s
-    without the message (jax-ml/jax#40041 proposes dropping that part upstream).
-    Only the text of errors nobody reads changes; shapes, dtypes and bytes are the same
-    (the tests build the tiny model both ways). A no-op if JAX's internals moved.
-    """
-    try:
-        from jax._src.interpreters import partial_eval as pe
-
-        cls = pe.DynamicJaxprTracer
-        original = cls.__dict__["_origin_msg"]
-    except (ImportError, AttributeError, KeyError):
-        yield
-        return
-    cls._origin_msg = lambda self: ""
-    try:
-        yield
-    finally:
-        cls._origin_msg = original
-
-
 def _value(x: Any) -> Any:
     return x.get_value() if hasattr(x, "get_value") else x
 
@@ -493,8 +465,7 @@ def real_abstract_state(
     cfg = ModelConfig.from_pretrained(config)
     dt = DTYPES[WEIGHT_DTYPE]
     logger.info("abstract %s model (eval_shape), fp8 block %s", config.name, fp8_block)
-    with fast_tracer_probes():
-        model = abstract_model(cfg, dt, dt, fp8_block=fp8_block)
+    model = abstract_model(cfg, dt, dt, fp8_block=fp8_block)
     return cfg, nnx.state(model)
 
 
@@ -655,10 +626,9 @@ def measure_tiny_weights(checkpoint: Path | None = None) -> dict[str, Any]:
         mesh = make_cp_mesh(ep)
         logger.info("loading %s with experts over %d ranks", checkpoint, ep)
         cfg, model = load_model(checkpoint, mesh=mesh, expert_axis=CP_AXIS, progress=False)
-    with fast_tracer_probes():
-        abstract = nnx.state(
-            abstract_model(cfg, jnp.float32, jnp.float32, fp8_block=cfg.weight_block_size)
-        )
+    abstract = nnx.state(
+        abstract_model(cfg, jnp.float32, jnp.float32, fp8_block=cfg.weight_block_size)
+    )
     shardings = param_shardings(abstract, mesh, CP_AXIS)
     predicted = bytes_per_device(abstract, shardings)
     flat_sh = {path: _value(sh) for path, sh in nnx.to_flat_state(shardings)}

@@ -1,15 +1,21 @@
 """`make demo`: CP=8 shared-KV prefill -> KV transfer -> decode, behind the PD router.
 
-    python -m serving.demo [--model-dir .demo/tiny-glm5] [--transfer-backend grpc|mooncake]
+    python -m serving.demo [--model-dir .demo/tiny-glm5-fp8] [--transfer-backend grpc|mooncake]
         [--max-new-tokens 16] [--enable-batch-invariant]
 
-On 127.0.0.1 it starts three processes: a decode server (one device), a CP=8 shared-KV
-prefill server (8 virtual CPU devices) and `cpkv-router` in front of them. It sends a
+The model is the tiny GLM-5-architecture checkpoint in the official FP8 format
+(block-quantized weights + `weight_scale_inv`, sharded files + index json), written on
+first use, with 16 routed experts. On 127.0.0.1 it starts three processes: a decode
+server (one device), a CP=8 shared-KV prefill server with expert parallelism over the
+same 8 ranks (`--ep-size 8`: 2 experts per rank, loaded straight into their shards; 8
+virtual CPU devices) and `cpkv-router` in front of them. Both servers keep the weights
+FP8 on device. It sends a
 short prompt, a long one (many pages), and two prompts sharing a long prefix (the second
 reuses the prefill server's radix cache), half of them streamed; prints each request's
 TTFT and output, the per-rank KV bytes of the shared vs a replicated pool of the same
-capacity, and the transfer throughput; checks every greedy output against the
-single-device reference computed here (`cpkv_jax.generate.ReferenceGenerator`): the
+capacity, the weights per device and the transfer throughput; checks every greedy
+output against the single-device reference computed here
+(`cpkv_jax.generate.ReferenceGenerator`: the same FP8 checkpoint, one device): the
 tokens must be equal, and the largest log-prob difference is printed; with
 `--enable-batch-invariant` (passed to every server and the reference) the log-probs must
 be equal too, bit for bit. Then it stops everything (SIGTERM: drain, exit) and exits 0
@@ -148,8 +154,8 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
             )
         )
         print(
-            f"starting prefill server on :{ports['prefill']} (CP={CP} shared KV, {CP} virtual "
-            "CPU devices) ...",
+            f"starting prefill server on :{ports['prefill']} (CP={CP} shared KV, EP={CP}, "
+            f"{CP} virtual CPU devices) ...",
             flush=True,
         )
         procs.append(
@@ -165,6 +171,8 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
                     "--cp-size",
                     str(CP),
                     "--enable-cp-shared-kv",
+                    "--ep-size",
+                    str(CP),
                     "--chunked-prefill-size",
                     "128",
                     "--port",
@@ -252,7 +260,7 @@ def send(router: str, body: dict[str, Any], stream: bool) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serving.demo", description=__doc__)
-    ap.add_argument("--model-dir", type=Path, default=Path(".demo/tiny-glm5"))
+    ap.add_argument("--model-dir", type=Path, default=Path(".demo/tiny-glm5-fp8"))
     ap.add_argument("--transfer-backend", default="grpc", choices=["grpc", "mooncake"])
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument(
@@ -275,8 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 
     if not (args.model_dir / "config.json").is_file():
-        make_tiny_checkpoint(args.model_dir, "glm_moe_dsa")
-        print(f"wrote tiny GLM-5-architecture checkpoint to {args.model_dir}")
+        make_tiny_checkpoint(args.model_dir, "glm_moe_dsa", fp8=True, n_routed_experts=2 * CP)
+        print(f"wrote tiny GLM-5-architecture FP8 checkpoint to {args.model_dir}")
     log_dir = args.model_dir.parent / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     cfg, model = load_model(args.model_dir, progress=False)
@@ -334,6 +342,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"vs replicated {replicated / 2**20:.2f} MiB for the same "
             f"{CP * (pages - 1) * PAGE:,} tokens of capacity ({replicated / shared:.2f}x)"
         )
+        weights = prefill_info.get("weight_bytes_per_device")
+        if weights is not None:
+            print(
+                f"weights per device: prefill (EP={CP}) {weights / 2**10:.0f} KiB, decode (all "
+                f"experts) {decode_info['weight_bytes_per_device'] / 2**10:.0f} KiB, "
+                f"FP8 {prefill_info.get('fp8_weights', 'keep')}"
+            )
         sent, secs = (
             prefill_info.get("transfer_bytes", 0),
             prefill_info.get("transfer_seconds", 0.0),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import CpkvError
+from serving.prefill.memory_plan import XLA_CLIENT_MEM_FRACTION, XLA_CLIENT_MEM_FRACTION_ENV
 from serving.server_args import ServerArgs, as_flags
 from transfer.capabilities import TransferBackendRegistry
 
@@ -105,6 +107,11 @@ def main(
         "effective configuration: %s",
         json.dumps(effective_configuration(args, model, warnings), sort_keys=True),
     )
+    # XLA's GPU allocator takes 75% of the device by default; weights, KV pools and
+    # step buffers all come out of that one pool, so give it the device minus a margin
+    # (the memory plan budgets `--mem-fraction-static` of the whole device within it).
+    # Read when the backend starts, which is after this point.
+    os.environ.setdefault(XLA_CLIENT_MEM_FRACTION_ENV, str(XLA_CLIENT_MEM_FRACTION))
     try:
         from serving.server import run_server
 

@@ -16,6 +16,13 @@ Modes (`--disaggregation-mode`):
 Pool size of a single-device (null / decode) server: as a prefill rank's
 (`serving.prefill.build.pool_pages_per_rank` with one lane): `--kv-pool-size` bytes, else
 enough pages for `min(max_position_embeddings, 131072)` tokens.
+
+Before any weight is read, every mode validates the flags and runs the device memory
+plan (`serving.prefill.memory_plan`: weights, KV pool, transient buffers, FP8
+dequantization per device against `--device-memory-bytes` or device memory x
+`--mem-fraction-static`); `/server_info` reports its numbers. The weights then load with
+`--fp8-weights`, on a prefill server with `--ep-size N > 1` straight into their expert
+shards (`serving.prefill.build.load_serving_model`).
 """
 
 from __future__ import annotations
@@ -36,7 +43,6 @@ from fastapi import FastAPI
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.transformer import CausalLM
-from cpkv_jax.model.weights import load_model
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
 from serving.decode.engine import DecodeEngine
@@ -45,8 +51,9 @@ from serving.engine.loop import EngineLoop
 from serving.http.app import build_app
 from serving.http.chat_template import load_chat_template
 from serving.http.metrics import ServerMetrics
-from serving.prefill.build import build_prefill_engine, pool_pages_per_rank
+from serving.prefill.build import build_prefill_engine, load_serving_model, pool_pages_per_rank
 from serving.prefill.engine import PrefillModeEngine, backend_from_args
+from serving.prefill.memory_plan import plan_device_memory
 from serving.server_args import ServerArgs
 from transfer.kv_sink import KVSink
 from transfer.page_plan import LayoutDescriptor
@@ -258,12 +265,13 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
 def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
     """Load the model once, build the mode's engine, warm it up, build the app."""
     devices = list(jax.devices()) if devices is None else devices
+    # Every flag, then the device memory plan, before any weight data is read (validate
+    # logs its own warnings; the prefill engine validates again against the model).
+    model_cfg = args.model_config()
+    args.validate(model_cfg, device_count=len(devices))
+    plan = plan_device_memory(args, model_cfg, devices)
     t0 = time.perf_counter()
-    cfg, model = load_model(
-        args.model_path,
-        dtype=DTYPES[args.dtype],
-        json_model_override_args=args.effective_model_overrides(),
-    )
+    cfg, model, _ = load_serving_model(args, devices)
     tokenizer = load_tokenizer(args.model_path)
     chat = load_chat_template(args.model_path)
     logger.info(
@@ -282,11 +290,12 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         "shared_kv": args.enable_cp_shared_kv,
         "dtype": args.dtype,
         "index_k_dtype": args.index_k_dtype,
+        "fp8_weights": args.fp8_weights,
+        "ep_size": args.ep_size,
+        "ep_dispatch": args.ep_dispatch,
+        **plan.server_info(),
     }
     closers: list[Callable[[], None]] = []
-    if args.disaggregation_mode != "prefill":  # the prefill engine validates its own
-        for warning in args.validate(cfg, device_count=len(devices)):
-            logger.warning("%s", warning)
     if args.disaggregation_mode == "prefill":
         engine: StepEngine = PrefillModeEngine(
             build_prefill_engine(args, model=model, devices=devices, hold_finished=True),

@@ -27,6 +27,12 @@ Decisions written down here (SPEC leaves them open):
   without `--disaggregation-mode`) is an error naming the enabling flag: the launch line
   asks for something that would silently not happen. "Set" means "differs from its
   default", the only thing a frozen dataclass can tell.
+- Expert parallelism (`--ep-size`) runs over the CP ranks of a prefill server: it is 1
+  or `--cp-size`, and the model's routed experts must split evenly over the ranks. An
+  `--ep-capacity-factor` below `--ep-size` is accepted with a warning (pairs over a
+  rank's capacity are dropped: not exact). The device memory check itself
+  (`--mem-fraction-static`, `--device-memory-bytes`) is `serving.prefill.memory_plan`,
+  run at startup before any weight is read.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from typing import Any, Literal
 from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES
 from cpkv_jax.config import CPConfig, CPSplitMode, ModelConfig, check_cp_config, parse_override_args
 from cpkv_jax.errors import ConfigError, name_flags
+from cpkv_jax.model.expert_parallel import EPDispatch, check_divisible
 from cpkv_jax.model.kv_cache import IndexKDtype
 from cpkv_jax.pallas.paged_gather import GatherImpl
 from serving import flags
@@ -56,6 +63,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUED_REQUESTS = 256
 
 Dtype = Literal["float32", "bfloat16"]
+# `cpkv_jax.model.weights.Fp8Mode` (not imported: that module pulls in orbax).
+Fp8Weights = Literal["keep", "dequantize"]
+# SGLang's default share of device memory for the static allocations.
+DEFAULT_MEM_FRACTION_STATIC = 0.88
 SchedulePolicy = Literal["fcfs", "lpm"]
 HiCacheMemLayout = Literal["layer_first", "page_first", "page_first_direct", "layer_page_first"]
 HiCacheIOBackend = Literal["direct", "kernel"]
@@ -74,6 +85,7 @@ GROUPS: dict[str, str] = {
     "model": "model",
     "nsa": "NSA index top-k sharing overrides (SPEC S11)",
     "cp": "context-parallel prefill and shared KV (SPEC S1)",
+    "ep": "expert parallelism over the CP ranks of a prefill server",
     "scheduler": "scheduler and memory",
     "bs_gt1": "CP shared-KV prefill batches of more than one request (SPEC S5-S9)",
     "hicache": "host KV cache, HiCache (SPEC S4)",
@@ -211,6 +223,13 @@ class ServerArgs:
         group="model",
         metavar="JSON",
     )
+    fp8_weights: Fp8Weights = _arg(  # noqa: RUF009
+        "keep",
+        help="FP8 block-quantized checkpoint tensors: keep = stay FP8 + block scales on the "
+        "device (1 byte per weight, dequantized one layer at a time in the step); "
+        "dequantize = dequantize at load to --dtype (the old path, for comparison)",
+        group="model",
+    )
     enable_batch_invariant: bool = _arg(
         False,
         help="batch-invariant numerics: a request's tokens and log-probs do not depend on "
@@ -249,6 +268,29 @@ class ServerArgs:
     )
     page_size: int = _arg(64, help="tokens per KV page", group="cp")
 
+    # expert parallelism
+    ep_size: int = _arg(
+        1,
+        help="ranks the routed experts are split over: 1 (every rank holds all experts) "
+        "or --cp-size (prefill mode only; n_routed_experts must divide evenly)",
+        group="ep",
+    )
+    ep_dispatch: EPDispatch = _arg(  # noqa: RUF009
+        "allgather",
+        help="how tokens reach their experts' ranks: allgather (all-gather + "
+        "reduce-scatter) or all_to_all (padded per-rank buffers); both exact by default",
+        group="ep",
+        requires="ep_enabled",
+    )
+    ep_capacity_factor: float | None = _arg(
+        None,
+        help="all_to_all only: rows per destination rank as a multiple of the even share; "
+        "below --ep-size, token-expert pairs over a rank's capacity are dropped (not "
+        "exact); none = --ep-size (never drops)",
+        group="ep",
+        requires="ep_all_to_all",
+    )
+
     # scheduler and memory
     chunked_prefill_size: int | None = _arg(
         None, help="prefill chunk size in tokens; none = no chunking", group="scheduler"
@@ -284,6 +326,22 @@ class ServerArgs:
     )
     schedule_policy: SchedulePolicy = _arg(  # noqa: RUF009
         "fcfs", help="waiting-queue order: first come or longest prefix match", group="scheduler"
+    )
+    mem_fraction_static: float = _arg(
+        DEFAULT_MEM_FRACTION_STATIC,
+        help="share of each device's memory (its allocator limit) the static allocations "
+        "- weights, KV pools, transient step buffers, FP8 dequantization - may take; "
+        "checked at startup before the weights load",
+        group="scheduler",
+    )
+    device_memory_bytes: int | None = _arg(
+        None,
+        help="explicit per-device memory budget for the startup check (e.g. 80GiB), "
+        "replacing device memory x --mem-fraction-static; none = from the device (a "
+        "device that reports no limit, e.g. CPU, skips the check)",
+        group="scheduler",
+        parse=parse_byte_size,
+        metavar="BYTES",
     )
 
     # bs > 1 (SPEC S5-S9)
@@ -507,6 +565,12 @@ class ServerArgs:
     def disaggregated(self) -> bool:
         return self.disaggregation_mode != "null"
 
+    def ep_enabled(self) -> bool:
+        return self.ep_size > 1
+
+    def ep_all_to_all(self) -> bool:
+        return self.ep_size > 1 and self.ep_dispatch == "all_to_all"
+
     def cp_config(self) -> CPConfig:
         return CPConfig(
             cp_size=self.cp_size,
@@ -573,6 +637,7 @@ class ServerArgs:
         except ConfigError as e:
             raise ServerArgsError(as_flags(str(e))) from e
         self._check_transfer(backends)
+        self._check_expert_parallel(model_config, warnings)
         self._check_hicache()
         if self.enable_hierarchical_cache:
             warnings.append(HICACHE_NOT_BUILT)
@@ -593,6 +658,8 @@ class ServerArgs:
             "max_queued_requests",
             "kv_pool_size",
             "transient_block_size",
+            "device_memory_bytes",
+            "ep_size",
             "nsa_index_topk_freq",
             # SPEC S5.2: each bs>1 limit is None (unlimited) or >= 1.
             "cp_shared_kv_prefill_max_batch_requests",
@@ -631,6 +698,15 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ServerArgsError(f"{flag_name(name)} must be > 0 seconds, got {value}")
+        if self.ep_capacity_factor is not None and not self.ep_capacity_factor > 0:
+            raise ServerArgsError(
+                f"--ep-capacity-factor must be > 0, got {self.ep_capacity_factor}: use a "
+                "positive factor or none (--ep-size, never drops)"
+            )
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ServerArgsError(
+                f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}"
+            )
         if not 1 <= self.port <= 65535:
             raise ServerArgsError(f"--port must be in [1, 65535], got {self.port}")
         if not 0 <= self.transfer_port <= 65535:
@@ -685,6 +761,37 @@ class ServerArgs:
                 f"{' or '.join(fit) or '<a backend with both>'}, or drop --enable-cp-shared-kv"
             )
 
+    def _check_expert_parallel(self, model_config: ModelConfig | None, warnings: list[str]) -> None:
+        """`--ep-size` is 1 or `--cp-size` on a CP prefill server; experts split evenly."""
+        ep = self.ep_size
+        if ep == 1:
+            return
+        if self.disaggregation_mode != "prefill" or self.cp_size == 1:
+            raise ServerArgsError(
+                f"--ep-size {ep} splits the routed experts over the CP ranks: it needs "
+                f"--disaggregation-mode prefill with --cp-size {ep} (got "
+                f"--disaggregation-mode {self.disaggregation_mode} --cp-size {self.cp_size});"
+                " use --ep-size 1 here"
+            )
+        if ep != self.cp_size:
+            raise ServerArgsError(
+                f"--ep-size {ep} must be 1 or equal --cp-size ({self.cp_size}): expert "
+                f"parallelism runs over the CP ranks; use --ep-size {self.cp_size} or 1"
+            )
+        if model_config is not None:
+            try:
+                check_divisible(model_config.n_routed_experts, ep)
+            except ConfigError as e:
+                raise ServerArgsError(f"--ep-size {ep}: {as_flags(str(e))}") from e
+        factor = self.ep_capacity_factor
+        if self.ep_dispatch == "all_to_all" and factor is not None and factor < ep:
+            warnings.append(
+                f"--ep-capacity-factor {factor:g} < --ep-size {ep}: each rank's all_to_all "
+                "buffer holds fewer rows than the worst case, so token-expert pairs over "
+                "a rank's capacity are dropped and results are not exact; use a factor "
+                f">= {ep} or none for exact results"
+            )
+
     def refuse_unbuilt(self) -> None:
         """Raise `ServerArgsError` for a valid flag whose feature the server does not have
         yet: starting anyway would silently serve without it."""
@@ -713,6 +820,8 @@ class ServerArgs:
             "bs_gt1_requested": "--enable-cp-shared-kv-prefill-bs-gt1",
             "hicache_enabled": "--enable-hierarchical-cache",
             "disaggregated": "--disaggregation-mode prefill|decode",
+            "ep_enabled": "--ep-size N (N > 1)",
+            "ep_all_to_all": "--ep-dispatch all_to_all (with --ep-size N > 1)",
         }
         for f in dataclasses.fields(self):
             predicate = f.metadata["requires"]

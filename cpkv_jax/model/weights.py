@@ -32,7 +32,7 @@ import math
 import re
 import struct
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -135,10 +135,39 @@ def _layout(state: nnx.State) -> dict[str, _Slot]:
     return dict(sorted(slots.items(), key=lambda kv: _natural_key(kv[0])))
 
 
+@contextlib.contextmanager
+def fast_tracer_probes() -> Iterator[None]:
+    """Trace without building the messages of the AttributeErrors that
+    `getattr(tracer, "sharding", None)` probes swallow.
+
+    flax NNX's `Variable.set_value` probes `value.sharding` at every assignment (the
+    `Rngs` counter's, once per parameter init); on a tracer, JAX 0.10.2 builds that
+    error's message by walking every equation traced so far (`_origin_msg`), so tracing a
+    whole model in one `eval_shape` is quadratic: ~50 s per real-dims model here, ~4 s
+    without the message (jax-ml/jax#40041 proposes dropping that part upstream).
+    Only the text of errors nobody reads changes; shapes, dtypes and bytes are the same
+    (the tests build the tiny model both ways). A no-op if JAX's internals moved.
+    """
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        cls = pe.DynamicJaxprTracer
+        original = cls.__dict__["_origin_msg"]
+    except (ImportError, AttributeError, KeyError):
+        yield
+        return
+    cls._origin_msg = lambda self: ""
+    try:
+        yield
+    finally:
+        cls._origin_msg = original
+
+
 def _abstract_model(cfg: ModelConfig, dtype: DTypeLike, param_dtype: DTypeLike) -> CausalLM:
-    return nnx.eval_shape(
-        lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
-    )
+    with fast_tracer_probes():
+        return nnx.eval_shape(
+            lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
+        )
 
 
 def hf_tensor_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -438,6 +467,55 @@ def abstract_model(
     return model
 
 
+def _checkpoint_layout(
+    model: CausalLM,
+    cfg: ModelConfig,
+    tensors: Mapping[str, _TensorInfo],
+    fp8: Fp8Mode,
+    *,
+    log: bool = False,
+) -> CausalLM:
+    """`model` (abstract or concrete) with its layers FP8 where the checkpoint is
+    F8_E4M3 and `fp8="keep"` (in place; returned); `"dequantize"` leaves it as is."""
+    fp8_names = [n for n, info in tensors.items() if info.tag in _FP8_TAGS]
+    if fp8 != "keep" or not fp8_names:
+        return model
+    odd = [n for n in fp8_names if tensors[n].tag != "F8_E4M3"]
+    if odd:
+        raise CheckpointError(
+            f"{len(odd)} tensor(s) are {tensors[odd[0]].tag}, which the device path "
+            f"does not keep (only F8_E4M3): {_first(odd)}; load with `fp8='dequantize'`"
+        )
+    block = cfg.weight_block_size or DEFAULT_WEIGHT_BLOCK
+    converted = apply_fp8(model, block, fp8_names)
+    if log:
+        logger.info("keeping %d FP8 layers as FP8 + block scales %s", converted, block)
+    return model
+
+
+def checkpoint_model(
+    cfg: ModelConfig,
+    model_path: str | Path,
+    *,
+    dtype: DTypeLike = jnp.float32,
+    param_dtype: DTypeLike = jnp.float32,
+    fp8: Fp8Mode = "keep",
+) -> CausalLM:
+    """The ABSTRACT model laid out as `load_hf_weights(cfg, model_path, dtype=...,
+    param_dtype=..., fp8=...)` will load it, from the checkpoint's headers alone (no
+    tensor data read): FP8 + block scales where the checkpoint has F8_E4M3 weights and
+    `fp8="keep"`, else `param_dtype`. For sizing a load before it happens
+    (`serving.prefill.memory_plan`)."""
+    _check_fp8_mode(fp8)
+    tensors = _checkpoint_tensors(Path(model_path))
+    return _checkpoint_layout(_abstract_model(cfg, dtype, param_dtype), cfg, tensors, fp8)
+
+
+def _check_fp8_mode(fp8: str) -> None:
+    if fp8 not in FP8_MODES:
+        raise CheckpointError(f"`fp8` must be one of {FP8_MODES}, got {fp8!r}")
+
+
 @dataclasses.dataclass
 class LoadStats:
     """What one process read: bytes of tensor data (headers excluded), tensors, seconds."""
@@ -483,25 +561,16 @@ def load_hf_weights(
     leaves keep their shardings and a new one lands on the default device. `stats`, if
     given, is filled with what this process read.
     """
-    if fp8 not in FP8_MODES:
-        raise CheckpointError(f"`fp8` must be one of {FP8_MODES}, got {fp8!r}")
+    _check_fp8_mode(fp8)
     model_path = Path(model_path)
+    tensors = _checkpoint_tensors(model_path)
     if isinstance(model_or_cfg, ModelConfig):
         cfg, model = model_or_cfg, _abstract_model(model_or_cfg, dtype, param_dtype)
     else:
         cfg, model = model_or_cfg.cfg, model_or_cfg
-    tensors = _checkpoint_tensors(model_path)
+    # The layout `checkpoint_model` predicts: FP8 layers where the checkpoint has them.
+    _checkpoint_layout(model, cfg, tensors, fp8, log=True)
     block = cfg.weight_block_size or DEFAULT_WEIGHT_BLOCK
-    fp8_names = [n for n, info in tensors.items() if info.tag in _FP8_TAGS]
-    if fp8 == "keep" and fp8_names:
-        odd = [n for n in fp8_names if tensors[n].tag != "F8_E4M3"]
-        if odd:
-            raise CheckpointError(
-                f"{len(odd)} tensor(s) are {tensors[odd[0]].tag}, which the device path "
-                f"does not keep (only F8_E4M3): {_first(odd)}; load with `fp8='dequantize'`"
-            )
-        converted = apply_fp8(model, block, fp8_names)
-        logger.info("keeping %d FP8 layers as FP8 + block scales %s", converted, block)
     state = nnx.state(model)
     slots = _layout(state)
     plan = _plan(tensors, slots, cfg)

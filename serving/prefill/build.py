@@ -1,9 +1,11 @@
 """Prefill engine startup: from `ServerArgs` to a ready CP prefill scheduler.
 
 What a prefill server does once, before it reports healthy: validate every flag against
-the model and the devices, load the model, build the `cp` mesh, the page-owned (or
-replicated) pools sized from `--kv-pool-size`, the radix prefix cache on the pools'
-owner-lane allocator, the CPU-only buffer estimator, and the prefill scheduler with the
+the model and the devices, load the model (`load_serving_model`: `--fp8-weights`, and
+with `--ep-size N > 1` the routed experts read straight into their shards on the `cp`
+mesh), build the `cp` mesh, the runner (expert parallel with `--ep-size N > 1`), the
+page-owned (or replicated) pools sized from `--kv-pool-size`, the radix prefix cache on
+the pools' owner-lane allocator, the CPU-only buffer estimator, and the prefill scheduler with the
 CP shared-KV limits. When `--cp-shared-kv-prefill-max-buffer-size` is set, that many
 bytes are allocated once on every CP device after the weights and pools are placed
 (SPEC S9.4), and startup fails with a clear message if they do not fit beside them.
@@ -21,10 +23,11 @@ from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
-from cpkv_jax.mesh import make_cp_mesh
+from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
+from cpkv_jax.model.expert_parallel import EPSpec
 from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.transformer import CausalLM
-from cpkv_jax.model.weights import load_model
+from cpkv_jax.model.weights import LoadStats, load_model
 from serving.prefill.adder import CPSharedKVLimits
 from serving.prefill.buffer_estimator import (
     BufferEstimator,
@@ -72,6 +75,64 @@ def pool_pages_per_rank(args: ServerArgs, cfg: ModelConfig) -> int:
     return pages
 
 
+def ep_spec(args: ServerArgs) -> EPSpec | None:
+    """The runner's expert parallelism: over the cp axis with `--ep-size N > 1`."""
+    if args.ep_size <= 1:
+        return None
+    return EPSpec(CP_AXIS, args.ep_size, args.ep_dispatch, args.ep_capacity_factor)
+
+
+def buffer_estimator(
+    args: ServerArgs, cfg: ModelConfig, pages_per_rank: int, platform: str
+) -> BufferEstimator:
+    """The CPU-only transient-buffer estimator of this server's steps (SPEC S9)."""
+    return BufferEstimator(
+        cfg,
+        cp_size=args.cp_size,
+        page_size=args.page_size,
+        dtype=args.dtype,
+        index_k_dtype=args.index_k_dtype,
+        profile=profile_for_platform(platform),
+        pages_per_rank=pages_per_rank,
+        block_bytes=args.transient_block_size,
+    )
+
+
+def load_serving_model(
+    args: ServerArgs, devices: list | None = None, *, progress: bool = True
+) -> tuple[ModelConfig, CausalLM, LoadStats]:
+    """Load `--model-path` as the server runs it: `--dtype` weights (FP8 kept FP8 with
+    `--fp8-weights keep`); on a prefill server with `--ep-size N > 1`, every leaf built
+    straight into its shards on the `cp` mesh (routed experts split, the rest
+    replicated), so each process reads only the experts its devices hold. Logs what was
+    read (`LoadStats`)."""
+    ep = args.disaggregation_mode == "prefill" and args.ep_size > 1
+    mesh = make_cp_mesh(args.cp_size, devices) if ep else None
+    stats = LoadStats()
+    cfg, model = load_model(
+        args.model_path,
+        dtype=DTYPES[args.dtype],
+        json_model_override_args=args.effective_model_overrides(),
+        progress=progress,
+        fp8=args.fp8_weights,
+        mesh=mesh,
+        expert_axis=CP_AXIS if ep else None,
+        stats=stats,
+    )
+    logger.info(
+        "weights: read %.3f GB (%d tensors, planned %.3f GB) in %.1f s, %.2f GB/s; "
+        "--fp8-weights %s, %s",
+        stats.bytes_read / 1e9,
+        stats.tensors_read,
+        stats.planned_bytes / 1e9,
+        stats.seconds,
+        stats.bytes_read / 1e9 / max(stats.seconds, 1e-9),
+        args.fp8_weights,
+        f"routed experts split over {args.ep_size} cp ranks" if ep else "no expert parallelism",
+    )
+    return cfg, model, stats
+
+
 def build_prefill_engine(
     args: ServerArgs,
     *,
@@ -83,18 +144,16 @@ def build_prefill_engine(
 
     `hold_finished`: finished requests keep their pages until the caller releases them
     (`PrefillScheduler.release_held`), as a PD prefill server needs while it transfers
-    their KV (`serving.prefill.engine`).
+    their KV (`serving.prefill.engine`). The device memory check
+    (`serving.prefill.memory_plan`) is the server's: `build_server` runs it before it
+    loads the weights.
     """
     cfg = args.model_config() if model is None else model.cfg
     devices = list(jax.devices()) if devices is None else devices
     for warning in args.validate(cfg, device_count=len(devices)):
         logger.warning("%s", warning)
     if model is None:
-        cfg, model = load_model(
-            args.model_path,
-            dtype=DTYPES[args.dtype],
-            json_model_override_args=args.effective_model_overrides(),
-        )
+        cfg, model, _ = load_serving_model(args, devices)
     mesh = make_cp_mesh(args.cp_size, devices)
     pages = pool_pages_per_rank(args, cfg)
     runner = CPPrefillRunner(
@@ -107,6 +166,7 @@ def build_prefill_engine(
         gather_impl=args.kernel_impl,
         batch_invariant=args.enable_batch_invariant,
         block_bytes=args.transient_block_size,
+        expert_parallel=ep_spec(args),
     )
     if args.cp_shared_kv_prefill_max_buffer_size is not None:
         # SPEC S9.4: the buffer limit must fit beside the weights and pools, so allocate it
@@ -114,16 +174,7 @@ def build_prefill_engine(
         jax.block_until_ready((runner.state, runner.pool))
         startup_smoke_allocation(args.cp_shared_kv_prefill_max_buffer_size, list(mesh.devices.flat))
     cache = RadixCache(runner.allocator, args.page_size)
-    estimator = BufferEstimator(
-        cfg,
-        cp_size=args.cp_size,
-        page_size=args.page_size,
-        dtype=args.dtype,
-        index_k_dtype=args.index_k_dtype,
-        profile=profile_for_platform(devices[0].platform),
-        pages_per_rank=pages,
-        block_bytes=args.transient_block_size,
-    )
+    estimator = buffer_estimator(args, cfg, pages, devices[0].platform)
     limits = CPSharedKVLimits(
         shared_kv=args.enable_cp_shared_kv,
         bs_gt1=args.enable_cp_shared_kv_prefill_bs_gt1,
@@ -145,11 +196,13 @@ def build_prefill_engine(
     )
     per_rank = per_rank_pool_bytes(cfg, runner.layout, DTYPES[args.dtype], args.index_k_dtype)
     logger.info(
-        "prefill engine: cp=%d %s KV, %d pages of %d tokens per rank (%.1f MiB per rank)",
+        "prefill engine: cp=%d %s KV, %d pages of %d tokens per rank (%.1f MiB per rank), ep=%d%s",
         args.cp_size,
         "shared" if args.enable_cp_shared_kv else "replicated",
         pages,
         args.page_size,
         per_rank / 2**20,
+        args.ep_size,
+        f" ({args.ep_dispatch})" if args.ep_size > 1 else "",
     )
     return PrefillEngine(args, cfg, runner, cache, estimator, scheduler)

@@ -13,14 +13,12 @@ import json
 
 import jax.numpy as jnp
 import pytest
-from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks import bench_memory as bm
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.kv_pool import PoolLayout
-from cpkv_jax.model.weights import abstract_model
 from cpkv_jax.model_configs import config_dir
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from cpkv_jax.tools.tiny_config import tiny_config_dict
@@ -319,21 +317,3 @@ def test_measured_weights_equal_predicted(tiny_fp8):
         assert per_device[kind] == [predicted[kind]] * 8
     assert predicted["routed_experts"] * 8 == m["total_routed_expert_bytes"]
     assert m["measured_equals_predicted"] is True
-
-
-def test_fast_tracer_probes_change_no_leaf():
-    """The eval_shape speed-up leaves every shape and dtype as it was, and is undone."""
-    from jax._src.interpreters import partial_eval as pe
-
-    cfg = ModelConfig.from_dict(tiny_config_dict("deepseek_v32"))
-
-    def leaves():
-        model = abstract_model(cfg, jnp.bfloat16, jnp.bfloat16, fp8_block=(16, 32))
-        return [(p, v.shape, v.dtype) for p, v in bm._flat(nnx.state(model))]
-
-    original = pe.DynamicJaxprTracer._origin_msg
-    plain = leaves()
-    with bm.fast_tracer_probes():
-        fast = leaves()
-    assert fast == plain
-    assert pe.DynamicJaxprTracer._origin_msg is original

@@ -17,6 +17,7 @@ from cpkv_jax.errors import CheckpointError
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.model.weights import (
     INDEX_FILE,
+    abstract_model,
     hf_state_dict,
     hf_tensor_names,
     load_hf_weights,
@@ -324,3 +325,21 @@ def test_make_tiny_checkpoint_cli_loads_and_is_deterministic(tmp_path, capsys):
         "<|eos|>",
         "<|pad|>",
     )
+
+
+def test_fast_tracer_probes_change_no_leaf():
+    """The abstract-model speed-up (`fast_tracer_probes`: flax probes `tracer.sharding`
+    per parameter, and JAX 0.10 builds each swallowed error's message by walking the whole
+    trace) leaves every shape and dtype as a plain `nnx.eval_shape`, and is undone."""
+    from jax._src.interpreters import partial_eval as pe
+
+    cfg = _cfg("deepseek_v32")
+    original = pe.DynamicJaxprTracer._origin_msg
+    plain = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    fast = abstract_model(cfg)
+
+    def leaves(model):
+        return [(p, v.shape, v.dtype) for p, v in nnx.to_flat_state(nnx.state(model))]
+
+    assert leaves(fast) == leaves(plain)
+    assert pe.DynamicJaxprTracer._origin_msg is original

@@ -10,6 +10,7 @@ import json
 
 import pytest
 from support.server_args_cases import (
+    EP8,
     LIMIT_FLAGS,
     SHARED_KV,
     registry_with_test_backends,
@@ -59,6 +60,13 @@ def _one_error_line(err: str) -> str:
         ),
         (("--kv-pool-size", "lots"), ("--kv-pool-size", "byte size")),
         (("--cp-shared-kv-prefill-max-batch-requests", "4"), ("bs-gt1",)),
+        (("--ep-size", "8"), ("--ep-size 8", "--disaggregation-mode prefill")),
+        ((*SHARED_KV, "--ep-size", "4"), ("--ep-size 4 must be 1 or equal --cp-size (8)",)),
+        (
+            (*EP8, "--json-model-override-args", '{"n_routed_experts": 12}'),
+            ("--ep-size 8", "divisible by --cp-size (8)"),
+        ),
+        (("--fp8-weights", "fp16"), ("--fp8-weights",)),
     ],
 )
 def test_check_config_refusals_exit_2_with_one_line(serve, argv, needles):
@@ -137,6 +145,19 @@ def test_check_config_reports_warnings(serve):
     assert rc == 0
     (warning,) = json.loads(out)["warnings"]
     assert "no effect" in warning
+
+
+def test_check_config_accepts_ep_and_warns_about_a_small_capacity_factor(serve):
+    rc, out, _ = serve(*EP8, "--ep-dispatch", "all_to_all", "--ep-capacity-factor", "2")
+    assert rc == 0
+    config = json.loads(out)
+    assert (config["ep_size"], config["ep_dispatch"], config["fp8_weights"]) == (
+        8,
+        "all_to_all",
+        "keep",
+    )
+    (warning,) = config["warnings"]
+    assert "--ep-capacity-factor 2 < --ep-size 8" in warning and "not exact" in warning
 
 
 def test_check_config_refuses_cp_on_a_unified_server(serve):

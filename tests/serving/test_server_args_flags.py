@@ -23,6 +23,8 @@ from support.server_args_cases import (
 
 from cpkv_jax.config import CPConfig
 from cpkv_jax.errors import ConfigError
+from cpkv_jax.model.expert_parallel import EP_DISPATCHES
+from cpkv_jax.model.weights import FP8_MODES
 from serving import launch
 from serving.server_args import (
     GROUPS,
@@ -64,7 +66,8 @@ def test_flag_names_cover_the_brief():
         "--transfer-heartbeat-interval", "--nsa-index-topk-freq",
         "--nsa-index-skip-topk-offset", "--nsa-index-topk-pattern",
         "--json-model-override-args", "--kernel-impl", "--host", "--port", "--log-level",
-        "--request-timeout", "--check-config",
+        "--request-timeout", "--check-config", "--fp8-weights", "--ep-size", "--ep-dispatch",
+        "--ep-capacity-factor", "--mem-fraction-static", "--device-memory-bytes",
     ):  # fmt: skip
         assert flag in flags
 
@@ -90,9 +93,15 @@ def test_non_default_values_round_trip_through_the_command_line():
         nsa_index_topk_freq=4,
         nsa_index_skip_topk_offset=3,
         nsa_index_topk_pattern="FFS",
+        fp8_weights="dequantize",
         cp_size=8,
         enable_cp_shared_kv=True,
         page_size=32,
+        ep_size=8,
+        ep_dispatch="all_to_all",
+        ep_capacity_factor=2.5,
+        mem_fraction_static=0.8,
+        device_memory_bytes=80 * 2**30,
         chunked_prefill_size=8192,
         max_running_requests=64,
         kv_pool_size=40 * 2**30,
@@ -128,6 +137,24 @@ def test_optional_ints_accept_none_and_byte_sizes_accept_units():
     assert ServerArgs.from_cli(["--model-path", "m"]).transient_block_size == 2**30
     short = ServerArgs.from_cli(["--model-path", "m", "--transient-block-size", "64MiB"])
     assert short.transient_block_size == 64 * 2**20
+
+
+def test_fp8_ep_and_memory_flag_defaults_and_choices():
+    args = ServerArgs.from_cli(["--model-path", "m"])
+    assert (args.fp8_weights, args.ep_size, args.ep_dispatch) == ("keep", 1, "allgather")
+    assert args.ep_capacity_factor is None and args.device_memory_bytes is None
+    assert args.mem_fraction_static == 0.88
+    hints = typing.get_type_hints(ServerArgs)
+    assert typing.get_args(hints["fp8_weights"]) == FP8_MODES  # the loader's modes
+    assert typing.get_args(hints["ep_dispatch"]) == EP_DISPATCHES
+    args = ServerArgs.from_cli(
+        ["--model-path", "m", "--device-memory-bytes", "80GiB", "--ep-capacity-factor", "none"]
+    )
+    assert args.device_memory_bytes == 80 * 2**30 and args.ep_capacity_factor is None
+    with pytest.raises(ServerArgsError, match="--fp8-weights"):
+        ServerArgs.from_cli(["--model-path", "m", "--fp8-weights", "bf16"])
+    with pytest.raises(ServerArgsError, match="--ep-dispatch"):
+        ServerArgs.from_cli(["--model-path", "m", "--ep-dispatch", "ragged"])
 
 
 @pytest.mark.parametrize(

@@ -332,6 +332,7 @@ LIMIT_FIELDS = (
     "cp_shared_kv_prefill_max_buffer_size",
 )
 BS_GT1 = {"cp_size": 8, "enable_cp_shared_kv": True, "enable_cp_shared_kv_prefill_bs_gt1": True}
+EP8 = {"cp_size": 8, "enable_cp_shared_kv": True, "ep_size": 8}
 
 
 @pytest.mark.parametrize("field", LIMIT_FIELDS)
@@ -372,9 +373,75 @@ def test_s5_limits_with_bs_gt1_are_accepted_and_bs_gt1_on_ordinary_cp_warns():
         ({"port": 0}, "--port must be in [1, 65535]"),
         ({"request_timeout": -1.0}, "--request-timeout must be > 0"),
         ({"model_path": ""}, "--model-path is empty"),
+        ({"ep_size": 0}, "--ep-size must be >= 1"),
+        ({"device_memory_bytes": 0}, "--device-memory-bytes must be >= 1"),
+        ({"mem_fraction_static": 0.0}, "--mem-fraction-static must be in (0, 1]"),
+        ({"mem_fraction_static": 1.5}, "--mem-fraction-static must be in (0, 1]"),
+        ({**EP8, "ep_dispatch": "all_to_all", "ep_capacity_factor": 0.0}, "must be > 0"),
     ],
 )
 def test_range_refusals(kw, needle):
     with pytest.raises(ServerArgsError) as e:
         make_args(**kw).validate()
     assert needle in str(e.value)
+
+
+# ---- expert parallelism (issue 22) ---------------------------------------------------------
+
+
+def test_ep_over_the_cp_ranks_of_a_prefill_server_is_accepted(tiny_config_dir):
+    args = make_args(model_path=str(tiny_config_dir), **EP8)  # 8 experts over 8 ranks
+    assert args.validate(args.model_config(), device_count=8) == ()
+    a2a = make_args(**EP8, ep_dispatch="all_to_all", ep_capacity_factor=8.0)
+    assert a2a.validate() == ()
+
+
+@pytest.mark.parametrize(
+    ("kw", "needles"),
+    [
+        ({"ep_size": 8}, ("--ep-size 8", "--disaggregation-mode prefill", "--cp-size 8")),
+        (
+            {"ep_size": 2, "disaggregation_mode": "decode"},
+            ("--ep-size 2", "--disaggregation-mode decode", "--ep-size 1"),
+        ),
+        (
+            {"ep_size": 2, "disaggregation_mode": "prefill"},
+            ("--ep-size 2", "--disaggregation-mode prefill with --cp-size 2", "--cp-size 1"),
+        ),
+        ({"cp_size": 8, "ep_size": 4}, ("--ep-size 4 must be 1 or equal --cp-size (8)",)),
+        (
+            {"ep_dispatch": "all_to_all"},
+            ("--ep-dispatch has no effect without --ep-size N",),
+        ),
+        (
+            {**EP8, "ep_capacity_factor": 2.0},
+            ("--ep-capacity-factor has no effect without --ep-dispatch all_to_all",),
+        ),
+    ],
+)
+def test_ep_refusals_name_the_flags(kw, needles):
+    with pytest.raises(ServerArgsError) as e:
+        make_args(**kw).validate()
+    for needle in needles:
+        assert needle in str(e.value)
+
+
+def test_ep_needs_the_experts_to_split_evenly(tiny_config_dir):
+    args = make_args(
+        model_path=str(tiny_config_dir), json_model_override_args='{"n_routed_experts": 12}', **EP8
+    )
+    cfg = args.model_config()
+    assert cfg.n_routed_experts == 12
+    args.validate()  # without the model config the count is not known yet
+    with pytest.raises(ServerArgsError) as e:
+        args.validate(cfg, device_count=8)
+    msg = str(e.value)
+    assert "--ep-size 8" in msg and "divisible by --cp-size (8)" in msg and "(12)" in msg
+
+
+def test_ep_capacity_factor_below_ep_size_warns_not_exact():
+    args = make_args(**EP8, ep_dispatch="all_to_all", ep_capacity_factor=2.0)
+    (warning,) = args.validate()
+    assert "--ep-capacity-factor 2 < --ep-size 8" in warning
+    assert "dropped" in warning and "not exact" in warning
+    assert make_args(**EP8, ep_dispatch="all_to_all").validate() == ()

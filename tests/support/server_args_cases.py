@@ -1,8 +1,9 @@
 """Shared pieces of the `ServerArgs` tests (tests/serving/test_server_args_*.py): the
-GLM-5 config dir, the S5 limit flags, a shared-KV prefill command line, a `ServerArgs`
-maker, a backend registry with two incapable test backends and the command line that
-parses back to given args. The `tiny_config_dir` fixture (a config-only
-tiny GLM-5-style model dir) is in tests/serving/conftest.py.
+GLM-5 config dir, the S5 limit flags, a shared-KV prefill command line (and one with
+expert parallelism over its ranks), a `ServerArgs` maker, a backend registry with two
+incapable test backends and the command line that parses back to given args. The
+`tiny_config_dir` fixture (a config-only tiny GLM-5-style model dir) is in
+tests/serving/conftest.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ LIMIT_FLAGS = (
     "--cp-shared-kv-prefill-max-buffer-size",
 )
 SHARED_KV = ("--disaggregation-mode", "prefill", "--cp-size", "8", "--enable-cp-shared-kv")
+# Expert parallelism over the 8 CP ranks of that prefill server (issue 22).
+EP8 = (*SHARED_KV, "--ep-size", "8")
 
 
 def make_args(**kw) -> ServerArgs:

@@ -1,0 +1,260 @@
+"""The startup device-memory plan (`serving.prefill.memory_plan`, issue 22) and the FP8 /
+expert-parallel serving path: the plan's weight bytes against a model loaded into its
+expert shards, the budget check (refusal naming every number and flag, a big budget, a
+device without a limit, device memory x fraction), the transient bound, the refusal
+before any weight is read, and a CP shared-KV prefill server with the experts split over
+its 8 ranks giving the logits of one without.
+
+The checkpoint is the FP8 tiny GLM-5 one with 16 routed experts (2 per rank at ep 8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from support.server_args_cases import SHARED_KV
+
+from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
+from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
+from cpkv_jax.model.expert_parallel import EPSpec, is_expert_leaf
+from cpkv_jax.model.kv_cache import DTYPES
+from cpkv_jax.model.weights import checkpoint_model, load_model
+from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
+from serving import server as server_mod
+from serving.prefill import memory_plan
+from serving.prefill.build import build_prefill_engine, pool_pages_per_rank
+from serving.prefill.memory_plan import (
+    MemoryPlan,
+    device_budget,
+    gib,
+    plan_device_memory,
+    transient_bytes_per_rank,
+)
+from serving.server import build_server
+from serving.server_args import ServerArgs, ServerArgsError
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory):
+    """The FP8 tiny checkpoint (sharded files + index) with 16 routed experts."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("fp8") / "tiny", "glm_moe_dsa", fp8=True, n_routed_experts=16
+    )
+
+
+def prefill_args(path, *extra: str) -> ServerArgs:
+    """A CP 8 shared-KV prefill server over the tiny checkpoint (float32, 1 MiB pools)."""
+    return ServerArgs.from_cli(
+        [
+            "--model-path", str(path), "--dtype", "float32", "--index-k-dtype", "float32",
+            "--page-size", "16", *SHARED_KV, "--chunked-prefill-size", str(CHUNK),
+            "--kv-pool-size", "1MiB", "--transfer-backend", "grpc", *extra,
+        ]
+    )  # fmt: skip
+
+
+def plan_for(args: ServerArgs) -> MemoryPlan:
+    cfg = args.model_config()
+    args.validate(cfg, device_count=jax.device_count())
+    return plan_device_memory(args, cfg)
+
+
+def device0_bytes(state: nnx.State) -> tuple[int, int]:
+    """(all, routed-expert) bytes of the model state's shards that live on device 0."""
+    d0 = jax.devices()[0]
+    total = experts = 0
+    for path, var in nnx.to_flat_state(state):
+        n = sum(s.data.nbytes for s in var.get_value().addressable_shards if s.device == d0)
+        total += n
+        experts += n if is_expert_leaf(path) else 0
+    return total, experts
+
+
+def test_checkpoint_model_is_the_layout_the_loader_builds(fp8_ckpt):
+    cfg, loaded = load_model(fp8_ckpt, progress=False)
+    abstract = checkpoint_model(cfg, fp8_ckpt)
+    spec = jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(abstract))
+    assert spec == jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(loaded))
+    dtypes = {v.get_value().dtype.name for _, v in nnx.to_flat_state(nnx.state(abstract))}
+    assert "float8_e4m3fn" in dtypes
+    deq = checkpoint_model(cfg, fp8_ckpt, fp8="dequantize")
+    dtypes = {v.get_value().dtype.name for _, v in nnx.to_flat_state(nnx.state(deq))}
+    assert dtypes == {"float32"}
+
+
+def test_plan_weight_bytes_equal_the_shards_a_loaded_model_puts_on_device_0(fp8_ckpt):
+    plan8 = plan_for(prefill_args(fp8_ckpt, "--ep-size", "8"))
+    _, model = load_model(fp8_ckpt, progress=False, mesh=make_cp_mesh(8), expert_axis=CP_AXIS)
+    assert (plan8.weight_bytes, plan8.routed_expert_bytes) == device0_bytes(nnx.state(model))
+    # ep 1: every device holds the whole model (what a single-device load holds).
+    plan1 = plan_for(prefill_args(fp8_ckpt))
+    _, whole = load_model(fp8_ckpt, progress=False)
+    assert (plan1.weight_bytes, plan1.routed_expert_bytes) == device0_bytes(nnx.state(whole))
+    assert plan1.routed_expert_bytes == 8 * plan8.routed_expert_bytes
+    assert plan1.weight_bytes - plan1.routed_expert_bytes == (
+        plan8.weight_bytes - plan8.routed_expert_bytes
+    )
+    # FP8 dequantization: one layer, its expert shard under EP; none when dequantized
+    # at load (then 4-byte weights).
+    assert 0 < plan8.dequant_bytes < plan1.dequant_bytes
+    deq = plan_for(prefill_args(fp8_ckpt, "--fp8-weights", "dequantize"))
+    assert deq.dequant_bytes == 0 and deq.weight_bytes > 2 * plan1.weight_bytes
+    # The KV pool is the one the engine builds.
+    args = prefill_args(fp8_ckpt)
+    cfg = args.model_config()
+    layout = PoolLayout(8, True, pool_pages_per_rank(args, cfg), args.page_size)
+    assert plan1.kv_pool_bytes == per_rank_pool_bytes(cfg, layout, DTYPES["float32"], "float32")
+
+
+def test_plan_refuses_a_small_budget_naming_every_number_and_flag(fp8_ckpt):
+    fits = plan_for(prefill_args(fp8_ckpt, "--ep-size", "8"))
+    budget = fits.total_bytes - 1
+    with pytest.raises(ServerArgsError) as e:
+        plan_for(prefill_args(fp8_ckpt, "--ep-size", "8", "--device-memory-bytes", str(budget)))
+    msg = str(e.value)
+    for n in (fits.weight_bytes, fits.kv_pool_bytes, fits.transient_bytes, fits.dequant_bytes):
+        assert str(n) in msg
+    assert f"{fits.total_bytes} > {budget}" in msg
+    assert f"{gib(fits.total_bytes)} per device > budget {gib(budget)}" in msg
+    for flag in (
+        "--kv-pool-size", "--chunked-prefill-size", "--ep-size", "--cp-size",
+        "--mem-fraction-static", "--device-memory-bytes", "--fp8-weights keep",
+    ):  # fmt: skip
+        assert flag in msg
+
+
+def test_plan_passes_with_a_big_budget_and_reports_it(fp8_ckpt):
+    plan = plan_for(prefill_args(fp8_ckpt, "--ep-size", "8", "--device-memory-bytes", "1TiB"))
+    assert plan.fits and plan.budget_bytes == 2**40
+    info = plan.server_info()
+    assert info["device_memory_budget_bytes"] == 2**40
+    assert info["weight_bytes_per_device"] == plan.weight_bytes
+    assert info["kv_pool_bytes_per_device"] == plan.kv_pool_bytes
+    assert info["transient_bytes_per_device"] == plan.transient_bytes > 0
+
+
+def test_a_device_without_a_limit_skips_the_check_with_one_info_line(fp8_ckpt, caplog):
+    with caplog.at_level(logging.INFO, logger=memory_plan.__name__):
+        plan = plan_for(prefill_args(fp8_ckpt))
+    assert plan.budget_bytes is None and plan.fits
+    skipped = [r for r in caplog.records if "check skipped" in r.getMessage()]
+    assert len(skipped) == 1
+    assert "no memory limit" in skipped[0].getMessage()
+    assert "--device-memory-bytes" in skipped[0].getMessage()
+
+
+class _Device:
+    def __init__(self, limit):
+        self.limit = limit
+
+    def memory_stats(self):
+        return None if self.limit is None else {"bytes_limit": self.limit, "bytes_in_use": 0}
+
+    def __str__(self):
+        return f"fake({self.limit})"
+
+
+def test_budget_is_the_fraction_of_the_device_capped_by_xlas_pool(monkeypatch):
+    """XLA's pool (`bytes_limit`) is the device x XLA_PYTHON_CLIENT_MEM_FRACTION; the
+    flag is a fraction of the whole device, as in SGLang, but never more than the pool."""
+    args = ServerArgs(model_path="m", mem_fraction_static=0.5)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.8")
+    budget, source = device_budget(args, [_Device(100 * 2**30), _Device(80 * 2**30)])
+    assert budget == 50 * 2**30  # the smallest pool, 80 GiB, is 0.8 of a 100 GiB device
+    assert "100.00 GiB x --mem-fraction-static 0.5" in source and "80.00 GiB" in source
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")  # the pool is the cap
+    assert device_budget(args, [_Device(80 * 2**30)])[0] == 80 * 2**30
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")  # JAX's default, 0.75
+    assert device_budget(args, [_Device(75 * 2**30)])[0] == 50 * 2**30
+    assert device_budget(args, [_Device(2**30), _Device(None)])[0] is None
+    explicit = ServerArgs(model_path="m", device_memory_bytes=123, mem_fraction_static=0.5)
+    assert device_budget(explicit, [_Device(2**30)]) == (123, "--device-memory-bytes")
+
+
+def test_transient_bound_is_the_largest_admissible_step(fp8_ckpt):
+    bs1 = prefill_args(fp8_ckpt)
+    cfg = bs1.model_config()
+    one, _ = transient_bytes_per_rank(bs1, cfg, "cpu")
+    # bs > 1 without limits: several requests per step (more rows than one request).
+    many, source = transient_bytes_per_rank(
+        prefill_args(fp8_ckpt, "--enable-cp-shared-kv-prefill-bs-gt1"), cfg, "cpu"
+    )
+    assert many > one and "-request step" in source
+    # A buffer limit bounds multi-request steps only: a lone request passes whatever.
+    small = prefill_args(
+        fp8_ckpt,
+        "--enable-cp-shared-kv-prefill-bs-gt1",
+        "--cp-shared-kv-prefill-max-buffer-size",
+        "1",
+    )
+    assert transient_bytes_per_rank(small, cfg, "cpu")[0] == one
+    big = prefill_args(
+        fp8_ckpt,
+        "--enable-cp-shared-kv-prefill-bs-gt1",
+        "--cp-shared-kv-prefill-max-buffer-size",
+        "1GiB",
+    )
+    assert transient_bytes_per_rank(big, cfg, "cpu")[0] == 2**30
+
+
+def test_single_device_server_plan_counts_weights_and_its_pool(fp8_ckpt):
+    args = ServerArgs.from_cli(
+        ["--model-path", str(fp8_ckpt), "--dtype", "float32", "--page-size", "16"]
+    )
+    plan = plan_for(args)
+    ep1 = plan_for(prefill_args(fp8_ckpt))
+    assert plan.weight_bytes == ep1.weight_bytes and plan.transient_bytes == 0
+    assert plan.kv_pool_bytes > 0
+
+
+def test_build_server_refuses_before_reading_any_weight(fp8_ckpt, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("weights were read before the memory check")
+
+    monkeypatch.setattr(server_mod, "load_serving_model", no_load)
+    args = prefill_args(fp8_ckpt, "--ep-size", "8", "--device-memory-bytes", "1MiB")
+    with pytest.raises(ServerArgsError, match="do not fit"):
+        build_server(args)
+
+
+def test_ep8_prefill_server_gives_the_logits_of_ep1(fp8_ckpt):
+    """The same first-token logits from a CP 8 shared-KV prefill server with the routed
+    experts split over its 8 ranks (built by `build_server`: plan, sharded load, EP
+    runner; and an all_to_all engine) as from one without expert parallelism."""
+    prompt = np.random.default_rng(7).integers(3, 300, 40).astype(np.int32)
+
+    def first_logits(runner) -> np.ndarray:
+        result = runner.prefill([prompt], CHUNK)
+        runner.release(result.tables[0])
+        return result.last_logits[0]
+
+    want = first_logits(build_prefill_engine(prefill_args(fp8_ckpt)).runner)
+    server = build_server(prefill_args(fp8_ckpt, "--ep-size", "8"))
+    try:
+        asyncio.run(server.loop.shutdown(0.0))  # the test drives the runner itself
+        runner = server.engine.runner
+        assert runner.expert_parallel == EPSpec(CP_AXIS, 8, "allgather")
+        info = server.info
+        assert (info["ep_size"], info["ep_dispatch"], info["fp8_weights"]) == (
+            8,
+            "allgather",
+            "keep",
+        )
+        weights, _ = device0_bytes(runner.state)
+        assert info["weight_bytes_per_device"] == weights
+        assert info["device_memory_budget_bytes"] is None  # CPU: no limit, not checked
+        np.testing.assert_allclose(first_logits(runner), want, rtol=0, atol=1e-5)
+    finally:
+        server.close()
+    a2a = build_prefill_engine(
+        prefill_args(fp8_ckpt, "--ep-size", "8", "--ep-dispatch", "all_to_all")
+    )
+    assert a2a.runner.expert_parallel.dispatch == "all_to_all"
+    np.testing.assert_allclose(first_logits(a2a.runner), want, rtol=0, atol=1e-5)
