@@ -329,8 +329,8 @@ class ServerArgs:
     )
     mem_fraction_static: float = _arg(
         DEFAULT_MEM_FRACTION_STATIC,
-        help="share of each device's memory (its allocator limit) the static allocations "
-        "- weights, KV pools, transient step buffers, FP8 dequantization - may take; "
+        help="share of each device's memory the static allocations - weights, KV pools, "
+        "transient step buffers, FP8 dequantization - may take (capped by XLA's pool); "
         "checked at startup before the weights load",
         group="scheduler",
     )
