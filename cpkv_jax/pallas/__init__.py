@@ -2,5 +2,7 @@
 
 - `paged_gather`: materialization gather of rank-local pages into a contiguous buffer
   (Triton-lowerable; `impl="xla"` selects the reference for comparison).
-LF<->LPF host-copy kernels arrive with the host cache.
+- `lpf_copy`: the host cache's LF<->LPF copies - one layer's page spans gathered from the
+  layer-first pool into contiguous staging (backup), or a staged span scattered back into
+  the pool in place (load); validated page-aligned indices first (SPEC S3.2, S4.2).
 """

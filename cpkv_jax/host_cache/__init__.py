@@ -1,0 +1,59 @@
+"""Host (L2) KV cache: numpy host pools per owner lane and the device<->host copy paths.
+
+- `pool`: `HostPool` (one lane, one of the four S4.1 layouts), `HostPools` (every lane of
+  a device `PoolLayout`), the host page allocator and sizing (`host_pages_for`);
+- `copy`: per-layer and all-layer backup / load-back between a lane of the device pool
+  and its host pool; LPF goes through the `pallas.lpf_copy` kernels only (SPEC S4.4).
+"""
+
+from cpkv_jax.host_cache.copy import (
+    CopyImpl,
+    CopyPlan,
+    HostCopyError,
+    LPFKernelUnavailableError,
+    backup_all_layers,
+    backup_layer,
+    load_all_layers,
+    load_layer,
+    plan_copy,
+    resolve_impl,
+)
+from cpkv_jax.host_cache.pool import (
+    HOST_LAYOUTS,
+    HOST_TRASH_PAGE,
+    HostLayout,
+    HostLeafSpec,
+    HostPageAllocator,
+    HostPageError,
+    HostPool,
+    HostPools,
+    bytes_per_page,
+    host_pages_for,
+    leaf_specs,
+    token_indices_of_pages,
+)
+
+__all__ = [
+    "HOST_LAYOUTS",
+    "HOST_TRASH_PAGE",
+    "CopyImpl",
+    "CopyPlan",
+    "HostCopyError",
+    "HostLayout",
+    "HostLeafSpec",
+    "HostPageAllocator",
+    "HostPageError",
+    "HostPool",
+    "HostPools",
+    "LPFKernelUnavailableError",
+    "backup_all_layers",
+    "backup_layer",
+    "bytes_per_page",
+    "host_pages_for",
+    "leaf_specs",
+    "load_all_layers",
+    "load_layer",
+    "plan_copy",
+    "resolve_impl",
+    "token_indices_of_pages",
+]
