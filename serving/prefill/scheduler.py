@@ -16,6 +16,14 @@ request's pages must outlive its step: they are read by the KV transfer to the d
 server. Its whole pages still go to the prefix cache at once (so later requests reuse
 the prefix while the transfer runs) but stay locked, and its tail page stays its own,
 until `release_held(rid)`, which then does what a non-holding scheduler did at finish.
+
+With a host (L2) cache (`host_io`, a `serving.prefill.host_cache.HostCacheIO`, and a
+`HiRadixCache` as `cache`), prefix matching also plans the load-back of host hits (SPEC
+S10) and admission counts the planned cached tokens (S7). An admitted request's host
+hit is loaded back before its step allocates; if the load is skipped or its copy fails,
+the admission is redone with the device hit only and the request recomputes the rest.
+The cache's backup jobs go to the IO's background worker after every batch and finish;
+their acknowledgements are applied at the start of the next batch (`sync_host_cache`).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from typing import Literal, Protocol, runtime_checkable
 import numpy as np
 
 from cpkv_jax.cache.radix import (
+    PrefixMatch,
     RadixCache,
     RadixNode,
     alloc_with_evict,
@@ -118,7 +127,10 @@ class PrefillScheduler:
         reserve_clip: int = 4096,
         clock: Callable[[], float] = time.monotonic,
         hold_finished: bool = False,
+        host_io=None,
     ):
+        if host_io is not None and not hasattr(cache, "plan_load_back"):
+            raise InputError("a host cache (host_io) needs a HiRadixCache as the prefix cache")
         if policy not in ("fcfs", "lpm"):
             raise InputError(f"schedule policy must be 'fcfs' or 'lpm', got {policy!r}")
         self.cache = cache
@@ -143,6 +155,7 @@ class PrefillScheduler:
         self._ids: set[str] = set()
         self.hold_finished = hold_finished
         self.held: dict[str, PrefillRequest] = {}
+        self.host_io = host_io  # serving.prefill.host_cache.HostCacheIO, or None
 
     # ---- requests ----------------------------------------------------------------------
     def submit(
@@ -199,10 +212,14 @@ class PrefillScheduler:
         cache_finished_request(self.cache, req.table, req.input_ids, req.lock_node)
         req.table, req.lock_node = None, None
         self._ids.discard(rid)
+        self._submit_backups()
 
     # ---- scheduling (host only) ---------------------------------------------------------
     def schedule_batch(self) -> ScheduledBatch | None:
-        """Form the next batch and allocate its pages; no device work."""
+        """Form the next batch and allocate its pages; no device work (but host-hit
+        load-backs, with a host cache)."""
+        if self.host_io is not None:
+            self.sync_host_cache()
         reserved = 0 if self.chunked is None else self._reserve(self.chunked)
         free_pages = int(self.allocator.num_free_per_lane().sum())
         evictable = int(self.cache.evictable_pages_per_lane().sum())
@@ -226,6 +243,12 @@ class PrefillScheduler:
         for req in self._ordered_waiting():
             if requests and adder.new_chunked is not None:
                 break
+            if self.host_io is not None:
+                if not self._admit_with_host_cache(req, adder):
+                    break
+                requests.append(req)
+                self.waiting.remove(req)
+                continue
             match = self.cache.match_prefix(req.input_ids[:-1])  # keep >= 1 token to compute
             result = adder.add(self._candidate(req, match.num_tokens))
             if result is not AddResult.CONTINUE:
@@ -242,6 +265,8 @@ class PrefillScheduler:
                 break
             requests.append(req)
             self.waiting.remove(req)
+        if self.host_io is not None:
+            self._submit_backups()  # write-back evictions of this batch's allocations
         if not requests:
             return None
         rows = [
@@ -279,6 +304,7 @@ class PrefillScheduler:
             cache_finished_request(self.cache, req.table, req.input_ids, req.lock_node)
             self._ids.discard(req.rid)
             outcomes.append(PrefillOutcome(req.rid, "finished", np.asarray(out), req.cached_tokens))
+        self._submit_backups()
         return outcomes
 
     def _hold(self, req: PrefillRequest) -> None:
@@ -318,6 +344,84 @@ class PrefillScheduler:
             f"scheduler still has {self.num_waiting} requests after {max_steps} steps"
         )
 
+    # ---- host (L2) cache --------------------------------------------------------------------
+    def sync_host_cache(self, wait: bool = False) -> None:
+        """Apply finished backups to the cache (`wait`: first let the worker finish every
+        queued one), then hand it the cache's new backup jobs. No-op without a host cache."""
+        if self.host_io is None:
+            return
+        if wait:
+            self._submit_backups()
+            self.host_io.wait_backups()
+        self.host_io.drain(self.cache)
+        self._submit_backups()
+
+    def close(self) -> None:
+        """Stop the host cache's backup worker and apply what it finished."""
+        if self.host_io is not None:
+            self.host_io.close()
+            self.host_io.drain(self.cache)
+
+    def _submit_backups(self) -> None:
+        if self.host_io is not None:
+            self.host_io.submit_backups(self.cache, self.cache.take_backups())
+
+    def _admit_with_host_cache(self, req: PrefillRequest, adder: PrefillAdder) -> bool:
+        """Match, plan the host-hit load-back (S10), admit counting the planned cached
+        tokens (S7), load back, allocate. False (request untouched, still waiting): stop
+        adding to this batch."""
+        io = self.host_io
+        assert io is not None
+        match = self.cache.match_prefix(req.input_ids[:-1])  # keep >= 1 token to compute
+        self.cache.inc_lock_ref(match.node)
+        plan = self.cache.plan_load_back(match)
+        skipped = match.host_node is not None and not plan.load
+        saved = (
+            len(adder.batch),
+            adder.rem_total_tokens,
+            adder.rem_input_tokens,
+            adder.rem_chunk_tokens,
+            adder.new_chunked,
+        )
+        result = adder.add(self._candidate(req, plan.cached_tokens))
+        used: PrefixMatch = match
+        if result is AddResult.CONTINUE and plan.load:
+            job = self.cache.load_back(plan)
+            if job is not None and io.load(job):
+                full = self.cache.load_back_done(job)
+                self.cache.inc_lock_ref(full.node)
+                self.cache.dec_lock_ref(match.node)
+                used = full
+                io.stats.host_hit_tokens += full.num_tokens - match.num_tokens
+                adder.rem_total_tokens -= full.num_tokens - match.num_tokens  # pages it took
+            else:
+                if job is not None:
+                    self.cache.load_back_failed(job)  # counted in `load_back_failures`
+                skipped = job is None
+                # Redo the admission with the device hit only: the request recomputes.
+                del adder.batch[saved[0] :]
+                (_, adder.rem_total_tokens, adder.rem_input_tokens) = saved[:3]
+                adder.rem_chunk_tokens, adder.new_chunked = saved[3], saved[4]
+                result = adder.add(self._candidate(req, match.num_tokens))
+        req.lock_node = used.node
+        if result is not AddResult.CONTINUE:
+            self.rejections[result.value] += 1
+            self._unlock(req)
+            return False
+        req.cached_tokens = used.num_tokens
+        req.table = table_from_prefix(self.cache, used)
+        req.done = used.num_tokens
+        if not self._allocate(req, adder.batch[-1]):
+            adder.batch.pop()
+            self._unlock(req)
+            req.table, req.done, req.cached_tokens = None, 0, 0  # matched afresh next time
+            self.rejections["lane_capacity"] += 1
+            return False
+        if skipped:
+            io.stats.skipped_load_backs += 1
+            logger.info("request %s: host hit not loaded back: %s", req.rid, plan.reason)
+        return True
+
     # ---- internals -----------------------------------------------------------------------
     def _reserve(self, req: PrefillRequest) -> int:
         return min(req.max_new_tokens, self.reserve_clip)
@@ -325,18 +429,22 @@ class PrefillScheduler:
     def _candidate(self, req: PrefillRequest, cached: int) -> Candidate:
         # Tokens whose KV already exists: the cached prefix, or for an in-flight chunked
         # request everything its earlier chunks wrote. Counted after the host load-back
-        # plan (SPEC S7): device hits today; host hits planned for load-back join this
-        # count when the host cache lands.
+        # plan (SPEC S7): device hits, plus with a host cache the host hits planned for
+        # load-back (`_admit_with_host_cache`).
         done = max(req.done, cached)
         return Candidate(req.rid, req.input_ids.size - done, done, self._reserve(req))
 
     def _ordered_waiting(self) -> list[PrefillRequest]:
         if self.policy == "fcfs":
             return sorted(self.waiting, key=lambda r: r.seq)
-        matched = {
-            r.rid: self.cache.match_prefix(r.input_ids[:-1]).num_tokens for r in self.waiting
-        }
+        matched = {r.rid: self._matched_tokens(r) for r in self.waiting}
         return sorted(self.waiting, key=lambda r: (-matched[r.rid], r.seq))
+
+    def _matched_tokens(self, req: PrefillRequest) -> int:
+        match = self.cache.match_prefix(req.input_ids[:-1])
+        if self.host_io is None:
+            return match.num_tokens
+        return match.num_tokens + match.host_num_tokens
 
     def _allocate(self, req: PrefillRequest, admitted: Admitted) -> bool:
         assert req.table is not None
@@ -375,6 +483,7 @@ class PrefillScheduler:
             self.waiting.remove(req)
         self._release_own_pages(req)
         self._ids.discard(rid)
+        self._submit_backups()
         logger.info("request %s %s: %s", rid, status, reason)
         return PrefillOutcome(rid, status, reason=reason)
 
