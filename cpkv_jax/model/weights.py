@@ -558,7 +558,7 @@ def load_hf_weights(
     its own devices hold - for an expert shard, just those experts - and host memory
     peaks at one leaf's local shard (the largest replicated tensor or one device's
     experts of one projection), never the checkpoint. Without `mesh`, a given model's
-    leaves keep their shardings and a new one lands on the default device. `stats`, if
+    leaves keep their shardings and a new one's are uncommitted on the default device. `stats`, if
     given, is filled with what this process read.
     """
     _check_fp8_mode(fp8)
@@ -596,10 +596,9 @@ def load_hf_weights(
         placed = dict(nnx.to_flat_state(expert_parallel.param_shardings(state, mesh, expert_axis)))
         shardings = {path: _unwrap(placed[path]) for path, _ in flat}
     else:
-        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = {
-            path: getattr(var.get_value(), "sharding", None) or default for path, var in flat
-        }
+        # None: an uncommitted array on the default device, free to follow the arrays it
+        # is computed with (as `jax.device_put` without a device leaves it).
+        shardings = {path: getattr(var.get_value(), "sharding", None) for path, var in flat}
     stats = LoadStats() if stats is None else stats
     values = _read_all(plan, slots, block, shardings, progress, stats)
     new_state = nnx.from_flat_state([(path, var.replace(values[path])) for path, var in flat])
@@ -686,7 +685,13 @@ def _read_all(
     # addressable shards cover, each once however many local devices share it.
     wanted: dict[tuple[str | int, ...], list[str]] = {}
     for path, names in by_path.items():
-        index_map = shardings[path].addressable_devices_indices_map(leaf_shapes[path])
+        whole = {None: tuple(slice(None) for _ in leaf_shapes[path])}
+        sharding = shardings[path]
+        index_map = (
+            whole
+            if sharding is None
+            else sharding.addressable_devices_indices_map(leaf_shapes[path])
+        )
         if None in names:
             wanted[path] = [names[None]] if index_map else []
             continue
@@ -743,9 +748,13 @@ def _read_all(
                         ]
                 return cache[key]
 
-            values[path] = jax.make_array_from_callback(
-                leaf_shapes[path], shardings[path], shard, dtype=leaf_dtypes[path]
-            )
+            if shardings[path] is None:
+                full = tuple(slice(None) for _ in leaf_shapes[path])
+                values[path] = jax.device_put(shard(full))
+            else:
+                values[path] = jax.make_array_from_callback(
+                    leaf_shapes[path], shardings[path], shard, dtype=leaf_dtypes[path]
+                )
     stats.seconds = time.perf_counter() - start
     return values
 
