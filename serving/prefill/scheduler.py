@@ -261,6 +261,8 @@ class PrefillScheduler:
             if not self._allocate(req, adder.batch[-1]):
                 adder.batch.pop()
                 self._unlock(req)
+                # Matched afresh next time: its prefix may be evicted before the retry.
+                req.table, req.done, req.cached_tokens = None, 0, 0
                 self.rejections["lane_capacity"] += 1
                 break
             requests.append(req)

@@ -235,3 +235,25 @@ def test_real_cp_prefill_step_through_the_scheduler():
     want = fresh.prefill([a, b], None).last_logits
     chex.assert_trees_all_close(first[0].last_logits, want[0], rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(second[0].last_logits, want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_request_that_cannot_allocate_is_matched_afresh_next_time():
+    """A waiting request whose pages do not fit its owner lanes (enough pages in total,
+    not on lane 0) keeps no stale prefix state: the retry uses a fresh match."""
+    sched, _, cache, alloc = make(cp=2, pages_per_lane=8)
+    base = prompt(4 * PAGE + 1, 0)
+    sched.submit("a", base)
+    sched.run_until_idle()
+    assert cache.total_size() == 4 * PAGE  # 2 pages per lane cached
+    # Lane 0 full (its free pages taken, the cached ones locked), lane 1 mostly free.
+    taken = alloc.allocate(np.arange(0, 2 * alloc.num_free(0), 2))
+    cache.inc_lock_ref(cache.match_prefix(base).node)
+    sched.submit("b", np.concatenate([base[: 4 * PAGE], prompt(3 * PAGE, 1)]))
+    assert sched.schedule_batch() is None
+    (b,) = sched.waiting
+    assert sched.rejections["lane_capacity"] == 1
+    assert (b.table, b.done, b.cached_tokens, b.lock_node) == (None, 0, 0, None)
+    alloc.free(np.zeros(taken.size, np.int64), taken)
+    cache.dec_lock_ref(cache.match_prefix(base).node)
+    out = sched.run_until_idle()
+    assert [o.rid for o in out] == ["b"] and out[0].cached_tokens == 4 * PAGE
