@@ -11,7 +11,10 @@ Modes (`--disaggregation-mode`):
   `DecodeEngine(mode="decode")` decodes from it. `/server_info` reports
   `transfer_target` (host:port) for the router;
 - `prefill`: `PrefillModeEngine` (CP prefill scheduler on the `cp` mesh + the transfer
-  backend). `/server_info` reports `cp_size`.
+  backend). `/server_info` reports `cp_size`; with `--enable-hierarchical-cache`, also
+  `hicache` (layout, write policy, host pages used / total and bytes per owner lane, the
+  copy counters), and `/metrics` the `cpkv_hicache_*` series. The host cache's backup
+  worker stops when the server closes.
 
 Pool size of a single-device (null / decode) server: as a prefill rank's
 (`serving.prefill.build.pool_pages_per_rank` with one lane): `--kv-pool-size` bytes, else
@@ -262,6 +265,23 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
     return time.perf_counter() - t0
 
 
+def hicache_source(engine: StepEngine) -> Callable[[], dict[str, Any] | None] | None:
+    """The host cache's live info (`PrefillEngine.hicache_info`), or None when the engine
+    has no host cache."""
+    if isinstance(engine, PrefillModeEngine) and engine.engine.host_io is not None:
+        return engine.engine.hicache_info
+    return None
+
+
+def server_info_source(info: dict[str, Any], engine: StepEngine) -> Callable[[], dict[str, Any]]:
+    """What `/server_info` adds to the engine's stats: the static `info`, plus the host
+    cache's live `hicache` entry when there is one."""
+    hicache = hicache_source(engine)
+    if hicache is None:
+        return lambda: dict(info)
+    return lambda: {**info, "hicache": hicache()}
+
+
 def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
     """Load the model once, build the mode's engine, warm it up, build the app."""
     devices = list(jax.devices()) if devices is None else devices
@@ -305,6 +325,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         backend_close = getattr(engine.backend, "close", None)
         if backend_close is not None:
             closers.append(backend_close)
+        closers.append(engine.engine.close)  # the host cache's backup worker, if any
         t = time.perf_counter()
         engine.backend.prepare()  # Mooncake: engine up, host copy buffer registered
         logger.info("transfer backend ready in %.2fs", time.perf_counter() - t)
@@ -332,6 +353,10 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
     loop = EngineLoop(engine, name=f"engine-{args.disaggregation_mode}")
     model_name = args.served_model_name or Path(args.model_path).name
     context = cfg.max_position_embeddings
+    metrics = ServerMetrics()
+    hicache = hicache_source(engine)
+    if hicache is not None:
+        metrics.attach_hicache(hicache)
     app = build_app(
         loop,
         model_name=model_name,
@@ -339,8 +364,8 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         vocab_size=cfg.vocab_size,
         context_length=context,
         chat_template=chat,
-        metrics=ServerMetrics(),
-        server_info=lambda: dict(info),
+        metrics=metrics,
+        server_info=server_info_source(info, engine),
     )
     return Server(args, cfg, engine, loop, app, info, closers)
 

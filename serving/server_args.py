@@ -27,6 +27,11 @@ Decisions written down here (SPEC leaves them open):
   without `--disaggregation-mode`) is an error naming the enabling flag: the launch line
   asks for something that would silently not happen. "Set" means "differs from its
   default", the only thing a frozen dataclass can tell.
+- The host KV cache (`--enable-hierarchical-cache`, SPEC S4) is built for the PD prefill
+  server with no storage tier: `--disaggregation-mode null|decode` and
+  `--hicache-storage-backend file` are valid (`--check-config` accepts them with a
+  warning) but refused at startup (`refuse_unbuilt`). `--hicache-size` wins over
+  `--hicache-ratio` (a non-default ratio beside it is a warning).
 - Expert parallelism (`--ep-size`) runs over the CP ranks of a prefill server: it is 1
   or `--cp-size`, and the model's routed experts must split evenly over the ranks. An
   `--ep-capacity-factor` below `--ep-size` is accepted with a warning (pairs over a
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import re
 import typing
 from collections.abc import Callable, Sequence
@@ -72,10 +78,23 @@ HiCacheMemLayout = Literal["layer_first", "page_first", "page_first_direct", "la
 HiCacheIOBackend = Literal["direct", "kernel"]
 HiCacheStorageBackend = Literal["none", "file"]
 
+HiCacheWritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+DEFAULT_HICACHE_RATIO = 2.0
+
+# The host KV cache is built for the PD prefill server (`serving.prefill.build`); these
+# valid launch lines are refused at startup (`refuse_unbuilt`) and warned about by
+# `validate` / `--check-config`, rather than served without the cache.
 HICACHE_NOT_BUILT = (
-    "--enable-hierarchical-cache: the host KV cache (HiCache, SPEC S4) is not built yet; "
-    "its options are validated, but cpkv-serve refuses to start with it rather than serve "
-    "without it; drop --enable-hierarchical-cache and the --hicache-* options"
+    "--enable-hierarchical-cache: the host KV cache (HiCache, SPEC S4) is built for the "
+    "prefill server only (--disaggregation-mode prefill); cpkv-serve refuses to start a "
+    "unified (null) or decode server with it rather than serve without it; use "
+    "--disaggregation-mode prefill, or drop --enable-hierarchical-cache and the "
+    "--hicache-* options"
+)
+HICACHE_STORAGE_NOT_BUILT = (
+    "--hicache-storage-backend file: the storage (L3) tier behind the host cache is not "
+    "built yet; cpkv-serve refuses to start with it rather than serve without it; use "
+    "--hicache-storage-backend none (host cache only)"
 )
 DisaggregationMode = Literal["null", "prefill", "decode"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -382,8 +401,9 @@ class ServerArgs:
     # HiCache (SPEC S4)
     enable_hierarchical_cache: bool = _arg(
         False,
-        help="keep evicted KV pages in a host (L2) cache; NOT BUILT YET: the options are "
-        "validated (--check-config), the server refuses to start with them",
+        help="keep KV pages evicted from the device in a host (L2) cache and load them "
+        "back on a prefix hit (prefill mode only; the host pool is per rank, one per "
+        "owner lane)",
         group="hicache",
     )
     hicache_mem_layout: HiCacheMemLayout = _arg(  # noqa: RUF009
@@ -393,20 +413,38 @@ class ServerArgs:
         requires="hicache_enabled",
     )
     hicache_io_backend: HiCacheIOBackend = _arg(  # noqa: RUF009
-        "direct", help="device<->host copy path", group="hicache", requires="hicache_enabled"
+        "direct",
+        help="device<->host copy path: direct (XLA gathers / scatters; layer_page_first: "
+        "its LF<->LPF kernels) or kernel (the Pallas copy kernels; not layer_page_first)",
+        group="hicache",
+        requires="hicache_enabled",
     )
     hicache_storage_backend: HiCacheStorageBackend = _arg(  # noqa: RUF009
         "none",
-        help="storage (L3) tier behind the host cache",
+        help="storage (L3) tier behind the host cache (file: not built yet, refused at startup)",
         group="hicache",
         requires="hicache_enabled",
     )
     hicache_size: int | None = _arg(
         None,
-        help="host cache bytes per rank (e.g. 64GiB); none = twice the device KV pool",
+        help="host cache bytes per rank (e.g. 64GiB); none = --hicache-ratio x the device KV pool",
         group="hicache",
         parse=parse_byte_size,
         metavar="BYTES",
+        requires="hicache_enabled",
+    )
+    hicache_ratio: float = _arg(
+        DEFAULT_HICACHE_RATIO,
+        help="host cache pages per rank as a multiple of the device KV pool's (SGLang's "
+        "--hicache-ratio); used when --hicache-size is none",
+        group="hicache",
+        requires="hicache_enabled",
+    )
+    hicache_write_policy: HiCacheWritePolicy = _arg(  # noqa: RUF009
+        "write_through_selective",
+        help="when device pages are backed up to host: write_through (at insert), "
+        "write_through_selective (once a prefix is reused), write_back (on eviction)",
+        group="hicache",
         requires="hicache_enabled",
     )
 
@@ -638,9 +676,8 @@ class ServerArgs:
             raise ServerArgsError(as_flags(str(e))) from e
         self._check_transfer(backends)
         self._check_expert_parallel(model_config, warnings)
-        self._check_hicache()
-        if self.enable_hierarchical_cache:
-            warnings.append(HICACHE_NOT_BUILT)
+        self._check_hicache(warnings)
+        warnings += self._hicache_unbuilt()
         if self.enable_cp_shared_kv_prefill_bs_gt1 and not self.enable_cp_shared_kv:
             warnings.append(
                 "--enable-cp-shared-kv-prefill-bs-gt1 has no effect without "
@@ -795,10 +832,40 @@ class ServerArgs:
     def refuse_unbuilt(self) -> None:
         """Raise `ServerArgsError` for a valid flag whose feature the server does not have
         yet: starting anyway would silently serve without it."""
-        if self.enable_hierarchical_cache:
-            raise ServerArgsError(HICACHE_NOT_BUILT)
+        for reason in self._hicache_unbuilt():
+            raise ServerArgsError(reason)
 
-    def _check_hicache(self) -> None:
+    def _hicache_unbuilt(self) -> list[str]:
+        """Valid host-cache launch lines this server cannot run yet (SPEC S4): the host
+        cache is built for prefill mode, without a storage tier."""
+        if not self.enable_hierarchical_cache:
+            return []
+        out = []
+        if self.disaggregation_mode != "prefill":
+            out.append(HICACHE_NOT_BUILT)
+        if self.hicache_storage_backend != "none":
+            out.append(HICACHE_STORAGE_NOT_BUILT)
+        return out
+
+    def _check_hicache(self, warnings: list[str]) -> None:
+        """SPEC S3.3 / S4.4 startup matrix. Supported (prefill mode, any CP size, shared
+        or replicated KV): every layout with `--hicache-io-backend direct`, the non-LPF
+        layouts also with `kernel`; storage backend `none`. `file` is valid but not
+        built (`_hicache_unbuilt`); LPF with a storage tier or non-direct I/O is refused."""
+        if not (self.hicache_ratio > 0 and math.isfinite(self.hicache_ratio)):
+            raise ServerArgsError(
+                f"--hicache-ratio must be a finite number > 0, got {self.hicache_ratio:g}: "
+                "the host pool is that many times the device KV pool (e.g. 2)"
+            )
+        if (
+            self.enable_hierarchical_cache
+            and self.hicache_size is not None
+            and self.hicache_ratio != DEFAULT_HICACHE_RATIO
+        ):
+            warnings.append(
+                f"--hicache-ratio {self.hicache_ratio:g} has no effect with --hicache-size "
+                f"{format_byte_size(self.hicache_size)} (the size wins); drop one of them"
+            )
         # SPEC S4.4: layer_page_first is host-only and direct-only, with no fallback.
         if self.hicache_mem_layout != "layer_page_first":
             return

@@ -12,7 +12,12 @@ an embedded router) never share or collide on series. Two kinds of series:
   requests refused by a full queue, running requests, KV pages used / total / held by
   the prefix cache per rank, PD transfer bytes, seconds and failures, admission
   rejections per gate. These are the engine's own cumulative
-  counts, reported as-is (no double counting across scrapes).
+  counts, reported as-is (no double counting across scrapes);
+- read from a prefill server's host (L2) KV cache at scrape time (`attach_hicache`, the
+  `PrefillEngine.hicache_info` dict): host hit tokens, load-backs (count, failures,
+  bytes, seconds), backups (done, failed, bytes, seconds), dropped backups by reason
+  (`queue_full`: the backup queue; `host_full`: no host pages), skipped load-backs,
+  the backup queue depth and host pool pages used / total per owner lane.
 """
 
 from __future__ import annotations
@@ -123,6 +128,73 @@ class _EngineStatsCollector(Collector):
         yield from (t_bytes, t_secs, t_fail, rejections)
 
 
+# `PrefillEngine.hicache_info` counter keys -> (series name, help).
+_HICACHE_COUNTERS = (
+    ("host_hit_tokens", "cpkv_hicache_host_hit_tokens", "Prompt tokens loaded back from host."),
+    ("load_backs", "cpkv_hicache_load_backs", "Host -> device load-backs that completed."),
+    ("load_back_failures", "cpkv_hicache_load_back_failures", "Load-backs whose copy failed."),
+    ("load_back_bytes", "cpkv_hicache_load_back_bytes", "Bytes loaded back host -> device."),
+    ("load_back_seconds", "cpkv_hicache_load_back_seconds", "Wall time of the load-backs."),
+    (
+        "skipped_load_backs",
+        "cpkv_hicache_skipped_load_backs",
+        "Host hits not loaded back (no device room, SPEC S10): recomputed.",
+    ),
+    ("backups_done", "cpkv_hicache_backups", "Device -> host backups that completed."),
+    ("backups_failed", "cpkv_hicache_backup_failures", "Backups whose copy failed."),
+    ("backup_bytes", "cpkv_hicache_backup_bytes", "Bytes backed up device -> host."),
+    ("backup_seconds", "cpkv_hicache_backup_seconds", "Wall time of the backups (worker)."),
+)
+
+
+class _HostCacheCollector(Collector):
+    """Emits the `cpkv_hicache_*` series from one host-cache info dict per scrape."""
+
+    def __init__(self, source: Callable[[], dict | None]) -> None:
+        self.source = source
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            info = self.source()
+        except Exception:
+            logger.exception("host cache info failed; cpkv_hicache_* series omitted")
+            return
+        if info is None:
+            return
+        for key, name, text in _HICACHE_COUNTERS:
+            c = CounterMetricFamily(name, text)
+            c.add_metric([], info[key])
+            yield c
+        dropped = CounterMetricFamily(
+            "cpkv_hicache_dropped_backups",
+            "Backups not made: the backup queue was full, or no host page was free.",
+            labels=["reason"],
+        )
+        dropped.add_metric(["queue_full"], info["dropped_backups"])
+        dropped.add_metric(["host_full"], info.get("cache_dropped_backups", 0))
+        depth = GaugeMetricFamily("cpkv_hicache_backup_queue_depth", "Backups waiting to copy.")
+        depth.add_metric([], info["backup_queue_depth"])
+        used = GaugeMetricFamily(
+            "cpkv_hicache_host_pages_used",
+            "Host cache pages in use, per owner lane (a rank with shared KV).",
+            labels=["lane"],
+        )
+        total = GaugeMetricFamily(
+            "cpkv_hicache_host_pages_total",
+            "Usable host cache pages, per owner lane.",
+            labels=["lane"],
+        )
+        for lane, (n_used, n_total) in enumerate(
+            zip(info["host_pages_used_per_lane"], info["host_pages_total_per_lane"], strict=True)
+        ):
+            used.add_metric([str(lane)], n_used)
+            total.add_metric([str(lane)], n_total)
+        yield from (dropped, depth, used, total)
+
+
 class ServerMetrics:
     """The metrics of one server, in their own registry. Thread-safe (prometheus_client)."""
 
@@ -172,6 +244,11 @@ class ServerMetrics:
     def attach_stats(self, source: Callable[[], EngineStats]) -> None:
         """Read engine gauges from `source` (normally `EngineClient.stats`) at scrape time."""
         self._engine.source = source
+
+    def attach_hicache(self, source: Callable[[], dict | None]) -> None:
+        """Emit the `cpkv_hicache_*` series from `source` (a prefill server's
+        `PrefillEngine.hicache_info`) at scrape time."""
+        self.registry.register(_HostCacheCollector(source))
 
     def record_bad_request(self) -> None:
         self.bad_requests.inc()

@@ -5,19 +5,28 @@ the model and the devices, load the model (`load_serving_model`: `--fp8-weights`
 with `--ep-size N > 1` the routed experts read straight into their shards on the `cp`
 mesh), build the `cp` mesh, the runner (expert parallel with `--ep-size N > 1`), the
 page-owned (or replicated) pools sized from `--kv-pool-size`, the radix prefix cache on
-the pools' owner-lane allocator, the CPU-only buffer estimator, and the prefill scheduler with the
-CP shared-KV limits. When `--cp-shared-kv-prefill-max-buffer-size` is set, that many
-bytes are allocated once on every CP device after the weights and pools are placed
-(SPEC S9.4), and startup fails with a clear message if they do not fit beside them.
+the pools' owner-lane allocator, the CPU-only buffer estimator, and the prefill
+scheduler with the CP shared-KV limits. When `--cp-shared-kv-prefill-max-buffer-size` is
+set, that many bytes are allocated once on every CP device after the weights and pools
+are placed (SPEC S9.4), and startup fails with a clear message if they do not fit beside
+them.
+
+With `--enable-hierarchical-cache` the prefix cache is a `HiRadixCache` over one host
+pool per owner lane (`HostCacheIO`: `--hicache-mem-layout`, sized by `--hicache-size` or
+`--hicache-ratio`, copies by `--hicache-io-backend`; Pallas kernels interpreted on CPU)
+with `--hicache-write-policy`; the scheduler runs its copies, `PrefillEngine.close`
+stops its backup worker.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import jax
 
+from cpkv_jax.cache.hiradix import HiRadixCache
 from cpkv_jax.cache.radix import RadixCache
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
@@ -34,6 +43,7 @@ from serving.prefill.buffer_estimator import (
     profile_for_platform,
     startup_smoke_allocation,
 )
+from serving.prefill.host_cache import HostCacheIO
 from serving.prefill.scheduler import CPRunnerExecutor, PrefillScheduler
 from serving.server_args import ServerArgs
 
@@ -51,6 +61,31 @@ class PrefillEngine:
     cache: RadixCache
     estimator: BufferEstimator
     scheduler: PrefillScheduler
+    host_io: HostCacheIO | None = None  # with --enable-hierarchical-cache
+
+    def hicache_info(self) -> dict[str, Any] | None:
+        """The host cache for `/server_info`: its configuration, host pages used / total
+        and bytes per owner lane (a lane is a rank with shared KV; replicated KV has one
+        lane), and its counters (`HostCacheIO.snapshot`). None without a host cache.
+        Read from any thread: the counters are plain ints the scheduler thread updates."""
+        io = self.host_io
+        if io is None:
+            return None
+        assert isinstance(self.cache, HiRadixCache)
+        return {
+            "layout": self.args.hicache_mem_layout,
+            "write_policy": self.cache.write_policy,
+            "io_backend": self.args.hicache_io_backend,
+            "storage_backend": self.args.hicache_storage_backend,
+            "host_page_bytes": io.page_bytes,
+            "host_bytes_per_lane": [pool.nbytes() for pool in io.pools.lanes],
+            **io.snapshot(self.cache),
+        }
+
+    def close(self) -> None:
+        """Stop the host cache's backup worker (after its queued copies) and apply what it
+        finished; nothing to do without a host cache. Call once the engine thread stopped."""
+        self.scheduler.close()
 
 
 def pool_pages_per_rank(args: ServerArgs, cfg: ModelConfig) -> int:
@@ -173,7 +208,7 @@ def build_prefill_engine(
         # only once both are resident (placement is asynchronous).
         jax.block_until_ready((runner.state, runner.pool))
         startup_smoke_allocation(args.cp_shared_kv_prefill_max_buffer_size, list(mesh.devices.flat))
-    cache = RadixCache(runner.allocator, args.page_size)
+    host_io, cache = prefix_cache(args, runner, devices[0].platform)
     estimator = buffer_estimator(args, cfg, pages, devices[0].platform)
     limits = CPSharedKVLimits(
         shared_kv=args.enable_cp_shared_kv,
@@ -193,6 +228,7 @@ def build_prefill_engine(
         policy=args.schedule_policy,
         request_timeout=args.request_timeout,
         hold_finished=hold_finished,
+        host_io=host_io,
     )
     per_rank = per_rank_pool_bytes(cfg, runner.layout, DTYPES[args.dtype], args.index_k_dtype)
     logger.info(
@@ -205,4 +241,51 @@ def build_prefill_engine(
         args.ep_size,
         f" ({args.ep_dispatch})" if args.ep_size > 1 else "",
     )
-    return PrefillEngine(args, cfg, runner, cache, estimator, scheduler)
+    return PrefillEngine(args, cfg, runner, cache, estimator, scheduler, host_io)
+
+
+def prefill_copy_impl(args: ServerArgs) -> str | None:
+    """`--hicache-io-backend` as the host copy implementation: `kernel` = the Pallas
+    copy kernels; `direct` = the layout's default (XLA gathers / scatters, or the
+    LF<->LPF kernels of layer_page_first, its only path)."""
+    return "pallas" if args.hicache_io_backend == "kernel" else None
+
+
+def prefix_cache(
+    args: ServerArgs, runner: CPPrefillRunner, platform: str
+) -> tuple[HostCacheIO | None, RadixCache]:
+    """The radix prefix cache on the runner's allocator; with `--enable-hierarchical-cache`,
+    a `HiRadixCache` over one host pool per owner lane and the IO that runs its copies
+    (Pallas kernels interpreted on CPU)."""
+    if not args.enable_hierarchical_cache:
+        return None, RadixCache(runner.allocator, args.page_size)
+    args.refuse_unbuilt()  # prefill mode, no storage tier: what is built
+    io = HostCacheIO.create(
+        runner,
+        layout=args.hicache_mem_layout,
+        size_bytes=args.hicache_size or 0,
+        ratio=args.hicache_ratio,
+        impl=prefill_copy_impl(args),
+        interpret=platform == "cpu",
+    )
+    try:
+        cache = HiRadixCache(
+            runner.allocator,
+            args.page_size,
+            io.host_allocators,
+            write_policy=args.hicache_write_policy,
+        )
+    except BaseException:
+        io.close()
+        raise
+    lane_bytes = io.pools[0].nbytes()
+    logger.info(
+        "host cache: %s layout, %s, %s I/O, %d lane(s) x %d host pages (%.1f MiB per lane)",
+        args.hicache_mem_layout,
+        args.hicache_write_policy,
+        args.hicache_io_backend,
+        len(io.pools),
+        io.pages_total_per_lane()[0],
+        lane_bytes / 2**20,
+    )
+    return io, cache

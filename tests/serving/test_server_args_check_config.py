@@ -11,6 +11,7 @@ import json
 import pytest
 from support.server_args_cases import (
     EP8,
+    HICACHE_LPF,
     LIMIT_FLAGS,
     SHARED_KV,
     registry_with_test_backends,
@@ -18,7 +19,7 @@ from support.server_args_cases import (
 )
 
 from serving import launch
-from serving.server_args import HICACHE_NOT_BUILT, ServerArgs
+from serving.server_args import HICACHE_NOT_BUILT, HICACHE_STORAGE_NOT_BUILT, ServerArgs
 from transfer.capabilities import TransferBackendRegistry
 
 # ---- cpkv-serve --check-config ----------------------------------------------------------
@@ -182,11 +183,74 @@ def test_serve_without_weights_fails_startup_with_one_error_line(serve):
 
 
 def test_unbuilt_host_cache_is_refused_at_startup_not_ignored(serve):
-    """HiCache flags are validated (--check-config warns), but the server does not start
-    with them: serving without the cache the user asked for would be silent."""
+    """HiCache outside prefill mode, or with a storage tier, is valid (--check-config
+    warns) but the server does not start with it: serving without the cache the user
+    asked for would be silent."""
     rc, out, _ = serve("--enable-hierarchical-cache")
     assert rc == 0 and json.loads(out)["warnings"] == [HICACHE_NOT_BUILT]
     rc, out, err = serve("--enable-hierarchical-cache", check=False)
     assert rc == 2 and out == ""
     line = _one_error_line(err)
-    assert "not built yet" in line and "model.safetensors" not in line  # before loading
+    assert "prefill server only" in line and "model.safetensors" not in line  # before loading
+    prefill = ("--disaggregation-mode", "prefill", "--enable-hierarchical-cache")
+    file = (*prefill, "--hicache-storage-backend", "file")
+    rc, out, _ = serve(*file)
+    assert rc == 0 and json.loads(out)["warnings"] == [HICACHE_STORAGE_NOT_BUILT]
+    rc, out, err = serve(*file, "--disable-transfer-malloc-tuning", check=False)
+    assert rc == 2 and "storage (L3) tier" in _one_error_line(err)
+    # Prefill mode without a storage tier is built: startup goes on to load the weights.
+    rc, out, err = serve(*prefill, "--disable-transfer-malloc-tuning", check=False)
+    assert rc == 2 and "model.safetensors" in _one_error_line(err)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        (*SHARED_KV, *HICACHE_LPF),
+        (*SHARED_KV, *HICACHE_LPF, "--hicache-ratio", "4"),
+        (*SHARED_KV, "--hicache-mem-layout", "page_first", "--hicache-io-backend", "kernel"),
+        ("--disaggregation-mode", "prefill", "--hicache-mem-layout", "page_first_direct"),
+        (
+            "--disaggregation-mode",
+            "prefill",
+            "--cp-size",
+            "8",
+            "--hicache-size",
+            "8GiB",
+            "--hicache-write-policy",
+            "write_back",
+        ),
+    ],
+)
+def test_check_config_accepts_the_built_host_cache(serve, argv):
+    rc, out, err = serve("--enable-hierarchical-cache", *argv)
+    assert rc == 0 and err == ""
+    config = json.loads(out)
+    assert config["warnings"] == [] and config["enable_hierarchical_cache"] is True
+    assert config["hicache_write_policy"] in ("write_through_selective", "write_back")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (
+            ("--hicache-storage-backend", "file"),
+            ("--hicache-mem-layout layer_page_first", "--hicache-storage-backend none"),
+        ),
+        (
+            ("--hicache-io-backend", "kernel"),
+            ("--hicache-mem-layout layer_page_first", "--hicache-io-backend direct"),
+        ),
+        (("--hicache-ratio", "0"), ("--hicache-ratio must be a finite number > 0",)),
+        (("--hicache-write-policy", "write_around"), ("--hicache-write-policy",)),
+    ],
+)
+def test_check_config_refuses_unsupported_host_cache_options(serve, argv, needles):
+    rc, out, err = serve(*SHARED_KV, *HICACHE_LPF, *argv)
+    assert rc == 2 and out == ""
+    line = _one_error_line(err)
+    for needle in needles:
+        assert needle in line
+    # An option of the host cache without it names the enabling flag.
+    rc, _, err = serve(*SHARED_KV, "--hicache-ratio", "3")
+    assert rc == 2 and "without --enable-hierarchical-cache" in _one_error_line(err)

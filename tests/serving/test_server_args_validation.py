@@ -1,17 +1,28 @@
 """ServerArgs validation, the one pass before anything is built: NSA index top-k
 overrides (SPEC S11), CP and shared KV (S1.6), transfer backend capabilities and transfer
-flags (S2.3), the layer_page_first host layout (S4.4), bs > 1 limits (S5) and ranges.
+flags (S2.3), the host cache startup matrix (S3.3, S4.4: what is built, what is refused),
+bs > 1 limits (S5) and ranges.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import typing
 
 import pytest
 from support.server_args_cases import GLM5_DIR, make_args, registry_with_test_backends
 
+from cpkv_jax.cache.hiradix import WRITE_POLICIES
 from cpkv_jax.errors import ConfigError
-from serving.server_args import HICACHE_NOT_BUILT, ServerArgs, ServerArgsError, flag_name
+from serving.server_args import (
+    HICACHE_NOT_BUILT,
+    HICACHE_STORAGE_NOT_BUILT,
+    HiCacheWritePolicy,
+    ServerArgs,
+    ServerArgsError,
+    flag_name,
+)
 from transfer.capabilities import BackendCapabilities, default_backend_registry
 
 # ---- SPEC S11: NSA index top-k overrides -------------------------------------------------
@@ -298,23 +309,82 @@ def test_s4_4_layer_page_first_refusals(kw, needle):
     assert "--hicache-mem-layout layer_page_first" in str(e.value) and needle in str(e.value)
 
 
-def test_s4_4_layer_page_first_direct_host_only_is_accepted():
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "layer_page_first")
+# (mode, CP kwargs): every CP / shared-KV setup a mode may run.
+SETUPS = (
+    ("prefill", {}),
+    ("prefill", {"cp_size": 8}),
+    ("prefill", {"cp_size": 8, "enable_cp_shared_kv": True}),
+    ("null", {}),
+    ("decode", {}),
+)
+
+
+@pytest.mark.parametrize(
+    ("setup", "layout", "io", "storage"),
+    list(itertools.product(SETUPS, LAYOUTS, ("direct", "kernel"), ("none", "file"))),
+    ids=lambda v: "-".join([v[0], *map(str, v[1].values())]) if isinstance(v, tuple) else v,
+)
+def test_s3_3_s4_4_host_cache_startup_matrix(setup, layout, io, storage):
+    """Every combination is supported or refused naming the flags: LPF with a storage
+    tier or non-direct I/O is invalid (S4.4); a unified / decode server or a storage
+    tier is valid but not built, so `validate` warns and startup refuses; the rest
+    (prefill mode, storage none: any layout with direct I/O, non-LPF with kernel I/O)
+    validates with no warning and starts."""
+    mode, cp = setup
+    args = make_args(
+        disaggregation_mode=mode,
+        enable_hierarchical_cache=True,
+        hicache_mem_layout=layout,
+        hicache_io_backend=io,
+        hicache_storage_backend=storage,
+        **cp,
+    )
+    if layout == "layer_page_first" and (storage != "none" or io != "direct"):
+        with pytest.raises(ServerArgsError) as e:
+            args.validate()
+        flag = "--hicache-storage-backend none" if storage != "none" else "--hicache-io-backend"
+        assert "--hicache-mem-layout layer_page_first" in str(e.value) and flag in str(e.value)
+        return
+    unbuilt = [HICACHE_NOT_BUILT] if mode != "prefill" else []
+    unbuilt += [HICACHE_STORAGE_NOT_BUILT] if storage != "none" else []
+    assert list(args.validate()) == unbuilt
+    if not unbuilt:
+        args.refuse_unbuilt()  # built: starts
+        return
+    with pytest.raises(ServerArgsError) as e:
+        args.refuse_unbuilt()
+    assert str(e.value) == unbuilt[0]
+    assert ("prefill server only" if mode != "prefill" else "--hicache-storage-backend none") in (
+        str(e.value)
+    )
+
+
+def test_hicache_ratio_and_write_policy():
     args = make_args(
         cp_size=8,
         enable_cp_shared_kv=True,
         enable_hierarchical_cache=True,
-        hicache_mem_layout="layer_page_first",
+        hicache_ratio=4.0,
+        hicache_write_policy="write_back",
     )
-    # Valid; the only warning says the host cache itself is not built yet.
-    assert args.validate() == (HICACHE_NOT_BUILT,)
-    # Other layouts may use a storage tier and the kernel I/O backend.
-    args = make_args(
+    assert args.validate() == ()
+    # SGLang's names, the host cache's own.
+    assert typing.get_args(HiCacheWritePolicy) == WRITE_POLICIES
+    for ratio in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ServerArgsError, match="--hicache-ratio must be a finite number > 0"):
+            make_args(enable_hierarchical_cache=True, hicache_ratio=ratio).validate()
+    # --hicache-size wins; a ratio beside it does nothing (a warning names both).
+    (warning,) = make_args(
+        disaggregation_mode="prefill",
         enable_hierarchical_cache=True,
-        hicache_mem_layout="page_first",
-        hicache_io_backend="kernel",
-        hicache_storage_backend="file",
-    )
-    assert args.validate() == (HICACHE_NOT_BUILT,)
+        hicache_size=2**30,
+        hicache_ratio=3.0,
+    ).validate()
+    assert "--hicache-ratio 3 has no effect with --hicache-size 1GiB" in warning
+    for kw in ({"hicache_ratio": 3.0}, {"hicache_write_policy": "write_through"}):
+        with pytest.raises(ServerArgsError, match="without --enable-hierarchical-cache"):
+            make_args(disaggregation_mode="prefill", **kw).validate()
 
 
 def test_hicache_options_need_the_hierarchical_cache():

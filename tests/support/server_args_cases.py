@@ -28,6 +28,8 @@ LIMIT_FLAGS = (
 SHARED_KV = ("--disaggregation-mode", "prefill", "--cp-size", "8", "--enable-cp-shared-kv")
 # Expert parallelism over the 8 CP ranks of that prefill server (issue 22).
 EP8 = (*SHARED_KV, "--ep-size", "8")
+# The host KV cache in the layout built for CP shared KV (SPEC S4.4: host-only, direct).
+HICACHE_LPF = ("--enable-hierarchical-cache", "--hicache-mem-layout", "layer_page_first")
 
 
 def make_args(**kw) -> ServerArgs:
