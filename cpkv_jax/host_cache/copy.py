@@ -273,6 +273,30 @@ def _load(pool, host, layers, plan, pool_layout, lane, impl, kinds, interpret) -
     )
 
 
+def _prepare(
+    pool: KVPool,
+    host: HostPool,
+    layer: int | None,
+    device_indices: np.ndarray,
+    host_indices: np.ndarray,
+    pool_layout: PoolLayout,
+    impl: CopyImpl | None,
+    kinds: Sequence[str] | None,
+    *,
+    load: bool,
+) -> tuple[CopyImpl, tuple[str, ...], CopyPlan]:
+    """Every check of a copy entry, in order, before any data moves (`layer`: None = all)."""
+    impl = resolve_impl(host.layout, impl)
+    kinds = _check_kinds(host, kinds)
+    if layer is not None:
+        _check_layer(pool, layer)
+    _check_pool(pool, host, pool_layout)
+    plan = plan_copy(
+        host, pool_layout, device_indices=device_indices, host_indices=host_indices, load=load
+    )
+    return impl, kinds, plan
+
+
 def backup_layer(
     pool: KVPool,
     host: HostPool,
@@ -288,12 +312,8 @@ def backup_layer(
 ) -> None:
     """Copy layer `layer`'s pages of lane `lane` (latent, and index K + scale on a full
     indexer layer; `kinds` narrows it) into `host`. The pool is only read."""
-    impl = resolve_impl(host.layout, impl)
-    kinds = _check_kinds(host, kinds)
-    _check_layer(pool, layer)
-    _check_pool(pool, host, pool_layout)
-    plan = plan_copy(
-        host, pool_layout, device_indices=device_indices, host_indices=host_indices, load=False
+    impl, kinds, plan = _prepare(
+        pool, host, layer, device_indices, host_indices, pool_layout, impl, kinds, load=False
     )
     _backup(pool, host, (layer,), plan, pool_layout, lane, impl, kinds, interpret)
 
@@ -313,12 +333,8 @@ def load_layer(
 ) -> KVPool:
     """Load host pages into layer `layer` of lane `lane`; returns the new pool (the
     layer's leaves of `pool` are donated)."""
-    impl = resolve_impl(host.layout, impl)
-    kinds = _check_kinds(host, kinds)
-    _check_layer(pool, layer)
-    _check_pool(pool, host, pool_layout)
-    plan = plan_copy(
-        host, pool_layout, device_indices=device_indices, host_indices=host_indices, load=True
+    impl, kinds, plan = _prepare(
+        pool, host, layer, device_indices, host_indices, pool_layout, impl, kinds, load=True
     )
     return _load(pool, host, (layer,), plan, pool_layout, lane, impl, kinds, interpret)
 
@@ -336,11 +352,8 @@ def backup_all_layers(
     interpret: bool | None = None,
 ) -> None:
     """`backup_layer` for every layer; LPF loops over the per-layer copies (S4.3)."""
-    impl = resolve_impl(host.layout, impl)
-    kinds = _check_kinds(host, kinds)
-    _check_pool(pool, host, pool_layout)
-    plan = plan_copy(
-        host, pool_layout, device_indices=device_indices, host_indices=host_indices, load=False
+    impl, kinds, plan = _prepare(
+        pool, host, None, device_indices, host_indices, pool_layout, impl, kinds, load=False
     )
     layers = range(len(pool.latent))
     if host.layout == LPF:
@@ -363,11 +376,8 @@ def load_all_layers(
     interpret: bool | None = None,
 ) -> KVPool:
     """`load_layer` for every layer; returns the new pool (`pool` is donated)."""
-    impl = resolve_impl(host.layout, impl)
-    kinds = _check_kinds(host, kinds)
-    _check_pool(pool, host, pool_layout)
-    plan = plan_copy(
-        host, pool_layout, device_indices=device_indices, host_indices=host_indices, load=True
+    impl, kinds, plan = _prepare(
+        pool, host, None, device_indices, host_indices, pool_layout, impl, kinds, load=True
     )
     for layer in range(len(pool.latent)):
         pool = _load(pool, host, (layer,), plan, pool_layout, lane, impl, kinds, interpret)
