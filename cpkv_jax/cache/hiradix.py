@@ -615,17 +615,7 @@ class HiRadixCache(RadixCache):
         for node in self._nodes():
             for key, child in node.children.items():
                 where = f"{child!r} under {node!r}"
-                _require(child.parent is node, f"parent link broken at {where}")
-                _require(child.start_page == node.end_page, f"start page != parent end: {where}")
-                _require(child.num_pages > 0, f"empty edge {where}")
-                _require(
-                    child.tokens.size == child.num_pages * self.page_size,
-                    f"edge tokens are not whole pages: {where}",
-                )
-                _require(key == self._child_key(child.tokens, 0), f"stale child key: {where}")
-                _require(child.lock_ref >= 0, f"negative lock count: {where}")
-                if node is not self._root:
-                    _require(child.lock_ref <= node.lock_ref, f"child locked more: {where}")
+                self._check_edge(node, key, child, where)
                 lanes = self._lanes(child)
                 if child.on_device:
                     _require(node.on_device, f"device node under a host-only node: {where}")

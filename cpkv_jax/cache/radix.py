@@ -386,17 +386,7 @@ class RadixCache:
         for node in self._nodes():
             for key, child in node.children.items():
                 where = f"{child!r} under {node!r}\n{self.pretty()}"
-                _require(child.parent is node, f"parent link broken at {where}")
-                _require(child.start_page == node.end_page, f"start page != parent end: {where}")
-                _require(child.num_pages > 0, f"empty edge {where}")
-                _require(
-                    child.tokens.size == child.num_pages * self.page_size,
-                    f"edge tokens are not whole pages: {where}",
-                )
-                _require(key == self._child_key(child.tokens, 0), f"stale child key: {where}")
-                _require(child.lock_ref >= 0, f"negative lock count: {where}")
-                if node is not self._root:
-                    _require(child.lock_ref <= node.lock_ref, f"child locked more: {where}")
+                self._check_edge(node, key, child, where)
                 counts = self._lane_counts(child)
                 if child.lock_ref:
                     protected += counts
@@ -422,6 +412,20 @@ class RadixCache:
             )
 
     # --- internals -----------------------------------------------------------------
+
+    def _check_edge(self, node: RadixNode, key: bytes, child: RadixNode, where: str) -> None:
+        """The structural invariants of one edge `node -> child` (`check_invariants`)."""
+        _require(child.parent is node, f"parent link broken at {where}")
+        _require(child.start_page == node.end_page, f"start page != parent end: {where}")
+        _require(child.num_pages > 0, f"empty edge {where}")
+        _require(
+            child.tokens.size == child.num_pages * self.page_size,
+            f"edge tokens are not whole pages: {where}",
+        )
+        _require(key == self._child_key(child.tokens, 0), f"stale child key: {where}")
+        _require(child.lock_ref >= 0, f"negative lock count: {where}")
+        if node is not self._root:
+            _require(child.lock_ref <= node.lock_ref, f"child locked more: {where}")
 
     def _new_tree(self) -> None:
         self._root = self._new_node(
