@@ -143,10 +143,14 @@ class DigestMismatchError(TransferError):
 
 @dataclasses.dataclass(frozen=True)
 class Aux:
-    """A request's auxiliary data, sent once by rank 0: the first output token."""
+    """A request's auxiliary data, sent once by rank 0: the first output token, and the
+    prompt tokens the prefill reused from its cache (of them, `host_cached_tokens` loaded
+    back from its host cache), which the decode server reports as `cached_tokens`."""
 
     first_token: int
     logprob: float
+    cached_tokens: int = 0
+    host_cached_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +288,16 @@ def data_plane_from_pb(value: int) -> DataPlane:
 
 
 def aux_to_pb(aux: Aux) -> pb.Aux:
-    return pb.Aux(first_token=aux.first_token, logprob=aux.logprob)
+    return pb.Aux(
+        first_token=aux.first_token,
+        logprob=aux.logprob,
+        cached_tokens=aux.cached_tokens,
+        host_cached_tokens=aux.host_cached_tokens,
+    )
+
+
+def aux_from_pb(msg: pb.Aux) -> Aux:
+    return Aux(msg.first_token, msg.logprob, msg.cached_tokens, msg.host_cached_tokens)
 
 
 def snapshot_to_pb(s: RoomSnapshot) -> pb.RoomStatus:
@@ -309,7 +322,7 @@ def snapshot_from_pb(msg: pb.RoomStatus) -> RoomSnapshot:
         room=msg.room,
         state=state,
         reason=msg.reason,
-        aux=Aux(msg.aux.first_token, msg.aux.logprob) if msg.HasField("aux") else None,
+        aux=aux_from_pb(msg.aux) if msg.HasField("aux") else None,
         num_pages=msg.num_pages,
         committed_ranks=tuple(msg.committed_ranks),
     )

@@ -108,6 +108,9 @@ class _Request:
     out_lps: list[float] = dataclasses.field(default_factory=list)
     emitted: int = 0  # output tokens already sent in a chunk
     first_token_at: float | None = None
+    # Decode mode: the prefill server's prefix-cache hit (from the transfer's aux data).
+    cached_tokens: int = 0
+    host_cached_tokens: int = 0
     finish: StopResult | None = None
     error: str | None = None
 
@@ -419,6 +422,7 @@ class DecodeEngine:
                     self._fail(r, "KV transfer succeeded without the first token", touched)
                     continue
                 self._running[rid] = r
+                r.cached_tokens, r.host_cached_tokens = aux.cached_tokens, aux.host_cached_tokens
                 n_prompt_pages = pages_for_tokens(len(r.prompt), self.page_size)
                 self._transfer_bytes += n_prompt_pages * self._bytes_per_page
                 self._record(r, int(aux.first_token), float(aux.logprob))
@@ -475,7 +479,8 @@ class DecodeEngine:
         meta: dict[str, float | int] = {
             "prompt_tokens": len(r.prompt),
             "completion_tokens": len(r.out_ids),
-            "cached_tokens": 0,
+            "cached_tokens": r.cached_tokens,
+            "cached_tokens_host": r.host_cached_tokens,
             "e2e_s": now - r.req.arrival_time,
         }
         if r.first_token_at is not None:

@@ -167,6 +167,13 @@ class Generation:
             return self.out.matched
         return self.ids[-1] if self.ids else None
 
+    def cached_tokens_details(self) -> dict[str, int]:
+        """`cached_tokens` split by where the KV came from: the device prefix cache or
+        the host (L2) cache (SGLang's `cached_tokens_details`)."""
+        cached = int(self.meta.get("cached_tokens", 0))
+        host = int(self.meta.get("cached_tokens_host", 0))
+        return {"device": cached - host, "host": host}
+
     def usage(self) -> dict[str, Any]:
         prompt = len(self.req.input_ids)
         return {

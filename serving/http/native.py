@@ -65,6 +65,7 @@ class NativeRoutes:
             "prompt_tokens": len(gen.req.input_ids),
             "completion_tokens": len(gen.ids),
             "cached_tokens": int(gen.meta.get("cached_tokens", 0)),
+            "cached_tokens_details": gen.cached_tokens_details(),
             "finish_reason": finish,
             "e2e_latency": gen.e2e,
             "ttft": gen.timer.ttft,

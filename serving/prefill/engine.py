@@ -112,6 +112,7 @@ class _Request:
     first_token: int = -1
     logprob: float = 0.0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of `cached_tokens`, loaded back from the host cache
     num_pages: int = 0
     ttft_s: float = 0.0
     abort_reason: str | None = None
@@ -388,6 +389,7 @@ class PrefillModeEngine:
         token = sample_token(logprobs, req.sampling, step=0, seed=request_seed(req))
         entry.first_token, entry.logprob = token, float(logprobs[token])
         entry.cached_tokens = outcome.cached_tokens
+        entry.host_cached_tokens = outcome.host_cached_tokens
         self.prefix_cache_hit_tokens += outcome.cached_tokens
         entry.ttft_s = self.clock() - req.arrival_time
         table = outcome.table
@@ -400,7 +402,10 @@ class PrefillModeEngine:
             )
         entry.transfer_started = self.clock()
         entry.state = "transferring"
-        if not entry.hold.provide(table.local_pages(), Aux(token, entry.logprob)):
+        if not entry.hold.provide(
+            table.local_pages(),
+            Aux(token, entry.logprob, entry.cached_tokens, entry.host_cached_tokens),
+        ):
             # The room failed while the prefill ran: the next poll frees the pages and
             # reports the hold's outcome.
             logger.info("request %s: room failed during the prefill; nothing sent", req.rid)
@@ -475,6 +480,7 @@ class PrefillModeEngine:
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": int(ok),
             "cached_tokens": entry.cached_tokens,
+            "cached_tokens_host": entry.host_cached_tokens,
             "e2e_s": self.clock() - req.arrival_time,
         }
         if entry.first_token >= 0:

@@ -90,6 +90,7 @@ class PrefillRequest:
     table: RequestPageTable | None = None
     lock_node: RadixNode | None = None
     cached_tokens: int = 0  # prefix reused from the cache at admission
+    host_cached_tokens: int = 0  # of which loaded back from the host cache
     done: int = 0  # tokens whose KV is written (cached prefix included)
 
 
@@ -100,6 +101,7 @@ class PrefillOutcome:
     last_logits: np.ndarray | None = None
     cached_tokens: int = 0
     reason: str = ""
+    host_cached_tokens: int = 0  # of `cached_tokens`, loaded back from the host cache
     # `hold_finished` only: the finished request's page table, valid (pages allocated,
     # KV intact) until `PrefillScheduler.release_held(rid)`.
     table: RequestPageTable | None = None
@@ -299,13 +301,26 @@ class PrefillScheduler:
                 self._hold(req)
                 outcomes.append(
                     PrefillOutcome(
-                        req.rid, "finished", np.asarray(out), req.cached_tokens, table=req.table
+                        req.rid,
+                        "finished",
+                        np.asarray(out),
+                        req.cached_tokens,
+                        table=req.table,
+                        host_cached_tokens=req.host_cached_tokens,
                     )
                 )
                 continue
             cache_finished_request(self.cache, req.table, req.input_ids, req.lock_node)
             self._ids.discard(req.rid)
-            outcomes.append(PrefillOutcome(req.rid, "finished", np.asarray(out), req.cached_tokens))
+            outcomes.append(
+                PrefillOutcome(
+                    req.rid,
+                    "finished",
+                    np.asarray(out),
+                    req.cached_tokens,
+                    host_cached_tokens=req.host_cached_tokens,
+                )
+            )
         self._submit_backups()
         return outcomes
 
@@ -411,12 +426,14 @@ class PrefillScheduler:
             self._unlock(req)
             return False
         req.cached_tokens = used.num_tokens
+        req.host_cached_tokens = used.num_tokens - match.num_tokens
         req.table = table_from_prefix(self.cache, used)
         req.done = used.num_tokens
         if not self._allocate(req, adder.batch[-1]):
             adder.batch.pop()
             self._unlock(req)
             req.table, req.done, req.cached_tokens = None, 0, 0  # matched afresh next time
+            req.host_cached_tokens = 0
             self.rejections["lane_capacity"] += 1
             return False
         if skipped:

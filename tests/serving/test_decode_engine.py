@@ -387,15 +387,22 @@ def test_decode_mode_continues_transferred_kv(tiny):
     assert [c.finish_reason for c in engine.step()] == ["abort"]
 
     # The prefill side: greedy and seeded-sampled first tokens (step 0), one failure.
-    for r in (greedy, sampled):
+    # The greedy one reports a prefix-cache hit on the prefill side (3 tokens, 1 from host).
+    for r, cached in ((greedy, (3, 1)), (sampled, (0, 0))):
         data, lp = prefill_into_pages(tiny, r.input_ids, r.sampling.max_new_tokens, layout)
         tok = sample_token(lp, r.sampling, 0, r.sampling.seed or 0)
-        send(rx, f"room-{r.rid}", len(r.input_ids), data, Aux(tok, float(lp[tok])))
+        send(rx, f"room-{r.rid}", len(r.input_ids), data, Aux(tok, float(lp[tok]), *cached))
     rx.abort(f"room-{failing.rid}", "prefill crashed", sender_rank=0)
     engine.abort(aborted.rid)
     assert rx.status(f"room-{aborted.rid}").state is RoomState.FAILED
     toks, lps, final = run(engine, {})
 
+    # The prefill's cache hit reaches the client through the decode server (issue 23).
+    assert (
+        final[greedy.rid].meta["cached_tokens"],
+        final[greedy.rid].meta["cached_tokens_host"],
+    ) == (3, 1)
+    assert final[sampled.rid].meta["cached_tokens"] == 0
     assert final[failing.rid].finish_reason == "error"
     assert "prefill crashed" in final[failing.rid].error
     assert final[aborted.rid].finish_reason == "abort"

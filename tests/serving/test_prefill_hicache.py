@@ -115,6 +115,7 @@ def test_evicted_prompt_comes_back_from_host(runner):
     assert io.stats.host_hit_tokens >= m.host_num_tokens
     assert io.stats.load_backs >= 1 and io.stats.load_back_bytes > 0
     assert again.cached_tokens == 8 * PAGE  # device + loaded-back host hits (S7)
+    assert again.host_cached_tokens == m.host_num_tokens
     chex.assert_trees_all_close(again.last_logits, first.last_logits, rtol=1e-5, atol=1e-5)
     want, _ = reference(cfg, model, long)
     chex.assert_trees_all_close(again.last_logits, want, rtol=1e-5, atol=1e-5)

@@ -339,6 +339,9 @@ def test_several_in_flight_with_a_shared_prefix(fresh):
     pd.backend.gate.set()
     chunks = drive(pd.engine, list(prompts))
     assert chunks["b"].meta["cached_tokens"] == 3 * P
+    # ... and the decode side gets it with the first token (the aux data), for its client.
+    assert pd.rx.status("many-b").aux.cached_tokens == 3 * P
+    assert pd.rx.status("many-a").aux.cached_tokens == 0
     assert chunks["a"].meta["cached_tokens"] == chunks["c"].meta["cached_tokens"] == 0
     for rid, p in prompts.items():
         assert chunks[rid].finish_reason == "length", chunks[rid]

@@ -157,6 +157,7 @@ def test_evicted_prompt_comes_back_from_host_with_the_same_answer(server, tiny_c
 
     again = serve_one(engine, "a-again", long)
     assert again.meta["cached_tokens"] == 8 * P  # device + loaded-back host hits (S7)
+    assert again.meta["cached_tokens_host"] == m.host_num_tokens > 0  # the breakdown
     assert engine.stats().prefix_cache_hit_tokens - hits0 == 8 * P
     assert io.stats.host_hit_tokens >= m.host_num_tokens > 0
     assert io.stats.load_backs >= 1 and io.stats.load_back_bytes > 0

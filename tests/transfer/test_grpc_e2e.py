@@ -101,7 +101,7 @@ def test_bootstrap_ahead_waits_for_inputs_then_sends(prefill, decode):
     time.sleep(TIMEOUTS.heartbeat + 0.5)  # alive on heartbeats alone
     assert dec.receiver.status("boot").state is RoomState.WAITING_FOR_INPUT
     assert dec.receiver.staging("boot") is None and not hold.released  # nothing moved
-    aux = Aux(7, -0.25)
+    aux = Aux(7, -0.25, cached_tokens=48, host_cached_tokens=16)  # all four fields on the wire
     assert hold.provide(table.local_pages(), aux)
     outcome = finish(hold)
     assert outcome.state is RoomState.SUCCESS and dec.receiver.status("boot").aux == aux

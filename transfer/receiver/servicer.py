@@ -26,12 +26,12 @@ from transfer.protocol import (
     HANDSHAKE_HOLD_S,
     MESSAGE_SLACK_BYTES,
     SERVICE_NAME,
-    Aux,
     BadRequestError,
     RoomSnapshot,
     RoomState,
     TransferError,
     UnknownRoomError,
+    aux_from_pb,
     data_plane_from_pb,
     layout_from_pb,
     layout_to_pb,
@@ -189,7 +189,7 @@ class KVTransferServicer:
     def Commit(self, raw: bytes, context: grpc.ServicerContext) -> pb.RoomStatus:
         msg = _parse(pb.CommitRequest, raw, context)
         with _status_on_error(context):
-            aux = Aux(msg.aux.first_token, msg.aux.logprob) if msg.HasField("aux") else None
+            aux = aux_from_pb(msg.aux) if msg.HasField("aux") else None
             snap = self.receiver.commit(
                 msg.room,
                 msg.sender_rank,
