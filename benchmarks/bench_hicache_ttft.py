@@ -1,0 +1,198 @@
+"""TTFT of a repeated long prompt: served from the host (L2) cache vs recomputed.
+
+    python -m benchmarks.bench_hicache_ttft [--lengths 512 2048] [--cp 8] [--page-size 16]
+                                            [--layout page_first] [--repeats 5] [--json PATH]
+
+The real prefill path of a `cpkv-serve --disaggregation-mode prefill
+--enable-hierarchical-cache` server, without HTTP: a `PrefillScheduler` over a
+`CPPrefillRunner` (CP shared KV on a `("cp",)` mesh of `--cp` devices, the tiny GLM-5
+model), a `HiRadixCache` (write_through) and a `HostCacheIO` with `--layout` host pools.
+For each prompt length L, each round uses fresh random prompts and times, as the
+scheduler sees it (submit -> first-token logits on the host, blocking):
+
+- `recompute`: a prompt nobody has seen (no device or host hit: the whole prefill);
+- `device_hit`: the same prompt again at once (its whole pages are on the device);
+- `host_hit`: the same prompt again after other prompts have pushed it off the device
+  (its pages come back from host: the load-back, then the last partial page's prefill).
+
+The device pool holds about 1.5 prompts, so the filler prompts evict it; the host pool is
+`--hicache-ratio` x the device pool. Round 0 compiles every shape and is not timed;
+`--repeats` timed rounds follow, medians reported with the ratios `host_hit / recompute`
+(the goal: well below 1) and `host_hit / device_hit` (what the load-back costs beyond a
+device hit: the part of the copy not hidden behind compute). A round whose host hit was
+not loaded back (`host_cached_tokens == 0`) is an error, not a data point.
+
+On this CPU the host copy is an XLA gather / scatter that rewrites the whole pool
+(`bench_host_copy`: loads 0.02-0.04x memcpy), and the LPF layout's Pallas kernels run
+in interpret mode, so `--layout layer_page_first` here measures the interpreter; the
+GPU figure is the one that says what the design costs. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__" and "xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""
+):
+    # Must precede the first jax import: the CP mesh wants 8 CPU devices.
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from benchmarks.report import emit, environment
+from cpkv_jax.cache.hiradix import HiRadixCache
+from cpkv_jax.config import CPConfig, ModelConfig
+from cpkv_jax.cp_prefill import CPPrefillRunner
+from cpkv_jax.host_cache.pool import HOST_LAYOUTS
+from cpkv_jax.mesh import make_cp_mesh
+from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.paging import pages_for_tokens
+from cpkv_jax.tools.tiny_config import tiny_config_dict
+from serving.prefill.adder import CPSharedKVLimits
+from serving.prefill.host_cache import HostCacheIO
+from serving.prefill.scheduler import CPRunnerExecutor, PrefillScheduler
+
+DEFAULT_LENGTHS = (512, 2048)
+VOCAB_LOW, VOCAB_HIGH = 3, 300  # the tiny model's vocabulary, minus special tokens
+
+
+def _setup(args: argparse.Namespace, length: int):
+    cfg = ModelConfig.from_dict(tiny_config_dict(args.arch))
+    model = CausalLM(cfg, rngs=nnx.Rngs(args.seed))
+    cp = CPConfig(cp_size=args.cp, shared_kv=True, page_size=args.page_size)
+    # About 1.5 prompts of device pages (+ the trash page per lane): one filler evicts it.
+    pages = pages_for_tokens(length, args.page_size)
+    per_rank = -(-(pages * 3 // 2) // args.cp) + 1
+    runner = CPPrefillRunner(
+        cfg, model, make_cp_mesh(args.cp), cp, pages_per_rank=per_rank, index_k_dtype="float32"
+    )
+    io = HostCacheIO.create(runner, args.layout, ratio=args.hicache_ratio)
+    cache = HiRadixCache(runner.allocator, args.page_size, io.host_allocators)
+    sched = PrefillScheduler(
+        cache=cache,
+        executor=CPRunnerExecutor(runner),
+        max_prefill_tokens=max(length, args.chunk),
+        chunked_prefill_size=args.chunk,
+        cp_limits=CPSharedKVLimits(shared_kv=True),
+        host_io=io,
+    )
+    return sched, cache, io, per_rank
+
+
+def _serve(sched: PrefillScheduler, rid: str, ids: np.ndarray):
+    """Submit -> logits on the host; returns (seconds, outcome). Backups finish after."""
+    t0 = time.perf_counter()
+    sched.submit(rid, ids)
+    (out,) = sched.run_until_idle()
+    seconds = time.perf_counter() - t0
+    if out.status != "finished":
+        raise RuntimeError(f"request {rid}: {out.status}: {out.reason}")
+    sched.sync_host_cache(wait=True)  # off the timed path: the next request sees them
+    return seconds, out
+
+
+def run_length(args: argparse.Namespace, length: int) -> dict:
+    sched, cache, io, per_rank = _setup(args, length)
+    rng = np.random.default_rng(args.seed + length)
+    times: dict[str, list[float]] = {"recompute": [], "device_hit": [], "host_hit": []}
+    host_tokens: list[int] = []
+    device_tokens: list[int] = []
+    for rnd in range(args.repeats + 1):
+
+        def prompt() -> np.ndarray:
+            return rng.integers(VOCAB_LOW, VOCAB_HIGH, length).astype(np.int32)
+
+        ids = prompt()
+        t_cold, _ = _serve(sched, f"{rnd}-cold", ids)
+        t_dev, dev = _serve(sched, f"{rnd}-device", ids)
+        for i in range(2):  # fillers push `ids` off the device (the host keeps it)
+            _serve(sched, f"{rnd}-filler{i}", prompt())
+        t_host, host = _serve(sched, f"{rnd}-host", ids)
+        if host.host_cached_tokens == 0:
+            raise RuntimeError(
+                f"length {length}, round {rnd}: the repeat was not served from host "
+                f"(cached {host.cached_tokens}, host {host.host_cached_tokens}); host stats "
+                f"{io.snapshot(cache)}"
+            )
+        if rnd == 0:
+            continue  # compiles
+        times["recompute"].append(t_cold)
+        times["device_hit"].append(t_dev)
+        times["host_hit"].append(t_host)
+        host_tokens.append(host.host_cached_tokens)
+        device_tokens.append(dev.cached_tokens)
+    snap = io.snapshot(cache)
+    sched.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "length": length,
+        "pages_per_rank": per_rank,
+        "median_s": med,
+        "all_s": times,
+        "host_hit_tokens_per_round": host_tokens,
+        "device_hit_tokens_per_round": device_tokens,
+        "ratio_host_hit_over_recompute": med["host_hit"] / med["recompute"],
+        "ratio_host_hit_over_device_hit": med["host_hit"] / med["device_hit"],
+        "load_backs": snap["load_backs"],
+        "load_back_seconds_mean": snap["load_back_seconds"] / max(snap["load_backs"], 1),
+        "load_back_bytes_mean": snap["load_back_bytes"] // max(snap["load_backs"], 1),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS))
+    ap.add_argument("--cp", type=int, default=8)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=1024, help="chunked prefill size")
+    ap.add_argument("--layout", choices=HOST_LAYOUTS, default="page_first")
+    ap.add_argument("--hicache-ratio", type=float, default=4.0)
+    ap.add_argument("--arch", choices=("glm_moe_dsa", "deepseek_v32"), default="glm_moe_dsa")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="also write the result here")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if jax.device_count() < args.cp:
+        print(
+            f"--cp {args.cp} needs {args.cp} devices, found {jax.device_count()} (CPU: "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={args.cp})",
+            file=sys.stderr,
+        )
+        return 2
+    if args.repeats < 1:
+        print("--repeats must be >= 1", file=sys.stderr)
+        return 2
+    results = [run_length(args, n) for n in args.lengths]
+    emit(
+        {
+            **environment(),
+            "cp_size": args.cp,
+            "page_size": args.page_size,
+            "layout": args.layout,
+            "arch": args.arch,
+            "chunk": args.chunk,
+            "repeats": args.repeats,
+            "lengths": results,
+        },
+        args.json,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
