@@ -36,7 +36,6 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -48,6 +47,7 @@ from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
+from serving.decode.cached import CachedUnifiedEngine
 from serving.decode.engine import DecodeEngine
 from serving.engine.api import GenerateRequest, SamplingParams, StepEngine
 from serving.engine.loop import EngineLoop
@@ -97,8 +97,8 @@ class Server:
         self.closers.clear()
 
     def settle_caches(self) -> None:
-        """Evict the prefill radix cache (after shutdown), so free == total unless leaked."""
-        if isinstance(self.engine, PrefillModeEngine):
+        """Evict the prefix cache (after shutdown), so free == total unless leaked."""
+        if isinstance(self.engine, PrefillModeEngine | CachedUnifiedEngine):
             self.engine.scheduler.cache.reset()
 
     def kv_free_summary(self) -> str:
@@ -136,8 +136,14 @@ def _detokenizer(tokenizer: Tokenizer | None):
 
 
 def _build_decode_side(
-    args: ServerArgs, cfg: ModelConfig, model: CausalLM, tokenizer: Tokenizer | None
+    args: ServerArgs,
+    cfg: ModelConfig,
+    model: CausalLM,
+    tokenizer: Tokenizer | None,
+    devices: list,
 ) -> tuple[DecodeEngine, dict[str, Any], list[Callable[[], None]]]:
+    if args.disaggregation_mode == "null" and args.enable_hierarchical_cache:
+        return _build_cached_unified(args, cfg, model, tokenizer, devices)
     dtype = DTYPES[args.dtype]
     pages = pool_pages_per_rank(args, cfg)  # cp_size 1 here: one lane, one trash page
     pool = init_pool(cfg, pages, args.page_size, dtype, args.index_k_dtype)
@@ -188,6 +194,35 @@ def _build_decode_side(
     return engine, info, closers
 
 
+def _build_cached_unified(
+    args: ServerArgs,
+    cfg: ModelConfig,
+    model: CausalLM,
+    tokenizer: Tokenizer | None,
+    devices: list,
+) -> tuple[DecodeEngine, dict[str, Any], list[Callable[[], None]]]:
+    """Unified mode with the host cache: the CP prefill engine on one device (its prefix
+    cache, host cache and scheduler) feeding the decode batch on its pool."""
+    prefill = build_prefill_engine(args, model=model, devices=devices[:1], hold_finished=True)
+    try:
+        engine = CachedUnifiedEngine(
+            prefill=prefill,
+            cfg=cfg,
+            model=model,
+            page_size=args.page_size,
+            index_k_dtype=args.index_k_dtype,
+            batch_invariant=args.enable_batch_invariant,
+            block_bytes=args.transient_block_size,
+            max_running_requests=args.max_running_requests or DEFAULT_MAX_RUNNING,
+            max_queued_requests=args.max_queued_requests,
+            detokenize=_detokenizer(tokenizer),
+        )
+    except BaseException:
+        prefill.close()
+        raise
+    return engine, {}, [prefill.close]
+
+
 def _decode_engine(
     args: ServerArgs, cfg: ModelConfig, model: CausalLM, kv: Any, **kw: Any
 ) -> DecodeEngine:
@@ -230,8 +265,8 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
     def prompt(n: int) -> list[int]:
         return [3 + (7 * i) % vocab for i in range(n)]
 
-    if isinstance(engine, PrefillModeEngine):
-        runner = engine.runner
+    if isinstance(engine, PrefillModeEngine | CachedUnifiedEngine):
+        runner = engine.prefill.runner if isinstance(engine, CachedUnifiedEngine) else engine.runner
         chunk = args.chunked_prefill_size or 4 * args.page_size * args.cp_size
         chunk = min(chunk, cfg.max_position_embeddings - 1)
         cp = args.cp_size
@@ -239,7 +274,9 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
         for n in [*lengths, chunk]:
             result = runner.prefill([prompt(n)], chunk)
             runner.release(result.tables[0])
-        return time.perf_counter() - t0
+        if isinstance(engine, PrefillModeEngine):
+            return time.perf_counter() - t0
+    # The decode batch buckets (a unified cached engine: on its runner's pool).
     assert isinstance(engine, DecodeEngine)
     free0 = engine.kv.num_free_pages
     new_tokens = 9  # early requests keep decoding while later ones join: batches 1..8
@@ -270,6 +307,8 @@ def hicache_source(engine: StepEngine) -> Callable[[], dict[str, Any] | None] | 
     has no host cache."""
     if isinstance(engine, PrefillModeEngine) and engine.engine.host_io is not None:
         return engine.engine.hicache_info
+    if isinstance(engine, CachedUnifiedEngine) and engine.prefill.host_io is not None:
+        return engine.hicache_info
     return None
 
 
@@ -330,7 +369,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         engine.backend.prepare()  # Mooncake: engine up, host copy buffer registered
         logger.info("transfer backend ready in %.2fs", time.perf_counter() - t)
     else:  # validate() refused --cp-size > 1 outside prefill mode
-        engine, extra, more = _build_decode_side(args, cfg, model, tokenizer)
+        engine, extra, more = _build_decode_side(args, cfg, model, tokenizer, devices)
         info.update(extra)
         closers += more
     try:
@@ -351,7 +390,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         per_rank[0] / 2**20,
     )
     loop = EngineLoop(engine, name=f"engine-{args.disaggregation_mode}")
-    model_name = args.served_model_name or Path(args.model_path).name
+    model_names = args.served_model_names()
     context = cfg.max_position_embeddings
     metrics = ServerMetrics()
     hicache = hicache_source(engine)
@@ -359,7 +398,8 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         metrics.attach_hicache(hicache)
     app = build_app(
         loop,
-        model_name=model_name,
+        model_name=model_names[0],
+        model_aliases=model_names[1:],
         tokenizer=tokenizer,
         vocab_size=cfg.vocab_size,
         context_length=context,

@@ -28,10 +28,14 @@ Decisions written down here (SPEC leaves them open):
   asks for something that would silently not happen. "Set" means "differs from its
   default", the only thing a frozen dataclass can tell.
 - The host KV cache (`--enable-hierarchical-cache`, SPEC S4) is built for the PD prefill
-  server with no storage tier: `--disaggregation-mode null|decode` and
-  `--hicache-storage-backend file` are valid (`--check-config` accepts them with a
-  warning) but refused at startup (`refuse_unbuilt`). `--hicache-size` wins over
+  server and the unified (null) server, with no storage tier: `--disaggregation-mode
+  decode` and `--hicache-storage-backend file` are valid (`--check-config` accepts them
+  with a warning) but refused at startup (`refuse_unbuilt`). `--hicache-size` wins over
   `--hicache-ratio` (a non-default ratio beside it is a warning).
+- The served model name (`served_model_names`) is `--model-path` as given, as SGLang and
+  vLLM name it, with the path's base name accepted too; `--served-model-name`, when
+  given, is the only name (as in vLLM: an explicit name should not be shadowed by the
+  path's).
 - Expert parallelism (`--ep-size`) runs over the CP ranks of a prefill server: it is 1
   or `--cp-size`, and the model's routed experts must split evenly over the ranks. An
   `--ep-capacity-factor` below `--ep-size` is accepted with a warning (pairs over a
@@ -46,6 +50,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import os
 import re
 import typing
 from collections.abc import Callable, Sequence
@@ -81,15 +86,16 @@ HiCacheStorageBackend = Literal["none", "file"]
 HiCacheWritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 DEFAULT_HICACHE_RATIO = 2.0
 
-# The host KV cache is built for the PD prefill server (`serving.prefill.build`); these
+# The host KV cache is built for the PD prefill server (`serving.prefill.build`) and the
+# unified server (`serving.decode.cached`); these
 # valid launch lines are refused at startup (`refuse_unbuilt`) and warned about by
 # `validate` / `--check-config`, rather than served without the cache.
 HICACHE_NOT_BUILT = (
     "--enable-hierarchical-cache: the host KV cache (HiCache, SPEC S4) is built for the "
-    "prefill server only (--disaggregation-mode prefill); cpkv-serve refuses to start a "
-    "unified (null) or decode server with it rather than serve without it; use "
-    "--disaggregation-mode prefill, or drop --enable-hierarchical-cache and the "
-    "--hicache-* options"
+    "prefill and unified servers only (--disaggregation-mode prefill or null); cpkv-serve "
+    "refuses to start a decode server with it rather than serve without it (a decode "
+    "server's prompt KV comes from the prefill server, whose host cache holds it); drop "
+    "--enable-hierarchical-cache and the --hicache-* options on the decode server"
 )
 HICACHE_STORAGE_NOT_BUILT = (
     "--hicache-storage-backend file: the storage (L3) tier behind the host cache is not "
@@ -529,7 +535,8 @@ class ServerArgs:
     host: str = _arg("127.0.0.1", help="HTTP listen address", group="server", metavar="ADDR")
     served_model_name: str | None = _arg(
         None,
-        help="model name in the OpenAI API; none = the model directory's name",
+        help="model name in the OpenAI API (then the only one accepted); none = "
+        "--model-path as given, its base name accepted too",
         group="server",
         metavar="NAME",
     )
@@ -588,6 +595,17 @@ class ServerArgs:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def served_model_names(self) -> tuple[str, ...]:
+        """The names the OpenAI API accepts for the model, the served one (that answers
+        and `/v1/models` give) first: `--served-model-name` alone when given, else
+        `--model-path` as given (SGLang's and vLLM's default), then its spelling without
+        a trailing slash and its base name (`/m/tiny/` -> `/m/tiny/`, `/m/tiny`, `tiny`)."""
+        if self.served_model_name is not None:
+            return (self.served_model_name,)
+        path = self.model_path
+        norm = os.path.normpath(path)
+        return tuple(dict.fromkeys(n for n in (path, norm, os.path.basename(norm)) if n))
 
     # ---- feature predicates (named by `requires=` metadata) ----------------------------
     def bs_gt1_requested(self) -> bool:
@@ -837,11 +855,11 @@ class ServerArgs:
 
     def _hicache_unbuilt(self) -> list[str]:
         """Valid host-cache launch lines this server cannot run yet (SPEC S4): the host
-        cache is built for prefill mode, without a storage tier."""
+        cache is built for prefill and null modes, without a storage tier."""
         if not self.enable_hierarchical_cache:
             return []
         out = []
-        if self.disaggregation_mode != "prefill":
+        if self.disaggregation_mode == "decode":
             out.append(HICACHE_NOT_BUILT)
         if self.hicache_storage_backend != "none":
             out.append(HICACHE_STORAGE_NOT_BUILT)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -144,8 +144,12 @@ def build_app(
     metrics: ServerMetrics,
     server_info: Callable[[], dict[str, Any]] | None = None,
     profile_dir: str = "/tmp/cpkv-profile",
+    model_aliases: Sequence[str] = (),
 ) -> FastAPI:
     """The FastAPI app serving `client`.
+
+    `model_name` is the served name (responses and `/v1/models` give it); a request's
+    `model` may also be one of `model_aliases` (`serving.http.openai`).
 
     `chat_template` is a `ChatTemplate` (from `serving.http.chat_template.load_chat_template`,
     which knows the model's bos / eos strings) or a bare template source. `metrics` gets
@@ -171,6 +175,6 @@ def build_app(
     app.state.api = core  # the shared state, for tests and debugging
     install_error_handlers(app, on_client_error=metrics.record_bad_request)
     NativeRoutes(core).register(app)
-    OpenAIRoutes(core).register(app)
+    OpenAIRoutes(core, model_aliases=model_aliases).register(app)
     AdminRoutes(core, server_info=server_info, profile_dir=profile_dir).register(app)
     return app

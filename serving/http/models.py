@@ -1,23 +1,38 @@
 """Request bodies of the HTTP API (pydantic v2) and their mapping to `serving.engine.api` types.
 
 Every body is strict, on every endpoint: an unknown field is refused (a typo such as
-`max_token` must not silently fall back to a default), and types are not coerced (`"5"`
-is not an int, `1` is not a bool; an int is accepted where a float is expected, as JSON
-does not tell them apart). Non-finite floats are refused. Validation errors become HTTP
-400 through `describe_validation_error`, which names each offending field.
+`max_token` must not silently fall back to a default; OpenAI answers 400 too), and types
+are not coerced (`"5"` is not an int, `1` is not a bool; an int is accepted where a float
+is expected, as JSON does not tell them apart). Non-finite floats are refused. Validation
+errors become HTTP 400 through `describe_validation_error`, which names each offending
+field.
 
-OpenAI fields that this server cannot honour are accepted only at the value that means
-"off" (`n=1`, `echo=false`, `presence_penalty=0`, `top_logprobs=0`, ...), and any other
-value is a 400 that says so. Defaults: `/generate` uses `SamplingParams`'
-(greedy, 16 new tokens, SGLang-native clients set what they need); the OpenAI endpoints
-use OpenAI's (temperature 1, top_p 1; `max_tokens` 16 for completions, and for chat "as
-many as the context leaves").
+Clients of the field send more than this server implements: SGLang's `bench_serving`
+sends `lora_path: null` and `logprob_start_len: -1` to `/generate` and `best_of: 1` to
+`/v1/completions`, vLLM and SGLang clients their own extensions, the `openai` client
+whatever its caller set. So every field of the APIs these bodies model (OpenAI's
+completions and chat-completions request, vLLM's and SGLang's extensions of them, and
+SGLang's `GenerateReqInput` and `SamplingParams` for `/generate`) is known here: the
+ones this server implements are model fields, and each of the others is a row of its
+body's `NEUTRAL` table (`Neutral`): accepted at the value that asks for nothing (`null`
+always; `best_of: 1`, `n: 1`, `echo: false`, `logprob_start_len: -1`, `logit_bias: {}`,
+`presence_penalty: 0`, ...), or, for a hint or label that changes nothing here (`user`,
+`session_id`, `log_metrics`, ...), at any value of its JSON type; any other value is a
+400 naming the field and the values it would accept. A table row never reaches the
+engine. A `null` is an omitted field (its default) everywhere.
+
+Defaults: `/generate` uses `SamplingParams`' (greedy, 16 new tokens, SGLang-native clients
+set what they need); the OpenAI endpoints use OpenAI's (temperature 1, top_p 1;
+`max_tokens` 16 for completions, and for chat "as many as the context leaves").
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -29,8 +44,110 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0
 OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default
 
 
+# ---- fields accepted only where they ask for nothing ----------------------------------
+
+# The JSON kinds a `Neutral.kinds` row may name, as its error message says them.
+_KIND_NAMES: dict[type, str] = {
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    dict: "an object",
+    list: "an array",
+}
+
+
+def _json_equal(a: object, b: object) -> bool:
+    """JSON equality: `true` is not `1`, `0` is `0.0`."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def _json_kind(value: object, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class Neutral:
+    """How a request field this server does not implement is accepted: `null`, or one of
+    `values` (what means "off"), or, with `kinds`, any value of those JSON kinds (a hint
+    or label that changes nothing here, accepted and ignored)."""
+
+    values: tuple[Any, ...] = ()
+    kinds: tuple[type, ...] = ()
+
+    def accepts(self, value: object) -> bool:
+        if value is None:
+            return True
+        if self.kinds:
+            return any(_json_kind(value, k) for k in self.kinds)
+        return any(_json_equal(value, v) for v in self.values)
+
+    def refusal(self, name: str, value: object) -> str:
+        """Why `value` is refused for field `name`, and what would be accepted."""
+        shown = json.dumps(value, default=repr)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        if self.kinds:
+            kinds = " or ".join(_KIND_NAMES[k] for k in self.kinds)
+            return f"{name} must be {kinds} or null (accepted and ignored), got {shown}"
+        fix = "omit it (or send null)"
+        if self.values:
+            fix = f"send {' or '.join(json.dumps(v) for v in self.values)} (or omit it)"
+        return f"{name}={shown} is not supported by this server: {fix}"
+
+
+def off(*values: Any) -> Neutral:
+    """A field accepted at `null` or `values`, the values that ask for nothing."""
+    return Neutral(values=values)
+
+
+def ignored(*kinds: type) -> Neutral:
+    """A field accepted at any value of the JSON `kinds` (or `null`), and ignored."""
+    return Neutral(kinds=kinds)
+
+
 class _Body(BaseModel):
+    """A strict body. `NEUTRAL` names the fields of the modelled API that this server does
+    not implement (`Neutral`); they are checked and dropped before validation, so they
+    never reach the model fields (a name in both is a bug, refused at class creation).
+    A null field is an omitted one (the APIs' "nullable" fields mean "unset" by null), so
+    `"logprobs": null` is `logprobs`' default; a required field stays required."""
+
     model_config = _STRICT
+    NEUTRAL: ClassVar[Mapping[str, Neutral]] = {}
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        both = sorted(set(cls.NEUTRAL) & set(cls.model_fields))
+        if both:
+            raise TypeError(f"{cls.__name__}: {both} are both model fields and NEUTRAL rows")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral(cls, data: Any) -> Any:
+        """Check and drop the `NEUTRAL` rows; a null model field means its default."""
+        if not isinstance(data, dict):
+            return data
+        table = cls.NEUTRAL
+        refused = [
+            table[k].refusal(k, v)
+            for k, v in data.items()
+            if k in table and not table[k].accepts(v)
+        ]
+        if refused:
+            raise ValueError("; ".join(refused))
+        fields = cls.model_fields
+        return {
+            k: v for k, v in data.items() if k not in table and (v is not None or k not in fields)
+        }
 
 
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -41,18 +158,117 @@ def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
 
 # ---- /generate (SGLang-style native API) ----------------------------------------------
 
+# SGLang's `SamplingParams` fields that this server does not implement.
+GENERATE_SAMPLING_NEUTRAL: Mapping[str, Neutral] = {
+    "stop_regex": off([]),
+    "min_p": off(0),
+    "frequency_penalty": off(0),
+    "presence_penalty": off(0),
+    "repetition_penalty": off(1),
+    "min_new_tokens": off(0),
+    "n": off(1),
+    "json_schema": off(),
+    "regex": off(),
+    "ebnf": off(),
+    "structural_tag": off(),
+    "skip_special_tokens": off(True),  # the text never shows special tokens
+    "spaces_between_special_tokens": off(True),
+    "no_stop_trim": off(False),  # stop strings are always trimmed
+    "custom_params": off({}),
+    "stream_interval": ignored(int),  # stream events follow the engine's chunks
+    "logit_bias": off({}),
+}
+
+# SGLang's `GenerateReqInput` fields that this server does not implement (`bootstrap_room`
+# is a PD field, `_PDFields`).
+GENERATE_NEUTRAL: Mapping[str, Neutral] = {
+    "session_id": ignored(str),  # an identity only: it does not change the prompt
+    "input_embeds": off(),
+    "image_data": off([]),
+    "video_data": off([]),
+    "audio_data": off([]),
+    "mm_hashes": off(),
+    "mm_content_hashes": off(),
+    "use_audio_in_video": off(False),
+    "video_config": off(),
+    "logprob_start_len": off(-1),  # -1: log-probs of the output tokens only
+    "top_logprobs_num": off(0),
+    "token_ids_logprob": off([]),
+    "return_sampling_mask": off(False),
+    "return_text_in_logprobs": off(False),
+    "return_flat_raw_top_logprobs": off(False),
+    "return_flat_raw_top_logprobs_b64": off(False),
+    "log_metrics": ignored(bool),
+    "return_hidden_states": off(False),
+    "return_routed_experts": off(False),
+    "routed_experts_start_len": off(0),
+    "return_indexer_topk": off(False),
+    "modalities": off([]),
+    "session_params": off(),
+    "lora_path": off(),
+    "lora_id": off(),
+    "custom_logit_processor": off(),
+    "positional_embed_overrides": off(),
+    "bootstrap_host": off(),
+    "bootstrap_port": off(),
+    "bootstrap_pair_key": off(),
+    "decode_tp_size": off(),
+    "routed_dp_rank": off(),
+    "data_parallel_rank": off(),
+    "disagg_prefill_dp_rank": off(),
+    "kv_router_hint": off(),
+    "routing_key": ignored(str),
+    "conversation_id": ignored(str),
+    "http_worker_ipc": off(),
+    "background": off(False),
+    "require_reasoning": off(False),
+    "max_thinking_tokens": off(),
+    "priority": off(0),
+    "extra_key": off(),
+    "no_logs": off(False),
+    "custom_labels": ignored(dict),
+    "return_bytes": off(False),
+    "return_entropy": off(False),
+    "return_prompt_token_ids": off(False),
+    "external_trace_header": off(),
+    "received_time": off(),
+    "need_wait_for_mm_inputs": off(),
+    "num_items_assigned": off(),
+    "encoder_urls": off(),
+    "max_dynamic_patch": off(),
+    "min_dynamic_patch": off(),
+    "image_max_dynamic_patch": off(),
+    "video_max_dynamic_patch": off(),
+    "images_config": off(),
+    "multi_item_delimiter_indices": off(),
+    "cache_salt": off(),
+}
+
 
 class GenerateSamplingParams(_Body):
-    """`sampling_params` of `/generate`; unset fields keep `SamplingParams`' defaults."""
+    """`sampling_params` of `/generate`; unset fields keep `SamplingParams`' defaults.
+    `sampling_seed` is SGLang's name for `seed`."""
+
+    NEUTRAL: ClassVar[Mapping[str, Neutral]] = GENERATE_SAMPLING_NEUTRAL
 
     max_new_tokens: int = SamplingParams.max_new_tokens
     temperature: float = SamplingParams.temperature
     top_p: float = SamplingParams.top_p
     top_k: int = SamplingParams.top_k
     seed: int | None = None
+    sampling_seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _check_seed(self) -> GenerateSamplingParams:
+        if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
+            raise ValueError(
+                f"seed ({self.seed}) and sampling_seed ({self.sampling_seed}) disagree; "
+                "send one of them"
+            )
+        return self
 
     def to_engine(self) -> SamplingParams:
         return SamplingParams(
@@ -60,7 +276,7 @@ class GenerateSamplingParams(_Body):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=self.seed,
+            seed=self.seed if self.seed is not None else self.sampling_seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=_stop_tuple(self.stop),
             ignore_eos=self.ignore_eos,
@@ -94,6 +310,8 @@ class _PDFields(_Body):
 class GenerateBody(_PDFields):
     """`POST /generate`: exactly one of `text` / `input_ids`, plus the PD fields."""
 
+    NEUTRAL: ClassVar[Mapping[str, Neutral]] = GENERATE_NEUTRAL
+
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
@@ -110,8 +328,127 @@ class GenerateBody(_PDFields):
 
 # ---- OpenAI-compatible endpoints -------------------------------------------------------
 
+# Fields of both OpenAI endpoints (OpenAI's, then vLLM's and SGLang's extensions) that this
+# server does not implement.
+_OPENAI_BOTH_NEUTRAL: Mapping[str, Neutral] = {
+    # OpenAI
+    "frequency_penalty": off(0),
+    "presence_penalty": off(0),
+    "logit_bias": off({}),
+    "n": off(1),  # one choice per request
+    "user": ignored(str),  # an end-user id for abuse monitoring
+    # vLLM
+    "best_of": off(1),
+    "echo": off(False),
+    "use_beam_search": off(False),
+    "min_p": off(0),
+    "repetition_penalty": off(1),
+    "length_penalty": off(1),
+    "include_stop_str_in_output": off(False),  # stop strings are always trimmed
+    "min_tokens": off(0),
+    "skip_special_tokens": off(True),  # the text never shows special tokens
+    "spaces_between_special_tokens": off(True),
+    "truncate_prompt_tokens": off(),
+    "allowed_token_ids": off(),
+    "bad_words": off([]),
+    "prompt_logprobs": off(),
+    "add_special_tokens": off(False),  # prompts are tokenized as they are
+    "response_format": off({"type": "text"}),
+    "guided_json": off(),
+    "guided_regex": off(),
+    "guided_choice": off(),
+    "guided_grammar": off(),
+    "guided_decoding_backend": ignored(str),
+    "guided_whitespace_pattern": off(),
+    "structural_tag": off(),
+    "priority": off(0),
+    "request_id": ignored(str),
+    "logits_processors": off([]),
+    "return_tokens_as_token_ids": off(False),
+    "cache_salt": off(),
+    "kv_transfer_params": off(),
+    "vllm_xargs": off({}),
+    # SGLang
+    "return_hidden_states": off(False),
+    "return_routed_experts": off(False),
+    "routed_experts_start_len": off(0),
+    "return_cached_tokens_details": off(False),
+    "json_schema": off(),
+    "regex": off(),
+    "ebnf": off(),
+    "stop_regex": off([]),
+    "no_stop_trim": off(False),
+    "lora_path": off(),
+    "session_id": ignored(str),
+    "session_params": off(),
+    "custom_params": off({}),
+    "custom_logit_processor": off(),
+    "images_config": off(),
+    "bootstrap_host": off(),
+    "bootstrap_port": off(),
+    "routed_dp_rank": off(),
+    "disagg_prefill_dp_rank": off(),
+    "data_parallel_rank": off(),
+    "rid": ignored(str),
+    "extra_key": off(),
+    "ngram_corpus_id": off(),
+    "custom_labels": ignored(dict),
+}
+
+COMPLETIONS_NEUTRAL: Mapping[str, Neutral] = {
+    **_OPENAI_BOTH_NEUTRAL,
+    "suffix": off(""),  # OpenAI
+    "prompt_embeds": off(),  # vLLM
+    "return_token_ids": ignored(bool),  # SGLang; every choice carries its `token_ids`
+}
+
+CHAT_NEUTRAL: Mapping[str, Neutral] = {
+    **_OPENAI_BOTH_NEUTRAL,
+    # OpenAI
+    "audio": off(),
+    "function_call": off("none"),
+    "functions": off([]),
+    "metadata": ignored(dict),
+    "modalities": off(["text"]),
+    "parallel_tool_calls": ignored(bool),  # no tools are accepted
+    "prediction": off(),
+    "prompt_cache_key": ignored(str),
+    "reasoning_effort": off(),
+    "safety_identifier": ignored(str),
+    "service_tier": off("auto", "default"),
+    "store": off(False),
+    "tool_choice": off("none", "auto"),  # "auto" without tools calls none
+    "tools": off([]),
+    "verbosity": off("medium"),
+    "web_search_options": off(),
+    # vLLM
+    "add_generation_prompt": off(True),
+    "continue_final_message": off(False),
+    "documents": off([]),
+    "chat_template": off(),
+    "chat_template_kwargs": off({}),
+    "mm_processor_kwargs": off({}),
+    "include_reasoning": off(True),
+    # SGLang
+    "return_prompt_token_ids": off(False),
+    "return_token_ids": off(False),
+    "return_meta_info": off(False),
+    "task": off(),
+    "separate_reasoning": ignored(bool),  # no reasoning parser: the text is the output
+    "stream_reasoning": ignored(bool),
+    "max_dynamic_patch": off(),
+    "min_dynamic_patch": off(),
+    "use_audio_in_video": off(False),
+    "input_ids": off(),
+}
+
 
 class StreamOptions(_Body):
+    NEUTRAL: ClassVar[Mapping[str, Neutral]] = {
+        "include_obfuscation": off(False),  # OpenAI
+        "continuous_usage_stats": off(False),  # vLLM, SGLang
+    }
+
     include_usage: bool = False
 
 
@@ -131,20 +468,10 @@ class _OpenAICommon(_PDFields):
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    user: str | None = None  # accepted and ignored (OpenAI abuse-monitoring id)
     ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _OpenAICommon:
-        if self.n not in (None, 1):
-            raise ValueError(f"n must be 1 (one choice per request is supported), got {self.n}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0.0):
-                raise ValueError(f"{name} is not supported: send 0 or omit it, got {value}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -175,17 +502,16 @@ class CompletionBody(_OpenAICommon):
     top alternatives (`logprobs > 0`) are not computed by the engine.
     """
 
+    NEUTRAL: ClassVar[Mapping[str, Neutral]] = COMPLETIONS_NEUTRAL
+
     prompt: str | list[int]
     max_tokens: int | None = None
     logprobs: int | None = None
-    echo: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> CompletionBody:
         if len(self.prompt) == 0:
             raise ValueError("prompt must not be empty")
-        if self.echo:
-            raise ValueError("echo=true is not supported: send echo=false or omit it")
         if self.logprobs not in (None, 0):
             raise ValueError(
                 f"logprobs={self.logprobs} asks for top alternatives, which are not supported; "
@@ -205,7 +531,20 @@ class TextContentPart(_Body):
 
 
 class ChatMessage(_Body):
-    """One chat message; `content` is text or a list of text parts (joined for the template)."""
+    """One chat message; `content` is text or a list of text parts (joined for the template).
+
+    The `NEUTRAL` rows are what the `openai` client's message objects carry when a caller
+    sends an answer back as the next turn's assistant message."""
+
+    NEUTRAL: ClassVar[Mapping[str, Neutral]] = {
+        "tool_calls": off([]),
+        "function_call": off(),
+        "refusal": off(),
+        "audio": off(),
+        "annotations": off([]),
+        "reasoning_content": off(),
+        "tool_call_id": ignored(str),
+    }
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
@@ -240,6 +579,8 @@ class ChatMessage(_Body):
 class ChatCompletionBody(_OpenAICommon):
     """`POST /v1/chat/completions`. `logprobs=true` returns the chosen tokens' log-probs;
     `top_logprobs` accepts only 0 (no alternatives)."""
+
+    NEUTRAL: ClassVar[Mapping[str, Neutral]] = CHAT_NEUTRAL
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None

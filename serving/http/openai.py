@@ -1,11 +1,19 @@
 """OpenAI-compatible routes: `POST /v1/completions`, `POST /v1/chat/completions` and
 `GET /v1/models`. Stream chunks carry deltas (a chat stream opens with the role); with
 `stream_options.include_usage` a last chunk without choices carries the usage.
+
+Model names: a request's `model` may be omitted, or be the served name or one of its
+aliases; any other name is a 404 that lists them. Responses and `/v1/models` give the
+served name. `cpkv-serve` serves `--model-path` as given (the SGLang / vLLM default, so
+clients that name the model by its path, e.g. `bench_serving --model /path/to/m`, work)
+with the path's base name as an alias (`m`), or `--served-model-name` alone when it is
+given (`ServerArgs.served_model_names`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -45,8 +53,9 @@ def chat_logprobs(gen: Generation, start: int, end: int) -> dict[str, Any]:
 class OpenAIRoutes:
     """The OpenAI-compatible routes of one app."""
 
-    def __init__(self, core: ApiCore) -> None:
+    def __init__(self, core: ApiCore, *, model_aliases: Sequence[str] = ()) -> None:
         self.core = core
+        self.model_aliases = tuple(a for a in model_aliases if a != core.model_name)
 
     def register(self, app: FastAPI) -> None:
         app.add_api_route(
@@ -71,12 +80,16 @@ class OpenAIRoutes:
 
     def check_model(self, model: str | None) -> None:
         model_name = self.core.model_name
-        if model is not None and model != model_name:
-            raise ApiError(
-                404,
-                f"model {model!r} does not exist here; this server serves {model_name!r}",
-                "model_not_found",
-            )
+        if model is None or model == model_name or model in self.model_aliases:
+            return
+        also = ""
+        if self.model_aliases:
+            also = f" (also accepted: {', '.join(repr(a) for a in self.model_aliases)})"
+        raise ApiError(
+            404,
+            f"model {model!r} does not exist here; this server serves {model_name!r}{also}",
+            "model_not_found",
+        )
 
     # -- /v1/completions --
 

@@ -158,10 +158,10 @@ def test_decode_rejection_is_forwarded_without_a_prefill_call(deployment: Deploy
     d = deployment
     before = [(s.bad_requests(), len(s.engine.added)) for s in d.prefill]
     decode_bad = sum(s.bad_requests() for s in d.decode)
-    # The server's OpenAI models refuse a field they do not know, here a client's `rid`.
-    r = d.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "rid": "mine"})
+    # The server's OpenAI models refuse a field they do not know (a typo of `max_tokens`).
+    r = d.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "max_token": 2})
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"].startswith("unknown field 'rid'"), r.text
+    assert r.json()["error"]["message"].startswith("unknown field 'max_token'"), r.text
     assert sum(s.bad_requests() for s in d.decode) == decode_bad + 1  # the decode refused it
     time.sleep(0.3)  # longer than --decode-register-wait: a prefill call would have started
     assert [(s.bad_requests(), len(s.engine.added)) for s in d.prefill] == before

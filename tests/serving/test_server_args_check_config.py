@@ -183,15 +183,16 @@ def test_serve_without_weights_fails_startup_with_one_error_line(serve):
 
 
 def test_unbuilt_host_cache_is_refused_at_startup_not_ignored(serve):
-    """HiCache outside prefill mode, or with a storage tier, is valid (--check-config
+    """HiCache on a decode server, or with a storage tier, is valid (--check-config
     warns) but the server does not start with it: serving without the cache the user
     asked for would be silent."""
-    rc, out, _ = serve("--enable-hierarchical-cache")
+    decode = ("--disaggregation-mode", "decode", "--enable-hierarchical-cache")
+    rc, out, _ = serve(*decode)
     assert rc == 0 and json.loads(out)["warnings"] == [HICACHE_NOT_BUILT]
-    rc, out, err = serve("--enable-hierarchical-cache", check=False)
+    rc, out, err = serve(*decode, check=False)
     assert rc == 2 and out == ""
     line = _one_error_line(err)
-    assert "prefill server only" in line and "model.safetensors" not in line  # before loading
+    assert "prefill and unified servers only" in line and "model.safetensors" not in line
     prefill = ("--disaggregation-mode", "prefill", "--enable-hierarchical-cache")
     file = (*prefill, "--hicache-storage-backend", "file")
     rc, out, _ = serve(*file)

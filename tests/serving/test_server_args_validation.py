@@ -346,7 +346,7 @@ def test_s3_3_s4_4_host_cache_startup_matrix(setup, layout, io, storage):
         flag = "--hicache-storage-backend none" if storage != "none" else "--hicache-io-backend"
         assert "--hicache-mem-layout layer_page_first" in str(e.value) and flag in str(e.value)
         return
-    unbuilt = [HICACHE_NOT_BUILT] if mode != "prefill" else []
+    unbuilt = [HICACHE_NOT_BUILT] if mode == "decode" else []
     unbuilt += [HICACHE_STORAGE_NOT_BUILT] if storage != "none" else []
     assert list(args.validate()) == unbuilt
     if not unbuilt:
@@ -355,7 +355,7 @@ def test_s3_3_s4_4_host_cache_startup_matrix(setup, layout, io, storage):
     with pytest.raises(ServerArgsError) as e:
         args.refuse_unbuilt()
     assert str(e.value) == unbuilt[0]
-    assert ("prefill server only" if mode != "prefill" else "--hicache-storage-backend none") in (
+    assert ("unified servers only" if mode == "decode" else "--hicache-storage-backend none") in (
         str(e.value)
     )
 

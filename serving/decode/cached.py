@@ -1,0 +1,217 @@
+"""The unified (`null` mode) engine with a prefix cache and, optionally, the host (L2) cache.
+
+`CachedUnifiedEngine` is a `DecodeEngine` whose prompts are prefilled by the prefill
+server's machinery on one device instead of its own whole-prompt prefill: a
+`serving.prefill.build.PrefillEngine` with `cp_size 1` (a `CPPrefillRunner` on a
+one-device mesh, its radix or `HiRadixCache`, the `PrefillScheduler` with chunked
+prefill, the admission gates and, with `--enable-hierarchical-cache`, the
+`HostCacheIO` load-backs and backups). The decode batch reads and donates the runner's
+pool (`RunnerStore`), so prefill and decode share one pool, one page allocator and one
+lock, and the backup worker reads the pool between steps as it does on a prefill server.
+
+One request:
+1. `add` validates it (as every unified request) and queues it (bounded FIFO);
+2. it leaves the queue for the scheduler once a batch slot is free and the pool's free
+   plus evictable pages cover `prompt + max_new_tokens` beyond what the requests
+   already handed to the scheduler may still take (their whole need is counted until
+   their prefill finishes, so the decode pages they take afterwards always exist);
+3. the scheduler prefills it (prefix hits from the device and, with a host cache, host
+   hits loaded back, SPEC S10); it finishes *held* (`hold_finished`): its whole prompt
+   pages are in the cache and locked, the tail page its own;
+4. the engine allocates its decode pages (evicting unlocked cached pages if needed),
+   samples the first token from the prefill's logits and the request joins the decode
+   batch;
+5. when it finishes (or is aborted) its decode pages are freed and the hold released:
+   the prompt's whole pages stay cached (evictable), the tail page is freed.
+
+The final chunk's `meta` has `cached_tokens` (device + host hits) and
+`cached_tokens_host` (loaded back from the host cache). Prefill runs one scheduler batch
+per engine step, then one decode step for every running request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from cpkv_jax.cache.radix import CacheCapacityError, alloc_with_evict
+from cpkv_jax.lane_allocator import RequestPageTable
+from cpkv_jax.model.kv_cache import KVPool
+from cpkv_jax.model.transformer import log_probs
+from serving.decode.engine import DecodeEngine, _Request
+from serving.decode.sampling import StopResult, sample_token
+from serving.engine.api import EngineStats, GenerateRequest
+from serving.prefill.build import PrefillEngine
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RunnerStore:
+    """A `transfer.kv_sink.KVStore` over a one-lane `CPPrefillRunner`'s pool and cache:
+    the pool swap under the runner's `pool_lock` (the backup worker's lock too);
+    pages from lane 0, evicting unlocked cached pages when the free ones run short."""
+
+    def __init__(self, prefill: PrefillEngine):
+        runner = prefill.runner
+        if runner.layout.lanes != 1:
+            raise ValueError(f"RunnerStore needs a one-lane pool, got {runner.layout.lanes}")
+        self._runner = runner
+        self._cache = prefill.cache
+        self.page_size = runner.layout.page_size
+
+    @property
+    def pool(self) -> KVPool:
+        return self._runner.pool
+
+    @property
+    def num_free_pages(self) -> int:
+        return int(self._runner.allocator.num_free(0))
+
+    @property
+    def num_available_pages(self) -> int:
+        """Free plus evictable (cached, unlocked) pages."""
+        return self.num_free_pages + int(self._cache.evictable_pages_per_lane()[0])
+
+    def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T:
+        with self._runner.pool_lock:
+            out, self._runner.pool = step(self._runner.pool)
+        return out
+
+    def allocate_pages(self, n: int) -> np.ndarray:
+        """`n` pages, evicting cached ones as needed; `CacheCapacityError` (nothing
+        evicted) when free + evictable cannot cover them."""
+        table = RequestPageTable(1)
+        alloc_with_evict(self._cache, table, n * self.page_size)
+        return table.detach().astype(np.int64)
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.size:
+            self._runner.allocator.free(np.zeros_like(pages), pages)
+
+
+class CachedUnifiedEngine(DecodeEngine):
+    """Unified serving with a prefix cache (see the module docstring)."""
+
+    def __init__(self, *, prefill: PrefillEngine, **kw: Any):
+        if not prefill.scheduler.hold_finished:
+            raise ValueError("the unified cached engine needs a scheduler with hold_finished")
+        self.prefill = prefill
+        self.store = RunnerStore(prefill)
+        super().__init__(kv=self.store, mode="null", **kw)
+        self._prefilling: dict[str, _Request] = {}  # handed to the scheduler, not finished
+        self._reserved = 0  # pages the prefilling requests may still take
+        self._decode_pages: dict[str, np.ndarray] = {}
+        self.prefix_cache_hit_tokens = 0
+
+    @property
+    def scheduler(self):
+        return self.prefill.scheduler
+
+    # ---- StepEngine ----------------------------------------------------------------------
+    def abort(self, rid: str) -> None:
+        r = self._prefilling.pop(rid, None)
+        if r is None:
+            super().abort(rid)
+            return
+        self._reserved -= r.n_pages
+        self.scheduler.abort(rid)  # frees what its prefill allocated, unlocks its prefix
+        r.finish = StopResult("abort")
+        self._finals.append(self._chunk(r))
+        self._update_snapshot()
+
+    def has_work(self) -> bool:
+        return bool(self._prefilling) or super().has_work()
+
+    def _validate(self, req: GenerateRequest) -> _Request:
+        if req.rid in self._prefilling:
+            raise self._reject("duplicate_rid", f"request id {req.rid!r} is already in flight")
+        return super()._validate(req)
+
+    def stats(self) -> EngineStats:
+        base = super().stats()
+        cache = self.prefill.cache
+        return EngineStats(
+            mode=base.mode,
+            waiting=base.waiting,
+            running=base.running + len(self._prefilling),
+            kv_pages_total=base.kv_pages_total,
+            kv_pages_free=(self.store.num_free_pages,),
+            kv_pages_cached=(int(cache.total_pages_per_lane()[0]),),
+            kv_bytes_per_page=base.kv_bytes_per_page,
+            prefix_cache_hit_tokens=self.prefix_cache_hit_tokens,
+            admission_rejections={**base.admission_rejections, **self.scheduler.rejections},
+            queue=base.queue,
+        )
+
+    def hicache_info(self) -> dict[str, Any] | None:
+        return self.prefill.hicache_info()
+
+    def close(self) -> None:
+        self.prefill.close()
+
+    # ---- prefill through the scheduler -------------------------------------------------
+    def _admit_and_prefill(self, touched: dict[str, _Request]) -> None:
+        # Pages a backup is reading stay protected until its acknowledgement is applied.
+        self.scheduler.sync_host_cache()
+        if not self._hand_over() and not self._running and not self._prefilling:
+            # The head waits for pages only in-flight backups hold: wait for them (the
+            # worker is bounded by its queue), not spin.
+            self.scheduler.sync_host_cache(wait=True)
+            self._hand_over()
+        if not self.scheduler.num_waiting:
+            return
+        for outcome in self.scheduler.step():
+            r = self._prefilling.pop(outcome.rid)
+            self._reserved -= r.n_pages
+            if outcome.status != "finished":
+                self._fail(r, f"prefill {outcome.status}: {outcome.reason}", touched)
+                continue
+            self._start_decoding(r, outcome, touched)
+
+    def _hand_over(self) -> bool:
+        """Queue heads to the scheduler while a slot and their worst-case pages are free;
+        False when the head must wait for pages."""
+        while (r := self._queue.head()) is not None:
+            active = len(self._running) + len(self._prefilling)
+            if active >= self.max_running_requests:
+                return True
+            if self.store.num_available_pages - self._reserved < r.n_pages:
+                return False  # FIFO: nobody overtakes the head of the queue
+            self._queue.pop(r.rid)
+            self.scheduler.submit(r.rid, r.prompt, max_new_tokens=r.req.sampling.max_new_tokens)
+            self._prefilling[r.rid] = r
+            self._reserved += r.n_pages
+        return True
+
+    def _start_decoding(self, r: _Request, outcome, touched: dict[str, _Request]) -> None:
+        assert outcome.table is not None and outcome.last_logits is not None
+        prompt_pages = outcome.table.local_pages().astype(np.int64)
+        extra = r.n_pages - prompt_pages.size
+        try:
+            decode_pages = self.store.allocate_pages(extra)
+        except CacheCapacityError as e:  # the reservation makes this a bug, not load
+            self.scheduler.release_held(r.rid)
+            raise AssertionError(f"request {r.rid}: reserved decode pages missing: {e}") from e
+        self._decode_pages[r.rid] = decode_pages
+        r.pages = np.concatenate([prompt_pages, decode_pages])
+        r.cached_tokens = outcome.cached_tokens
+        r.host_cached_tokens = outcome.host_cached_tokens
+        self.prefix_cache_hit_tokens += outcome.cached_tokens
+        logprobs = np.asarray(log_probs(outcome.last_logits))
+        self._running[r.rid] = r
+        tok = sample_token(logprobs, r.req.sampling, 0, r.seed)
+        self._record(r, tok, float(logprobs[tok]))
+        touched[r.rid] = r
+
+    def _release(self, r: _Request) -> None:
+        if r.pages is None:
+            return
+        self.store.free_pages(self._decode_pages.pop(r.rid))
+        self.scheduler.release_held(r.rid)  # whole prompt pages stay cached, tail freed
+        r.pages = None
