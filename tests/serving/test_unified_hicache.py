@@ -163,7 +163,8 @@ def test_concurrent_requests_and_an_abort_leave_no_pages(unified, tiny_checkpoin
     assert engine.scheduler.num_held == 0
     assert not cache.protected_pages_per_lane().any()
     stats = engine.stats()
-    assert stats.kv_pages_free[0] + int(cache.evictable_pages_per_lane()[0]) == (
-        stats.kv_pages_total[0]
+    assert (
+        stats.kv_pages_free[0] + int(cache.evictable_pages_per_lane()[0])
+        == (stats.kv_pages_total[0])
     )
     cache.check_invariants(request_pages=[])
