@@ -126,9 +126,11 @@ class OpenAIRoutes:
         def render(
             g: Generation, chunk: OutputChunk, delta: str, before: int
         ) -> list[dict[str, Any]]:
-            # Without a tokenizer the text stays empty: the token ids are the output.
-            ids_matter = want_logprobs or core.tokenizer is None
-            if not (delta or chunk.finished or (ids_matter and chunk.token_ids)):
+            # Every chunk with tokens is sent, even when its text is held back (an
+            # incomplete UTF-8 character, a possible stop string): the streamed
+            # `token_ids` then add up to `usage.completion_tokens`, and token timing
+            # (TTFT, inter-token latency) is what a client measures.
+            if not (delta or chunk.finished or chunk.token_ids):
                 return []
             choice = {
                 "index": 0,

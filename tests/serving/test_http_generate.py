@@ -161,6 +161,9 @@ def test_completions_non_stream_and_stream_multibyte(srv, tok):
     deltas = [c["choices"][0]["text"] for c in chunks]
     assert all("\ufffd" not in d for d in deltas), deltas
     assert "".join(deltas) == want_text
+    # Chunks whose text is held back (a character split over byte tokens) still carry
+    # their token ids: the streamed ids are the whole output.
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want_ids
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
     assert all(c["object"] == "text_completion" for c in chunks)
 
