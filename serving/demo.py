@@ -1,7 +1,7 @@
 """`make demo`: CP=8 shared-KV prefill -> KV transfer -> decode, behind the PD router.
 
     python -m serving.demo [--model-dir .demo/tiny-glm5-fp8] [--transfer-backend grpc|mooncake]
-        [--max-new-tokens 16] [--enable-batch-invariant]
+        [--max-new-tokens 16] [--enable-batch-invariant] [--keep-running]
 
 The model is the tiny GLM-5-architecture checkpoint in the official FP8 format
 (block-quantized weights + `weight_scale_inv`, sharded files + index json), written on
@@ -19,7 +19,9 @@ output against the single-device reference computed here
 tokens must be equal, and the largest log-prob difference is printed; with
 `--enable-batch-invariant` (passed to every server and the reference) the log-probs must
 be equal too, bit for bit. Then it stops everything (SIGTERM: drain, exit) and exits 0
-only if all outputs match.
+only if all outputs match. With `--keep-running` (`make demo ARGS=--keep-running`) the
+servers stay up after the checks, for a load test against the router
+(`python -m benchmarks.bench_serving --base-url <router>`), until Ctrl-C.
 
 Server logs go to `<model-dir>/../logs/`; the tail of a server's log is printed if it
 fails to start.
@@ -272,12 +274,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="batch-invariant numerics on every server: log-probs must equal the reference's "
         "bit for bit (default: tokens equal, log-prob difference reported)",
     )
+    ap.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="after the checks, keep the servers up (e.g. for benchmarks.bench_serving "
+        "against the router) until Ctrl-C / SIGTERM",
+    )
     args = ap.parse_args(argv)
     t_start = time.monotonic()
 
     # The demo process itself needs one device (the reference); JAX loads lazily below.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from cpkv_jax.generate import ReferenceGenerator
     from cpkv_jax.model.weights import load_model
     from cpkv_jax.tokenizer import load_tokenizer
     from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
@@ -316,13 +323,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill_info = httpx.get(urls["prefill"] + "/server_info", timeout=10).json()
         decode_info = httpx.get(urls["decode"] + "/server_info", timeout=10).json()
 
-        print("request     prompt  stream  TTFT(s)  e2e(s)  output ids (random weights)")
+        print("request     prompt  cached  stream  TTFT(s)  e2e(s)  output ids (random weights)")
         for name, (ids, stream) in prompts.items():
             r = results[name]
             ttft = r.get("client_ttft_s")
             out = r["output_ids"]
+            cached = r["meta_info"].get("cached_tokens", 0)  # the prefill's prefix-cache hit
             print(
-                f"{name:<10}{len(ids):>8}{'yes' if stream else 'no':>8}"
+                f"{name:<10}{len(ids):>8}{cached:>8}{'yes' if stream else 'no':>8}"
                 f"{ttft if ttft is not None else float('nan'):>9.2f}{r['client_e2e_s']:>8.2f}  "
                 f"{out[:6]}{' ...' if len(out) > 6 else ''}"
             )
@@ -361,6 +369,46 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{decode_info.get('transfer_failures', 0)} failures"
         )
         print(flush=True)
+        if args.keep_running:
+            ok = check(args, cfg, model, prompts, results)
+            print(f"\ndemo wall time {time.monotonic() - t_start:.0f}s", flush=True)
+            wait_for_stop(urls)
+            return 0 if ok else 1
+    ok = check(args, cfg, model, prompts, results)
+    print(f"\ndemo wall time {time.monotonic() - t_start:.0f}s")
+    return 0 if ok else 1
+
+
+def wait_for_stop(urls: dict[str, str]) -> None:
+    """Block until SIGINT / SIGTERM (the servers stop when the caller's block exits)."""
+    router = urls["router"]
+    print(
+        f"servers up (--keep-running): router {router}, prefill {urls['prefill']}, decode "
+        f"{urls['decode']}. Try:\n  python -m benchmarks.bench_serving --backend sglang "
+        f"--base-url {router} --dataset-name generated-shared-prefix --gsp-num-groups 4 "
+        "--gsp-prompts-per-group 8 --gsp-system-prompt-len 256 --gsp-question-len 32 "
+        "--gsp-output-len 8 --request-rate 4 --output-file bench_serving.json --plot "
+        "bench_serving.png\nCtrl-C stops them.",
+        flush=True,
+    )
+    stop = False
+
+    def on_signal(_sig: int, _frame: Any) -> None:
+        nonlocal stop
+        stop = True
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop:
+            time.sleep(0.5)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def check(args: argparse.Namespace, cfg: Any, model: Any, prompts, results) -> bool:
+    """Every greedy output against the single-device reference; prints the verdict."""
+    from cpkv_jax.generate import ReferenceGenerator
 
     exact = args.enable_batch_invariant
     ref = ReferenceGenerator(cfg, model, page_size=PAGE, batch_invariant=exact)
@@ -391,14 +439,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             else f"; log-probs max |diff| {worst:.2g}"
         )
     )
-    print(f"\ndemo wall time {time.monotonic() - t_start:.0f}s")
     print(
         "RESULT:",
         "outputs equal the single-device reference"
         if ok
         else "MISMATCH against the single-device reference",
     )
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":

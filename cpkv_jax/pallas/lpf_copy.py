@@ -279,7 +279,8 @@ def lpf_to_lf(
     pad = _bucket(n) - n
     ids = jax.device_put(np.pad(pages, (0, pad), mode="edge").astype(np.int32), pool.sharding)
     if isinstance(staging, np.ndarray):
-        staging = np.pad(staging, ((0, pad),) + ((0, 0),) * (staging.ndim - 1), mode="edge")
+        if pad:  # np.pad copies even with nothing to add: only when the bucket needs it
+            staging = np.pad(staging, ((0, pad),) + ((0, 0),) * (staging.ndim - 1), mode="edge")
         staging = jax.device_put(staging, pool.sharding)
     elif pad:
         staging = jnp.pad(staging, ((0, pad),) + ((0, 0),) * (staging.ndim - 1), mode="edge")

@@ -31,6 +31,8 @@ from cpkv_jax.cache.radix import RadixCache
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
 from cpkv_jax.errors import ConfigError
+from cpkv_jax.host_cache import bytes_per_page, leaf_specs
+from cpkv_jax.host_cache.pool import host_pages_for
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
 from cpkv_jax.model.expert_parallel import EPSpec
@@ -51,6 +53,52 @@ logger = logging.getLogger(__name__)
 
 # Without --kv-pool-size, pools hold this many tokens of context (or the model's maximum).
 DEFAULT_POOL_TOKENS = 131_072
+# The host cache may take at most this share of the host memory available at startup
+# (the rest: weights being read, the server's own heap, the transfer staging buffers).
+HOST_CACHE_MAX_FRACTION = 0.8
+
+
+def available_host_memory() -> tuple[int | None, str]:
+    """Bytes this process can still get, and where the figure comes from: Linux
+    `MemAvailable`, lowered to a cgroup v2 limit's headroom (a container's); None
+    where neither is readable."""
+    found: list[tuple[int, str]] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append((int(line.split()[1]) * 1024, "MemAvailable"))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                current = int(f.read().strip())
+            found.append((int(limit) - current, "cgroup memory.max - memory.current"))
+    except (OSError, ValueError):
+        pass
+    if not found:
+        return None, "unknown"
+    return min(found)
+
+
+def check_host_cache_fits(planned: int, available: int | None, source: str) -> None:
+    """Refuse a host cache larger than `HOST_CACHE_MAX_FRACTION` of the available host
+    memory before allocating it: the pools are zero pages until written, so an
+    oversized one would start fine and be OOM-killed once the cache fills."""
+    if available is None:
+        logger.warning("host memory unknown: host cache of %.1f GiB not checked", planned / 2**30)
+        return
+    limit = int(HOST_CACHE_MAX_FRACTION * available)
+    if planned > limit:
+        raise ConfigError(
+            f"the host KV cache needs {planned / 2**30:.2f} GiB of host memory but "
+            f"{available / 2**30:.2f} GiB is available ({source}); at most "
+            f"{HOST_CACHE_MAX_FRACTION:.0%} of it ({limit / 2**30:.2f} GiB) may be used: "
+            "lower --hicache-size (bytes per rank) or --hicache-ratio"
+        )
 
 
 @dataclasses.dataclass
@@ -259,7 +307,17 @@ def prefix_cache(
     (Pallas kernels interpreted on CPU)."""
     if not args.enable_hierarchical_cache:
         return None, RadixCache(runner.allocator, args.page_size)
-    args.refuse_unbuilt()  # prefill mode, no storage tier: what is built
+    args.refuse_unbuilt()  # prefill or null mode, no storage tier: what is built
+    page_bytes = bytes_per_page(
+        leaf_specs(runner.pool, runner.cfg.full_indexer_layers), args.page_size
+    )
+    host_pages = host_pages_for(
+        page_bytes,
+        runner.layout.pages_per_rank,
+        size_bytes=args.hicache_size or 0,
+        ratio=args.hicache_ratio,
+    )
+    check_host_cache_fits(host_pages * page_bytes * runner.layout.lanes, *available_host_memory())
     io = HostCacheIO.create(
         runner,
         layout=args.hicache_mem_layout,

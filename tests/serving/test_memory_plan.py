@@ -258,3 +258,26 @@ def test_ep8_prefill_server_gives_the_logits_of_ep1(fp8_ckpt):
     )
     assert a2a.runner.expert_parallel.dispatch == "all_to_all"
     np.testing.assert_allclose(first_logits(a2a.runner), want, rtol=0, atol=1e-5)
+
+
+def test_host_cache_larger_than_the_host_memory_is_refused_before_allocating(caplog):
+    """The host pools are zero pages until written: an oversized one would start and be
+    OOM-killed later, so startup compares it with the host memory available (issue 23)."""
+    from cpkv_jax.errors import ConfigError
+    from serving.prefill.build import (
+        HOST_CACHE_MAX_FRACTION,
+        available_host_memory,
+        check_host_cache_fits,
+    )
+
+    gib_ = 2**30
+    avail = int(np.random.default_rng(3).integers(4, 64)) * gib_
+    check_host_cache_fits(int(HOST_CACHE_MAX_FRACTION * avail), avail, "test")  # fits
+    with pytest.raises(ConfigError, match="--hicache-size") as e:
+        check_host_cache_fits(int(HOST_CACHE_MAX_FRACTION * avail) + 1, avail, "test")
+    assert f"{avail / gib_:.2f} GiB is available (test)" in str(e.value)
+    with caplog.at_level(logging.WARNING):
+        check_host_cache_fits(10 * avail, None, "unknown")  # unknown: warned, not refused
+    assert "not checked" in caplog.text
+    found, source = available_host_memory()  # this Linux machine reports it
+    assert found is not None and found > 0 and source
