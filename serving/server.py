@@ -47,6 +47,7 @@ from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
+from serving.compilation_cache import enable_compilation_cache
 from serving.decode.cached import CachedUnifiedEngine
 from serving.decode.engine import DecodeEngine
 from serving.engine.api import GenerateRequest, SamplingParams, StepEngine
@@ -502,7 +503,9 @@ def apply_transfer_malloc_tuning(args: ServerArgs) -> str | None:
 def run_server(args: ServerArgs) -> int:
     """Build, warm up and serve until a signal; returns the process exit code."""
     malloc = apply_transfer_malloc_tuning(args)  # before the transfer side allocates
+    cache_dir = enable_compilation_cache(args.compilation_cache_dir)  # before any compile
     server = build_server(args)
+    server.info["compilation_cache_dir"] = cache_dir
     if malloc is not None:
         server.info["transfer_malloc_tuning"] = malloc
     logger.info(

@@ -550,6 +550,14 @@ class ServerArgs:
     request_timeout: float | None = _arg(
         None, help="seconds before an unfinished request fails; none = no limit", group="server"
     )
+    compilation_cache_dir: str | None = _arg(
+        "auto",
+        help="JAX's persistent compilation cache: a restart of the same configuration "
+        "reuses the programs compiled before; auto = $XDG_CACHE_HOME/cpkv-jax/"
+        "jax-compilation-cache (else ~/.cache/...), none = off",
+        group="server",
+        metavar="DIR",
+    )
     check_config: bool = _arg(
         False,
         help="validate the flags and the model config, print the effective configuration "

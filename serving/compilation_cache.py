@@ -1,0 +1,74 @@
+"""JAX's persistent compilation cache for `cpkv-serve` (issue 25, item 3).
+
+Every program a server compiles (warm-up and first use alike) is written to
+`--compilation-cache-dir` and read back by the next start of the same configuration, so
+a restart skips XLA compiles it has done before. JAX keys each entry on the program's
+HLO, the compile options, the backend and device kind and the JAX / jaxlib versions:
+another model, flag set or machine gets other entries, never a wrong one.
+
+- `auto` (the default): `$XDG_CACHE_HOME/cpkv-jax/jax-compilation-cache` (else
+  `~/.cache/...`); `none`: off; anything else: that directory, created if missing.
+- Every program is cached, however quick its compile (JAX's default skips those under
+  a second; a server compiles hundreds of small ones).
+- Applied process-wide by `run_server` before anything compiles; `build_server` used
+  directly (tests, embedding) leaves JAX's configuration alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cpkv-jax" / "jax-compilation-cache"
+
+
+def resolve_cache_dir(value: str | None) -> Path | None:
+    """The directory `--compilation-cache-dir VALUE` means (None: off)."""
+    if value is None or value.lower() == "none":
+        return None
+    if value == AUTO:
+        return default_cache_dir()
+    return Path(value).expanduser()
+
+
+def cache_summary(path: Path) -> tuple[int, int]:
+    """(entries, bytes) in the cache directory now."""
+    entries = size = 0
+    for f in path.iterdir():
+        if f.is_file():
+            entries += 1
+            size += f.stat().st_size
+    return entries, size
+
+
+def enable_compilation_cache(value: str | None) -> str | None:
+    """Point JAX's persistent cache at `value`'s directory; returns the directory (for
+    `/server_info`), None when off. A directory that cannot be created is logged and
+    the server runs without the cache (it only costs compile time)."""
+    path = resolve_cache_dir(value)
+    if path is None:
+        logger.info("compilation cache: off (--compilation-cache-dir none)")
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        logger.warning("compilation cache disabled: cannot create %s: %s", path, e)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    entries, size = cache_summary(path)
+    logger.info(
+        "compilation cache: %s (%d entries, %.1f MiB already there)", path, entries, size / 2**20
+    )
+    return str(path)
