@@ -70,7 +70,8 @@ VOCAB_LOW, VOCAB_HIGH = 3, 300  # the tiny model's vocabulary, minus special tok
 def _setup(args: argparse.Namespace, length: int):
     cfg = ModelConfig.from_dict(tiny_config_dict(args.arch))
     model = CausalLM(cfg, rngs=nnx.Rngs(args.seed))
-    cp = CPConfig(cp_size=args.cp, shared_kv=True, page_size=args.page_size)
+    # Shared KV needs ranks to share over; one device (a GPU run) is the plain pool.
+    cp = CPConfig(cp_size=args.cp, shared_kv=args.cp > 1, page_size=args.page_size)
     # About 1.5 prompts of device pages (+ the trash page per lane): one filler evicts it.
     pages = pages_for_tokens(length, args.page_size)
     per_rank = -(-(pages * 3 // 2) // args.cp) + 1
@@ -84,7 +85,7 @@ def _setup(args: argparse.Namespace, length: int):
         executor=CPRunnerExecutor(runner),
         max_prefill_tokens=max(length, args.chunk),
         chunked_prefill_size=args.chunk,
-        cp_limits=CPSharedKVLimits(shared_kv=True),
+        cp_limits=CPSharedKVLimits(shared_kv=args.cp > 1),
         host_io=io,
     )
     return sched, cache, io, per_rank

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from cpkv_jax.cache.radix import CacheCapacityError, alloc_with_evict
+from cpkv_jax.errors import CpkvError
 from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.model.kv_cache import KVPool
 from cpkv_jax.model.transformer import log_probs
@@ -184,7 +185,13 @@ class CachedUnifiedEngine(DecodeEngine):
             if self.store.num_available_pages - self._reserved < r.n_pages:
                 return False  # FIFO: nobody overtakes the head of the queue
             self._queue.pop(r.rid)
-            self.scheduler.submit(r.rid, r.prompt, max_new_tokens=r.req.sampling.max_new_tokens)
+            try:
+                self.scheduler.submit(r.rid, r.prompt, max_new_tokens=r.req.sampling.max_new_tokens)
+            except CpkvError as e:  # validated in `add`: only a bug gets here; fail it alone
+                logger.error("request %s: the scheduler refused it: %s", r.rid, e)
+                r.finish, r.error = StopResult("error"), str(e)
+                self._finals.append(self._chunk(r))
+                continue
             self._prefilling[r.rid] = r
             self._reserved += r.n_pages
         return True
@@ -195,9 +202,11 @@ class CachedUnifiedEngine(DecodeEngine):
         extra = r.n_pages - prompt_pages.size
         try:
             decode_pages = self.store.allocate_pages(extra)
-        except CacheCapacityError as e:  # the reservation makes this a bug, not load
+        except CacheCapacityError as e:  # the reservation rules this out: a bug, not load
+            logger.error("request %s: reserved decode pages missing: %s", r.rid, e)
             self.scheduler.release_held(r.rid)
-            raise AssertionError(f"request {r.rid}: reserved decode pages missing: {e}") from e
+            self._fail(r, f"internal error: no KV pages for the output ({e})", touched)
+            return
         self._decode_pages[r.rid] = decode_pages
         r.pages = np.concatenate([prompt_pages, decode_pages])
         r.cached_tokens = outcome.cached_tokens

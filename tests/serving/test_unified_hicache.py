@@ -168,3 +168,55 @@ def test_concurrent_requests_and_an_abort_leave_no_pages(unified, tiny_checkpoin
         == (stats.kv_pages_total[0])
     )
     cache.check_invariants(request_pages=[])
+
+
+def test_engine_edges_abort_in_prefill_one_token_and_refusals(unified, tiny_checkpoint):
+    """Driven directly (the HTTP loop stopped): a request aborted between its prefill
+    chunks frees what it took; `max_new_tokens=1` finishes at the prefill's token; a
+    request larger than the pool is refused in `add` with nothing queued; a duplicate id
+    in flight is refused. Runs last in the module: it stops the server's engine loop."""
+    from cpkv_jax.errors import InputError
+    from serving.engine.api import GenerateRequest, SamplingParams
+
+    _, cfg, model = tiny_checkpoint
+    server, served = unified
+    served.stop()
+    asyncio.run(server.loop.shutdown(0.0))
+    engine: CachedUnifiedEngine = server.engine
+    cache = engine.prefill.cache
+
+    def req(rid: str, ids: list[int], new: int) -> GenerateRequest:
+        return GenerateRequest(rid, tuple(ids), SamplingParams(max_new_tokens=new, ignore_eos=True))
+
+    long = _prompt(cfg, 3 * CHUNK + 5, 70)  # four chunks: several steps in prefill
+    engine.add(req("gone", long, NEW))
+    engine.step()
+    assert engine.stats().running == 1 and engine.scheduler.chunked is not None
+    with pytest.raises(InputError, match="already in flight"):
+        engine.add(req("gone", long, NEW))
+    engine.abort("gone")
+    (chunk,) = engine.step()
+    assert (chunk.rid, chunk.finish_reason) == ("gone", "abort")
+    assert engine.scheduler.num_waiting == 0 and not engine.has_work()
+
+    with pytest.raises(InputError, match="whole pool"):
+        engine.add(req("huge", _prompt(cfg, POOL_PAGES * P, 71), NEW))
+    assert engine.stats().waiting == 0
+
+    one = _prompt(cfg, 2 * P + 1, 72)
+    engine.add(req("one", one, 1))
+    got = []
+    end = time.monotonic() + WAIT_S
+    while engine.has_work():
+        assert time.monotonic() < end
+        got += engine.step()
+    (final,) = [c for c in got if c.finished]
+    ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
+    assert list(final.token_ids) == ref.generate(one, 1, ignore_eos=True).output_ids
+
+    _settled(engine)
+    assert engine.scheduler.num_held == 0 and not cache.protected_pages_per_lane().any()
+    stats = engine.stats()
+    free_or_evictable = stats.kv_pages_free[0] + int(cache.evictable_pages_per_lane()[0])
+    assert free_or_evictable == stats.kv_pages_total[0]
+    cache.check_invariants(request_pages=[])
