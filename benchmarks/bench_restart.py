@@ -1,7 +1,10 @@
 """Time to healthy of `cpkv-serve`, first start vs a restart with the compilation cache warm.
 
-    python -m benchmarks.bench_restart --model-path DIR [--mode prefill|null] [--json PATH]
+    python -m benchmarks.bench_restart [--model-path DIR] [--mode prefill|null] [--json PATH]
         [-- extra cpkv-serve flags]
+
+Without `--model-path` the tiny GLM-5-architecture checkpoint is written to a temporary
+directory first (what `benchmarks.device_check` does on a GPU machine).
 
 Starts `cpkv-serve` twice on 127.0.0.1 with the same flags and a fresh
 `--compilation-cache-dir` (a temporary directory), each time measuring the wall time from
@@ -70,11 +73,20 @@ def time_to_healthy(argv: list[str], env: dict[str, str], log: Path) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--model-path", default=None, help="none: a fresh tiny checkpoint")
     ap.add_argument("--mode", choices=("prefill", "null"), default="prefill")
     ap.add_argument("--json", default=None)
     ap.add_argument("extra", nargs="*", help="more cpkv-serve flags (after --)")
     args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="cpkv-restart-") as tmp:
+        if args.model_path is None:
+            from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
+
+            args.model_path = str(make_tiny_checkpoint(Path(tmp) / "tiny", "glm_moe_dsa"))
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     serve = [sys.executable, "-m", "serving.launch", "--model-path", args.model_path]
     serve += ["--disaggregation-mode", args.mode, "--host", "127.0.0.1"]

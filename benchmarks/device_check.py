@@ -235,11 +235,22 @@ STEPS: tuple[Step, ...] = (
         gpu_args=("--cp", "1", "--lengths", "4096", "16384", "--repeats", "3"),
         cpu_args=("--cp", "1", "--lengths", "256", "--repeats", "1"),
         what=(
-            "TTFT host-cache hit vs recompute vs device hit, CP1 (no --gpu flag: default "
-            "backend). NB: --cp 1 fails (ConfigError) while the script sets shared_kv=True "
-            "for every --cp; shared KV needs cp > 1"
+            "TTFT host-cache hit vs recompute vs device hit, CP1 (no --gpu flag: default backend)"
         ),
         headline=_hl_hicache,
+    ),
+    Step(
+        "bench_restart",
+        "benchmarks.bench_restart",
+        limit_s=240,
+        min_s=90,
+        gpu_args=("--mode", "null"),
+        cpu_args=None,  # two server starts: minutes on CPU, measured there separately
+        what="unified server time to healthy, cold vs with the compilation cache warm",
+        headline=lambda r: (
+            f"{r['first_start_s']:.0f} s cold, {r['second_start_s']:.0f} s warm "
+            f"({r['speedup']:.1f}x)"
+        ),
     ),
 )
 

@@ -88,6 +88,7 @@ def test_list_prints_every_step_and_its_limit(capsys):
         "bench_moe_ep",
         "bench_prefill",
         "bench_hicache_ttft",
+        "bench_restart",
     ]
     assert [s.name for s in dc.STEPS] == names  # correctness first
     for step in dc.STEPS:
