@@ -48,6 +48,7 @@ from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
 from serving.compilation_cache import enable_compilation_cache
+from serving.compile_events import COMPILES
 from serving.decode.cached import CachedUnifiedEngine
 from serving.decode.engine import DecodeEngine
 from serving.engine.api import GenerateRequest, SamplingParams, StepEngine
@@ -318,8 +319,8 @@ def server_info_source(info: dict[str, Any], engine: StepEngine) -> Callable[[],
     cache's live `hicache` entry when there is one."""
     hicache = hicache_source(engine)
     if hicache is None:
-        return lambda: dict(info)
-    return lambda: {**info, "hicache": hicache()}
+        return lambda: {**info, "xla_compiles": COMPILES.snapshot()}
+    return lambda: {**info, "hicache": hicache(), "xla_compiles": COMPILES.snapshot()}
 
 
 def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
@@ -379,6 +380,14 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         for close in reversed(closers):
             close()
         raise
+    COMPILES.mark_healthy()  # every compile after this one is paid by a request
+    compiled = COMPILES.snapshot()["startup"]
+    logger.info(
+        "startup compiled %d XLA programs in %.1fs (%d from the persistent cache)",
+        compiled["compiles"],
+        compiled["seconds"],
+        compiled["cache_hits"],
+    )
     stats = engine.stats()
     per_rank = [t * stats.kv_bytes_per_page for t in stats.kv_pages_total]
     logger.info(
@@ -394,6 +403,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
     model_names = args.served_model_names()
     context = cfg.max_position_embeddings
     metrics = ServerMetrics()
+    metrics.attach_compiles(COMPILES.snapshot)
     hicache = hicache_source(engine)
     if hicache is not None:
         metrics.attach_hicache(hicache)

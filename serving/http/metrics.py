@@ -17,7 +17,10 @@ an embedded router) never share or collide on series. Two kinds of series:
   `PrefillEngine.hicache_info` dict): host hit tokens, load-backs (count, failures,
   bytes, seconds), backups (done, failed, bytes, seconds), dropped backups by reason
   (`queue_full`: the backup queue; `host_full`: no host pages), skipped load-backs,
-  the backup queue depth and host pool pages used / total per owner lane.
+  the backup queue depth and host pool pages used / total per owner lane;
+- XLA compiles of this process by phase (`attach_compiles`): `startup` (warm-up
+  included) and `serving` (after the server became healthy: shapes a request reached
+  first), with their seconds and persistent-cache hits.
 """
 
 from __future__ import annotations
@@ -195,6 +198,29 @@ class _HostCacheCollector(Collector):
         yield from (dropped, depth, used, total)
 
 
+class _CompileCollector(Collector):
+    """`cpkv_xla_compile*` from a `serving.compile_events.CompileCounter.snapshot`."""
+
+    def __init__(self, source: Callable[[], dict[str, dict[str, float]]]) -> None:
+        self.source = source
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.source()
+        series = (
+            ("compiles", "cpkv_xla_compiles", "XLA compiles (phase: startup or serving)."),
+            ("seconds", "cpkv_xla_compile_seconds", "Seconds spent in XLA compiles."),
+            ("cache_hits", "cpkv_xla_compile_cache_hits", "Compiles the persistent cache served."),
+        )
+        for key, name, help_ in series:
+            family = CounterMetricFamily(name, help_, labels=["phase"])
+            for phase, counts in snap.items():
+                family.add_metric([phase], counts[key])
+            yield family
+
+
 class ServerMetrics:
     """The metrics of one server, in their own registry. Thread-safe (prometheus_client)."""
 
@@ -249,6 +275,10 @@ class ServerMetrics:
         """Emit the `cpkv_hicache_*` series from `source` (a prefill server's
         `PrefillEngine.hicache_info`) at scrape time."""
         self.registry.register(_HostCacheCollector(source))
+
+    def attach_compiles(self, source: Callable[[], dict[str, dict[str, float]]]) -> None:
+        """Emit `cpkv_xla_compile*` from `source` (`COMPILES.snapshot`) at scrape time."""
+        self.registry.register(_CompileCollector(source))
 
     def record_bad_request(self) -> None:
         self.bad_requests.inc()

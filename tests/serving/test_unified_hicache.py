@@ -100,6 +100,7 @@ def test_evicted_prompt_comes_back_from_host(unified, tiny_checkpoint):
     assert io is not None
     info = httpx.get(served.url + "/server_info", timeout=WAIT_S).json()
     assert info["hicache"]["layout"] == "layer_first" and info["mode"] == "null"
+    assert info["xla_compiles"]["startup"]["compiles"] > 0  # the warm-up's (issue 25)
 
     long = _prompt(cfg, 8 * P + 3, 1)
     first = _generate(served.url, long)
