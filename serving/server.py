@@ -301,6 +301,25 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
         raise RuntimeError(f"warm-up: {k - finished} of {k} requests did not finish")
     if engine.kv.num_free_pages != free0:
         raise RuntimeError("warm-up requests leaked KV pages")
+    reachable = engine.reachable_shapes()
+    if args.warmup_all_shapes:
+        t = time.perf_counter()
+        n = engine.warm_all_shapes(probe.step_shapes)
+        logger.info(
+            "warm-up: all %d reachable step shapes compiled (%d more) in %.1fs",
+            len(reachable),
+            n,
+            time.perf_counter() - t,
+        )
+    else:
+        left = len(reachable - probe.step_shapes)
+        logger.info(
+            "warm-up: %d of %d reachable step shapes compiled; %d compile on first use "
+            "(--warmup-all-shapes compiles them all)",
+            len(reachable) - left,
+            len(reachable),
+            left,
+        )
     return time.perf_counter() - t0
 
 

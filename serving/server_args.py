@@ -550,6 +550,13 @@ class ServerArgs:
     request_timeout: float | None = _arg(
         None, help="seconds before an unfinished request fails; none = no limit", group="server"
     )
+    warmup_all_shapes: bool = _arg(
+        False,
+        help="unified and decode servers: compile every step shape their requests can "
+        "reach before turning healthy (none compiles while serving; slower start, "
+        "cached by --compilation-cache-dir)",
+        group="server",
+    )
     compilation_cache_dir: str | None = _arg(
         "auto",
         help="JAX's persistent compilation cache: a restart of the same configuration "

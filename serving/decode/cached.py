@@ -129,6 +129,10 @@ class CachedUnifiedEngine(DecodeEngine):
     def has_work(self) -> bool:
         return bool(self._prefilling) or super().has_work()
 
+    @property
+    def _prefills_itself(self) -> bool:
+        return False  # the runner prefills (its shapes are the CP step's buckets)
+
     def _validate(self, req: GenerateRequest) -> _Request:
         if req.rid in self._prefilling:
             raise self._reject("duplicate_rid", f"request id {req.rid!r} is already in flight")

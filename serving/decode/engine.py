@@ -61,7 +61,7 @@ from cpkv_jax.paging import (
     pages_for_tokens,
 )
 from serving.decode.sampling import Detokenize, StopChecker, StopResult, request_seed, sample_token
-from serving.decode.steps import DecodeSteps
+from serving.decode.steps import DecodeSteps, reachable_shapes
 from serving.engine.api import EngineStats, GenerateRequest, OutputChunk, ServerMode
 from serving.engine.wait_queue import WaitQueue
 from transfer.kv_sink import KVStore
@@ -443,6 +443,30 @@ class DecodeEngine:
     def step_shapes(self) -> set[tuple[str, int, int, int]]:
         """Shapes dispatched to the model so far: (form, rows, tokens, width)."""
         return self._steps.shapes
+
+    def reachable_shapes(self) -> set[tuple[str, int, int, int]]:
+        """Every shape this engine's requests can reach (`steps.reachable_shapes`); its own
+        prefills only in null mode (a decode server's prompts arrive as KV)."""
+        return reachable_shapes(
+            prefill_form=self._steps.prefill_form,
+            page_size=self.page_size,
+            context_length=self.context_length,
+            usable_pages=self._usable_pages,
+            max_running_requests=self.max_running_requests,
+            prefill=self._prefills_itself,
+        )
+
+    def warm_all_shapes(self, already: set[tuple[str, int, int, int]] = frozenset()) -> int:
+        """Compile (run once, on the trash page) every reachable shape not run yet here
+        nor in `already` (another engine's on the same model: the compiled programs are
+        shared); returns how many. Before serving only: it donates the pool."""
+        todo = sorted(self.reachable_shapes() - self._steps.shapes - already)
+        self._steps.warm(todo)
+        return len(todo)
+
+    @property
+    def _prefills_itself(self) -> bool:
+        return self.mode == "null"
 
     # ---- bookkeeping ---------------------------------------------------------------------
     def _record(self, r: _Request, tok: int, logprob: float) -> None:

@@ -7,6 +7,9 @@
 
 Both donate the pool through `KVStore.update_pool` and return log-probs on the host, so
 the number of compiled shapes is bounded by the buckets (`shapes` records them).
+`reachable_shapes` enumerates every shape an engine's requests can reach from its limits
+(the same bucket rules, one source of truth) and `warm` runs each once on trash-page-only
+tables, so a server that warms them all compiles nothing while serving (issue 25).
 """
 
 from __future__ import annotations
@@ -18,15 +21,62 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cpkv_jax.buckets import pow2_at_least
+from cpkv_jax.buckets import MIN_PREFILL_BUCKET, pow2_at_least, prefill_bucket
 from cpkv_jax.model.forward_batch import ForwardBatch, prefill_batch
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool
 from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
-from cpkv_jax.paging import TRASH_PAGE, padded_page_table, slots_for_positions
+from cpkv_jax.paging import TRASH_PAGE, padded_page_table, pages_for_tokens, slots_for_positions
 from transfer.kv_sink import KVStore
 
 # One decode row: (token fed now, its position, the request's pages, pages reserved).
 DecodeRow = tuple[int, int, np.ndarray, int]
+# A compiled step: (form, rows, tokens, page-table width).
+Shape = tuple[str, int, int, int]
+
+
+def reachable_shapes(
+    *,
+    prefill_form: str,
+    page_size: int,
+    context_length: int,
+    usable_pages: int,
+    max_running_requests: int,
+    prefill: bool = True,
+) -> set[Shape]:
+    """Every step shape a `DecodeEngine` with these limits can dispatch.
+
+    A request has `n >= 1` prompt tokens and `m >= 1` new ones with `n + m <=
+    context_length` and `pages(n + m) <= usable_pages` (`DecodeEngine._validate`). Its
+    prefill is `(form, 1, prefill_bucket(n), pow2(pages(n + m)))`. A decode step of `k <=
+    max_running_requests` running requests is `("absorbed", pow2(k), 1, pow2(max pages))`,
+    and the running requests' reservations fit the pool together.
+    """
+    longest = min(context_length, usable_pages * page_size)  # tokens one request can hold
+    out: set[Shape] = set()
+    max_pages = pages_for_tokens(longest, page_size)
+    if prefill:
+        bucket = MIN_PREFILL_BUCKET
+        # Bucket `bucket` holds prompts of n in [lo, bucket]; with m >= 1 a request's
+        # pages run over every integer in [pages(lo + 1), max_pages], so its widths are
+        # every power of two from pow2(pages(lo + 1)) to pow2(max_pages).
+        while (lo := 1 if bucket == MIN_PREFILL_BUCKET else bucket // 2 + 1) < longest:
+            w = pow2_at_least(pages_for_tokens(lo + 1, page_size))
+            while w <= pow2_at_least(max_pages):
+                out.add((prefill_form, 1, prefill_bucket(lo), w))
+                w *= 2
+            bucket *= 2
+    rows = 1
+    while rows <= pow2_at_least(max_running_requests):
+        k_min = 1 if rows == 1 else rows // 2 + 1  # fewest requests that pad to `rows`
+        if k_min <= min(max_running_requests, usable_pages):
+            w = 1
+            while w <= pow2_at_least(max_pages):
+                widest_min = 1 if w == 1 else w // 2 + 1  # the widest request's fewest pages
+                if widest_min <= max_pages and widest_min + (k_min - 1) <= usable_pages:
+                    out.add(("absorbed", rows, 1, w))
+                w *= 2
+        rows *= 2
+    return out
 
 
 class DecodeSteps:
@@ -90,6 +140,18 @@ class DecodeSteps:
         with jax.named_scope("decode_engine.decode"):
             logits = self.kv.update_pool(lambda pool: self._forward(batch, pool, "absorbed"))
         return np.asarray(log_probs(logits))[: len(rows)]
+
+    def warm(self, shapes: Sequence[Shape]) -> None:
+        """Run each shape once on tables of the trash page only (every write lands in page
+        0, which no request reads), through the same code the requests take."""
+        trash = np.zeros((1,), np.int32)
+        for form, rows, tokens, width in shapes:
+            if tokens > 1:  # a prefill: one row, `tokens` padded prompt tokens
+                if form != self.prefill_form:
+                    raise ValueError(f"this engine prefills in {self.prefill_form!r}, not {form!r}")
+                self.prefill(np.full((tokens,), 3, np.int32), trash, width)
+            else:
+                self.decode([(3, 0, trash, width)] * rows)
 
     def _forward(self, batch: ForwardBatch, pool: KVPool, form: str) -> tuple[jax.Array, KVPool]:
         return forward_step(
