@@ -209,12 +209,7 @@ def _build_cached_unified(
     try:
         engine = CachedUnifiedEngine(
             prefill=prefill,
-            cfg=cfg,
-            model=model,
-            page_size=args.page_size,
-            index_k_dtype=args.index_k_dtype,
-            batch_invariant=args.enable_batch_invariant,
-            block_bytes=args.transient_block_size,
+            **_model_flags(args, cfg, model),
             max_running_requests=args.max_running_requests or DEFAULT_MAX_RUNNING,
             max_queued_requests=args.max_queued_requests,
             detokenize=_detokenizer(tokenizer),
@@ -225,21 +220,24 @@ def _build_cached_unified(
     return engine, {}, [prefill.close]
 
 
+def _model_flags(args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> dict[str, Any]:
+    """A decode engine's model-facing arguments from `args` (the served engine and the
+    warm-up probe must compile the same shapes)."""
+    return {
+        "cfg": cfg,
+        "model": model,
+        "page_size": args.page_size,
+        "index_k_dtype": args.index_k_dtype,
+        "batch_invariant": args.enable_batch_invariant,
+        "block_bytes": args.transient_block_size,
+    }
+
+
 def _decode_engine(
     args: ServerArgs, cfg: ModelConfig, model: CausalLM, kv: Any, **kw: Any
 ) -> DecodeEngine:
-    """A `DecodeEngine` with the model-facing flags of `args` (the served one and the
-    warm-up probe must compile the same shapes)."""
-    return DecodeEngine(
-        cfg=cfg,
-        model=model,
-        kv=kv,
-        page_size=args.page_size,
-        index_k_dtype=args.index_k_dtype,
-        batch_invariant=args.enable_batch_invariant,
-        block_bytes=args.transient_block_size,
-        **kw,
-    )
+    """A `DecodeEngine` over `kv` with the model-facing flags of `args`."""
+    return DecodeEngine(kv=kv, **_model_flags(args, cfg, model), **kw)
 
 
 def _pow2_upto(n: int) -> list[int]:

@@ -21,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 from support.http_client import Served
+from support.prefill_server import float32_args
 
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
@@ -37,25 +38,14 @@ WAIT_S = 120.0
 
 
 def _args(path, *extra: str) -> ServerArgs:
-    return ServerArgs.from_cli(
-        [
-            "--model-path",
-            str(path),
-            "--dtype",
-            "float32",
-            "--index-k-dtype",
-            "float32",
-            "--page-size",
-            str(P),
-            "--disaggregation-mode",
-            "null",
-            "--chunked-prefill-size",
-            str(CHUNK),
-            "--enable-hierarchical-cache",
-            "--hicache-ratio",
-            "4",
-            *extra,
-        ]
+    return float32_args(
+        path,
+        "--chunked-prefill-size",
+        str(CHUNK),
+        "--enable-hierarchical-cache",
+        "--hicache-ratio",
+        "4",
+        *extra,
     )
 
 

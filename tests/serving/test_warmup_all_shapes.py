@@ -12,15 +12,14 @@ import httpx
 import numpy as np
 import pytest
 from support.http_client import Served
+from support.prefill_server import P, float32_args
 
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.model.kv_cache import DTYPES
 from serving.compile_events import COMPILES
 from serving.server import build_server
-from serving.server_args import ServerArgs
 
-P = 16
 POOL_PAGES = 17  # 16 usable: 256 tokens per request at most
 RUNNING = 4
 WAIT_S = 120.0
@@ -30,22 +29,13 @@ WAIT_S = 120.0
 def warmed(tiny_checkpoint):
     path, cfg, _ = tiny_checkpoint
     page = per_rank_pool_bytes(cfg, PoolLayout(1, False, 2, P), DTYPES["float32"], "float32") // 2
-    args = ServerArgs.from_cli(
-        [
-            "--model-path",
-            str(path),
-            "--dtype",
-            "float32",
-            "--index-k-dtype",
-            "float32",
-            "--page-size",
-            str(P),
-            "--kv-pool-size",
-            str(POOL_PAGES * page),
-            "--max-running-requests",
-            str(RUNNING),
-            "--warmup-all-shapes",
-        ]
+    args = float32_args(
+        path,
+        "--kv-pool-size",
+        str(POOL_PAGES * page),
+        "--max-running-requests",
+        str(RUNNING),
+        "--warmup-all-shapes",
     )
     server = build_server(args)
     served = Served(server.app)
@@ -76,9 +66,7 @@ def test_mixed_workload_compiles_nothing(warmed, tiny_checkpoint):
     rng = np.random.default_rng(11)
     longest = (POOL_PAGES - 1) * P
     lengths = [1, 2, 15, 16, 17, 100, longest - 9, *rng.integers(1, longest - 8, 9).tolist()]
-    jobs = [
-        (rng.integers(3, cfg.vocab_size, n).tolist(), int(rng.integers(1, 9))) for n in lengths
-    ]
+    jobs = [(rng.integers(3, cfg.vocab_size, n).tolist(), int(rng.integers(1, 9))) for n in lengths]
     before = COMPILES.snapshot()["serving"]["compiles"]
     with concurrent.futures.ThreadPoolExecutor(RUNNING) as pool:
         outs = list(pool.map(lambda j: _generate(served.url, *j), jobs))

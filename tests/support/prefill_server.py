@@ -61,7 +61,9 @@ def lane_counts(n_pages: int, cp: int) -> np.ndarray:
     return np.bincount(owner_of_page(np.arange(n_pages), cp), minlength=cp).astype(np.int64)
 
 
-def server_args(path, *extra: str) -> ServerArgs:
+def float32_args(path, *extra: str) -> ServerArgs:
+    """Flags of a float32 server of the tiny checkpoint at `path` (page `P`), plus `extra`
+    (a unified server unless `extra` names a mode)."""
     return ServerArgs.from_cli(
         [
             "--model-path",
@@ -72,6 +74,15 @@ def server_args(path, *extra: str) -> ServerArgs:
             "float32",
             "--page-size",
             str(P),
+            *extra,
+        ]
+    )
+
+
+def server_args(path, *extra: str) -> ServerArgs:
+    return float32_args(
+        path,
+        *[
             "--cp-size",
             str(CP),
             "--enable-cp-shared-kv",
@@ -83,5 +94,5 @@ def server_args(path, *extra: str) -> ServerArgs:
             "--transfer-backend",
             "grpc",
             *extra,
-        ]
+        ],
     )
