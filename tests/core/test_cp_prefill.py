@@ -15,7 +15,6 @@ With batch-invariant numerics (`batch_invariant=True`) the same comparisons are 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import chex
 import jax
@@ -101,32 +100,51 @@ def test_cp_prefill_equals_single_device_reference(setup, length, chunk):
     chex.assert_trees_all_equal(results[True][0], results[False][0])
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="2026-12-02: the full view differs in 40 of 21,320 layer-5 latent values (max 0.67) "
-    "in freshly built venvs, also at e82fa36 whose CI passed: an environment-dependent "
-    "top-k tie in the blocked indexer, under investigation (see the stop note)",
-)
 def test_token_blocks_in_the_cp_step_equal_the_reference(setup):
     """`block_bytes=1`: the indexer and sparse attention run in 16-row token blocks on
-    every rank (128 tokens each here) and in the single-device prefill; both still match
-    the one-block reference within the CP tolerance, and the top-k is the same."""
+    every rank (128 tokens each here) and in the single-device prefill.
+
+    With batch-invariant numerics blocking changes no bit: the blocked CP step and the
+    blocked single-device step equal the one-block reference bitwise (view and logits).
+    With default numerics a block's row count changes the gemm's last bits, and
+    `index_topk` = 16 of 533 tokens has near-ties: one flipped selection at layer k moves
+    whole rows of layer k+1's KV (seen in some builds: 40 of 21,320 layer-5 latent values),
+    so only the layer-0 view - upstream of every top-k - is compared there, at the CP
+    tolerance."""
     cfg, model, _ = setup
     ids = _prompt(33 * P + 5, 7)
-    ref_logits, ref_view = reference(cfg, model, ids)
-    runner = make_runner(cfg, model, ids.size, block_bytes=1)
-    result = runner.prefill([ids], None)
-    view = runner.full_view(result.tables[0])
-    f32 = functools.partial(jax.tree_util.tree_map, lambda x: np.asarray(x, np.float32))
-    chex.assert_trees_all_close(result.last_logits[0], ref_logits, rtol=1e-5, atol=1e-5)
-    chex.assert_trees_all_close(f32(view), f32(ref_view), atol=1e-5, rtol=0)
-    # The single-device step in blocks too (what the decode engine's prefill runs).
     n, pages = ids.size, -(-ids.size // P)
-    batch = prefill_batch(ids, np.arange(1, pages + 1, dtype=np.int32), P)
     graphdef, state = nnx.split(model)
-    pool = init_pool(cfg, pages + 1, P, index_k_dtype=INDEX_K)
-    logits, _ = forward_step(graphdef, state, batch, pool, index_k_dtype=INDEX_K, block_bytes=1)
-    chex.assert_trees_all_close(np.asarray(logits[0]), ref_logits, rtol=1e-5, atol=1e-5)
+    batch = prefill_batch(ids, np.arange(1, pages + 1, dtype=np.int32), P)
+    for invariant in (True, False):
+        ref_logits, ref_view = reference(cfg, model, ids, invariant=invariant)
+        runner = make_runner(cfg, model, n, block_bytes=1, batch_invariant=invariant)
+        result = runner.prefill([ids], None)
+        view = runner.full_view(result.tables[0])
+        # The single-device step in blocks too (what the decode engine's prefill runs).
+        pool = init_pool(cfg, pages + 1, P, index_k_dtype=INDEX_K)
+        logits, _ = forward_step(
+            graphdef,
+            state,
+            batch,
+            pool,
+            index_k_dtype=INDEX_K,
+            form="absorbed" if invariant else "expanded",
+            invariant=invariant,
+            block_bytes=1,
+        )
+        if invariant:
+            chex.assert_trees_all_equal(view, ref_view)
+            chex.assert_trees_all_equal(result.last_logits[0], ref_logits)
+            chex.assert_trees_all_equal(np.asarray(logits[0]), ref_logits)
+        else:
+            for got, want in (
+                (view.latent[0], ref_view.latent[0]),
+                (view.index_k[0], ref_view.index_k[0]),
+            ):
+                np.testing.assert_allclose(
+                    np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-5, rtol=0
+                )
     with pytest.raises(InputError, match="token block budget"):
         make_runner(cfg, model, n, block_bytes=0)
 
