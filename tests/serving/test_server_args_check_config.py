@@ -32,7 +32,9 @@ def serve(tiny_config_dir, monkeypatch, capsys):
     monkeypatch.setattr(launch, "configure_logging", lambda level: None)
 
     def run(*argv: str, backends: TransferBackendRegistry | None = None, check: bool = True):
-        full = ["--model-path", str(tiny_config_dir), *(["--check-config"] if check else []), *argv]
+        # A real start runs in this process: leave JAX's process-wide compilation cache off.
+        mode = ["--check-config"] if check else ["--compilation-cache-dir", "none"]
+        full = ["--model-path", str(tiny_config_dir), *mode, *argv]
         rc = launch.main(full, backends=backends)
         out, err = capsys.readouterr()
         return rc, out, err
