@@ -69,7 +69,9 @@ class CPPoolPageSource:
     buffer, for all but very long requests) in one dispatch and keeps the run's other
     rows until each is read once (a sender reads every buffer of its plan's pages); a
     later read of the same pages and buffer (a retry) gathers again. Rows of at most
-    `MAX_PENDING_READS` page sets are kept (a sender that stopped early leaves some).
+    `MAX_PENDING_READS` page sets are kept (a sender that stopped early leaves some);
+    the owner of the pages calls `discard` before it frees them, since the rows are
+    keyed by page ids and a later request may get the same pages.
     """
 
     def __init__(
@@ -106,14 +108,8 @@ class CPPoolPageSource:
         idx = np.zeros(padded, np.int32)  # padding reads the trash page
         idx[:k] = pages
         group = next(g for g in self._groups(padded) if buffer in g)
-        with self._lock if self._lock is not None else contextlib.nullcontext():
-            pool = self._pool() if callable(self._pool) else self._pool
-            leaves = tuple(
-                self._shard(getattr(pool, b[0])[self.layout.leaf_index(*b)]) for b in group
-            )
-            # Held until the gather ran: a step never donates a pool a read still reads.
-            gathered = jax.block_until_ready(_gather_rows(leaves, idx))
-            self.dispatches += 1
+        gathered = self._gather(group, idx)
+        self.dispatches += 1
         host = {b: np.asarray(x)[:k] for b, x in zip(group, jax.device_get(gathered), strict=True)}
         rows = host.pop(buffer)
         with self._pending_lock:
@@ -124,6 +120,42 @@ class CPPoolPageSource:
             if not self._pending[key]:
                 del self._pending[key]
         return rows
+
+    def discard(self, src_pages: np.ndarray) -> int:
+        """Forget the kept rows of every read that touched any of `src_pages`; returns how
+        many page sets went. Call before the pages are freed: the kept rows are copies of
+        held pages, and a later request given the same pages must not read them."""
+        pages = np.asarray(src_pages, np.int32)
+        with self._pending_lock:
+            stale = [k for k in self._pending if np.isin(np.frombuffer(k, np.int32), pages).any()]
+            for k in stale:
+                del self._pending[k]
+        return len(stale)
+
+    def warm(self, max_pages: int) -> int:
+        """Compile the gathers of every read of up to `max_pages` pages (one per group
+        and power-of-two row count) by gathering the trash page; returns how many ran."""
+        ran = 0
+        rows = 1
+        while rows <= pow2_at_least(max_pages):
+            idx = np.zeros(rows, np.int32)
+            for group in self._groups(rows):
+                self._gather(group, idx)
+                ran += 1
+            rows *= 2
+        return ran
+
+    def _gather(
+        self, group: tuple[tuple[BufferKind, int], ...], idx: np.ndarray
+    ) -> tuple[jax.Array, ...]:
+        """The rows `idx` of the group's leaves on this rank's device, gathered (and
+        waited for) under the pool lock: a step never donates a pool a read still reads."""
+        with self._lock if self._lock is not None else contextlib.nullcontext():
+            pool = self._pool() if callable(self._pool) else self._pool
+            leaves = tuple(
+                self._shard(getattr(pool, b[0])[self.layout.leaf_index(*b)]) for b in group
+            )
+            return jax.block_until_ready(_gather_rows(leaves, idx))
 
     def _groups(self, rows: int) -> list[tuple[tuple[BufferKind, int], ...]]:
         """The buffers in layout order, cut into runs whose `rows` rows fit `group_bytes`

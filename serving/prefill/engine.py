@@ -55,6 +55,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from cpkv_jax.buckets import StepShape
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.model.kv_cache import DTYPES
@@ -179,6 +180,22 @@ class PrefillModeEngine:
         self.transfer_seconds = 0.0
         self.prefix_cache_hit_tokens = 0
         self.transfer_failures = 0
+
+    # ---- ahead-of-time compiles (issue 25) ----------------------------------------------
+    def reachable_shapes(self) -> set[StepShape]:
+        """Every CP step shape this server's requests can reach (its queue bounds the
+        batch rows; `PrefillEngine.reachable_shapes`)."""
+        return self.engine.reachable_shapes(self._queue.limit)
+
+    def warm_all_shapes(self) -> tuple[int, int]:
+        """Compile every reachable step shape not run yet and every transfer gather a
+        rank's sender can dispatch (up to a longest request's owned pages); returns
+        (steps, gathers) compiled. Before serving only."""
+        steps = self.engine.warm_all_shapes(self._queue.limit)
+        log_probs(np.zeros(self.cfg.vocab_size, np.float32))  # the first token's, per request
+        widest = max(s.width for s in self.reachable_shapes())
+        gathers = sum(source.warm(widest // self.cp_size) for source in self._sources)
+        return steps, gathers
 
     # ---- StepEngine -------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:
@@ -436,6 +453,11 @@ class PrefillModeEngine:
                 self._forget(rid)
                 out.append(self._transfer_failed(entry, outcome, " before the prefill"))
                 continue
+            inputs = entry.hold.inputs
+            if inputs is not None:  # rows a stopped sender left must not outlive the pages
+                pages = np.asarray(inputs.src_local_pages)
+                for r, source in enumerate(self._sources):
+                    source.discard(pages[r :: self.cp_size])
             self.scheduler.release_held(rid)
             self._forget(rid)
             delivered = outcome is not None and outcome.state is RoomState.SUCCESS
