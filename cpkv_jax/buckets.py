@@ -104,3 +104,45 @@ def block_rows(rows: int, row_bytes: int, budget: int = TRANSIENT_BLOCK_BYTES) -
         return rows
     fit = budget // row_bytes // BLOCK_ROW_MULTIPLE * BLOCK_ROW_MULTIPLE
     return min(rows, max(BLOCK_ROW_MULTIPLE, fit))
+
+
+def reachable_step_shapes(
+    *, cp_size: int, page_size: int, max_extend_tokens: int, longest_tokens: int, max_rows: int
+) -> set[StepShape]:
+    """Every `StepShape` a CP prefill step can take under these limits.
+
+    One row's step extends `e` tokens, `1 <= e <= max_extend_tokens` (the page-floored
+    chunk, or the longest prompt unchunked), on top of `j >= 0` whole pages already
+    there (a prefix hit or earlier chunks, both page multiples), so its KV holds
+    `k = e + j * page_size <= longest_tokens` tokens. Block bucket `b` takes
+    `e in (cp * b, 2 * cp * b]` (from 1 for `b = 1`); its widths are those of every page
+    count from `pages(e_lo)` to the largest `pages(e) + (longest - e) // page_size` in the
+    bucket. Exact for one row (brute-forced in tests/core/test_step_buckets.py). Batches
+    padded to `rows <= pow2(max_rows)` take the same blocks with every width from the
+    bucket's narrowest to the longest request's: a superset of what the row budgets allow.
+    """
+    max_e = min(max_extend_tokens, longest_tokens)
+    widest = page_table_width(pages_for_tokens(max(longest_tokens, 1), page_size), cp_size)
+    out: set[StepShape] = set()
+    block = 1
+    while (lo := 1 if block == 1 else cp_size * block + 1) <= max_e:
+        hi = min(2 * cp_size * block, max_e)
+        # pages(e) + (L - e) // P has period P in e: one period holds its maximum.
+        top = max(
+            pages_for_tokens(e, page_size) + (longest_tokens - e) // page_size
+            for e in range(lo, min(hi, lo + page_size - 1) + 1)
+        )
+        first = pages_for_tokens(lo, page_size)
+        one_row = {page_table_width(p, cp_size) for p in range(first, top + 1)}
+        batched = []
+        w = min(one_row)
+        while w <= widest:
+            batched.append(w)
+            w *= 2
+        rows = 1
+        while rows <= pow2_at_least(max_rows):
+            for width in one_row if rows == 1 else batched:
+                out.add(StepShape(cp_size, page_size, rows, block, width))
+            rows *= 2
+        block *= 2
+    return out

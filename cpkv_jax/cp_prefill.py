@@ -19,7 +19,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cpkv_jax.buckets import page_table_width, step_shape
+from cpkv_jax.buckets import StepShape, page_table_width, step_shape
 from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.errors import InputError
 from cpkv_jax.kv_pool import PoolLayout, init_cp_pool
@@ -181,6 +181,7 @@ class CPPrefillRunner:
             expert_parallel,
         )
         self._view = _build_view(mesh, self.layout, self.kv_io)
+        self.step_shapes: set[StepShape] = set()  # every shape run (requests and warm-up)
         self.debug = os.environ.get(DEBUG_ENV) == "1" if debug is None else debug
         self._shadow: CPPrefillRunner | None = None
         if self.debug and cp.shared_kv:
@@ -314,12 +315,45 @@ class CPPrefillRunner:
     def run_step(self, plan: StepPlan) -> np.ndarray:
         """Dispatch one step (the pool swap under `pool_lock`) and wait for its logits."""
         state, tokens, table, kv_lens, last = self._step_args(plan)
+        self.step_shapes.add(self.shape_of(plan))
         with self.pool_lock:
             logits, self.pool = self._step(state, tokens, table, kv_lens, self.pool, last)
         out = np.asarray(logits)
         if self._shadow is not None:  # SPEC S1.7: every step, served requests included
             check_step(self, self._shadow, plan, out)
         return out
+
+    def shape_of(self, plan: StepPlan) -> StepShape:
+        rows, tokens = plan.input_ids.shape
+        block = tokens // (2 * self.cp.cp_size)
+        return StepShape(self.cp.cp_size, self.cp.page_size, rows, block, plan.page_table.shape[1])
+
+    def warm(self, shapes: Iterable[StepShape]) -> int:
+        """Compile each shape not run yet by running it once on the trash pages only
+        (every table entry and write slot is page 0 of its lane, which no request
+        reads); returns how many ran. Before serving: it takes the pool lock per step."""
+        todo = sorted(set(shapes) - self.step_shapes, key=dataclasses.astuple)
+        for shape in todo:
+            if (shape.cp_size, shape.page_size) != (self.cp.cp_size, self.cp.page_size):
+                raise ValueError(f"{shape} is not a step shape of this runner")
+            tokens = (shape.rows, shape.tokens_per_step)
+            valid = np.zeros(tokens, bool)
+            valid[:, 0] = True  # each row: one token at position 0, as a 1-token prompt
+            plan = StepPlan(
+                input_ids=np.full(tokens, 3, np.int32),
+                positions=np.zeros(tokens, np.int32),
+                valid=valid,
+                write_slots=np.zeros(tokens, np.int32),  # lane 0's trash page
+                page_table=np.zeros((shape.rows, shape.width), np.int32),
+                kv_lens=np.ones((shape.rows,), np.int32),
+                last_index=np.zeros((shape.rows,), np.int32),
+            )
+            state, ids, table, kv_lens, last = self._step_args(plan)
+            with self.pool_lock:
+                logits, self.pool = self._step(state, ids, table, kv_lens, self.pool, last)
+            jax.block_until_ready(logits)
+            self.step_shapes.add(shape)
+        return len(todo)
 
     def step_hlo_text(self, plan: StepPlan) -> str:
         """The optimized HLO of the step compiled for `plan`'s shape (for profilers:

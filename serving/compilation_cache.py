@@ -6,9 +6,11 @@ a restart skips XLA compiles it has done before. JAX keys each entry on the prog
 HLO, the compile options, the backend and device kind and the JAX / jaxlib versions:
 another model, flag set or machine gets other entries, never a wrong one.
 
-- `auto`: `$XDG_CACHE_HOME/cpkv-jax/jax-compilation-cache` (else `~/.cache/...`);
-  `none` (the default, opt-in for now: a cache write segfaulted inside a test process
-  running many servers on JAX 0.10 XLA:CPU); anything else: that directory.
+- `auto` (the default): `$XDG_CACHE_HOME/cpkv-jax/jax-compilation-cache` (else
+  `~/.cache/...`); `none`: off; anything else: that directory. (It was off by default
+  for a day after a test process segfaulted inside a cache write: the cause was the
+  process's memory maps reaching `vm.max_map_count`, XLA:CPU maps ~17 per program;
+  tests/conftest.py now frees programs between test modules.)
 - Every program is cached, however quick its compile (JAX's default skips those under
   a second; a server compiles hundreds of small ones).
 - Applied process-wide by `run_server` before anything compiles; `build_server` used

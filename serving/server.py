@@ -257,7 +257,10 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
     few short requests at once through a unified `DecodeEngine` on the same pool (a decode
     server's pool is the receiver's: the warm-up borrows a few pages and returns them), so
     the prefill buckets of short prompts and the decode batch buckets 1, 2, 4, 8 compile.
-    Longer contexts (wider page tables) compile on first use.
+    Longer contexts (wider page tables) compile on first use, unless
+    `--warmup-all-shapes`: then every reachable step shape compiles here (CP steps
+    `buckets.reachable_step_shapes`, decode steps `decode.steps.reachable_shapes`), with
+    a prefill server's transfer gathers and a decode server's commit scatters.
     """
     t0 = time.perf_counter()
     vocab = cfg.vocab_size - 3
@@ -274,6 +277,7 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
         for n in [*lengths, chunk]:
             result = runner.prefill([prompt(n)], chunk)
             runner.release(result.tables[0])
+        _warm_prefill_steps(engine, args.warmup_all_shapes)
         if isinstance(engine, PrefillModeEngine):
             return time.perf_counter() - t0
     # The decode batch buckets (a unified cached engine: on its runner's pool).
@@ -303,10 +307,16 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
     if args.warmup_all_shapes:
         t = time.perf_counter()
         n = engine.warm_all_shapes(probe.step_shapes)
+        from transfer.receiver import Receiver  # as in _build_decode_side
+
+        # A decode server's rooms commit into the pool in power-of-two scatters.
+        commits = engine.kv.warm_commits(free0) if isinstance(engine.kv, Receiver) else 0
         logger.info(
-            "warm-up: all %d reachable step shapes compiled (%d more) in %.1fs",
+            "warm-up: all %d reachable step shapes compiled (%d more) and %d commit "
+            "scatters in %.1fs",
             len(reachable),
             n,
+            commits,
             time.perf_counter() - t,
         )
     else:
@@ -319,6 +329,38 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
             left,
         )
     return time.perf_counter() - t0
+
+
+def _warm_prefill_steps(engine: PrefillModeEngine | CachedUnifiedEngine, all_shapes: bool) -> None:
+    """Log how many CP step shapes the requests can reach; with `all_shapes` compile
+    them all (and, on a prefill server, every transfer gather its senders can run)."""
+    if isinstance(engine, PrefillModeEngine):
+        reachable, runner = engine.reachable_shapes(), engine.runner
+    else:
+        reachable, runner = engine.prefill.reachable_shapes(), engine.prefill.runner
+    if not all_shapes:
+        left = len(reachable - runner.step_shapes)
+        logger.info(
+            "warm-up: %d of %d reachable CP step shapes compiled; %d compile on first use "
+            "(--warmup-all-shapes compiles them all)",
+            len(reachable) - left,
+            len(reachable),
+            left,
+        )
+        return
+    t = time.perf_counter()
+    if isinstance(engine, PrefillModeEngine):
+        steps, gathers = engine.warm_all_shapes()
+    else:
+        steps, gathers = engine.prefill.warm_all_shapes(), 0
+    logger.info(
+        "warm-up: all %d reachable CP step shapes compiled (%d more) and %d transfer "
+        "gathers in %.1fs",
+        len(reachable),
+        steps,
+        gathers,
+        time.perf_counter() - t,
+    )
 
 
 def hicache_source(engine: StepEngine) -> Callable[[], dict[str, Any] | None] | None:

@@ -552,17 +552,16 @@ class ServerArgs:
     )
     warmup_all_shapes: bool = _arg(
         False,
-        help="unified and decode servers: compile every step shape their requests can "
-        "reach before turning healthy (none compiles while serving; slower start, "
-        "cached by --compilation-cache-dir)",
+        help="compile every step shape the requests can reach (and, on PD servers, every "
+        "transfer gather and commit scatter) before turning healthy: none compiles while "
+        "serving; slower start, cached by --compilation-cache-dir",
         group="server",
     )
     compilation_cache_dir: str | None = _arg(
-        None,
+        "auto",
         help="JAX's persistent compilation cache: a restart of the same configuration "
         "reuses the programs compiled before; auto = $XDG_CACHE_HOME/cpkv-jax/"
-        "jax-compilation-cache (else ~/.cache/...), none = off (the default: a cache "
-        "write crashed a test process on JAX 0.10 XLA:CPU, see docs/results.md)",
+        "jax-compilation-cache (else ~/.cache/...), none = off, or a directory",
         group="server",
         metavar="DIR",
     )

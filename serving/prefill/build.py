@@ -26,10 +26,11 @@ from typing import Any
 
 import jax
 
+from cpkv_jax.buckets import StepShape, reachable_step_shapes
 from cpkv_jax.cache.hiradix import HiRadixCache
 from cpkv_jax.cache.radix import RadixCache
 from cpkv_jax.config import ModelConfig
-from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
+from cpkv_jax.cp_prefill import CPPrefillRunner, chunk_tokens, pages_per_rank_for
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.host_cache import bytes_per_page, leaf_specs
 from cpkv_jax.host_cache.pool import host_pages_for
@@ -110,6 +111,30 @@ class PrefillEngine:
     estimator: BufferEstimator
     scheduler: PrefillScheduler
     host_io: HostCacheIO | None = None  # with --enable-hierarchical-cache
+
+    def reachable_shapes(self, max_waiting: int | None = None) -> set[StepShape]:
+        """Every CP step shape this engine's requests can reach
+        (`buckets.reachable_step_shapes`): prompts up to the context length less one
+        output token and the pool's capacity, chunks of `--chunked-prefill-size`, batches
+        up to `PrefillScheduler.max_batch_rows(max_waiting)`."""
+        page = self.args.page_size
+        alloc = self.scheduler.allocator
+        longest = min(
+            self.cfg.max_position_embeddings - 1, alloc.capacity_per_lane * alloc.cp_size * page
+        )
+        chunk = chunk_tokens(self.args.chunked_prefill_size, page)
+        return reachable_step_shapes(
+            cp_size=self.args.cp_size,
+            page_size=page,
+            max_extend_tokens=longest if chunk is None else chunk,
+            longest_tokens=longest,
+            max_rows=self.scheduler.max_batch_rows(max_waiting),
+        )
+
+    def warm_all_shapes(self, max_waiting: int | None = None) -> int:
+        """Compile every reachable step shape not run yet (`CPPrefillRunner.warm`, on
+        the trash pages); returns how many. Before serving only."""
+        return self.runner.warm(self.reachable_shapes(max_waiting))
 
     def hicache_info(self) -> dict[str, Any] | None:
         """The host cache for `/server_info`: its configuration, host pages used / total

@@ -174,6 +174,26 @@ class PrefillScheduler:
         self.waiting.append(PrefillRequest(rid, ids, max_new_tokens, deadline, next(self._seq)))
         self._ids.add(rid)
 
+    def max_batch_rows(self, max_waiting: int | None = None) -> int:
+        """The most requests one batch can hold (bounds the step shapes' row buckets).
+
+        One with CP shared KV unless bs>1 is on (S5.1); else the fewest of: the S5.2
+        request limit, one token each within the chunk or the input budget (its first
+        request may exceed it, S6 may lift it), one page each within the pool, and
+        `max_waiting` queued requests plus the in-flight chunked one."""
+        lim = self.cp_limits
+        if lim.shared_kv and not lim.bs_gt1:
+            return 1
+        budget = max(self.max_prefill_tokens, lim.max_total_extend_tokens or 0) + 1
+        bounds = [budget, self.allocator.capacity_per_lane * self.allocator.cp_size]
+        if self.chunked_prefill_size is not None:
+            bounds.append(self.chunked_prefill_size)
+        if lim.shared_kv and lim.max_batch_requests is not None:
+            bounds.append(lim.max_batch_requests)
+        if max_waiting is not None:
+            bounds.append(max_waiting + 1)
+        return max(1, min(bounds))
+
     def check_submit(self, rid: str, num_tokens: int) -> None:
         """`InputError` if `submit(rid, <num_tokens tokens>)` would refuse the request."""
         if num_tokens == 0:

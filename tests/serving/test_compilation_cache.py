@@ -30,7 +30,7 @@ def test_cache_dir_resolution(tmp_path, monkeypatch):
     assert resolve_cache_dir("auto") == default_cache_dir()
     assert resolve_cache_dir("none") is None and resolve_cache_dir(None) is None
     assert resolve_cache_dir(str(tmp_path / "x")) == tmp_path / "x"
-    assert ServerArgs.from_cli(["--model-path", "m"]).compilation_cache_dir is None  # opt-in
+    assert ServerArgs.from_cli(["--model-path", "m"]).compilation_cache_dir == "auto"
     off = ServerArgs.from_cli(["--model-path", "m", "--compilation-cache-dir", "none"])
     assert off.compilation_cache_dir is None
 

@@ -169,6 +169,29 @@ class Committer:
             return e, pool
         return None, pool
 
+    def warm(self, max_pages: int) -> int:
+        """Compile the scatter of every piece a room of up to `max_pages` pages commits
+        (one per power of two) by scattering zeros into the trash page; returns how many.
+        A host-only receiver scatters nothing."""
+        if self._kv.host_only:
+            return 0
+        sizes = []
+        while (size := 1 << len(sizes)) <= max_pages:
+            sizes.append(size)
+
+        def step(pool: KVPool) -> tuple[None, KVPool]:
+            for size in sizes:
+                part = [
+                    np.zeros((size, self.layout.page_bytes(*b)), np.uint8) for b in self._buffers
+                ]
+                pool = _scatter_pages(
+                    pool, np.zeros(size, np.int32), self._staged_pool(pool, part, size)
+                )
+            return None, jax.block_until_ready(pool)
+
+        self._kv.update_pool(step)
+        return len(sizes)
+
     def _staged_pool(self, pool: KVPool, staging: list[np.ndarray], rows: int) -> KVPool:
         """Staging bytes viewed as the pool leaves' dtype and page shape, as a `KVPool`."""
 

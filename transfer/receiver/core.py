@@ -378,6 +378,11 @@ class Receiver:
                 self._rooms.advance(r, RoomState.TRANSFERRING)
             return WriteResult(*counts, r.snapshot())
 
+    def warm_commits(self, max_pages: int) -> int:
+        """Compile the commit scatters of rooms of up to `max_pages` pages (before serving:
+        writes only the trash page); returns how many programs ran."""
+        return self._committer.warm(max_pages)
+
     def commit(
         self,
         room: str,
