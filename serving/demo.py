@@ -1,7 +1,7 @@
 """`make demo`: CP=8 shared-KV prefill -> KV transfer -> decode, behind the PD router.
 
     python -m serving.demo [--model-dir .demo/tiny-glm5-fp8] [--transfer-backend grpc|mooncake]
-        [--max-new-tokens 16] [--enable-batch-invariant] [--keep-running]
+        [--max-new-tokens 16] [--enable-batch-invariant] [--warmup-all-shapes] [--keep-running]
 
 The model is the tiny GLM-5-architecture checkpoint in the official FP8 format
 (block-quantized weights + `weight_scale_inv`, sharded files + index json), written on
@@ -132,6 +132,7 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
         "--log-level",
         args.server_log_level,
         *(["--enable-batch-invariant"] if args.enable_batch_invariant else []),
+        *(["--warmup-all-shapes"] if args.warmup_all_shapes else []),
     ]
     procs: list[Proc] = []
     try:
@@ -187,7 +188,10 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
         urls = {k: f"http://127.0.0.1:{ports[k]}" for k in ("decode", "prefill", "router")}
         t0 = time.monotonic()
         for name in ("decode", "prefill"):
-            wait_healthy(urls[name], procs, STARTUP_TIMEOUT_S)
+            # Compiling every shape on 2 cores takes minutes more on a cold cache.
+            wait_healthy(
+                urls[name], procs, STARTUP_TIMEOUT_S * (4 if args.warmup_all_shapes else 1)
+            )
             print(f"  {name} healthy after {time.monotonic() - t0:.0f}s (compiles warmed up)")
         procs.append(
             Proc(
@@ -273,6 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="batch-invariant numerics on every server: log-probs must equal the reference's "
         "bit for bit (default: tokens equal, log-prob difference reported)",
+    )
+    ap.add_argument(
+        "--warmup-all-shapes",
+        action="store_true",
+        help="both servers compile every reachable shape before turning healthy (a slower "
+        "first start; the compilation cache keeps them for the next)",
     )
     ap.add_argument(
         "--keep-running",

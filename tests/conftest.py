@@ -4,6 +4,7 @@ Both must happen before JAX (or cpkv_jax) is imported anywhere, hence module lev
 """
 
 import gc
+import logging
 import os
 import shutil
 import tempfile
@@ -36,6 +37,21 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
     assert jax.device_count() == 8, "tests expect 8 virtual CPU devices (XLA_FLAGS)"
+
+
+@pytest.fixture(autouse=True)
+def _drop_cli_log_handlers():
+    """A test that runs a command's `main` in-process (`configure_logging`: basicConfig
+    with force) leaves a root handler on that test's captured stderr, and every later
+    log line from any thread fails on the closed stream ("--- Logging error ---" in the
+    CI log). Drop such handlers and restore the root level after each test."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if type(handler) is logging.StreamHandler and handler not in before:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 def _memory_maps() -> int:
