@@ -530,3 +530,19 @@ def test_unified_server_generated_shared_prefix(unified, tmp_path, capsys, backe
     assert 0 < run["ttft_ms"]["median"] <= run["e2e_ms"]["median"]
     assert run["cached_tokens"] is not None  # no assertion on the hit rate: see the docstring
     assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_bench_first_request_against_the_unified_server(unified, tmp_path, capsys):
+    """`benchmarks.bench_first_request`: one row per length, the server's compiles while
+    serving from `/server_info` (17 tokens: a warmed shape, so no compile there; a 40-token
+    prompt is a new prefill bucket, compiled by its first request only)."""
+    from benchmarks import bench_first_request
+
+    out = tmp_path / "first.json"
+    argv = ["--base-url", unified, "--server-info", unified, "--lengths", "17", "40"]
+    assert bench_first_request.main([*argv, "--vocab", "200", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["tokens"] for r in report["rows"]] == [17, 40]
+    assert all(r["first_ttft_s"] > 0 and r["repeat_ttft_s"] > 0 for r in report["rows"])
+    assert report["serving_compiles"][unified] >= 1  # the 40-token bucket's first use
+    assert json.loads(capsys.readouterr().out) == report
