@@ -336,8 +336,12 @@ def _warm_prefill_steps(engine: PrefillModeEngine | CachedUnifiedEngine, all_sha
     them all (and, on a prefill server, every transfer gather its senders can run)."""
     if isinstance(engine, PrefillModeEngine):
         reachable, runner = engine.reachable_shapes(), engine.runner
+        warm = engine.warm_all_shapes
     else:
-        reachable, runner = engine.prefill.reachable_shapes(), engine.prefill.runner
+        # Its scheduler holds at most max_running_requests (waiting + the chunked one).
+        bound = engine.max_running_requests - 1
+        reachable, runner = engine.prefill.reachable_shapes(bound), engine.prefill.runner
+        warm = lambda: (engine.prefill.warm_all_shapes(bound), 0)
     if not all_shapes:
         left = len(reachable - runner.step_shapes)
         logger.info(
@@ -349,10 +353,7 @@ def _warm_prefill_steps(engine: PrefillModeEngine | CachedUnifiedEngine, all_sha
         )
         return
     t = time.perf_counter()
-    if isinstance(engine, PrefillModeEngine):
-        steps, gathers = engine.warm_all_shapes()
-    else:
-        steps, gathers = engine.prefill.warm_all_shapes(), 0
+    steps, gathers = warm()
     logger.info(
         "warm-up: all %d reachable CP step shapes compiled (%d more) and %d transfer "
         "gathers in %.1fs",

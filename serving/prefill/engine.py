@@ -191,9 +191,10 @@ class PrefillModeEngine:
         """Compile every reachable step shape not run yet and every transfer gather a
         rank's sender can dispatch (up to a longest request's owned pages); returns
         (steps, gathers) compiled. Before serving only."""
-        steps = self.engine.warm_all_shapes(self._queue.limit)
+        shapes = self.reachable_shapes()
+        steps = self.runner.warm(shapes)
         log_probs(np.zeros(self.cfg.vocab_size, np.float32))  # the first token's, per request
-        widest = max(s.width for s in self.reachable_shapes())
+        widest = max(s.width for s in shapes)
         gathers = sum(source.warm(widest // self.cp_size) for source in self._sources)
         return steps, gathers
 

@@ -15,10 +15,11 @@ P = 16
 INDEX_K = "float32"  # fp8 index K: see test_fp8_index_k_cp_prefill
 
 
-def reference(cfg, model, ids, index_k=INDEX_K, *, invariant=False):
+def reference(cfg, model, ids, index_k=INDEX_K, *, invariant=False, block_bytes=None):
     """Single-device prefill (padded to the generator's bucket): last logits, full view.
 
-    `invariant`: batch-invariant numerics and the CP runner's absorbed attention form."""
+    `invariant`: batch-invariant numerics and the CP runner's absorbed attention form;
+    `block_bytes`: the indexer's and sparse attention's token-block budget."""
     n = len(ids)
     pages = -(-n // P)
     table = np.arange(1, pages + 1, dtype=np.int32)
@@ -33,6 +34,7 @@ def reference(cfg, model, ids, index_k=INDEX_K, *, invariant=False):
         index_k_dtype=index_k,
         form="absorbed" if invariant else "expanded",
         invariant=invariant,
+        block_bytes=block_bytes,
     )
     view = jax.tree_util.tree_map(
         lambda leaf: SINGLE_DEVICE_KV_IO.view(leaf, batch.page_table)[0, :n], pool
