@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import StepShape, page_table_width, step_shape
 from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.errors import InputError
@@ -181,7 +182,12 @@ class CPPrefillRunner:
             expert_parallel,
         )
         self._view = _build_view(mesh, self.layout, self.kv_io)
-        self.step_shapes: set[StepShape] = set()  # every shape run (requests and warm-up)
+        # Steps dispatch through ahead-of-time executables, one per shape, compiled on
+        # abstract inputs: a background compile never touches the live pool (issue 25).
+        self._steps: ShapeCache[StepShape] = ShapeCache("CP prefill step")
+        self._abstract_state = abstract(self.state)
+        self._abstract_pool = abstract(self.pool)
+        self.step_shapes: set[StepShape] = set()  # every shape run or warmed
         self.debug = os.environ.get(DEBUG_ENV) == "1" if debug is None else debug
         self._shadow: CPPrefillRunner | None = None
         if self.debug and cp.shared_kv:
@@ -206,7 +212,39 @@ class CPPrefillRunner:
     @property
     def compiled_step_shapes(self) -> int:
         """Distinct compiled step shapes so far (the bucket count actually used)."""
-        return self._step._cache_size()
+        return len(self._steps.compiled_keys())
+
+    @property
+    def step_compile_waits(self) -> int:
+        """Steps that waited for another thread's compile of their shape."""
+        return self._steps.waits
+
+    def compiled_step(self, shape: StepShape) -> jax.stages.Compiled:
+        """The step's executable for `shape`, compiled on abstract inputs the first time
+        (a caller that needs a shape another thread is compiling waits for it)."""
+        if (shape.cp_size, shape.page_size) != (self.cp.cp_size, self.cp.page_size):
+            raise ValueError(f"{shape} is not a step shape of this runner")
+        return self._steps.get(shape, lambda: self._step.lower(*self._abstract_step_args(shape)))
+
+    def _abstract_step_args(self, shape: StepShape) -> tuple:
+        """`_step_args` + pool as `ShapeDtypeStruct`s of `shape` (same dtypes, shardings)."""
+        split, rep = self._shardings
+        rows, tokens = shape.rows, shape.tokens_per_step
+
+        def spec(dims: tuple[int, ...], dtype, sharding) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(dims, dtype, sharding=sharding)
+
+        token_fields = tuple(
+            spec((rows, tokens), dtype, split) for dtype in (np.int32, np.int32, bool, np.int32)
+        )
+        return (
+            self._abstract_state,
+            token_fields,
+            spec((rows, shape.width), np.int32, rep),
+            spec((rows,), np.int32, rep),
+            self._abstract_pool,
+            spec((rows,), np.int32, rep),
+        )
 
     # ---- host planning ----------------------------------------------------------------
     def plan_step(
@@ -315,9 +353,11 @@ class CPPrefillRunner:
     def run_step(self, plan: StepPlan) -> np.ndarray:
         """Dispatch one step (the pool swap under `pool_lock`) and wait for its logits."""
         state, tokens, table, kv_lens, last = self._step_args(plan)
-        self.step_shapes.add(self.shape_of(plan))
+        shape = self.shape_of(plan)
+        step = self.compiled_step(shape)  # outside the pool lock: it may compile or wait
+        self.step_shapes.add(shape)
         with self.pool_lock:
-            logits, self.pool = self._step(state, tokens, table, kv_lens, self.pool, last)
+            logits, self.pool = step(state, tokens, table, kv_lens, self.pool, last)
         out = np.asarray(logits)
         if self._shadow is not None:  # SPEC S1.7: every step, served requests included
             check_step(self, self._shadow, plan, out)
@@ -329,29 +369,11 @@ class CPPrefillRunner:
         return StepShape(self.cp.cp_size, self.cp.page_size, rows, block, plan.page_table.shape[1])
 
     def warm(self, shapes: Iterable[StepShape]) -> int:
-        """Compile each shape not run yet by running it once on the trash pages only
-        (every table entry and write slot is page 0 of its lane, which no request
-        reads); returns how many ran. Before serving: it takes the pool lock per step."""
-        todo = sorted(set(shapes) - self.step_shapes, key=dataclasses.astuple)
+        """Compile each shape not compiled yet (on abstract inputs: no step runs and the
+        pool is untouched); returns how many compiled."""
+        todo = sorted(set(shapes) - self._steps.compiled_keys(), key=dataclasses.astuple)
         for shape in todo:
-            if (shape.cp_size, shape.page_size) != (self.cp.cp_size, self.cp.page_size):
-                raise ValueError(f"{shape} is not a step shape of this runner")
-            tokens = (shape.rows, shape.tokens_per_step)
-            valid = np.zeros(tokens, bool)
-            valid[:, 0] = True  # each row: one token at position 0, as a 1-token prompt
-            plan = StepPlan(
-                input_ids=np.full(tokens, 3, np.int32),
-                positions=np.zeros(tokens, np.int32),
-                valid=valid,
-                write_slots=np.zeros(tokens, np.int32),  # lane 0's trash page
-                page_table=np.zeros((shape.rows, shape.width), np.int32),
-                kv_lens=np.ones((shape.rows,), np.int32),
-                last_index=np.zeros((shape.rows,), np.int32),
-            )
-            state, ids, table, kv_lens, last = self._step_args(plan)
-            with self.pool_lock:
-                logits, self.pool = self._step(state, ids, table, kv_lens, self.pool, last)
-            jax.block_until_ready(logits)
+            self.compiled_step(shape)
             self.step_shapes.add(shape)
         return len(todo)
 

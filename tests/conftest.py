@@ -33,6 +33,8 @@ install_import_hook(
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from cpkv_jax import aot  # noqa: E402
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
@@ -75,6 +77,7 @@ def _release_compiled_programs():
     yield
     gc.collect()
     jax.clear_caches()
+    aot.clear_all()  # the servers' ahead-of-time step executables
     gc.collect()
 
 

@@ -17,7 +17,6 @@ from cpkv_jax.buckets import prefill_bucket
 from cpkv_jax.paging import slots_for_positions
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ForwardBatch:
     input_ids: Int[Array, "b t"]
@@ -26,6 +25,22 @@ class ForwardBatch:
     write_slots: Int[Array, "b t"]  # flat pool slot (page * page_size + offset)
     page_table: Int[Array, "b pages"]  # logical page -> physical page (trash-padded)
     kv_lens: Int[Array, " b"]  # tokens of KV each request has after this step
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(ForwardBatch))
+
+
+def _unflatten(_, children) -> ForwardBatch:
+    # Without `__init__`: JAX unflattens the tree around non-array leaves too
+    # (`ShapeDtypeStruct`s of an ahead-of-time lowering, its `ArgInfo`s).
+    batch = object.__new__(ForwardBatch)
+    batch.__dict__.update(zip(_FIELDS, children, strict=True))
+    return batch
+
+
+jax.tree_util.register_pytree_node(
+    ForwardBatch, lambda b: ([getattr(b, f) for f in _FIELDS], None), _unflatten
+)
 
 
 def prefill_batch(prompt: np.ndarray, table: np.ndarray, page_size: int) -> ForwardBatch:

@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Int, Shaped
 
+from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.errors import ConfigError, CpkvError, quote
 from cpkv_jax.paging import page_ids_of_token_indices
 from cpkv_jax.pallas.paged_gather import paged_gather_pallas
@@ -179,9 +180,17 @@ def _scatter(pool, staging, ids, *, impl, pages_per_block, interpret):
     )
 
 
-def _bucket(n: int) -> int:
-    """Padded page count: the next power of two, so few shapes compile."""
-    return 1 << max(0, (n - 1).bit_length())
+def copy_bucket(n: int) -> int:
+    """Padded page count of an `n`-page copy: the next power of two, so few shapes
+    compile (`copy_buckets` enumerates them)."""
+    return pow2_at_least(n)
+
+
+def copy_buckets(max_pages: int) -> list[int]:
+    """Every padded page count a copy of 1..`max_pages` pages reaches (issue 25)."""
+    if max_pages < 1:
+        return []
+    return [1 << k for k in range(copy_bucket(max_pages).bit_length())]
 
 
 def _check_impl(impl: str) -> None:
@@ -227,11 +236,15 @@ def lf_to_lpf(
     impl: LpfImpl = "pallas",
     pages_per_block: int = 8,
     interpret: bool | None = None,
+    padded: bool = False,
 ) -> Shaped[Array, "n page_size *feature"]:
     """Backup kernel entry: the pages of `token_indices` (CPU int64, whole pages, any
     order) of one layer's pool, as staging `[n, page_size, *feature]` on the pool's device.
 
     Validates the indices first (SPEC S3.2). `interpret=None`: on when the pool is on CPU.
+    `padded`: return the staging at its power-of-two bucket (`copy_bucket(n)` rows, the
+    tail repeating the last page) and let the caller drop the tail on the host; slicing
+    here would compile one more program per page count.
     """
     _check_impl(impl)
     num_pages, page_size = pool.shape[:2]
@@ -239,7 +252,7 @@ def lf_to_lpf(
     n = pages.size
     if n == 0:
         return jnp.zeros((0, *pool.shape[1:]), pool.dtype, device=pool.sharding)
-    ids = np.pad(pages, (0, _bucket(n) - n), mode="edge").astype(np.int32)
+    ids = np.pad(pages, (0, copy_bucket(n) - n), mode="edge").astype(np.int32)
     ids = jax.device_put(ids, pool.sharding)
     out = _gather(
         pool,
@@ -248,7 +261,7 @@ def lf_to_lpf(
         pages_per_block=pages_per_block,
         interpret=_interpret(pool, interpret),
     )
-    return out if out.shape[0] == n else out[:n]
+    return out if padded or out.shape[0] == n else out[:n]
 
 
 def lpf_to_lf(
@@ -276,7 +289,7 @@ def lpf_to_lf(
         )
     if n == 0:
         return pool
-    pad = _bucket(n) - n
+    pad = copy_bucket(n) - n
     ids = jax.device_put(np.pad(pages, (0, pad), mode="edge").astype(np.int32), pool.sharding)
     if isinstance(staging, np.ndarray):
         if pad:  # np.pad copies even with nothing to add: only when the bucket needs it

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +53,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 
+from cpkv_jax.aot import CompileJob
 from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError, CpkvError, InputError
@@ -443,6 +445,22 @@ class DecodeEngine:
     def step_shapes(self) -> set[tuple[str, int, int, int]]:
         """Shapes dispatched to the model so far: (form, rows, tokens, width)."""
         return self._steps.shapes
+
+    @property
+    def compiled_step_shapes(self) -> set[tuple[str, int, int, int]]:
+        """Step shapes whose executable is ready (shared by the engines of one model)."""
+        return self._steps.compiled_shapes
+
+    def compile_jobs(self) -> list[CompileJob]:
+        """A background compile of every reachable step shape not compiled yet (smallest
+        first), after the small programs around the steps ran here (`warm_log_probs`).
+        A request that needs a shape meanwhile waits for its compile."""
+        todo = sorted(self.reachable_shapes() - self._steps.compiled_shapes)
+        self._steps.warm_log_probs({rows for _, rows, _, _ in self.reachable_shapes()})
+        return [
+            CompileJob(f"decode step {s}", functools.partial(self._steps.compiled, s))
+            for s in sorted(todo, key=lambda s: (s[3], s[1], s[2], s[0]))
+        ]
 
     def reachable_shapes(self) -> set[tuple[str, int, int, int]]:
         """Every shape this engine's requests can reach (`steps.reachable_shapes`); its own

@@ -14,6 +14,8 @@ tables, so a server that warms them all compiles nothing while serving (issue 25
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 
 import jax
@@ -21,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import MIN_PREFILL_BUCKET, pow2_at_least, prefill_bucket
 from cpkv_jax.model.forward_batch import ForwardBatch, prefill_batch
-from cpkv_jax.model.kv_cache import IndexKDtype, KVPool
+from cpkv_jax.model.kv_cache import IndexKDtype
 from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
 from cpkv_jax.paging import TRASH_PAGE, padded_page_table, pages_for_tokens, slots_for_positions
 from transfer.kv_sink import KVStore
@@ -79,6 +82,12 @@ def reachable_shapes(
     return out
 
 
+_CACHES: weakref.WeakKeyDictionary[CausalLM, dict[tuple, ShapeCache[Shape]]] = (
+    weakref.WeakKeyDictionary()
+)
+_CACHES_LOCK = threading.Lock()
+
+
 class DecodeSteps:
     """The compiled steps of one model over one `KVStore` (see the module docstring)."""
 
@@ -92,6 +101,7 @@ class DecodeSteps:
         block_bytes: int | None,
     ):
         self._graphdef, self._state = nnx.split(model)
+        self.vocab_size = model.cfg.vocab_size
         self.kv = kv
         self.page_size = page_size
         self.index_k_dtype = index_k_dtype
@@ -100,15 +110,25 @@ class DecodeSteps:
         # Batch-invariant numerics use one attention form everywhere (the CP prefill's).
         self.prefill_form = "absorbed" if batch_invariant else "expanded"
         self.shapes: set[tuple[str, int, int, int]] = set()  # (form, rows, tokens, width)
+        # Executables by shape, shared by the engines of this model object with the same
+        # pool and numerics (the warm-up probe's compiles serve the real engine); they
+        # go with the model.
+        self._abstract = (abstract(self._state), abstract(kv.pool))
+        leaves, tree = jax.tree.flatten(self._abstract)
+        context = (self._graphdef, tree, *leaves, index_k_dtype, batch_invariant, block_bytes)
+        with _CACHES_LOCK:
+            caches = _CACHES.setdefault(model, {})
+            self._compiled = caches.setdefault(context, ShapeCache("decode step"))
 
     def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> np.ndarray:
         """Log-probs after the prompt's last token; its KV lands in `pages`."""
         table = padded_page_table(pages, width)
         batch = prefill_batch(prompt, table, self.page_size)
-        t_len = batch.input_ids.shape[1]
-        self.shapes.add((self.prefill_form, 1, t_len, width))
+        shape = (self.prefill_form, 1, batch.input_ids.shape[1], width)
+        step = self.compiled(shape)  # before the pool lock: it may compile or wait
+        self.shapes.add(shape)
         with jax.named_scope("decode_engine.prefill"):
-            logits = self.kv.update_pool(lambda pool: self._forward(batch, pool, self.prefill_form))
+            logits = self.kv.update_pool(lambda pool: step(self._state, batch, pool))
         return np.asarray(log_probs(logits[0]))
 
     def decode(self, rows: Sequence[DecodeRow]) -> np.ndarray:
@@ -136,9 +156,11 @@ class DecodeSteps:
             page_table=jnp.asarray(tables),
             kv_lens=jnp.asarray(kv_lens),
         )
-        self.shapes.add(("absorbed", rows_p, 1, width))
+        shape = ("absorbed", rows_p, 1, width)
+        step = self.compiled(shape)
+        self.shapes.add(shape)
         with jax.named_scope("decode_engine.decode"):
-            logits = self.kv.update_pool(lambda pool: self._forward(batch, pool, "absorbed"))
+            logits = self.kv.update_pool(lambda pool: step(self._state, batch, pool))
         return np.asarray(log_probs(logits))[: len(rows)]
 
     def warm(self, shapes: Sequence[Shape]) -> None:
@@ -153,10 +175,47 @@ class DecodeSteps:
             else:
                 self.decode([(3, 0, trash, width)] * rows)
 
-    def _forward(self, batch: ForwardBatch, pool: KVPool, form: str) -> tuple[jax.Array, KVPool]:
-        return forward_step(
+    def warm_log_probs(self, rows: set[int]) -> None:
+        """Run the small programs around the steps (the log-softmax of `[rows, vocab]`
+        logits, and a prefill's `[vocab]` row) for each batch-row bucket, on committed
+        arrays as the steps return them: what `warm` covers by running the steps, for a
+        server whose steps compile in the background."""
+        sharding = jax.tree.leaves(self._abstract[1])[0].sharding
+        for r in sorted(rows | {1}):
+            logits = jax.device_put(np.zeros((r, self.vocab_size), np.float32), sharding)
+            if r == 1:
+                np.asarray(log_probs(logits[0]))
+            np.asarray(log_probs(logits))
+
+    def compiled(self, shape: Shape) -> jax.stages.Compiled:
+        """The executable of step `shape`, compiled on abstract inputs the first time (a
+        caller that needs a shape another thread is compiling waits for it)."""
+        return self._compiled.get(shape, lambda: self._lower(shape))
+
+    @property
+    def compiled_shapes(self) -> set[Shape]:
+        return self._compiled.compiled_keys()
+
+    def _lower(self, shape: Shape) -> jax.stages.Lowered:
+        """Lower step `shape` on the abstract weights and pool (the live pool is never
+        touched) and a throwaway batch of that shape, placed as the steps place theirs."""
+        form, rows, tokens, width = shape
+        state, pool = self._abstract
+
+        def zeros(dims: tuple[int, ...], dtype=jnp.int32) -> jax.Array:
+            return jnp.zeros(dims, dtype)
+
+        batch = ForwardBatch(
+            input_ids=zeros((rows, tokens)),
+            positions=zeros((rows, tokens)),
+            valid=zeros((rows, tokens), bool),
+            write_slots=zeros((rows, tokens)),
+            page_table=zeros((rows, width)),
+            kv_lens=zeros((rows,)),
+        )
+        return forward_step.lower(
             self._graphdef,
-            self._state,
+            state,
             batch,
             pool,
             index_k_dtype=self.index_k_dtype,

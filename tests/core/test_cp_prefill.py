@@ -287,20 +287,25 @@ def test_compiles_once_per_shape_bucket(setup):
 def _swap_lanes_after_each_step(runner: CPPrefillRunner, a: int, b: int) -> None:
     """Fault: after each step, lanes `a` and `b` of the latent pool trade places, as if
     the owners' writes had gone to the wrong rank. Logits stay right (computed before)."""
-    step, ppr = runner._step, runner.layout.pages_per_rank
+    compiled_step, ppr = runner.compiled_step, runner.layout.pages_per_rank
 
-    def faulty(*args):
-        logits, pool = step(*args)
-        lat = pool.latent[0]
-        rows = np.arange(lat.shape[0])
-        rows[a * ppr : (a + 1) * ppr], rows[b * ppr : (b + 1) * ppr] = (
-            rows[b * ppr : (b + 1) * ppr].copy(),
-            rows[a * ppr : (a + 1) * ppr].copy(),
-        )
-        swapped = jax.device_put(lat[rows], lat.sharding)
-        return logits, dataclasses.replace(pool, latent=(swapped, *pool.latent[1:]))
+    def faulty_step(shape):
+        step = compiled_step(shape)
 
-    runner._step = faulty
+        def faulty(*args):
+            logits, pool = step(*args)
+            lat = pool.latent[0]
+            rows = np.arange(lat.shape[0])
+            rows[a * ppr : (a + 1) * ppr], rows[b * ppr : (b + 1) * ppr] = (
+                rows[b * ppr : (b + 1) * ppr].copy(),
+                rows[a * ppr : (a + 1) * ppr].copy(),
+            )
+            swapped = jax.device_put(lat[rows], lat.sharding)
+            return logits, dataclasses.replace(pool, latent=(swapped, *pool.latent[1:]))
+
+        return faulty
+
+    runner.compiled_step = faulty_step
 
 
 def test_s1_7_debug_switch_checks_every_step_against_the_device_shards(setup, monkeypatch):

@@ -139,9 +139,9 @@ def test_continuous_batching_matches_reference_with_bounded_compiles(tiny):
     _, _, ref = tiny
     for r in wave2:  # the reference's own compiles happen before the count
         ref.generate(r.input_ids, r.sampling.max_new_tokens)
-    compiled = forward_step._cache_size()
+    compiled = set(engine.compiled_step_shapes)
     toks, lps, final = run(engine, sched)
-    assert forward_step._cache_size() == compiled
+    assert engine.compiled_step_shapes == compiled
     assert engine.step_shapes == shapes
     check_against_reference(tiny, wave2, toks, lps, final)
     assert kv.num_free_pages == free0
