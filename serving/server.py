@@ -333,15 +333,21 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
 
 def _warm_prefill_steps(engine: PrefillModeEngine | CachedUnifiedEngine, all_shapes: bool) -> None:
     """Log how many CP step shapes the requests can reach; with `all_shapes` compile
-    them all (and, on a prefill server, every transfer gather its senders can run)."""
+    them all, with every transfer gather a prefill server's senders can run and the host
+    cache's copies."""
     if isinstance(engine, PrefillModeEngine):
         reachable, runner = engine.reachable_shapes(), engine.runner
-        warm = engine.warm_all_shapes
     else:
         # Its scheduler holds at most max_running_requests (waiting + the chunked one).
         bound = engine.max_running_requests - 1
         reachable, runner = engine.prefill.reachable_shapes(bound), engine.prefill.runner
-        warm = lambda: (engine.prefill.warm_all_shapes(bound), 0)
+
+    def warm() -> dict[str, int]:
+        if isinstance(engine, PrefillModeEngine):
+            return engine.warm_all_shapes()
+        steps = engine.prefill.warm_all_shapes(bound)
+        return {"steps": steps, "host cache copies": engine.prefill.warm_host_copies()}
+
     if not all_shapes:
         left = len(reachable - runner.step_shapes)
         logger.info(
@@ -353,13 +359,11 @@ def _warm_prefill_steps(engine: PrefillModeEngine | CachedUnifiedEngine, all_sha
         )
         return
     t = time.perf_counter()
-    steps, gathers = warm()
+    counts = warm()
     logger.info(
-        "warm-up: all %d reachable CP step shapes compiled (%d more) and %d transfer "
-        "gathers in %.1fs",
+        "warm-up: all %d reachable CP step shapes compiled (%s) in %.1fs",
         len(reachable),
-        steps,
-        gathers,
+        ", ".join(f"{n} {family}" for family, n in counts.items()),
         time.perf_counter() - t,
     )
 

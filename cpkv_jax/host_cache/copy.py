@@ -38,6 +38,7 @@ from typing import Literal
 
 import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 from jaxtyping import Int
 
 from cpkv_jax.errors import ConfigError, CpkvError, quote
@@ -193,10 +194,23 @@ def _kernel(fn, impl: str, *args, **kwargs):
         ) from e
 
 
+def _shard_data(shard) -> jax.Array:
+    """`shard.data` as a `SingleDeviceSharding` array (no copy). A one-device mesh's jit
+    outputs hand back the array itself, `NamedSharding` and all, and a copy program
+    compiled for one sharding is not reused for the other (issue 25)."""
+    data = shard.data
+    if isinstance(data.sharding, SingleDeviceSharding):
+        return data
+    return jax.make_array_from_single_device_arrays(
+        data.shape, SingleDeviceSharding(shard.device), [data]
+    )
+
+
 def _gather(leaf, lane, pool_layout, device_pages, impl, interpret) -> jax.Array:
     shard, offset = _lane_shards(leaf, lane, pool_layout)[0]
     tokens = token_indices_of_pages(device_pages + offset, pool_layout.page_size)
-    return _kernel(lpf_copy.lf_to_lpf, impl, shard.data, tokens, interpret=interpret)
+    data = _shard_data(shard)
+    return _kernel(lpf_copy.lf_to_lpf, impl, data, tokens, interpret=interpret, padded=True)
 
 
 def _scatter(leaf, lane, pool_layout, device_pages, data, impl, interpret) -> jax.Array:
@@ -208,7 +222,9 @@ def _scatter(leaf, lane, pool_layout, device_pages, data, impl, interpret) -> ja
                 device_pages + covering[shard.device], pool_layout.page_size
             )
             arrays.append(
-                _kernel(lpf_copy.lpf_to_lf, impl, shard.data, data, tokens, interpret=interpret)
+                _kernel(
+                    lpf_copy.lpf_to_lf, impl, _shard_data(shard), data, tokens, interpret=interpret
+                )
             )
         else:
             arrays.append(shard.data)
@@ -238,8 +254,9 @@ def _backup(pool, host, layers, plan, pool_layout, lane, impl, kinds, interpret)
             for i, page in enumerate(pages):
                 host.write_pages(kind, layer, plan.host_pages[i : i + 1], jax.device_get(page))
         return
+    n = plan.device_pages.size  # the staging is padded to its bucket: drop the tail here
     for (kind, layer), data in jax.device_get(staged).items():
-        host.write_pages(kind, layer, plan.host_pages, np.asarray(data))
+        host.write_pages(kind, layer, plan.host_pages, np.asarray(data)[:n])
 
 
 def _load(pool, host, layers, plan, pool_layout, lane, impl, kinds, interpret) -> KVPool:
@@ -382,3 +399,63 @@ def load_all_layers(
     for layer in range(len(pool.latent)):
         pool = _load(pool, host, (layer,), plan, pool_layout, lane, impl, kinds, interpret)
     return pool
+
+
+def copy_buckets(host: HostPool, pool_layout: PoolLayout) -> list[int]:
+    """The padded page counts a copy of one lane reaches: 1 to the lane's usable pages
+    (page 0 is reserved), or 1 only for a page-by-page layout."""
+    if host.layout == "page_first_direct":
+        return [1]
+    return lpf_copy.copy_buckets(pool_layout.pages_per_rank - 1)
+
+
+def warm_copies(
+    pool: KVPool,
+    host: HostPool,
+    *,
+    pool_layout: PoolLayout,
+    impl: CopyImpl | None = None,
+    interpret: bool | None = None,
+) -> tuple[KVPool, int]:
+    """Compile every program the backups and loads of this pool can dispatch (issue 25):
+    per leaf kind (one leaf shape each), page bucket (`copy_buckets`) and device holding
+    a lane, the gather and the scatter, run on that device's page 0 with its own bits
+    (`lpf_copy.warm_copy_programs`). Returns the new pool (the warmed leaves are donated;
+    hold the pool lock) and the programs run."""
+    impl = resolve_impl(host.layout, impl)
+    _check_pool(pool, host, pool_layout)
+    buckets = copy_buckets(host, pool_layout)
+    new = {kind: list(getattr(pool, kind)) for kind in ("latent", "index_k", "index_scale")}
+    count = 0
+    for kind in host.kinds:
+        leaf = new[kind][0]  # every leaf of a kind has its shape: warming one warms all
+        devices = {
+            s.device
+            for lane in range(pool_layout.lanes)
+            for s, _ in _lane_shards(leaf, lane, pool_layout)
+        }
+        arrays = []
+        for shard in leaf.addressable_shards:
+            data = _shard_data(shard)
+            if shard.device in devices:
+                data, n = _kernel(
+                    lpf_copy.warm_copy_programs, impl, data, buckets, interpret=interpret
+                )
+                count += n
+            arrays.append(data)
+        new[kind][0] = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays)
+    logger.info(
+        "host cache copies: %d programs compiled (%s, %d page buckets up to %d)",
+        count,
+        host.layout,
+        len(buckets),
+        buckets[-1] if buckets else 0,
+    )
+    return (
+        KVPool(
+            latent=tuple(new["latent"]),
+            index_k=tuple(new["index_k"]),
+            index_scale=tuple(new["index_scale"]),
+        ),
+        count,
+    )

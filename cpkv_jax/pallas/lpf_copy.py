@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -191,6 +192,32 @@ def copy_buckets(max_pages: int) -> list[int]:
     if max_pages < 1:
         return []
     return [1 << k for k in range(copy_bucket(max_pages).bit_length())]
+
+
+def warm_copy_programs(
+    pool: Shaped[Array, "pages page_size *feature"],
+    buckets: Sequence[int],
+    *,
+    impl: LpfImpl = "pallas",
+    pages_per_block: int = 8,
+    interpret: bool | None = None,
+) -> tuple[Shaped[Array, "pages page_size *feature"], int]:
+    """Compile the gather and the scatter `lf_to_lpf` / `lpf_to_lf` dispatch for each
+    padded page count in `buckets` on this pool's device, by running them on page 0: a
+    gather of page 0 repeated, scattered back to page 0 (the same bits, so no page
+    changes). Returns the new pool (`pool` is donated) and the programs run.
+    """
+    _check_impl(impl)
+    interpret = _interpret(pool, interpret)
+    for b in buckets:
+        ids = jax.device_put(np.zeros(b, np.int32), pool.sharding)
+        staging = _gather(
+            pool, ids, impl=impl, pages_per_block=pages_per_block, interpret=interpret
+        )
+        pool = _scatter(
+            pool, staging, ids, impl=impl, pages_per_block=pages_per_block, interpret=interpret
+        )
+    return pool, 2 * len(buckets)
 
 
 def _check_impl(impl: str) -> None:

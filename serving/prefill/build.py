@@ -25,6 +25,7 @@ import logging
 from typing import Any
 
 import jax
+import numpy as np
 
 from cpkv_jax.buckets import StepShape, reachable_step_shapes
 from cpkv_jax.cache.hiradix import HiRadixCache
@@ -38,7 +39,7 @@ from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
 from cpkv_jax.model.expert_parallel import EPSpec
 from cpkv_jax.model.kv_cache import DTYPES
-from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.model.weights import LoadStats, load_model
 from serving.prefill.adder import CPSharedKVLimits
 from serving.prefill.buffer_estimator import (
@@ -132,9 +133,16 @@ class PrefillEngine:
         )
 
     def warm_all_shapes(self, max_waiting: int | None = None) -> int:
-        """Compile every reachable step shape not run yet (`CPPrefillRunner.warm`, on
-        the trash pages); returns how many. Before serving only."""
-        return self.runner.warm(self.reachable_shapes(max_waiting))
+        """Compile every reachable step shape not compiled yet (`CPPrefillRunner.warm`)
+        and the first token's log-softmax; returns how many steps compiled."""
+        steps = self.runner.warm(self.reachable_shapes(max_waiting))
+        log_probs(np.zeros(self.cfg.vocab_size, np.float32))  # on each finished prefill
+        return steps
+
+    def warm_host_copies(self) -> int:
+        """Compile the host cache's copy programs (`HostCacheIO.warm`); returns how many
+        ran (0 without a host cache). Before serving: it writes page 0's own bits back."""
+        return 0 if self.host_io is None else self.host_io.warm()
 
     def hicache_info(self) -> dict[str, Any] | None:
         """The host cache for `/server_info`: its configuration, host pages used / total

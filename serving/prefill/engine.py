@@ -187,16 +187,16 @@ class PrefillModeEngine:
         batch rows; `PrefillEngine.reachable_shapes`)."""
         return self.engine.reachable_shapes(self._queue.limit)
 
-    def warm_all_shapes(self) -> tuple[int, int]:
-        """Compile every reachable step shape not run yet and every transfer gather a
-        rank's sender can dispatch (up to a longest request's owned pages); returns
-        (steps, gathers) compiled. Before serving only."""
+    def warm_all_shapes(self) -> dict[str, int]:
+        """Compile every reachable step shape not compiled yet, every transfer gather a
+        rank's sender can dispatch (up to a longest request's owned pages) and the host
+        cache's copies; returns the programs compiled per family. Before serving only."""
         shapes = self.reachable_shapes()
-        steps = self.runner.warm(shapes)
-        log_probs(np.zeros(self.cfg.vocab_size, np.float32))  # the first token's, per request
+        steps = self.engine.warm_all_shapes(self._queue.limit)
         widest = max(s.width for s in shapes)
         gathers = sum(source.warm(widest // self.cp_size) for source in self._sources)
-        return steps, gathers
+        copies = self.engine.warm_host_copies()
+        return {"steps": steps, "transfer gathers": gathers, "host cache copies": copies}
 
     # ---- StepEngine -------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:

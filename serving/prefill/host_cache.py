@@ -27,7 +27,7 @@ import threading
 import time
 
 from cpkv_jax.cache.hiradix import BackupJob, HiRadixCache, LoadBackJob
-from cpkv_jax.host_cache.copy import CopyImpl, backup_all_layers, load_all_layers
+from cpkv_jax.host_cache.copy import CopyImpl, backup_all_layers, load_all_layers, warm_copies
 from cpkv_jax.host_cache.pool import HostPageAllocator, HostPools, bytes_per_page
 
 logger = logging.getLogger(__name__)
@@ -128,6 +128,19 @@ class HostCacheIO:
             out["cache_dropped_backups"] = cache.dropped_backups  # host pool full
             out["cache_skipped_load_backs"] = cache.skipped_load_backs
         return out
+
+    def warm(self) -> int:
+        """Compile every copy program a backup or load-back can dispatch (`warm_copies`,
+        on page 0 of each lane's device, under the pool lock); returns how many ran."""
+        with self.runner.pool_lock:
+            self.runner.pool, count = warm_copies(
+                self.runner.pool,
+                self.pools[0],
+                pool_layout=self.runner.layout,
+                impl=self.impl,
+                interpret=self.interpret,
+            )
+        return count
 
     # ---- load-back (scheduler thread) ------------------------------------------------
     def load(self, job: LoadBackJob) -> bool:

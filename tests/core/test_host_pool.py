@@ -37,6 +37,7 @@ from cpkv_jax.host_cache import (
     load_layer,
     token_indices_of_pages,
 )
+from cpkv_jax.host_cache.copy import copy_buckets, warm_copies
 from cpkv_jax.kv_pool import PoolLayout, cp_pool_shapes, per_rank_pool_bytes
 from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.paging import PageAlignmentError, owned_pages, pages_for_tokens
@@ -297,6 +298,50 @@ def test_backup_then_load_into_other_pages_is_bitwise(layout, shared, num_tokens
                 after[kind, j, device], want, err_msg=str((kind, j, device))
             )
         assert pool.latent[0].sharding.is_equivalent_to(NamedSharding(_mesh(), pool_layout.spec), 3)
+
+
+@pytest.mark.parametrize(
+    ("layout", "shared"),
+    [(layout, True) for layout in HOST_LAYOUTS] + [("page_first", False)],
+)
+def test_warm_copies_compile_every_copy_and_change_no_bits(layout, shared):
+    """Issue 25: `warm_copies` compiles each program a copy of 1 to all usable pages of
+    any lane dispatches (per kind, page bucket and device), leaving every bit as it was;
+    copies afterwards compile nothing."""
+    from serving.compile_events import COMPILES
+
+    rng = np.random.default_rng([HOST_LAYOUTS.index(layout), shared, 25])
+    pool_layout = _layout(shared)
+    pool = _random_pool(pool_layout, rng.integers(1 << 30))
+    hosts = HostPools.create(pool, _cfg().full_indexer_layers, pool_layout, layout)
+    before = _snapshot(pool)
+    c0 = COMPILES.total.compiles
+    pool, programs = warm_copies(pool, hosts[0], pool_layout=pool_layout)
+    buckets = copy_buckets(hosts[0], pool_layout)
+    devices = CP  # every device holds a lane (its own, or a replica of the one lane)
+    assert programs == 2 * len(KINDS) * len(buckets) * devices
+    assert COMPILES.total.compiles - c0 <= programs  # an earlier case may have compiled some
+    _leaf_bits_equal(_snapshot(pool), before)
+
+    c1 = COMPILES.total.compiles
+    usable = pool_layout.pages_per_rank - 1
+    for lane in (0, CP - 1) if shared else (0,):
+        host = hosts[lane]
+        for k in range(1, usable + 1):
+            src = rng.permutation(np.arange(1, usable + 1))[:k]
+            host_pages = host.allocator.alloc(k)
+            dev_idx, host_idx = (
+                token_indices_of_pages(src, P),
+                token_indices_of_pages(host_pages, P),
+            )
+            common = dict(pool_layout=pool_layout, lane=lane)
+            backup_all_layers(pool, host, device_indices=dev_idx, host_indices=host_idx, **common)
+            pool = load_all_layers(
+                pool, host, host_indices=host_idx, device_indices=dev_idx, **common
+            )
+            host.allocator.free(host_pages)
+    assert COMPILES.total.compiles == c1
+    _leaf_bits_equal(_snapshot(pool), before)  # loaded back where they came from
 
 
 def test_index_k_only_copy_leaves_latent_alone():

@@ -26,6 +26,7 @@ from support.prefill_server import float32_args
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.model.kv_cache import DTYPES
+from serving.compile_events import COMPILES
 from serving.decode.cached import CachedUnifiedEngine
 from serving.server import build_server
 from serving.server_args import ServerArgs
@@ -45,6 +46,9 @@ def _args(path, *extra: str) -> ServerArgs:
         "--enable-hierarchical-cache",
         "--hicache-ratio",
         "4",
+        "--warmup-all-shapes",  # every step and host copy compiles before healthy (issue 25)
+        "--max-running-requests",  # bounds the batch buckets the warm-up compiles
+        "2",
         *extra,
     )
 
@@ -93,6 +97,7 @@ def test_evicted_prompt_comes_back_from_host(unified, tiny_checkpoint):
     assert info["xla_compiles"]["startup"]["compiles"] > 0  # the warm-up's (issue 25)
 
     long = _prompt(cfg, 8 * P + 3, 1)
+    compiles = COMPILES.snapshot()["serving"]["compiles"]
     first = _generate(served.url, long)
     assert first["meta_info"]["cached_tokens"] == 0
     assert first["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0}
@@ -111,6 +116,8 @@ def test_evicted_prompt_comes_back_from_host(unified, tiny_checkpoint):
     assert meta["cached_tokens"] == 8 * P  # device + loaded-back host hits (S7)
     assert meta["cached_tokens_details"]["host"] == m.host_num_tokens > 0
     assert again["output_ids"] == first["output_ids"]
+    # Backups, load-backs, chunked prefills and decode: all compiled at startup.
+    assert COMPILES.snapshot()["serving"]["compiles"] == compiles
     ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
     assert again["output_ids"] == ref.generate(long, NEW, ignore_eos=True).output_ids
     assert io.stats.host_hit_tokens >= m.host_num_tokens and io.stats.load_backs >= 1

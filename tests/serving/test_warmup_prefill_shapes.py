@@ -49,7 +49,9 @@ def warmed(tiny_checkpoint):
     ).start(interval=0.02)
     server, port = serve(rx)
     try:
-        steps, gathers = engine.warm_all_shapes()
+        counts = engine.warm_all_shapes()
+        steps, gathers = counts["steps"], counts["transfer gathers"]
+        assert counts["host cache copies"] == 0  # no host cache here
         commits = rx.warm_commits(pages_for_tokens(PAGES_PER_RANK * CP * P, P))
         yield engine, rx, f"127.0.0.1:{port}", (steps, gathers, commits)
     finally:
