@@ -30,6 +30,8 @@ K = TypeVar("K", bound=Hashable)
 
 _ALL: weakref.WeakSet[ShapeCache] = weakref.WeakSet()
 
+BACKGROUND_THREAD = "background-compile"  # its compiles are no request's (compile counts)
+
 
 def clear_all() -> None:
     """Drop every live `ShapeCache`'s executables (each compiles again on next use):
@@ -141,7 +143,7 @@ class BackgroundCompiler:
         self._seconds = 0.0
         self._stop = threading.Event()
         self._finished = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="background-compile", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=BACKGROUND_THREAD, daemon=True)
 
     def start(self) -> BackgroundCompiler:
         if self.jobs:

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cpkv_jax.aot import ShapeCache, abstract
+from cpkv_jax.aot import CompileJob, ShapeCache, abstract
 from cpkv_jax.buckets import StepShape, page_table_width, step_shape
 from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.errors import InputError
@@ -367,6 +367,15 @@ class CPPrefillRunner:
         rows, tokens = plan.input_ids.shape
         block = tokens // (2 * self.cp.cp_size)
         return StepShape(self.cp.cp_size, self.cp.page_size, rows, block, plan.page_table.shape[1])
+
+    def compile_jobs(self, shapes: Iterable[StepShape]) -> list[CompileJob]:
+        """A background compile of each shape not compiled yet, narrowest page table
+        first (short contexts are the common ones); see `aot.BackgroundCompiler`."""
+        todo = set(shapes) - self._steps.compiled_keys()
+        return [
+            CompileJob(f"CP prefill step {s}", functools.partial(self.compiled_step, s))
+            for s in sorted(todo, key=lambda s: (s.width, s.block, s.rows))
+        ]
 
     def warm(self, shapes: Iterable[StepShape]) -> int:
         """Compile each shape not compiled yet (on abstract inputs: no step runs and the

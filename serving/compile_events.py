@@ -6,8 +6,10 @@ cache's `/jax/compilation_cache/cache_hits` beside it) and nothing for a program
 in-memory jit cache already holds. `COMPILES` listens to both from the first import on;
 a server marks the end of its warm-up (`mark_healthy`), and every compile after that is
 one a request paid for: logged, counted in `/server_info` `xla_compiles` and
-`/metrics` `cpkv_xla_compiles_total{phase="serving"}`. The counts are per process (tests
-that run several servers in one process share them).
+`/metrics` `cpkv_xla_compiles_total{phase="serving"}`. Compiles on the background
+compiler's thread (`--warmup-background`) are their own phase, `background`: no request
+waited for them unless it needed that shape (`ShapeCache.waits` counts those). The counts
+are per process (tests that run several servers in one process share them).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import logging
 import threading
 
 from jax import monitoring
+
+from cpkv_jax.aot import BACKGROUND_THREAD
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +40,17 @@ class CompileCounter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.total = CompileCounts()
+        self.total = CompileCounts()  # every thread but the background compiler's
+        self.background = CompileCounts()
         self._at_healthy: CompileCounts | None = None
 
     def on_duration(self, event: str, seconds: float, **_: object) -> None:
         if event != BACKEND_COMPILE_EVENT:
+            return
+        if threading.current_thread().name == BACKGROUND_THREAD:
+            with self._lock:
+                self.background.compiles += 1
+                self.background.seconds += seconds
             return
         with self._lock:
             self.total.compiles += 1
@@ -57,24 +67,35 @@ class CompileCounter:
 
     def on_event(self, event: str, **_: object) -> None:
         if event == CACHE_HIT_EVENT:
+            counts = (
+                self.background
+                if threading.current_thread().name == BACKGROUND_THREAD
+                else self.total
+            )
             with self._lock:
-                self.total.cache_hits += 1
+                counts.cache_hits += 1
 
     def mark_healthy(self) -> None:
         with self._lock:
             self._at_healthy = dataclasses.replace(self.total)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """`{"startup": counts, "serving": counts}` (serving: since `mark_healthy`)."""
+        """`{"startup": counts, "serving": counts, "background": counts}` (serving: since
+        `mark_healthy`, on every thread but the background compiler's)."""
         with self._lock:
             total = dataclasses.replace(self.total)
             start = dataclasses.replace(self._at_healthy or total)
+            background = dataclasses.replace(self.background)
         serving = CompileCounts(
             total.compiles - start.compiles,
             total.seconds - start.seconds,
             total.cache_hits - start.cache_hits,
         )
-        return {"startup": dataclasses.asdict(start), "serving": dataclasses.asdict(serving)}
+        return {
+            "startup": dataclasses.asdict(start),
+            "serving": dataclasses.asdict(serving),
+            "background": dataclasses.asdict(background),
+        }
 
 
 COMPILES = CompileCounter()

@@ -42,6 +42,7 @@ import jax
 import uvicorn
 from fastapi import FastAPI
 
+from cpkv_jax.aot import BackgroundCompiler, CompileJob
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.transformer import CausalLM
@@ -89,6 +90,7 @@ class Server:
     info: dict[str, Any]
     closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     engine_failure: str | None = None  # set when the engine failed while serving
+    compiler: BackgroundCompiler | None = None  # --warmup-background: the rest compiling
 
     def close(self) -> None:
         for close in reversed(self.closers):
@@ -248,8 +250,11 @@ def _pow2_upto(n: int) -> list[int]:
     return out
 
 
-def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> float:
-    """Compile the common shapes before the server reports healthy; returns seconds.
+def warm_up(
+    engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: CausalLM
+) -> tuple[float, list[CompileJob]]:
+    """Compile the common shapes before the server reports healthy; returns seconds and
+    the step shapes left to a background compiler (`--warmup-background`, else none).
 
     Prefill servers run one CP prefill per zigzag block bucket up to a chunk (prompts of
     `2 * cp * block` tokens, then a whole chunk: every short prompt's step shape and the
@@ -260,8 +265,12 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
     Longer contexts (wider page tables) compile on first use, unless
     `--warmup-all-shapes`: then every reachable step shape compiles here (CP steps
     `buckets.reachable_step_shapes`, decode steps `decode.steps.reachable_shapes`), with
-    a prefill server's transfer gathers and a decode server's commit scatters.
+    a prefill server's transfer gathers, a decode server's commit scatters and the host
+    cache's copies; with `--warmup-background` those still compile here and the step
+    shapes become background jobs (on abstract inputs: they never touch the pool).
     """
+    background = args.warmup_all_shapes and args.warmup_background
+    jobs: list[CompileJob] = []
     t0 = time.perf_counter()
     vocab = cfg.vocab_size - 3
 
@@ -277,9 +286,9 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
         for n in [*lengths, chunk]:
             result = runner.prefill([prompt(n)], chunk)
             runner.release(result.tables[0])
-        _warm_prefill_steps(engine, args.warmup_all_shapes)
+        jobs += _warm_prefill_steps(engine, args.warmup_all_shapes, background)
         if isinstance(engine, PrefillModeEngine):
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, jobs
     # The decode batch buckets (a unified cached engine: on its runner's pool).
     assert isinstance(engine, DecodeEngine)
     free0 = engine.kv.num_free_pages
@@ -306,16 +315,22 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
     reachable = engine.reachable_shapes()
     if args.warmup_all_shapes:
         t = time.perf_counter()
-        n = engine.warm_all_shapes(probe.step_shapes)
+        if background:
+            decode_jobs = engine.compile_jobs()
+            jobs += decode_jobs
+            n = 0
+        else:
+            n = engine.warm_all_shapes(probe.step_shapes)
         from transfer.receiver import Receiver  # as in _build_decode_side
 
         # A decode server's rooms commit into the pool in power-of-two scatters.
         commits = engine.kv.warm_commits(free0) if isinstance(engine.kv, Receiver) else 0
         logger.info(
-            "warm-up: all %d reachable step shapes compiled (%d more) and %d commit "
+            "warm-up: %d reachable step shapes (%d more compiled%s) and %d commit "
             "scatters in %.1fs",
             len(reachable),
             n,
+            f", {len(decode_jobs)} left to the background" if background else "",
             commits,
             time.perf_counter() - t,
         )
@@ -328,13 +343,15 @@ def warm_up(engine: StepEngine, args: ServerArgs, cfg: ModelConfig, model: Causa
             len(reachable),
             left,
         )
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, jobs
 
 
-def _warm_prefill_steps(engine: PrefillModeEngine | CachedUnifiedEngine, all_shapes: bool) -> None:
+def _warm_prefill_steps(
+    engine: PrefillModeEngine | CachedUnifiedEngine, all_shapes: bool, background: bool
+) -> list[CompileJob]:
     """Log how many CP step shapes the requests can reach; with `all_shapes` compile
     them all, with every transfer gather a prefill server's senders can run and the host
-    cache's copies."""
+    cache's copies. With `background` the step shapes are returned as jobs instead."""
     if isinstance(engine, PrefillModeEngine):
         reachable, runner = engine.reachable_shapes(), engine.runner
     else:
@@ -342,10 +359,18 @@ def _warm_prefill_steps(engine: PrefillModeEngine | CachedUnifiedEngine, all_sha
         bound = engine.max_running_requests - 1
         reachable, runner = engine.prefill.reachable_shapes(bound), engine.prefill.runner
 
+    jobs: list[CompileJob] = []
+
     def warm() -> dict[str, int]:
         if isinstance(engine, PrefillModeEngine):
-            return engine.warm_all_shapes()
-        steps = engine.prefill.warm_all_shapes(bound)
+            if background:
+                jobs.extend(engine.compile_jobs())
+            return engine.warm_all_shapes(steps=not background)
+        if background:
+            jobs.extend(engine.prefill.compile_jobs(bound))
+            steps = 0
+        else:
+            steps = engine.prefill.warm_all_shapes(bound)
         return {"steps": steps, "host cache copies": engine.prefill.warm_host_copies()}
 
     if not all_shapes:
@@ -357,15 +382,18 @@ def _warm_prefill_steps(engine: PrefillModeEngine | CachedUnifiedEngine, all_sha
             len(reachable),
             left,
         )
-        return
+        return jobs
     t = time.perf_counter()
     counts = warm()
+    if background:
+        counts["steps left to the background"] = len(jobs)
     logger.info(
-        "warm-up: all %d reachable CP step shapes compiled (%s) in %.1fs",
+        "warm-up: %d reachable CP step shapes; compiled %s in %.1fs",
         len(reachable),
         ", ".join(f"{n} {family}" for family, n in counts.items()),
         time.perf_counter() - t,
     )
+    return jobs
 
 
 def hicache_source(engine: StepEngine) -> Callable[[], dict[str, Any] | None] | None:
@@ -378,13 +406,23 @@ def hicache_source(engine: StepEngine) -> Callable[[], dict[str, Any] | None] | 
     return None
 
 
-def server_info_source(info: dict[str, Any], engine: StepEngine) -> Callable[[], dict[str, Any]]:
-    """What `/server_info` adds to the engine's stats: the static `info`, plus the host
-    cache's live `hicache` entry when there is one."""
+def server_info_source(
+    info: dict[str, Any], engine: StepEngine, compiler: BackgroundCompiler | None = None
+) -> Callable[[], dict[str, Any]]:
+    """What `/server_info` adds to the engine's stats: the static `info`, the compile
+    counts, the host cache's live `hicache` entry when there is one, and the background
+    compiler's progress (`background_compile`) with `--warmup-background`."""
     hicache = hicache_source(engine)
-    if hicache is None:
-        return lambda: {**info, "xla_compiles": COMPILES.snapshot()}
-    return lambda: {**info, "hicache": hicache(), "xla_compiles": COMPILES.snapshot()}
+
+    def live() -> dict[str, Any]:
+        out = {**info, "xla_compiles": COMPILES.snapshot()}
+        if hicache is not None:
+            out["hicache"] = hicache()
+        if compiler is not None:
+            out["background_compile"] = compiler.progress()
+        return out
+
+    return live
 
 
 def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
@@ -439,12 +477,19 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         info.update(extra)
         closers += more
     try:
-        warm_s = warm_up(engine, args, cfg, model)
+        warm_s, jobs = warm_up(engine, args, cfg, model)
     except Exception:
         for close in reversed(closers):
             close()
         raise
     COMPILES.mark_healthy()  # every compile after this one is paid by a request
+    compiler = None
+    if args.warmup_background:
+        # Started after healthy is marked: its compiles count as `background`. Closed
+        # first on shutdown (after the compile in progress).
+        compiler = BackgroundCompiler(jobs).start()
+        closers.append(compiler.close)
+        logger.info("background compile: %d step shapes, smallest first", len(jobs))
     compiled = COMPILES.snapshot()["startup"]
     logger.info(
         "startup compiled %d XLA programs in %.1fs (%d from the persistent cache)",
@@ -480,9 +525,9 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         context_length=context,
         chat_template=chat,
         metrics=metrics,
-        server_info=server_info_source(info, engine),
+        server_info=server_info_source(info, engine, compiler),
     )
-    return Server(args, cfg, engine, loop, app, info, closers)
+    return Server(args, cfg, engine, loop, app, info, closers, compiler=compiler)
 
 
 class _DrainingServer(uvicorn.Server):

@@ -557,6 +557,14 @@ class ServerArgs:
         "serving; slower start, cached by --compilation-cache-dir",
         group="server",
     )
+    warmup_background: bool = _arg(
+        False,
+        help="with --warmup-all-shapes: turn healthy after the short prompts' prefill "
+        "buckets, decode batches 1-8, transfer and host-cache copies, and compile the other "
+        "step shapes on a background thread while serving (a request that needs a shape "
+        "still compiling waits for that compile); progress in /server_info",
+        group="server",
+    )
     compilation_cache_dir: str | None = _arg(
         "auto",
         help="JAX's persistent compilation cache: a restart of the same configuration "
@@ -715,6 +723,11 @@ class ServerArgs:
             warnings.append(
                 "--enable-cp-shared-kv-prefill-bs-gt1 has no effect without "
                 "--enable-cp-shared-kv (ordinary CP prefill batches are unchanged, SPEC S5.1)"
+            )
+        if self.warmup_background and not self.warmup_all_shapes:
+            warnings.append(
+                "--warmup-background has no effect without --warmup-all-shapes (the shapes "
+                "the warm-up leaves out compile on first use)"
             )
         self._check_requires()
         for w in warnings:

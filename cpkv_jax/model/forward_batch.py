@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
@@ -43,6 +42,46 @@ jax.tree_util.register_pytree_node(
 )
 
 
+def batch_from_host(
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    valid: np.ndarray,
+    write_slots: np.ndarray,
+    page_table: np.ndarray,
+    kv_lens: np.ndarray,
+) -> ForwardBatch:
+    """A `ForwardBatch` of NumPy arrays, placed by one uncommitted `device_put`: no
+    program compiles (`jnp.asarray` of a NumPy array compiles a `stage` program per shape
+    in JAX 0.10, one more compile per batch shape on the request path)."""
+    i32 = np.int32
+    host = [
+        np.asarray(input_ids, i32),
+        np.asarray(positions, i32),
+        np.asarray(valid, np.bool_),
+        np.asarray(write_slots, i32),
+        np.asarray(page_table, i32),
+        np.asarray(kv_lens, i32),
+    ]
+    return ForwardBatch(*jax.device_put(host))
+
+
+def abstract_batch(rows: int, tokens: int, width: int) -> ForwardBatch:
+    """A `ForwardBatch` of `ShapeDtypeStruct`s (no sharding: the steps' batches are
+    uncommitted arrays), for lowering a step ahead of time without allocating one."""
+    i32, dims = np.int32, (rows, tokens)
+    return _unflatten(
+        None,
+        [
+            jax.ShapeDtypeStruct(dims, i32),  # input_ids
+            jax.ShapeDtypeStruct(dims, i32),  # positions
+            jax.ShapeDtypeStruct(dims, np.bool_),  # valid
+            jax.ShapeDtypeStruct(dims, i32),  # write_slots
+            jax.ShapeDtypeStruct((rows, width), i32),  # page_table
+            jax.ShapeDtypeStruct((rows,), i32),  # kv_lens
+        ],
+    )
+
+
 def prefill_batch(prompt: np.ndarray, table: np.ndarray, page_size: int) -> ForwardBatch:
     """One request's whole-prompt prefill batch, padded to `prefill_bucket(len(prompt))`.
 
@@ -56,11 +95,6 @@ def prefill_batch(prompt: np.ndarray, table: np.ndarray, page_size: int) -> Forw
     positions[0, :n] = np.arange(n)
     valid = np.arange(t_len)[None] < n
     slots = np.where(valid, slots_for_positions(table, positions[0], page_size)[None], 0)
-    return ForwardBatch(
-        input_ids=jnp.asarray(ids),
-        positions=jnp.asarray(positions),
-        valid=jnp.asarray(valid),
-        write_slots=jnp.asarray(slots, jnp.int32),
-        page_table=jnp.asarray(np.asarray(table, np.int32)[None]),
-        kv_lens=jnp.asarray([n], jnp.int32),
+    return batch_from_host(
+        ids, positions, valid, slots, np.asarray(table, np.int32)[None], np.asarray([n])
     )

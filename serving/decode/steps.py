@@ -19,13 +19,12 @@ import weakref
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import MIN_PREFILL_BUCKET, pow2_at_least, prefill_bucket
-from cpkv_jax.model.forward_batch import ForwardBatch, prefill_batch
+from cpkv_jax.model.forward_batch import abstract_batch, batch_from_host, prefill_batch
 from cpkv_jax.model.kv_cache import IndexKDtype
 from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
 from cpkv_jax.paging import TRASH_PAGE, padded_page_table, pages_for_tokens, slots_for_positions
@@ -148,14 +147,7 @@ class DecodeSteps:
             valid[i, 0] = True
             slots[i, 0] = slots_for_positions(tables[i], np.asarray([pos]), self.page_size)[0]
             kv_lens[i] = pos + 1
-        batch = ForwardBatch(
-            input_ids=jnp.asarray(ids),
-            positions=jnp.asarray(positions),
-            valid=jnp.asarray(valid),
-            write_slots=jnp.asarray(slots),
-            page_table=jnp.asarray(tables),
-            kv_lens=jnp.asarray(kv_lens),
-        )
+        batch = batch_from_host(ids, positions, valid, slots, tables, kv_lens)
         shape = ("absorbed", rows_p, 1, width)
         step = self.compiled(shape)
         self.shapes.add(shape)
@@ -197,22 +189,13 @@ class DecodeSteps:
         return self._compiled.compiled_keys()
 
     def _lower(self, shape: Shape) -> jax.stages.Lowered:
-        """Lower step `shape` on the abstract weights and pool (the live pool is never
-        touched) and a throwaway batch of that shape, placed as the steps place theirs."""
+        """Lower step `shape` on the abstract weights, pool and batch: the live pool is
+        never touched and nothing else compiles (the steps' batches are uncommitted
+        arrays, as an abstract value without a sharding)."""
         form, rows, tokens, width = shape
         state, pool = self._abstract
 
-        def zeros(dims: tuple[int, ...], dtype=jnp.int32) -> jax.Array:
-            return jnp.zeros(dims, dtype)
-
-        batch = ForwardBatch(
-            input_ids=zeros((rows, tokens)),
-            positions=zeros((rows, tokens)),
-            valid=zeros((rows, tokens), bool),
-            write_slots=zeros((rows, tokens)),
-            page_table=zeros((rows, width)),
-            kv_lens=zeros((rows,)),
-        )
+        batch = abstract_batch(rows, tokens, width)
         return forward_step.lower(
             self._graphdef,
             state,

@@ -210,7 +210,7 @@ class _CompileCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self.source()
         series = (
-            ("compiles", "cpkv_xla_compiles", "XLA compiles (phase: startup or serving)."),
+            ("compiles", "cpkv_xla_compiles", "XLA compiles (startup, serving, background)."),
             ("seconds", "cpkv_xla_compile_seconds", "Seconds spent in XLA compiles."),
             ("cache_hits", "cpkv_xla_compile_cache_hits", "Compiles the persistent cache served."),
         )

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from cpkv_jax.aot import CompileJob
 from cpkv_jax.buckets import StepShape, reachable_step_shapes
 from cpkv_jax.cache.hiradix import HiRadixCache
 from cpkv_jax.cache.radix import RadixCache
@@ -138,6 +139,12 @@ class PrefillEngine:
         steps = self.runner.warm(self.reachable_shapes(max_waiting))
         log_probs(np.zeros(self.cfg.vocab_size, np.float32))  # on each finished prefill
         return steps
+
+    def compile_jobs(self, max_waiting: int | None = None) -> list[CompileJob]:
+        """`warm_all_shapes` for a background compiler: the first token's log-softmax
+        now, the step shapes as jobs (`CPPrefillRunner.compile_jobs`)."""
+        log_probs(np.zeros(self.cfg.vocab_size, np.float32))
+        return self.runner.compile_jobs(self.reachable_shapes(max_waiting))
 
     def warm_host_copies(self) -> int:
         """Compile the host cache's copy programs (`HostCacheIO.warm`); returns how many

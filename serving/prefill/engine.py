@@ -55,6 +55,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from cpkv_jax.aot import CompileJob
 from cpkv_jax.buckets import StepShape
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError, InputError
@@ -187,16 +188,21 @@ class PrefillModeEngine:
         batch rows; `PrefillEngine.reachable_shapes`)."""
         return self.engine.reachable_shapes(self._queue.limit)
 
-    def warm_all_shapes(self) -> dict[str, int]:
-        """Compile every reachable step shape not compiled yet, every transfer gather a
-        rank's sender can dispatch (up to a longest request's owned pages) and the host
-        cache's copies; returns the programs compiled per family. Before serving only."""
+    def warm_all_shapes(self, *, steps: bool = True) -> dict[str, int]:
+        """Compile every reachable step shape not compiled yet (unless not `steps`: then
+        `compile_jobs` has them), every transfer gather a rank's sender can dispatch (up
+        to a longest request's owned pages) and the host cache's copies; returns the
+        programs compiled per family. Before serving only."""
         shapes = self.reachable_shapes()
-        steps = self.engine.warm_all_shapes(self._queue.limit)
+        compiled = self.engine.warm_all_shapes(self._queue.limit) if steps else 0
         widest = max(s.width for s in shapes)
         gathers = sum(source.warm(widest // self.cp_size) for source in self._sources)
         copies = self.engine.warm_host_copies()
-        return {"steps": steps, "transfer gathers": gathers, "host cache copies": copies}
+        return {"steps": compiled, "transfer gathers": gathers, "host cache copies": copies}
+
+    def compile_jobs(self) -> list[CompileJob]:
+        """The reachable step shapes not compiled yet, for a background compiler."""
+        return self.engine.compile_jobs(self._queue.limit)
 
     # ---- StepEngine -------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:

@@ -1,0 +1,101 @@
+"""`--warmup-background` (issue 25): a unified server turns healthy after the common
+buckets and compiles the other reachable step shapes on a background thread while it
+serves. Requests sent at once are answered right (a request that needs a shape still
+compiling waits for it, one that needs a shape not started compiles it itself, neither
+compiles a shape twice); once the background finished, every reachable shape is
+compiled, the programs compiled after healthy (background + by requests) number exactly
+the jobs it was given, and a second round compiles nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import httpx
+import numpy as np
+import pytest
+from support.http_client import Served
+from support.prefill_server import P, float32_args
+
+from cpkv_jax.generate import ReferenceGenerator
+from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
+from cpkv_jax.model.kv_cache import DTYPES
+from serving.compile_events import COMPILES
+from serving.server import build_server
+
+POOL_PAGES = 17  # 16 usable: 256 tokens per request at most
+RUNNING = 4
+WAIT_S = 120.0
+
+
+def _compiled_after_healthy() -> int:
+    snap = COMPILES.snapshot()
+    return snap["serving"]["compiles"] + snap["background"]["compiles"]
+
+
+@pytest.fixture(scope="module")
+def background(tiny_checkpoint):
+    path, cfg, _ = tiny_checkpoint
+    page = per_rank_pool_bytes(cfg, PoolLayout(1, False, 2, P), DTYPES["float32"], "float32") // 2
+    args = float32_args(
+        path,
+        *("--kv-pool-size", str(POOL_PAGES * page)),
+        *("--max-running-requests", str(RUNNING)),
+        "--warmup-all-shapes",
+        "--warmup-background",
+    )
+    before = _compiled_after_healthy()  # this process's earlier servers' count, if any
+    server = build_server(args)
+    served = Served(server.app)
+    try:
+        yield server, served, before
+    finally:
+        served.stop()
+        asyncio.run(server.loop.shutdown(0.0))
+        server.close()
+
+
+def _generate(url: str, ids: list[int], new: int) -> list[int]:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True},
+    }
+    r = httpx.post(url + "/generate", json=body, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def test_serves_while_compiling_and_compiles_each_shape_once(background, tiny_checkpoint):
+    _, cfg, model = tiny_checkpoint
+    server, served, before = background
+    engine, compiler = server.engine, server.compiler
+    assert compiler is not None and compiler.jobs  # shapes were left to the background
+    # mark_healthy reset the serving count; the background ones accumulate per process.
+    programs = len(compiler.jobs)
+    reachable = engine.reachable_shapes()
+    rng = np.random.default_rng(25)
+    longest = (POOL_PAGES - 1) * P
+    lengths = [longest - 9, 1, 100, 17, *rng.integers(1, longest - 8, 8).tolist()]
+    jobs = [(rng.integers(3, cfg.vocab_size, n).tolist(), int(rng.integers(1, 9))) for n in lengths]
+    with concurrent.futures.ThreadPoolExecutor(RUNNING) as pool:  # at once, while compiling
+        outs = list(pool.map(lambda j: _generate(served.url, *j), jobs))
+    assert compiler.wait(WAIT_S)
+    progress = compiler.progress()
+    assert progress["finished"] and progress["failed"] == 0
+    assert progress["compiled"] == programs
+    assert reachable <= engine.compiled_step_shapes
+    # Each job's program compiled once: on the background thread or by the request that
+    # needed it first (a request that found it compiling waited: no second compile).
+    assert _compiled_after_healthy() - before == programs
+    info = httpx.get(served.url + "/server_info", timeout=WAIT_S).json()
+    assert info["background_compile"]["finished"] is True
+    assert info["background_compile"]["programs"] == programs
+
+    serving = COMPILES.snapshot()["serving"]["compiles"]
+    with concurrent.futures.ThreadPoolExecutor(RUNNING) as pool:
+        again = list(pool.map(lambda j: _generate(served.url, *j), jobs))
+    assert COMPILES.snapshot()["serving"]["compiles"] == serving  # all compiled now
+    assert again == outs
+    ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
+    for (ids, new), out in list(zip(jobs, outs, strict=True))[:4]:
+        assert out == ref.generate(ids, new, ignore_eos=True).output_ids
