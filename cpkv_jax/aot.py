@@ -65,6 +65,7 @@ class ShapeCache(Generic[K]):
         self._lock = threading.Lock()
         self._entries: dict[K, _Entry] = {}
         self.waits = 0  # gets that blocked on another thread's compile of their key
+        self.compiles = 0
         self.compile_seconds = 0.0
         _ALL.add(self)
 
@@ -83,6 +84,14 @@ class ShapeCache(Generic[K]):
         with self._lock:
             entries = dict(self._entries)
         return {k for k, e in entries.items() if e.done.is_set() and e.compiled is not None}
+
+    def estimate(self, keys: set[K]) -> tuple[int, float]:
+        """How many of `keys` are not compiled yet, and the seconds they would take at
+        the mean of this cache's compiles so far (0 before the first: unknown)."""
+        with self._lock:
+            mean = self.compile_seconds / self.compiles if self.compiles else 0.0
+        left = len(set(keys) - self.compiled_keys())
+        return left, left * mean
 
     def get(self, key: K, lower: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
         """The executable of `key`: compiled now by `lower().compile()`, or the one
@@ -114,6 +123,7 @@ class ShapeCache(Generic[K]):
             entry.seconds = time.perf_counter() - t0
             entry.done.set()
         with self._lock:
+            self.compiles += 1
             self.compile_seconds += entry.seconds
         logger.debug("%s %s compiled in %.2fs", self.name, key, entry.seconds)
         return entry.compiled

@@ -368,6 +368,10 @@ class CPPrefillRunner:
         block = tokens // (2 * self.cp.cp_size)
         return StepShape(self.cp.cp_size, self.cp.page_size, rows, block, plan.page_table.shape[1])
 
+    def compile_estimate(self, shapes: Iterable[StepShape]) -> tuple[int, float]:
+        """Shapes of `shapes` not compiled yet and their estimated compile seconds."""
+        return self._steps.estimate(set(shapes))
+
     def compile_jobs(self, shapes: Iterable[StepShape]) -> list[CompileJob]:
         """A background compile of each shape not compiled yet, narrowest page table
         first (short contexts are the common ones); see `aot.BackgroundCompiler`."""

@@ -313,6 +313,7 @@ def warm_up(
     if engine.kv.num_free_pages != free0:
         raise RuntimeError("warm-up requests leaked KV pages")
     reachable = engine.reachable_shapes()
+    _log_compile_work("decode step", len(reachable), *engine.compile_estimate())
     if args.warmup_all_shapes:
         t = time.perf_counter()
         if background:
@@ -346,6 +347,19 @@ def warm_up(
     return time.perf_counter() - t0, jobs
 
 
+def _log_compile_work(family: str, reachable: int, left: int, seconds: float) -> None:
+    """The startup line that sizes the compile work still ahead (issue 25)."""
+    logger.info(
+        "compile work: %d reachable %s shapes, %d not compiled yet: about %.0fs at this "
+        "start's mean per %s compile so far (persistent-cache hits make it shorter)",
+        reachable,
+        family,
+        left,
+        seconds,
+        family,
+    )
+
+
 def _warm_prefill_steps(
     engine: PrefillModeEngine | CachedUnifiedEngine, all_shapes: bool, background: bool
 ) -> list[CompileJob]:
@@ -373,6 +387,7 @@ def _warm_prefill_steps(
             steps = engine.prefill.warm_all_shapes(bound)
         return {"steps": steps, "host cache copies": engine.prefill.warm_host_copies()}
 
+    _log_compile_work("CP prefill step", len(reachable), *runner.compile_estimate(reachable))
     if not all_shapes:
         left = len(reachable - runner.step_shapes)
         logger.info(

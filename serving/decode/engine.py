@@ -451,6 +451,10 @@ class DecodeEngine:
         """Step shapes whose executable is ready (shared by the engines of one model)."""
         return self._steps.compiled_shapes
 
+    def compile_estimate(self) -> tuple[int, float]:
+        """Reachable step shapes not compiled yet and their estimated compile seconds."""
+        return self._steps.compile_estimate(self.reachable_shapes())
+
     def compile_jobs(self) -> list[CompileJob]:
         """A background compile of every reachable step shape not compiled yet (smallest
         first), after the small programs around the steps ran here (`warm_log_probs`).

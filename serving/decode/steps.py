@@ -184,6 +184,10 @@ class DecodeSteps:
         caller that needs a shape another thread is compiling waits for it)."""
         return self._compiled.get(shape, lambda: self._lower(shape))
 
+    def compile_estimate(self, shapes: set[Shape]) -> tuple[int, float]:
+        """Shapes of `shapes` not compiled yet and their estimated compile seconds."""
+        return self._compiled.estimate(shapes)
+
     @property
     def compiled_shapes(self) -> set[Shape]:
         return self._compiled.compiled_keys()
