@@ -18,6 +18,7 @@ times, their ratio and the cache's entries and bytes after the first start.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -41,10 +43,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def time_to_healthy(argv: list[str], env: dict[str, str], log: Path) -> float:
-    """Start the server, wait for /health 200, stop it; seconds to healthy."""
+@contextlib.contextmanager
+def running_server(argv: list[str], env: dict[str, str], log: Path) -> Iterator[tuple[str, float]]:
+    """Start the server, wait for /health 200, yield (base URL, seconds to healthy), then
+    stop it with SIGTERM."""
     port = _free_port()
-    url = f"http://127.0.0.1:{port}/health"
+    base = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -57,11 +61,12 @@ def time_to_healthy(argv: list[str], env: dict[str, str], log: Path) -> float:
                 if time.monotonic() - t0 > STARTUP_TIMEOUT_S:
                     raise RuntimeError(f"not healthy after {STARTUP_TIMEOUT_S:.0f}s; log: {log}")
                 try:
-                    if httpx.get(url, timeout=2.0).status_code == 200:
-                        return time.monotonic() - t0
+                    if httpx.get(base + "/health", timeout=2.0).status_code == 200:
+                        break
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.25)
+            yield base, time.monotonic() - t0
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -69,6 +74,12 @@ def time_to_healthy(argv: list[str], env: dict[str, str], log: Path) -> float:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def time_to_healthy(argv: list[str], env: dict[str, str], log: Path) -> float:
+    """Start the server, wait for /health 200, stop it; seconds to healthy."""
+    with running_server(argv, env, log) as (_, seconds):
+        return seconds
 
 
 def main(argv: list[str] | None = None) -> int:

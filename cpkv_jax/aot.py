@@ -65,14 +65,17 @@ class ShapeCache(Generic[K]):
         self._lock = threading.Lock()
         self._entries: dict[K, _Entry] = {}
         self.waits = 0  # gets that blocked on another thread's compile of their key
-        self.compiles = 0
+        self.compiles = 0  # compiles run (since the last `clear`): one per key, never two
         self.compile_seconds = 0.0
         _ALL.add(self)
 
     def clear(self) -> None:
-        """Forget the finished executables (a compile in progress finishes as usual)."""
+        """Forget the finished executables and the counts (a compile in progress finishes
+        as usual and is counted)."""
         with self._lock:
             self._entries = {k: e for k, e in self._entries.items() if not e.done.is_set()}
+            self.waits = self.compiles = 0
+            self.compile_seconds = 0.0
 
     def __contains__(self, key: K) -> bool:
         with self._lock:
@@ -125,7 +128,7 @@ class ShapeCache(Generic[K]):
         with self._lock:
             self.compiles += 1
             self.compile_seconds += entry.seconds
-        logger.debug("%s %s compiled in %.2fs", self.name, key, entry.seconds)
+        logger.info("%s %s compiled in %.2fs", self.name, key, entry.seconds)
         return entry.compiled
 
 

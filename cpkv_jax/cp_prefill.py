@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
 
 from cpkv_jax.aot import CompileJob, ShapeCache, abstract
 from cpkv_jax.buckets import StepShape, page_table_width, step_shape
@@ -385,7 +386,8 @@ class CPPrefillRunner:
         """Compile each shape not compiled yet (on abstract inputs: no step runs and the
         pool is untouched); returns how many compiled."""
         todo = sorted(set(shapes) - self._steps.compiled_keys(), key=dataclasses.astuple)
-        for shape in todo:
+        # A bar on a terminal only (tqdm's disable=None); each compile also logs its time.
+        for shape in tqdm(todo, desc="compiling CP prefill steps", unit="shape", disable=None):
             self.compiled_step(shape)
             self.step_shapes.add(shape)
         return len(todo)

@@ -451,6 +451,11 @@ class DecodeEngine:
         """Step shapes whose executable is ready (shared by the engines of one model)."""
         return self._steps.compiled_shapes
 
+    @property
+    def step_compile_count(self) -> int:
+        """Step compiles run so far (`DecodeSteps.compile_count`)."""
+        return self._steps.compile_count
+
     def compile_estimate(self) -> tuple[int, float]:
         """Reachable step shapes not compiled yet and their estimated compile seconds."""
         return self._steps.compile_estimate(self.reachable_shapes())

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import MIN_PREFILL_BUCKET, pow2_at_least, prefill_bucket
@@ -159,7 +160,8 @@ class DecodeSteps:
         """Run each shape once on tables of the trash page only (every write lands in page
         0, which no request reads), through the same code the requests take."""
         trash = np.zeros((1,), np.int32)
-        for form, rows, tokens, width in shapes:
+        bar = tqdm(shapes, desc="compiling decode steps", unit="shape", disable=None)
+        for form, rows, tokens, width in bar:  # a bar on a terminal only
             if tokens > 1:  # a prefill: one row, `tokens` padded prompt tokens
                 if form != self.prefill_form:
                     raise ValueError(f"this engine prefills in {self.prefill_form!r}, not {form!r}")
@@ -187,6 +189,11 @@ class DecodeSteps:
     def compile_estimate(self, shapes: set[Shape]) -> tuple[int, float]:
         """Shapes of `shapes` not compiled yet and their estimated compile seconds."""
         return self._compiled.estimate(shapes)
+
+    @property
+    def compile_count(self) -> int:
+        """Step compiles run (one per shape: a shape being compiled is waited for)."""
+        return self._compiled.compiles
 
     @property
     def compiled_shapes(self) -> set[Shape]:

@@ -1,6 +1,6 @@
 """`--warmup-all-shapes` (issue 25): a unified server that compiled every reachable step
 shape before turning healthy compiles nothing while serving a mixed workload (prompt
-lengths from 1 token to what the pool holds, 1-4 requests at once), counted by JAX's
+lengths from 1 token to what the pool holds, 1-8 requests at once), counted by JAX's
 compile events; every shape it dispatched is in the enumerated set."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from serving.compile_events import COMPILES
 from serving.server import build_server
 
 POOL_PAGES = 17  # 16 usable: 256 tokens per request at most
-RUNNING = 4
+RUNNING = 8  # batches of 1-8 (issue 25)
 WAIT_S = 120.0
 
 

@@ -28,9 +28,8 @@ RUNNING = 4
 WAIT_S = 120.0
 
 
-def _compiled_after_healthy() -> int:
-    snap = COMPILES.snapshot()
-    return snap["serving"]["compiles"] + snap["background"]["compiles"]
+def _background_compiles() -> int:
+    return COMPILES.snapshot()["background"]["compiles"]  # per process, never reset
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +43,7 @@ def background(tiny_checkpoint):
         "--warmup-all-shapes",
         "--warmup-background",
     )
-    before = _compiled_after_healthy()  # this process's earlier servers' count, if any
+    before = _background_compiles()  # this process's earlier servers', if any
     server = build_server(args)
     served = Served(server.app)
     try:
@@ -70,7 +69,6 @@ def test_serves_while_compiling_and_compiles_each_shape_once(background, tiny_ch
     server, served, before = background
     engine, compiler = server.engine, server.compiler
     assert compiler is not None and compiler.jobs  # shapes were left to the background
-    # mark_healthy reset the serving count; the background ones accumulate per process.
     programs = len(compiler.jobs)
     reachable = engine.reachable_shapes()
     rng = np.random.default_rng(25)
@@ -84,9 +82,12 @@ def test_serves_while_compiling_and_compiles_each_shape_once(background, tiny_ch
     assert progress["finished"] and progress["failed"] == 0
     assert progress["compiled"] == programs
     assert reachable <= engine.compiled_step_shapes
-    # Each job's program compiled once: on the background thread or by the request that
-    # needed it first (a request that found it compiling waited: no second compile).
-    assert _compiled_after_healthy() - before == programs
+    # Each shape compiled once: on the background thread or by the request that needed
+    # it first (a request that found it compiling waited: no second compile). XLA
+    # compiles after healthy are at most the jobs (JAX's own caches may serve some).
+    assert engine.step_compile_count == len(engine.compiled_step_shapes)
+    serving = COMPILES.snapshot()["serving"]["compiles"]  # since this server's healthy
+    assert 0 < serving + _background_compiles() - before <= programs
     info = httpx.get(served.url + "/server_info", timeout=WAIT_S).json()
     assert info["background_compile"]["finished"] is True
     assert info["background_compile"]["programs"] == programs
