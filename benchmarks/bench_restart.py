@@ -90,11 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("extra", nargs="*", help="more cpkv-serve flags (after --)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="cpkv-restart-") as tmp:
-        if args.model_path is None:
-            from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
-
-            args.model_path = str(make_tiny_checkpoint(Path(tmp) / "tiny", "glm_moe_dsa"))
+        args.model_path = model_path_or_tiny(args.model_path, Path(tmp))
         return _run(args)
+
+
+def model_path_or_tiny(model_path: str | None, tmp: Path) -> str:
+    """`model_path`, or the tiny GLM-5-architecture checkpoint written under `tmp`."""
+    if model_path is not None:
+        return model_path
+    from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint(tmp / "tiny", "glm_moe_dsa"))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 
 from benchmarks.bench_first_request import ttft
-from benchmarks.bench_restart import running_server
+from benchmarks.bench_restart import model_path_or_tiny, running_server
 from benchmarks.report import emit, environment
 
 VARIANTS = {
@@ -72,10 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("extra", nargs="*", help="more cpkv-serve flags (after --)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="cpkv-bgwarm-") as tmp:
-        if args.model_path is None:
-            from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
-
-            args.model_path = str(make_tiny_checkpoint(Path(tmp) / "tiny", "glm_moe_dsa"))
+        args.model_path = model_path_or_tiny(args.model_path, Path(tmp))
         serve = [sys.executable, "-m", "serving.launch", "--model-path", args.model_path]
         serve += ["--disaggregation-mode", "null", "--host", "127.0.0.1"]
         serve += ["--compilation-cache-dir", "none", *args.extra]

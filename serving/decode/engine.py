@@ -464,7 +464,7 @@ class DecodeEngine:
         """A background compile of every reachable step shape not compiled yet (smallest
         first), after the small programs around the steps ran here (`warm_log_probs`).
         A request that needs a shape meanwhile waits for its compile."""
-        todo = sorted(self.reachable_shapes() - self._steps.compiled_shapes)
+        todo = self.reachable_shapes() - self._steps.compiled_shapes
         self._steps.warm_log_probs({rows for _, rows, _, _ in self.reachable_shapes()})
         return [
             CompileJob(f"decode step {s}", functools.partial(self._steps.compiled, s))

@@ -20,15 +20,14 @@ import time
 import httpx
 import numpy as np
 import pytest
-from support.http_client import Served
 from support.prefill_server import float32_args
+from support.unified_server import serving
 
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.model.kv_cache import DTYPES
 from serving.compile_events import COMPILES
 from serving.decode.cached import CachedUnifiedEngine
-from serving.server import build_server
 from serving.server_args import ServerArgs
 
 P = 16
@@ -57,14 +56,8 @@ def _args(path, *extra: str) -> ServerArgs:
 def unified(tiny_checkpoint):
     path, cfg, _ = tiny_checkpoint
     page = per_rank_pool_bytes(cfg, PoolLayout(1, False, 2, P), DTYPES["float32"], "float32") // 2
-    server = build_server(_args(path, "--kv-pool-size", str(POOL_PAGES * page)))
-    served = Served(server.app)
-    try:
-        yield server, served
-    finally:
-        served.stop()
-        asyncio.run(server.loop.shutdown(0.0))
-        server.close()
+    with serving(_args(path, "--kv-pool-size", str(POOL_PAGES * page))) as s:
+        yield s
 
 
 def _prompt(cfg, n: int, seed: int) -> list[int]:

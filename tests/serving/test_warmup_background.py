@@ -8,20 +8,16 @@ the jobs it was given, and a second round compiles nothing."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 
 import httpx
 import numpy as np
 import pytest
-from support.http_client import Served
-from support.prefill_server import P, float32_args
+from support.prefill_server import P
+from support.unified_server import greedy_ids, serving, unified_args
 
 from cpkv_jax.generate import ReferenceGenerator
-from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
-from cpkv_jax.model.kv_cache import DTYPES
 from serving.compile_events import COMPILES
-from serving.server import build_server
 
 POOL_PAGES = 17  # 16 usable: 256 tokens per request at most
 RUNNING = 4
@@ -35,33 +31,11 @@ def _background_compiles() -> int:
 @pytest.fixture(scope="module")
 def background(tiny_checkpoint):
     path, cfg, _ = tiny_checkpoint
-    page = per_rank_pool_bytes(cfg, PoolLayout(1, False, 2, P), DTYPES["float32"], "float32") // 2
-    args = float32_args(
-        path,
-        *("--kv-pool-size", str(POOL_PAGES * page)),
-        *("--max-running-requests", str(RUNNING)),
-        "--warmup-all-shapes",
-        "--warmup-background",
-    )
+    running = ("--max-running-requests", str(RUNNING))
+    warm = ("--warmup-all-shapes", "--warmup-background")
     before = _background_compiles()  # this process's earlier servers', if any
-    server = build_server(args)
-    served = Served(server.app)
-    try:
+    with serving(unified_args(path, cfg, POOL_PAGES, *running, *warm)) as (server, served):
         yield server, served, before
-    finally:
-        served.stop()
-        asyncio.run(server.loop.shutdown(0.0))
-        server.close()
-
-
-def _generate(url: str, ids: list[int], new: int) -> list[int]:
-    body = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True},
-    }
-    r = httpx.post(url + "/generate", json=body, timeout=WAIT_S)
-    assert r.status_code == 200, r.text
-    return r.json()["output_ids"]
 
 
 def test_serves_while_compiling_and_compiles_each_shape_once(background, tiny_checkpoint):
@@ -76,7 +50,7 @@ def test_serves_while_compiling_and_compiles_each_shape_once(background, tiny_ch
     lengths = [longest - 9, 1, 100, 17, *rng.integers(1, longest - 8, 8).tolist()]
     jobs = [(rng.integers(3, cfg.vocab_size, n).tolist(), int(rng.integers(1, 9))) for n in lengths]
     with concurrent.futures.ThreadPoolExecutor(RUNNING) as pool:  # at once, while compiling
-        outs = list(pool.map(lambda j: _generate(served.url, *j), jobs))
+        outs = list(pool.map(lambda j: greedy_ids(served.url, *j, WAIT_S), jobs))
     assert compiler.wait(WAIT_S)
     progress = compiler.progress()
     assert progress["finished"] and progress["failed"] == 0
@@ -94,7 +68,7 @@ def test_serves_while_compiling_and_compiles_each_shape_once(background, tiny_ch
 
     serving = COMPILES.snapshot()["serving"]["compiles"]
     with concurrent.futures.ThreadPoolExecutor(RUNNING) as pool:
-        again = list(pool.map(lambda j: _generate(served.url, *j), jobs))
+        again = list(pool.map(lambda j: greedy_ids(served.url, *j, WAIT_S), jobs))
     assert COMPILES.snapshot()["serving"]["compiles"] == serving  # all compiled now
     assert again == outs
     ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
