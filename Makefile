@@ -23,8 +23,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two workers (the dev machine's cores), whole test files per worker so module fixtures
+# (servers, checkpoints) are built once; the ten slowest tests are printed at the end.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

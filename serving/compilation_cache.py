@@ -13,6 +13,10 @@ another model, flag set or machine gets other entries, never a wrong one.
   tests/conftest.py now frees programs between test modules.)
 - Every program is cached, however quick its compile (JAX's default skips those under
   a second; a server compiles hundreds of small ones).
+- The directory is bounded (`MAX_BYTES`, least recently used entries evicted). That
+  also puts every read and write under JAX's file lock: without a bound JAX writes an
+  entry in place, and a second process on the same directory (two servers on one host,
+  the test workers) could read it half written.
 - Applied process-wide by `run_server` before anything compiles; `build_server` used
   directly (tests, embedding) leaves JAX's configuration alone.
 """
@@ -28,6 +32,8 @@ import jax
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
+MAX_BYTES = 16 << 30
+_ENTRY_SUFFIX = "-cache"  # JAX's entry files; "-atime" files beside them track use
 
 
 def default_cache_dir() -> Path:
@@ -48,7 +54,7 @@ def cache_summary(path: Path) -> tuple[int, int]:
     """(entries, bytes) in the cache directory now."""
     entries = size = 0
     for f in path.iterdir():
-        if f.is_file():
+        if f.is_file() and f.name.endswith(_ENTRY_SUFFIX):
             entries += 1
             size += f.stat().st_size
     return entries, size
@@ -70,6 +76,7 @@ def enable_compilation_cache(value: str | None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     entries, size = cache_summary(path)
     logger.info(
         "compilation cache: %s (%d entries, %.1f MiB already there)", path, entries, size / 2**20

@@ -8,15 +8,23 @@ import logging
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Servers the tests start (`--compilation-cache-dir auto`) cache their compiled programs
-# here, not in the user's cache directory; removed when the session ends.
-_XDG_CACHE = tempfile.mkdtemp(prefix="cpkv-tests-cache-")
-os.environ["XDG_CACHE_HOME"] = _XDG_CACHE
+# One directory per `make test` run, shared by every xdist worker (they inherit this
+# environment from the controller) and the servers the tests start: JAX's persistent
+# compilation cache lives there, so a program compiled once in the run (the tiny model's
+# steps, which dozens of modules build again after `_release_compiled_programs`) is read
+# back instead of compiled again. The controller removes it when the session ends.
+_RUN_DIR_ENV = "CPKV_TEST_RUN_DIR"
+_OWNS_RUN_DIR = _RUN_DIR_ENV not in os.environ
+if _OWNS_RUN_DIR:
+    os.environ[_RUN_DIR_ENV] = tempfile.mkdtemp(prefix="cpkv-tests-")
+_RUN_DIR = os.environ[_RUN_DIR_ENV]
+os.environ["XDG_CACHE_HOME"] = _RUN_DIR  # `--compilation-cache-dir auto` resolves here
 
 from jaxtyping import install_import_hook  # noqa: E402
 
@@ -34,11 +42,36 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from cpkv_jax import aot  # noqa: E402
+from serving.compilation_cache import enable_compilation_cache  # noqa: E402
+
+# The test processes use the same cache as the servers they start (JAX keys entries on
+# the program, options, devices and versions; a hit is still counted as a compile by
+# `serving.compile_events`, so the zero-compile checks mean the same with it on).
+enable_compilation_cache("auto")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
     assert jax.device_count() == 8, "tests expect 8 virtual CPU devices (XLA_FLAGS)"
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """`get(arch="glm_moe_dsa", **make_tiny_checkpoint_kwargs) -> Path`: each distinct tiny
+    checkpoint written once per test process (seconds each on 2 cores) and shared by
+    every module that asks for it. Tests only read them (a test that changes files
+    copies the checkpoint first)."""
+    from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
+
+    made: dict[tuple, Path] = {}
+
+    def get(arch: str = "glm_moe_dsa", **kw) -> Path:
+        key = (arch, tuple(sorted(kw.items())))
+        if key not in made:
+            made[key] = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / arch, arch, **kw)
+        return made[key]
+
+    return get
 
 
 @pytest.fixture(autouse=True)
@@ -81,6 +114,15 @@ def _release_compiled_programs():
     gc.collect()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Modules with `slow` tests run first (a stable sort keeps each file's own order):
+    with `-n 2 --dist loadfile` a worker takes whole files in this order, so the long
+    files start at once and the short ones fill in behind them, and both workers end
+    at about the same time."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 def pytest_terminal_summary(terminalreporter):
     limit_path = "/proc/sys/vm/max_map_count"
     if os.path.exists(limit_path):
@@ -92,4 +134,5 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(_XDG_CACHE, ignore_errors=True)
+    if _OWNS_RUN_DIR:  # the controller (or a run without xdist), after every worker ended
+        shutil.rmtree(_RUN_DIR, ignore_errors=True)

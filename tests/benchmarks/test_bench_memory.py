@@ -20,7 +20,6 @@ from benchmarks import bench_memory as bm
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.kv_pool import PoolLayout
 from cpkv_jax.model_configs import config_dir
-from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 GLM5 = bm.DEFAULT_CONFIG / "config.json"
@@ -222,9 +221,8 @@ def weights():
 
 
 @pytest.fixture(scope="module")
-def tiny_fp8(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fp8") / "tiny"
-    return make_tiny_checkpoint(path, "glm_moe_dsa", fp8=True, n_routed_experts=16)
+def tiny_fp8(tiny_checkpoints):
+    return tiny_checkpoints("glm_moe_dsa", fp8=True, n_routed_experts=16)
 
 
 @pytest.mark.parametrize("name", sorted(RELEASED_PARAMS))

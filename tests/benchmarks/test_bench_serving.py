@@ -30,7 +30,7 @@ from support.http_client import VOCAB, Served, start_server, stop_server
 
 from benchmarks import bench_serving as bs
 from cpkv_jax.tokenizer import load_tokenizer
-from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint, write_tokenizer_files
+from cpkv_jax.tools.make_tiny_checkpoint import write_tokenizer_files
 from serving.engine.mock import MOCK_FAIL_ID, echo_ids
 from serving.http.chat_template import load_chat_template
 
@@ -480,13 +480,13 @@ def test_mock_chat_text_prompts_sized_by_tokenizer_or_estimated(
 
 
 @pytest.fixture(scope="module")
-def unified(tmp_path_factory) -> Iterator[str]:
+def unified(tiny_checkpoints) -> Iterator[str]:
     """The unified (`--disaggregation-mode null`) server on the tiny checkpoint; one
     running request (its warm-up then compiles only the batch-1 shapes: ~20 s on 2 cores)."""
     from serving.server import build_server
     from serving.server_args import ServerArgs
 
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("bench") / "tiny", "glm_moe_dsa")
+    path = tiny_checkpoints("glm_moe_dsa")
     args = ServerArgs.from_cli(
         [
             *("--model-path", str(path), "--dtype", "float32", "--page-size", "16"),

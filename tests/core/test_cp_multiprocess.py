@@ -35,7 +35,6 @@ import numpy as np
 import pytest
 
 from cpkv_jax.model.weights import _checkpoint_tensors
-from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 WORKER = Path(__file__).with_name("cp_multiprocess_worker.py")
@@ -213,10 +212,8 @@ def _run_or_skip(tmp: Path, tag: str, model: Path, ids: list[int], n: int, k: in
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process(tmp_path: Path):
-    model = make_tiny_checkpoint(
-        tmp_path / "tiny-glm5-fp8", "glm_moe_dsa", seed=0, fp8=True, n_routed_experts=16
-    )
+def test_two_processes_match_one_process(tmp_path: Path, tiny_checkpoints):
+    model = tiny_checkpoints("glm_moe_dsa", seed=0, fp8=True, n_routed_experts=16)
     vocab = tiny_config_dict("glm_moe_dsa")["vocab_size"]
     ids = np.random.default_rng(0).integers(3, vocab, PROMPT_LEN).tolist()
 

@@ -29,7 +29,6 @@ from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
 from cpkv_jax.model import expert_parallel as ep
 from cpkv_jax.model.moe import EXPERT_PROJS
 from cpkv_jax.model.weights import LoadStats, _checkpoint_tensors, load_model
-from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 CP = 8
@@ -38,11 +37,9 @@ CHUNK = 2 * P  # several chunks: the KV of earlier chunks is read back through E
 PROMPT = 4 * P + 3
 
 
-def _load(arch: str, tmp_path_factory):
+def _load(arch: str, tiny_checkpoints):
     """(path, cfg, model kept FP8 on one device, model placed on the mesh with EP, stats)."""
-    path = make_tiny_checkpoint(
-        tmp_path_factory.mktemp(arch), arch, fp8=True, n_routed_experts=EXPERTS
-    )
+    path = tiny_checkpoints(arch, fp8=True, n_routed_experts=EXPERTS)
     cfg, single = load_model(path, progress=False)
     stats = LoadStats()
     _, placed = load_model(
@@ -52,13 +49,13 @@ def _load(arch: str, tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=["glm_moe_dsa", "deepseek_v32"])
-def fp8_models(request, tmp_path_factory):
-    return _load(request.param, tmp_path_factory)
+def fp8_models(request, tiny_checkpoints):
+    return _load(request.param, tiny_checkpoints)
 
 
 @pytest.fixture(scope="module")
-def glm_fp8(tmp_path_factory):
-    return _load("glm_moe_dsa", tmp_path_factory)
+def glm_fp8(tiny_checkpoints):
+    return _load("glm_moe_dsa", tiny_checkpoints)
 
 
 def _prompt(seed: int = 0) -> np.ndarray:

@@ -14,7 +14,6 @@ from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import InputError
 from cpkv_jax.generate import ReferenceGenerator, main
 from cpkv_jax.model.transformer import CausalLM
-from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 
@@ -60,8 +59,8 @@ def test_sampling_is_seeded(generator):
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", arch="glm_moe_dsa")
+def tiny_dir(tiny_checkpoints):
+    return tiny_checkpoints("glm_moe_dsa")
 
 
 def test_cli_writes_output_json_and_matches_library(tiny_dir, tmp_path, capsys):

@@ -34,7 +34,7 @@ from cpkv_jax.config import ModelConfig
 from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
-from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint, write_tokenizer_files
+from cpkv_jax.tools.make_tiny_checkpoint import write_tokenizer_files
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving.engine.mock import MockRooms
 from serving.http.chat_template import load_chat_template
@@ -152,9 +152,9 @@ def estimator(cfg) -> BufferEstimator:
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
+def tiny_checkpoint(tiny_checkpoints):
     """`(path, cfg, model)`: the tiny GLM-5-shaped checkpoint on disk and its model, made
     once per session (~9 s on 2 cores); tests only read them."""
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("pd") / "tiny", "glm_moe_dsa")
+    path = tiny_checkpoints("glm_moe_dsa")
     cfg, model = load_model(path, progress=False)
     return path, cfg, model

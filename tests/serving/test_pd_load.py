@@ -43,7 +43,6 @@ from benchmarks.pd_load import (
 )
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
-from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from transfer.backends.mooncake_engine import mooncake_available
 
 pytestmark = pytest.mark.slow
@@ -69,10 +68,8 @@ def _run(url: str, requests, *, timeout_s: float = REQUEST_TIMEOUT_S) -> list[Ou
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("pd-load") / "tiny-glm5"
-    make_tiny_checkpoint(d, "glm_moe_dsa")
-    return d
+def model_dir(tiny_checkpoints) -> Path:
+    return tiny_checkpoints("glm_moe_dsa")
 
 
 @pytest.fixture(scope="module")

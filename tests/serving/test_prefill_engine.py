@@ -10,15 +10,14 @@ from cpkv_jax import cp_prefill
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
-from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from serving.prefill import build as prefill_build
 from serving.prefill.build import build_prefill_engine
 from serving.server_args import ServerArgs
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("engine") / "tiny", "glm_moe_dsa")
+def tiny(tiny_checkpoints):
+    path = tiny_checkpoints("glm_moe_dsa")
     return path, load_model(path, progress=False)
 
 

@@ -29,6 +29,11 @@ from transfer.sender import TransferBackend
 logger = logging.getLogger(__name__)
 
 
+# Rounds of a fault soak in `make test`: every fault kind at least once plus random draws
+# (a few seconds per backend). `python -m benchmarks.fault_soak` runs the long soak.
+SUITE_ROUNDS = 24
+
+
 def fault_schedule(
     rng: np.random.Generator, count: int, kinds: tuple[str, ...], weights: tuple[float, ...]
 ) -> list[str]:
