@@ -9,7 +9,9 @@ that owns its device page (SPEC S4.5). Every node is in one of these states:
 - device + host (`on_device`, `host_pages` set): device eviction keeps it as host only;
 - host only (`not on_device`, `host_pages` set): matched as a host hit, loadable back;
 - in transit: a write-back backup of an evicted node is in flight (`backup_job` set,
-  neither copy usable yet).
+  neither copy usable yet). A request that recomputed its pages and finishes puts it
+  back on the device with its own pages (`insert`); the job still owns and frees the
+  old ones.
 
 Device-resident nodes are prefix-closed (a device node's parent is the root or on device),
 so a match is a device prefix followed by a host-only continuation.
@@ -280,10 +282,15 @@ class HiRadixCache(RadixCache):
         )
 
     def insert(self, token_ids: Int[np.ndarray, " n"], local_pages: Int[np.ndarray, " p"]) -> int:
-        """`RadixCache.insert`, plus: host-only nodes on the path adopt the request's pages
-        (it recomputed them) and become device + host; reused device nodes count a hit
-        (write policies); the new leaf is backed up per the policy. If the path reaches a
-        node a job is filling, the request's pages from there on are freed."""
+        """`RadixCache.insert`, plus: nodes on the path that are off the device adopt the
+        request's pages (it recomputed them) and go back on the device: host-only nodes
+        become device + host; a node a write-back backup or a load-back is filling keeps
+        its job, which frees its own device pages on acknowledgement. Reused device nodes
+        count a hit (write policies); the new leaf is backed up per the policy.
+
+        So every whole page of the request ends up cached: a request held after its
+        step (`PrefillScheduler._hold`) finds all of them on the device.
+        """
         key = self._whole_pages(token_ids)
         n = key.size // self.page_size
         pages = self._check_pages(
@@ -295,7 +302,6 @@ class HiRadixCache(RadixCache):
         dup_pages: list[np.ndarray] = []
         reused: list[HiRadixNode] = []
         adopt: list[tuple[HiRadixNode, np.ndarray]] = []
-        blocked = False
         for child, start, m in self._walk(key, n):
             if child.on_device:
                 differ = np.flatnonzero(pages[start : start + m] != child.pages)
@@ -303,24 +309,20 @@ class HiRadixCache(RadixCache):
                     dup_lanes.append(owner_of_page(start + differ, self.cp_size))
                     dup_pages.append(pages[start + differ])
                 reused.append(child)
-            elif self._host_hit(child):
-                adopt.append((child, pages[start : start + m].copy()))
             else:
-                blocked = True
-                break
+                # Off the device (device residency is prefix-closed, so so is the rest
+                # of the path): host only, or in a job's hands. Freeing the request's
+                # pages here instead would leave a held request without its KV.
+                adopt.append((child, pages[start : start + m].copy()))
             node, pos = child, start + m
         cached = pos
-        if blocked and pos < n:
-            rest = np.arange(pos, n, dtype=np.int64)
-            dup_lanes.append(owner_of_page(rest, self.cp_size))
-            dup_pages.append(pages[pos:])
         if dup_pages:
             self.allocator.free(np.concatenate(dup_lanes), np.concatenate(dup_pages))
         for child, own in adopt:
             self._put_on_device(child, own)
         for child in reused:
             self._hit(child)
-        if pos < n and not blocked:
+        if pos < n:
             leaf = self._new_node(key[pos * self.page_size :].copy(), pages[pos:].copy(), pos, node)
             node.children[self._child_key(leaf.tokens, 0)] = leaf
             self._evictable += self._lane_counts(leaf)
@@ -419,7 +421,8 @@ class HiRadixCache(RadixCache):
 
     def backup_failed(self, job: BackupJob) -> None:
         """The copy of `job` failed or was abandoned: its host pages are freed; a
-        write-back's nodes (no copy left anywhere) leave the tree."""
+        write-back's nodes with no copy left anywhere (not put back on the device by a
+        request's `insert` meanwhile) leave the tree."""
         self._finish(job, BackupJob)
         chain = self._chain(job)
         for node, _ in chain:
@@ -428,7 +431,10 @@ class HiRadixCache(RadixCache):
         self.dec_lock_ref(job.node)
         if job.frees_device:
             self.allocator.free(job.lanes, job.device_pages)
-            self._remove_subtree(chain[0][0])
+            # Adopted nodes are a top part of the chain (device residency is prefix-closed).
+            gone = [node for node, _ in chain if not node.on_device]
+            if gone:
+                self._remove_subtree(gone[0])
 
     # --- load-back (SPEC S10) ------------------------------------------------------
 
@@ -512,12 +518,24 @@ class HiRadixCache(RadixCache):
         return job
 
     def load_back_done(self, job: LoadBackJob) -> PrefixMatch:
-        """The caller copied `job`: its nodes are device + host. Returns the device match
-        of the whole path (lock its `node` at once, as after `match_prefix`)."""
+        """The caller copied `job`: its nodes are device + host (a node a request's
+        `insert` already put back on the device keeps those pages; the job's are freed).
+        Returns the device match of the whole path (lock its `node` at once, as after
+        `match_prefix`)."""
         self._finish(job, LoadBackJob)
+        spare: list[np.ndarray] = []
         for node, sl in self._chain(job):
             node.load_job = None
-            self._put_on_device(node, job.device_pages[sl].copy())
+            if node.on_device:
+                spare.append(np.arange(job.start_page + sl.start, job.start_page + sl.stop))
+            else:
+                self._put_on_device(node, job.device_pages[sl].copy())
+        if spare:
+            logical = np.concatenate(spare)
+            self.allocator.free(
+                owner_of_page(logical, self.cp_size),
+                job.device_pages[logical - job.start_page],
+            )
         self.dec_lock_ref(job.node)
         path = []
         n = job.node
@@ -619,7 +637,6 @@ class HiRadixCache(RadixCache):
                 lanes = self._lanes(child)
                 if child.on_device:
                     _require(node.on_device, f"device node under a host-only node: {where}")
-                    _require(child.load_job is None, f"loading node on device: {where}")
                     counts = self._lane_counts(child)
                     if child.lock_ref:
                         protected += counts

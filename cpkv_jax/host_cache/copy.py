@@ -15,8 +15,11 @@ Backup gathers the lane's pages from one covering shard into staging on that dev
 `jax.device_get`s it; load `device_put`s host rows next to every covering shard, scatters
 them in (the shard buffers are donated) and reassembles the global array with
 `jax.make_array_from_single_device_arrays`, so the pool is updated functionally: use the
-returned pool, never the one passed in. Only locally addressable shards are touched, so
-in a multi-process run each process copies its own lane(s) only (SPEC S4.5).
+returned pool, never the one passed in. A load scatters leaf by leaf; its `commit`
+callback gets the pool after every shard's scatter, so a caller that keeps that pool
+holds no donated buffer when a later scatter raises (`deleted_leaves` checks). Only
+locally addressable shards are touched, so in a multi-process run each process copies
+its own lane(s) only (SPEC S4.5).
 
 Copy paths per host layout (`impl`):
 - `layer_page_first` (LPF): the LF<->LPF kernels (`impl="pallas"`, the only one accepted;
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import jax
@@ -60,6 +63,45 @@ class HostCopyError(CpkvError, ValueError):
 
 class LPFKernelUnavailableError(CpkvError, RuntimeError):
     """The LF<->LPF direct copy kernel could not be lowered or run (no fallback, S4.4)."""
+
+
+class DevicePoolLostError(CpkvError, RuntimeError):
+    """A load into the device pool raised after a buffer it donated was consumed: the
+    pool cannot be used again (fatal: restart the process)."""
+
+
+KVPOOL_KINDS = ("latent", "index_k", "index_scale")
+
+
+def deleted_leaves(pool: KVPool) -> list[str]:
+    """Names (`latent[3]`) of the pool's leaves with a deleted (donated) buffer. Every
+    addressable shard is asked: `jax.Array.is_deleted` can miss a donated shard of a
+    sharded array (JAX 0.10)."""
+    return [
+        f"{kind}[{j}]"
+        for kind in KVPOOL_KINDS
+        for j, leaf in enumerate(getattr(pool, kind))
+        if leaf.is_deleted() or any(s.data.is_deleted() for s in leaf.addressable_shards)
+    ]
+
+
+class _LoadTarget:
+    """The pool's leaves while a load replaces them. Each scatter result is stored and
+    handed to `commit` (as a whole pool) the moment it exists: after a failure part-way
+    the committed pool holds the loaded pages in the leaves written and the untouched,
+    undonated arrays in the others."""
+
+    def __init__(self, pool: KVPool, commit: Callable[[KVPool], None] | None):
+        self.leaves = {kind: list(getattr(pool, kind)) for kind in KVPOOL_KINDS}
+        self.commit = commit
+
+    def set(self, kind: str, j: int, leaf: jax.Array) -> None:
+        self.leaves[kind][j] = leaf
+        if self.commit is not None:
+            self.commit(self.pool())
+
+    def pool(self) -> KVPool:
+        return KVPool(**{kind: tuple(leaves) for kind, leaves in self.leaves.items()})
 
 
 def resolve_impl(layout: str, impl: CopyImpl | None) -> CopyImpl:
@@ -213,22 +255,28 @@ def _gather(leaf, lane, pool_layout, device_pages, impl, interpret) -> jax.Array
     return _kernel(lpf_copy.lf_to_lpf, impl, data, tokens, interpret=interpret, padded=True)
 
 
-def _scatter(leaf, lane, pool_layout, device_pages, data, impl, interpret) -> jax.Array:
+def _scatter(
+    target: _LoadTarget, kind: str, j: int, lane, pool_layout, device_pages, data, impl, interpret
+) -> None:
+    """Scatter `data` into leaf `kind[j]` of `target`, committing it after every covering
+    shard (each donates its buffer: the replacement must be in the pool before the next
+    kernel can raise)."""
+    leaf = target.leaves[kind][j]
     covering = {s.device: off for s, off in _lane_shards(leaf, lane, pool_layout)}
-    arrays = []
-    for shard in leaf.addressable_shards:
-        if shard.device in covering:
-            tokens = token_indices_of_pages(
-                device_pages + covering[shard.device], pool_layout.page_size
-            )
-            arrays.append(
-                _kernel(
-                    lpf_copy.lpf_to_lf, impl, _shard_data(shard), data, tokens, interpret=interpret
-                )
-            )
-        else:
-            arrays.append(shard.data)
-    return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays)
+    shards = leaf.addressable_shards
+    arrays = [shard.data for shard in shards]
+    for i, shard in enumerate(shards):
+        if shard.device not in covering:
+            continue
+        tokens = token_indices_of_pages(
+            device_pages + covering[shard.device], pool_layout.page_size
+        )
+        arrays[i] = _kernel(
+            lpf_copy.lpf_to_lf, impl, _shard_data(shard), data, tokens, interpret=interpret
+        )
+        target.set(
+            kind, j, jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays)
+        )
 
 
 def _backup(pool, host, layers, plan, pool_layout, lane, impl, kinds, interpret) -> None:
@@ -259,9 +307,9 @@ def _backup(pool, host, layers, plan, pool_layout, lane, impl, kinds, interpret)
         host.write_pages(kind, layer, plan.host_pages, np.asarray(data)[:n])
 
 
-def _load(pool, host, layers, plan, pool_layout, lane, impl, kinds, interpret) -> KVPool:
+def _load(pool, host, layers, plan, pool_layout, lane, impl, kinds, interpret, commit) -> KVPool:
     direct = host.layout == "page_first_direct"
-    new = {kind: list(getattr(pool, kind)) for kind in ("latent", "index_k", "index_scale")}
+    target = _LoadTarget(pool, commit)
     for layer in layers:
         for kind in host.kinds_at(layer):
             if kind not in kinds:
@@ -270,8 +318,10 @@ def _load(pool, host, layers, plan, pool_layout, lane, impl, kinds, interpret) -
             rows = host.read_pages(kind, layer, plan.host_pages)
             if direct:
                 for i in range(plan.device_pages.size):
-                    new[kind][j] = _scatter(
-                        new[kind][j],
+                    _scatter(
+                        target,
+                        kind,
+                        j,
                         lane,
                         pool_layout,
                         plan.device_pages[i : i + 1],
@@ -280,14 +330,10 @@ def _load(pool, host, layers, plan, pool_layout, lane, impl, kinds, interpret) -
                         interpret,
                     )
             else:
-                new[kind][j] = _scatter(
-                    new[kind][j], lane, pool_layout, plan.device_pages, rows, impl, interpret
+                _scatter(
+                    target, kind, j, lane, pool_layout, plan.device_pages, rows, impl, interpret
                 )
-    return KVPool(
-        latent=tuple(new["latent"]),
-        index_k=tuple(new["index_k"]),
-        index_scale=tuple(new["index_scale"]),
-    )
+    return target.pool()
 
 
 def _prepare(
@@ -347,13 +393,15 @@ def load_layer(
     impl: CopyImpl | None = None,
     kinds: Sequence[str] | None = None,
     interpret: bool | None = None,
+    commit: Callable[[KVPool], None] | None = None,
 ) -> KVPool:
     """Load host pages into layer `layer` of lane `lane`; returns the new pool (the
-    layer's leaves of `pool` are donated)."""
+    layer's leaves of `pool` are donated). `commit` gets the pool after every leaf
+    scatter: what to keep if a later one raises (see the module docstring)."""
     impl, kinds, plan = _prepare(
         pool, host, layer, device_indices, host_indices, pool_layout, impl, kinds, load=True
     )
-    return _load(pool, host, (layer,), plan, pool_layout, lane, impl, kinds, interpret)
+    return _load(pool, host, (layer,), plan, pool_layout, lane, impl, kinds, interpret, commit)
 
 
 def backup_all_layers(
@@ -391,14 +439,16 @@ def load_all_layers(
     impl: CopyImpl | None = None,
     kinds: Sequence[str] | None = None,
     interpret: bool | None = None,
+    commit: Callable[[KVPool], None] | None = None,
 ) -> KVPool:
-    """`load_layer` for every layer; returns the new pool (`pool` is donated)."""
+    """`load_layer` for every layer, layer by layer; returns the new pool (`pool` is
+    donated). `commit` as for `load_layer`: a caller that must keep a usable pool when
+    the copy raises part-way (a server's device pool) stores what it is given."""
     impl, kinds, plan = _prepare(
         pool, host, None, device_indices, host_indices, pool_layout, impl, kinds, load=True
     )
-    for layer in range(len(pool.latent)):
-        pool = _load(pool, host, (layer,), plan, pool_layout, lane, impl, kinds, interpret)
-    return pool
+    layers = range(len(pool.latent))
+    return _load(pool, host, layers, plan, pool_layout, lane, impl, kinds, interpret, commit)
 
 
 def copy_buckets(host: HostPool, pool_layout: PoolLayout) -> list[int]:

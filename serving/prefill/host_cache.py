@@ -5,7 +5,10 @@
 - load-back (host -> device) runs on the scheduler thread, before the request's step
   allocates: `load(job)` copies every lane of a `LoadBackJob` into `runner.pool` with
   `load_all_layers` under `runner.pool_lock` (the copy donates the pool, so it is
-  replaced) and says whether it worked; the scheduler then acknowledges the job;
+  replaced leaf by leaf as each scatter lands) and says whether it worked; the
+  scheduler then acknowledges the job. A copy that raised part-way leaves valid
+  arrays in `runner.pool` (the request recomputes); one that lost a donated buffer
+  raises `DevicePoolLostError` (fatal: the pool cannot be used again);
 - backups (device -> host) run off the critical path, in one background worker thread
   fed by a bounded queue. `submit_backups(cache, jobs)` never blocks: a job the queue
   cannot take is dropped, acknowledged as failed at once (`backup_failed`) and counted.
@@ -27,7 +30,14 @@ import threading
 import time
 
 from cpkv_jax.cache.hiradix import BackupJob, HiRadixCache, LoadBackJob
-from cpkv_jax.host_cache.copy import CopyImpl, backup_all_layers, load_all_layers, warm_copies
+from cpkv_jax.host_cache.copy import (
+    CopyImpl,
+    DevicePoolLostError,
+    backup_all_layers,
+    deleted_leaves,
+    load_all_layers,
+    warm_copies,
+)
 from cpkv_jax.host_cache.pool import HostPageAllocator, HostPools, bytes_per_page
 
 logger = logging.getLogger(__name__)
@@ -145,8 +155,18 @@ class HostCacheIO:
     # ---- load-back (scheduler thread) ------------------------------------------------
     def load(self, job: LoadBackJob) -> bool:
         """Copy every lane of `job` host -> device (replacing `runner.pool`); False if a
-        copy raised (the caller acknowledges with `load_back_failed` and recomputes)."""
+        copy raised (the caller acknowledges with `load_back_failed` and recomputes).
+
+        Each leaf's scatter result goes into `runner.pool` as it is produced (`commit`),
+        so after a failure part-way the pool holds valid arrays: the leaves written hold
+        the loaded pages in the job's pages, which nothing reads once it is acknowledged
+        failed, the others their undonated arrays. `DevicePoolLostError` if a leaf lost
+        its buffer anyway (the failing kernel consumed it): that is not recoverable."""
         t0 = time.perf_counter()
+
+        def commit(pool) -> None:
+            self.runner.pool = pool  # under `pool_lock`, held by the caller below
+
         try:
             for lane, dev, host in job.token_indices(self.page_size):
                 with self.runner.pool_lock:
@@ -159,8 +179,16 @@ class HostCacheIO:
                         lane=lane,
                         impl=self.impl,
                         interpret=self.interpret,
+                        commit=commit,
                     )
-        except Exception:
+        except Exception as e:
+            lost = deleted_leaves(self.runner.pool)
+            if lost:
+                raise DevicePoolLostError(
+                    f"host cache load-back of {job.num_pages} pages failed ({type(e).__name__}: "
+                    f"{e}) after the device pool gave up leaf buffer(s) {', '.join(lost)}: "
+                    "the pool cannot be used again; restart the server"
+                ) from e
             logger.exception("host cache load-back of %d pages failed", job.num_pages)
             self.stats.load_back_failures += 1
             return False

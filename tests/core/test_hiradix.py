@@ -356,6 +356,72 @@ def test_insert_adopts_recomputed_host_nodes():
     cache.check_invariants()
 
 
+def _finish_recomputed(cache: HiRadixCache, tokens: np.ndarray) -> RequestPageTable:
+    """A request that computed all of `tokens` itself (its prefix matched nothing on the
+    device) finishes held: its whole pages are inserted, then its prefix re-matched."""
+    table = RequestPageTable(cache.cp_size)
+    table.extend(cache.allocator, tokens.size, cache.page_size)
+    own = table.local_pages()
+    cache.insert(tokens, own)
+    m = cache.match_prefix(tokens)
+    assert m.num_tokens == tokens.size, cache.pretty()  # nothing freed under the request
+    assert np.array_equal(m.local_pages, own)
+    cache.inc_lock_ref(m.node)
+    table.detach()
+    return m
+
+
+def test_insert_adopts_a_node_whose_write_back_is_in_flight():
+    """Write-back evicts A (backup in flight); B recomputed A and finishes: its pages
+    go back on the device (the job keeps and frees the old ones), and the node is
+    device + host once the copy lands. A failed copy keeps the adopted part only."""
+    for ok in (True, False):
+        cache = _cache(policy="write_back")
+        dev0, host0 = cache.allocator.num_free_per_lane(), cache.host_free_per_lane()
+        a = _toks(0, 8)
+        _cache_request(cache, a)
+        cache.evict(np.array([2, 2]))
+        (job,) = cache.take_backups()
+        assert cache.match_prefix(a).node is cache.root  # in transit: no hit of any kind
+        m = _finish_recomputed(cache, a[:4])  # B shares A's first two pages only
+        assert m.node.state == "device" and m.node.backup_job is job
+        cache.check_invariants(request_pages=[])
+        free = cache.allocator.num_free_per_lane().tolist()
+        if ok:
+            cache.backup_done(job)
+            assert m.node.state == "device+host"
+            tail = cache.match_prefix(a)
+            assert (tail.num_tokens, tail.host_num_tokens) == (4, 4)
+        else:
+            cache.backup_failed(job)
+            assert m.node.state == "device" and m.node.parent is not None
+            assert cache.match_prefix(a).host_num_tokens == 0  # the tail left the tree
+        assert cache.allocator.num_free_per_lane().tolist() == [f + 2 for f in free]
+        cache.check_invariants(request_pages=[])
+        cache.dec_lock_ref(m.node)
+        cache.reset()
+        assert cache.allocator.num_free_per_lane().tolist() == dev0.tolist()
+        assert cache.host_free_per_lane().tolist() == host0.tolist()
+
+
+def test_insert_adopts_a_node_being_loaded_back():
+    cache = _cache(pages_per_lane=9)
+    a = _toks(0, 8)
+    _cache_request(cache, a)
+    _ack_all(cache)
+    cache.evict(np.array([2, 2]))
+    job = cache.load_back(cache.plan_load_back(cache.match_prefix(a)))
+    assert job is not None
+    m = _finish_recomputed(cache, a)
+    cache.check_invariants(request_pages=[])
+    free = cache.allocator.num_free_per_lane().tolist()
+    full = cache.load_back_done(job)  # the job's pages are the spare copy now
+    assert np.array_equal(full.local_pages, m.local_pages)
+    assert cache.allocator.num_free_per_lane().tolist() == [f + 2 for f in free]
+    cache.dec_lock_ref(m.node)
+    cache.check_invariants(request_pages=[])
+
+
 def test_backup_failed_frees_host_pages():
     cache = _cache()
     _cache_request(cache, _toks(0, 8))
@@ -413,6 +479,9 @@ def _random_run(seed: int, cp: int, policy: str, steps: int) -> None:
             cache.dec_lock_ref(r["lock"])
         else:
             cache_finished_request(cache, r["table"], r["tokens"], r["lock"])
+            # Every whole page is cached on the device, whatever jobs the path crossed.
+            whole = r["tokens"].size // page * page
+            assert cache.match_prefix(r["tokens"]).num_tokens == whole, cache.pretty()
         _drop(reqs, r)
 
     for _ in range(steps):

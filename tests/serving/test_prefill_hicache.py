@@ -18,6 +18,7 @@ import types
 from collections import Counter
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,13 +26,15 @@ from flax import nnx
 from support.cp_reference import reference
 
 from cpkv_jax.cache.hiradix import HiRadixCache
+from cpkv_jax.cache.radix import cache_finished_request
 from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner
-from cpkv_jax.host_cache import HostPools
-from cpkv_jax.kv_pool import PoolLayout, cp_pool_shapes
-from cpkv_jax.lane_allocator import OwnerLaneAllocator
+from cpkv_jax.host_cache import DevicePoolLostError, HostPool, HostPools
+from cpkv_jax.kv_pool import PoolLayout, cp_pool_shapes, init_cp_pool
+from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
 from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.pallas import lpf_copy
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving.prefill.adder import CPSharedKVLimits
 from serving.prefill.host_cache import HostCacheIO
@@ -64,8 +67,8 @@ def _prompt(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, 300, n).astype(np.int32)
 
 
-def _hicache(runner, policy="write_through", **io_kw):
-    io = HostCacheIO.create(runner, "layer_page_first", ratio=4.0, **io_kw)
+def _hicache(runner, policy="write_through", layout="layer_page_first", hold=False, **io_kw):
+    io = HostCacheIO.create(runner, layout, ratio=4.0, **io_kw)
     cache = HiRadixCache(runner.allocator, PAGE, io.host_allocators, write_policy=policy)
     sched = PrefillScheduler(
         cache=cache,
@@ -74,6 +77,7 @@ def _hicache(runner, policy="write_through", **io_kw):
         chunked_prefill_size=CHUNK,
         cp_limits=CPSharedKVLimits(shared_kv=True),
         host_io=io,
+        hold_finished=hold,
     )
     return sched, cache, io
 
@@ -163,6 +167,168 @@ def test_host_hit_without_room_or_with_a_failed_copy_is_recomputed(runner, monke
     assert io.stats.load_back_failures == 1 and out.cached_tokens == 0
     chex.assert_trees_all_close(out.last_logits, want, rtol=1e-5, atol=1e-5)
     _close_and_check_no_leaks(sched, cache, io, dev0, host0)
+
+
+def _run_held(sched: PrefillScheduler, rid: str, ids: np.ndarray):
+    """`_run` on a `hold_finished` scheduler: the hold ends at once."""
+    sched.submit(rid, ids)
+    (out,) = sched.run_until_idle()
+    assert out.status == "finished"
+    sched.release_held(rid)
+    sched.sync_host_cache(wait=True)
+    sched.cache.check_invariants(request_pages=[])
+    return out
+
+
+def _deleted_buffers(pool) -> list[int]:
+    # Shard by shard too: `jax.Array.is_deleted` misses one donated shard of a sharded leaf.
+    return [
+        i
+        for i, leaf in enumerate(jax.tree.leaves(pool))
+        if leaf.is_deleted() or any(s.data.is_deleted() for s in leaf.addressable_shards)
+    ]
+
+
+def test_held_request_crossing_a_write_back_in_flight_keeps_its_pages(runner):
+    """Write-back with the real backup worker (XLA copies): A's prefix is evicted and
+    its backup is still in flight (the worker waits at a gate before it takes the pool
+    lock, so steps run meanwhile) when B, which shares the prefix and so recomputed it,
+    finishes held. B's whole pages go back into the cache's node (`insert` adopts it),
+    its table points at them, nothing asserts; the backup then lands A's KV on host."""
+    cfg, model = _model()
+    sched, cache, io = _hicache(runner, "write_back", "layer_first", hold=True)
+    gate = threading.Event()
+    copy = io._backup
+
+    def gated(job):
+        gate.wait(timeout=120)
+        return copy(job)
+
+    io._backup = gated
+    dev0 = runner.allocator.num_free_per_lane().tolist()
+    host0 = cache.host_free_per_lane().tolist()
+    prefix = _prompt(8 * PAGE, 30)
+    a, b, c = (np.concatenate([prefix, _prompt(3, seed)]) for seed in (31, 32, 33))
+    try:
+        _run_held(sched, "a", a)
+        cache.evict(np.full((CP,), PAGES_PER_RANK))  # write-back: a job owns A's pages
+        sched.sync_host_cache()  # the worker takes the job and waits at the gate
+        (job,) = cache.in_flight_jobs()
+        assert job.frees_device and job.num_pages == 8
+        m = cache.match_prefix(b[:-1])
+        assert (m.num_tokens, m.host_num_tokens) == (0, 0)  # in transit: B recomputes
+        sched.submit("b", b)
+        (out,) = sched.run_until_idle()  # B finishes held
+        assert cache.in_flight_jobs() == [job]  # the backup was in flight throughout
+        assert out.status == "finished" and out.cached_tokens == 0
+        want, _ = reference(cfg, model, b)
+        chex.assert_trees_all_close(out.last_logits, want, rtol=1e-5, atol=1e-5)
+        held = out.table.local_pages()
+        cached = cache.match_prefix(b[: 8 * PAGE])
+        assert cached.num_tokens == 8 * PAGE and np.array_equal(cached.local_pages, held[:8])
+        assert not np.isin(held, job.device_pages).any()  # the job's pages stay its own
+        cache.check_invariants(request_pages=[(np.asarray([8 % CP]), held[8:])])
+    finally:
+        gate.set()
+    sched.sync_host_cache(wait=True)
+    assert io.stats.backups_done == 1 and not cache.in_flight_jobs()
+    assert cache.match_prefix(b[: 8 * PAGE]).node.state == "device+host"
+    sched.release_held("b")
+    cache.check_invariants(request_pages=[])
+    # B's pages serve the prefix from the device; A's backup serves it from host.
+    want, _ = reference(cfg, model, c)
+    out = _run_held(sched, "c", c)
+    assert out.cached_tokens == 8 * PAGE and out.host_cached_tokens == 0
+    chex.assert_trees_all_close(out.last_logits, want, rtol=1e-5, atol=1e-5)
+    cache.evict(np.full((CP,), PAGES_PER_RANK))
+    out = _run_held(sched, "c2", c)
+    assert out.host_cached_tokens == 8 * PAGE
+    chex.assert_trees_all_close(out.last_logits, want, rtol=1e-5, atol=1e-5)
+    _close_and_check_no_leaks(sched, cache, io, dev0, host0)
+
+
+def _fail_scatter_at_layer(monkeypatch, layer: int, *, consume: bool = False) -> None:
+    """Every load's scatter into `layer` raises (the host read of each leaf comes right
+    before its scatter and names the layer); `consume`: after the kernel donated its
+    input and produced a result nobody gets back."""
+    current = {}
+    read, scatter = HostPool.read_pages, lpf_copy.lpf_to_lf
+
+    def reading(self, kind, at, pages):
+        current["layer"] = at
+        return read(self, kind, at, pages)
+
+    def scatter_or_fail(*args, **kwargs):
+        if current.get("layer") != layer:
+            return scatter(*args, **kwargs)
+        if consume:
+            scatter(*args, **kwargs)
+        raise RuntimeError(f"injected scatter failure at layer {layer}")
+
+    monkeypatch.setattr(HostPool, "read_pages", reading)
+    monkeypatch.setattr(lpf_copy, "lpf_to_lf", scatter_or_fail)
+
+
+def test_load_back_failing_after_the_first_layer_leaves_a_valid_pool(runner, monkeypatch):
+    """A load-back whose scatter raises at layer 1, after layer 0's shards were donated
+    and replaced: every pool leaf is still a live array, the request recomputes with
+    the reference logits, and later steps and load-backs run on that pool."""
+    cfg, model = _model()
+    sched, cache, io = _hicache(runner, layout="layer_first")
+    dev0 = runner.allocator.num_free_per_lane().tolist()
+    host0 = cache.host_free_per_lane().tolist()
+    long = _prompt(8 * PAGE + 3, 3)
+    want, _ = reference(cfg, model, long)
+    _run(sched, "a", long)
+    cache.evict(np.full((CP,), PAGES_PER_RANK))  # everything to host (write-through)
+    assert cache.match_prefix(long[:-1]).host_num_tokens == 8 * PAGE
+    _fail_scatter_at_layer(monkeypatch, 1)
+    sched.submit("fail", long)
+    batch = sched.schedule_batch()
+    assert io.stats.load_back_failures == 1 and io.stats.load_backs == 0
+    assert _deleted_buffers(runner.pool) == []
+    monkeypatch.undo()
+    outs = sched.finish_batch(batch, sched.executor.execute(batch.rows))
+    (out,) = outs + sched.run_until_idle()
+    assert out.cached_tokens == 0
+    chex.assert_trees_all_close(out.last_logits, want, rtol=1e-5, atol=1e-5)
+    sched.sync_host_cache(wait=True)
+    cache.check_invariants(request_pages=[])
+    cache.evict(np.full((CP,), PAGES_PER_RANK))
+    out = _run(sched, "again", long)  # a load-back that works, on the same pool
+    assert out.host_cached_tokens == 8 * PAGE
+    chex.assert_trees_all_close(out.last_logits, want, rtol=1e-5, atol=1e-5)
+    _close_and_check_no_leaks(sched, cache, io, dev0, host0)
+
+
+def test_load_back_that_loses_a_donated_buffer_is_fatal(monkeypatch):
+    """Host side and a bare CP=2 pool: a scatter that consumed its shard and then raised
+    leaves a leaf with no buffer; `load` says so (`DevicePoolLostError`, naming it)
+    instead of "recompute"."""
+    cfg = ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa"))
+    cp = 2
+    layout = PoolLayout(cp, True, 4, PAGE)
+    pool = init_cp_pool(cfg, layout, make_cp_mesh(cp), jnp.float32, "float32")
+    fake_runner = types.SimpleNamespace(
+        cfg=cfg, layout=layout, pool=pool, pool_lock=threading.Lock()
+    )
+    io = HostCacheIO.create(fake_runner, "layer_first", ratio=2.0)
+    cache = HiRadixCache(
+        OwnerLaneAllocator(cp, 4), PAGE, io.host_allocators, write_policy="write_through"
+    )
+    tokens = _prompt(2 * PAGE, 7)
+    table = RequestPageTable(cp)
+    table.extend(cache.allocator, tokens.size, PAGE)
+    cache_finished_request(cache, table, tokens, cache.root)
+    cache.backup_done(*cache.take_backups())  # the host copy's bits do not matter here
+    cache.evict(np.full((cp,), 4))
+    job = cache.load_back(cache.plan_load_back(cache.match_prefix(tokens)))
+    assert job is not None
+    _fail_scatter_at_layer(monkeypatch, 1, consume=True)
+    with pytest.raises(DevicePoolLostError, match=r"latent\[1\].*restart"):
+        io.load(job)
+    assert io.stats.load_back_failures == 0
+    io.close()
 
 
 class _ZeroExecutor:
