@@ -7,14 +7,17 @@ tagged with their logical positions -> commit (rank 0 adds the aux data) -> hear
 until the decode side reports the room finished.
 
 **Bootstrap ahead** (`bootstrap_request`): a prefill server starts a request's senders
-when it admits the request, before its prefill has run - the request's page table and
-first token do not exist yet. Each rank handshakes (and, on the Mooncake data plane,
-gets its staging region), starts heartbeating and then waits; the prefill provides
-the `RequestInputs` (`TransferHold.provide`) when it is done, and only the plan, the
-data, the commit and the outcome remain on the request's time to first token. A room
-the decode side refuses, or a decode side that is gone, fails the request before its
-prefill runs. This is SGLang's bootstrap-then-send shape (`KVSender.init` at request
-arrival, `send` after the forward pass). `send_request` does both at once.
+while the request waits, before its prefill has run - the request's page table and
+first token do not exist yet (`serving.prefill.engine` does so for a bounded window of
+its queue, so the threads do not grow with the queue). Each rank handshakes (and, on
+the Mooncake data plane, gets its staging region; a room the decode side has not
+registered yet is waited for, `transfer.session`), starts heartbeating and then waits;
+the prefill provides the `RequestInputs` (`TransferHold.provide`) when it is done, and
+only the plan, the data, the commit and the outcome remain on the request's time to
+first token. A room the decode side refuses, or a decode side that is gone, fails the
+request before its prefill runs. This is SGLang's bootstrap-then-send shape
+(`KVSender.init` at request arrival, `send` after the forward pass). `send_request`
+does both at once.
 
 The request's prefill pages are held for the whole transfer (a retry re-reads them) and
 released exactly once, when every rank's sender has stopped and the room's outcome is
@@ -206,8 +209,16 @@ def _start(
             hold.cancel(outcome.reason)
         hold.finish(job.rank, outcome)
 
-    for job in jobs:
-        threading.Thread(
-            target=run, args=(job,), name=f"kv-send-{job.room}-r{job.rank}", daemon=True
-        ).start()
+    for i, job in enumerate(jobs):
+        try:
+            threading.Thread(
+                target=run, args=(job,), name=f"kv-send-{job.room}-r{job.rank}", daemon=True
+            ).start()
+        except RuntimeError as e:  # "can't start new thread": as if these ranks crashed
+            logger.error("room %s: starting the rank %d sender failed: %s", job.room, job.rank, e)
+            reason = f"prefill rank {job.rank} sender could not start: {e}"
+            hold.cancel(reason)  # the ranks already started stop and abort the room
+            for late in jobs[i:]:
+                hold.finish(late.rank, RoomSnapshot(late.room, RoomState.FAILED, reason))
+            break
     return hold

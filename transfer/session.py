@@ -6,9 +6,14 @@ the data plane moves the pages - `WritePages` streams (`transfer.backends.grpc_b
 or Mooncake engine writes (`transfer.backends.mooncake_sender`). `SenderSession.run`:
 
 1. **Handshake** - the layout descriptor, cp size, token count and data plane; retried
-   while the decode side is unreachable or has not registered the room yet (or, for
-   a data plane that asks, has no staging space yet), up to `bootstrap_timeout_s`. A
-   refused handshake ends the rank before any data moves. Heartbeats (5.) start here.
+   while the decode side is unreachable (up to `bootstrap_timeout_s` without an answer)
+   or answers "not yet": the room is not registered (its request waits in the decode
+   server's queue) or, for a data plane that asks, has no staging space yet. A "not
+   yet" has no deadline here - a decode queue may be long - so the request's own
+   timeout, its client leaving or another rank's failure end the wait (a cancelled
+   hold). Retries back off to one a second; a handshake the decode side held for the
+   room is asked again at once. A refused handshake ends the rank before any data
+   moves. Heartbeats (5.) start here.
    A rank started by `transfer.sender.bootstrap_request` then waits for the request's
    page table and aux data (`TransferHold.provide`), a cancel or the room's failure.
 2. **Plan and pages** - the data plane plans the rank's pages (`SenderSession.plan`:
@@ -64,8 +69,13 @@ RETRYABLE = frozenset(
 FINAL = frozenset(
     {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND}
 )
-# Handshake failures retried until the bootstrap timeout (decode not up / room unknown).
+# Handshake failures retried (decode not up / room unknown).
 HANDSHAKE_WAITABLE = RETRYABLE | {grpc.StatusCode.NOT_FOUND}
+# Of those, the decode side's own "not yet" (room unknown, staging full): it is alive,
+# so these restart the bootstrap timeout, which bounds only time without an answer.
+HANDSHAKE_NOT_YET = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# The longest pause between handshake retries.
+HANDSHAKE_MAX_BACKOFF_S = 1.0
 # Heartbeats awaiting their reply at once; a decode side this slow gets no more.
 MAX_BEATS_IN_FLIGHT = 4
 
@@ -115,7 +125,7 @@ class ControlConfig:
     rpc_timeout_s: float = 30.0
     heartbeat_interval_s: float | None = None  # None: what the decode side asks for
     heartbeat_timeout_s: float = 15.0  # no heartbeat reply this long -> decode side gone
-    bootstrap_timeout_s: float = 300.0  # handshake retries (decode down / room unknown)
+    bootstrap_timeout_s: float = 300.0  # handshake retries without an answer (decode down)
     outcome_timeout_s: float | None = None  # after commit; None: heartbeats decide
 
     def __post_init__(self) -> None:
@@ -298,6 +308,8 @@ class SenderSession:
             attempt=job.attempt,
             data_plane=self._data_plane,
         )
+        # A cancel (the request timed out or left, another rank failed) ends a backoff.
+        self.hold.add_waker(self._wake)
         deadline = time.monotonic() + cfg.bootstrap_timeout_s
         tries = 0
         while True:
@@ -309,13 +321,17 @@ class SenderSession:
             except grpc.RpcError as e:
                 self.check()
                 code = e.code()
-                if code in self._waitable and time.monotonic() < deadline:
-                    held = time.monotonic() - sent >= HANDSHAKE_HOLD_S / 2
-                    if code is grpc.StatusCode.NOT_FOUND and held:
+                now = time.monotonic()
+                if code in self._waitable and code in HANDSHAKE_NOT_YET:
+                    deadline = now + cfg.bootstrap_timeout_s  # an answer: no time limit
+                if code in self._waitable and now < deadline:
+                    if code is grpc.StatusCode.NOT_FOUND and now - sent >= HANDSHAKE_HOLD_S / 2:
                         tries = 0  # the receiver held the call for the room: ask again now
                         continue
                     tries += 1
-                    self.sleep(min(cfg.retry_backoff_s * 2 ** min(tries, 6), 1.0))
+                    self._backoff(
+                        min(cfg.retry_backoff_s * 2 ** min(tries, 6), HANDSHAKE_MAX_BACKOFF_S)
+                    )
                     continue
                 if code is grpc.StatusCode.FAILED_PRECONDITION:  # version or room finished
                     self.finish_with_status(f"handshake refused: {e.details()}")
@@ -329,8 +345,7 @@ class SenderSession:
         """Bootstrap ahead (`transfer.sender.bootstrap_request`): handshaken and
         heartbeating, wait until the prefill provides the request's page table and aux
         data (or the room fails, the hold is cancelled, the sender is killed)."""
-        self.hold.add_waker(self._wake)
-        self.hold.mark_ready(self.rank)
+        self.hold.mark_ready(self.rank)  # (its waker was added by the handshake)
         if self.job.has_inputs:
             return
         while True:
@@ -534,7 +549,11 @@ class SenderSession:
             st = self._query_status()
             if st is not None and st.state.terminal:
                 raise RankDone(st)
-            self.fail(f"another rank of the request failed: {self.hold.cancel_reason}")
+            # Not this rank's failure (often a client that left): one warning is enough.
+            self.fail(
+                f"another rank of the request failed: {self.hold.cancel_reason}",
+                level=logging.INFO,
+            )
 
     def _query_status(self) -> RoomSnapshot | None:
         if self._stub is None:
@@ -557,7 +576,7 @@ class SenderSession:
             raise RankDone(st)
         self.fail(fallback)
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, *, level: int = logging.WARNING) -> None:
         """Fail the room from this side: abort it on the decode side (best effort),
         cancel the request's other ranks, finish with the decode side's status when it
         has one, else with `reason`. Always raises (`RankDone`, or `SenderKilled`)."""
@@ -582,8 +601,13 @@ class SenderSession:
                     self.rank,
                     e.code().name,
                 )
-        logger.warning("room %s: rank %d failed: %s", self.job.room, self.rank, outcome.reason)
+        logger.log(level, "room %s: rank %d failed: %s", self.job.room, self.rank, outcome.reason)
         raise RankDone(outcome)
+
+    def _backoff(self, seconds: float) -> None:
+        """Wait `seconds` unless woken (kill, cancel); `check()` then says what to do."""
+        self._wake.wait(seconds)
+        self._wake.clear()
 
     def sleep(self, seconds: float) -> None:
         """Back off `seconds`; raises `SenderKilled` at once when killed meanwhile."""

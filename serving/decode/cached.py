@@ -26,7 +26,9 @@ One request:
 
 The final chunk's `meta` has `cached_tokens` (device + host hits) and
 `cached_tokens_host` (loaded back from the host cache). Prefill runs one scheduler batch
-per engine step, then one decode step for every running request.
+per engine step, then one decode step for every running request. A failed prefill step
+fails its batch's requests alone (`PrefillStepError`: their pages freed); the decode
+batch goes on (`StepEngine`).
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.model.kv_cache import KVPool
 from cpkv_jax.model.transformer import log_probs
 from serving.decode.engine import DecodeEngine, _Request
-from serving.decode.sampling import StopResult, sample_token
+from serving.decode.sampling import StopResult
 from serving.engine.api import EngineStats, GenerateRequest
+from serving.engine.step_failures import check_pool_after, step_failure
 from serving.prefill.build import PrefillEngine
+from serving.prefill.scheduler import PrefillOutcome, PrefillStepError
 
 logger = logging.getLogger(__name__)
 
@@ -115,17 +119,6 @@ class CachedUnifiedEngine(DecodeEngine):
         return self.prefill.scheduler
 
     # ---- StepEngine ----------------------------------------------------------------------
-    def abort(self, rid: str) -> None:
-        r = self._prefilling.pop(rid, None)
-        if r is None:
-            super().abort(rid)
-            return
-        self._reserved -= r.n_pages
-        self.scheduler.abort(rid)  # frees what its prefill allocated, unlocks its prefix
-        r.finish = StopResult("abort")
-        self._finals.append(self._chunk(r))
-        self._update_snapshot()
-
     def has_work(self) -> bool:
         return bool(self._prefilling) or super().has_work()
 
@@ -137,6 +130,21 @@ class CachedUnifiedEngine(DecodeEngine):
         if req.rid in self._prefilling:
             raise self._reject("duplicate_rid", f"request id {req.rid!r} is already in flight")
         return super()._validate(req)
+
+    def _lookup(self, rid: str) -> _Request | None:
+        return self._prefilling.get(rid) or super()._lookup(rid)
+
+    def _discard(self, r: _Request, why: str) -> None:
+        if self._prefilling.pop(r.rid, None) is None:
+            super()._discard(r, why)
+            return
+        self._reserved -= r.n_pages
+        # Frees what its prefill allocated and unlocks its prefix.
+        if self.scheduler.abort(r.rid) is None:
+            logger.error("request %s: the scheduler no longer has it to abort", r.rid)
+
+    def _in_flight(self) -> list[_Request]:
+        return [*self._prefilling.values(), *super()._in_flight()]
 
     def stats(self) -> EngineStats:
         base = super().stats()
@@ -171,13 +179,34 @@ class CachedUnifiedEngine(DecodeEngine):
             self._hand_over()
         if not self.scheduler.num_waiting:
             return
-        for outcome in self.scheduler.step():
+        try:
+            outcomes = self.scheduler.step()
+        except PrefillStepError as e:  # its requests were dropped: they fail, the rest go on
+            outcomes = e.outcomes
+            failed = [o.rid for o in outcomes if o.status == "failed"]
+            check_pool_after(e, str(e), self.store.pool, failed)
+        for outcome in outcomes:
             r = self._prefilling.pop(outcome.rid)
             self._reserved -= r.n_pages
-            if outcome.status != "finished":
+            if outcome.status == "failed":
+                self._end(r, outcome.reason, touched)  # logged with the step's traceback
+            elif outcome.status != "finished":
                 self._fail(r, f"prefill {outcome.status}: {outcome.reason}", touched)
-                continue
+            else:
+                self._start_decoding_safely(r, outcome, touched)
+
+    def _start_decoding_safely(
+        self, r: _Request, outcome: PrefillOutcome, touched: dict[str, _Request]
+    ) -> None:
+        """`_start_decoding`, but a failure there fails this request alone."""
+        try:
             self._start_decoding(r, outcome, touched)
+        except Exception as e:
+            logger.exception("request %s: starting its decode failed", r.rid)
+            if r.pages is None:  # its decode pages were never added: only the hold to end
+                self.scheduler.release_held(r.rid)
+            self._discard(r, "its decode could not start")
+            self._end(r, step_failure("starting this request's decode", e), touched)
 
     def _hand_over(self) -> bool:
         """Queue heads to the scheduler while a slot and their worst-case pages are free;
@@ -216,11 +245,9 @@ class CachedUnifiedEngine(DecodeEngine):
         r.cached_tokens = outcome.cached_tokens
         r.host_cached_tokens = outcome.host_cached_tokens
         self.prefix_cache_hit_tokens += outcome.cached_tokens
-        logprobs = np.asarray(log_probs(outcome.last_logits))
         self._running[r.rid] = r
-        tok = sample_token(logprobs, r.req.sampling, 0, r.seed)
-        self._record(r, tok, float(logprobs[tok]))
-        touched[r.rid] = r
+        logprobs = np.asarray(log_probs(outcome.last_logits))
+        self._sample(r, logprobs, touched)  # a failed token fails this request alone
 
     def _release(self, r: _Request) -> None:
         if r.pages is None:

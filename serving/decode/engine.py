@@ -64,7 +64,14 @@ from cpkv_jax.paging import (
 )
 from serving.decode.sampling import Detokenize, StopChecker, StopResult, request_seed, sample_token
 from serving.decode.steps import DecodeSteps, reachable_shapes
-from serving.engine.api import EngineStats, GenerateRequest, OutputChunk, ServerMode
+from serving.engine.api import (
+    EngineStateLostError,
+    EngineStats,
+    GenerateRequest,
+    OutputChunk,
+    ServerMode,
+)
+from serving.engine.step_failures import check_pool_after, step_failure
 from serving.engine.wait_queue import WaitQueue
 from transfer.kv_sink import KVStore
 
@@ -221,27 +228,11 @@ class DecodeEngine:
     def abort(self, rid: str) -> None:
         """Cancel `rid` and free what it holds; its "abort" chunk comes with the next
         step. Unknown (or already finished) ids are ignored."""
-        r = self._transferring.pop(rid, None)
-        if r is not None:
-            assert r.pages is not None and self._rooms is not None
-            try:
-                snap = self._rooms.abort(r.req.bootstrap_room, "the request was aborted")
-            except CpkvError as e:  # the room is gone: who owns its pages is unknown
-                logger.error(
-                    "request %s: abort of room %s failed: %s", rid, r.req.bootstrap_room, e
-                )
-            else:
-                if _state_name(snap) == _ROOM_SUCCESS:
-                    self.kv.free_pages(r.pages)  # KV arrived before the abort: ours to free
-            r.pages = None  # a failed room's pages went back with the room
-        else:
-            r = self._running.pop(rid, None)
-            if r is None:
-                r = self._queue.remove(rid)  # left the queue: it never held pages
-                if r is None:
-                    logger.debug("abort of unknown or finished request %s ignored", rid)
-                    return
-            self._release(r)
+        r = self._lookup(rid)
+        if r is None:
+            logger.debug("abort of unknown or finished request %s ignored", rid)
+            return
+        self._discard(r, "the request was aborted")
         r.finish = StopResult("abort")
         self._finals.append(self._chunk(r))
         self._update_snapshot()
@@ -251,21 +242,31 @@ class DecodeEngine:
 
     def step(self) -> Sequence[OutputChunk]:
         """One unit of work: pending abort chunks, then (null) admit and prefill one
-        request, or (decode) poll the transfers, then one batched decode step."""
+        request, or (decode) poll the transfers, then one batched decode step.
+
+        A failed model step fails the requests it served, one request's failed token
+        fails that request (`StepEngine`); `EngineStateLostError` when the pool is lost.
+        """
         finals, self._finals = self._finals, []
         touched: dict[str, _Request] = {}
-        if self.mode == "null":
-            self._admit_and_prefill(touched)
-        else:
-            self._register_queued(touched)
-            self._poll_transfers(touched)
-            if not touched and not finals and not self._running:
-                # Only transfers in flight: sleep until a room changes, not spin.
-                assert self._rooms is not None
-                self._rooms.wait_for_change(self.idle_wait_s)
+        try:
+            if self.mode == "null":
+                self._admit_and_prefill(touched)
+            else:
+                self._register_queued(touched)
                 self._poll_transfers(touched)
-        self._decode_step(touched)
-        self._update_snapshot()
+                if not touched and not finals and not self._running:
+                    # Only transfers in flight: sleep until a room changes, not spin.
+                    assert self._rooms is not None
+                    self._rooms.wait_for_change(self.idle_wait_s)
+                    self._poll_transfers(touched)
+            self._decode_step(touched)
+        except EngineStateLostError:
+            raise
+        except Exception as e:  # a bug past the guarded steps: fail what this step served
+            self._step_failed("the engine step", e, self._in_flight(), touched)
+        finally:
+            self._update_snapshot()
         return [*finals, *(self._chunk(r) for r in touched.values())]
 
     def stats(self) -> EngineStats:
@@ -367,6 +368,12 @@ class DecodeEngine:
             except CpkvError as e:  # e.g. the room id is taken: this request fails alone
                 self._fail(r, str(e), touched)
                 continue
+            except Exception as e:  # a bug: still this request's alone (its pages are back)
+                logger.exception(
+                    "request %s: registering room %s failed", r.rid, r.req.bootstrap_room
+                )
+                self._end(r, step_failure("registering its transfer room", e), touched)
+                continue
             self._transferring[r.rid] = r
 
     def _register_room(self, r: _Request) -> None:
@@ -392,10 +399,12 @@ class DecodeEngine:
         self._queue.pop(r.rid)
         r.pages = self.kv.allocate_pages(r.n_pages)
         self._running[r.rid] = r
-        logprobs = self._steps.prefill(r.prompt, r.pages, r.width)
-        tok = sample_token(logprobs, r.req.sampling, 0, r.seed)
-        self._record(r, tok, float(logprobs[tok]))
-        touched[r.rid] = r
+        try:
+            logprobs = self._steps.prefill(r.prompt, r.pages, r.width)
+        except Exception as e:
+            self._step_failed("the prefill step", e, [r], touched)
+            return
+        self._sample(r, logprobs, touched)
 
     def _poll_transfers(self, touched: dict[str, _Request]) -> None:
         assert self._rooms is not None
@@ -427,19 +436,22 @@ class DecodeEngine:
                 r.cached_tokens, r.host_cached_tokens = aux.cached_tokens, aux.host_cached_tokens
                 n_prompt_pages = pages_for_tokens(len(r.prompt), self.page_size)
                 self._transfer_bytes += n_prompt_pages * self._bytes_per_page
-                self._record(r, int(aux.first_token), float(aux.logprob))
-                touched[rid] = r
+                self._produce(r, touched, lambda aux=aux: (int(aux.first_token), aux.logprob))
 
     def _decode_step(self, touched: dict[str, _Request]) -> None:
         rows = [r for r in self._running.values() if r.finish is None]
         if not rows:
             return
         # Each row feeds its last output token, at position kv_len.
-        logprobs = self._steps.decode([(r.out_ids[-1], r.kv_len, r.pages, r.n_pages) for r in rows])
+        try:
+            logprobs = self._steps.decode(
+                [(r.out_ids[-1], r.kv_len, r.pages, r.n_pages) for r in rows]
+            )
+        except Exception as e:
+            self._step_failed("the decode step", e, rows, touched)
+            return
         for i, r in enumerate(rows):
-            tok = sample_token(logprobs[i], r.req.sampling, len(r.out_ids), r.seed)
-            self._record(r, tok, float(logprobs[i, tok]))
-            touched[r.rid] = r
+            self._sample(r, logprobs[i], touched)
 
     @property
     def step_shapes(self) -> set[tuple[str, int, int, int]]:
@@ -495,6 +507,78 @@ class DecodeEngine:
     def _prefills_itself(self) -> bool:
         return self.mode == "null"
 
+    # ---- failures ------------------------------------------------------------------------
+    def _sample(self, r: _Request, logprobs: np.ndarray, touched: dict[str, _Request]) -> None:
+        """Draw `r`'s next token from its log-prob row and record it."""
+
+        def pick() -> tuple[int, float]:
+            tok = sample_token(logprobs, r.req.sampling, len(r.out_ids), r.seed)
+            return tok, float(logprobs[tok])
+
+        self._produce(r, touched, pick)
+
+    def _produce(
+        self, r: _Request, touched: dict[str, _Request], pick: Callable[[], tuple[int, float]]
+    ) -> None:
+        """Record the token `pick` gives; if that raises (a broken log-prob row, the
+        request's detokenizer in its stop check) only `r` fails: the other rows of the
+        step go on."""
+        n = len(r.out_ids)
+        try:
+            tok, logprob = pick()
+            self._record(r, tok, float(logprob))
+        except Exception as e:
+            logger.exception("request %s: output token %d could not be produced", r.rid, n)
+            del r.out_ids[n:], r.out_lps[n:]  # the error chunk carries no half-made token
+            message = step_failure(f"output token {n} of this request", e)
+            self._discard(r, message)
+            self._end(r, message, touched)
+            return
+        touched[r.rid] = r
+
+    def _step_failed(
+        self, what: str, exc: Exception, served: Sequence[_Request], touched: dict[str, _Request]
+    ) -> None:
+        """A model step (or the step's bookkeeping) raised: fail the requests it served
+        and free what they hold, once the pool is known to be intact; logged once, with
+        the traceback. `EngineStateLostError` when the pool is lost (the loop logs it)."""
+        message = step_failure(what, exc)
+        check_pool_after(exc, message, self.kv.pool, [r.rid for r in served])
+        for r in served:
+            self._discard(r, message)
+            self._end(r, message, touched)
+
+    def _in_flight(self) -> list[_Request]:
+        """The requests a step serves: running, and (decode) waiting for their KV."""
+        return [*self._running.values(), *self._transferring.values()]
+
+    def _lookup(self, rid: str) -> _Request | None:
+        """The unfinished request `rid`, wherever it is."""
+        r = self._transferring.get(rid) or self._running.get(rid)
+        if r is None and rid in self._queue:
+            r = next(q for q in self._queue if q.rid == rid)
+        return r
+
+    def _discard(self, r: _Request, why: str) -> None:
+        """Stop serving `r` and free what it holds (decode: abort its room, whose pages
+        the receiver frees unless its KV already arrived)."""
+        if self._transferring.pop(r.rid, None) is not None:
+            assert r.pages is not None and self._rooms is not None
+            try:
+                snap = self._rooms.abort(r.req.bootstrap_room, why)
+            except CpkvError as e:  # the room is gone: who owns its pages is unknown
+                logger.error(
+                    "request %s: abort of room %s failed: %s", r.rid, r.req.bootstrap_room, e
+                )
+            else:
+                if _state_name(snap) == _ROOM_SUCCESS:
+                    self.kv.free_pages(r.pages)  # KV arrived before the abort: ours to free
+            r.pages = None  # a failed room's pages went back with the room
+            return
+        self._running.pop(r.rid, None)
+        self._queue.remove(r.rid)  # a queued request never held pages
+        self._release(r)
+
     # ---- bookkeeping ---------------------------------------------------------------------
     def _record(self, r: _Request, tok: int, logprob: float) -> None:
         """Append one output token; finish the request if it stops here."""
@@ -510,6 +594,11 @@ class DecodeEngine:
 
     def _fail(self, r: _Request, message: str, touched: dict[str, _Request]) -> None:
         logger.warning("request %s failed: %s", r.rid, message)
+        self._end(r, message, touched)
+
+    @staticmethod
+    def _end(r: _Request, message: str, touched: dict[str, _Request]) -> None:
+        """`r` ends with "error" saying `message` (its chunk comes from this step)."""
         r.finish = StopResult("error")
         r.error = message
         touched[r.rid] = r

@@ -92,9 +92,16 @@ def sample_token(logprobs: np.ndarray, params: SamplingParams, step: int, seed: 
     `temperature == 0` is greedy: `argmax(logprobs)` (the lowest id among ties), exactly
     what `ReferenceGenerator` picks. Otherwise one uniform draw from
     `default_rng([seed, step])` is mapped through the CDF of `sampling_probs(...)`.
+    A row without a finite maximum (NaN, all -inf: broken logits) raises `ValueError`
+    either way; the engines fail that request alone.
     """
     if params.temperature == 0.0:
-        return int(np.argmax(logprobs))
+        tok = int(np.argmax(logprobs))
+        if not np.isfinite(logprobs[tok]):  # argmax stops at the first NaN
+            raise ValueError(
+                f"log-probs have no finite maximum (max {logprobs[tok]}); the logits are broken"
+            )
+        return tok
     probs = sampling_probs(logprobs, params.temperature, params.top_k, params.top_p)
     cdf = np.cumsum(probs)
     u = np.random.default_rng([seed, step]).random() * cdf[-1]

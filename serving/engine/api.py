@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
-from cpkv_jax.errors import InputError
+from cpkv_jax.errors import CpkvError, InputError
 from serving.engine.wait_queue import QueueStats
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -132,6 +132,12 @@ class EngineStats:
     queue: QueueStats = QueueStats()  # noqa: RUF009 - frozen; the wait queue (`serving.engine.wait_queue`)
 
 
+class EngineStateLostError(CpkvError):
+    """A failed step left the engine's device state untrustworthy (a KV pool it donated
+    to the step is gone): the engine can serve no more. Only `StepEngine.step` raises it;
+    `EngineLoop` then fails every request and the server exits for a restart."""
+
+
 @runtime_checkable
 class StepEngine(Protocol):
     """A synchronous engine driven by one thread (`EngineLoop`): nothing here blocks long.
@@ -140,6 +146,15 @@ class StepEngine(Protocol):
     nothing allocated); `step` does one unit of work (a prefill step, a decode step, a
     poll of transfers) and returns the chunks produced; `abort` cancels a request and frees
     what it holds (its final chunk, reason "abort", comes from the next `step`).
+
+    A failure while serving is the requests' own, never the engine's: when a step's
+    device work raises (a compile, a SPEC S1.7 debug check), the requests of that step
+    end with an "error" chunk saying why and their pages are freed; when one request's
+    token cannot be produced (a broken log-prob row, its detokenizer raising), only that
+    request ends so. `step` then returns normally and later requests are served. It
+    raises only when the engine can serve no more (`EngineStateLostError`).
+
+    `stats` runs on the engine's thread (`EngineLoop` publishes what it returns).
     """
 
     mode: ServerMode

@@ -8,6 +8,12 @@ One daemon thread owns the engine: it takes commands (add, abort) from an inbox,
 Chunks go back to the awaiting coroutine through a per-request `asyncio.Queue`, filled
 with `loop.call_soon_threadsafe` on the loop that called `generate`.
 
+`stats()` (what `/server_info`, `/metrics` and the router read) never touches the
+engine from the caller's thread: the engine thread calls `engine.stats()` after every
+step, after the commands it applied and on each idle wake-up, and publishes the
+immutable `EngineStats` it returns (one reference assignment); `stats()` returns the
+latest. Once the thread has stopped nothing steps the engine, and `stats()` asks it.
+
 Failure and lifecycle:
 - `generate` raises the engine's `InputError` (or another `CpkvError` from `add`) before
   it yields anything, so the HTTP layer can answer 400 (or 503);
@@ -16,11 +22,16 @@ Failure and lifecycle:
 - one command never stops the thread: an add whose caller left while it was queued (a
   cancelled future) is skipped, and anything a command or a chunk delivery raises is
   logged and fails only that request;
-- an exception from `engine.step()` is logged with its traceback, ends every in-flight
-  request with `finish_reason="error"`, and marks the loop unhealthy (later requests
-  get `EngineFailedError`): a step's state (a donated KV pool) cannot be trusted after
-  it raised. `fatal_reason()` says why; the server exits non-zero on it (a supervisor
-  restarts the process) instead of keeping a port open that cannot serve;
+- a failure while serving fails the requests it hit, never the loop: the engine ends
+  them itself, with an "error" chunk (HTTP 500 or the stream's error event) and their
+  pages freed, and `step` returns (the `StepEngine` contract: a failed model step fails
+  the requests that step served, one request's failed token only that request);
+- `engine.step()` raises only when the engine can serve no more
+  (`EngineStateLostError`: a failed step lost the KV pool it donated). The exception is
+  logged with its traceback, every in-flight request ends with `finish_reason="error"`,
+  and the loop is marked unhealthy (later requests get `EngineFailedError`).
+  `fatal_reason()` says why; the server exits non-zero on it (a supervisor restarts the
+  process) instead of keeping a port open that cannot serve;
 - if the thread dies anyway, `healthy()` turns False and `fatal_reason()` says so;
 - `shutdown(drain_timeout)` refuses new requests (`ServerShuttingDownError`), lets the
   in-flight ones finish for up to `drain_timeout` seconds, aborts the rest, and stops
@@ -88,6 +99,10 @@ class EngineLoop:
         self._accepting = True
         self._stop = False
         self._fatal: str | None = None
+        # Replaced whole by the engine thread (`_publish`); read by `stats`.
+        self._stats: EngineStats | None = None
+        self._stats_failing = False
+        self._publish()  # nothing steps the engine yet
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -143,7 +158,14 @@ class EngineLoop:
             self._cv.notify()
 
     def stats(self) -> EngineStats:
-        return self._engine.stats()
+        """The engine's stats as the engine thread last published them (never read from
+        the live engine while it steps)."""
+        if not self._thread.is_alive():
+            return self._engine.stats()  # nothing steps it any more
+        stats = self._stats
+        if stats is None:
+            raise RuntimeError("the engine has not reported its stats yet")
+        return stats
 
     def healthy(self) -> bool:
         """False once shutdown started (so routers stop sending), the thread died, or a
@@ -220,8 +242,8 @@ class EngineLoop:
         engine = self._engine
         while True:
             with self._cv:
-                while not self._inbox and not self._stop and not self._can_step():
-                    self._cv.wait(self._idle_wait_s)
+                if not self._inbox and not self._stop and not self._can_step():
+                    self._cv.wait(self._idle_wait_s)  # then publish the stats once more
                 commands = list(self._inbox)
                 self._inbox.clear()
                 stop = self._stop
@@ -234,13 +256,26 @@ class EngineLoop:
                         self._fail_add(cmd, f"the engine could not take the request: {e}")
             if stop:
                 return
+            chunks: Sequence[OutputChunk] = ()
             if self._can_step():
                 try:
                     chunks = engine.step()
-                except Exception as e:
+                except Exception as e:  # the engine can serve no more (`StepEngine`)
                     self._fail_all(e)
-                    continue
-                self._deliver(chunks)
+            # Before the chunks go out: a client that saw its request end sees its stats.
+            self._publish()
+            self._deliver(chunks)
+
+    def _publish(self) -> None:
+        """Replace the published stats with the engine's current ones (engine thread)."""
+        try:
+            self._stats = self._engine.stats()
+        except Exception:  # the previous stats stay; logged once per failing stretch
+            if not self._stats_failing:
+                logger.exception("engine stats failed; /server_info keeps the previous ones")
+            self._stats_failing = True
+        else:
+            self._stats_failing = False
 
     def _can_step(self) -> bool:
         return self._fatal is None and self._engine.has_work()

@@ -7,7 +7,8 @@ an embedded router) never share or collide on series. Two kinds of series:
   inter-token latency, end-to-end latency, requests by finish reason, prompt and
   generation tokens, bad requests. Latencies are measured from the moment the HTTP
   request arrived, so they include tokenization and queueing, as a client sees them;
-- read from the engine at scrape time (`EngineClient.stats()`, see `attach_stats`):
+- read at scrape time from the stats the engine thread last published
+  (`EngineClient.stats()`, see `attach_stats`):
   queue length, time spent in the wait queue (a summary: `_sum` / `_count`) and
   requests refused by a full queue, running requests, KV pages used / total / held by
   the prefix cache per rank, PD transfer bytes, seconds and failures, admission

@@ -6,16 +6,27 @@ the decode server registered (`GenerateRequest.bootstrap_room`) and that server'
 transfer receiver (`decode_transfer_target`, "host:port"). A request's life here:
 
 1. `add`: validated and put in the bounded wait queue (`serving.wait_queue`; a full
-   queue refuses with `QueueFullError`, HTTP 503 + Retry-After; nothing allocated), and
-   its transfer bootstrapped at once (`transfer.sender.bootstrap_request`): one sender
-   per CP rank handshakes with the decode side (layout, token count, cp size checked;
-   on Mooncake the decode side carves the staging region) and heartbeats while the
-   request waits and prefills. A decode side that refuses the room, or is gone, fails
-   the request before it prefills. Only once **every rank's handshake is accepted** -
-   the decode side has registered the room, i.e. holds its pages, which may take a
-   while when the decode server queues it - is the request submitted to the
-   `PrefillScheduler`: a request whose decode side is not ready holds no prefill pages
-   (which could otherwise fill the pool with KV nobody can receive, and deadlock);
+   queue refuses with `QueueFullError`, HTTP 503 + Retry-After; nothing allocated). Its
+   transfer is bootstrapped (`transfer.sender.bootstrap_request`) once it is among the
+   **bootstrap window**: the first `bootstrap_window` requests of the queue, in arrival
+   order, run senders (at once in `add` when there is room, else by a later `step` as
+   earlier ones start their prefill or leave); the rest wait with no threads, so the
+   sender threads (one per CP rank, plus one heartbeat thread each after its
+   handshake) are bounded by the window and the transfers in flight, not by the queue.
+   The window is `2 x` the scheduler's batch-row bound within
+   [`MIN_BOOTSTRAP_WINDOW`, `MAX_BOOTSTRAP_WINDOW`] (8..32 requests): enough ready
+   requests to fill two batches. A sender handshakes with the decode side (layout,
+   token count, cp size checked; on Mooncake the decode side carves the staging
+   region) and heartbeats while the request waits and prefills. A decode side that
+   refuses the room, or is unreachable for the bootstrap timeout, fails the request
+   before it prefills; one that answers that the room is not registered yet (its
+   request waits in the decode server's queue) is waited for with no fixed deadline:
+   until the request's own timeout (`--request-timeout`, from its arrival) or its
+   client leaving (`abort`). Only once **every rank's handshake is accepted** - the
+   decode side has registered the room, i.e. holds its pages - is the request
+   submitted to the `PrefillScheduler`: a request whose decode side is not ready holds
+   no prefill pages (which could otherwise fill the pool with KV nobody can receive,
+   and deadlock);
 2. a `step` prefills it on the `cp` mesh (with other requests when bs > 1 is on), samples
    its first token from the last position's log-probs, and hands the senders its page
    table and first token (`TransferHold.provide`): each rank sends only the pages it
@@ -63,14 +74,21 @@ from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import pages_for_tokens
 from serving.decode.sampling import request_seed, sample_token
-from serving.engine.api import EngineStats, GenerateRequest, OutputChunk, ServerMode
+from serving.engine.api import (
+    EngineStateLostError,
+    EngineStats,
+    GenerateRequest,
+    OutputChunk,
+    ServerMode,
+)
+from serving.engine.step_failures import check_pool_after, step_failure
 from serving.engine.wait_queue import WaitQueue
 from serving.prefill.build import (
     PrefillEngine,
     build_prefill_engine,
     pool_pages_per_rank,
 )
-from serving.prefill.scheduler import PrefillOutcome
+from serving.prefill.scheduler import PrefillOutcome, PrefillScheduler, PrefillStepError
 from serving.server_args import ServerArgs
 from transfer.backends import make_backend
 from transfer.hold import TransferHold
@@ -89,6 +107,10 @@ HEARTBEAT_TIMEOUT_INTERVALS = 3
 MIN_HEARTBEAT_TIMEOUT_S = 15.0
 # The Mooncake sender's registered host copy buffer is never smaller than this.
 MOONCAKE_HOST_BUFFER_MIN_BYTES = 64 << 20
+# Requests whose senders run before their prefill starts (`bootstrap_window`): twice the
+# scheduler's batch rows, within these bounds (x cp_size sender threads each).
+MIN_BOOTSTRAP_WINDOW = 8
+MAX_BOOTSTRAP_WINDOW = 32
 
 
 def parse_target(target: str) -> tuple[str, int]:
@@ -107,8 +129,9 @@ class _Request:
     """One request's state on this server (engine thread only)."""
 
     req: GenerateRequest
-    # bootstrapping: waiting for the decode side (not in the scheduler); queued: in the
-    # scheduler (waiting or prefilling); transferring: prefilled, its KV in flight.
+    # bootstrapping: waiting for the decode side (not in the scheduler; `hold` None until
+    # it enters the bootstrap window); queued: in the scheduler (waiting or prefilling);
+    # transferring: prefilled, its KV in flight.
     state: Literal["bootstrapping", "queued", "transferring"] = "bootstrapping"
     hold: TransferHold | None = None
     first_token: int = -1
@@ -128,7 +151,9 @@ class PrefillModeEngine:
     `engine` must be built with `hold_finished=True` (`build_prefill_engine`), so its
     scheduler keeps finished requests' pages until their transfer ends. `backend` sends
     the pages (`transfer.backends.make_backend`). `clock` must be the clock of
-    `GenerateRequest.arrival_time` (time.monotonic) for the latencies in `meta`.
+    `GenerateRequest.arrival_time` (time.monotonic) for the latencies in `meta` and the
+    request timeout. `bootstrap_window`: how many queued requests run senders at once
+    (None: `default_bootstrap_window`).
     """
 
     mode: ServerMode = "prefill"
@@ -141,6 +166,7 @@ class PrefillModeEngine:
         clock: Callable[[], float] = time.monotonic,
         idle_wait_s: float = DEFAULT_IDLE_WAIT_S,
         max_queued_requests: int | None = None,
+        bootstrap_window: int | None = None,
     ):
         if not engine.scheduler.hold_finished:
             raise ConfigError(
@@ -174,6 +200,14 @@ class PrefillModeEngine:
         self._queue: WaitQueue[_Request] = WaitQueue(
             max_queued_requests, what="prefill", clock=clock
         )
+        if bootstrap_window is None:
+            bootstrap_window = default_bootstrap_window(self.scheduler, max_queued_requests)
+        if bootstrap_window < 1:
+            raise ConfigError(f"the bootstrap window must be >= 1, got {bootstrap_window}")
+        self.bootstrap_window = bootstrap_window
+        # Requests whose senders were started and still count against the window: not
+        # yet prefilling, or dropped while their senders still stop (`_window_used`).
+        self._window: list[_Request] = []
         self._rooms: dict[str, str] = {}  # room -> rid, for requests on this server
         self._pending: list[OutputChunk] = []
         self._wake = threading.Event()
@@ -253,18 +287,13 @@ class PrefillModeEngine:
         self._queue.push(req.rid, entry)  # QueueFullError: nothing started
         self._requests[req.rid] = entry
         self._rooms[req.bootstrap_room] = req.rid
-        # Handshake now, while the request waits and prefills; the pages follow it.
-        jobs = rank_jobs(
-            req.bootstrap_room,
-            req.decode_transfer_target,
-            self.layout,
-            int(ids.size),
-            None,
-            self._sources,
-            None,
-        )
+        # Handshake now when the window has room and nobody waits for it before this
+        # one, while the request waits and prefills; else `_fill_window` starts it.
+        earlier = any(e.hold is None for e in self._queue if e is not entry)
+        if earlier or self._window_used() >= self.bootstrap_window:
+            return
         try:
-            entry.hold = bootstrap_request(self.backend, jobs, self._on_release, self._wake.set)
+            self._bootstrap(entry)
         except BaseException:
             self._queue.remove(req.rid)
             self._forget(req.rid)
@@ -294,15 +323,34 @@ class PrefillModeEngine:
 
     def step(self) -> Sequence[OutputChunk]:
         """Prefill one batch (if any is waiting), start its transfers, and emit the final
-        chunk of every request whose transfer hold was released."""
+        chunk of every request whose transfer hold was released.
+
+        A failed prefill step fails its batch's requests (their pages freed, their rooms
+        aborted) and the others go on; `EngineStateLostError` when the pool is lost."""
         out, self._pending = self._pending, []
+        try:
+            self._step(out)
+        except EngineStateLostError:
+            raise
+        except Exception as e:  # a bug past the guarded prefill step
+            out += self._fail_in_flight(e)
+        return out
+
+    def _step(self, out: list[OutputChunk]) -> None:
+        """`step`'s work; its chunks are appended to `out` as they come, so a failure
+        half way keeps those already produced."""
         # First the released holds: a waiting request whose room already failed (refused
         # at its handshake, decode side gone) leaves the queue without a prefill.
         out += self._poll_holds()
         self._submit_ready()
         batches = len(self.scheduler.batch_sizes)
         if self.scheduler.num_waiting:
-            outcomes = self.scheduler.step()
+            try:
+                outcomes = self.scheduler.step()
+            except PrefillStepError as e:  # its requests were dropped: they fail below
+                outcomes = e.outcomes
+                failed = [o.rid for o in outcomes if o.status == "failed"]
+                check_pool_after(e, str(e), self.runner.pool, failed)
             self._note_started()
             for outcome in outcomes:
                 chunk = self._on_outcome_safely(outcome)
@@ -317,6 +365,28 @@ class PrefillModeEngine:
         if not out and not prefilled and (self._num_transferring() or self._num_bootstrapping()):
             self._wake.wait(self.idle_wait_s)
             out += self._poll_holds()
+
+    def _fail_in_flight(self, exc: Exception) -> list[OutputChunk]:
+        """A step raised outside its guarded prefill (a bug): which requests it touched
+        is unknown, so every request here fails. Their pages are freed (a transferring
+        one's when its senders stopped, by a later `_poll_holds`) and their rooms
+        aborted; `EngineStateLostError` when the pool is lost."""
+        message = step_failure("the prefill server's step", exc)
+        check_pool_after(exc, message, self.runner.pool, list(self._requests))
+        out = []
+        for rid, entry in list(self._requests.items()):
+            if entry.state == "transferring":
+                assert entry.hold is not None
+                entry.error = entry.error or message
+                entry.hold.cancel(message)
+                continue
+            if entry.state == "queued" and self.scheduler.abort(rid) is None:
+                logger.error("request %s: the scheduler no longer has it to abort", rid)
+            self._queue.remove(rid)
+            self._forget(rid)
+            if entry.hold is not None:
+                entry.hold.cancel(message)
+            out.append(self._final(entry, "error", error=message))
         return out
 
     def has_work(self) -> bool:
@@ -353,16 +423,101 @@ class PrefillModeEngine:
         return sum(e.state == "bootstrapping" for e in self._requests.values())
 
     def _submit_ready(self) -> None:
-        """Requests whose every rank handshook go to the scheduler, in arrival order."""
+        """Requests past their timeout while waiting for the decode side fail; those
+        whose every rank handshook go to the scheduler, in arrival order; the freed
+        window slots start the next requests' senders."""
+        self._expire_bootstrapping()
+        timeout = self.scheduler.request_timeout
         for entry in self._queue:
             if entry.state != "bootstrapping" or entry.hold is None or not entry.hold.ready:
                 continue
             if entry.hold.released:
                 continue  # failed meanwhile: `_poll_holds` reports it
             ids = np.asarray(entry.req.input_ids, dtype=np.int32)
+            # The request timeout counts from arrival, the decode wait included.
+            left = None if timeout is None else timeout - self._waited(entry)
             # Reserve one new token: decoded tokens' KV lives on the decode server.
-            self.scheduler.submit(entry.req.rid, ids, max_new_tokens=1)
+            self.scheduler.submit(entry.req.rid, ids, max_new_tokens=1, timeout=left)
             entry.state = "queued"
+        self._fill_window()
+
+    def _waited(self, entry: _Request) -> float:
+        return self.clock() - entry.req.arrival_time
+
+    def _expire_bootstrapping(self) -> None:
+        """Fail requests still waiting for their decode side (or a window slot) past the
+        request timeout; their senders stop (cancelled hold) and abort the room."""
+        timeout = self.scheduler.request_timeout
+        if timeout is None:
+            return
+        for entry in self._queue:
+            if entry.state != "bootstrapping" or self._waited(entry) <= timeout:
+                continue
+            rid = entry.req.rid
+            why = (
+                f"timeout: request timeout expired ({timeout:g}s) while waiting for the "
+                f"decode side {entry.req.decode_transfer_target} to register room "
+                f"{entry.req.bootstrap_room}"
+            )
+            logger.info("request %s %s", rid, why)
+            self._queue.remove(rid)
+            self._forget(rid)
+            if entry.hold is not None:
+                entry.hold.cancel(f"request {rid}: {why}")
+            self._pending.append(self._final(entry, "error", error=why))
+
+    def _bootstrap(self, entry: _Request) -> None:
+        """Start `entry`'s senders (one per CP rank): it enters the bootstrap window."""
+        req = entry.req
+        assert req.bootstrap_room is not None and req.decode_transfer_target is not None
+        jobs = rank_jobs(
+            req.bootstrap_room,
+            req.decode_transfer_target,
+            self.layout,
+            len(req.input_ids),
+            None,
+            self._sources,
+            None,
+        )
+        entry.hold = bootstrap_request(self.backend, jobs, self._on_release, self._wake.set)
+        self._window.append(entry)
+
+    def _window_used(self) -> int:
+        """Requests counting against the bootstrap window: senders started, hold not
+        released, and either still in the wait queue (not prefilling yet) or dropped
+        (aborted, timed out) while their senders still stop."""
+
+        def counts(e: _Request) -> bool:
+            assert e.hold is not None
+            if e.hold.released:
+                return False
+            live = self._requests.get(e.req.rid) is e
+            return not live or e.req.rid in self._queue
+
+        self._window = [e for e in self._window if counts(e)]
+        return len(self._window)
+
+    def _fill_window(self) -> None:
+        """Start the senders of waiting requests, in arrival order, while the window
+        has room. A request whose senders cannot start fails alone."""
+        free = self.bootstrap_window - self._window_used()
+        for entry in self._queue:
+            if free <= 0:
+                return
+            if entry.hold is not None:
+                continue
+            try:
+                self._bootstrap(entry)
+            except Exception as e:
+                logger.exception("request %s: starting its senders failed", entry.req.rid)
+                self._queue.remove(entry.req.rid)
+                self._forget(entry.req.rid)
+                error = (
+                    f"the prefill server could not start the KV transfer: {type(e).__name__}: {e}"
+                )
+                self._pending.append(self._final(entry, "error", error=error))
+                continue
+            free -= 1
 
     def _note_started(self) -> None:
         """Queued requests the scheduler took into a step leave the wait queue."""
@@ -406,7 +561,9 @@ class PrefillModeEngine:
             if entry.hold is not None:
                 entry.hold.cancel(f"request {outcome.rid}: {outcome.status}: {outcome.reason}")
             reason = "abort" if outcome.status == "aborted" else "error"
-            return self._final(entry, reason, error=f"{outcome.status}: {outcome.reason}")
+            # A failed step's reason says so itself (its traceback was logged once).
+            why = outcome.reason if outcome.status == "failed" else None
+            return self._final(entry, reason, error=why or f"{outcome.status}: {outcome.reason}")
         assert outcome.last_logits is not None and outcome.table is not None
         req = entry.req
         logprobs = np.asarray(log_probs(outcome.last_logits))
@@ -525,6 +682,14 @@ class PrefillModeEngine:
         )
 
 
+def default_bootstrap_window(scheduler: PrefillScheduler, max_queued: int | None) -> int:
+    """Twice the most requests one batch can hold (`max_batch_rows`), within
+    [`MIN_BOOTSTRAP_WINDOW`, `MAX_BOOTSTRAP_WINDOW`]: enough handshaken requests to fill
+    the next batches, few enough that the senders stay bounded."""
+    rows = scheduler.max_batch_rows(max_queued)
+    return min(MAX_BOOTSTRAP_WINDOW, max(MIN_BOOTSTRAP_WINDOW, 2 * rows))
+
+
 def mooncake_host_buffer_bytes(args: ServerArgs, cfg: ModelConfig) -> int:
     """`--transfer-host-buffer-size`, else the largest share of one request a rank can
     send: its pages of a request as long as the model's context, capped by the rank's
@@ -547,8 +712,10 @@ def backend_from_args(args: ServerArgs, cfg: ModelConfig) -> TransferBackend:
     """The `--transfer-backend` sender, with the `--transfer-*` timeouts applied (and,
     for Mooncake, its host buffer sized by `mooncake_host_buffer_bytes`).
 
-    The bootstrap timeout bounds how long a sender retries its handshake (decode server
-    not up, room not registered yet); the heartbeat interval is the decode side's;
+    The bootstrap timeout bounds how long a sender retries its handshake while the
+    decode server does not answer (not up, gone); a room not registered yet (queued
+    there) is waited for until the request's timeout (`transfer.session`); the
+    heartbeat interval is the decode side's;
     the decode side counts as lost after `HEARTBEAT_TIMEOUT_INTERVALS` missed beats
     (at least `MIN_HEARTBEAT_TIMEOUT_S`).
     """

@@ -6,8 +6,9 @@ allocate of the admitted requests' pages in their owner lanes, and the step's ho
 are numpy/Python. The only device work is the executor's jitted step.
 
 Policies: `fcfs` (arrival order) and `lpm` (longest cached prefix first, then arrival).
-An in-flight chunked request always goes first in the next batch. Abort and per-request
-timeouts release a request's own pages and unlock its cached prefix; a finished
+An in-flight chunked request always goes first in the next batch. Abort, per-request
+timeouts and a failed step (`PrefillStepError`: the batch's requests are dropped, the
+scheduler goes on) release a request's own pages and unlock its cached prefix; a finished
 request's whole pages go to the prefix cache (so a later request with the same prefix
 reuses them, on the same owner lanes) and its partial tail page is freed.
 
@@ -46,7 +47,7 @@ from cpkv_jax.cache.radix import (
     cache_finished_request,
     table_from_prefix,
 )
-from cpkv_jax.errors import CacheCapacityError, InputError
+from cpkv_jax.errors import CacheCapacityError, CpkvError, InputError
 from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.paging import owner_of_page, pages_for_tokens
 from serving.prefill.adder import (
@@ -97,7 +98,7 @@ class PrefillRequest:
 @dataclasses.dataclass(frozen=True)
 class PrefillOutcome:
     rid: str
-    status: Literal["finished", "aborted", "timeout"]
+    status: Literal["finished", "aborted", "timeout", "failed"]
     last_logits: np.ndarray | None = None
     cached_tokens: int = 0
     reason: str = ""
@@ -105,6 +106,17 @@ class PrefillOutcome:
     # `hold_finished` only: the finished request's page table, valid (pages allocated,
     # KV intact) until `PrefillScheduler.release_held(rid)`.
     table: RequestPageTable | None = None
+
+
+class PrefillStepError(CpkvError):
+    """A batch's step raised (a compile, a SPEC S1.7 debug check, the device): its
+    requests were dropped as an abort drops them (own pages freed, cached prefixes
+    unlocked). `outcomes` are theirs (status "failed", the reason) and the step's
+    timeouts; the cause is `__cause__`. The scheduler itself goes on."""
+
+    def __init__(self, message: str, outcomes: list[PrefillOutcome]):
+        super().__init__(message)
+        self.outcomes = outcomes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +180,7 @@ class PrefillScheduler:
         timeout: float | None = None,
     ) -> None:
         ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
-        self.check_submit(rid, ids.size)
+        self.check_submit(rid, ids.size, max_new_tokens)
         timeout = self.request_timeout if timeout is None else timeout
         deadline = None if timeout is None else self.clock() + timeout
         self.waiting.append(PrefillRequest(rid, ids, max_new_tokens, deadline, next(self._seq)))
@@ -194,17 +206,27 @@ class PrefillScheduler:
             bounds.append(max_waiting + 1)
         return max(1, min(bounds))
 
-    def check_submit(self, rid: str, num_tokens: int) -> None:
-        """`InputError` if `submit(rid, <num_tokens tokens>)` would refuse the request."""
+    def longest_prompt(self, max_new_tokens: int = 1) -> int:
+        """The longest prompt admission can ever take: an empty pool's tokens less the
+        output reserved beside it (`PrefillAdder` needs prompt + reserve tokens free)."""
+        capacity = self.allocator.capacity_per_lane * self.allocator.cp_size * self.page_size
+        return max(0, capacity - min(max_new_tokens, self.reserve_clip))
+
+    def check_submit(self, rid: str, num_tokens: int, max_new_tokens: int = 1) -> None:
+        """`InputError` if `submit(rid, <num_tokens tokens>, max_new_tokens)` would refuse
+        the request: a prompt over `longest_prompt` would wait forever."""
         if num_tokens == 0:
             raise InputError(f"request {rid!r}: empty prompt")
         if rid in self._ids:
             raise InputError(f"request id {rid!r} is already queued or running")
-        capacity = self.allocator.capacity_per_lane * self.allocator.cp_size * self.page_size
-        if num_tokens > capacity:
+        longest = self.longest_prompt(max_new_tokens)
+        if num_tokens > longest:
+            capacity = self.allocator.capacity_per_lane * self.allocator.cp_size * self.page_size
             raise InputError(
-                f"request {rid!r} has {num_tokens} tokens but the KV pool holds {capacity}; "
-                "raise the KV pool size or shorten the prompt"
+                f"request {rid!r} has {num_tokens} prompt tokens but the longest prompt this "
+                f"server takes is {longest} (its KV pool holds {capacity} tokens, "
+                f"{capacity - longest} kept for output); raise the KV pool size or shorten "
+                "the prompt"
             )
 
     def abort(self, rid: str) -> PrefillOutcome | None:
@@ -301,12 +323,29 @@ class PrefillScheduler:
         return ScheduledBatch(rows, requests, list(adder.batch))
 
     def step(self) -> list[PrefillOutcome]:
-        """Expire timeouts, run one batch, finish what completed."""
+        """Expire timeouts, run one batch, finish what completed.
+
+        `PrefillStepError` when the batch's step raised (its requests dropped)."""
         outcomes = self._expire()
         batch = self.schedule_batch()
         if batch is None:
             return outcomes
-        return outcomes + self.finish_batch(batch, self.executor.execute(batch.rows))
+        try:
+            logits = self.executor.execute(batch.rows)
+        except Exception as e:
+            reason = f"the prefill step failed: {type(e).__name__}: {e}"
+            failed = self._drop_batch(batch, reason)
+            raise PrefillStepError(reason, outcomes + failed) from e
+        return outcomes + self.finish_batch(batch, logits)
+
+    def _drop_batch(self, batch: ScheduledBatch, reason: str) -> list[PrefillOutcome]:
+        """Drop every request of a batch whose step raised, as `abort` would (a chunked
+        one's earlier chunks too: its pages go)."""
+        for req in batch.requests:
+            self._release_own_pages(req)
+            self._ids.discard(req.rid)
+        self._submit_backups()
+        return [PrefillOutcome(req.rid, "failed", reason=reason) for req in batch.requests]
 
     def finish_batch(self, batch: ScheduledBatch, logits: np.ndarray) -> list[PrefillOutcome]:
         """Record a step's results: chunked requests continue, finished ones are cached."""
@@ -353,7 +392,9 @@ class PrefillScheduler:
         `insert` frees this request's duplicate pages; the table is rebuilt on the
         cache's pages (KV of the same tokens at the same positions: what any later
         request matching this prefix uses), so what the transfer reads is always
-        allocated and locked.
+        allocated and locked. Path nodes off the device (a host copy, or a write-back
+        backup still in flight) take this request's pages (`HiRadixCache.insert`), so
+        the whole pages always match.
         """
         assert req.table is not None
         n = req.table.num_tokens

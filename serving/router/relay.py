@@ -18,8 +18,9 @@ One client request through the router (ARCHITECTURE "Data flow of one request", 
    deadlock a router waiting for them, so the prefill call also starts after
    `--decode-register-wait` seconds without headers (default 0: at once, as any wait is
    added to the TTFT): the transfer layer retries its handshake until the room is
-   registered (`bootstrap_timeout_s` in `transfer.backends.grpc_backend`; a decode
-   server that queues the request registers it once its pages are free), and the
+   registered (a decode server that queues the request registers it once its pages
+   are free; `bootstrap_timeout_s` bounds only a decode side that does not answer at
+   all, the wait itself ends with the request's timeout or the client), and the
    prefill server computes a request only after every rank's handshake succeeded, so
    starting early holds no prefill pages. A full queue on either server is a 503 with
    `Retry-After`, passed on to the client. A decode answer that is

@@ -417,3 +417,130 @@ def test_decode_mode_continues_transferred_kv(tiny):
     assert rx.num_free_pages == free0
     stats: EngineStats = engine.stats()
     assert stats.transfer_failures == 1 and stats.kv_pages_free == (free0,)
+
+
+# ---- failures: a request's own, never the engine's -------------------------------------------
+
+
+def take(chunks, toks, lps, final) -> dict:
+    """Fold one step's chunks into the running outputs; the step's chunks by rid."""
+    for c in chunks:
+        toks.setdefault(c.rid, []).extend(c.token_ids)
+        lps.setdefault(c.rid, []).extend(c.logprobs or ())
+        if c.finished:
+            final[c.rid] = c
+    return {c.rid: c for c in chunks}
+
+
+def test_a_failed_prefill_compile_fails_that_request_alone(tiny, monkeypatch, caplog):
+    """A step whose compile raises (before anything was donated) fails the request it
+    prefills and frees its pages; the running batch decodes on in that same step, and the
+    same prompt is served afterwards. Logged once, with the traceback. (Before, the
+    exception left `step` and the engine loop ended the server.)"""
+    engine, kv = make_engine(tiny)
+    free0 = kv.num_free_pages
+    a, b, c = wave_requests(1, "f", ignore_eos=True)[:3]
+    real = engine._steps.compiled
+    fail = {"prefill": 0}
+
+    def compiled(shape):
+        if shape[0] == engine._steps.prefill_form and shape[2] > 1 and fail["prefill"]:
+            fail["prefill"] -= 1
+            raise RuntimeError("XLA compile failed")
+        return real(shape)
+
+    monkeypatch.setattr(engine._steps, "compiled", compiled)
+    toks: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    final: dict = {}
+    for r in (a, b):
+        engine.add(r)
+        take(engine.step(), toks, lps, final)
+    fail["prefill"] = 1
+    engine.add(c)
+    got = take(engine.step(), toks, lps, final)
+    assert got[c.rid].finish_reason == "error" and not got[c.rid].token_ids
+    assert "the prefill step failed: RuntimeError: XLA compile failed" in got[c.rid].error
+    assert got[a.rid].token_ids and got[b.rid].token_ids  # decoded in the same step
+    assert not got[a.rid].finished and not got[b.rid].finished
+    assert c.rid not in engine._running and kv.num_free_pages == free0 - 4  # a's and b's
+    logged = [r for r in caplog.records if r.exc_info and "XLA compile" in str(r.exc_info[1])]
+    assert len(logged) == 1 and c.rid in logged[0].getMessage()
+    del final[c.rid]
+    engine.add(c)  # the same id and prompt again: served
+    while engine.has_work():
+        take(engine.step(), toks, lps, final)
+    check_against_reference(tiny, [a, b, c], toks, lps, final)
+    assert kv.num_free_pages == free0
+
+
+def test_a_broken_log_prob_row_fails_only_its_request(tiny, monkeypatch):
+    """One row of a decode step comes back NaN for a sampled (temperature > 0) request:
+    that request ends with the sampler's error and its pages are freed; the greedy row of
+    the same step goes on to the reference's tokens."""
+    engine, kv = make_engine(tiny)
+    free0 = kv.num_free_pages
+    first, cold = wave_requests(2, "n", ignore_eos=True)[:2]
+    hot = dataclasses.replace(
+        first, sampling=SamplingParams(8, temperature=0.8, seed=3, ignore_eos=True)
+    )
+    real = engine._steps.decode
+    broken = {"on": False}
+
+    def decode(rows):
+        out = real(rows)
+        if broken["on"]:
+            broken["on"] = False
+            pages = engine._running[hot.rid].pages
+            out = np.array(out)
+            out[next(i for i, row in enumerate(rows) if row[2] is pages)] = np.nan
+        return out
+
+    monkeypatch.setattr(engine._steps, "decode", decode)
+    toks: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    final: dict = {}
+    engine.add(hot)
+    engine.add(cold)
+    take(engine.step(), toks, lps, final)
+    take(engine.step(), toks, lps, final)  # both running now
+    broken["on"] = True
+    got = take(engine.step(), toks, lps, final)
+    assert got[hot.rid].finish_reason == "error" and not got[hot.rid].token_ids
+    assert "ValueError: log-probs have no finite maximum" in got[hot.rid].error
+    assert got[hot.rid].meta["completion_tokens"] == len(toks[hot.rid]) == 3
+    assert got[cold.rid].token_ids and not got[cold.rid].finished
+    assert hot.rid not in engine._running
+    while engine.has_work():
+        take(engine.step(), toks, lps, final)
+    del final[hot.rid]
+    check_against_reference(tiny, [cold], toks, lps, final)
+    assert kv.num_free_pages == free0
+
+
+def test_a_raising_detokenizer_fails_only_its_request(tiny):
+    """The stop-string check of one request calls a detokenizer that raises: only that
+    request ends ("error", the tokens it had), the other row of its steps (no stop
+    strings: never detokenized) finishes as the reference."""
+    calls = {"n": 0}
+
+    def detok(ids: list[int]) -> str:
+        calls["n"] += 1
+        if calls["n"] > 4:  # two calls per token: tokens 0 and 1 pass, token 2 raises
+            raise RuntimeError("tokenizer crashed")
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+    engine, kv = make_engine(tiny, detokenize=detok)
+    first, quiet = wave_requests(5, "d", ignore_eos=True)[:2]
+    talker = dataclasses.replace(first, sampling=SamplingParams(6, ignore_eos=True, stop=("@@",)))
+    toks, lps, final = run(engine, {0: [talker, quiet]})
+    assert final[talker.rid].finish_reason == "error"
+    assert final[talker.rid].error == (
+        "output token 2 of this request failed: RuntimeError: tokenizer crashed"
+    )
+    _, _, ref = tiny
+    want = ref.generate(talker.input_ids, 6, ignore_eos=True).output_ids
+    assert toks[talker.rid] == want[:2]
+    del final[talker.rid]
+    check_against_reference(tiny, [quiet], toks, lps, final)
+    assert kv.num_free_pages == POOL_PAGES - 1

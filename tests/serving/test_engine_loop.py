@@ -3,8 +3,10 @@
 Concurrent `generate` calls from asyncio must give the reference's greedy tokens
 (exact; log-probs within 1e-5, see tests/serving/test_decode_engine.py); a consumer that leaves
 mid-stream aborts its request and every page comes back; shutdown drains, then aborts
-what is left; an `InputError` from `add` surfaces before any chunk; an engine step that
-raises fails the in-flight requests and marks the loop unhealthy.
+what is left; an `InputError` from `add` surfaces before any chunk; a failed step fails
+the requests it served and the loop serves on, while an engine step that raises (its
+pool lost) fails the in-flight requests and marks the loop unhealthy; `stats()` is what
+the engine thread published.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -332,3 +335,110 @@ def test_server_watchdog_stops_serving_when_the_engine_dies():
     asyncio.run(main())
     assert uv.should_exit and srv.engine_failure == loop.reason
     assert server_mod.EXIT_ENGINE_FAILED not in (0, 1)
+
+
+def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(tiny, caplog):
+    """A decode step whose compile raises (nothing donated yet) fails the request it
+    served, with the reason, and frees its pages; the loop stays healthy and serves the
+    next request as the reference does. (Before, every such failure ended the server.)"""
+    _, _, ref = tiny
+    loop, kv = make_loop(tiny)
+    steps = loop._engine._steps
+    real = steps.compiled
+    failed: list = []
+
+    def compiled(shape):
+        if shape[2] == 1 and not failed:  # the first decode step
+            failed.append(shape)
+            raise RuntimeError("XLA compile failed")
+        return real(shape)
+
+    steps.compiled = compiled
+
+    async def main():
+        doomed = await collect(loop, request("doomed", 16, 16, 6))
+        healthy = loop.healthy(), loop.fatal_reason()
+        after = await collect(loop, request("after", 17, 11, 8))
+        await loop.shutdown(drain_timeout=5.0)
+        return doomed, healthy, after
+
+    doomed, (healthy, why), after = asyncio.run(main())
+    assert doomed[-1].finish_reason == "error"
+    assert doomed[-1].error == "the decode step failed: RuntimeError: XLA compile failed"
+    assert healthy and why is None
+    want = ref.generate(request("after", 17, 11, 8).input_ids, 8, ignore_eos=True)
+    assert [t for c in after for t in c.token_ids] == want.output_ids
+    assert after[-1].finish_reason == "length"
+    assert kv.num_free_pages == POOL_PAGES - 1
+    logged = [r for r in caplog.records if r.exc_info and "XLA compile" in str(r.exc_info[1])]
+    assert len(logged) == 1
+
+
+def test_a_step_that_loses_the_pool_still_ends_the_loop(tiny):
+    """A step that donated the pool and then raised leaves deleted arrays: nothing can be
+    served any more, so the loop fails the request, turns unhealthy and says why (the
+    server exits on it)."""
+    loop, _ = make_loop(tiny)
+    steps = loop._engine._steps
+    real = steps.compiled
+
+    def compiled(shape):
+        step = real(shape)
+        if shape[2] != 1:
+            return step
+
+        def donated_then_failed(state, batch, pool):
+            for leaf in jax.tree.leaves(pool):
+                leaf.delete()
+            raise RuntimeError("device lost mid-step")
+
+        return donated_then_failed
+
+    steps.compiled = compiled
+
+    async def main():
+        chunks = await asyncio.wait_for(collect(loop, request("lost", 18, 11, 8)), WAIT_S)
+        with pytest.raises(EngineFailedError, match="EngineStateLostError"):
+            await loop.generate(request("late", 19, 5, 4)).__anext__()
+        state = loop.healthy(), loop.fatal_reason()
+        await loop.shutdown(drain_timeout=1.0)
+        return chunks, state
+
+    chunks, (healthy, why) = asyncio.run(main())
+    assert chunks[-1].finish_reason == "error" and "RuntimeError: device lost" in chunks[-1].error
+    assert not healthy
+    assert "KV pool arrays were donated to the failed step and are gone" in why
+
+
+class StatsThreads(WrappedEngine):
+    """Records the threads `stats` is called on."""
+
+    def __init__(self, engine: DecodeEngine):
+        super().__init__(engine)
+        self.threads: set[str] = set()
+
+    def stats(self):
+        self.threads.add(threading.current_thread().name)
+        return self.engine.stats()
+
+
+def test_stats_are_what_the_engine_thread_published(tiny):
+    """`/server_info` and `/metrics` read `EngineLoop.stats()`: the engine is never asked
+    from the caller's thread while it steps (a live read raced the step and could fail),
+    and what the caller sees is current once a request's last chunk arrived."""
+    loop, kv = make_loop(tiny, StatsThreads)
+    engine = loop._engine
+    engine.threads.clear()  # the constructor's first read, before the thread ran
+
+    async def main():
+        await collect(loop, request("s0", 20, 5, 12))
+        seen = [loop.stats() for _ in range(3)]
+        threads = set(engine.threads)
+        await loop.shutdown(drain_timeout=1.0)
+        return seen, threads
+
+    seen, threads = asyncio.run(main())
+    assert threads == {loop._thread.name}
+    for stats in seen:
+        assert (stats.running, stats.waiting) == (0, 0)
+        assert stats.kv_pages_free == (POOL_PAGES - 1,) == (kv.num_free_pages,)

@@ -79,6 +79,19 @@ def test_greedy_and_top_k_one_are_argmax():
     assert sample_token(tie, SamplingParams(temperature=1.0, top_k=1), 0, 0) == 1
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_row_without_a_finite_maximum_is_refused_greedy_or_not(temperature):
+    """Broken logits (a NaN anywhere, or nothing finite) raise instead of giving a
+    token: greedy argmax would stop at the NaN and report a NaN log-prob. The engines
+    fail that request alone."""
+    params = SamplingParams(temperature=temperature)
+    for row in ([-1.0, np.nan, -0.5], [-np.inf] * 3, [np.nan] * 3):
+        with pytest.raises(ValueError, match="no finite maximum"):
+            sample_token(np.asarray(row, np.float32), params, 0, 0)
+    masked = np.asarray([-np.inf, -0.1, -np.inf], np.float32)  # -inf rows are fine
+    assert sample_token(masked, params, 0, 0) == 1
+
+
 def test_empirical_frequencies_follow_the_filtered_distribution():
     rng = np.random.default_rng(21)
     lp = random_logprobs(rng, 12, scale=1.0)

@@ -8,6 +8,8 @@ side never declares a live sender silent. Host-only receiver, no device work.
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,9 +21,9 @@ from cpkv_jax.paging import PageAllocator
 from transfer.backends.grpc_backend import GrpcBackend, GrpcBackendConfig
 from transfer.page_plan import PROTOCOL_VERSION, BufferKind, LayoutDescriptor
 from transfer.page_source import HostPoolPageSource
-from transfer.protocol import Aux, RoomState, TransferTimeouts
+from transfer.protocol import HANDSHAKE_HOLD_S, Aux, RoomState, TransferTimeouts
 from transfer.receiver import Receiver, serve
-from transfer.sender import rank_jobs, send_request
+from transfer.sender import RankJob, rank_jobs, send_request
 
 LAYOUT = LayoutDescriptor(PROTOCOL_VERSION, 4, 3, (0, 2), 16, "float32", 8, "float8_e4m3fn", True)
 CP = 2
@@ -59,11 +61,14 @@ def decode() -> Iterator[tuple[Receiver, str]]:
     rx.close()
 
 
-def send(rx: Receiver, target: str, room: str, read_delay_s: float) -> RoomState:
-    """One room of 4 pages from `CP` ranks whose first read takes `read_delay_s`."""
-    n_pages = 4
+N_PAGES = 4
+
+
+def host_pools() -> list[HostPoolPageSource]:
+    """Each rank's host pool: random pages, position p at local page 1 + p // CP."""
+    n_pages = N_PAGES
     rng = np.random.default_rng(0)
-    pools = [
+    return [
         HostPoolPageSource(
             LAYOUT,
             {
@@ -73,13 +78,22 @@ def send(rx: Receiver, target: str, room: str, read_delay_s: float) -> RoomState
         )
         for _ in range(CP)
     ]
+
+
+def room_jobs(room: str, target: str, sources) -> list[RankJob]:
+    """The `CP` rank jobs of a room of `N_PAGES` pages read from `sources`."""
+    # Position p lives on rank p % CP, at its local page 1 + p // CP (0 is the trash page).
+    local = 1 + np.arange(N_PAGES, dtype=np.int32) // CP
+    return rank_jobs(room, target, LAYOUT, N_PAGES * LAYOUT.page_size, local, sources, Aux(1, -0.5))
+
+
+def send(rx: Receiver, target: str, room: str, read_delay_s: float) -> RoomState:
+    """One room of 4 pages from `CP` ranks whose first read takes `read_delay_s`."""
+    n_pages = N_PAGES
+    pools = host_pools()
     dst = rx.allocate_pages(n_pages)
     rx.register_room(room, dst, n_pages * LAYOUT.page_size, CP)
-    # Position p lives on rank p % CP, at its local page 1 + p // CP (0 is the trash page).
-    local = 1 + np.arange(n_pages, dtype=np.int32) // CP
-    sources = [SlowSource(p, read_delay_s) for p in pools]
-    tokens = n_pages * LAYOUT.page_size
-    jobs = rank_jobs(room, target, LAYOUT, tokens, local, sources, Aux(1, -0.5))
+    jobs = room_jobs(room, target, [SlowSource(p, read_delay_s) for p in pools])
     backend = GrpcBackend(SENDER)
     try:
         outcome = send_request(backend, jobs, lambda _: None).wait(30.0)
@@ -132,3 +146,61 @@ def test_a_slow_heartbeat_reply_delays_no_later_beat(decode):
     rx.heartbeat = heartbeat  # type: ignore[method-assign]
     assert send(rx, target, "slow-reply", read_delay_s=3 * TIMEOUTS.heartbeat) is RoomState.SUCCESS
     assert slowed == set(range(CP))
+
+
+# ---- the handshake's wait for the decode side -------------------------------------------------
+
+
+def test_a_room_queued_on_the_decode_side_past_the_bootstrap_timeout_still_succeeds(decode):
+    """The decode server queues the request (its room is not registered) for 4x the
+    sender's bootstrap timeout: the decode side answers every handshake ("room not
+    registered yet"), so the ranks keep waiting - with backoff, the receiver holding a
+    handshake up to `HANDSHAKE_HOLD_S` - and send once the room appears. Failed before
+    the fix: the ranks gave up after `bootstrap_timeout_s` ("handshake failed:
+    NOT_FOUND"), so a request queued on the decode side for 300 s failed."""
+    rx, target = decode
+    config = dataclasses.replace(SENDER, bootstrap_timeout_s=0.3, retry_backoff_s=0.02)
+    calls: list[float] = []
+    real = rx.handshake
+
+    def handshake(*args, **kw):
+        calls.append(time.monotonic())
+        return real(*args, **kw)
+
+    rx.handshake = handshake  # type: ignore[method-assign]
+    backend = GrpcBackend(config)
+    try:
+        hold = send_request(backend, room_jobs("queued", target, host_pools()), lambda _: None)
+        t0 = time.monotonic()
+        wait_s = 4 * config.bootstrap_timeout_s + HANDSHAKE_HOLD_S
+        assert hold.wait(wait_s) is None, hold.outcome  # still waiting, not failed
+        # No tight loop: each rank asked about once per hold (held) or backoff.
+        per_rank_s = len(calls) / CP / (time.monotonic() - t0)
+        assert per_rank_s < 20, f"{len(calls)} handshakes from {CP} ranks in {wait_s:.1f}s"
+        dst = rx.allocate_pages(N_PAGES)
+        rx.register_room("queued", dst, N_PAGES * LAYOUT.page_size, CP)
+        outcome = hold.wait(10.0)
+    finally:
+        backend.close()
+    assert outcome is not None and outcome.state is RoomState.SUCCESS, outcome
+    rx.free_pages(dst)
+
+
+def test_an_unreachable_decode_side_still_fails_after_the_bootstrap_timeout():
+    """Nobody listens at the target: the handshake is retried for `bootstrap_timeout_s`
+    (time without any answer) and the room fails with the reason."""
+    with socket.socket() as s:  # a port nobody listens on (bound, never listening)
+        s.bind(("127.0.0.1", 0))
+        target = f"127.0.0.1:{s.getsockname()[1]}"
+        config = dataclasses.replace(SENDER, bootstrap_timeout_s=0.5, retry_backoff_s=0.02)
+        backend = GrpcBackend(config)
+        try:
+            t0 = time.monotonic()
+            hold = send_request(backend, room_jobs("nobody", target, host_pools()), lambda _: None)
+            outcome = hold.wait(10.0)
+            took = time.monotonic() - t0
+        finally:
+            backend.close()
+    assert outcome is not None and outcome.state is RoomState.FAILED
+    assert "handshake failed: UNAVAILABLE" in outcome.reason, outcome.reason
+    assert config.bootstrap_timeout_s <= took < 5.0, took
