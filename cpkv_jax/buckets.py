@@ -10,6 +10,7 @@ of distinct `StepShape`s.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from cpkv_jax.paging import pages_for_tokens
 
@@ -107,22 +108,36 @@ def block_rows(rows: int, row_bytes: int, budget: int = TRANSIENT_BLOCK_BYTES) -
 
 
 def reachable_step_shapes(
-    *, cp_size: int, page_size: int, max_extend_tokens: int, longest_tokens: int, max_rows: int
+    *,
+    cp_size: int,
+    page_size: int,
+    max_extend_tokens: int,
+    longest_tokens: int,
+    max_rows: int,
+    pool_pages: int | None = None,
 ) -> set[StepShape]:
     """Every `StepShape` a CP prefill step can take under these limits.
 
     One row's step extends `e` tokens, `1 <= e <= max_extend_tokens` (the page-floored
     chunk, or the longest prompt unchunked), on top of `j >= 0` whole pages already
     there (a prefix hit or earlier chunks, both page multiples), so its KV holds
-    `k = e + j * page_size <= longest_tokens` tokens. Block bucket `b` takes
-    `e in (cp * b, 2 * cp * b]` (from 1 for `b = 1`); its widths are those of every page
-    count from `pages(e_lo)` to the largest `pages(e) + (longest - e) // page_size` in the
-    bucket. Exact for one row (brute-forced in tests/core/test_step_buckets.py). Batches
-    padded to `rows <= pow2(max_rows)` take the same blocks with every width from the
-    bucket's narrowest to the longest request's: a superset of what the row budgets allow.
+    `k = e + j * page_size <= longest_tokens` tokens (the longest prompt the pool and
+    the context admit). Block bucket `b` takes `e in (cp * b, 2 * cp * b]` (from 1 for
+    `b = 1`); its widths are those of every page count from `pages(e_lo)` to the largest
+    `pages(e) + (longest - e) // page_size` in the bucket. Exact for one row
+    (brute-forced in tests/core/test_step_buckets.py).
+
+    Batches of `k >= 2` rows pad to `rows = pow2(k) <= pow2(max_rows)`. They hold their
+    pages at once: every row its own `pages(e)` new pages, a prefix at most once (rows
+    may share one), so with `pool_pages` (usable pages of all lanes; None = unbounded)
+    a padded batch needs its fewest rows `rows // 2 + 1` to fit beside its widest row.
+    Exact under that page count (brute-forced in tests/serving/test_reachable_shapes.py);
+    per-lane shares and token budgets beyond `max_rows` are not modelled, so it is a
+    superset of what the scheduler admits.
     """
     max_e = min(max_extend_tokens, longest_tokens)
-    widest = page_table_width(pages_for_tokens(max(longest_tokens, 1), page_size), cp_size)
+    longest_pages = pages_for_tokens(max(longest_tokens, 1), page_size)
+    widest = page_table_width(longest_pages, cp_size)
     out: set[StepShape] = set()
     block = 1
     while (lo := 1 if block == 1 else cp_size * block + 1) <= max_e:
@@ -133,16 +148,24 @@ def reachable_step_shapes(
             for e in range(lo, min(hi, lo + page_size - 1) + 1)
         )
         first = pages_for_tokens(lo, page_size)
-        one_row = {page_table_width(p, cp_size) for p in range(first, top + 1)}
-        batched = []
-        w = min(one_row)
-        while w <= widest:
-            batched.append(w)
-            w *= 2
-        rows = 1
+        for width in {page_table_width(p, cp_size) for p in range(first, top + 1)}:
+            out.add(StepShape(cp_size, page_size, 1, block, width))
+        rows = 2
         while rows <= pow2_at_least(max_rows):
-            for width in one_row if rows == 1 else batched:
-                out.add(StepShape(cp_size, page_size, rows, block, width))
+            fewest = rows // 2 + 1
+            width = page_table_width(first, cp_size)
+            while width <= widest:
+                # Fewest pages of a widest row of this width that holds the bucket's
+                # extend itself (up to `top`), or beside a row that does (any row's
+                # pages up to the longest prompt's; the others one page each).
+                p = max(first, 1 if width == cp_size else width // 2 + 1)
+                need = min(
+                    p + fewest - 1 if p <= min(top, width) else math.inf,
+                    p + first + fewest - 2 if p <= min(longest_pages, width) else math.inf,
+                )
+                if pool_pages is None or need <= pool_pages:
+                    out.add(StepShape(cp_size, page_size, rows, block, width))
+                width *= 2
             rows *= 2
         block *= 2
     return out

@@ -17,8 +17,12 @@ Modes (`--disaggregation-mode`):
   worker stops when the server closes.
 
 Pool size of a single-device (null / decode) server: as a prefill rank's
-(`serving.prefill.build.pool_pages_per_rank` with one lane): `--kv-pool-size` bytes, else
-enough pages for `min(max_position_embeddings, 131072)` tokens.
+(`serving.prefill.build.pool_pages_per_rank` with one lane): `--kv-pool-size` bytes; with
+`none` what the device memory plan leaves (`memory_plan.resolve_kv_pool_size`; on CPU
+without `--device-memory-bytes`, `min(max_position_embeddings, 131072)` tokens).
+`--max-running-requests none` is as many requests as that pool holds
+(`max_running_requests`). The startup log and `/server_info` give the longest prompt the
+server takes (`longest_prompt_tokens`) and its running-request bound.
 
 Before any weight is read, every mode validates the flags and runs the device memory
 plan (`serving.prefill.memory_plan`: weights, KV pool, transient buffers, FP8
@@ -44,6 +48,7 @@ from fastapi import FastAPI
 
 from cpkv_jax.aot import BackgroundCompiler, CompileJob
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.errors import ConfigError
 from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
@@ -68,7 +73,6 @@ from transfer.staging_arena import DEFAULT_ALIGNMENT
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_RUNNING = 64
 # Exit code of a server whose engine failed while serving (distinct from a leak's 1).
 EXIT_ENGINE_FAILED = 3
 # How often the server checks that its engine thread can still serve.
@@ -133,6 +137,49 @@ def mooncake_staging_bytes(
     return max(MOONCAKE_ARENA_MIN_BYTES, need)
 
 
+def max_running_requests(args: ServerArgs, usable_pages: int) -> tuple[int, str]:
+    """(`--max-running-requests`, why): with `none`, as many requests as the pool holds
+    at once, each at least the pages of the smallest request (a 1-token prompt and one
+    new token)."""
+    if args.max_running_requests is not None:
+        return args.max_running_requests, "--max-running-requests"
+    smallest = pages_for_tokens(2, args.page_size)
+    return max(1, usable_pages // smallest), (
+        f"--max-running-requests none: {usable_pages} usable KV pages / {smallest} page(s) "
+        "of the smallest request (a 1-token prompt and 1 new token)"
+    )
+
+
+def longest_prompt_tokens(engine: StepEngine) -> int:
+    """The longest prompt `engine` takes (0: none fits): the context and the pool's
+    tokens, each less one output token (`PrefillEngine.longest_prompt_tokens`; a decode
+    engine's requests need `prompt + max_new_tokens` within both)."""
+    if isinstance(engine, PrefillModeEngine):
+        return engine.engine.longest_prompt_tokens
+    assert isinstance(engine, DecodeEngine)
+    usable = engine.stats().kv_pages_total[0]
+    return max(0, min(engine.context_length, usable * engine.page_size) - 1)
+
+
+def log_longest_prompt(engine: StepEngine, args: ServerArgs, cfg: ModelConfig) -> int:
+    """Log the longest prompt `engine` takes and why (the startup line); `ConfigError`
+    when the pool cannot hold one request (a 1-token prompt and its output token)."""
+    longest = longest_prompt_tokens(engine)
+    if isinstance(engine, PrefillModeEngine):
+        alloc = engine.runner.allocator
+        pages = f"{alloc.capacity_per_lane} usable pages in each of {alloc.cp_size} owner lane(s)"
+    else:
+        pages = f"{engine.stats().kv_pages_total[0]} usable pages"
+    pool = (
+        f"KV pool of {pages}, {args.page_size} tokens a page; context "
+        f"{cfg.max_position_embeddings}; one token kept for output"
+    )
+    if longest < 1:
+        raise ConfigError(f"no request fits: {pool}; raise --kv-pool-size")
+    logger.info("longest prompt: %d tokens (%s)", longest, pool)
+    return longest
+
+
 def _detokenizer(tokenizer: Tokenizer | None):
     if tokenizer is None:
         return None
@@ -151,7 +198,9 @@ def _build_decode_side(
     dtype = DTYPES[args.dtype]
     pages = pool_pages_per_rank(args, cfg)  # cp_size 1 here: one lane, one trash page
     pool = init_pool(cfg, pages, args.page_size, dtype, args.index_k_dtype)
-    info: dict[str, Any] = {}
+    running, why = max_running_requests(args, pages - 1)
+    logger.info("max running requests: %d (%s)", running, why)
+    info: dict[str, Any] = {"max_running_requests": running}
     closers: list[Callable[[], None]] = []
     if args.disaggregation_mode == "null":
         kv: Any = KVSink(pool, PageAllocator(pages))
@@ -191,7 +240,7 @@ def _build_decode_side(
         model,
         kv,
         mode=args.disaggregation_mode,
-        max_running_requests=args.max_running_requests or DEFAULT_MAX_RUNNING,
+        max_running_requests=running,
         max_queued_requests=args.max_queued_requests,
         detokenize=_detokenizer(tokenizer),
     )
@@ -208,18 +257,20 @@ def _build_cached_unified(
     """Unified mode with the host cache: the CP prefill engine on one device (its prefix
     cache, host cache and scheduler) feeding the decode batch on its pool."""
     prefill = build_prefill_engine(args, model=model, devices=devices[:1], hold_finished=True)
+    running, why = max_running_requests(args, prefill.scheduler.allocator.capacity_per_lane)
+    logger.info("max running requests: %d (%s)", running, why)
     try:
         engine = CachedUnifiedEngine(
             prefill=prefill,
             **_model_flags(args, cfg, model),
-            max_running_requests=args.max_running_requests or DEFAULT_MAX_RUNNING,
+            max_running_requests=running,
             max_queued_requests=args.max_queued_requests,
             detokenize=_detokenizer(tokenizer),
         )
     except BaseException:
         prefill.close()
         raise
-    return engine, {}, [prefill.close]
+    return engine, {"max_running_requests": running}, [prefill.close]
 
 
 def _model_flags(args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> dict[str, Any]:
@@ -256,12 +307,15 @@ def warm_up(
     """Compile the common shapes before the server reports healthy; returns seconds and
     the step shapes left to a background compiler (`--warmup-background`, else none).
 
-    Prefill servers run one CP prefill per zigzag block bucket up to a chunk (prompts of
-    `2 * cp * block` tokens, then a whole chunk: every short prompt's step shape and the
+    First it logs the longest prompt the server takes (`log_longest_prompt`; a pool that
+    holds no request fails here); no warm-up prompt is longer. Prefill servers run one CP
+    prefill per zigzag block bucket up to a chunk (prompts of `2 * cp * block` tokens,
+    then a whole chunk or the longest prompt: every short prompt's step shape and the
     first chunk of every long one) and release the pages. Null and decode servers run a
     few short requests at once through a unified `DecodeEngine` on the same pool (a decode
     server's pool is the receiver's: the warm-up borrows a few pages and returns them), so
-    the prefill buckets of short prompts and the decode batch buckets 1, 2, 4, 8 compile.
+    the prefill buckets of short prompts and the decode batch buckets 1, 2, 4, 8 compile
+    (fewer, shorter requests where the pool holds less).
     Longer contexts (wider page tables) compile on first use, unless
     `--warmup-all-shapes`: then every reachable step shape compiles here (CP steps
     `buckets.reachable_step_shapes`, decode steps `decode.steps.reachable_shapes`), with
@@ -273,6 +327,9 @@ def warm_up(
     jobs: list[CompileJob] = []
     t0 = time.perf_counter()
     vocab = cfg.vocab_size - 3
+    # Warm-up prompts stay within what the pool and the context take (a small pool
+    # holds less than a default chunk); a pool that holds no request fails here.
+    longest = log_longest_prompt(engine, args, cfg)
 
     def prompt(n: int) -> list[int]:
         return [3 + (7 * i) % vocab for i in range(n)]
@@ -280,11 +337,11 @@ def warm_up(
     if isinstance(engine, PrefillModeEngine | CachedUnifiedEngine):
         runner = engine.prefill.runner if isinstance(engine, CachedUnifiedEngine) else engine.runner
         chunk = args.chunked_prefill_size or 4 * args.page_size * args.cp_size
-        chunk = min(chunk, cfg.max_position_embeddings - 1)
+        chunk = min(chunk, longest)
         cp = args.cp_size
         lengths = [2 * cp * b for b in _pow2_upto(chunk // (2 * cp)) if 2 * cp * b < chunk]
         for n in [*lengths, chunk]:
-            result = runner.prefill([prompt(n)], chunk)
+            result = runner.prefill([prompt(n)], args.chunked_prefill_size)
             runner.release(result.tables[0])
         jobs += _warm_prefill_steps(engine, args.warmup_all_shapes, background)
         if isinstance(engine, PrefillModeEngine):
@@ -292,12 +349,16 @@ def warm_up(
     # The decode batch buckets (a unified cached engine: on its runner's pool).
     assert isinstance(engine, DecodeEngine)
     free0 = engine.kv.num_free_pages
-    new_tokens = 9  # early requests keep decoding while later ones join: batches 1..8
-    per_request = pages_for_tokens(args.page_size + 1 + new_tokens, args.page_size)
+    # Prompts of a page and a token and of 5 tokens (two prefill buckets), 9 new tokens
+    # (early requests keep decoding while later ones join: batches 1..8); shorter where
+    # the pool or the context holds less (`longest` + 1 tokens at most).
+    long_prompt = min(args.page_size + 1, longest)
+    new_tokens = min(9, longest + 1 - long_prompt)
+    per_request = pages_for_tokens(long_prompt + new_tokens, args.page_size)
     k = max(1, min(8, engine.max_running_requests, free0 // per_request))
     probe = _decode_engine(args, cfg, model, engine.kv, mode="null", max_running_requests=k)
     for i in range(k):
-        n = args.page_size + 1 if i % 2 == 0 else 5  # two prefill buckets
+        n = long_prompt if i % 2 == 0 else min(5, long_prompt)
         probe.add(
             GenerateRequest(
                 f"warmup-{i}", tuple(prompt(n)), SamplingParams(max_new_tokens=new_tokens)
@@ -448,6 +509,10 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
     model_cfg = args.model_config()
     args.validate(model_cfg, device_count=len(devices))
     plan = plan_device_memory(args, model_cfg, devices)
+    # `--kv-pool-size none` is sized by the plan (free device memory); everything after
+    # it (pools, estimator, transfer buffers) builds that pool.
+    if args.kv_pool_size is None:
+        args = dataclasses.replace(args, kv_pool_size=plan.kv_pool_bytes)
     t0 = time.perf_counter()
     cfg, model, _ = load_serving_model(args, devices)
     tokenizer = load_tokenizer(args.model_path)
@@ -497,6 +562,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         for close in reversed(closers):
             close()
         raise
+    info["longest_prompt_tokens"] = longest_prompt_tokens(engine)
     COMPILES.mark_healthy()  # every compile after this one is paid by a request
     compiler = None
     if args.warmup_background:

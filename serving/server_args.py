@@ -17,8 +17,12 @@ that are accepted but do nothing. Rules that belong to another module call it
 (`cpkv_jax.config.check_cp_config` for CP, `transfer.capabilities` for backends).
 
 Decisions written down here (SPEC leaves them open):
-- `--kv-pool-size` is bytes per rank (byte-size string); `none` = size the pool from free
-  device memory at startup.
+- `--kv-pool-size` is bytes per rank (byte-size string); `none` = size the pool at startup
+  from the device memory budget left after what is in use, the weights, FP8
+  dequantization and the prefill transient buffers (`memory_plan.resolve_kv_pool_size`);
+  where the device reports no memory (XLA:CPU) and no `--device-memory-bytes` is given,
+  a pool of 131,072 tokens (or the context). `--max-running-requests none` = as many
+  requests as that pool holds at once (each at least one smallest request's pages).
 - `--enable-cp-shared-kv-prefill-bs-gt1` without `--enable-cp-shared-kv` is a warning,
   not an error: SPEC S5.1 says it has no effect on ordinary CP, so launch lines shared
   between prefill setups keep working.
@@ -324,7 +328,11 @@ class ServerArgs:
         16384, help="input-token budget of one prefill batch", group="scheduler"
     )
     max_running_requests: int | None = _arg(
-        None, help="requests running at once; none = bounded by KV memory only", group="scheduler"
+        None,
+        help="requests running at once on a unified or decode server; none = as many as the "
+        "KV pool holds at once: its usable pages / the pages of the smallest request (a "
+        "1-token prompt and 1 new token); logged at startup, in /server_info",
+        group="scheduler",
     )
     max_queued_requests: int | None = _arg(
         DEFAULT_MAX_QUEUED_REQUESTS,
@@ -335,7 +343,12 @@ class ServerArgs:
     )
     kv_pool_size: int | None = _arg(
         None,
-        help="device KV pool bytes per rank (e.g. 40GiB); none = size from free device memory",
+        help="device KV pool bytes per rank (e.g. 40GiB); none = the most whole pages that "
+        "fit the device memory budget (--mem-fraction-static of the device, or "
+        "--device-memory-bytes) less the memory in use, the weights, FP8 dequantization "
+        "and the prefill transient buffers (the rest of the device is headroom); where the "
+        "device reports no memory (CPU) and no --device-memory-bytes: 131072 tokens (or "
+        "the context); the choice is logged at startup",
         group="scheduler",
         parse=parse_byte_size,
         metavar="BYTES",
@@ -476,7 +489,10 @@ class ServerArgs:
     )
     transfer_bootstrap_timeout: float = _arg(
         300.0,
-        help="seconds for a PD pair to finish its bootstrap handshake",
+        help="seconds for a PD pair's bootstrap handshake: decode mode, from a room's "
+        "registration to its senders' handshakes; prefill mode, how long a sender retries "
+        "while the decode server does not answer (a room still queued there is waited for "
+        "until --request-timeout or the client leaves)",
         group="transfer",
         requires="disaggregated",
     )

@@ -54,7 +54,9 @@ from serving.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-# Without --kv-pool-size, pools hold this many tokens of context (or the model's maximum).
+# `--kv-pool-size none` where free device memory is unknown (XLA:CPU reports no memory
+# stats, and no --device-memory-bytes): pools hold this many tokens (or the model's
+# context), the longest GLM-5 prompts benchmarked; elsewhere the memory plan sizes them.
 DEFAULT_POOL_TOKENS = 131_072
 # The host cache may take at most this share of the host memory available at startup
 # (the rest: weights being read, the server's own heap, the transfer staging buffers).
@@ -114,16 +116,22 @@ class PrefillEngine:
     scheduler: PrefillScheduler
     host_io: HostCacheIO | None = None  # with --enable-hierarchical-cache
 
+    @property
+    def longest_prompt_tokens(self) -> int:
+        """The longest prompt a request can bring (`PrefillScheduler.longest_prompt`):
+        the pool's tokens (usable pages of every owner lane) and the context, each less
+        the output token reserved beside the prompt. 0 when not even a one-token prompt
+        fits."""
+        return min(self.cfg.max_position_embeddings - 1, self.scheduler.longest_prompt())
+
     def reachable_shapes(self, max_waiting: int | None = None) -> set[StepShape]:
         """Every CP step shape this engine's requests can reach
-        (`buckets.reachable_step_shapes`): prompts up to the context length less one
-        output token and the pool's capacity, chunks of `--chunked-prefill-size`, batches
-        up to `PrefillScheduler.max_batch_rows(max_waiting)`."""
+        (`buckets.reachable_step_shapes`): prompts up to `longest_prompt_tokens`, chunks
+        of `--chunked-prefill-size`, batches up to
+        `PrefillScheduler.max_batch_rows(max_waiting)` whose pages fit in the pool."""
         page = self.args.page_size
         alloc = self.scheduler.allocator
-        longest = min(
-            self.cfg.max_position_embeddings - 1, alloc.capacity_per_lane * alloc.cp_size * page
-        )
+        longest = self.longest_prompt_tokens
         chunk = chunk_tokens(self.args.chunked_prefill_size, page)
         return reachable_step_shapes(
             cp_size=self.args.cp_size,
@@ -131,6 +139,7 @@ class PrefillEngine:
             max_extend_tokens=longest if chunk is None else chunk,
             longest_tokens=longest,
             max_rows=self.scheduler.max_batch_rows(max_waiting),
+            pool_pages=alloc.capacity_per_lane * alloc.cp_size,
         )
 
     def warm_all_shapes(self, max_waiting: int | None = None) -> int:
@@ -176,19 +185,20 @@ class PrefillEngine:
         self.scheduler.close()
 
 
-def pool_pages_per_rank(args: ServerArgs, cfg: ModelConfig) -> int:
-    """Pages per rank: from `--kv-pool-size` bytes per rank, else a default context."""
+def pool_page_bytes(args: ServerArgs, cfg: ModelConfig) -> int:
+    """Bytes of one page of the pool on each rank (pools are linear in their pages)."""
     cp = args.cp_config()
-    dtype = DTYPES[args.dtype]
+    layout = PoolLayout(cp.cp_size, cp.shared_kv, 2, args.page_size)
+    return per_rank_pool_bytes(cfg, layout, DTYPES[args.dtype], args.index_k_dtype) // 2
+
+
+def pool_pages_per_rank(args: ServerArgs, cfg: ModelConfig) -> int:
+    """Pages per rank: from `--kv-pool-size` bytes per rank; None = `DEFAULT_POOL_TOKENS`
+    of context (a server resolves `none` first: `memory_plan.resolve_kv_pool_size`)."""
     if args.kv_pool_size is None:
         tokens = min(cfg.max_position_embeddings, DEFAULT_POOL_TOKENS)
-        return pages_per_rank_for(tokens, args.page_size, cp)
-    one_page = (
-        per_rank_pool_bytes(
-            cfg, PoolLayout(cp.cp_size, cp.shared_kv, 2, args.page_size), dtype, args.index_k_dtype
-        )
-        // 2
-    )
+        return pages_per_rank_for(tokens, args.page_size, args.cp_config())
+    one_page = pool_page_bytes(args, cfg)
     pages = args.kv_pool_size // one_page
     if pages < 2:
         raise ConfigError(

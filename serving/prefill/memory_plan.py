@@ -8,7 +8,12 @@ allocation):
   `--fp8-weights keep`) under `param_shardings(state, mesh, "cp" if EP else None)`: with
   `--ep-size N` a device holds `1/N` of the routed experts, everything else whole;
 - KV pool: `kv_pool.per_rank_pool_bytes` of the layout the server builds
-  (`serving.prefill.build.pool_pages_per_rank`; one lane on a null / decode server);
+  (`serving.prefill.build.pool_pages_per_rank`; one lane on a null / decode server).
+  `--kv-pool-size none` is resolved here (`resolve_kv_pool_size`): the most whole pages
+  that fit the budget below less the bytes the devices already hold
+  (`memory_stats()["bytes_in_use"]`), the weights, FP8 dequantization and the transient
+  buffers of the steps that pool admits; where no budget is known (XLA:CPU without
+  `--device-memory-bytes`) the pool of `DEFAULT_POOL_TOKENS` tokens, said in the log;
 - transient step buffers (prefill mode): the CPU-only `BufferEstimator` (the one the
   scheduler's S9.3 gate asks) for the largest step the scheduler can admit, with the
   batch's maxima taken independently (so an upper bound): rows = the most requests one
@@ -52,7 +57,12 @@ from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
 from cpkv_jax.model.expert_parallel import bytes_per_device, param_shardings
 from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.weights import checkpoint_model
-from serving.prefill.build import buffer_estimator, pool_pages_per_rank
+from serving.prefill.build import (
+    DEFAULT_POOL_TOKENS,
+    buffer_estimator,
+    pool_page_bytes,
+    pool_pages_per_rank,
+)
 from serving.server_args import ServerArgs, ServerArgsError
 
 logger = logging.getLogger(__name__)
@@ -88,6 +98,7 @@ class MemoryPlan:
     routed_expert_bytes: int = 0  # part of weight_bytes
     transient_source: str = ""
     budget_source: str = ""
+    kv_pool_source: str = "--kv-pool-size"  # how the pool was sized
 
     @property
     def total_bytes(self) -> int:
@@ -119,6 +130,7 @@ class MemoryPlan:
             "transient_bytes_per_device": self.transient_bytes,
             "fp8_dequant_bytes_per_device": self.dequant_bytes,
             "device_memory_budget_bytes": self.budget_bytes,
+            "kv_pool_source": self.kv_pool_source,
         }
 
 
@@ -171,9 +183,12 @@ def max_batch_rows(args: ServerArgs, usable_pages: int) -> int:
     return max(1, min(bounds))
 
 
-def transient_bytes_per_rank(args: ServerArgs, cfg: ModelConfig, platform: str) -> tuple[int, str]:
-    """(bytes, how they were bounded) of the largest admissible prefill step's buffers."""
-    pages = pool_pages_per_rank(args, cfg)
+def transient_bytes_per_rank(
+    args: ServerArgs, cfg: ModelConfig, platform: str, pages: int | None = None
+) -> tuple[int, str]:
+    """(bytes, how they were bounded) of the largest admissible prefill step's buffers,
+    with `pages` per rank (default: the pool `args` builds)."""
+    pages = pool_pages_per_rank(args, cfg) if pages is None else pages
     cp = args.cp_config()
     layout = PoolLayout(cp.cp_size, cp.shared_kv, pages, cp.page_size)
     usable = layout.lanes * (pages - 1)
@@ -197,14 +212,18 @@ def transient_bytes_per_rank(args: ServerArgs, cfg: ModelConfig, platform: str) 
     )
 
 
+def memory_stats(device: Any) -> dict[str, Any] | None:
+    """`device.memory_stats()`, None where the backend reports none (XLA:CPU)."""
+    return device.memory_stats() if hasattr(device, "memory_stats") else None
+
+
 def device_budget(args: ServerArgs, devices: Sequence[Any]) -> tuple[int | None, str]:
     """(per-device budget or None, where it comes from / why there is none)."""
     if args.device_memory_bytes is not None:
         return args.device_memory_bytes, "--device-memory-bytes"
     limits = []
     for d in devices:
-        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
-        limit = (stats or {}).get("bytes_limit")
+        limit = (memory_stats(d) or {}).get("bytes_limit")
         if not limit:
             return None, (
                 f"device {d} reports no memory limit (memory_stats() has no bytes_limit); "
@@ -233,6 +252,92 @@ def client_mem_fraction() -> float:
     return value if 0 < value <= 1 else JAX_DEFAULT_MEM_FRACTION
 
 
+# ---- --kv-pool-size none ----------------------------------------------------------------
+
+
+def free_static_bytes(args: ServerArgs, devices: Sequence[Any]) -> tuple[int | None, str]:
+    """(bytes, source): what the static allocations may still take on each device - the
+    budget (`device_budget`: the device x `--mem-fraction-static` capped by XLA's pool,
+    or `--device-memory-bytes`) less the most any device already holds
+    (`memory_stats()["bytes_in_use"]`, counted where reported); None where no budget is
+    known (a device without memory stats and no `--device-memory-bytes`)."""
+    budget, source = device_budget(args, devices)
+    if budget is None:
+        return None, source
+    in_use = max(int((memory_stats(d) or {}).get("bytes_in_use", 0)) for d in devices)
+    return budget - in_use, f"budget {_size(budget)} ({source}) - {_size(in_use)} in use"
+
+
+def kv_pool_pages_for(args: ServerArgs, cfg: ModelConfig, room: int, platform: str) -> int:
+    """The most pages per rank `p` whose pool and the transient buffers of the prefill
+    steps it admits fit in `room` bytes: `p * page + transient(p) <= room` (transient 0
+    on a single-device server, as in the plan), at most what int32 token slots address.
+    The transient bound grows with the pool (longer steps, more rows), so this is a
+    binary search; `ServerArgsError` when not even 2 pages (the trash page + one) fit."""
+    one_page = pool_page_bytes(args, cfg)
+    prefill = args.disaggregation_mode == "prefill"
+
+    def transient(pages: int) -> int:
+        return transient_bytes_per_rank(args, cfg, platform, pages)[0] if prefill else 0
+
+    def fits(pages: int) -> bool:
+        return pages * one_page + transient(pages) <= room
+
+    cp = args.cp_config()
+    lanes = PoolLayout(cp.cp_size, cp.shared_kv, 2, cp.page_size).lanes
+    # Token slots are int32 (page tables, write slots): a small model on a big device
+    # must not outgrow them.
+    most = (2**31 - 1) // (lanes * cp.page_size)
+    lo, hi = 1, max(1, min(room // one_page, most))  # invariant: lo fits (or is 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    if lo < 2 or not fits(lo):
+        raise ServerArgsError(
+            f"--kv-pool-size none: the device memory left after the weights and FP8 "
+            f"dequantization, {_size(room)} per device, does not hold 2 KV pages of "
+            f"{one_page} bytes (the trash page and one) and the transient step buffers of "
+            f"{_size(transient(2))}; split the experts with --ep-size, lower "
+            "--chunked-prefill-size, raise --mem-fraction-static or --device-memory-bytes, "
+            "or set --kv-pool-size"
+        )
+    return lo
+
+
+def resolve_kv_pool_size(
+    args: ServerArgs, cfg: ModelConfig, devices: Sequence[Any], fixed_bytes: int, platform: str
+) -> tuple[int, str]:
+    """(`--kv-pool-size` bytes per rank, how they were chosen). `none`: the free static
+    memory (`free_static_bytes`) less `fixed_bytes` (weights and FP8 dequantization per
+    device) and the transient buffers, in whole pages (`kv_pool_pages_for`); the
+    `1 - --mem-fraction-static` share of the device stays free for what the plan does not
+    count. Where free memory is unknown (XLA:CPU without `--device-memory-bytes`): the
+    pool of `DEFAULT_POOL_TOKENS` tokens (or the context)."""
+    if args.kv_pool_size is not None:
+        return args.kv_pool_size, "--kv-pool-size"
+    one_page = pool_page_bytes(args, cfg)
+    free, source = free_static_bytes(args, devices)
+    if free is None:
+        pages = pool_pages_per_rank(args, cfg)
+        tokens = min(cfg.max_position_embeddings, DEFAULT_POOL_TOKENS)
+        return pages * one_page, (
+            f"--kv-pool-size none with free device memory unknown ({source}): the default "
+            f"pool of {tokens} tokens (min(context, {DEFAULT_POOL_TOKENS})), {pages} pages "
+            "per rank; set --kv-pool-size or --device-memory-bytes to size it"
+        )
+    pages = kv_pool_pages_for(args, cfg, free - fixed_bytes, platform)
+    headroom = (
+        "the device beyond --device-memory-bytes"
+        if args.device_memory_bytes is not None
+        else f"{1 - args.mem_fraction_static:.0%} of the device (1 - --mem-fraction-static)"
+    )
+    return pages * one_page, (
+        f"--kv-pool-size none: {pages} pages per rank from free device memory, {source} - "
+        f"weights and FP8 dequantization {_size(fixed_bytes)} - transient buffers; "
+        f"{headroom} left as headroom"
+    )
+
+
 # ---- the plan -----------------------------------------------------------------------------
 
 
@@ -255,21 +360,30 @@ def plan_device_memory(
     ep_axis = CP_AXIS if prefill and args.ep_size > 1 else None
     shardings = param_shardings(state, mesh, ep_axis)
     weights = bytes_per_device(state, shardings)
+    dequant = fp8_dequant_bytes(state, shardings, dtype)
+    platform = devices[0].platform
+    used = list(mesh.devices.flat)
+    pool_size, pool_source = resolve_kv_pool_size(
+        args, cfg, used, weights["total"] + dequant, platform
+    )
+    args = dataclasses.replace(args, kv_pool_size=pool_size)
     if prefill:
-        transient, source = transient_bytes_per_rank(args, cfg, devices[0].platform)
+        transient, source = transient_bytes_per_rank(args, cfg, platform)
     else:
         transient, source = 0, "not estimated on a single-device server"
-    budget, budget_source = device_budget(args, list(mesh.devices.flat))
+    budget, budget_source = device_budget(args, used)
     plan = MemoryPlan(
         weight_bytes=weights["total"],
         kv_pool_bytes=kv_pool_bytes_per_rank(args, cfg),
         transient_bytes=transient,
-        dequant_bytes=fp8_dequant_bytes(state, shardings, dtype),
+        dequant_bytes=dequant,
         budget_bytes=budget,
         routed_expert_bytes=weights["routed_experts"],
         transient_source=source,
         budget_source=budget_source,
+        kv_pool_source=pool_source,
     )
+    logger.info("KV pool: %s per rank; %s", _size(plan.kv_pool_bytes), pool_source)
     if budget is None:
         logger.info("device memory check skipped: %s", budget_source)
     if not plan.fits:

@@ -11,6 +11,7 @@ The checkpoint is the FP8 tiny GLM-5 one with 16 routed experts (2 per rank at e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import jax
@@ -19,20 +20,22 @@ import pytest
 from flax import nnx
 from support.server_args_cases import SHARED_KV
 
+from cpkv_jax.config import ModelConfig
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
 from cpkv_jax.model.expert_parallel import EPSpec, is_expert_leaf
 from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.weights import checkpoint_model, load_model
-from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
+from cpkv_jax.model_configs import config_dir
 from serving import server as server_mod
 from serving.prefill import memory_plan
-from serving.prefill.build import build_prefill_engine, pool_pages_per_rank
+from serving.prefill.build import build_prefill_engine, pool_page_bytes, pool_pages_per_rank
 from serving.prefill.memory_plan import (
     MemoryPlan,
     device_budget,
     gib,
     plan_device_memory,
+    resolve_kv_pool_size,
     transient_bytes_per_rank,
 )
 from serving.server import build_server
@@ -42,11 +45,9 @@ CHUNK = 64
 
 
 @pytest.fixture(scope="module")
-def fp8_ckpt(tmp_path_factory):
+def fp8_ckpt(tiny_checkpoints):
     """The FP8 tiny checkpoint (sharded files + index) with 16 routed experts."""
-    return make_tiny_checkpoint(
-        tmp_path_factory.mktemp("fp8") / "tiny", "glm_moe_dsa", fp8=True, n_routed_experts=16
-    )
+    return tiny_checkpoints("glm_moe_dsa", fp8=True, n_routed_experts=16)
 
 
 def prefill_args(path, *extra: str) -> ServerArgs:
@@ -281,3 +282,119 @@ def test_host_cache_larger_than_the_host_memory_is_refused_before_allocating(cap
     assert "not checked" in caplog.text
     found, source = available_host_memory()  # this Linux machine reports it
     assert found is not None and found > 0 and source
+
+
+# ---- --kv-pool-size none (issue 26) ---------------------------------------------------
+
+
+def assert_most_pages(plan: MemoryPlan, args: ServerArgs, room: int) -> int:
+    """`plan`'s pool is whole pages, fits `room` beside the weights, dequantization and
+    its transient buffers, and one page more (with its own transient bound) would not;
+    returns its pages per rank."""
+    cfg = args.model_config()
+    one_page = pool_page_bytes(args, cfg)
+    pages, rest = divmod(plan.kv_pool_bytes, one_page)
+    assert rest == 0 and plan.total_bytes <= room
+    more = transient_bytes_per_rank(args, cfg, "cpu", pages + 1)[0]
+    assert plan.weight_bytes + plan.dequant_bytes + (pages + 1) * one_page + more > room
+    # What build_server hands on to the engine builds exactly this pool.
+    sized = dataclasses.replace(args, kv_pool_size=plan.kv_pool_bytes)
+    assert pool_pages_per_rank(sized, cfg) == pages
+    return pages
+
+
+def test_kv_pool_none_is_sized_from_free_device_memory(fp8_ckpt, monkeypatch, caplog):
+    """`--kv-pool-size none` is the most whole pages that fit the budget less what the
+    devices hold, the weights, FP8 dequantization and the transient buffers of the steps
+    that pool admits: with `--device-memory-bytes` on CPU (no memory stats), and with
+    `memory_stats()` reporting a 256 MiB XLA pool (0.95 of the device, the budget 0.88
+    of it) of which 10 MiB are in use."""
+    explicit = ("--kv-pool-size", "none", "--device-memory-bytes", "64MiB")
+    args = prefill_args(fp8_ckpt, "--ep-size", "8", *explicit)
+    pages = assert_most_pages(plan_for(args), args, 64 * 2**20)
+    assert pages > 1000  # far more than the 4,096-token default (33 pages per rank)
+
+    limit, in_use = 256 * 2**20, 10 * 2**20
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    monkeypatch.setattr(
+        memory_plan, "memory_stats", lambda d: {"bytes_limit": limit, "bytes_in_use": in_use}
+    )
+    args = prefill_args(fp8_ckpt, "--ep-size", "8", "--kv-pool-size", "none")
+    with caplog.at_level(logging.INFO, logger=memory_plan.__name__):
+        plan = plan_for(args)
+    budget = int(int(limit / 0.95) * 0.88)
+    assert plan.budget_bytes == budget
+    pages = assert_most_pages(plan, args, budget - in_use)
+    assert f"{pages} pages per rank from free device memory" in plan.kv_pool_source
+    assert "12% of the device" in plan.kv_pool_source
+    assert plan.server_info()["kv_pool_source"] == plan.kv_pool_source
+    assert any(plan.kv_pool_source in r.getMessage() for r in caplog.records)
+
+
+def test_kv_pool_none_on_cpu_takes_the_default_and_says_why(fp8_ckpt, caplog):
+    """XLA:CPU reports no memory stats: the pool holds 131,072 tokens or the context
+    (the tiny model's 4,096), and the log says that and why."""
+    args = prefill_args(fp8_ckpt, "--kv-pool-size", "none")
+    with caplog.at_level(logging.INFO, logger=memory_plan.__name__):
+        plan = plan_for(args)
+    cfg = args.model_config()
+    assert plan.kv_pool_bytes == pool_pages_per_rank(args, cfg) * pool_page_bytes(args, cfg)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool")]
+    assert len(lines) == 1, lines
+    for words in ("free device memory unknown", "no memory limit", "4096 tokens", "131072"):
+        assert words in lines[0], lines[0]
+
+
+def glm5_prefill_args(**kw) -> ServerArgs:
+    """GLM-5 CP 8 / EP 8 shared-KV prefill flags (config only: no weights are read)."""
+    return ServerArgs(
+        model_path=str(config_dir("glm-5")),
+        disaggregation_mode="prefill",
+        transfer_backend="grpc",
+        cp_size=8,
+        ep_size=8,
+        enable_cp_shared_kv=True,
+        page_size=64,
+        dtype="bfloat16",
+        index_k_dtype="fp8_e4m3",
+        **kw,
+    )
+
+
+H200 = 141 * 10**9
+GLM5_WEIGHTS = 112_030_000_000  # FP8 at EP 8, per device (docs/results.md)
+GLM5_DEQUANT = 2_840_000_000
+
+
+@pytest.mark.parametrize("chunk", [None, 16384])
+def test_kv_pool_none_at_glm5_dims(monkeypatch, chunk):
+    """The same sizing at GLM-5 dims (78 layers, 64-token pages of 576 bf16 latent + 132 B
+    fp8 index K per token and layer) on an H200 whose XLA pool is 0.95 of 141 GB: the
+    budget 124.08 GB less the EP 8 weights, dequantization and the transient buffers of
+    a whole-context (or 16K-chunk) step holds the 202,752-token context on the node, and
+    fewer tokens than the 96,064 per rank the benchmark finds without the transients."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+    class Gpu:
+        def memory_stats(self):
+            return {"bytes_limit": int(H200 * 0.95), "bytes_in_use": 2**30}
+
+    args = glm5_prefill_args(chunked_prefill_size=chunk)
+    cfg = ModelConfig.from_pretrained(config_dir("glm-5"))
+    fixed = GLM5_WEIGHTS + GLM5_DEQUANT
+    size, source = resolve_kv_pool_size(args, cfg, [Gpu()] * 8, fixed, "gpu")
+    page = 78 * 64 * (1152 + 132)
+    assert pool_page_bytes(args, cfg) == page
+    pages, rest = divmod(size, page)
+    room = int(H200 * 0.88) - 2**30 - fixed
+    transient = transient_bytes_per_rank(args, cfg, "gpu", pages)[0]
+    assert rest == 0 and pages * page + transient <= room
+    assert (pages + 1) * page + transient_bytes_per_rank(args, cfg, "gpu", pages + 1)[0] > room
+    assert 2**30 < transient < 4 * 2**30  # the estimator's GLM-5 step buffers: GBs
+    tokens_per_rank = (pages - 1) * 64
+    assert cfg.max_position_embeddings <= 8 * tokens_per_rank < 8 * 96_064
+    assert "12% of the device" in source and "1.00 GiB in use" in source
+    # Weights that leave less than 2 pages beside the transients are refused, with the numbers.
+    with pytest.raises(ServerArgsError, match="does not hold 2 KV pages") as e:
+        resolve_kv_pool_size(args, cfg, [Gpu()] * 8, room + fixed - page, "gpu")
+    assert "--kv-pool-size" in str(e.value) and str(page) in str(e.value)

@@ -1,7 +1,9 @@
 """`serving.decode.steps.reachable_shapes` (issue 25): the step shapes a `DecodeEngine`
 can dispatch, enumerated from its limits, equal a brute force over every request a
 client could send (prefill) and every set of running reservations that fits the pool
-(decode), for random small limits."""
+(decode), for random small limits. `cpkv_jax.buckets.reachable_step_shapes` with a pool
+(issue 26): the padded CP prefill batches equal a brute force over every batch of rows
+whose pages fit the pool together."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import itertools
 import numpy as np
 import pytest
 
-from cpkv_jax.buckets import pow2_at_least, prefill_bucket
+from cpkv_jax.buckets import pow2_at_least, prefill_bucket, reachable_step_shapes, step_shape
 from cpkv_jax.paging import pages_for_tokens
 from serving.decode.steps import reachable_shapes
 
@@ -46,3 +48,66 @@ def test_enumeration_equals_brute_force(seed):
         max_running_requests=running,
     )
     assert got == brute(page, context, usable, running), (page, context, usable, running)
+
+
+def cp_brute(cp, page, max_extend, longest, max_rows, pool) -> set:
+    """Every padded step of k <= max_rows rows (e, j): 1 <= e <= max_extend extend
+    tokens over j whole pages, e + j * page <= longest, holding max(j) + sum(pages(e))
+    pages (rows may share one prefix) <= pool."""
+    rows = [
+        (e, j)
+        for e in range(1, min(max_extend, longest) + 1)
+        for j in range((longest - e) // page + 1)
+    ]
+    out = set()
+
+    def grow(start, k, max_e, max_kv, max_j, own):
+        out.add(step_shape(k, max_e, max_kv, cp, page))
+        if k == max_rows:
+            return
+        for i in range(start, len(rows)):
+            e, j = rows[i]
+            cost = max(max_j, j) + own + pages_for_tokens(e, page)
+            if cost <= pool:
+                grow(
+                    i,
+                    k + 1,
+                    max(max_e, e),
+                    max(max_kv, e + j * page),
+                    max(max_j, j),
+                    cost - max(max_j, j),
+                )
+
+    for i, (e, j) in enumerate(rows):
+        if j + pages_for_tokens(e, page) <= pool:
+            grow(i, 1, e, e + j * page, j, pages_for_tokens(e, page))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_cp_step_enumeration_equals_brute_force_for_small_pools(seed):
+    """`buckets.reachable_step_shapes` with a pool: batches whose fewest rows cannot sit
+    beside their widest row in the pool are left out, and nothing else is."""
+    rng = np.random.default_rng(100 + seed)
+    cp = int(rng.choice([1, 2, 4]))
+    page = int(rng.choice([2, 4]))
+    pool = int(rng.integers(1, 9))
+    longest = int(rng.integers(1, pool * page + 1))  # what the pool can hold
+    max_extend = int(rng.integers(1, longest + 1))
+    max_rows = int(rng.integers(1, 6))
+    got = reachable_step_shapes(
+        cp_size=cp,
+        page_size=page,
+        max_extend_tokens=max_extend,
+        longest_tokens=longest,
+        max_rows=max_rows,
+        pool_pages=pool,
+    )
+    assert got == cp_brute(cp, page, max_extend, longest, max_rows, pool), (
+        cp,
+        page,
+        max_extend,
+        longest,
+        max_rows,
+        pool,
+    )

@@ -37,7 +37,6 @@ from support.http_client import Served
 
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
-from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from serving.compile_events import COMPILES
 from serving.prefill.engine import PrefillModeEngine
 from serving.router import RouterConfig, build_router_app
@@ -60,8 +59,8 @@ def wait_until(pred: Callable[[], bool], what: str, timeout: float = WAIT_S) -> 
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("e2e") / "tiny", "glm_moe_dsa")
+def ckpt(tiny_checkpoints):
+    path = tiny_checkpoints("glm_moe_dsa")
     cfg, model = load_model(path, progress=False)
     ref = ReferenceGenerator(cfg, model, page_size=P)
     return path, cfg, ref
