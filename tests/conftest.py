@@ -68,7 +68,8 @@ def tiny_checkpoints(tmp_path_factory):
     def get(arch: str = "glm_moe_dsa", **kw) -> Path:
         key = (arch, tuple(sorted(kw.items())))
         if key not in made:
-            made[key] = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / arch, arch, **kw)
+            # The directory is named "tiny": servers serve it as model "tiny".
+            made[key] = make_tiny_checkpoint(tmp_path_factory.mktemp(arch) / "tiny", arch, **kw)
         return made[key]
 
     return get

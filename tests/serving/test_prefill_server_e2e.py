@@ -51,13 +51,18 @@ from transfer.receiver import Receiver, serve
 from transfer.sender import RankJob, TransferBackend
 
 VOCAB = 320  # the tiny model's
-WAIT = 30.0  # bound on any one request here; never reached when green
+WAIT = 120.0  # bound on any one request here (first compiles included); never reached when green
 # Log-prob tolerance vs the single-device reference: both float32 log-softmax of logits
 # that differ only by CP vs single-device reduction order (ulps of O(1) values).
 LOGPROB_ATOL = 1e-5
-# Decode side: rooms are registered before the prefill steps (compiles take seconds on
-# 2 cores), so bootstrap and waiting allow for them; heartbeats are short.
-TIMEOUTS = TransferTimeouts(bootstrap=WAIT, waiting=WAIT, heartbeat=2.0, heartbeat_interval=0.1)
+# Decode side: rooms are registered before the prefill steps and the gated senders
+# handshake only after them, so bootstrap and waiting cover a step's first compile
+# (over 30 s for the batch-invariant CP step with two test workers on 2 cores);
+# heartbeats are short.
+ROOM_WAIT = 180.0
+TIMEOUTS = TransferTimeouts(
+    bootstrap=ROOM_WAIT, waiting=ROOM_WAIT, heartbeat=2.0, heartbeat_interval=0.1
+)
 SENDER = GrpcBackendConfig(
     chunk_bytes=64 * 1024,
     max_retries=2,
