@@ -31,6 +31,9 @@ from cpkv_jax.model.moe import EXPERT_PROJS
 from cpkv_jax.model.weights import LoadStats, _checkpoint_tensors, load_model
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
+# Among the longest files of the suite: scheduled first (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 CP = 8
 EXPERTS = 16
 CHUNK = 2 * P  # several chunks: the KV of earlier chunks is read back through EP layers

@@ -44,6 +44,9 @@ from cpkv_jax.paging import PageAlignmentError, owned_pages, pages_for_tokens
 from cpkv_jax.pallas import lpf_copy
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
+# Among the longest files of the suite: scheduled first (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 P = 4
 CP = 4
 PAGES_PER_RANK = 8

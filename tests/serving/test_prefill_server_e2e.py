@@ -50,6 +50,9 @@ from transfer.protocol import Aux, RoomState, TransferTimeouts
 from transfer.receiver import Receiver, serve
 from transfer.sender import RankJob, TransferBackend
 
+# Among the longest files of the suite: scheduled first (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 VOCAB = 320  # the tiny model's
 WAIT = 120.0  # bound on any one request here (first compiles included); never reached when green
 # Log-prob tolerance vs the single-device reference: both float32 log-softmax of logits

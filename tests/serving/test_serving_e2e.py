@@ -44,6 +44,9 @@ from serving.server import Server, build_server
 from serving.server_args import ServerArgs
 from transfer.backends.mooncake_engine import mooncake_available
 
+# Among the longest files of the suite: scheduled first (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 P = 16
 CP = 8
 NEW = 6
