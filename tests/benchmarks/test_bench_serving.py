@@ -323,8 +323,11 @@ def test_broken_upstream_failures_are_counted_by_reason_and_the_rest_measured(
     assert closed.startswith("connection error: RemoteProtocolError") and count == per_kind
     out = BrokenUpstream.OUTPUT
     assert run["ttft_ms"]["count"] == per_kind and run["ttft_ms"]["median"] >= 10
-    # Events come 10 ms apart; a busy client may read two at once (a gap near 0), not all.
-    assert run["itl_ms"]["count"] == per_kind * (out - 1) and run["itl_ms"]["max"] >= 5
+    # Events leave 10 ms apart, but a busy client may read them all at once (CI saw a 0.1 ms
+    # max), so no lower bound holds. What does: ITL gaps are the time between token
+    # arrivals, which fits within E2E - TTFT, so their mean cannot exceed TPOT's.
+    assert run["itl_ms"]["count"] == per_kind * (out - 1)
+    assert 0 <= run["itl_ms"]["mean"] <= run["tpot_ms"]["mean"] + 1e-3
     assert run["tpot_ms"]["count"] == per_kind
     assert run["total_output_tokens"] == per_kind * out
     assert run["total_input_tokens"] == per_kind * 8 and run["input_tokens_source"] == "server"

@@ -27,14 +27,22 @@ pytestmark = pytest.mark.slow
 PAGE = 16
 
 
-def _batch(ids, positions, table, kv_len):
-    ids = np.asarray(ids, np.int32)[None]
-    positions = np.asarray(positions, np.int32)[None]
+def _batch(ids, positions, table, kv_len, width=None):
+    """One row; with `width`, padded to that many tokens as the server pads a prefill
+    bucket (padding invalid, written to the trash page's slot 0)."""
+    n = len(ids)
+    width = width or n
+    padded = np.zeros((1, width), np.int32)
+    padded[0, :n] = ids
+    pos = np.zeros((1, width), np.int32)
+    pos[0, :n] = positions
+    valid = np.arange(width)[None] < n
+    slots = np.where(valid, slots_for_positions(table, pos[0], PAGE)[None], 0)
     return ForwardBatch(
-        input_ids=jnp.asarray(ids),
-        positions=jnp.asarray(positions),
-        valid=jnp.ones(ids.shape, bool),
-        write_slots=jnp.asarray(slots_for_positions(table, positions[0], PAGE)[None]),
+        input_ids=jnp.asarray(padded),
+        positions=jnp.asarray(pos),
+        valid=jnp.asarray(valid),
+        write_slots=jnp.asarray(slots, jnp.int32),
         page_table=jnp.asarray(table[None]),
         kv_lens=jnp.asarray([kv_len], jnp.int32),
     )
@@ -47,9 +55,11 @@ def model(request):
 
 
 LENGTHS = [PAGE - 1, PAGE, PAGE + 1, 2 * PAGE + 3]
-# One pool and page-table width for every length: the token-by-token decode steps then
-# share one compiled program per model and index-K dtype (the suite's time).
+# One pool, page-table width and padded prefill width for every length: the prefill and
+# the token-by-token decode steps each compile once per model and index-K dtype (the
+# suite's time); the padding is the server's (`prefill_batch`).
 MAX_PAGES = pages_for_tokens(max(LENGTHS), PAGE)
+PREFILL_WIDTH = MAX_PAGES * PAGE
 
 
 @pytest.mark.parametrize("length", LENGTHS)
@@ -70,7 +80,7 @@ def test_prefill_logits_equal_decode_logits(model, length, index_k_dtype):
     prefill, _ = forward_step(
         graphdef,
         state,
-        _batch(ids, np.arange(length), table, length),
+        _batch(ids, np.arange(length), table, length, width=PREFILL_WIDTH),
         pool,
         index_k_dtype=index_k_dtype,
         all_logits=True,
@@ -88,6 +98,6 @@ def test_prefill_logits_equal_decode_logits(model, length, index_k_dtype):
             form="absorbed",
         )
         decoded.append(logits[0])
-    chex.assert_trees_all_close(prefill[0], jnp.stack(decoded), rtol=1e-4, atol=1e-4)
+    chex.assert_trees_all_close(prefill[0, :length], jnp.stack(decoded), rtol=1e-4, atol=1e-4)
     # index_topk (16) < length for the longer prompts: the sparse path really ran.
     assert cfg.index_topk < 2 * PAGE + 3

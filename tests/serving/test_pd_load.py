@@ -50,7 +50,10 @@ pytestmark = pytest.mark.slow
 DECODE_POOL = "1536KiB"  # ~87 pages of 16 tokens: long prompts wait for each other
 PREFILL_POOL = "2MiB"  # per rank
 CONCURRENCY = 16
-REQUEST_TIMEOUT_S = 120.0  # one request's bound; a hang fails the test
+# One request's bound; a hang fails the test. The first wave compiles the step shapes
+# it reaches (about 60 on first use) while the other test worker compiles too: CI saw a
+# p50 of 86 s and requests cut off at a 120 s bound.
+REQUEST_TIMEOUT_S = 300.0
 KILL_AFTER_S = 4.0
 SAMPLE = 4  # outputs checked against the single-device reference
 OK_KINDS = {"ok", "cancelled", "bad_request_ok", "queue_full"}
@@ -61,6 +64,17 @@ def _explicit(o: Outcome) -> bool:
     if o.kind in OK_KINDS | {"unavailable"}:
         return True
     return o.status in (200, 500, 503, 504) and bool(o.detail) and "no answer" not in o.detail
+
+
+def _why(c: PDCluster, summary: dict) -> str:
+    """A failed wave's message: the failures, which processes live, each log's last
+    warnings (CI keeps only the test's output)."""
+    lines = [f"failures: {summary['failures']}", f"alive: {c.alive()}", f"summary: {summary}"]
+    for log in sorted(c.config.log_dir.glob("*.log")):
+        bad = [ln for ln in log.read_text(errors="replace").splitlines() if " WARNING " in ln
+               or " ERROR " in ln or "Traceback" in ln]  # fmt: skip
+        lines += [f"--- {log.name}: {len(bad)} warnings/errors, last ones:", *bad[-8:]]
+    return "\n".join(lines)
 
 
 def _run(url: str, requests, *, timeout_s: float = REQUEST_TIMEOUT_S) -> list[Outcome]:
@@ -90,7 +104,7 @@ BACKENDS = [
 ]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1500)  # startup, three waves of up to REQUEST_TIMEOUT_S, a restart
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, reference, tmp_path):
     config = ClusterConfig(
@@ -116,9 +130,9 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         wave = mix.make(n1, seed=1)
         outcomes = _run(router, wave)
         summary = summarize(outcomes)
-        assert summary["outcomes"].get("failed", 0) == 0, summary
-        assert all(o.kind in OK_KINDS for o in outcomes), summary
-        assert sum(o.kind == "ok" for o in outcomes) >= n1 // 3, summary
+        assert summary["outcomes"].get("failed", 0) == 0, _why(c, summary)
+        assert all(o.kind in OK_KINDS for o in outcomes), _why(c, summary)
+        assert sum(o.kind == "ok" for o in outcomes) >= n1 // 3, _why(c, summary)
         good = sorted(
             (o for o in outcomes if o.kind == "ok"), key=lambda o: len(o.request.input_ids)
         )
@@ -149,7 +163,7 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
             time.sleep(0.25)
         after = _run(router, [r for r in mix.make(n_after, seed=3) if r.bad is None])
         summary = summarize(after)
-        assert all(o.kind in ("ok", "cancelled") for o in after), summary
+        assert all(o.kind in ("ok", "cancelled") for o in after), _why(c, summary)
 
         # 4. Every page accounted for; no engine died.
         assert wait_idle([c.urls["prefill"], c.urls["decode"]], timeout_s=60)
