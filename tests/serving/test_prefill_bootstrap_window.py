@@ -14,28 +14,27 @@ The CP 8 prefill engine of the tiny model (float32, bs > 1) with a real
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import ClassVar
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.prefill_server import CP, P, server_args
+from support.prefill_server import (
+    CP,
+    GatedBackend,
+    P,
+    fast_grpc_sender,
+    loopback_receiver,
+    server_args,
+)
 
-from cpkv_jax.model.kv_cache import init_pool
-from cpkv_jax.paging import PageAllocator, pages_for_tokens
+from cpkv_jax.paging import pages_for_tokens
 from serving.engine.api import GenerateRequest, OutputChunk, SamplingParams
 from serving.prefill.build import build_prefill_engine
 from serving.prefill.engine import PrefillModeEngine
 from transfer.backends.grpc_backend import GrpcBackend, GrpcBackendConfig
-from transfer.capabilities import BackendCapabilities, default_backend_registry
-from transfer.hold import TransferHold
 from transfer.protocol import RoomState, TransferTimeouts
-from transfer.receiver import Receiver, serve
-from transfer.sender import RankJob, TransferBackend
 
 VOCAB = 320  # the tiny model's
 WAIT = 30.0  # bound on any one wait here; never reached when green
@@ -50,37 +49,9 @@ THREAD_BOUND = WINDOW * CP * 2 + 96
 TIMEOUTS = TransferTimeouts(bootstrap=WAIT, waiting=WAIT, heartbeat=2.0, heartbeat_interval=0.1)
 # The senders give up after 0.5 s without any answer from the decode side: far below
 # how long the decode side queues a room here.
-SHORT = GrpcBackendConfig(
-    chunk_bytes=64 * 1024,
-    max_retries=2,
-    retry_backoff_s=0.02,
-    rpc_timeout_s=10.0,
-    heartbeat_interval_s=0.1,
-    heartbeat_timeout_s=2.0,
-    bootstrap_timeout_s=0.5,
-)
+SHORT = fast_grpc_sender(bootstrap_timeout_s=0.5)
 # As the default 300 s: before the fix, queued requests' senders lived this long.
-LONG = dataclasses.replace(SHORT, bootstrap_timeout_s=WAIT)
-
-
-class StartedRooms(TransferBackend):
-    """Wraps a backend and records the rooms whose senders started."""
-
-    capabilities: ClassVar[BackendCapabilities] = default_backend_registry().get("grpc")
-
-    def __init__(self, inner: TransferBackend):
-        self.inner = inner
-        self.rooms: set[str] = set()
-        self._lock = threading.Lock()
-
-    def send_rank(self, job: RankJob, hold: TransferHold):
-        with self._lock:
-            self.rooms.add(job.room)
-        return self.inner.send_rank(job, hold)
-
-    def started(self) -> set[str]:
-        with self._lock:
-            return set(self.rooms)
+LONG = fast_grpc_sender(bootstrap_timeout_s=WAIT)
 
 
 class PD:
@@ -91,20 +62,16 @@ class PD:
         self.pre = build_prefill_engine(server_args(path), model=model, hold_finished=True)
         self.free0 = self.pre.runner.allocator.num_free_per_lane()
         self.backends: list[GrpcBackend] = []
-        self.rx = Receiver(
-            self.mode_engine(SHORT)[0].layout,
-            init_pool(cfg, 64, P, jnp.float32, "float32"),
-            PageAllocator(64),
-            timeouts=TIMEOUTS,
-        ).start(interval=0.02)
-        self.server, port = serve(self.rx)
-        self.target = f"127.0.0.1:{port}"
+        self.rx, self.server, self.target = loopback_receiver(
+            self.mode_engine(SHORT)[0].layout, cfg, 64, TIMEOUTS
+        )
 
-    def mode_engine(self, config: GrpcBackendConfig) -> tuple[PrefillModeEngine, StartedRooms]:
-        """A PD prefill engine over the shared scheduler, sending with `config`."""
+    def mode_engine(self, config: GrpcBackendConfig) -> tuple[PrefillModeEngine, GatedBackend]:
+        """A PD prefill engine over the shared scheduler, sending with `config`; its
+        backend's gate stays open (it only records the rooms whose senders started)."""
         inner = GrpcBackend(config)
         self.backends.append(inner)
-        backend = StartedRooms(inner)
+        backend = GatedBackend(inner, WAIT)
         return PrefillModeEngine(self.pre, backend, max_queued_requests=QUEUED), backend
 
     def close(self) -> None:

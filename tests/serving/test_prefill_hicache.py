@@ -91,6 +91,22 @@ def _run(sched: PrefillScheduler, rid: str, ids: np.ndarray):
     return out
 
 
+def _long_prompt_on_host(sched: PrefillScheduler, seed: int):
+    """Prefill a long prompt (seed `seed`) on a write-through scheduler and evict every
+    device page to host. Returns the device and host free counts from before, the
+    prompt and its reference logits."""
+    cfg, model = _model()
+    cache = sched.cache
+    dev0 = cache.allocator.num_free_per_lane().tolist()
+    host0 = cache.host_free_per_lane().tolist()
+    long = _prompt(8 * PAGE + 3, seed)
+    want, _ = reference(cfg, model, long)
+    _run(sched, "a", long)
+    cache.evict(np.full((CP,), PAGES_PER_RANK))
+    assert cache.match_prefix(long[:-1]).host_num_tokens == 8 * PAGE
+    return dev0, host0, long, want
+
+
 def _close_and_check_no_leaks(sched, cache, io, dev0, host0):
     sched.sync_host_cache(wait=True)
     sched.close()
@@ -130,16 +146,9 @@ def test_evicted_prompt_comes_back_from_host(runner):
 
 
 def test_host_hit_without_room_or_with_a_failed_copy_is_recomputed(runner, monkeypatch):
-    cfg, model = _model()
     sched, cache, io = _hicache(runner)
     alloc = runner.allocator
-    dev0 = alloc.num_free_per_lane().tolist()
-    host0 = cache.host_free_per_lane().tolist()
-    long = _prompt(8 * PAGE + 3, 2)
-    want, _ = reference(cfg, model, long)
-    _run(sched, "a", long)
-    cache.evict(np.full((CP,), PAGES_PER_RANK))  # everything to host (write-through)
-    assert cache.match_prefix(long[:-1]).host_num_tokens == 8 * PAGE
+    dev0, host0, long, want = _long_prompt_on_host(sched, 2)
 
     # S10: lanes 4..7 have no free or evictable page, so the host hit is not loaded
     # back; the request's first chunk (pages 0-3, lanes 0-3) still fits: it recomputes.
@@ -273,15 +282,8 @@ def test_load_back_failing_after_the_first_layer_leaves_a_valid_pool(runner, mon
     """A load-back whose scatter raises at layer 1, after layer 0's shards were donated
     and replaced: every pool leaf is still a live array, the request recomputes with
     the reference logits, and later steps and load-backs run on that pool."""
-    cfg, model = _model()
     sched, cache, io = _hicache(runner, layout="layer_first")
-    dev0 = runner.allocator.num_free_per_lane().tolist()
-    host0 = cache.host_free_per_lane().tolist()
-    long = _prompt(8 * PAGE + 3, 3)
-    want, _ = reference(cfg, model, long)
-    _run(sched, "a", long)
-    cache.evict(np.full((CP,), PAGES_PER_RANK))  # everything to host (write-through)
-    assert cache.match_prefix(long[:-1]).host_num_tokens == 8 * PAGE
+    dev0, host0, long, want = _long_prompt_on_host(sched, 3)
     _fail_scatter_at_layer(monkeypatch, 1)
     sched.submit("fail", long)
     batch = sched.schedule_batch()

@@ -23,32 +23,35 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.cp_reference import reference as cp_reference
-from support.prefill_server import CP, P, lane_counts, no_transfer_counts, server_args
+from support.prefill_server import (
+    CP,
+    GatedBackend,
+    P,
+    fast_grpc_sender,
+    lane_counts,
+    loopback_receiver,
+    no_transfer_counts,
+    server_args,
+)
 from support.transfer import bitwise_equal, decode_layout
 
 from cpkv_jax.errors import InputError
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.lane_allocator import RequestPageTable
-from cpkv_jax.model.kv_cache import init_pool
-from cpkv_jax.paging import PageAllocator, pages_for_tokens
+from cpkv_jax.paging import pages_for_tokens
 from serving.engine.api import GenerateRequest, OutputChunk, SamplingParams
 from serving.prefill.build import PrefillEngine, build_prefill_engine
 from serving.prefill.engine import PrefillModeEngine
 from serving.server_args import ServerArgs
-from transfer.backends.grpc_backend import GrpcBackend, GrpcBackendConfig
+from transfer.backends.grpc_backend import GrpcBackend
 from transfer.backends.mooncake_engine import mooncake_available
-from transfer.capabilities import BackendCapabilities, default_backend_registry
-from transfer.hold import TransferHold
 from transfer.protocol import Aux, RoomState, TransferTimeouts
-from transfer.receiver import Receiver, serve
-from transfer.sender import RankJob, TransferBackend
+from transfer.receiver import Receiver
 
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
 pytestmark = pytest.mark.slow
@@ -66,44 +69,7 @@ ROOM_WAIT = 180.0
 TIMEOUTS = TransferTimeouts(
     bootstrap=ROOM_WAIT, waiting=ROOM_WAIT, heartbeat=2.0, heartbeat_interval=0.1
 )
-SENDER = GrpcBackendConfig(
-    chunk_bytes=64 * 1024,
-    max_retries=2,
-    retry_backoff_s=0.02,
-    rpc_timeout_s=10.0,
-    heartbeat_interval_s=0.1,
-    heartbeat_timeout_s=2.0,
-    bootstrap_timeout_s=1.5,  # "nobody listens" fails after this
-)
-
-
-class GatedBackend(TransferBackend):
-    """Wraps a backend: records each rank's job, and holds senders until `gate` is set
-    (or the hold is cancelled), so a test sees a transfer in flight."""
-
-    capabilities: ClassVar[BackendCapabilities] = default_backend_registry().get("grpc")
-
-    def __init__(self, inner: TransferBackend):
-        self.inner = inner
-        self.gate = threading.Event()
-        self.gate.set()
-        self.jobs: dict[tuple[str, int], RankJob] = {}
-        self.holds: dict[str, TransferHold] = {}
-        self._lock = threading.Lock()
-
-    def send_rank(self, job: RankJob, hold: TransferHold):
-        with self._lock:
-            self.jobs[(job.room, job.rank)] = job
-            self.holds[job.room] = hold
-        if not self.gate.is_set():
-            # The engine prefills once every rank says it handshook; these tests open the
-            # rooms themselves, so a gated rank says so at once and the prefill runs while
-            # its transfer is held here (the real handshake follows when the gate opens).
-            hold.mark_ready(job.rank)
-        deadline = time.monotonic() + WAIT
-        while not self.gate.wait(0.01) and not hold.cancelled and time.monotonic() < deadline:
-            pass
-        return self.inner.send_rank(job, hold)
+SENDER = fast_grpc_sender(bootstrap_timeout_s=1.5)  # "nobody listens" fails after this
 
 
 @dataclasses.dataclass
@@ -135,15 +101,9 @@ def _pd(tiny, *extra: str):
     path, cfg, model = tiny
     args = server_args(path, *extra)
     pre = build_prefill_engine(args, model=model, hold_finished=True)
-    backend = GatedBackend(GrpcBackend(SENDER))
+    backend = GatedBackend(GrpcBackend(SENDER), WAIT)
     engine = PrefillModeEngine(pre, backend)
-    rx = Receiver(
-        engine.layout,
-        init_pool(cfg, 64, P, jnp.float32, "float32"),
-        PageAllocator(64),
-        timeouts=TIMEOUTS,
-    ).start(interval=0.02)
-    server, port = serve(rx)
+    rx, server, target = loopback_receiver(engine.layout, cfg, 64, TIMEOUTS)
     ref = ReferenceGenerator(
         cfg,
         model,
@@ -159,7 +119,7 @@ def _pd(tiny, *extra: str):
         backend,
         engine,
         rx,
-        f"127.0.0.1:{port}",
+        target,
         pre.runner.allocator.num_free_per_lane(),
         rx.num_free_pages,
         ref,
@@ -483,15 +443,8 @@ def test_e2e_over_mooncake(fresh):
         bootstrap_timeout_s=3.0,
     )
     with MooncakeReceiverEndpoint(4 << 20, quarantine_timeout_s=2.0, transfer_timeout_s=5.0) as ep:
-        rx = Receiver(
-            pd.engine.layout,
-            init_pool(pd.cfg, 16, P, jnp.float32, "float32"),
-            PageAllocator(16),
-            timeouts=TIMEOUTS,
-            mooncake=ep,
-        ).start(interval=0.02)
-        server, port = serve(rx)
-        backend = GatedBackend(MooncakeBackend(config))
+        rx, server, target = loopback_receiver(pd.engine.layout, pd.cfg, 16, TIMEOUTS, mooncake=ep)
+        backend = GatedBackend(MooncakeBackend(config), WAIT)
         try:
             engine = PrefillModeEngine(pd.pre, backend)  # same scheduler, other backend
             n = 4 * P + 2
@@ -499,7 +452,7 @@ def test_e2e_over_mooncake(fresh):
             dst = rx.allocate_pages(pages_for_tokens(n, P))
             rx.register_room("mc", dst, n, CP)
             backend.gate.clear()
-            engine.add(request("mc", prompt, "mc", f"127.0.0.1:{port}"))
+            engine.add(request("mc", prompt, "mc", target))
             assert engine.step() == []
             job, inputs = backend.jobs[("mc", 0)], backend.holds["mc"].inputs
             assert inputs is not None

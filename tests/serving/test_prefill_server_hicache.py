@@ -16,13 +16,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import ClassVar
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from support.prefill_server import CP, P, server_args
+from support.prefill_server import CP, InstantBackend, P, server_args
 
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
@@ -30,32 +29,12 @@ from cpkv_jax.model.kv_cache import DTYPES
 from serving.engine.api import GenerateRequest, OutputChunk, SamplingParams
 from serving.prefill.engine import PrefillModeEngine
 from serving.server import build_server
-from transfer.capabilities import BackendCapabilities, default_backend_registry
-from transfer.hold import TransferHold
-from transfer.protocol import RoomSnapshot, RoomState
-from transfer.sender import RankJob, TransferBackend
 
 VOCAB = 320  # the tiny model's
 WAIT = 60.0  # bound on any one request here; never reached when green
 PAGES_PER_RANK = 4  # 3 usable device pages per lane: 24 pages, 384 tokens in all
 CHUNK = 64
 LOGPROB_ATOL = 1e-5
-
-
-class InstantBackend(TransferBackend):
-    """Every rank is ready at once and the room succeeds as soon as the prefill hands
-    over its pages (nothing is sent)."""
-
-    capabilities: ClassVar[BackendCapabilities] = default_backend_registry().get("grpc")
-
-    def send_rank(self, job: RankJob, hold: TransferHold) -> RoomSnapshot:
-        hold.mark_ready(job.rank)
-        woke = threading.Event()
-        hold.add_waker(woke)
-        woke.wait(WAIT)
-        if hold.inputs is None or hold.cancelled:
-            return RoomSnapshot(job.room, RoomState.FAILED, hold.cancel_reason or "no inputs")
-        return RoomSnapshot(job.room, RoomState.SUCCESS, aux=hold.inputs.aux)
 
 
 def prompt_of(n: int, seed: int) -> np.ndarray:
@@ -112,7 +91,7 @@ def server(tiny_checkpoint):
     try:
         asyncio.run(srv.loop.shutdown(0.0))  # the test drives the engine itself
         assert isinstance(srv.engine, PrefillModeEngine)
-        srv.engine.backend = InstantBackend()
+        srv.engine.backend = InstantBackend(WAIT)
         yield srv
     finally:
         srv.close()

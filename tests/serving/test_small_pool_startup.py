@@ -18,24 +18,22 @@ import dataclasses
 import logging
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.prefill_server import CP, float32_args
+from support.prefill_server import CP, float32_args, loopback_receiver
 from support.prefill_server import P as UP
 from support.unified_server import unified_args
 from test_prefill_server_e2e import SENDER, TIMEOUTS, drive, request
 
 from cpkv_jax.errors import InputError
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
-from cpkv_jax.model.kv_cache import DTYPES, init_pool
-from cpkv_jax.paging import PageAllocator, pages_for_tokens
+from cpkv_jax.model.kv_cache import DTYPES
+from cpkv_jax.paging import pages_for_tokens
 from serving import server as server_mod
 from serving.engine.api import GenerateRequest, SamplingParams
 from serving.prefill.build import build_prefill_engine
 from serving.prefill.engine import PrefillModeEngine
 from transfer.backends.grpc_backend import GrpcBackend
-from transfer.receiver import Receiver, serve
 
 P = 4
 PAGES_PER_RANK = 2  # the trash page + 1 usable per lane: the smallest pool
@@ -78,14 +76,7 @@ def test_small_pool_prefill_server_warms_up_and_says_its_longest_prompt(small_pr
 
 def test_small_pool_serves_its_longest_prompt_and_refuses_a_longer_one(small_prefill):
     _, cfg, _, engine = small_prefill
-    rx = Receiver(
-        engine.layout,
-        init_pool(cfg, 16, P, jnp.float32, "float32"),
-        PageAllocator(16),
-        timeouts=TIMEOUTS,
-    ).start(interval=0.02)
-    server, port = serve(rx)
-    target = f"127.0.0.1:{port}"
+    rx, server, target = loopback_receiver(engine.layout, cfg, 16, TIMEOUTS)
     try:
         prompt = np.random.default_rng(1).integers(3, 300, LONGEST)
         with pytest.raises(InputError, match=f"longest prompt this server takes is {LONGEST}"):

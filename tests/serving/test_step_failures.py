@@ -17,15 +17,13 @@ unified engine is a closed-form stand-in too: these tests are about the bookkeep
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
-from typing import ClassVar
 
 import jax
 import numpy as np
 import pytest
-from support.prefill_server import HP, ZeroExecutor, host_scheduler, server_args
+from support.prefill_server import HP, InstantBackend, ZeroExecutor, host_scheduler, server_args
 from support.unified_server import unified_args
 
 from cpkv_jax.shared_kv_debug import SharedKVInvariantError
@@ -36,10 +34,6 @@ from serving.prefill import scheduler as scheduler_mod
 from serving.prefill.build import build_prefill_engine
 from serving.prefill.engine import PrefillModeEngine, build_prefill_mode_engine
 from serving.prefill.scheduler import PrefillScheduler, StepRow
-from transfer.capabilities import BackendCapabilities, default_backend_registry
-from transfer.hold import TransferHold
-from transfer.protocol import RoomSnapshot, RoomState
-from transfer.sender import RankJob, TransferBackend
 
 VOCAB = 320  # the tiny checkpoint's
 WAIT_S = 30.0  # bound on any wait here; never reached when green
@@ -140,22 +134,6 @@ def test_a_chunked_request_whose_step_fails_frees_its_earlier_chunks():
 # ---- the PD prefill engine ----------------------------------------------------------------
 
 
-class InstantBackend(TransferBackend):
-    """Every rank is ready at once; the room succeeds as soon as the prefill hands over
-    its pages (nothing is sent), and fails when the hold is cancelled."""
-
-    capabilities: ClassVar[BackendCapabilities] = default_backend_registry().get("grpc")
-
-    def send_rank(self, job: RankJob, hold: TransferHold) -> RoomSnapshot:
-        hold.mark_ready(job.rank)
-        woke = threading.Event()
-        hold.add_waker(woke)
-        woke.wait(WAIT_S)
-        if hold.inputs is None or hold.cancelled:
-            return RoomSnapshot(job.room, RoomState.FAILED, hold.cancel_reason or "no inputs")
-        return RoomSnapshot(job.room, RoomState.SUCCESS, aux=hold.inputs.aux)
-
-
 def pd_request(rid: str, prompt: np.ndarray) -> GenerateRequest:
     return GenerateRequest(
         rid,
@@ -185,7 +163,7 @@ def drive(engine, rids: set[str], tokens: dict[str, list[int]] | None = None):
 def prefill_server(tiny_checkpoint) -> PrefillModeEngine:
     path, _, model = tiny_checkpoint
     engine = build_prefill_mode_engine(server_args(path), model=model)
-    engine.backend = InstantBackend()
+    engine.backend = InstantBackend(WAIT_S)
     engine.scheduler.executor = FlakyExecutor(ClosedForm(VOCAB))
     return engine
 

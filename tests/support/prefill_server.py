@@ -1,24 +1,46 @@
-"""Helpers shared by the PD prefill server tests (tests/serving/test_prefill_server_*.py):
-the host-only schedulers with a closed-form executor, the free and evictable counts of
-a non-holding run (the oracle for "after the holds are released"), and the tiny
-checkpoint's server arguments."""
+"""Helpers shared by the PD prefill server tests (tests/serving/test_prefill_*.py and
+their neighbours):
+
+- the host-only schedulers with a closed-form executor, and the free and evictable
+  counts of a non-holding run (the oracle for "after the holds are released");
+- the tiny checkpoint's server arguments;
+- transfer backends that stand in for or wrap the real one: `InstantBackend` (nothing
+  sent), `GatedBackend` (records the jobs, holds senders at a gate);
+- the senders' short-timeout gRPC config (`fast_grpc_sender`) and a decode receiver
+  served on loopback (`loopback_receiver`).
+"""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
+import grpc
+import jax.numpy as jnp
 import numpy as np
 
 from cpkv_jax.cache.radix import RadixCache
+from cpkv_jax.config import ModelConfig
 from cpkv_jax.lane_allocator import OwnerLaneAllocator
-from cpkv_jax.paging import owner_of_page
+from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.paging import PageAllocator, owner_of_page
 from serving.prefill.scheduler import PrefillScheduler, StepRow
 from serving.server_args import ServerArgs
+from transfer.backends.grpc_backend import GrpcBackendConfig
+from transfer.capabilities import BackendCapabilities, default_backend_registry
+from transfer.hold import TransferHold
+from transfer.page_plan import LayoutDescriptor
+from transfer.protocol import RoomSnapshot, RoomState, TransferTimeouts
+from transfer.receiver import Receiver, serve
+from transfer.sender import RankJob, TransferBackend
 
 P = 16
 CP = 8
 HP = 4  # page size of the host-only tests
 HCP = 2
+WAIT_S = 60.0  # default bound on a backend's wait; never reached when green
 
 
 class ZeroExecutor:
@@ -96,3 +118,101 @@ def server_args(path, *extra: str) -> ServerArgs:
             *extra,
         ],
     )
+
+
+# ---- transfer backends and the decode side -------------------------------------------------
+
+
+class InstantBackend(TransferBackend):
+    """Every rank is ready at once; the room succeeds as soon as the prefill hands over
+    its pages (nothing is sent), and fails when the hold is cancelled (or no pages came
+    within `wait_s`)."""
+
+    capabilities: ClassVar[BackendCapabilities] = default_backend_registry().get("grpc")
+
+    def __init__(self, wait_s: float = WAIT_S):
+        self.wait_s = wait_s
+
+    def send_rank(self, job: RankJob, hold: TransferHold) -> RoomSnapshot:
+        hold.mark_ready(job.rank)
+        woke = threading.Event()
+        hold.add_waker(woke)
+        woke.wait(self.wait_s)
+        if hold.inputs is None or hold.cancelled:
+            return RoomSnapshot(job.room, RoomState.FAILED, hold.cancel_reason or "no inputs")
+        return RoomSnapshot(job.room, RoomState.SUCCESS, aux=hold.inputs.aux)
+
+
+class GatedBackend(TransferBackend):
+    """Wraps a backend: records each rank's job and hold, and holds senders until `gate`
+    is set (or the hold is cancelled, or `wait_s` passed), so a test sees a transfer in
+    flight. The gate starts open: a pass-through that records."""
+
+    capabilities: ClassVar[BackendCapabilities] = default_backend_registry().get("grpc")
+
+    def __init__(self, inner: TransferBackend, wait_s: float = WAIT_S):
+        self.inner = inner
+        self.wait_s = wait_s
+        self.gate = threading.Event()
+        self.gate.set()
+        self.jobs: dict[tuple[str, int], RankJob] = {}
+        self.holds: dict[str, TransferHold] = {}
+        self._lock = threading.Lock()
+
+    def send_rank(self, job: RankJob, hold: TransferHold):
+        with self._lock:
+            self.jobs[(job.room, job.rank)] = job
+            self.holds[job.room] = hold
+        if not self.gate.is_set():
+            # The engine prefills once every rank says it handshook; these tests open the
+            # rooms themselves, so a gated rank says so at once and the prefill runs while
+            # its transfer is held here (the real handshake follows when the gate opens).
+            hold.mark_ready(job.rank)
+        deadline = time.monotonic() + self.wait_s
+        while not self.gate.wait(0.01) and not hold.cancelled and time.monotonic() < deadline:
+            pass
+        return self.inner.send_rank(job, hold)
+
+    def started(self) -> set[str]:
+        """The rooms whose senders started."""
+        with self._lock:
+            return {room for room, _ in self.jobs}
+
+
+def fast_grpc_sender(bootstrap_timeout_s: float) -> GrpcBackendConfig:
+    """gRPC senders with fast beats, a 2 s loss deadline and quick retries, giving up
+    after `bootstrap_timeout_s` without any answer from the decode side."""
+    return GrpcBackendConfig(
+        chunk_bytes=64 * 1024,
+        max_retries=2,
+        retry_backoff_s=0.02,
+        rpc_timeout_s=10.0,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=2.0,
+        bootstrap_timeout_s=bootstrap_timeout_s,
+    )
+
+
+def loopback_receiver(
+    layout: LayoutDescriptor,
+    cfg: ModelConfig,
+    pages: int,
+    timeouts: TransferTimeouts,
+    **receiver_kw: Any,
+) -> tuple[Receiver, grpc.Server, str]:
+    """A started decode `Receiver` with a float32 pool of `pages` pages laid out as
+    `layout`, served over gRPC on loopback: `(rx, server, target)`. The caller stops
+    both: `server.stop(0)`, then `rx.close()`."""
+    rx = Receiver(
+        layout,
+        init_pool(cfg, pages, layout.page_size, jnp.float32, "float32"),
+        PageAllocator(pages),
+        timeouts=timeouts,
+        **receiver_kw,
+    ).start(interval=0.02)
+    try:
+        server, port = serve(rx)
+    except BaseException:
+        rx.close()
+        raise
+    return rx, server, f"127.0.0.1:{port}"
