@@ -116,12 +116,17 @@ def _release_compiled_programs():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules with `slow` tests run first (a stable sort keeps each file's own order):
+    """Modules with `slow` tests run first, the longest (`slow(seconds=...)`, a measured
+    figure) first among them (a stable sort keeps each file's own order):
     with `-n 2 --dist loadfile` a worker takes whole files in this order, so the long
     files start at once and the short ones fill in behind them, and both workers end
     at about the same time."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    weight: dict = {}  # file -> seconds its slow mark states (0: unstated)
+    for item in items:
+        if (mark := item.get_closest_marker("slow")) is not None:
+            weight[item.path] = max(weight.get(item.path, 0), mark.kwargs.get("seconds", 0))
+    # The longest first, so that no long file starts last and runs alone at the end.
+    items.sort(key=lambda item: (item.path not in weight, -weight.get(item.path, 0)))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -21,9 +21,6 @@ from cpkv_jax.model.transformer import CausalLM, forward_step
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens, slots_for_positions
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
-# Among the longest files of the suite: scheduled first (tests/conftest.py).
-pytestmark = pytest.mark.slow
-
 PAGE = 16
 
 

@@ -30,6 +30,9 @@ from serving.compile_events import COMPILES
 from serving.decode.cached import CachedUnifiedEngine
 from serving.server_args import ServerArgs
 
+# Among the longest files of the suite: scheduled first (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=510)  # on 2 workers, 2026-12-03
+
 P = 16
 POOL_PAGES = 16  # 15 usable: one long prompt (9 pages + output) at a time, evicted by others
 CHUNK = 64

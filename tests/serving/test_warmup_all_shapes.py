@@ -16,6 +16,10 @@ from support.unified_server import greedy_ids, serving, unified_args
 from cpkv_jax.generate import ReferenceGenerator
 from serving.compile_events import COMPILES
 
+# Among the longest files of the suite: scheduled first (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=120)  # on 2 workers, 2026-12-03
+
+# As tests/serving/test_warmup_background.py's server (shapes shared through the cache).
 POOL_PAGES = 17  # 16 usable: 256 tokens per request at most
 RUNNING = 8  # batches of 1-8 (issue 25)
 WAIT_S = 120.0

@@ -19,8 +19,13 @@ from support.unified_server import greedy_ids, serving, unified_args
 from cpkv_jax.generate import ReferenceGenerator
 from serving.compile_events import COMPILES
 
+# Among the longest files of the suite: scheduled first (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=170)  # on 2 workers, 2026-12-03
+
+# The pool and batch bound of tests/serving/test_warmup_all_shapes.py: the same reachable
+# shapes, so whichever module runs second loads them from the run's compilation cache.
 POOL_PAGES = 17  # 16 usable: 256 tokens per request at most
-RUNNING = 4
+RUNNING = 8
 WAIT_S = 120.0
 
 
