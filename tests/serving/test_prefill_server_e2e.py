@@ -30,12 +30,15 @@ import pytest
 from support.cp_reference import reference as cp_reference
 from support.prefill_server import (
     CP,
+    SENDER,
+    TIMEOUTS,
     GatedBackend,
     P,
-    fast_grpc_sender,
+    drive,
     lane_counts,
     loopback_receiver,
     no_transfer_counts,
+    request,
     server_args,
 )
 from support.transfer import bitwise_equal, decode_layout
@@ -50,7 +53,7 @@ from serving.prefill.engine import PrefillModeEngine
 from serving.server_args import ServerArgs
 from transfer.backends.grpc_backend import GrpcBackend
 from transfer.backends.mooncake_engine import mooncake_available
-from transfer.protocol import Aux, RoomState, TransferTimeouts
+from transfer.protocol import Aux, RoomState
 from transfer.receiver import Receiver
 
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
@@ -61,15 +64,6 @@ WAIT = 120.0  # bound on any one request here (first compiles included); never r
 # Log-prob tolerance vs the single-device reference: both float32 log-softmax of logits
 # that differ only by CP vs single-device reduction order (ulps of O(1) values).
 LOGPROB_ATOL = 1e-5
-# Decode side: rooms are registered before the prefill steps and the gated senders
-# handshake only after them, so bootstrap and waiting cover a step's first compile
-# (over 30 s for the batch-invariant CP step with two test workers on 2 cores);
-# heartbeats are short.
-ROOM_WAIT = 180.0
-TIMEOUTS = TransferTimeouts(
-    bootstrap=ROOM_WAIT, waiting=ROOM_WAIT, heartbeat=2.0, heartbeat_interval=0.1
-)
-SENDER = fast_grpc_sender(bootstrap_timeout_s=1.5)  # "nobody listens" fails after this
 
 
 @dataclasses.dataclass
@@ -154,30 +148,6 @@ def open_room(pd: PD, room: str, n_tokens: int, seed: int) -> np.ndarray:
     dst = np.random.default_rng(seed).permutation(dst)
     pd.rx.register_room(room, dst, n_tokens, CP)
     return dst
-
-
-def request(rid: str, prompt: np.ndarray, room: str, target: str, **kw) -> GenerateRequest:
-    return GenerateRequest(
-        rid,
-        tuple(int(t) for t in prompt),
-        SamplingParams(max_new_tokens=4),
-        return_logprob=True,
-        bootstrap_room=room,
-        decode_transfer_target=target,
-        **kw,
-    )
-
-
-def drive(engine: PrefillModeEngine, rids: Sequence[str]) -> dict[str, OutputChunk]:
-    """Step until every rid has its (single, final) chunk."""
-    got: dict[str, OutputChunk] = {}
-    deadline = time.monotonic() + WAIT
-    while set(got) != set(rids):
-        assert time.monotonic() < deadline, f"no final chunk for {set(rids) - set(got)}"
-        for c in engine.step():
-            assert c.finished and c.rid in rids and c.rid not in got, c
-            got[c.rid] = c
-    return got
 
 
 def held_view(pd: PD, room: str):

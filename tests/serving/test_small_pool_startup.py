@@ -20,10 +20,17 @@ import logging
 import jax
 import numpy as np
 import pytest
-from support.prefill_server import CP, float32_args, loopback_receiver
+from support.prefill_server import (
+    CP,
+    SENDER,
+    TIMEOUTS,
+    drive,
+    float32_args,
+    loopback_receiver,
+    request,
+)
 from support.prefill_server import P as UP
 from support.unified_server import unified_args
-from test_prefill_server_e2e import SENDER, TIMEOUTS, drive, request
 
 from cpkv_jax.errors import InputError
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes

@@ -10,8 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.prefill_server import CP, P, float32_args
-from test_prefill_server_e2e import SENDER, TIMEOUTS, drive, request
+from support.prefill_server import CP, SENDER, TIMEOUTS, P, drive, float32_args, request
 
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.model.kv_cache import DTYPES, init_pool

@@ -26,6 +26,8 @@ from cpkv_jax.config import ModelConfig
 from cpkv_jax.lane_allocator import OwnerLaneAllocator
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.paging import PageAllocator, owner_of_page
+from serving.engine.api import GenerateRequest, OutputChunk, SamplingParams
+from serving.prefill.engine import PrefillModeEngine
 from serving.prefill.scheduler import PrefillScheduler, StepRow
 from serving.server_args import ServerArgs
 from transfer.backends.grpc_backend import GrpcBackendConfig
@@ -216,3 +218,42 @@ def loopback_receiver(
         rx.close()
         raise
     return rx, server, f"127.0.0.1:{port}"
+
+
+# ---- the PD prefill engine tests' requests, rooms and stepping -----------------------------
+
+PD_WAIT_S = 120.0  # bound on one request of those tests (first compiles included)
+# Decode side: rooms are registered before the prefill steps and the gated senders
+# handshake only after them, so bootstrap and waiting cover a step's first compile
+# (over 30 s for the batch-invariant CP step with two test workers on 2 cores);
+# heartbeats are short.
+ROOM_WAIT_S = 180.0
+TIMEOUTS = TransferTimeouts(
+    bootstrap=ROOM_WAIT_S, waiting=ROOM_WAIT_S, heartbeat=2.0, heartbeat_interval=0.1
+)
+SENDER = fast_grpc_sender(bootstrap_timeout_s=1.5)  # "nobody listens" fails after this
+
+
+def request(rid: str, prompt: np.ndarray, room: str, target: str, **kw) -> GenerateRequest:
+    """A PD request of 4 greedy tokens with log-probs, for `room` at `target`."""
+    return GenerateRequest(
+        rid,
+        tuple(int(t) for t in prompt),
+        SamplingParams(max_new_tokens=4),
+        return_logprob=True,
+        bootstrap_room=room,
+        decode_transfer_target=target,
+        **kw,
+    )
+
+
+def drive(engine: PrefillModeEngine, rids: Sequence[str]) -> dict[str, OutputChunk]:
+    """Step until every rid has its (single, final) chunk."""
+    got: dict[str, OutputChunk] = {}
+    deadline = time.monotonic() + PD_WAIT_S
+    while set(got) != set(rids):
+        assert time.monotonic() < deadline, f"no final chunk for {set(rids) - set(got)}"
+        for c in engine.step():
+            assert c.finished and c.rid in rids and c.rid not in got, c
+            got[c.rid] = c
+    return got
