@@ -409,7 +409,7 @@ def test_e2e_over_mooncake(fresh):
         host_buffer_bytes=1 << 20,
         rpc_timeout_s=10.0,
         heartbeat_interval_s=0.1,
-        heartbeat_timeout_s=2.0,
+        heartbeat_timeout_s=5.0,  # as the support senders: a loaded suite stalls ~2 s
         bootstrap_timeout_s=3.0,
     )
     with MooncakeReceiverEndpoint(4 << 20, quarantine_timeout_s=2.0, transfer_timeout_s=5.0) as ep:

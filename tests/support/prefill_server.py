@@ -182,7 +182,7 @@ class GatedBackend(TransferBackend):
 
 
 def fast_grpc_sender(bootstrap_timeout_s: float) -> GrpcBackendConfig:
-    """gRPC senders with fast beats, a 2 s loss deadline and quick retries, giving up
+    """gRPC senders with fast beats, a 5 s loss deadline and quick retries, giving up
     after `bootstrap_timeout_s` without any answer from the decode side."""
     return GrpcBackendConfig(
         chunk_bytes=64 * 1024,
@@ -190,7 +190,7 @@ def fast_grpc_sender(bootstrap_timeout_s: float) -> GrpcBackendConfig:
         retry_backoff_s=0.02,
         rpc_timeout_s=10.0,
         heartbeat_interval_s=0.1,
-        heartbeat_timeout_s=2.0,
+        heartbeat_timeout_s=5.0,
         bootstrap_timeout_s=bootstrap_timeout_s,
     )
 
