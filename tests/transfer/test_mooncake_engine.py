@@ -404,6 +404,20 @@ def test_dead_peer_raises(engines):
         bounded(peer.close)  # idempotent
 
 
+def _wait_stopped(pid: int) -> None:
+    tasks = Path(f"/proc/{pid}/task")
+    while True:
+        states = []
+        for t in tasks.iterdir():
+            try:  # "pid (comm) S ..." - comm may hold spaces, so split after the last ")"
+                states.append((t / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that exited meanwhile
+                continue
+        if states and all(s in "Tt" for s in states):
+            return
+        time.sleep(0.01)
+
+
 @needs_mooncake
 def test_stalled_peer_times_out():
     """A live but stopped peer: the write fails at `transfer_timeout_s` (+ 1 s per GiB),
@@ -413,7 +427,7 @@ def test_stalled_peer_times_out():
         import time, numpy as np
         from transfer.backends.mooncake_engine import MooncakeEngine
         e = MooncakeEngine()
-        dst = np.zeros(1 << 20, np.uint8)
+        dst = np.zeros(16 << 20, np.uint8)
         d = e.register(dst)
         print(e.session_id, d.ptr, flush=True)
         time.sleep(120)
@@ -431,10 +445,14 @@ def test_stalled_peer_times_out():
         line = bounded(proc.stdout.readline)
         session, remote = line.split()
         sender = me.MooncakeEngine(transfer_timeout_s=2)
-        src = np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8)
+        # 16 MiB: more than loopback socket buffers hold, so the kernel cannot absorb it.
+        src = np.random.default_rng(2).integers(0, 256, 16 << 20, dtype=np.uint8)
         s = sender.register(src)
         bounded(sender.write, session, s.ptr, int(remote), src.nbytes)
         proc.send_signal(signal.SIGSTOP)
+        # kill() returns before the peer stops; on a loaded CI machine its receiver thread
+        # once served the whole write in that window. Wait until every thread is stopped.
+        bounded(_wait_stopped, proc.pid)
         t0 = time.monotonic()
         with pytest.raises(me.MooncakeTransferError, match="after the deadline"):
             bounded(sender.write, session, s.ptr, int(remote), src.nbytes, timeout=25)
