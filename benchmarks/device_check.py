@@ -577,8 +577,7 @@ def probe_cp_buffers(
     from cpkv_jax.materialize import CPKVIO
     from cpkv_jax.mesh import CP_AXIS
     from cpkv_jax.model.indexer import indexer_topk
-    from cpkv_jax.model.kv_cache import dequantize_index_k
-    from cpkv_jax.model.mla import _gather_rows
+    from cpkv_jax.model.kv_cache import dequantize_index_k, take_view_rows
     from cpkv_jax.model.numerics import tokenwise
 
     cp, page = shape.cp_size, shape.page_size
@@ -633,7 +632,7 @@ def probe_cp_buffers(
             view = io.view(latent[i], page_table)
 
             def attend(idx, ql, view=view):
-                sel = _gather_rows(view.astype(f32), jnp.maximum(idx, 0))
+                sel = take_view_rows(view.astype(f32), jnp.maximum(idx, 0))
                 return jnp.einsum("btkc,btc->btk", sel, ql)
 
             out = tokenwise(attend, topk, q_lat, axis=1, block=sparse_block)

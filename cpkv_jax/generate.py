@@ -8,11 +8,12 @@ they must reproduce its greedy tokens and log-probs.
         [--temperature T] [--seed S] [--page-size P] [--output-json PATH] \
         [--cp-size N [--enable-cp-shared-kv] [--chunked-prefill-size N]] [--enable-batch-invariant]
 
-Prefill runs the expanded MLA form over the whole prompt (length bucketed to a power of
-two so recompiles stay bounded); decode runs the absorbed form one token at a time.
+Prefill runs the absorbed MLA form over the whole prompt (length bucketed to a power of
+two so recompiles stay bounded); decode runs it one token at a time, reading only the
+selected top-k latent rows from the pool (`PagedKVIO`).
 `--enable-batch-invariant` (see `cpkv_jax.model.numerics`) runs every step with batch-invariant
-numerics and the absorbed form throughout, so a CP prefill and a single-device prefill
-give bitwise-equal KV, logits and so `--output-json`.
+numerics, so a CP prefill and a single-device prefill give bitwise-equal KV, logits and
+so `--output-json`.
 `output_logprobs[i]` is the log-probability of `output_ids[i]` under the model's
 (untempered) next-token distribution.
 """
@@ -104,8 +105,9 @@ class ReferenceGenerator:
         self.page_size = page_size
         self.index_k_dtype = index_k_dtype
         self.batch_invariant = batch_invariant
-        # Batch-invariant mode uses one attention formula everywhere: the CP prefill's.
-        self.prefill_form = "absorbed" if batch_invariant else "expanded"
+        # Every serving path prefills in the absorbed form (the CP prefill's), so does the
+        # oracle; the expanded form is checked against it in the model tests only.
+        self.prefill_form = "absorbed"
         self.dtype = model.dtype
         self.graphdef, self.state = nnx.split(model)
 

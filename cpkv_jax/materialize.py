@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from cpkv_jax.mesh import CP_AXIS
-from cpkv_jax.model.kv_cache import TRASH_PAGE
+from cpkv_jax.model.kv_cache import TRASH_PAGE, RowGather, take_view_rows
 from cpkv_jax.pallas.paged_gather import GatherImpl, paged_gather
 
 
@@ -45,6 +45,11 @@ class CPKVIO:
     def view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array:
         with jax.named_scope("materialize"):
             return self._view(pool, page_table)
+
+    def rows(self, pool: Array, page_table: Int[Array, "b pages"]) -> tuple[Array, RowGather]:
+        # A prefill chunk's tokens select over the whole prompt: the full view is read
+        # anyway, so the selected rows come from it.
+        return self.view(pool, page_table), take_view_rows
 
     def _write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
         all_slots = jax.lax.all_gather(slots, CP_AXIS, axis=1, tiled=True)

@@ -1,11 +1,14 @@
 """Paged KV storage for the model, and the I/O seam the CP pools plug into.
 
 The model never indexes a pool itself. It hands new per-token rows to a `KVIO`
-strategy (`write`) and asks it for the *full view* of each request (`view`): the
-request's pages in logical order, `[B, max_pages * page_size, D]`. The single-device
-`PagedKVIO` scatters and gathers on one pool; the CP issue supplies a strategy whose
-`write` keeps only owned pages and whose `view` materializes across the `cp` axis, so
-the model code does not change (SPEC S1.5).
+strategy (`write`), asks it for the *full view* of each request (`view`: the request's
+pages in logical order, `[B, max_pages * page_size, D]`; the indexer reads every token's
+index K this way), and for sparse attention's selected latent rows (`rows`). The
+single-device `PagedKVIO` gathers only the top-k rows from the pool by (page, offset),
+so the latent read of a step costs top-k, not the context; `DENSE_VIEW_KV_IO` keeps the
+old full-view gather as the reference it is tested against. The CP strategy
+(`cpkv_jax.materialize.CPKVIO`) keeps only owned pages on `write` and materializes
+across the `cp` axis, so the model code does not change (SPEC S1.5).
 
 Pools (one pytree, donated through `jit`):
 - `latent[l]`: `[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]` for every layer;
@@ -19,6 +22,7 @@ there, so shapes stay static.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
@@ -112,6 +116,25 @@ def dequantize_index_k(k: Array, scale: Array | None) -> Float[Array, "*t d"]:
     return kf if scale is None else kf * scale[..., None]
 
 
+RowGather = Callable[[Array, Int[Array, "b t k"]], Array]
+"""`take(source, positions)`: the rows at logical `positions` (>= 0) of each batch row of
+`source` -> `[b, t, k, D]`; `source`'s leading axis is the batch (see `KVIO.rows`)."""
+
+
+def take_view_rows(view: Array, positions: Int[Array, "b t k"]) -> Array:
+    """`view[b, positions[b, t, k]]` -> `[b, t, k, ...]`: rows of a full view."""
+    return jax.vmap(lambda v, i: jnp.take(v, i, axis=0))(view, positions)
+
+
+def take_paged_rows(pool: Array, page_table: Int[Array, "b pages"], positions: Array) -> Array:
+    """The rows at logical `positions` `[b, t, k]` (>= 0) of each request, read from the
+    pool by (page, offset) through its page-table row: `[b, t, k, ...]`. Only these rows
+    are read - no view of the request's other tokens."""
+    p = pool.shape[1]
+    pages = jax.vmap(lambda row, i: jnp.take(row, i // p, axis=0))(page_table, positions)
+    return pool[pages, positions % p]
+
+
 @runtime_checkable
 class KVIO(Protocol):
     """How the model reads and writes paged KV (single-device or CP-sharded)."""
@@ -120,10 +143,24 @@ class KVIO(Protocol):
 
     def view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array: ...
 
+    def rows(self, pool: Array, page_table: Int[Array, "b pages"]) -> tuple[Array, RowGather]:
+        """What sparse attention gathers its selected rows from: `(source, take)`, where
+        `take(source[i:j], positions[i:j])` gives those rows' `[b, t, k, D]` (the caller
+        may split the batch, as batch-invariant numerics do)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class PagedKVIO:
-    """Single-device paged I/O: flat-slot scatter, page-table gather."""
+    """Single-device paged I/O: flat-slot scatter, page-table gather.
+
+    `sparse` (default): `rows` reads only the selected rows from the pool by (page,
+    offset). False: through the request's full view (`view`), the dense path the sparse
+    one is checked against (`tests/core/test_sparse_decode.py`) and benchmarked beside
+    (`benchmarks/bench_decode.py`).
+    """
+
+    sparse: bool = True
 
     def write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
         n, p = pool.shape[:2]
@@ -138,6 +175,12 @@ class PagedKVIO:
         gathered = jnp.take(pool, page_table, axis=0)  # [b, mp, P, ...]
         return gathered.reshape((b, mp * pool.shape[1], *pool.shape[2:]))
 
+    def rows(self, pool: Array, page_table: Int[Array, "b pages"]) -> tuple[Array, RowGather]:
+        if not self.sparse:
+            return self.view(pool, page_table), take_view_rows
+        return page_table, lambda table, positions: take_paged_rows(pool, table, positions)
+
 
 # Stateless and hashable: the default `kv_io` static argument of the model step.
 SINGLE_DEVICE_KV_IO = PagedKVIO()
+DENSE_VIEW_KV_IO = PagedKVIO(sparse=False)

@@ -3,10 +3,11 @@
 Per token the cache keeps the normalized latent `c` (`kv_lora_rank`) and the roped key
 `k_pe` (`qk_rope_head_dim`). Attention over the selected tokens can run in two forms that
 give the same result:
-- `expanded` (prefill): up-project the latent with `kv_b_proj` into per-head `k_nope`
-  and `v`, then ordinary attention;
-- `absorbed` (decode): fold `W_uk` into the query and `W_uv` into the output, attending
-  directly over the latent (no per-token expansion).
+- `absorbed` (every serving path, prefill and decode): fold `W_uk` into the query and
+  `W_uv` into the output, attending directly over the latent rows (as FlashMLA does);
+- `expanded` (a test reference only): up-project the latent with `kv_b_proj` into
+  per-head `k_nope` and `v` for every (query token, selected position) pair, then
+  ordinary attention - tokens x top-k x heads x head dims of work and memory.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from cpkv_jax.buckets import block_rows
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.indexer import Indexer, indexer_topk
-from cpkv_jax.model.kv_cache import KVIO, KVPool, dequantize_index_k, quantize_index_k
+from cpkv_jax.model.kv_cache import (
+    KVIO,
+    KVPool,
+    RowGather,
+    dequantize_index_k,
+    quantize_index_k,
+    take_view_rows,
+)
 from cpkv_jax.model.layers import Linear, RMSNorm
 from cpkv_jax.model.numerics import block_budget, per_sequence, tokenwise
 from cpkv_jax.model.rope import apply_rope
@@ -31,15 +39,10 @@ from cpkv_jax.model.rope import apply_rope
 AttnForm = Literal["expanded", "absorbed"]
 
 
-def _gather_rows(view: Array, idx: Int[Array, "b t k"]) -> Array:
-    """`view[b, idx[b, t, k]]` -> `[b, t, k, ...]` (idx must be >= 0)."""
-    return jax.vmap(lambda v, i: jnp.take(v, i, axis=0))(view, idx)
-
-
 def sparse_attention(
     q_nope: Float[Array, "b t h n"],
     q_pe: Float[Array, "b t h r"],
-    latent_view: Float[Array, "b s c"],
+    latent_view: Array,
     topk: Int[Array, "b t k"],
     w_kv_b: Float[Array, "hx lora"],
     *,
@@ -48,8 +51,15 @@ def sparse_attention(
     scale: float,
     form: AttnForm,
     block_bytes: int | None = None,
+    take: RowGather = take_view_rows,
+    row_dim: int | None = None,
 ) -> Float[Array, "b t h v"]:
     """Attention of each query over its selected positions (`-1` = not selected).
+
+    The selected rows are `take(latent_view, topk)`: by default `latent_view` is each
+    request's full view `[b, s, c]`; `KVIO.rows` gives a paged source instead (the page
+    table, with a `take` that reads only the selected rows from the pool), then
+    `row_dim` is the stored row's width.
 
     The query tokens go in blocks whose largest float32 array fits `block_bytes`
     (`cpkv_jax.buckets.block_rows`; one block when they all fit): the gathered rows
@@ -67,8 +77,9 @@ def sparse_attention(
             v_head_dim=v_head_dim,
             scale=scale,
             form=form,
+            take=take,
         )
-        per_selected = latent_view.shape[2]  # a gathered row
+        per_selected = row_dim or latent_view.shape[2]  # a gathered row
         if form == "expanded":  # per-head keys and values built from it
             per_selected = max(per_selected, q_nope.shape[2] * max(q_nope.shape[3], v_head_dim))
         row_bytes = topk.shape[0] * topk.shape[2] * per_selected * 4
@@ -79,13 +90,13 @@ def sparse_attention(
 
 
 def _sparse_attention_tokens(
-    q_nope, q_pe, topk, *, latent_view, w_kv_b, kv_lora_rank, v_head_dim, scale, form
+    q_nope, q_pe, topk, *, latent_view, w_kv_b, kv_lora_rank, v_head_dim, scale, form, take
 ):
     n_heads, nope = q_nope.shape[2], q_nope.shape[3]
     w = w_kv_b.astype(jnp.float32).reshape(n_heads, nope + v_head_dim, kv_lora_rank)
     w_uk, w_uv = w[:, :nope], w[:, nope:]
     valid = topk >= 0
-    sel = _gather_rows(latent_view.astype(jnp.float32), jnp.maximum(topk, 0))  # [b,t,k,c+r]
+    sel = take(latent_view, jnp.maximum(topk, 0)).astype(jnp.float32)  # [b,t,k,c+r]
     qn, qp = q_nope.astype(jnp.float32), q_pe.astype(jnp.float32)
 
     def softmax(scores):
@@ -184,17 +195,20 @@ class MLAttention(nnx.Module):
             topk = topk_in
 
         with jax.named_scope("sparse_mla"):
-            view = kv_io.view(pool.latent[self.layer_id], batch.page_table)
+            layer_pool = pool.latent[self.layer_id]
+            source, take = kv_io.rows(layer_pool, batch.page_table)
             o = sparse_attention(
                 q_nope,
                 q_pe,
-                view,
+                source,
                 topk,
                 self.kv_b_proj.dense_weight(jnp.float32),
                 kv_lora_rank=cfg.kv_lora_rank,
                 v_head_dim=cfg.v_head_dim,
                 scale=cfg.softmax_scale,
                 form=form,
+                take=take,
+                row_dim=layer_pool.shape[-1],
             )
         out = self.o_proj(o.reshape(b, t, -1).astype(self.dtype))
         return out, pool, topk

@@ -100,7 +100,7 @@ class CausalLM(nnx.Module):
         *,
         kv_io: KVIO = SINGLE_DEVICE_KV_IO,
         index_k_dtype: str = "fp8_e4m3",
-        form: AttnForm = "expanded",
+        form: AttnForm = "absorbed",
     ) -> tuple[Float[Array, "b t h"], KVPool]:
         """Run every layer on the new tokens, writing their KV; returns normed hidden."""
         cfg = self.cfg
@@ -142,7 +142,7 @@ def forward_step(
     *,
     kv_io: KVIO = SINGLE_DEVICE_KV_IO,
     index_k_dtype: str = "fp8_e4m3",
-    form: AttnForm = "expanded",
+    form: AttnForm = "absorbed",
     all_logits: bool = False,
     invariant: bool = False,
     block_bytes: int | None = None,

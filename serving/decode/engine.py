@@ -6,12 +6,13 @@ One `DecodeEngine` serves two server modes behind the `StepEngine` contract
 - `"null"` (unified): a request waits in the FIFO wait queue until its pages and a batch
   slot are free (`serving.wait_queue`: bounded by `max_queued_requests`, a full queue
   refuses with `QueueFullError`, HTTP 503 + Retry-After); each `step`
-  prefills at most one newly admitted request (expanded MLA over the whole prompt,
+  prefills at most one newly admitted request (absorbed MLA over the whole prompt,
   length bucketed as `ReferenceGenerator` does, first token sampled at step 0), then
-  runs one batched decode step (absorbed MLA, one token per row) for every running
-  request. With `batch_invariant=True` (`cpkv-serve --enable-batch-invariant`) every step
-  uses batch-invariant numerics and the prefill uses the absorbed form too, so a
-  request's tokens and log-probs do not depend on the rows it is batched with;
+  runs one batched decode step (one token per row, attention reading only each row's
+  top-k latent rows from the pool) for every running request. With
+  `batch_invariant=True` (`cpkv-serve --enable-batch-invariant`) every step uses
+  batch-invariant numerics, so a request's tokens and log-probs do not depend on the
+  rows it is batched with;
   `block_bytes` (`--transient-block-size`) bounds the prefill's indexer and sparse-
   attention token blocks;
 - `"decode"` (PD): a request waits in the same bounded FIFO queue until its pages and a
@@ -57,7 +58,7 @@ from cpkv_jax.aot import CompileJob
 from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError, CpkvError, InputError
-from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, IndexKDtype
+from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import (
     pages_for_tokens,
@@ -153,6 +154,7 @@ class DecodeEngine:
         block_bytes: int | None = None,
         max_queued_requests: int | None = None,
         idle_wait_s: float = DEFAULT_IDLE_WAIT_S,
+        kv_io: PagedKVIO = SINGLE_DEVICE_KV_IO,
     ):
         if mode not in ("null", "decode"):
             raise ConfigError(
@@ -191,7 +193,9 @@ class DecodeEngine:
         self.detokenize = detokenize
         self.idle_wait_s = idle_wait_s
         self._clock = clock
-        self._steps = DecodeSteps(model, kv, page_size, index_k_dtype, batch_invariant, block_bytes)
+        self._steps = DecodeSteps(
+            model, kv, page_size, index_k_dtype, batch_invariant, block_bytes, kv_io
+        )
         self._num_pages = pool.num_pages
         self._usable_pages = pool.num_pages - 1  # page 0 is the trash page
         self._bytes_per_page = pool.nbytes() // pool.num_pages

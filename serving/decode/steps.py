@@ -1,7 +1,7 @@
 """The decode engine's two model steps on the single-device pool, as host-built batches.
 
-- `prefill`: one request's whole prompt (expanded MLA form; absorbed with batch-invariant
-  numerics, the CP prefill's form), padded to `prefill_bucket(len)` tokens;
+- `prefill`: one request's whole prompt (absorbed MLA form, as the CP prefill), padded to
+  `prefill_bucket(len)` tokens;
 - `decode`: one token for each running request, rows padded to a power of two and page
   tables to a power of two of the longest reservation.
 
@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import MIN_PREFILL_BUCKET, pow2_at_least, prefill_bucket
 from cpkv_jax.model.forward_batch import abstract_batch, batch_from_host, prefill_batch
-from cpkv_jax.model.kv_cache import IndexKDtype
+from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
 from cpkv_jax.paging import TRASH_PAGE, padded_page_table, pages_for_tokens, slots_for_positions
 from transfer.kv_sink import KVStore
@@ -99,23 +99,34 @@ class DecodeSteps:
         index_k_dtype: IndexKDtype,
         batch_invariant: bool,
         block_bytes: int | None,
+        kv_io: PagedKVIO = SINGLE_DEVICE_KV_IO,
     ):
         self._graphdef, self._state = nnx.split(model)
+        self.kv_io = kv_io  # sparse (top-k rows from the pool) or the dense-view reference
         self.vocab_size = model.cfg.vocab_size
         self.kv = kv
         self.page_size = page_size
         self.index_k_dtype = index_k_dtype
         self.batch_invariant = batch_invariant
         self.block_bytes = block_bytes  # token-block budget of the indexer / sparse attention
-        # Batch-invariant numerics use one attention form everywhere (the CP prefill's).
-        self.prefill_form = "absorbed" if batch_invariant else "expanded"
+        # The CP prefill's absorbed form (attention on the latent rows): the expanded one
+        # up-projects every (token, selected position) pair and is only a test reference.
+        self.prefill_form = "absorbed"
         self.shapes: set[tuple[str, int, int, int]] = set()  # (form, rows, tokens, width)
         # Executables by shape, shared by the engines of this model object with the same
         # pool and numerics (the warm-up probe's compiles serve the real engine); they
         # go with the model.
         self._abstract = (abstract(self._state), abstract(kv.pool))
         leaves, tree = jax.tree.flatten(self._abstract)
-        context = (self._graphdef, tree, *leaves, index_k_dtype, batch_invariant, block_bytes)
+        context = (
+            self._graphdef,
+            tree,
+            *leaves,
+            index_k_dtype,
+            batch_invariant,
+            block_bytes,
+            kv_io,
+        )
         with _CACHES_LOCK:
             caches = _CACHES.setdefault(model, {})
             self._compiled = caches.setdefault(context, ShapeCache("decode step"))
@@ -212,6 +223,7 @@ class DecodeSteps:
             state,
             batch,
             pool,
+            kv_io=self.kv_io,
             index_k_dtype=self.index_k_dtype,
             form=form,
             invariant=self.batch_invariant,

@@ -60,8 +60,7 @@ from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.materialize import CPKVIO
 from cpkv_jax.mesh import CP_AXIS
 from cpkv_jax.model.indexer import indexer_topk
-from cpkv_jax.model.kv_cache import TRASH_PAGE, dequantize_index_k
-from cpkv_jax.model.mla import _gather_rows
+from cpkv_jax.model.kv_cache import TRASH_PAGE, dequantize_index_k, take_view_rows
 from cpkv_jax.model.transformer import CausalLM
 from serving.prefill import buffer_estimator as be
 from serving.prefill.buffer_estimator import KINDS
@@ -249,7 +248,7 @@ def probe_sparse_rows(x: Dims, block_bytes: int = TRANSIENT_BLOCK_BYTES) -> int:
     x = dataclasses.replace(x, t=block_rows(x.t, x.b * x.k * x.d * 4, block_bytes))
 
     def gather(view, topk):
-        return _gather_rows(view.astype(F32), jnp.maximum(topk, 0))
+        return take_view_rows(view.astype(F32), jnp.maximum(topk, 0))
 
     args = (SDS((x.b, x.s, x.d), x.dtype), SDS((x.b, x.t, x.k), I32))
     return xla_bytes(jax.jit(gather).lower(*args).compile())
@@ -288,7 +287,7 @@ def probe_layers(mesh, x: Dims, types: tuple[str, ...]) -> int:
                     IO.view(index_k[j], page_table), IO.view(index_scale[j], page_table)
                 )
                 topk, j = indexer_topk(q, w, k_view, positions, kv_lens, x.k), j + 1
-            sel = _gather_rows(IO.view(latent[i], page_table), jnp.maximum(topk, 0))
+            sel = take_view_rows(IO.view(latent[i], page_table), jnp.maximum(topk, 0))
             out = jnp.einsum("btkc,btc->btk", sel, q_lat)  # stands in for attention
             dep = out.sum(-1, keepdims=True)
         return out, desc, (tuple(latent), tuple(index_k), tuple(index_scale))

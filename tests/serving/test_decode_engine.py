@@ -129,7 +129,7 @@ def test_continuous_batching_matches_reference_with_bounded_compiles(tiny):
     # Decode rows and widths are powers of two; prefill lengths are `bucket`s.
     for form, rows, t, width in shapes:
         assert rows & (rows - 1) == 0 and width & (width - 1) == 0
-        assert t == 1 if form == "absorbed" else t == prefill_bucket(t)
+        assert form == "absorbed" and (t == 1 or t == prefill_bucket(t))
     # A second wave (fresh prompts, eos honoured, same buckets and join pattern)
     # compiles nothing new.
     wave2 = wave_requests(2, "b")
@@ -285,7 +285,7 @@ def prefill_into_pages(tiny, prompt: tuple[int, ...], max_new: int, layout: Layo
     batch = prefill_batch(np.asarray(prompt), table, P)
     graphdef, state = nnx.split(model)
     logits, pool = forward_step(
-        graphdef, state, batch, pool, index_k_dtype=INDEX_K, form="expanded"
+        graphdef, state, batch, pool, index_k_dtype=INDEX_K, form="absorbed"
     )
     data = []
     for kind, layer in layout.buffers():

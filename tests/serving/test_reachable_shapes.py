@@ -23,7 +23,7 @@ def brute(page: int, context: int, usable: int, running: int) -> set:
         for total in range(n + 1, context + 1):
             pages = pages_for_tokens(total, page)
             if pages <= usable:
-                out.add(("expanded", 1, prefill_bucket(n), pow2_at_least(pages)))
+                out.add(("absorbed", 1, prefill_bucket(n), pow2_at_least(pages)))
     longest = min(context, usable * page)
     sizes = range(1, pages_for_tokens(longest, page) + 1)  # pages of one reservation
     for k in range(1, running + 1):
@@ -41,7 +41,7 @@ def test_enumeration_equals_brute_force(seed):
     usable = int(rng.integers(1, 12))
     running = int(rng.integers(1, 6))
     got = reachable_shapes(
-        prefill_form="expanded",
+        prefill_form="absorbed",
         page_size=page,
         context_length=context,
         usable_pages=usable,

@@ -1,0 +1,177 @@
+"""Sparse paged decode (issue 35): attention reads only the top-k latent rows.
+
+`PagedKVIO` (the default `kv_io` of every single-device step) gathers each query's
+selected latent rows from the pool by (page, offset); `DENSE_VIEW_KV_IO` gathers the
+request's whole context into a view first, as every step did before. The two must give
+the same tokens, and log-probs within 1e-5 (the gathered rows are the same values, but
+XLA may fuse the two gathers into different programs; observed differences are ~1e-7),
+and the same bits under batch-invariant numerics. Each case runs the decode engine over
+requests of mixed lengths, all well past `index_topk` (16 in the tiny config), joining
+and leaving a running batch, for both architectures and the FP8 checkpoint's weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from support.decode_model import INDEX_K, P, two_layer_config
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.model.forward_batch import abstract_batch
+from cpkv_jax.model.kv_cache import DENSE_VIEW_KV_IO, SINGLE_DEVICE_KV_IO, pool_shapes
+from cpkv_jax.model.transformer import CausalLM, forward_step
+from cpkv_jax.model.weights import load_model
+from cpkv_jax.tools.tiny_config import tiny_config_dict
+from serving.decode.engine import DecodeEngine
+from serving.engine.api import GenerateRequest, SamplingParams
+from transfer.kv_sink import KVSink
+
+LP_TOL = 1e-5  # see the module docstring
+POOL_PAGES = 48
+# (prompt length, max_new_tokens, step it joins at): contexts 2-5x index_topk in one
+# prefill bucket (64), 3 to 5 pages each in one batch (the first, the longest, runs
+# throughout: every decode table is 8 wide), one leaving after 2 tokens while others
+# join. Few distinct shapes (5 programs per path): each one compiles.
+WAVE = [(60, 14, 0), (37, 7, 0), (50, 2, 1), (45, 6, 1), (62, 3, 2)]
+TWO_LAYERS = {"num_hidden_layers": 2, "first_k_dense_replace": 1}
+# The FP8 checkpoint's first three layers: full, full, shared indexer; dense, dense, MoE.
+GLM_THREE_LAYERS = {
+    "num_hidden_layers": 3,
+    "indexer_types": ["full", "full", "shared"],
+    "mlp_layer_types": ["dense", "dense", "sparse"],
+}
+
+
+def _deepseek_two_layers() -> tuple[ModelConfig, CausalLM]:
+    d = tiny_config_dict("deepseek_v32") | TWO_LAYERS
+    cfg = ModelConfig.from_dict(d)
+    return cfg, CausalLM(cfg, rngs=nnx.Rngs(1))
+
+
+def _glm_two_layers() -> tuple[ModelConfig, CausalLM]:
+    cfg = two_layer_config()
+    return cfg, CausalLM(cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoints):
+    def fp8():  # the checkpoint's first three layers (the rest is left unread)
+        path = tiny_checkpoints("glm_moe_dsa", fp8=True)
+        cfg, model = load_model(path, json_model_override_args=GLM_THREE_LAYERS, progress=False)
+        assert any("weight_scale" in str(k) for k, _ in nnx.to_flat_state(nnx.state(model)))
+        return cfg, model
+
+    return {"glm": _glm_two_layers, "deepseek": _deepseek_two_layers, "glm-fp8": fp8}
+
+
+def _run(cfg, model, kv_io, *, batch_invariant=False):
+    kv = KVSink.create(cfg, POOL_PAGES, P, jnp.float32, INDEX_K)
+    engine = DecodeEngine(
+        cfg=cfg,
+        model=model,
+        kv=kv,
+        page_size=P,
+        index_k_dtype=INDEX_K,
+        mode="null",
+        max_running_requests=8,
+        batch_invariant=batch_invariant,
+        kv_io=kv_io,
+    )
+    rng = np.random.default_rng(7)
+    schedule: dict[int, list[GenerateRequest]] = {}
+    for i, (n, m, at) in enumerate(WAVE):
+        ids = tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n))
+        req = GenerateRequest(
+            f"r{i}",
+            ids,
+            SamplingParams(max_new_tokens=m, ignore_eos=True),
+            return_logprob=True,
+        )
+        schedule.setdefault(at, []).append(req)
+    toks: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    step = 0
+    free0 = kv.num_free_pages
+    while step in schedule or engine.has_work():
+        for r in schedule.get(step, []):
+            engine.add(r)
+        for c in engine.step():
+            assert c.error is None, c.error
+            toks.setdefault(c.rid, []).extend(c.token_ids)
+            lps.setdefault(c.rid, []).extend(c.logprobs or ())
+        step += 1
+        assert step < 100
+    assert kv.num_free_pages == free0
+    return toks, lps, engine.step_shapes
+
+
+@pytest.mark.parametrize("which", ["deepseek", "glm-fp8"])
+def test_sparse_decode_gives_the_dense_paths_tokens(models, which):
+    cfg, model = models[which]()
+    sparse_toks, sparse_lps, shapes = _run(cfg, model, SINGLE_DEVICE_KV_IO)
+    dense_toks, dense_lps, _ = _run(cfg, model, DENSE_VIEW_KV_IO)
+    assert {rows for _, rows, t, _ in shapes if t == 1} == {1, 2, 4}, shapes  # decode steps
+    assert sparse_toks == dense_toks
+    assert [len(sparse_toks[f"r{i}"]) for i in range(len(WAVE))] == [m for _, m, _ in WAVE]
+    for rid, lp in sparse_lps.items():
+        np.testing.assert_allclose(lp, dense_lps[rid], rtol=0, atol=LP_TOL, err_msg=rid)
+
+
+def test_sparse_decode_is_bitwise_the_dense_path_when_batch_invariant(models):
+    """The GLM case: batch-invariant numerics make the comparison exact."""
+    cfg, model = models["glm"]()
+    sparse = _run(cfg, model, SINGLE_DEVICE_KV_IO, batch_invariant=True)[:2]
+    dense = _run(cfg, model, DENSE_VIEW_KV_IO, batch_invariant=True)[:2]
+    assert sparse == dense
+
+
+def _shapes_in(jaxpr) -> set[tuple[int, ...]]:
+    """Every intermediate's shape in `jaxpr` and the jaxprs nested in it (jit, loops)."""
+    out: set[tuple[int, ...]] = set()
+    for eqn in jaxpr.eqns:
+        out |= {tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")}
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, list | tuple) else [p]:
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    out |= _shapes_in(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    out |= _shapes_in(sub)
+    return out
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_sparse_decode_step_never_builds_the_latent_view(batch_invariant):
+    """Traced, not run: the decode step's program has no `[rows, width * P, latent]`
+    array (the dense path's view, the context-sized read sparse decode removes), while
+    the index K view - the indexer must score every token - is still there."""
+    cfg, model = _glm_two_layers()
+    graphdef, state = nnx.split(model)
+    rows, width = 4, 64
+    pool = pool_shapes(cfg, POOL_PAGES, P, jnp.float32, INDEX_K)
+    batch = abstract_batch(rows, 1, width)
+
+    def shapes(kv_io):
+        jaxpr = jax.make_jaxpr(
+            lambda s, b, p: forward_step(
+                graphdef,
+                s,
+                b,
+                p,
+                kv_io=kv_io,
+                index_k_dtype=INDEX_K,
+                form="absorbed",
+                invariant=batch_invariant,
+            )
+        )(state, batch, pool)
+        return _shapes_in(jaxpr.jaxpr)
+
+    view_rows = 1 if batch_invariant else rows  # batch-invariant: one sequence at a time
+    latent_view = (view_rows, width * P, cfg.kv_cache_dim)
+    index_view = (view_rows, width * P, cfg.index_head_dim)
+    dense, sparse = shapes(DENSE_VIEW_KV_IO), shapes(SINGLE_DEVICE_KV_IO)
+    assert latent_view in dense and index_view in dense  # the check can see a view
+    assert latent_view not in sparse
+    assert index_view in sparse
