@@ -5,7 +5,8 @@
 
 A GLM-5-shaped model with GLM-5's real attention and indexer dims (64 heads, q LoRA
 2048, KV LoRA 512, rope 64, nope 192, v 256; indexer 32 heads x 128, top-k 2048), hidden
-1024, 2 layers with dense FFNs, bf16, fp8 index K, page size 64, on one device. The
+1024, 2 layers with dense FFNs, float32 (`--dtype`; see its note), fp8 index K, page
+size 64, on one device. The
 jitted `forward_step` is timed directly (one token per row, every row at the same
 context, pool filled with random rows; the pool is donated and threaded through) for
 each path:
@@ -36,7 +37,7 @@ from flax import nnx
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.forward_batch import batch_from_host
-from cpkv_jax.model.kv_cache import DENSE_VIEW_KV_IO, SINGLE_DEVICE_KV_IO, pool_shapes
+from cpkv_jax.model.kv_cache import DENSE_VIEW_KV_IO, DTYPES, SINGLE_DEVICE_KV_IO, pool_shapes
 from cpkv_jax.model.transformer import CausalLM, forward_step
 from cpkv_jax.model_configs import config_dir
 
@@ -60,10 +61,10 @@ def glm5_shaped(layers: int, hidden: int) -> ModelConfig:
     return ModelConfig.from_dict(raw)
 
 
-def random_pool(cfg: ModelConfig, num_pages: int, seed: int):
+def random_pool(cfg: ModelConfig, num_pages: int, seed: int, dtype):
     """A pool of random rows (fp8 index K with positive scales): the step's cost does
     not depend on the values, but zeros could take shortcuts a real cache never does."""
-    shapes = pool_shapes(cfg, num_pages, PAGE, jnp.bfloat16, INDEX_K)
+    shapes = pool_shapes(cfg, num_pages, PAGE, dtype, INDEX_K)
     leaves, tree = jax.tree.flatten(shapes)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     out = []
@@ -73,6 +74,11 @@ def random_pool(cfg: ModelConfig, num_pages: int, seed: int):
     return jax.tree.unflatten(tree, out)
 
 
+def graphdef_dtype(state) -> Any:
+    """The model's parameter dtype: the pool is stored in it, as the servers do."""
+    return jax.tree.leaves(state)[0].dtype
+
+
 def time_steps(
     graphdef, state, cfg, kv_io, batch: int, context: int, repeats: int
 ) -> tuple[float, np.ndarray]:
@@ -80,7 +86,7 @@ def time_steps(
     for every path: the paths' logits are compared)."""
     pages_per_row = -(-(context + 1) // PAGE)
     num_pages = 1 + batch * pages_per_row  # page 0: the trash page
-    pool = random_pool(cfg, num_pages, seed=context + batch)
+    pool = random_pool(cfg, num_pages, context + batch, graphdef_dtype(state))
     tables = 1 + np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row)
     width = 1 << (pages_per_row - 1).bit_length()
     tables = np.pad(tables, ((0, 0), (0, width - pages_per_row)))
@@ -117,10 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
+    # float32 by default: XLA:CPU runs a bf16 pool's KV write (a scatter into the donated
+    # pool) as a copy of the whole pool, so on CPU a bf16 step costs O(pool size) per
+    # layer whatever the attention reads (measured: 220 ms for a 300 MB layer pool, vs
+    # 0.03 ms in place in float32). GPUs update bf16 in place.
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     cfg = glm5_shaped(args.layers, args.hidden)
-    model = CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    dtype = DTYPES[args.dtype]
+    model = CausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
     graphdef, state = nnx.split(model)
     rows: list[dict[str, Any]] = []
     logits: dict[tuple[str, int, int], np.ndarray] = {}
@@ -160,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             "layers": args.layers,
             "hidden": args.hidden,
             "attention": "GLM-5 (64 heads, kv_lora 512, rope 64, index 32x128, top-k 2048)",
-            "dtype": "bfloat16",
+            "dtype": args.dtype,
             "index_k": INDEX_K,
             "page_size": PAGE,
         },
