@@ -15,7 +15,10 @@ each path:
   from the pool;
 - `dense` (`DENSE_VIEW_KV_IO`): the whole context's latent rows are gathered into a view
   first, as every decode step did before issue 35.
-Prints JSON: median step milliseconds per (path, batch, context) and, per path and batch,
+Prints JSON: median step milliseconds per (path, batch, context), the bytes a step must
+read at least (`min_bytes`: the weights once, and per row and layer every cached token's
+index K and scale - 132 B at GLM-5 dims - plus the top-k latent rows; the roofline a GPU
+run is held against, with `gbps` = min_bytes / step time) and, per path and batch,
 the ratio of the longest context's step to the shortest's (issue 35's targets: at most
 1.5x at batch 1 and 2.5x at batch 8 between 32K and 2K; the dense path measured 2.06x /
 5.84x on the dev machine). Medians of `--repeats` after one untimed (compiling) step.
@@ -72,6 +75,16 @@ def random_pool(cfg: ModelConfig, num_pages: int, seed: int, dtype):
         x = jax.random.uniform(k, s.shape, jnp.float32, 0.01, 1.0)
         out.append(x.astype(s.dtype))
     return jax.tree.unflatten(tree, out)
+
+
+def min_bytes(cfg: ModelConfig, state, batch: int, context: int) -> int:
+    """What one decode step must read: weights once; per row and layer, every cached
+    token's fp8 index K + float32 scale (the indexer scores them all) and the top-k
+    latent rows attention reads (in the pool's dtype)."""
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    latent_row = cfg.kv_cache_dim * graphdef_dtype(state).itemsize
+    per_layer = context * (cfg.index_head_dim + 4) + min(cfg.index_topk, context) * latent_row
+    return int(weights + batch * cfg.num_hidden_layers * per_layer)
 
 
 def graphdef_dtype(state) -> Any:
@@ -142,7 +155,17 @@ def main(argv: list[str] | None = None) -> int:
                 ms, logits[path, b, c] = time_steps(
                     graphdef, state, cfg, PATHS[path], b, c, args.repeats
                 )
-                rows.append({"path": path, "batch": b, "context": c, "step_ms": round(ms, 2)})
+                need = min_bytes(cfg, state, b, c)
+                rows.append(
+                    {
+                        "path": path,
+                        "batch": b,
+                        "context": c,
+                        "step_ms": round(ms, 2),
+                        "min_bytes": need,
+                        "gbps": round(need / (ms * 1e-3) / 1e9, 2),
+                    }
+                )
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     # The paths must agree (bf16 model: the same rows, possibly fused differently).
     checks = {

@@ -10,6 +10,9 @@ steps in order of value (correctness first; `--list` prints them with their limi
 - `gpu_kernels`: Pallas paged gather compiled for the GPU vs the XLA reference
   (bitwise), in the model, and timed at GLM-5 sizes (`--quick` when the budget is short);
 - `gpu_generate`: prefill + paged decode on the GPU vs on the CPU (tokens, log-probs);
+- `bench_decode`: the decode step at GLM-5 attention dims against context, sparse paged
+  decode beside the dense view (logits compared), each step's time against the bytes it
+  must read (`gbps`: the HBM roofline);
 - `buffer_estimator`: the admission gate's `XLA_GPU` profile vs XLA's compiled memory on
   the GPU (this module, `--estimator-check`; see `estimator_check`);
 - `bench_host_copy`: host-cache LF <-> LPF copy kernels compiled on the GPU vs memcpy;
@@ -83,6 +86,16 @@ def _hl_gpu_generate(r: dict[str, Any]) -> str:
     if "pallas_vs_xla_logprobs_bitwise" in r:
         text += f"; Pallas vs XLA bitwise {r['pallas_vs_xla_logprobs_bitwise']}"
     return text
+
+
+def _hl_decode(r: dict[str, Any]) -> str:
+    parts = [f"max logit diff {max(r['checks'].values(), default=0.0):.1e}"]
+    parts += [f"{k} {v:.2f}x" for k, v in r["ratios"].items() if k.startswith("sparse_")]
+    best = max((x for x in r["rows"] if x["path"] == "sparse"), key=lambda x: x["gbps"])
+    parts.append(
+        f"sparse {best['gbps']:.0f} GB/s of min bytes at b{best['batch']} {best['context']}"
+    )
+    return "; ".join(parts)
 
 
 def _hl_host_copy(r: dict[str, Any]) -> str:
@@ -186,6 +199,27 @@ STEPS: tuple[Step, ...] = (
         cpu_args=("--allow-cpu", "--prompt-tokens", "21", "--new-tokens", "5"),
         what="generation on the GPU (single device, CP1 xla/pallas) vs the CPU",
         headline=_hl_gpu_generate,
+    ),
+    Step(
+        "bench_decode",
+        "benchmarks.bench_decode",
+        limit_s=150,
+        min_s=45,
+        gpu_args=(
+            "--dtype",
+            "bfloat16",
+            "--contexts",
+            "2048",
+            "32768",
+            "131072",
+            "--batches",
+            "1",
+            "8",
+            "32",
+        ),
+        cpu_args=("--contexts", "64", "192", "--batches", "2", "--layers", "1", "--hidden", "128"),
+        what="decode step vs context at GLM-5 attention dims, sparse vs dense view, vs min bytes",
+        headline=_hl_decode,
     ),
     Step(
         "buffer_estimator",

@@ -19,7 +19,11 @@ def test_report_has_both_paths_their_ratios_and_equal_logits(tmp_path):
     assert {(x["path"], x["context"]) for x in r["rows"]} == {
         (p, c) for p in ("sparse", "dense") for c in (64, 192)
     }
-    assert all(x["step_ms"] > 0 and x["batch"] == 2 for x in r["rows"])
+    assert all(x["step_ms"] > 0 and x["batch"] == 2 and x["gbps"] > 0 for x in r["rows"])
+    need = {x["context"]: x["min_bytes"] for x in r["rows"]}
+    # 128 more cached tokens x 2 rows x 1 layer: index K (128 fp8 + a float32 scale) and,
+    # below top-k (2048), 128 more float32 latent rows of 576.
+    assert need[192] - need[64] == 2 * 128 * (132 + 576 * 4)
     assert set(r["ratios"]) == {
         "sparse_b2_192_over_64",
         "dense_b2_192_over_64",

@@ -83,6 +83,7 @@ def test_list_prints_every_step_and_its_limit(capsys):
     names = [
         "gpu_kernels",
         "gpu_generate",
+        "bench_decode",
         "buffer_estimator",
         "bench_host_copy",
         "bench_moe_ep",
@@ -243,6 +244,7 @@ def test_device_slug():
         ("bench_host_copy", "bench_host_copy_cpu_2026-12-02.json", "LPF backup"),
         ("bench_moe_ep", "bench_moe_ep_cpu_2026-12-02.json", "tokens"),
         ("bench_hicache_ttft", "bench_hicache_ttft_cpu_2026-12-02.json", "x recompute"),
+        ("bench_decode", "bench_decode_cpu_2026-12-04.json", "sparse_b8_32768_over_2048 3.94x"),
     ],
 )
 def test_headlines_of_committed_results(name, path, expect):
