@@ -246,7 +246,7 @@ class CachedUnifiedEngine(DecodeEngine):
         r.host_cached_tokens = outcome.host_cached_tokens
         self.prefix_cache_hit_tokens += outcome.cached_tokens
         self._running[r.rid] = r
-        logprobs = np.asarray(log_probs(outcome.last_logits))
+        logprobs = np.asarray(log_probs(outcome.last_logits))[None]  # host: one row
         self._sample(r, logprobs, touched)  # a failed token fails this request alone
 
     def _release(self, r: _Request) -> None:

@@ -63,7 +63,8 @@ from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import (
     pages_for_tokens,
 )
-from serving.decode.sampling import Detokenize, StopChecker, StopResult, request_seed, sample_token
+from cpkv_jax.sampling import RowSampling, sample
+from serving.decode.sampling import Detokenize, StopChecker, StopResult, request_seed
 from serving.decode.steps import DecodeSteps, reachable_shapes
 from serving.engine.api import (
     EngineStateLostError,
@@ -408,7 +409,7 @@ class DecodeEngine:
         except Exception as e:
             self._step_failed("the prefill step", e, [r], touched)
             return
-        self._sample(r, logprobs, touched)
+        self._sample(r, logprobs, touched)  # on the device; a failed draw fails `r` alone
 
     def _poll_transfers(self, touched: dict[str, _Request]) -> None:
         assert self._rooms is not None
@@ -446,16 +447,18 @@ class DecodeEngine:
         rows = [r for r in self._running.values() if r.finish is None]
         if not rows:
             return
-        # Each row feeds its last output token, at position kv_len.
+        # Each row feeds its last output token, at position kv_len; the tokens are drawn
+        # on the device and only they (and their log-probs) come back.
         try:
             logprobs = self._steps.decode(
                 [(r.out_ids[-1], r.kv_len, r.pages, r.n_pages) for r in rows]
             )
+            drawn = sample(logprobs, [self._row_sampling(r) for r in rows])
         except Exception as e:
             self._step_failed("the decode step", e, rows, touched)
             return
         for i, r in enumerate(rows):
-            self._sample(r, logprobs[i], touched)
+            self._produce(r, touched, functools.partial(drawn.pick, i))
 
     @property
     def step_shapes(self) -> set[tuple[str, int, int, int]]:
@@ -512,14 +515,14 @@ class DecodeEngine:
         return self.mode == "null"
 
     # ---- failures ------------------------------------------------------------------------
-    def _sample(self, r: _Request, logprobs: np.ndarray, touched: dict[str, _Request]) -> None:
-        """Draw `r`'s next token from its log-prob row and record it."""
+    def _row_sampling(self, r: _Request) -> RowSampling:
+        s = r.req.sampling
+        return RowSampling(s.temperature, s.top_k, s.top_p, r.seed, len(r.out_ids))
 
-        def pick() -> tuple[int, float]:
-            tok = sample_token(logprobs, r.req.sampling, len(r.out_ids), r.seed)
-            return tok, float(logprobs[tok])
-
-        self._produce(r, touched, pick)
+    def _sample(self, r: _Request, logprobs: Any, touched: dict[str, _Request]) -> None:
+        """Draw `r`'s next token from its log-prob row (`[1, vocab]`, on the device or
+        the host) and record it."""
+        self._produce(r, touched, lambda: sample(logprobs, [self._row_sampling(r)]).pick(0))
 
     def _produce(
         self, r: _Request, touched: dict[str, _Request], pick: Callable[[], tuple[int, float]]

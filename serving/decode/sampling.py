@@ -1,10 +1,8 @@
-"""Token sampling and stop conditions for one request (host side, numpy only).
+"""A request's sampling seed and stop conditions (host side).
 
-`sample_token` is stateless per output position: token `step` of a request is drawn
-with `numpy.random.default_rng([seed, step])`, so a prefill server that samples token 0
-and a decode server that samples tokens 1.. produce the same stream as one unified
-server. The filters run in the usual order: temperature, then top-k, then top-p
-(nucleus) on the renormalized top-k distribution, all in float64.
+Tokens are drawn on the device by `cpkv_jax.sampling.sample` (stateless per output
+position, keyed by `request_seed`), so a prefill server that samples token 0 and a
+decode server that samples tokens 1.. produce the same stream as one unified server.
 
 `StopChecker` decides, after each new token, whether a request is finished and why:
 
@@ -24,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
-
-import numpy as np
 
 from cpkv_jax.errors import InputError
 from serving.engine.api import FinishReason, GenerateRequest, SamplingParams
@@ -53,60 +49,6 @@ Detokenize = Callable[[list[int]], str]
 # Replacement character a byte-level detokenizer emits for an incomplete UTF-8 sequence:
 # text ending in it is not final yet (the next token may complete the character).
 _REPLACEMENT = "\ufffd"
-
-
-def sampling_probs(
-    logprobs: np.ndarray, temperature: float, top_k: int, top_p: float
-) -> np.ndarray:
-    """The float64 distribution a non-greedy draw uses: `[vocab]`, sums to 1.
-
-    Temperature scaling, then top-k (`top_k > 0`: the k most likely tokens, ties broken
-    towards the lower token id), then top-p (the smallest most-likely-first set whose
-    mass is >= `top_p`, at least one token), renormalized after each filter.
-    """
-    if temperature <= 0.0:
-        raise ValueError(f"sampling_probs needs temperature > 0, got {temperature}")
-    z = np.asarray(logprobs, dtype=np.float64).reshape(-1) / temperature
-    top = float(np.max(z))
-    if not np.isfinite(top):
-        raise ValueError(f"log-probs have no finite maximum (max {top}); the logits are broken")
-    p = np.exp(z - top)
-    # Most likely first; a stable sort of -p keeps equal tokens in id order.
-    order = np.argsort(-p, kind="stable")
-    keep = len(order)
-    if 0 < top_k < keep:
-        keep = top_k
-    if top_p < 1.0:
-        kept = p[order[:keep]]
-        cdf = np.cumsum(kept) / kept.sum()
-        keep = min(keep, int(np.searchsorted(cdf, top_p, side="left")) + 1)
-    out = np.zeros_like(p)
-    sel = order[:keep]
-    out[sel] = p[sel]
-    return out / out.sum()
-
-
-def sample_token(logprobs: np.ndarray, params: SamplingParams, step: int, seed: int) -> int:
-    """Token `step` of a request's output, from one row of log-softmax over the vocab.
-
-    `temperature == 0` is greedy: `argmax(logprobs)` (the lowest id among ties), exactly
-    what `ReferenceGenerator` picks. Otherwise one uniform draw from
-    `default_rng([seed, step])` is mapped through the CDF of `sampling_probs(...)`.
-    A row without a finite maximum (NaN, all -inf: broken logits) raises `ValueError`
-    either way; the engines fail that request alone.
-    """
-    if params.temperature == 0.0:
-        tok = int(np.argmax(logprobs))
-        if not np.isfinite(logprobs[tok]):  # argmax stops at the first NaN
-            raise ValueError(
-                f"log-probs have no finite maximum (max {logprobs[tok]}); the logits are broken"
-            )
-        return tok
-    probs = sampling_probs(logprobs, params.temperature, params.top_k, params.top_p)
-    cdf = np.cumsum(probs)
-    u = np.random.default_rng([seed, step]).random() * cdf[-1]
-    # side="right": a zero-probability token (flat CDF) is never chosen.
-    return int(min(np.searchsorted(cdf, u, side="right"), len(cdf) - 1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,10 @@
 - `decode`: one token for each running request, rows padded to a power of two and page
   tables to a power of two of the longest reservation.
 
-Both donate the pool through `KVStore.update_pool` and return log-probs on the host, so
-the number of compiled shapes is bounded by the buckets (`shapes` records them).
+Both donate the pool through `KVStore.update_pool` and return the step's log-prob rows
+where they were computed (on the device: `cpkv_jax.sampling.sample` draws from them
+there and brings back only tokens), so the number of compiled shapes is bounded by the
+buckets (`shapes` records them).
 `reachable_shapes` enumerates every shape an engine's requests can reach from its limits
 (the same bucket rules, one source of truth) and `warm` runs each once on trash-page-only
 tables, so a server that warms them all compiles nothing while serving (issue 25).
@@ -23,6 +25,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from cpkv_jax import sampling
 from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import MIN_PREFILL_BUCKET, pow2_at_least, prefill_bucket
 from cpkv_jax.model.forward_batch import abstract_batch, batch_from_host, prefill_batch
@@ -131,8 +134,9 @@ class DecodeSteps:
             caches = _CACHES.setdefault(model, {})
             self._compiled = caches.setdefault(context, ShapeCache("decode step"))
 
-    def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> np.ndarray:
-        """Log-probs after the prompt's last token; its KV lands in `pages`."""
+    def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> jax.Array:
+        """Log-probs `[1, vocab]` after the prompt's last token, on the device; its KV
+        lands in `pages`."""
         table = padded_page_table(pages, width)
         batch = prefill_batch(prompt, table, self.page_size)
         shape = (self.prefill_form, 1, batch.input_ids.shape[1], width)
@@ -140,10 +144,11 @@ class DecodeSteps:
         self.shapes.add(shape)
         with jax.named_scope("decode_engine.prefill"):
             logits = self.kv.update_pool(lambda pool: step(self._state, batch, pool))
-        return np.asarray(log_probs(logits[0]))
+        return log_probs(logits)
 
-    def decode(self, rows: Sequence[DecodeRow]) -> np.ndarray:
-        """Log-probs `[len(rows), vocab]` after feeding each row's token at its position."""
+    def decode(self, rows: Sequence[DecodeRow]) -> jax.Array:
+        """Log-probs after feeding each row's token at its position, on the device:
+        `[pow2(len(rows)), vocab]`, the first `len(rows)` rows those of `rows`."""
         rows_p = pow2_at_least(len(rows))
         width = pow2_at_least(max(n_pages for *_, n_pages in rows))
         ids = np.zeros((rows_p, 1), np.int32)
@@ -165,32 +170,32 @@ class DecodeSteps:
         self.shapes.add(shape)
         with jax.named_scope("decode_engine.decode"):
             logits = self.kv.update_pool(lambda pool: step(self._state, batch, pool))
-        return np.asarray(log_probs(logits))[: len(rows)]
+        return log_probs(logits)
 
     def warm(self, shapes: Sequence[Shape]) -> None:
         """Run each shape once on tables of the trash page only (every write lands in page
-        0, which no request reads), through the same code the requests take."""
+        0, which no request reads), through the same code the requests take (the step,
+        then the sampler on its rows)."""
         trash = np.zeros((1,), np.int32)
         bar = tqdm(shapes, desc="compiling decode steps", unit="shape", disable=None)
         for form, rows, tokens, width in bar:  # a bar on a terminal only
             if tokens > 1:  # a prefill: one row, `tokens` padded prompt tokens
                 if form != self.prefill_form:
                     raise ValueError(f"this engine prefills in {self.prefill_form!r}, not {form!r}")
-                self.prefill(np.full((tokens,), 3, np.int32), trash, width)
+                lp = self.prefill(np.full((tokens,), 3, np.int32), trash, width)
             else:
-                self.decode([(3, 0, trash, width)] * rows)
+                lp = self.decode([(3, 0, trash, width)] * rows)
+            sampling.sample(lp, [sampling.GREEDY])
 
     def warm_log_probs(self, rows: set[int]) -> None:
         """Run the small programs around the steps (the log-softmax of `[rows, vocab]`
-        logits, and a prefill's `[vocab]` row) for each batch-row bucket, on committed
-        arrays as the steps return them: what `warm` covers by running the steps, for a
-        server whose steps compile in the background."""
+        logits and the sampler on it) for each batch-row bucket, on committed arrays as
+        the steps return them: what `warm` covers by running the steps, for a server
+        whose steps compile in the background."""
         sharding = jax.tree.leaves(self._abstract[1])[0].sharding
         for r in sorted(rows | {1}):
             logits = jax.device_put(np.zeros((r, self.vocab_size), np.float32), sharding)
-            if r == 1:
-                np.asarray(log_probs(logits[0]))
-            np.asarray(log_probs(logits))
+            sampling.sample(log_probs(logits), [sampling.GREEDY])
 
     def compiled(self, shape: Shape) -> jax.stages.Compiled:
         """The executable of step `shape`, compiled on abstract inputs the first time (a

@@ -37,9 +37,10 @@ class SamplingParams:
     """Per-request sampling. `temperature == 0` is greedy (argmax of the log-probs).
 
     `top_k <= 0` and `top_p == 1` disable those filters. With `seed`, token `i` of the
-    output is drawn with `numpy.random.default_rng([seed, i])`, so the same request gives
-    the same tokens whichever server (unified, or prefill then decode) samples which token.
-    Without `seed`, the engine picks one per request.
+    output is drawn on the device with a key of `(seed, i)` (`cpkv_jax.sampling`), so the
+    same request gives the same tokens whichever server (unified, or prefill then decode)
+    samples which token, whatever it is batched with. Without `seed`, the engine derives
+    one from the request id.
     """
 
     max_new_tokens: int = 16

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from cpkv_jax import sampling
 from cpkv_jax.aot import CompileJob
 from cpkv_jax.buckets import StepShape, reachable_step_shapes
 from cpkv_jax.cache.hiradix import HiRadixCache
@@ -146,14 +147,19 @@ class PrefillEngine:
         """Compile every reachable step shape not compiled yet (`CPPrefillRunner.warm`)
         and the first token's log-softmax; returns how many steps compiled."""
         steps = self.runner.warm(self.reachable_shapes(max_waiting))
-        log_probs(np.zeros(self.cfg.vocab_size, np.float32))  # on each finished prefill
+        self._warm_first_token()
         return steps
 
     def compile_jobs(self, max_waiting: int | None = None) -> list[CompileJob]:
         """`warm_all_shapes` for a background compiler: the first token's log-softmax
         now, the step shapes as jobs (`CPPrefillRunner.compile_jobs`)."""
-        log_probs(np.zeros(self.cfg.vocab_size, np.float32))
+        self._warm_first_token()
         return self.runner.compile_jobs(self.reachable_shapes(max_waiting))
+
+    def _warm_first_token(self) -> None:
+        """Each finished prefill's log-softmax and its first token's draw (host row)."""
+        log_probs(np.zeros(self.cfg.vocab_size, np.float32))
+        sampling.warm(self.cfg.vocab_size, [1], None)
 
     def warm_host_copies(self) -> int:
         """Compile the host cache's copy programs (`HostCacheIO.warm`); returns how many

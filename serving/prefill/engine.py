@@ -50,9 +50,9 @@ most for one gather, a read at most for the step on the device (`CPPoolPageSourc
 figures in docs/results.md, "Transfer reads beside prefill steps").
 
 The seed rule (`request_seed`) must be the decode server's too: token `i` of a request
-is drawn with `serving.decode.sampling.sample_token(..., step=i, seed=request_seed(req))`, so a
-prefill server sampling token 0 and a decode server sampling the rest give the stream a
-unified server would.
+is drawn by `cpkv_jax.sampling.sample` with `RowSampling(..., seed=request_seed(req),
+step=i)`, so a prefill server sampling token 0 and a decode server sampling the rest give
+the stream a unified server would.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import pages_for_tokens
-from serving.decode.sampling import request_seed, sample_token
+from cpkv_jax.sampling import RowSampling, sample
+from serving.decode.sampling import request_seed
 from serving.engine.api import (
     EngineStateLostError,
     EngineStats,
@@ -566,9 +567,11 @@ class PrefillModeEngine:
             return self._final(entry, reason, error=why or f"{outcome.status}: {outcome.reason}")
         assert outcome.last_logits is not None and outcome.table is not None
         req = entry.req
-        logprobs = np.asarray(log_probs(outcome.last_logits))
-        token = sample_token(logprobs, req.sampling, step=0, seed=request_seed(req))
-        entry.first_token, entry.logprob = token, float(logprobs[token])
+        logprobs = np.asarray(log_probs(outcome.last_logits))[None]  # host: one row
+        s = req.sampling
+        row = RowSampling(s.temperature, s.top_k, s.top_p, request_seed(req), step=0)
+        token, entry.logprob = sample(logprobs, [row]).pick(0)
+        entry.first_token = token
         entry.cached_tokens = outcome.cached_tokens
         entry.host_cached_tokens = outcome.host_cached_tokens
         self.prefix_cache_hit_tokens += outcome.cached_tokens

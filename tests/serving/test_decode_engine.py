@@ -29,8 +29,8 @@ from cpkv_jax.generate import ReferenceGenerator, prefill_batch
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.transformer import forward_step
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
+from cpkv_jax.sampling import RowSampling, sample
 from serving.decode.engine import DecodeEngine
-from serving.decode.sampling import sample_token
 from serving.engine.api import EngineStats, GenerateRequest, SamplingParams, StepEngine
 from serving.engine.wait_queue import QueueFullError
 from serving.http.errors import error_body
@@ -390,7 +390,10 @@ def test_decode_mode_continues_transferred_kv(tiny):
     # The greedy one reports a prefix-cache hit on the prefill side (3 tokens, 1 from host).
     for r, cached in ((greedy, (3, 1)), (sampled, (0, 0))):
         data, lp = prefill_into_pages(tiny, r.input_ids, r.sampling.max_new_tokens, layout)
-        tok = sample_token(lp, r.sampling, 0, r.sampling.seed or 0)
+        s = r.sampling
+        tok, _ = sample(lp[None], [RowSampling(s.temperature, s.top_k, s.top_p, s.seed or 0)]).pick(
+            0
+        )
         send(rx, f"room-{r.rid}", len(r.input_ids), data, Aux(tok, float(lp[tok]), *cached))
     rx.abort(f"room-{failing.rid}", "prefill crashed", sender_rank=0)
     engine.abort(aborted.rid)

@@ -1,0 +1,129 @@
+"""Token sampling on the device: only token ids and their log-probs come back.
+
+`sample(logprobs, rows)` takes a step's log-softmax rows `[R, vocab]` where they were
+computed (on the device, for the decode steps) and per-row `RowSampling` parameters, and
+returns each row's token, that token's log-prob (under the untempered distribution, the
+one the API reports) and whether the row had a finite maximum - three small arrays
+instead of the whole vocabulary's log-probs.
+
+Per row, as SGLang and vLLM order the filters: temperature, then top-k (`top_k > 0`: the
+k most likely tokens, ties broken towards the lower token id), then top-p (the smallest
+most-likely-first prefix of the renormalized top-k whose mass is >= `top_p`, at least
+one token), then one uniform draw through the kept tokens' CDF. `temperature == 0` is
+greedy: `argmax`, the lowest id among ties, as the reference generator picks.
+
+The draw is stateless per output position: token `step` of a request uses the key
+`fold_in(fold_in(fold_in(key(0), seed_lo), seed_hi), step)` (the 63-bit seed's 32-bit
+halves), so a prefill server that samples token 0 and a decode server that samples tokens
+1.. give the same stream as one unified server, and a row's token does not depend on the
+rows batched with it. JAX's threefry keys are the same on every backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+_U32 = 0xFFFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """One row's sampling: `step` is the output position the token will take."""
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int = 0
+    step: int = 0
+
+
+GREEDY = RowSampling()  # the padding rows of a step
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """Host arrays, one entry per requested row."""
+
+    tokens: np.ndarray  # int32
+    logprobs: np.ndarray  # float32, of `tokens` under the untempered distribution
+    finite: np.ndarray  # bool: False when the row had no finite maximum (broken logits)
+
+    def pick(self, i: int) -> tuple[int, float]:
+        """Row `i`'s (token, log-prob); `ValueError` for a broken row (NaN anywhere, or
+        nothing finite): the engines fail that request alone."""
+        if not self.finite[i]:
+            raise ValueError("log-probs have no finite maximum; the logits are broken")
+        return int(self.tokens[i]), float(self.logprobs[i])
+
+
+def sample(logprobs: Float[Array, "r v"] | np.ndarray, rows: Sequence[RowSampling]) -> Sampled:
+    """Sample `len(rows)` tokens from the first rows of `logprobs` (more rows, a step's
+    padding, are sampled greedily and dropped). One device program per row count; the
+    result is fetched once."""
+    n, r = len(rows), logprobs.shape[0]
+    if not 0 < n <= r:
+        raise ValueError(f"{n} row parameters for {r} log-prob rows")
+    padded = [*rows, *([GREEDY] * (r - n))]
+    seeds = np.asarray([p.seed for p in padded], np.uint64)
+    tokens, lps, finite = jax.device_get(
+        _sample(
+            logprobs,
+            np.asarray([p.temperature for p in padded], np.float32),
+            np.asarray([p.top_k for p in padded], np.int32),
+            np.asarray([p.top_p for p in padded], np.float32),
+            (seeds & _U32).astype(np.uint32),
+            (seeds >> np.uint64(32)).astype(np.uint32),
+            np.asarray([p.step for p in padded], np.uint32),
+        )
+    )
+    return Sampled(tokens[:n], lps[:n], finite[:n])
+
+
+def _row_key(seed_lo: Array, seed_hi: Array, step: Array) -> Array:
+    key = jax.random.key(0)
+    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, seed_lo), seed_hi), step)
+
+
+@jax.jit
+def _sample(lp, temperature, top_k, top_p, seed_lo, seed_hi, step):
+    lp = lp.astype(jnp.float32)
+    r, v = lp.shape
+    greedy = jnp.argmax(lp, axis=-1).astype(jnp.int32)
+    finite = jnp.isfinite(jnp.max(lp, axis=-1))  # max propagates NaN
+    z = lp / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    ids = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (r, v))
+    # Most likely first, ties by lower id (-z ascending, then id ascending).
+    neg, order = jax.lax.sort((-z, ids), dimension=1, num_keys=2)
+    rank = jnp.arange(v)[None, :]
+    keep = rank < jnp.where(top_k > 0, top_k, v)[:, None]
+    sz = -neg
+    p = jnp.where(keep, jnp.exp(sz - sz[:, :1]), 0.0)
+    p = p / p.sum(axis=-1, keepdims=True)
+    # The mass of the more likely tokens (exclusive cumsum: no p - p rounding).
+    before = jnp.concatenate([jnp.zeros((r, 1), p.dtype), jnp.cumsum(p, axis=-1)[:, :-1]], -1)
+    keep = keep & (before < top_p[:, None])
+    cdf = jnp.cumsum(jnp.where(keep, p, 0.0), axis=-1)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(
+        jax.vmap(_row_key)(seed_lo, seed_hi, step)
+    )
+    # The first token whose CDF exceeds u: a zero-mass (filtered) token is never chosen.
+    at = jnp.minimum(jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1), v - 1)
+    drawn = jnp.take_along_axis(order, at[:, None], axis=1)[:, 0]
+    tokens = jnp.where(temperature > 0, drawn, greedy)
+    return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0], finite
+
+
+def warm(
+    vocab_size: int, row_counts: Sequence[int], sharding: jax.sharding.Sharding | None
+) -> None:
+    """Compile `sample` for log-prob rows of each count: on committed arrays with
+    `sharding` (a step's output), or host arrays when None (a prefill's first token)."""
+    for r in sorted(set(row_counts)):
+        lp = np.zeros((r, vocab_size), np.float32)
+        sample(lp if sharding is None else jax.device_put(lp, sharding), [GREEDY])

@@ -1,0 +1,131 @@
+"""Device sampling (`cpkv_jax.sampling.sample`).
+
+The filters are checked against an independent float64 reference written with plain
+Python sorting and accumulation: the set of tokens a row can draw exactly, the draws'
+frequencies over many seeds within binomial bounds (stated at the check). Float32 on the
+device vs float64 here: a kept set could differ only where a cumulative mass lands
+within float32 rounding of `top_p`, which these fixed rows do not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cpkv_jax.sampling import GREEDY, RowSampling, sample
+
+
+def random_logprobs(rng: np.random.Generator, vocab: int, scale: float = 2.0) -> np.ndarray:
+    """One row of log-softmax (float32, as the steps compute it)."""
+    z = rng.normal(size=vocab) * scale
+    return (z - np.log(np.exp(z - z.max()).sum()) - z.max()).astype(np.float32)
+
+
+def reference_probs(logprobs: np.ndarray, temperature: float, top_k: int, top_p: float):
+    """Float64 reference: sort by (prob desc, id asc), keep k, then the smallest prefix
+    of the renormalized rest with mass >= top_p; renormalize."""
+    z = [float(x) / temperature for x in logprobs]
+    m = max(z)
+    p = [math.exp(v - m) for v in z]
+    order = sorted(range(len(p)), key=lambda i: (-p[i], i))
+    if top_k > 0:
+        order = order[:top_k]
+    total = sum(p[i] for i in order)
+    kept, mass = [], 0.0
+    for i in order:
+        kept.append(i)
+        mass += p[i] / total
+        if mass >= top_p:
+            break
+    out = np.zeros(len(p))
+    for i in kept:
+        out[i] = p[i]
+    return out / out.sum(), set(kept)
+
+
+def draws(lp: np.ndarray, params: RowSampling, seeds) -> np.ndarray:
+    rows = [
+        RowSampling(params.temperature, params.top_k, params.top_p, s, params.step) for s in seeds
+    ]
+    got = sample(np.repeat(lp[None], len(rows), 0), rows)
+    assert got.finite.all()
+    # Each token's log-prob is its untempered log-prob, exactly.
+    np.testing.assert_array_equal(got.logprobs, lp[got.tokens])
+    return got.tokens
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.8), (0.5, 12, 0.6), (2.0, 3, 0.3), (0.8, 8, 0.9)],
+)
+def test_draw_frequencies_follow_the_float64_reference(temperature, top_k, top_p):
+    rng = np.random.default_rng(21)
+    lp = random_logprobs(rng, 16, scale=1.0)
+    want, kept = reference_probs(lp, temperature, top_k, top_p)
+    n = 4000
+    counts = np.bincount(
+        draws(lp, RowSampling(temperature, top_k, top_p, step=7), range(n)), minlength=16
+    )
+    assert set(np.flatnonzero(counts).tolist()) <= kept  # filtered tokens never drawn
+    # Each count is Binomial(n, p): within 5 standard deviations (the seeds are fixed,
+    # so this is deterministic; 5 sigma leaves margin for any one of 16 tokens).
+    sigma = np.sqrt(n * want * (1 - want))
+    assert np.all(np.abs(counts - n * want) <= 5 * sigma + 1), (counts, n * want)
+
+
+def test_greedy_and_top_k_one_are_argmax_with_ties_to_the_lower_id():
+    rng = np.random.default_rng(5)
+    rows = np.stack([random_logprobs(rng, 64) for _ in range(8)])
+    rows[3, [10, 20]] = rows[3].max() + 0.5  # a tie
+    want = np.argmax(rows, axis=-1)
+    assert want[3] == 10
+    greedy = sample(rows, [GREEDY] * 8)
+    top1 = sample(rows, [RowSampling(1.5, 1, 1.0, seed=i, step=i) for i in range(8)])
+    assert greedy.tokens.tolist() == top1.tokens.tolist() == want.tolist()
+
+
+def test_top_p_keeps_at_least_one_token():
+    lp = np.log(np.asarray([0.1, 0.6, 0.1, 0.2], np.float32))
+    assert set(draws(lp, RowSampling(1.0, -1, 1e-6), range(200)).tolist()) == {1}
+    flat = np.full(6, -math.log(6), np.float32)  # ties: top-k 2 keeps ids 0 and 1
+    assert set(draws(flat, RowSampling(1.0, 2, 1.0), range(200)).tolist()) == {0, 1}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_row_without_a_finite_maximum_is_refused_greedy_or_not(temperature):
+    """Broken logits (a NaN anywhere, or nothing finite) are flagged and `pick` raises:
+    the engines fail that request alone. A row with some -inf entries is fine."""
+    rows = np.asarray(
+        [[-1.0, np.nan, -0.5], [-np.inf] * 3, [np.nan] * 3, [-np.inf, -0.1, -np.inf]], np.float32
+    )
+    got = sample(rows, [RowSampling(temperature, seed=1)] * 4)
+    assert got.finite.tolist() == [False, False, False, True]
+    for i in range(3):
+        with pytest.raises(ValueError, match="no finite maximum"):
+            got.pick(i)
+    assert got.pick(3) == (1, pytest.approx(-0.1))
+
+
+def test_draws_are_seeded_stateless_per_step_and_independent_of_the_batch():
+    """Token `step` depends only on the row's log-probs, seed and step: not on the order
+    steps are drawn in (a decode server starts at step 1), nor on the row's place in the
+    batch or the batch's size (padding rows included), nor on the other rows. Seeds use
+    all 63 bits."""
+    rng = np.random.default_rng(3)
+    lp = random_logprobs(rng, 32, scale=0.5)
+    seed = (1 << 62) + 12345
+
+    def one(step: int, seed: int = seed) -> int:
+        return int(sample(lp[None], [RowSampling(1.0, seed=seed, step=step)]).tokens[0])
+
+    forward = [one(s) for s in range(40)]
+    assert forward == [one(s) for s in reversed(range(40))][::-1]
+    assert len(set(forward)) > 5  # steps are different draws, not one repeated token
+    assert [one(s, seed + (1 << 32)) for s in range(40)] != forward  # the high half counts
+    others = np.stack([random_logprobs(rng, 32) for _ in range(8)])
+    others[5] = lp
+    rows = [RowSampling(0.9, seed=i, step=3) for i in range(6)]
+    rows[5] = RowSampling(1.0, seed=seed, step=11)
+    assert sample(others, rows).tokens[5] == forward[11]  # 6 rows of 8, at place 5
