@@ -311,11 +311,11 @@ def warm_up(
     holds no request fails here); no warm-up prompt is longer. Prefill servers run one CP
     prefill per zigzag block bucket up to a chunk (prompts of `2 * cp * block` tokens,
     then a whole chunk or the longest prompt: every short prompt's step shape and the
-    first chunk of every long one) and release the pages. Null and decode servers run a
-    few short requests at once through a unified `DecodeEngine` on the same pool (a decode
-    server's pool is the receiver's: the warm-up borrows a few pages and returns them), so
-    the prefill buckets of short prompts and the decode batch buckets 1, 2, 4, 8 compile
-    (fewer, shorter requests where the pool holds less).
+    first chunk of every long one) and release the pages. Null servers run a few short
+    requests at once through a unified `DecodeEngine` on the same pool, so the prefill
+    buckets of short prompts and the decode batch buckets 1, 2, 4, 8 compile (fewer,
+    shorter requests where the pool holds less). Decode servers, which never prefill, run
+    those decode buckets alone on trash-page tables: no prefill program compiles there.
     Longer contexts (wider page tables) compile on first use, unless
     `--warmup-all-shapes`: then every reachable step shape compiles here (CP steps
     `buckets.reachable_step_shapes`, decode steps `decode.steps.reachable_shapes`), with
@@ -356,23 +356,17 @@ def warm_up(
     new_tokens = min(9, longest + 1 - long_prompt)
     per_request = pages_for_tokens(long_prompt + new_tokens, args.page_size)
     k = max(1, min(8, engine.max_running_requests, free0 // per_request))
-    probe = _decode_engine(args, cfg, model, engine.kv, mode="null", max_running_requests=k)
-    for i in range(k):
-        n = long_prompt if i % 2 == 0 else min(5, long_prompt)
-        probe.add(
-            GenerateRequest(
-                f"warmup-{i}", tuple(prompt(n)), SamplingParams(max_new_tokens=new_tokens)
-            )
-        )
-    finished = 0
-    for _ in range(WARMUP_STEPS_LIMIT):
-        finished += sum(c.finished for c in probe.step())
-        if finished == k:
-            break
+    if engine.mode == "decode":
+        # A decode server never prefills: its batch buckets run on trash-page tables (the
+        # step and the sampler), no request and no prefill program.
+        warmed = {
+            ("absorbed", rows, 1, width)
+            for rows in _pow2_upto(k)
+            for width in _pow2_upto(per_request)
+        }
+        engine.warm_shapes(warmed)
     else:
-        raise RuntimeError(f"warm-up: {k - finished} of {k} requests did not finish")
-    if engine.kv.num_free_pages != free0:
-        raise RuntimeError("warm-up requests leaked KV pages")
+        warmed = _run_warmup_requests(args, cfg, model, engine, k, long_prompt, new_tokens)
     reachable = engine.reachable_shapes()
     _log_compile_work("decode step", len(reachable), *engine.compile_estimate())
     if args.warmup_all_shapes:
@@ -382,7 +376,7 @@ def warm_up(
             jobs += decode_jobs
             n = 0
         else:
-            n = engine.warm_all_shapes(probe.step_shapes)
+            n = engine.warm_all_shapes(warmed)
         from transfer.receiver import Receiver  # as in _build_decode_side
 
         # A decode server's rooms commit into the pool in power-of-two scatters.
@@ -397,7 +391,7 @@ def warm_up(
             time.perf_counter() - t,
         )
     else:
-        left = len(reachable - probe.step_shapes)
+        left = len(reachable - warmed)
         logger.info(
             "warm-up: %d of %d reachable step shapes compiled; %d compile on first use "
             "(--warmup-all-shapes compiles them all)",
@@ -406,6 +400,36 @@ def warm_up(
             left,
         )
     return time.perf_counter() - t0, jobs
+
+
+def _run_warmup_requests(
+    args: ServerArgs,
+    cfg: ModelConfig,
+    model: CausalLM,
+    engine: DecodeEngine,
+    k: int,
+    long_prompt: int,
+    new_tokens: int,
+) -> set[tuple[str, int, int, int]]:
+    """`k` short requests at once through a unified probe engine on `engine`'s pool
+    (prefill buckets and decode batches 1..k); returns the step shapes they ran."""
+    free0 = engine.kv.num_free_pages
+    vocab = cfg.vocab_size - 3
+    probe = _decode_engine(args, cfg, model, engine.kv, mode="null", max_running_requests=k)
+    for i in range(k):
+        n = long_prompt if i % 2 == 0 else min(5, long_prompt)
+        ids = tuple(3 + (7 * j) % vocab for j in range(n))
+        probe.add(GenerateRequest(f"warmup-{i}", ids, SamplingParams(max_new_tokens=new_tokens)))
+    finished = 0
+    for _ in range(WARMUP_STEPS_LIMIT):
+        finished += sum(c.finished for c in probe.step())
+        if finished == k:
+            break
+    else:
+        raise RuntimeError(f"warm-up: {k - finished} of {k} requests did not finish")
+    if engine.kv.num_free_pages != free0:
+        raise RuntimeError("warm-up requests leaked KV pages")
+    return set(probe.step_shapes)
 
 
 def _log_compile_work(family: str, reachable: int, left: int, seconds: float) -> None:

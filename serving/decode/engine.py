@@ -502,6 +502,13 @@ class DecodeEngine:
             prefill=self._prefills_itself,
         )
 
+    def warm_shapes(self, shapes: set[tuple[str, int, int, int]]) -> int:
+        """Compile (run once, on the trash page) those of `shapes` this engine can reach
+        and has not run; returns how many. Before serving only: it donates the pool."""
+        todo = sorted((shapes & self.reachable_shapes()) - self._steps.shapes)
+        self._steps.warm(todo)
+        return len(todo)
+
     def warm_all_shapes(self, already: set[tuple[str, int, int, int]] = frozenset()) -> int:
         """Compile (run once, on the trash page) every reachable shape not run yet here
         nor in `already` (another engine's on the same model: the compiled programs are

@@ -15,6 +15,7 @@ from support.unified_server import greedy_ids, serving, unified_args
 
 from cpkv_jax.generate import ReferenceGenerator
 from serving.compile_events import COMPILES
+from serving.server import build_server
 
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
 pytestmark = pytest.mark.slow(seconds=120)  # on 2 workers, 2026-12-03
@@ -54,3 +55,20 @@ def test_mixed_workload_compiles_nothing(warmed, tiny_checkpoint):
     ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
     for (ids, new), out in list(zip(jobs, outs, strict=True))[:4]:
         assert out == ref.generate(ids, new, ignore_eos=True).output_ids
+
+
+def test_a_decode_server_warms_only_decode_steps(tiny_checkpoint):
+    """Issue 35: a decode server never prefills, so its default warm-up compiles the
+    decode batch buckets alone (on trash-page tables) and no prefill program."""
+    path, cfg, _ = tiny_checkpoint
+    args = unified_args(
+        path, cfg, POOL_PAGES, "--disaggregation-mode", "decode", "--max-running-requests", "2"
+    )
+    server = build_server(args)
+    try:
+        shapes = server.engine.step_shapes
+        assert shapes and all(tokens == 1 for _, _, tokens, _ in shapes), shapes
+        assert {rows for _, rows, _, _ in shapes} == {1, 2}
+        assert server.engine.kv.num_free_pages == POOL_PAGES - 1  # nothing borrowed
+    finally:
+        server.close()
