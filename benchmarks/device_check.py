@@ -13,16 +13,19 @@ steps in order of value (correctness first; `--list` prints them with their limi
 - `bench_decode`: the decode step at GLM-5 attention dims against context, sparse paged
   decode beside the dense view (logits compared), each step's time against the bytes it
   must read (`gbps`: the HBM roofline);
+- `gpu_moe_gmm`: the MoE expert matmul, `jax.lax.ragged_dot` (which XLA:GPU expands into
+  a dense matmul over every local expert) against JAX's Mosaic GPU grouped matmul;
 - `buffer_estimator`: the admission gate's `XLA_GPU` profile vs XLA's compiled memory on
   the GPU (this module, `--estimator-check`; see `estimator_check`);
 - `bench_host_copy`: host-cache LF <-> LPF copy kernels compiled on the GPU vs memcpy;
 - `bench_moe_ep`: one GLM-5-size MoE layer, FP8 dequant-in-step vs bf16;
-- `bench_prefill`: CP1 prefill TTFT at GLM-5 dims (one layer; the CP8 variants need 8
-  GPUs and are reported skipped by the script itself);
+- `bench_prefill`: CP1 prefill TTFT at GLM-5 dims (one layer with a dense FFN, 4K and
+  16K; the CP8 variants need 8 GPUs and are reported skipped by the script itself);
 - `bench_hicache_ttft`: TTFT of a repeated prompt from the host cache vs recomputed,
-  `--cp 1` (the script has no `--gpu` flag: it runs on JAX's default backend; as of
-  2026-12-02 it builds its runner with `shared_kv=True`, which `CPConfig` refuses at
-  `--cp 1`, so this step fails until the script uses shared KV only for cp > 1).
+  `--cp 1` (the script has no `--gpu` flag: it runs on JAX's default backend);
+- `bench_restart`: a unified server's time to healthy, cold vs with the compilation cache.
+
+First run: H200, 2026-12-04 (`docs/results.md`, "GPU check").
 
 A step that fails or times out is recorded (exit status, the tail of its stderr) and the
 run goes on. The budget (`--budget-s`, counted from the start) is shared: a step runs
@@ -74,6 +77,15 @@ def _hl_gpu_kernels(r: dict[str, Any]) -> str:
             f"{row['layout']} Pallas {best['ratio_to_xla']:.2f}x XLA speed "
             f"({best['gbps']:.0f} GB/s, ppb {block})"
         )
+    return "; ".join(parts)
+
+
+def _hl_moe_gmm(r: dict[str, Any]) -> str:
+    parts = [f"mosaic_ok={r['mosaic_ok']}"]
+    for c in r["cases"]:
+        ratio = c.get("xla_over_mosaic")
+        xla = f"{ratio:.1f}x mosaic" if ratio else f"xla {c.get('xla_ms') or 'not run'}"
+        parts.append(f"{c['matmul']} t{c['tokens']} e{c['experts']}: {xla}")
     return "; ".join(parts)
 
 
@@ -222,6 +234,16 @@ STEPS: tuple[Step, ...] = (
         headline=_hl_decode,
     ),
     Step(
+        "gpu_moe_gmm",
+        "benchmarks.gpu_moe_gmm",
+        limit_s=150,
+        min_s=45,
+        gpu_args=(),
+        cpu_args=("--allow-cpu",),
+        what="MoE expert matmul: lax.ragged_dot (XLA expands it densely) vs Mosaic GPU grouped",
+        headline=_hl_moe_gmm,
+    ),
+    Step(
         "buffer_estimator",
         "benchmarks.device_check",
         limit_s=150,
@@ -256,9 +278,11 @@ STEPS: tuple[Step, ...] = (
         "benchmarks.bench_prefill",
         limit_s=150,
         min_s=45,
-        gpu_args=("--gpu", "--repeats", "3"),
+        # Dense FFN: with the MoE FFN the 4K step's compile asks for 96 GiB on an H200
+        # (XLA:GPU's dense `ragged_dot`, see gpu_moe_gmm); the attention is what it times.
+        gpu_args=("--gpu", "--ffn", "dense", "--lengths", "4096", "16384", "--repeats", "3"),
         cpu_args=("--lengths", "256", "--chunk", "256", "--layers", "1", "--repeats", "1"),
-        what="CP1 prefill TTFT at GLM-5 real dims, one layer (CP8 variants need 8 GPUs)",
+        what="CP1 prefill TTFT at GLM-5 real dims, one layer, dense FFN (CP8 needs 8 GPUs)",
         headline=_hl_prefill,
     ),
     Step(

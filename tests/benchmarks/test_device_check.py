@@ -84,6 +84,7 @@ def test_list_prints_every_step_and_its_limit(capsys):
         "gpu_kernels",
         "gpu_generate",
         "bench_decode",
+        "gpu_moe_gmm",
         "buffer_estimator",
         "bench_host_copy",
         "bench_moe_ep",
