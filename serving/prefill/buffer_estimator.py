@@ -81,8 +81,12 @@ compute, fp8 index K, as the tiny model runs) against `compiled.memory_analysis(
 buffer kind and for two-layer probes (full + shared, full + full): estimate >= XLA and
 <= 1.25 x XLA. With bf16 latent pools it stays an upper bound but looser (<= 1.29 x
 measured: XLA:CPU reuses a donated pool's buffer as scratch once it is upcast). `XLA_GPU`
-keeps the same dataflow with every dtype moved as stored and no pool upcasts; it has not
-been measured on a GPU yet.
+keeps the same dataflow with every dtype moved as stored and no pool upcasts, plus the
+previous full layer's top-k (`topk_carried`) in a full layer's indexer phases. Measured
+on an H200 (2026-12-04, `benchmarks/results/buffer_estimator_h200_2026-12-04.json`):
+without that term one GLM-5 probe (two full layers, a 16K chunk) was 1.2% under XLA; with
+it every recorded probe is covered (`test_buffer_estimator_units.py`), 1.05-1.24x at
+GLM-5 dims.
 """
 
 from __future__ import annotations
@@ -137,13 +141,17 @@ class LoweringProfile:
 
     name: str
     moved_as: tuple[tuple[str, int], ...] = ()
+    # The previous full layer's top-k indices still live in a full layer's indexer phases
+    # (measured on XLA:GPU: two full layers hold 8 KiB = top-k 2,048 x int32 per query
+    # token more than full + shared, H200 2026-12-04).
+    carries_topk: bool = False
 
     def in_flight_itemsize(self, dtype_name: str, itemsize: int) -> int:
         return dict(self.moved_as).get(dtype_name, itemsize)
 
 
 XLA_CPU = LoweringProfile("xla_cpu", moved_as=(("float8_e4m3fn", 2), ("bfloat16", 4)))
-XLA_GPU = LoweringProfile("xla_gpu")
+XLA_GPU = LoweringProfile("xla_gpu", carries_topk=True)
 
 
 def profile_for_platform(platform: str) -> LoweringProfile:
@@ -394,13 +402,15 @@ class BufferEstimator:
         idx_view = idx_local + idx_gathered + dequant
         window = 2 * logits + block_scores + scores + topk
         meta_write = meta_step + slots_ag
+        carried = topk if self.profile.carries_topk and len(self.cfg.full_indexer_layers) > 1 else 0
+        terms["topk_carried"] = carried
         # Phases: name, then the live bytes of each kind in `KINDS` order.
         phases = {
             "full": (
-                ("write", 0, 0, meta_write, rows_full, 0, 0, desc),
-                ("index_view", lat_early, idx_view, meta_step, hoist_full, 0, 0, desc),
-                ("logits", lat_early, dequant, meta_step, hoist_full, logits, 0, desc),
-                ("scores", lat_early, 0, meta_step, hoist_full, window, 0, desc),
+                ("write", 0, 0, meta_write, rows_full, carried, 0, desc),
+                ("index_view", lat_early, idx_view, meta_step, hoist_full, carried, 0, desc),
+                ("logits", lat_early, dequant, meta_step, hoist_full, logits + carried, 0, desc),
+                ("scores", lat_early, 0, meta_step, hoist_full, window + carried, 0, desc),
                 ("latent_view", lat_view, 0, meta_step, hoist_full, topk, 0, desc),
                 ("sparse_rows", lat_full, 0, meta_step, hoist_full, topk, sparse, desc),
             ),

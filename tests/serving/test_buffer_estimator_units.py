@@ -174,3 +174,67 @@ def test_s9_4_startup_smoke_allocation(mesh):
     with pytest.raises(BufferLimitError, match="positive"):
         startup_smoke_allocation(0, list(mesh.devices.flat))
     assert issubclass(BufferLimitError, ConfigError)
+
+
+# ---- the XLA_GPU profile against an H200 run ---------------------------------------------------
+H200_RUN = (
+    Path(__file__).resolve().parents[2] / "benchmarks/results/buffer_estimator_h200_2026-12-04.json"
+)
+
+
+def test_gpu_profile_covers_every_probe_measured_on_an_h200():
+    """Every CP-buffer probe `device_check --estimator-check` compiled on an H200 (tiny and
+    GLM-5 dims, full + shared and full + full): the `XLA_GPU` estimate >= XLA's bytes
+    (64 B of slack, as the check). Without `carries_topk` the GLM-5 full + full 16K-chunk
+    probe was 1.2% under."""
+    import json
+
+    from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES
+    from cpkv_jax.config import ModelConfig
+    from cpkv_jax.model_configs import config_dir
+    from cpkv_jax.paging import pages_for_tokens
+    from cpkv_jax.tools.tiny_config import tiny_config_dict
+
+    run = json.loads(H200_RUN.read_text())
+    assert run["profile"] == "xla_gpu" and len(run["probes"]) == 26
+    models = {
+        "tiny": ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa")),
+        "glm5": ModelConfig.from_pretrained(config_dir("glm-5")),
+    }
+    pages = {  # as the check sizes them: the largest view of that model's batches + trash
+        name: 1
+        + max(
+            pages_for_tokens(max(e + c for e, c in p["requests"]), p["shape"]["page_size"])
+            for p in run["probes"]
+            if p["model"] == name
+        )
+        for name in models
+    }
+    without_carry = []
+    for p in run["probes"]:
+        types = tuple(p["layers"].split("+"))
+        cfg = dataclasses.replace(
+            models[p["model"]],
+            num_hidden_layers=len(types),
+            indexer_types=types,
+            mlp_layer_types=models[p["model"]].mlp_layer_types[: len(types)],
+        )
+        kw = dict(
+            cp_size=1,
+            page_size=p["shape"]["page_size"],
+            dtype=p["latent_dtype"],
+            index_k_dtype="fp8_e4m3",
+            pages_per_rank=pages[p["model"]],
+            block_bytes=TRANSIENT_BLOCK_BYTES,
+        )
+        batch = [RequestShape(e, c) for e, c in p["requests"]]
+        est = BufferEstimator(cfg, profile=be.XLA_GPU, **kw).estimate(batch)
+        assert est.shape.width == p["shape"]["width"], p  # the probe's own step shape
+        assert est.total_bytes >= p["xla_cp_bytes"] - 64, (p["model"], p["batch"], types)
+        # The profile as it ran on the H200 reproduces the recorded estimate exactly.
+        plain = dataclasses.replace(be.XLA_GPU, carries_topk=False)
+        plain_bytes = BufferEstimator(cfg, profile=plain, **kw).estimate(batch).total_bytes
+        assert plain_bytes == p["estimate_bytes"], p
+        if plain_bytes < p["xla_cp_bytes"] - 64:
+            without_carry.append((p["model"], p["batch"], p["layers"]))
+    assert without_carry == [("glm5", "chunk_16k", "full+full")]
