@@ -4,7 +4,10 @@
 the app on their own uvicorn); `run_server(args)` serves until SIGTERM / SIGINT.
 
 Modes (`--disaggregation-mode`):
-- `null`: `DecodeEngine(mode="null")` over a `KVSink` on one device;
+- `null`: `CachedUnifiedEngine` on one device (the prefill scheduler with its radix
+  cache, and the host cache with `--enable-hierarchical-cache`, feeding the decode batch
+  on one pool); with `--disable-radix-cache` the plain `DecodeEngine(mode="null")` over
+  a `KVSink`, each prompt prefilled whole;
 - `decode`: a `transfer.receiver.Receiver` owns the pool and allocator (page-addressed
   writes from the prefill ranks land in it), served over gRPC on `--transfer-port` (plus
   a Mooncake receiver endpoint with `--transfer-backend mooncake`), and
@@ -193,7 +196,7 @@ def _build_decode_side(
     tokenizer: Tokenizer | None,
     devices: list,
 ) -> tuple[DecodeEngine, dict[str, Any], list[Callable[[], None]]]:
-    if args.disaggregation_mode == "null" and args.enable_hierarchical_cache:
+    if args.uses_prefix_cache():
         return _build_cached_unified(args, cfg, model, tokenizer, devices)
     dtype = DTYPES[args.dtype]
     pages = pool_pages_per_rank(args, cfg)  # cp_size 1 here: one lane, one trash page

@@ -365,6 +365,14 @@ class ServerArgs:
     schedule_policy: SchedulePolicy = _arg(  # noqa: RUF009
         "fcfs", help="waiting-queue order: first come or longest prefix match", group="scheduler"
     )
+    disable_radix_cache: bool = _arg(
+        False,
+        help="unified server (null mode): no prefix cache; each prompt is prefilled whole "
+        "in one step. By default it keeps the radix prefix cache and prefills through the "
+        "prefill scheduler (--chunked-prefill-size chunks, the admission gates) between "
+        "decode steps",
+        group="scheduler",
+    )
     mem_fraction_static: float = _arg(
         DEFAULT_MEM_FRACTION_STATIC,
         help="share of each device's memory the static allocations - weights, KV pools, "
@@ -734,6 +742,7 @@ class ServerArgs:
         self._check_transfer(backends)
         self._check_expert_parallel(model_config, warnings)
         self._check_hicache(warnings)
+        self._check_radix_cache()
         warnings += self._hicache_unbuilt()
         if self.enable_cp_shared_kv_prefill_bs_gt1 and not self.enable_cp_shared_kv:
             warnings.append(
@@ -896,6 +905,25 @@ class ServerArgs:
         yet: starting anyway would silently serve without it."""
         for reason in self._hicache_unbuilt():
             raise ServerArgsError(reason)
+
+    def _check_radix_cache(self) -> None:
+        if not self.disable_radix_cache:
+            return
+        if self.disaggregation_mode != "null":
+            raise ServerArgsError(
+                "--disable-radix-cache applies to the unified server (--disaggregation-mode "
+                f"null); a {self.disaggregation_mode} server keeps its prefix pages as built"
+            )
+        if self.enable_hierarchical_cache:
+            raise ServerArgsError(
+                "--enable-hierarchical-cache extends the radix prefix cache: drop "
+                "--disable-radix-cache (or the host cache)"
+            )
+
+    def uses_prefix_cache(self) -> bool:
+        """Whether a unified server serves through the prefill scheduler and its radix
+        cache (`CachedUnifiedEngine`) rather than whole-prompt prefill."""
+        return self.disaggregation_mode == "null" and not self.disable_radix_cache
 
     def _hicache_unbuilt(self) -> list[str]:
         """Valid host-cache launch lines this server cannot run yet (SPEC S4): the host

@@ -1,7 +1,8 @@
 """End to end through real servers: `cpkv-serve` apps on uvicorn, the PD router, httpx.
 
-- Unified mode (`--disaggregation-mode null`): `/generate` (stream and not) and
-  `/v1/completions` give the single-device reference's greedy tokens.
+- Unified mode (`--disaggregation-mode null`, its default prefix-cache engine):
+  `/generate` (stream and not) and `/v1/completions` give the single-device
+  reference's greedy tokens; the batch-invariant server its log-probs bit for bit.
 - PD mode over each transfer backend: a CP=8 shared-KV prefill server (the 8 virtual
   CPU devices) and a decode server behind `cpkv-router`; streamed and non-streamed
   requests give the reference's greedy tokens; afterwards every page is back (decode:
@@ -38,6 +39,7 @@ from support.http_client import Served
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
 from serving.compile_events import COMPILES
+from serving.decode.cached import CachedUnifiedEngine
 from serving.prefill.engine import PrefillModeEngine
 from serving.router import RouterConfig, build_router_app
 from serving.server import Server, build_server
@@ -131,17 +133,18 @@ def completions(url: str, ids: list[int]) -> list[int]:
 
 
 def assert_pages_back(server: Server) -> None:
-    """Every page back: free == total (a prefill server's radix cache may keep cached
-    prefixes, evictable and unlocked, which count as back)."""
+    """Every page back: free == total (a prefill or unified server's radix cache may keep
+    cached prefixes, evictable and unlocked, which count as back)."""
     engine = server.engine
 
     def back() -> bool:
         if engine.has_work():
             return False
         stats = engine.stats()
-        if isinstance(engine, PrefillModeEngine):
-            cache = engine.scheduler.cache
-            if engine.scheduler.num_held or cache.protected_pages_per_lane().any():
+        if isinstance(engine, PrefillModeEngine | CachedUnifiedEngine):
+            scheduler = engine.scheduler
+            cache = scheduler.cache
+            if scheduler.num_held or cache.protected_pages_per_lane().any():
                 return False
             evictable = cache.evictable_pages_per_lane()
             free = np.asarray(stats.kv_pages_free) + (
