@@ -1,7 +1,8 @@
-"""`--warmup-all-shapes` (issue 25): a unified server that compiled every reachable step
-shape before turning healthy compiles nothing while serving a mixed workload (prompt
-lengths from 1 token to what the pool holds, 1-8 requests at once), counted by JAX's
-compile events; every shape it dispatched is in the enumerated set."""
+"""`--warmup-all-shapes` (issue 25): a unified server (the plain engine,
+`--disable-radix-cache`) that compiled every reachable step shape before turning healthy
+compiles nothing while serving a mixed workload (prompt lengths from 1 token to what the
+pool holds, 1-8 requests at once), counted by JAX's compile events; every shape it
+dispatched is in the enumerated set."""
 
 from __future__ import annotations
 
@@ -20,16 +21,20 @@ from serving.server import build_server
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
 pytestmark = pytest.mark.slow(seconds=120)  # on 2 workers, 2026-12-03
 
-# As tests/serving/test_warmup_background.py's server (shapes shared through the cache).
+# As tests/serving/test_warmup_background.py's server (shapes shared through the cache),
+# the plain whole-prompt engine: the default engine's (prefix cache) all-shapes warm-up
+# is checked in tests/serving/test_unified_hicache.py, and compiling its CP step shapes
+# here as well took 230 s of the suite.
 POOL_PAGES = 17  # 16 usable: 256 tokens per request at most
 RUNNING = 8  # batches of 1-8 (issue 25)
+ENGINE = ("--disable-radix-cache",)
 WAIT_S = 120.0
 
 
 @pytest.fixture(scope="module")
 def warmed(tiny_checkpoint):
     path, cfg, _ = tiny_checkpoint
-    running = ("--max-running-requests", str(RUNNING))
+    running = ("--max-running-requests", str(RUNNING), *ENGINE)
     with serving(unified_args(path, cfg, POOL_PAGES, *running, "--warmup-all-shapes")) as s:
         yield s
 

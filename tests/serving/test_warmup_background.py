@@ -22,10 +22,14 @@ from serving.compile_events import COMPILES
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
 pytestmark = pytest.mark.slow(seconds=170)  # on 2 workers, 2026-12-03
 
-# The pool and batch bound of tests/serving/test_warmup_all_shapes.py: the same reachable
-# shapes, so whichever module runs second loads them from the run's compilation cache.
+# The pool, batch bound and engine of tests/serving/test_warmup_all_shapes.py: the same
+# reachable shapes, so whichever module runs second loads them from the run's compilation
+# cache. The plain whole-prompt engine (`--disable-radix-cache`): the default engine's CP
+# step shapes take ~230 s to compile here, and its all-shapes warm-up is checked in
+# tests/serving/test_unified_hicache.py.
 POOL_PAGES = 17  # 16 usable: 256 tokens per request at most
 RUNNING = 8
+ENGINE = ("--disable-radix-cache",)
 WAIT_S = 120.0
 
 
@@ -36,7 +40,7 @@ def _background_compiles() -> int:
 @pytest.fixture(scope="module")
 def background(tiny_checkpoint):
     path, cfg, _ = tiny_checkpoint
-    running = ("--max-running-requests", str(RUNNING))
+    running = ("--max-running-requests", str(RUNNING), *ENGINE)
     warm = ("--warmup-all-shapes", "--warmup-background")
     before = _background_compiles()  # this process's earlier servers', if any
     with serving(unified_args(path, cfg, POOL_PAGES, *running, *warm)) as (server, served):
