@@ -9,7 +9,9 @@ instead of the whole vocabulary's log-probs.
 Per row, as SGLang and vLLM order the filters: temperature, then top-k (`top_k > 0`: the
 k most likely tokens, ties broken towards the lower token id), then top-p (the smallest
 most-likely-first prefix of the renormalized top-k whose mass is >= `top_p`, at least
-one token), then one uniform draw through the kept tokens' CDF. `temperature == 0` is
+one token), then min-p (of those, the tokens whose tempered probability is at least
+`min_p` times the most likely token's; that token always stays), then one uniform draw
+through the kept tokens' CDF. `temperature == 0` is
 greedy: `argmax`, the lowest id among ties, as the reference generator picks.
 
 The draw is stateless per output position: token `step` of a request uses the key
@@ -41,6 +43,7 @@ class RowSampling:
     top_p: float = 1.0
     seed: int = 0
     step: int = 0
+    min_p: float = 0.0
 
 
 GREEDY = RowSampling()  # the padding rows of a step
@@ -80,6 +83,7 @@ def sample(logprobs: Float[Array, "r v"] | np.ndarray, rows: Sequence[RowSamplin
             (seeds & _U32).astype(np.uint32),
             (seeds >> np.uint64(32)).astype(np.uint32),
             np.asarray([p.step for p in padded], np.uint32),
+            np.asarray([p.min_p for p in padded], np.float32),
         )
     )
     return Sampled(tokens[:n], lps[:n], finite[:n])
@@ -91,7 +95,7 @@ def _row_key(seed_lo: Array, seed_hi: Array, step: Array) -> Array:
 
 
 @jax.jit
-def _sample(lp, temperature, top_k, top_p, seed_lo, seed_hi, step):
+def _sample(lp, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p):
     lp = lp.astype(jnp.float32)
     r, v = lp.shape
     greedy = jnp.argmax(lp, axis=-1).astype(jnp.int32)
@@ -108,6 +112,8 @@ def _sample(lp, temperature, top_k, top_p, seed_lo, seed_hi, step):
     # The mass of the more likely tokens (exclusive cumsum: no p - p rounding).
     before = jnp.concatenate([jnp.zeros((r, 1), p.dtype), jnp.cumsum(p, axis=-1)[:, :-1]], -1)
     keep = keep & (before < top_p[:, None])
+    # min-p against the most likely token (rank 0, always kept: p[:, 0] >= min_p * p[:, 0]).
+    keep = keep & (p >= min_p[:, None] * p[:, :1])
     cdf = jnp.cumsum(jnp.where(keep, p, 0.0), axis=-1)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(
         jax.vmap(_row_key)(seed_lo, seed_hi, step)

@@ -524,7 +524,7 @@ class DecodeEngine:
     # ---- failures ------------------------------------------------------------------------
     def _row_sampling(self, r: _Request) -> RowSampling:
         s = r.req.sampling
-        return RowSampling(s.temperature, s.top_k, s.top_p, r.seed, len(r.out_ids))
+        return RowSampling(s.temperature, s.top_k, s.top_p, r.seed, len(r.out_ids), s.min_p)
 
     def _sample(self, r: _Request, logprobs: Any, touched: dict[str, _Request]) -> None:
         """Draw `r`'s next token from its log-prob row (`[1, vocab]`, on the device or

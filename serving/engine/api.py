@@ -36,7 +36,7 @@ MAX_NEW_TOKENS_LIMIT = 1 << 20
 class SamplingParams:
     """Per-request sampling. `temperature == 0` is greedy (argmax of the log-probs).
 
-    `top_k <= 0` and `top_p == 1` disable those filters. With `seed`, token `i` of the
+    `top_k <= 0`, `top_p == 1` and `min_p == 0` disable those filters. With `seed`, token `i` of the
     output is drawn on the device with a key of `(seed, i)` (`cpkv_jax.sampling`), so the
     same request gives the same tokens whichever server (unified, or prefill then decode)
     samples which token, whatever it is batched with. Without `seed`, the engine derives
@@ -47,6 +47,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -62,6 +63,8 @@ class SamplingParams:
             raise InputError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k > vocab_size:
             raise InputError(f"top_k must be <= the vocabulary size {vocab_size}, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:

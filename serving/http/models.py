@@ -161,7 +161,6 @@ def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
 # SGLang's `SamplingParams` fields that this server does not implement.
 GENERATE_SAMPLING_NEUTRAL: Mapping[str, Neutral] = {
     "stop_regex": off([]),
-    "min_p": off(0),
     "frequency_penalty": off(0),
     "presence_penalty": off(0),
     "repetition_penalty": off(1),
@@ -255,6 +254,7 @@ class GenerateSamplingParams(_Body):
     temperature: float = SamplingParams.temperature
     top_p: float = SamplingParams.top_p
     top_k: int = SamplingParams.top_k
+    min_p: float = SamplingParams.min_p
     seed: int | None = None
     sampling_seed: int | None = None
     stop: str | list[str] | None = None
@@ -276,6 +276,7 @@ class GenerateSamplingParams(_Body):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed if self.seed is not None else self.sampling_seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=_stop_tuple(self.stop),
@@ -341,7 +342,6 @@ _OPENAI_BOTH_NEUTRAL: Mapping[str, Neutral] = {
     "best_of": off(1),
     "echo": off(False),
     "use_beam_search": off(False),
-    "min_p": off(0),
     "repetition_penalty": off(1),
     "length_penalty": off(1),
     "include_stop_str_in_output": off(False),  # stop strings are always trimmed
@@ -455,7 +455,8 @@ class StreamOptions(_Body):
 class _OpenAICommon(_PDFields):
     """Fields shared by `/v1/completions` and `/v1/chat/completions`.
 
-    `top_k`, `ignore_eos` and `stop_token_ids` are extensions (as in vLLM / SGLang); the PD
+    `top_k`, `min_p`, `ignore_eos` and `stop_token_ids` are extensions (as in vLLM /
+    SGLang); the PD
     fields come from the router, which forwards OpenAI bodies as they are.
     """
 
@@ -463,6 +464,7 @@ class _OpenAICommon(_PDFields):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -488,6 +490,7 @@ class _OpenAICommon(_PDFields):
             ),
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=_stop_tuple(self.stop),

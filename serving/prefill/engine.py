@@ -569,7 +569,7 @@ class PrefillModeEngine:
         req = entry.req
         logprobs = np.asarray(log_probs(outcome.last_logits))[None]  # host: one row
         s = req.sampling
-        row = RowSampling(s.temperature, s.top_k, s.top_p, request_seed(req), step=0)
+        row = RowSampling(s.temperature, s.top_k, s.top_p, request_seed(req), 0, s.min_p)
         token, entry.logprob = sample(logprobs, [row]).pick(0)
         entry.first_token = token
         entry.cached_tokens = outcome.cached_tokens

@@ -9,6 +9,7 @@ within float32 rounding of `top_p`, which these fixed rows do not.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -23,9 +24,12 @@ def random_logprobs(rng: np.random.Generator, vocab: int, scale: float = 2.0) ->
     return (z - np.log(np.exp(z - z.max()).sum()) - z.max()).astype(np.float32)
 
 
-def reference_probs(logprobs: np.ndarray, temperature: float, top_k: int, top_p: float):
+def reference_probs(
+    logprobs: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+):
     """Float64 reference: sort by (prob desc, id asc), keep k, then the smallest prefix
-    of the renormalized rest with mass >= top_p; renormalize."""
+    of the renormalized rest with mass >= top_p, then those with probability >= min_p x
+    the largest; renormalize."""
     z = [float(x) / temperature for x in logprobs]
     m = max(z)
     p = [math.exp(v - m) for v in z]
@@ -39,6 +43,7 @@ def reference_probs(logprobs: np.ndarray, temperature: float, top_k: int, top_p:
         mass += p[i] / total
         if mass >= top_p:
             break
+    kept = [i for i in kept if p[i] >= min_p * p[order[0]]]
     out = np.zeros(len(p))
     for i in kept:
         out[i] = p[i]
@@ -46,9 +51,7 @@ def reference_probs(logprobs: np.ndarray, temperature: float, top_k: int, top_p:
 
 
 def draws(lp: np.ndarray, params: RowSampling, seeds) -> np.ndarray:
-    rows = [
-        RowSampling(params.temperature, params.top_k, params.top_p, s, params.step) for s in seeds
-    ]
+    rows = [dataclasses.replace(params, seed=s) for s in seeds]
     got = sample(np.repeat(lp[None], len(rows), 0), rows)
     assert got.finite.all()
     # Each token's log-prob is its untempered log-prob, exactly.
@@ -57,17 +60,28 @@ def draws(lp: np.ndarray, params: RowSampling, seeds) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p"),
-    [(1.0, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.8), (0.5, 12, 0.6), (2.0, 3, 0.3), (0.8, 8, 0.9)],
+    ("temperature", "top_k", "top_p", "min_p"),
+    [
+        (1.0, -1, 1.0, 0.0),
+        (0.7, 5, 1.0, 0.0),
+        (1.3, -1, 0.8, 0.0),
+        (0.5, 12, 0.6, 0.0),
+        (2.0, 3, 0.3, 0.0),
+        (0.8, 8, 0.9, 0.0),
+        (1.0, -1, 1.0, 0.3),
+        (1.5, 10, 0.95, 0.5),
+        (0.6, -1, 1.0, 0.05),
+    ],
 )
-def test_draw_frequencies_follow_the_float64_reference(temperature, top_k, top_p):
+def test_draw_frequencies_follow_the_float64_reference(temperature, top_k, top_p, min_p):
     rng = np.random.default_rng(21)
     lp = random_logprobs(rng, 16, scale=1.0)
-    want, kept = reference_probs(lp, temperature, top_k, top_p)
+    want, kept = reference_probs(lp, temperature, top_k, top_p, min_p)
+    if min_p:  # the filter removes tokens here (else the case checks nothing new)
+        assert len(kept) < len(reference_probs(lp, temperature, top_k, top_p)[1])
     n = 4000
-    counts = np.bincount(
-        draws(lp, RowSampling(temperature, top_k, top_p, step=7), range(n)), minlength=16
-    )
+    params = RowSampling(temperature, top_k, top_p, step=7, min_p=min_p)
+    counts = np.bincount(draws(lp, params, range(n)), minlength=16)
     assert set(np.flatnonzero(counts).tolist()) <= kept  # filtered tokens never drawn
     # Each count is Binomial(n, p): within 5 standard deviations (the seeds are fixed,
     # so this is deterministic; 5 sigma leaves margin for any one of 16 tokens).
@@ -86,9 +100,12 @@ def test_greedy_and_top_k_one_are_argmax_with_ties_to_the_lower_id():
     assert greedy.tokens.tolist() == top1.tokens.tolist() == want.tolist()
 
 
-def test_top_p_keeps_at_least_one_token():
+def test_top_p_and_min_p_keep_at_least_one_token():
     lp = np.log(np.asarray([0.1, 0.6, 0.1, 0.2], np.float32))
     assert set(draws(lp, RowSampling(1.0, -1, 1e-6), range(200)).tolist()) == {1}
+    # min_p 1: only the most likely token (and its ties) stay; 0.3: 0.2 >= 0.18 stays.
+    assert set(draws(lp, RowSampling(1.0, min_p=1.0), range(200)).tolist()) == {1}
+    assert set(draws(lp, RowSampling(1.0, min_p=0.3), range(400)).tolist()) == {1, 3}
     flat = np.full(6, -math.log(6), np.float32)  # ties: top-k 2 keeps ids 0 and 1
     assert set(draws(flat, RowSampling(1.0, 2, 1.0), range(200)).tolist()) == {0, 1}
 

@@ -516,3 +516,14 @@ def test_the_model_path_names_the_model(model_server) -> None:
     assert r.status_code == 404, r.text
     msg = r.json()["error"]["message"]
     assert "'tiny-other'" in msg and repr(MODEL_PATH) in msg and "'tiny-own'" in msg, msg
+
+
+def test_min_p_maps_to_the_engine_on_every_endpoint():
+    """`min_p` (SGLang's sampling param, vLLM's OpenAI extension) is implemented: it is
+    no longer among the refused fields and reaches `SamplingParams`; unset means 0."""
+    assert "min_p" not in GENERATE_SAMPLING_NEUTRAL
+    assert "min_p" not in COMPLETIONS_NEUTRAL and "min_p" not in CHAT_NEUTRAL
+    assert GenerateSamplingParams(min_p=0.2).to_engine().min_p == 0.2
+    assert GenerateSamplingParams().to_engine().min_p == 0.0
+    assert CompletionBody(prompt=[5], min_p=0.3).to_engine(4).min_p == 0.3
+    assert CompletionBody(prompt=[5]).to_engine(4).min_p == 0.0

@@ -88,6 +88,8 @@ def _bad_requests(rng: np.random.Generator) -> list[tuple[str, str, Any, int]]:
         ("POST", "/v1/completions", {"prompt": [5], "model": "gpt-4"}, 404),
         ("POST", "/v1/completions", {"prompt": [5], "seed": neg}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "top_k": big}, 400),
+        ("POST", "/v1/completions", {"prompt": [5], "min_p": 1.5}, 400),
+        ("POST", "/generate", {"input_ids": [5], "sampling_params": {"min_p": -0.1}}, 400),
         ("POST", "/v1/chat/completions", {"messages": []}, 400),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 2}, 400),

@@ -1,7 +1,8 @@
 """The unified server's default engine (issue 35): `cpkv-serve --model-path DIR` keeps the
 radix prefix cache and prefills through the prefill scheduler (`CachedUnifiedEngine`), so
 a repeated prompt's whole pages come from the cache; `--disable-radix-cache` is the plain
-whole-prompt `DecodeEngine` with no cache. The flag is refused where it means nothing."""
+whole-prompt `DecodeEngine` with no cache. The flag is refused where it means nothing.
+Also: a request's `min_p` reaches the device sampler through this engine."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ PROMPT = 2 * P + 5  # two whole pages and a partial one
 NEW = 3
 
 
-def run(engine, rid: str, prompt: tuple[int, ...]):
+def run(engine, rid: str, prompt: tuple[int, ...], **sampling):
     """The request's tokens and final chunk, stepping the engine until it finishes."""
-    engine.add(GenerateRequest(rid, prompt, SamplingParams(max_new_tokens=NEW, temperature=0.0)))
+    params = SamplingParams(**{"max_new_tokens": NEW, "temperature": 0.0, **sampling})
+    engine.add(GenerateRequest(rid, prompt, params))
     tokens, deadline = [], time.monotonic() + 120
     while True:
         assert time.monotonic() < deadline, f"{rid} did not finish"
@@ -64,3 +66,21 @@ def test_disable_radix_cache_is_refused_where_it_means_nothing():
             make_args(disable_radix_cache=True, disaggregation_mode=mode).validate()
     with pytest.raises(ServerArgsError, match="extends the radix prefix cache"):
         make_args(disable_radix_cache=True, enable_hierarchical_cache=True).validate()
+
+
+def test_min_p_reaches_the_device_sampler(tiny_checkpoint):
+    """`min_p` 1 keeps only the most likely token, so a hot (temperature 1.5) request
+    gives the greedy tokens; without it the same seeds draw others (the check can fail)."""
+    path, cfg, model = tiny_checkpoint
+    args = unified_args(path, cfg, 24)
+    engine, _, closers = server_mod._build_decode_side(args, cfg, model, None, jax.devices())
+    try:
+        prompt = tuple(range(11, 11 + P + 3))
+        new = {"max_new_tokens": 8, "ignore_eos": True}
+        greedy, _ = run(engine, "g", prompt, **new)
+        hot = {"temperature": 1.5, "seed": 5, **new}
+        assert run(engine, "m", prompt, min_p=1.0, **hot)[0] == greedy
+        assert run(engine, "h", prompt, **hot)[0] != greedy
+    finally:
+        for close in closers:
+            close()
