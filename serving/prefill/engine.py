@@ -14,13 +14,14 @@ transfer receiver (`decode_transfer_target`, "host:port"). A request's life here
    sender threads (one per CP rank, plus one heartbeat thread each after its
    handshake) are bounded by the window and the transfers in flight, not by the queue.
    The window is `2 x` the scheduler's batch-row bound within
-   [`MIN_BOOTSTRAP_WINDOW`, `MAX_BOOTSTRAP_WINDOW`] (8..32 requests): enough ready
-   requests to fill two batches. A sender handshakes with the decode side (layout,
-   token count, cp size checked; on Mooncake the decode side carves the staging
-   region) and heartbeats while the request waits and prefills. A decode side that
-   refuses the room, or is unreachable for the bootstrap timeout, fails the request
-   before it prefills; one that answers that the room is not registered yet (its
-   request waits in the decode server's queue) is waited for with no fixed deadline:
+   [`MIN_BOOTSTRAP_WINDOW`, `MAX_BOOTSTRAP_WINDOW`] (32 requests for now: a smaller
+   window can stall, see those constants): enough ready requests to fill two batches.
+   A sender handshakes with the decode side (layout, token count, cp size checked; on
+   Mooncake the decode side carves the staging region) and heartbeats while the
+   request waits and prefills. A decode side that refuses the room, or is unreachable
+   for the bootstrap timeout, fails the request before it prefills; one that answers
+   that the room is not registered yet (its request waits in the decode server's
+   queue) is waited for with no fixed deadline:
    until the request's own timeout (`--request-timeout`, from its arrival) or its
    client leaving (`abort`). Only once **every rank's handshake is accepted** - the
    decode side has registered the room, i.e. holds its pages - is the request
@@ -109,8 +110,12 @@ MIN_HEARTBEAT_TIMEOUT_S = 15.0
 # The Mooncake sender's registered host copy buffer is never smaller than this.
 MOONCAKE_HOST_BUFFER_MIN_BYTES = 64 << 20
 # Requests whose senders run before their prefill starts (`bootstrap_window`): twice the
-# scheduler's batch rows, within these bounds (x cp_size sender threads each).
-MIN_BOOTSTRAP_WINDOW = 8
+# scheduler's batch rows, within these bounds (x cp_size sender threads each). The floor
+# was 8: the PD load test then stalled in about 1 of 3 runs (2026-12-04), both servers
+# idle, because the decode side admits rooms in its own arrival order and had given its
+# pages to requests outside the prefill window while the window's requests waited for
+# pages. 32 makes that need more than 32 requests waiting at once; it is not a fix.
+MIN_BOOTSTRAP_WINDOW = 32
 MAX_BOOTSTRAP_WINDOW = 32
 
 
