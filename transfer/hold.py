@@ -58,6 +58,14 @@ class TransferHold:
     A hold made by `bootstrap_request` starts without the request's `RequestInputs`:
     its senders handshake, say they are ready (`mark_ready`; `wait_ready` waits for all)
     and wait until `provide` hands the inputs over, or the hold is cancelled.
+
+    Registration: the lowest rank (`prober`) handshakes first; once the decode side
+    accepted it (`note_registered`, the room is registered there) the other ranks
+    handshake. `park()` asks the prober to stop instead of asking again while the room
+    is still unregistered: the prober alone decides (`settle_park`, before each of its
+    handshake attempts), so a park never races an accepted handshake. A parked hold's
+    ranks finish with no outcome and nothing is sent to the decode side (no abort): the
+    room stays where it is, and a later `bootstrap_request` for it starts over.
     """
 
     def __init__(
@@ -85,6 +93,10 @@ class TransferHold:
         self._ready: set[int] = set()
         self._all_ready = threading.Event()
         self._on_ready = on_ready
+        self.prober = min(ranks)
+        self._registered = threading.Event()
+        self._park_requested = threading.Event()
+        self._parked = threading.Event()
 
     # ---- inputs (bootstrap ahead) ---------------------------------------------------------
     @property
@@ -116,9 +128,52 @@ class TransferHold:
         """`event` is set on `provide` and `cancel` (a sender waiting for its inputs)."""
         with self._lock:
             self._wakers.append(event)
-            now = self._inputs is not None or self._cancelled.is_set()
+            now = (
+                self._inputs is not None
+                or self._cancelled.is_set()
+                or self._registered.is_set()
+                or self._parked.is_set()
+            )
         if now:
             event.set()
+
+    # ---- registration and parking ----------------------------------------------------------
+    @property
+    def registered(self) -> bool:
+        """The prober's handshake was accepted: the decode side holds the room's pages."""
+        return self._registered.is_set()
+
+    def note_registered(self) -> None:
+        """The prober's handshake was accepted: the other ranks may handshake."""
+        with self._lock:
+            self._registered.set()
+            self._wake_all()
+
+    def park(self) -> None:
+        """Ask the prober to give up if the room is still unregistered (see the class
+        docstring); an accepted handshake wins and the hold goes on as if not asked."""
+        with self._lock:
+            self._park_requested.set()
+            self._wake_all()
+
+    @property
+    def park_requested(self) -> bool:
+        return self._park_requested.is_set()
+
+    def settle_park(self) -> bool:
+        """The prober, before a handshake attempt: True (the hold is now parked, the
+        other ranks are woken to stop) when a park was asked and the room is not
+        registered."""
+        with self._lock:
+            if self._park_requested.is_set() and not self._registered.is_set():
+                self._parked.set()
+                self._wake_all()
+            return self._parked.is_set()
+
+    @property
+    def parked(self) -> bool:
+        """The prober stopped at a park: the room was never registered by these senders."""
+        return self._parked.is_set()
 
     def mark_ready(self, rank: int) -> None:
         """Rank `rank` handshook and is heartbeating: it can send once it has inputs.
@@ -186,6 +241,14 @@ class TransferHold:
                 raise ValueError(f"room {self.room!r}: rank {rank} finished twice or is unknown")
             self._pending.discard(rank)
             self._outcomes[rank] = outcome
+            if rank == self.prober and not self._registered.is_set() and not self._parked.is_set():
+                # The prober stopped before the room registered (refused, failed, killed):
+                # the ranks waiting for its handshake must not wait forever.
+                self._cancel_reason = self._cancel_reason or (
+                    f"prefill rank {rank} stopped before its handshake was accepted"
+                )
+                self._cancelled.set()
+                self._wake_all()
             if outcome is not None and outcome.state is RoomState.FAILED:
                 self._cancel_reason = self._cancel_reason or outcome.reason
                 self._cancelled.set()
@@ -207,6 +270,12 @@ class TransferHold:
         return self._outcome
 
     def _aggregate(self) -> RoomSnapshot:
+        if self._parked.is_set():
+            return RoomSnapshot(
+                room=self.room,
+                state=RoomState.BOOTSTRAPPING,
+                reason="parked: the room was not registered yet; nothing was sent",
+            )
         known = [o for o in self._outcomes.values() if o is not None]
         for o in known:
             if o.state is RoomState.SUCCESS:

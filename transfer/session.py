@@ -13,7 +13,10 @@ or Mooncake engine writes (`transfer.backends.mooncake_sender`). `SenderSession.
    timeout, its client leaving or another rank's failure end the wait (a cancelled
    hold). Retries back off to one a second; a handshake the decode side held for the
    room is asked again at once. A refused handshake ends the rank before any data
-   moves. Heartbeats (5.) start here.
+   moves. Heartbeats (5.) start here. Only the hold's lowest rank (its prober) asks while
+   the room is unregistered; the others wait, with no RPC, for its accepted handshake.
+   A parked hold (`TransferHold.park`) stops the prober before its next attempt, and
+   the others with it, without aborting the room (`Parked`).
    A rank started by `transfer.sender.bootstrap_request` then waits for the request's
    page table and aux data (`TransferHold.provide`), a cancel or the room's failure.
 2. **Plan and pages** - the data plane plans the rank's pages (`SenderSession.plan`:
@@ -106,6 +109,10 @@ def kept_channel(target: str, *, own_connection: bool = False) -> grpc.Channel:
 
 class SenderKilled(Exception):
     """The sender was killed: stop without another RPC."""
+
+
+class Parked(Exception):
+    """The hold was parked before the room registered: stop without another RPC."""
 
 
 class RankDone(Exception):
@@ -272,6 +279,9 @@ class SenderSession:
         """The whole transfer; returns the room's final status (None when killed)."""
         try:
             self._stub = plane.open()
+            self.hold.add_waker(self._wake)  # provide, cancel, registered, parked
+            if self.rank != self.hold.prober:
+                self._await_registered()
             reply = self._handshake()
             plane.accepted(reply)
             interval = self.config.heartbeat_interval_s or reply.heartbeat_interval_s or 1.0
@@ -280,7 +290,7 @@ class SenderSession:
             plan = plane.send(reply)
             self._commit(plan, plane.commit_digests())
             return self._await_outcome(interval)
-        except SenderKilled:
+        except (SenderKilled, Parked):
             return None
         except RankDone as d:
             return d.outcome
@@ -308,12 +318,16 @@ class SenderSession:
             attempt=job.attempt,
             data_plane=self._data_plane,
         )
-        # A cancel (the request timed out or left, another rank failed) ends a backoff.
-        self.hold.add_waker(self._wake)
+        # A cancel (the request timed out or left, another rank failed) or a park ends a
+        # backoff (the waker was added in `run`).
+        prober = self.rank == self.hold.prober
         deadline = time.monotonic() + cfg.bootstrap_timeout_s
         tries = 0
         while True:
             self.check()
+            if prober and self.hold.settle_park():
+                logger.debug("room %s: parked before its room registered", job.room)
+                raise Parked
             sent = time.monotonic()
             try:
                 reply = self._control().Handshake(req, timeout=cfg.rpc_timeout_s)
@@ -339,13 +353,25 @@ class SenderSession:
         self.observe(snapshot_from_pb(reply.status))
         if not reply.accepted:
             self.finish_with_status(f"handshake refused: {'; '.join(reply.mismatches)}")
+        if prober:
+            self.hold.note_registered()
         return reply
+
+    def _await_registered(self) -> None:
+        """A rank other than the prober: wait (no RPC) until the prober's handshake was
+        accepted, so only one handshake per request polls an unregistered room."""
+        while not self.hold.registered:
+            self.check()
+            if self.hold.parked:
+                raise Parked
+            self._wake.wait(1.0)
+            self._wake.clear()
 
     def _await_inputs(self) -> None:
         """Bootstrap ahead (`transfer.sender.bootstrap_request`): handshaken and
         heartbeating, wait until the prefill provides the request's page table and aux
         data (or the room fails, the hold is cancelled, the sender is killed)."""
-        self.hold.mark_ready(self.rank)  # (its waker was added by the handshake)
+        self.hold.mark_ready(self.rank)  # (its waker was added in `run`)
         if self.job.has_inputs:
             return
         while True:

@@ -14,8 +14,12 @@ transfer receiver (`decode_transfer_target`, "host:port"). A request's life here
    sender threads (one per CP rank, plus one heartbeat thread each after its
    handshake) are bounded by the window and the transfers in flight, not by the queue.
    The window is `2 x` the scheduler's batch-row bound within
-   [`MIN_BOOTSTRAP_WINDOW`, `MAX_BOOTSTRAP_WINDOW`] (32 requests for now: a smaller
-   window can stall, see those constants): enough ready requests to fill two batches.
+   [`MIN_BOOTSTRAP_WINDOW`, `MAX_BOOTSTRAP_WINDOW`] (32 requests): enough ready
+   requests to fill two batches. The decode side registers rooms in its own arrival
+   order, so a window request whose room is still unregistered after `PARK_AFTER_S`
+   gives its slot to a waiting one (its senders stop without aborting the room, and
+   start again later; parked requests go round robin): the window always reaches the
+   requests whose decode pages are waiting for them.
    A sender handshakes with the decode side (layout, token count, cp size checked; on
    Mooncake the decode side carves the staging region) and heartbeats while the
    request waits and prefills. A decode side that refuses the room, or is unreachable
@@ -110,13 +114,17 @@ MIN_HEARTBEAT_TIMEOUT_S = 15.0
 # The Mooncake sender's registered host copy buffer is never smaller than this.
 MOONCAKE_HOST_BUFFER_MIN_BYTES = 64 << 20
 # Requests whose senders run before their prefill starts (`bootstrap_window`): twice the
-# scheduler's batch rows, within these bounds (x cp_size sender threads each). The floor
-# was 8: the PD load test then stalled in about 1 of 3 runs (2026-12-04), both servers
-# idle, because the decode side admits rooms in its own arrival order and had given its
-# pages to requests outside the prefill window while the window's requests waited for
-# pages. 32 makes that need more than 32 requests waiting at once; it is not a fix.
+# scheduler's batch rows, within these bounds (x cp_size sender threads each). With a
+# floor of 8 and no parking the PD load test stalled in about 1 of 3 runs (2026-12-04):
+# the decode side had given its pages to rooms of requests outside the window while the
+# window's requests waited for pages there. Parking (`PARK_AFTER_S`) is the fix.
 MIN_BOOTSTRAP_WINDOW = 32
 MAX_BOOTSTRAP_WINDOW = 32
+# A window request whose decode room is still unregistered after this long gives its slot
+# to a request outside the window (`_park_stale`): the decode side registers rooms in its
+# own arrival order, which may hold its pages for requests outside our window. Longer
+# than one held handshake (`transfer.protocol.HANDSHAKE_HOLD_S`), so it asked at least once.
+PARK_AFTER_S = 2.0
 
 
 def parse_target(target: str) -> tuple[str, int]:
@@ -149,6 +157,8 @@ class _Request:
     abort_reason: str | None = None
     error: str | None = None  # serving this request failed here (its chunk says why)
     transfer_started: float = 0.0
+    bootstrapped_at: float = 0.0  # when its senders last started (`_bootstrap`)
+    parks: int = 0  # times its senders gave their window slot back (`_park_stale`)
 
 
 class PrefillModeEngine:
@@ -159,7 +169,8 @@ class PrefillModeEngine:
     the pages (`transfer.backends.make_backend`). `clock` must be the clock of
     `GenerateRequest.arrival_time` (time.monotonic) for the latencies in `meta` and the
     request timeout. `bootstrap_window`: how many queued requests run senders at once
-    (None: `default_bootstrap_window`).
+    (None: `default_bootstrap_window`); `park_after_s`: how long one of them waits for
+    its decode room before giving its slot to a waiting request (`_park_stale`).
     """
 
     mode: ServerMode = "prefill"
@@ -173,6 +184,7 @@ class PrefillModeEngine:
         idle_wait_s: float = DEFAULT_IDLE_WAIT_S,
         max_queued_requests: int | None = None,
         bootstrap_window: int | None = None,
+        park_after_s: float = PARK_AFTER_S,
     ):
         if not engine.scheduler.hold_finished:
             raise ConfigError(
@@ -211,6 +223,7 @@ class PrefillModeEngine:
         if bootstrap_window < 1:
             raise ConfigError(f"the bootstrap window must be >= 1, got {bootstrap_window}")
         self.bootstrap_window = bootstrap_window
+        self.park_after_s = park_after_s
         # Requests whose senders were started and still count against the window: not
         # yet prefilling, or dropped while their senders still stop (`_window_used`).
         self._window: list[_Request] = []
@@ -221,6 +234,7 @@ class PrefillModeEngine:
         self.transfer_seconds = 0.0
         self.prefix_cache_hit_tokens = 0
         self.transfer_failures = 0
+        self.bootstrap_parks = 0  # window slots given back by unregistered rooms (`_park_stale`)
 
     # ---- ahead-of-time compiles (issue 25) ----------------------------------------------
     def reachable_shapes(self) -> set[StepShape]:
@@ -445,6 +459,7 @@ class PrefillModeEngine:
             # Reserve one new token: decoded tokens' KV lives on the decode server.
             self.scheduler.submit(entry.req.rid, ids, max_new_tokens=1, timeout=left)
             entry.state = "queued"
+        self._park_stale()
         self._fill_window()
 
     def _waited(self, entry: _Request) -> float:
@@ -486,6 +501,7 @@ class PrefillModeEngine:
             None,
         )
         entry.hold = bootstrap_request(self.backend, jobs, self._on_release, self._wake.set)
+        entry.bootstrapped_at = self.clock()
         self._window.append(entry)
 
     def _window_used(self) -> int:
@@ -494,8 +510,7 @@ class PrefillModeEngine:
         (aborted, timed out) while their senders still stop."""
 
         def counts(e: _Request) -> bool:
-            assert e.hold is not None
-            if e.hold.released:
+            if e.hold is None or e.hold.released:  # (None: parked, waiting again)
                 return False
             live = self._requests.get(e.req.rid) is e
             return not live or e.req.rid in self._queue
@@ -503,15 +518,53 @@ class PrefillModeEngine:
         self._window = [e for e in self._window if counts(e)]
         return len(self._window)
 
+    def _park_stale(self) -> None:
+        """Window requests whose decode room is still unregistered after `park_after_s`
+        give their slots back (`TransferHold.park`: their senders stop without aborting
+        the room) while requests outside the window wait, at most one per waiting
+        request, longest-waiting first. The decode side registers rooms in its own
+        arrival order: without this, its pages could all be held by rooms of requests
+        outside our window while the window's requests wait for pages there, both
+        servers idle until the requests time out."""
+        outside = sum(e.hold is None for e in self._queue)
+        if not outside or self._window_used() < self.bootstrap_window:
+            return
+        now = self.clock()
+        stale = sorted(
+            (
+                e
+                for e in self._window
+                if e.state == "bootstrapping"
+                and e.hold is not None
+                and not e.hold.registered
+                and not e.hold.park_requested
+                and now - e.bootstrapped_at >= self.park_after_s
+            ),
+            key=lambda e: e.bootstrapped_at,
+        )[:outside]
+        for e in stale:
+            assert e.hold is not None
+            e.hold.park()
+        if stale:
+            self.bootstrap_parks += len(stale)
+            logger.info(
+                "parking %d request(s) whose decode rooms are not registered after %gs, "
+                "to try %d of the %d waiting outside the bootstrap window",
+                len(stale),
+                self.park_after_s,
+                len(stale),
+                outside,
+            )
+
     def _fill_window(self) -> None:
-        """Start the senders of waiting requests, in arrival order, while the window
-        has room. A request whose senders cannot start fails alone."""
+        """Start the senders of waiting requests while the window has room: those parked
+        fewest times first, then in arrival order (a round robin over requests whose
+        rooms are not registered). A request whose senders cannot start fails alone."""
         free = self.bootstrap_window - self._window_used()
-        for entry in self._queue:
+        waiting = sorted((e for e in self._queue if e.hold is None), key=lambda e: e.parks)
+        for entry in waiting:
             if free <= 0:
                 return
-            if entry.hold is not None:
-                continue
             try:
                 self._bootstrap(entry)
             except Exception as e:
@@ -618,6 +671,10 @@ class PrefillModeEngine:
             if entry.hold is None or not entry.hold.released:
                 continue
             outcome = entry.hold.outcome
+            if entry.state == "bootstrapping" and entry.hold.parked:
+                entry.hold = None  # waits again; `_fill_window` restarts its senders
+                entry.parks += 1
+                continue
             if entry.state in ("bootstrapping", "queued"):  # failed before the prefill
                 if entry.state == "queued" and self.scheduler.abort(rid) is None:
                     raise AssertionError(f"request {rid} is queued here but not in the scheduler")

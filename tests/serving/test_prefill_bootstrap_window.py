@@ -7,6 +7,8 @@ The CP 8 prefill engine of the tiny model (float32, bs > 1) with a real
 - 256 queued requests whose decode side never registers their rooms: only the bootstrap
   window's requests run senders, so the process's threads stay bounded (and come back
   when the requests are aborted); the window moves on in arrival order;
+- window requests whose rooms stay unregistered give way (park) to waiting requests the
+  decode side did register, so the two servers' different arrival orders cannot stall;
 - a request whose decode side queues it for several times the sender's bootstrap
   timeout still prefills and delivers once its room is registered;
 - the wait for the decode side ends at the request's own timeout (`--request-timeout`).
@@ -137,6 +139,7 @@ def test_queued_requests_run_no_senders_beyond_the_bootstrap_window(pd):
     2,048 sender threads, one per queued request and rank. The window moves on in
     arrival order as requests leave, and no prefill page is held meanwhile."""
     engine, backend = pd.mode_engine(LONG)
+    engine.park_after_s = WAIT  # no parking here: the window moves in arrival order
     rids = [f"w{i}" for i in range(QUEUED)]
     base, base_senders = threading.active_count(), sender_threads()
     for rid in rids:
@@ -220,4 +223,53 @@ def test_the_wait_for_the_decode_side_ends_at_the_request_timeout(pd):
     while sender_threads():
         assert time.monotonic() < deadline, f"{sender_threads()} sender threads left"
         time.sleep(0.05)
+    assert_idle(pd, engine)
+
+
+def test_window_requests_give_way_to_rooms_the_decode_side_registered(pd):
+    """The decode side registers rooms in its own arrival order: here it holds pages for
+    the last 4 of 12 requests (registered last-first), all outside a bootstrap window of
+    4 on the prefill side, and for nothing else until those are done. Window requests
+    whose rooms stay unregistered for `park_after_s` give their slots back (parked, their
+    rooms not aborted), the window goes round, the registered requests deliver, and
+    then so do the others once their rooms are registered. Failed before parking: the
+    window's 4 requests waited for rooms that never came, nothing moved (SPEC S2)."""
+    engine, backend = pd.mode_engine(LONG)
+    engine.bootstrap_window, engine.park_after_s = 4, 0.3
+    n = 2 * P + 3
+    rids = [f"p{i}" for i in range(12)]
+    base_senders = sender_threads()
+    for i, rid in enumerate(rids):
+        engine.add(request(rid, prompt_of(n, 40 + i), pd.target))
+    assert backend.started() == set(rids[:4])
+    first, rest = rids[8:], rids[:8]
+    dst = {}
+    for rid in reversed(first):  # another arrival order than the prefill side's
+        dst[rid] = pd.rx.allocate_pages(pages_for_tokens(n, P))
+        pd.rx.register_room(rid, dst[rid], n, CP)
+    peak: list[int] = [0]
+
+    def done_and_bounded(want: set[str], got: list[OutputChunk]) -> Callable[[], bool]:
+        def check() -> bool:
+            peak[0] = max(peak[0], sender_threads() - base_senders)
+            return {c.rid for c in got} >= want
+
+        return check
+
+    got: list[OutputChunk] = []
+    step_until(engine, done_and_bounded(set(first), got), "the registered rooms", got)
+    assert {c.rid: c.finish_reason for c in got} == dict.fromkeys(first, "length"), got
+    assert engine.bootstrap_parks >= 8  # the first 8 each gave way at least once
+    for rid in rest:  # the decode side frees pages and takes the rest
+        dst[rid] = pd.rx.allocate_pages(pages_for_tokens(n, P))
+        pd.rx.register_room(rid, dst[rid], n, CP)
+    step_until(engine, done_and_bounded(set(rids), got), "the other rooms", got)
+    assert sorted(c.rid for c in got) == sorted(rids)
+    assert all(c.finish_reason == "length" for c in got), got
+    for rid in rids:
+        assert pd.rx.status(rid).state is RoomState.SUCCESS, rid
+        pd.rx.free_pages(dst[rid])
+    # Sender + heartbeat threads of at most 8 requests: the window's 4 and the 4
+    # registered ones transferring after their prefill (12 would be 192).
+    assert peak[0] <= 8 * CP * 2, peak
     assert_idle(pd, engine)

@@ -161,10 +161,12 @@ def test_a_room_queued_on_the_decode_side_past_the_bootstrap_timeout_still_succe
     rx, target = decode
     config = dataclasses.replace(SENDER, bootstrap_timeout_s=0.3, retry_backoff_s=0.02)
     calls: list[float] = []
+    ranks: list[int] = []
     real = rx.handshake
 
     def handshake(*args, **kw):
         calls.append(time.monotonic())
+        ranks.append(args[1])
         return real(*args, **kw)
 
     rx.handshake = handshake  # type: ignore[method-assign]
@@ -177,12 +179,51 @@ def test_a_room_queued_on_the_decode_side_past_the_bootstrap_timeout_still_succe
         # No tight loop: each rank asked about once per hold (held) or backoff.
         per_rank_s = len(calls) / CP / (time.monotonic() - t0)
         assert per_rank_s < 20, f"{len(calls)} handshakes from {CP} ranks in {wait_s:.1f}s"
+        assert set(ranks) == {0}, ranks  # only the prober asks while the room is unknown
         dst = rx.allocate_pages(N_PAGES)
         rx.register_room("queued", dst, N_PAGES * LAYOUT.page_size, CP)
         outcome = hold.wait(10.0)
     finally:
         backend.close()
     assert outcome is not None and outcome.state is RoomState.SUCCESS, outcome
+    rx.free_pages(dst)
+
+
+def test_a_parked_hold_stops_every_rank_without_aborting_and_the_room_starts_over(decode):
+    """`TransferHold.park` on a room the decode side has not registered: the prober stops
+    before its next handshake and the other rank (waiting for the prober, no RPC) with it;
+    the hold is released as parked and nothing reaches the decode side's abort. The same
+    room, registered later, succeeds from new senders. A park that comes after the
+    registration is ignored: the transfer goes on."""
+    rx, target = decode
+    aborts: list[str] = []
+    real_abort = rx.abort
+
+    def abort(room, reason, sender_rank=None):
+        aborts.append(room)
+        return real_abort(room, reason, sender_rank)
+
+    rx.abort = abort  # type: ignore[method-assign]
+    config = dataclasses.replace(SENDER, retry_backoff_s=0.02)
+    backend = GrpcBackend(config)
+    try:
+        hold = send_request(backend, room_jobs("parked", target, host_pools()), lambda _: None)
+        assert hold.wait(0.3) is None  # asking
+        hold.park()
+        outcome = hold.wait(2 * HANDSHAKE_HOLD_S + 5.0)
+        assert hold.parked and outcome is not None, outcome
+        assert outcome.state is RoomState.BOOTSTRAPPING and "parked" in outcome.reason
+        assert not hold.cancelled and aborts == []
+        dst = rx.allocate_pages(N_PAGES)
+        rx.register_room("parked", dst, N_PAGES * LAYOUT.page_size, CP)
+        again = send_request(backend, room_jobs("parked", target, host_pools()), lambda _: None)
+        assert again.wait(2.0) is None or again.registered
+        again.park()  # too late: the room is registered (or done)
+        final = again.wait(10.0)
+    finally:
+        backend.close()
+    assert final is not None and final.state is RoomState.SUCCESS, final
+    assert not again.parked and aborts == []
     rx.free_pages(dst)
 
 
