@@ -38,12 +38,13 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from serving.api_keys import API_KEY_ENV, KEY_ENVS
 from serving.demo import SSE_DONE, Proc, free_port, sse_event, wait_healthy
 
 CP = 8
@@ -66,6 +67,9 @@ class ClusterConfig:
     max_queued_requests: int | None = 256  # None: the flag is not passed
     max_running_requests: int = 16
     extra: tuple[str, ...] = ()
+    # Given to all three processes as $CPKV_API_KEY (the router sends it upstream too);
+    # clients then send it (`PDCluster.headers`). None: no key.
+    api_key: str | None = None
 
 
 class PDCluster:
@@ -83,6 +87,10 @@ class PDCluster:
         self.procs: dict[str, Proc] = {}
         self._restarts = 0
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+        for name in KEY_ENVS:  # the cluster's key is config.api_key, not the caller's
+            env.pop(name, None)
+        if config.api_key is not None:
+            env[API_KEY_ENV] = config.api_key  # not on the command line, as in production
         self._env = env
         flags = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={CP}"
         self._prefill_env = {**env, "XLA_FLAGS": flags.strip()}
@@ -140,6 +148,11 @@ class PDCluster:
         )  # fmt: skip
         wait_healthy(self.urls["router"], list(self.procs.values()), 60.0)
         return self
+
+    def headers(self) -> dict[str, str]:
+        """What a client of these servers sends: the API key, if there is one."""
+        key = self.config.api_key
+        return {"Authorization": f"Bearer {key}"} if key is not None else {}
 
     def kill_decode(self) -> int | None:
         """SIGKILL the decode server (no drain, no cleanup): its exit code."""
@@ -366,9 +379,11 @@ async def run_load(
     timeout_s: float = 300.0,
     until: float | None = None,
     progress: bool = False,
+    headers: Mapping[str, str] | None = None,
 ) -> list[Outcome]:
     """Send `requests` from `concurrency` clients (each takes the next one when its last
-    ended), stopping early at monotonic time `until` (requests then in flight finish)."""
+    ended), stopping early at monotonic time `until` (requests then in flight finish);
+    every request carries `headers` (e.g. `PDCluster.headers()`)."""
     queue = collections.deque(requests)
     outcomes: list[Outcome] = []
     limits = httpx.Limits(max_connections=concurrency + 4)
@@ -378,7 +393,7 @@ async def run_load(
 
         bar = tqdm(total=len(requests), unit="req", desc="load")
     async with httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout_s), limits=limits, trust_env=False
+        timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers, trust_env=False
     ) as client:
 
         async def worker() -> None:
@@ -424,9 +439,9 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     }
 
 
-def page_balance(url: str) -> dict[str, Any]:
+def page_balance(url: str, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
     """`/server_info` pages per rank: free + cached must equal total when idle."""
-    info = httpx.get(url + "/server_info", timeout=10).json()
+    info = httpx.get(url + "/server_info", timeout=10, headers=headers).json()
     total, free = info["kv_pages_total"], info["kv_pages_free"]
     cached = info.get("kv_pages_cached") or [0] * len(total)
     return {
@@ -440,11 +455,13 @@ def page_balance(url: str) -> dict[str, Any]:
     }
 
 
-def wait_idle(urls: Sequence[str], timeout_s: float = 60.0) -> bool:
+def wait_idle(
+    urls: Sequence[str], timeout_s: float = 60.0, headers: Mapping[str, str] | None = None
+) -> bool:
     """Until every server reports nothing waiting or running (transfers settle)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        infos = [httpx.get(u + "/server_info", timeout=10).json() for u in urls]
+        infos = [httpx.get(u + "/server_info", timeout=10, headers=headers).json() for u in urls]
         if all(i["waiting"] == 0 and i["running"] == 0 for i in infos):
             return True
         time.sleep(0.25)

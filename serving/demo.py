@@ -44,6 +44,8 @@ from typing import Any
 
 import httpx
 
+from serving.api_keys import KEY_ENVS
+
 CP = 8
 PAGE = 16
 STARTUP_TIMEOUT_S = 420.0
@@ -113,6 +115,8 @@ def wait_healthy(url: str, procs: Sequence[Proc], timeout: float) -> None:
 def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]:
     py = sys.executable
     base_env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    for name in KEY_ENVS:  # a local demo without keys: the caller's would lock its client out
+        base_env.pop(name, None)
     prefill_env = {
         **base_env,
         "XLA_FLAGS": (

@@ -16,6 +16,13 @@ from the annotation:
 A field without a default is a required flag. Every flag but a bool or tuple one says
 its default in its help (`metadata["format_default"]` renders it, e.g. `2GiB`).
 
+Secrets (API keys): `arg(..., env="NAME", secret=True)`. `env`: when the flag is not
+given, `from_cli` takes the value of that environment variable (when it is set), so the
+value need not be on the command line, which any user of the machine can read; the help
+names the variable, never its value. `secret`: the dataclass `repr` leaves the field
+out and `redacted_dict` prints `<redacted>` for it, so logs and `--check-config` never
+show it.
+
 Parse errors raise the caller's error class with argparse's one-line message
 (`RaisingParser`), instead of printing usage and exiting; `--help` still exits.
 """
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +48,8 @@ def arg(
     parse: Callable[[str], Any] | None = None,
     metavar: str | None = None,
     format_default: Callable[[Any], str] | None = None,
+    env: str | None = None,
+    secret: bool = False,
     **extra: Any,
 ) -> Any:
     """A dataclass field that is one flag.
@@ -47,7 +57,9 @@ def arg(
     help: the flag's help text; group: the key of its help group (see
     `add_dataclass_args`); parse: converts the command-line string instead of the
     annotation's type; metavar: the value's name in `--help`; format_default: renders the
-    default in the help. `extra` is stored in the metadata as is, for the caller.
+    default in the help; env: the environment variable `from_cli` reads when the flag is
+    not given; secret: keep the value out of `repr` and `redacted_dict`. `extra` is
+    stored in the metadata as is, for the caller.
     """
     metadata = {
         "help": help,
@@ -55,9 +67,11 @@ def arg(
         "parse": parse,
         "metavar": metavar,
         "format_default": format_default,
+        "env": env,
+        "secret": secret,
         **extra,
     }
-    return dataclasses.field(default=default, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata, repr=not secret)
 
 
 def flag_name(field_name: str) -> str:
@@ -166,8 +180,11 @@ def add_dataclass_args(
             kwargs["default"] = None  # `extend` would add to the default; `from_cli` fills it
         else:
             kwargs["default"] = f.default
-            if base is not bool:
-                help_text += f" (default: {default_text(f.default, meta)})"
+            shown = default_text(f.default, meta)
+            if meta.get("env"):  # the variable's name, never its value
+                help_text += f" (default: ${meta['env']} if set, else {shown})"
+            elif base is not bool:
+                help_text += f" (default: {shown})"
         if base is bool:
             if f.default is not False:
                 raise TypeError(f"boolean flag {f.name} must default to False")
@@ -197,12 +214,36 @@ def add_dataclass_args(
         container.add_argument(flag_name(f.name), **kwargs)
 
 
-def from_cli(cls: type[T], parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> T:
+def from_cli(
+    cls: type[T],
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    environ: Mapping[str, str] | None = None,
+) -> T:
     """Parse `argv` with `parser` (built by `add_dataclass_args` for `cls`) into a `cls`;
-    an omitted tuple flag gets its field's default. No validation beyond the parser's."""
+    an omitted tuple flag gets its field's default, a flag with an `env` variable left at
+    its default takes the variable's value when it is set in `environ` (default:
+    `os.environ`), even empty (for the caller's validation to refuse). No validation
+    beyond the parser's."""
+    environ = os.environ if environ is None else environ
     ns = vars(parser.parse_args(argv))
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if typing.get_origin(hints[f.name]) is tuple:
             ns[f.name] = f.default if ns[f.name] is None else tuple(ns[f.name])
+        env = f.metadata.get("env")
+        if env and ns[f.name] == f.default and env in environ:
+            ns[f.name] = environ[env]
     return cls(**ns)
+
+
+REDACTED = "<redacted>"
+
+
+def redacted_dict(obj: Any) -> dict[str, Any]:
+    """`dataclasses.asdict(obj)` with every `secret` field that is set as `<redacted>`."""
+    out = dataclasses.asdict(obj)
+    for f in dataclasses.fields(obj):
+        if f.metadata.get("secret") and out[f.name] is not None:
+            out[f.name] = REDACTED
+    return out

@@ -56,6 +56,7 @@ from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
+from serving.api_keys import ApiKeys
 from serving.compilation_cache import enable_compilation_cache
 from serving.compile_events import COMPILES
 from serving.decode.cached import CachedUnifiedEngine
@@ -634,6 +635,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         chat_template=chat,
         metrics=metrics,
         server_info=server_info_source(info, engine, compiler),
+        api_keys=ApiKeys(args.api_key, args.admin_api_key),
     )
     return Server(args, cfg, engine, loop, app, info, closers, compiler=compiler)
 

@@ -36,6 +36,11 @@ Decisions written down here (SPEC leaves them open):
   decode` and `--hicache-storage-backend file` are valid (`--check-config` accepts them
   with a warning) but refused at startup (`refuse_unbuilt`). `--hicache-size` wins over
   `--hicache-ratio` (a non-default ratio beside it is a warning).
+- API keys (`--api-key`, `--admin-api-key`, or `$CPKV_API_KEY` / `$CPKV_ADMIN_API_KEY`
+  when the flag is not given; enforced by `serving.http.auth`): an empty key is an error,
+  not "no key" (an unset shell variable must not open the server); `to_dict` and so
+  `--check-config` print them as `<redacted>`. A non-loopback `--host` without
+  `--api-key` is a warning, not an error: the cluster network may be closed.
 - The served model name (`served_model_names`) is `--model-path` as given, as SGLang and
   vLLM name it, with the path's base name accepted too; `--served-model-name`, when
   given, is the only name (as in vLLM: an explicit name should not be shadowed by the
@@ -68,6 +73,7 @@ from cpkv_jax.model.expert_parallel import EPDispatch, check_divisible
 from cpkv_jax.model.kv_cache import IndexKDtype
 from cpkv_jax.pallas.paged_gather import GatherImpl
 from serving import flags
+from serving.api_keys import ADMIN_API_KEY_ENV, API_KEY_ENV, key_problem, open_bind_warning
 from serving.flags import flag_name
 from transfer.capabilities import DEFAULT_BACKEND as DEFAULT_TRANSFER_BACKEND
 from transfer.capabilities import TransferBackendRegistry, default_backend_registry
@@ -201,6 +207,8 @@ def _arg(
     metavar: str | None = None,
     override_key: str | None = None,
     requires: str | None = None,
+    env: str | None = None,
+    secret: bool = False,
 ) -> Any:
     """A `ServerArgs` field with what the flag needs (`serving.flags.arg`, plus):
 
@@ -221,6 +229,8 @@ def _arg(
         format_default=_format_byte_default if parse is parse_byte_size else None,
         override_key=override_key,
         requires=requires,
+        env=env,
+        secret=secret,
     )
 
 
@@ -570,6 +580,26 @@ class ServerArgs:
         group="server",
     )
     port: int = _arg(30000, help="HTTP listen port", group="server")
+    api_key: str | None = _arg(
+        None,
+        help="key every HTTP route but /health and /metrics requires, sent as "
+        "`Authorization: Bearer KEY` (the openai client's api_key); none = no key, the "
+        "routes are open to whoever reaches --port",
+        group="server",
+        metavar="KEY",
+        env=API_KEY_ENV,
+        secret=True,
+    )
+    admin_api_key: str | None = _arg(
+        None,
+        help="the only key the routes that change server state take (/start_profile, "
+        "/stop_profile), also accepted on every other route; none = those routes take "
+        "--api-key",
+        group="server",
+        metavar="KEY",
+        env=ADMIN_API_KEY_ENV,
+        secret=True,
+    )
     log_level: LogLevel = _arg("info", help="logging level", group="server")  # noqa: RUF009
     request_timeout: float | None = _arg(
         None, help="seconds before an unfinished request fails; none = no limit", group="server"
@@ -641,7 +671,8 @@ class ServerArgs:
         return flags.from_cli(cls, cls.build_parser(backends), argv)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, API keys that are set as `<redacted>` (this is printed and logged)."""
+        return flags.redacted_dict(self)
 
     def served_model_names(self) -> tuple[str, ...]:
         """The names the OpenAI API accepts for the model, the served one (that answers
@@ -743,6 +774,7 @@ class ServerArgs:
         self._check_expert_parallel(model_config, warnings)
         self._check_hicache(warnings)
         self._check_radix_cache()
+        self._check_api_keys(warnings)
         warnings += self._hicache_unbuilt()
         if self.enable_cp_shared_kv_prefill_bs_gt1 and not self.enable_cp_shared_kv:
             warnings.append(
@@ -824,6 +856,25 @@ class ServerArgs:
             )
         if not self.model_path:
             raise ServerArgsError("--model-path is empty: point it at a HF model dir")
+
+    def _check_api_keys(self, warnings: list[str]) -> None:
+        """Keys must be sendable as a header and distinct; an HTTP port open to the
+        network without a key is a warning (a cluster may firewall it)."""
+        for name, env in (("api_key", API_KEY_ENV), ("admin_api_key", ADMIN_API_KEY_ENV)):
+            problem = key_problem(getattr(self, name))
+            if problem is not None:
+                raise ServerArgsError(f"{flag_name(name)} (or ${env}) {problem}")
+        if self.api_key is not None and self.api_key == self.admin_api_key:
+            raise ServerArgsError(
+                "--admin-api-key equals --api-key: every API key holder would be an admin; "
+                "use a different admin key, or drop --admin-api-key"
+            )
+        exposes = "generate, read /server_info" + (
+            "" if self.admin_api_key is not None else " and start profiler traces"
+        )
+        warning = open_bind_warning(self.host, self.port, self.api_key, exposes)
+        if warning is not None:
+            warnings.append(warning)
 
     def _check_transfer(self, backends: TransferBackendRegistry) -> None:
         if self.disaggregation_mode == "decode" and self.cp_size > 1:

@@ -26,6 +26,11 @@ A client that goes away aborts its request in the engine: every wait on the engi
 a listener for the ASGI `http.disconnect` message, and the streaming response closes the
 engine stream (which aborts, per `EngineClient`) however it ends
 (`serving.http.generation`, `serving.http.streaming`).
+
+API keys (`api_keys`, from `--api-key` / `--admin-api-key`; `serving.http.auth`): every
+route but `/health` and `/metrics` then needs `Authorization: Bearer KEY` (401 without
+it); the routes that change server state (`AdminRoutes.ADMIN_PATHS`, the profiler) need
+the admin key when one is set (403 for the plain API key).
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from cpkv_jax.tokenizer import Tokenizer
+from serving.api_keys import ApiKeys
 from serving.engine.api import EngineClient
+from serving.http.auth import install_api_keys
 from serving.http.chat_template import ChatTemplate
 from serving.http.errors import ApiError, install_error_handlers
 from serving.http.generation import ApiCore
@@ -54,6 +61,10 @@ logger = logging.getLogger(__name__)
 
 class AdminRoutes:
     """`/health`, `/metrics`, `/server_info` and the JAX profiler routes of one app."""
+
+    # The routes that change server state: with `--admin-api-key` only that key opens them.
+    # (Aborting is not a route: a client aborts its own request by disconnecting.)
+    ADMIN_PATHS = frozenset({"/start_profile", "/stop_profile"})
 
     def __init__(
         self,
@@ -145,6 +156,7 @@ def build_app(
     server_info: Callable[[], dict[str, Any]] | None = None,
     profile_dir: str = "/tmp/cpkv-profile",
     model_aliases: Sequence[str] = (),
+    api_keys: ApiKeys | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `client`.
 
@@ -154,7 +166,8 @@ def build_app(
     `chat_template` is a `ChatTemplate` (from `serving.http.chat_template.load_chat_template`,
     which knows the model's bos / eos strings) or a bare template source. `metrics` gets
     the engine's stats attached (read at each scrape of `/metrics`). `server_info()` is
-    merged into `GET /server_info` with the engine's `stats()`.
+    merged into `GET /server_info` with the engine's `stats()`. `api_keys` guards the
+    routes (module docstring; None or no key set: open).
     """
     if vocab_size <= 0 or context_length <= 0:
         raise ValueError(
@@ -177,4 +190,10 @@ def build_app(
     NativeRoutes(core).register(app)
     OpenAIRoutes(core, model_aliases=model_aliases).register(app)
     AdminRoutes(core, server_info=server_info, profile_dir=profile_dir).register(app)
+    install_api_keys(
+        app,
+        api_keys or ApiKeys(),
+        admin_paths=AdminRoutes.ADMIN_PATHS,
+        on_reject=metrics.record_bad_request,  # a 4xx like any other
+    )
     return app

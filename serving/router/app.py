@@ -6,6 +6,9 @@
 Routes: the PD endpoints (`/generate`, `/v1/completions`, `/v1/chat/completions`,
 relayed by `serving.router.relay`), `/v1/models` (from a healthy decode server or
 worker), `/health`, `/servers` (every server's state) and `/metrics` (Prometheus).
+With `--api-key` every route but `/health` and `/metrics` needs `Authorization: Bearer
+KEY` (`serving.http.auth`, the servers' middleware); the key the router sends upstream is
+`RouterConfig.upstream_headers`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cpkv_jax.cli_logging import configure_logging
+from serving.api_keys import ApiKeys
+from serving.http.auth import install_api_keys
 from serving.http.errors import error_response
 from serving.router.config import ROLES, RouterConfig, RouterConfigError
 from serving.router.relay import PD_ENDPOINTS, PDRouter, RouterStartupError
@@ -99,6 +104,7 @@ def build_router_app(config: RouterConfig, *, router: PDRouter | None = None) ->
             router.metrics.render(router.pool), media_type=prometheus_client.CONTENT_TYPE_LATEST
         )
 
+    install_api_keys(app, ApiKeys(config.api_key))  # no route changes state: no admin key
     return app
 
 
@@ -115,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(config.log_level)
     if config.log_level != "debug":  # httpx logs every request, health polls included
         logging.getLogger("httpx").setLevel(logging.WARNING)
+    for warning in config.warnings():
+        logger.warning(warning)
     try:
         return asyncio.run(_serve(config))
     except SystemExit as e:  # uvicorn exits when it cannot bind or start

@@ -1,5 +1,12 @@
 """`cpkv-router` configuration: `RouterConfig`, one field per flag (the command line is
-generated from the fields by `serving.flags`, as `cpkv-serve`'s is), and its checks."""
+generated from the fields by `serving.flags`, as `cpkv-serve`'s is), and its checks.
+
+API keys: `--api-key` (or `$CPKV_API_KEY`) is what the router's clients must send;
+`--upstream-api-key` (or `$CPKV_UPSTREAM_API_KEY`) is what the router sends to the
+servers behind it, on every request and health poll, and defaults to the router's own
+`--api-key`, so one key set in the environment of every process of a deployment just
+works. The client's own `Authorization` header is never forwarded. The router has no
+route that changes state, hence no admin key."""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from typing import Literal
 
 from cpkv_jax.errors import ConfigError
 from serving import flags
+from serving.api_keys import API_KEY_ENV, UPSTREAM_API_KEY_ENV, key_problem, open_bind_warning
 from serving.flags import arg as _arg
 
 Role = Literal["prefill", "decode", "worker"]
@@ -84,6 +92,22 @@ class RouterConfig:
     log_level: Literal["debug", "info", "warning", "error", "critical"] = _arg(
         "info", help="log level"
     )
+    api_key: str | None = _arg(
+        None,
+        help="key every route but /health and /metrics requires, sent as "
+        "`Authorization: Bearer KEY`; none = no key",
+        metavar="KEY",
+        env=API_KEY_ENV,
+        secret=True,
+    )
+    upstream_api_key: str | None = _arg(
+        None,
+        help="key the router sends to its servers (their --api-key); none = the router's "
+        "own --api-key, if any",
+        metavar="KEY",
+        env=UPSTREAM_API_KEY_ENV,
+        secret=True,
+    )
 
     def validate(self) -> RouterConfig:
         """Raise `RouterConfigError` naming the flag and the fix; return the config with
@@ -124,7 +148,22 @@ class RouterConfig:
             raise RouterConfigError(f"--health-failures must be >= 1, got {self.health_failures}")
         if not 0 <= self.port <= 65535:
             raise RouterConfigError(f"--port must be in [0, 65535], got {self.port}")
+        for name, env in (("api_key", API_KEY_ENV), ("upstream_api_key", UPSTREAM_API_KEY_ENV)):
+            problem = key_problem(getattr(self, name))
+            if problem is not None:
+                raise RouterConfigError(f"{flags.flag_name(name)} (or ${env}) {problem}")
         return dataclasses.replace(self, **urls)
+
+    def warnings(self) -> tuple[str, ...]:
+        """What `cpkv-router` logs at startup about an accepted but risky configuration."""
+        exposes = "generate through every server behind the router and read /servers"
+        warning = open_bind_warning(self.host, self.port, self.api_key, exposes)
+        return (warning,) if warning is not None else ()
+
+    def upstream_headers(self) -> dict[str, str]:
+        """The headers of every call to a server: its API key, when the router has one."""
+        key = self.upstream_api_key if self.upstream_api_key is not None else self.api_key
+        return {"Authorization": f"Bearer {key}"} if key is not None else {}
 
     @classmethod
     def build_parser(cls) -> argparse.ArgumentParser:

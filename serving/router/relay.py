@@ -284,6 +284,7 @@ class PDRouter:
                 pool=cfg.connect_timeout,
             ),
             limits=httpx.Limits(max_connections=_MAX_UPSTREAM_CONNECTIONS),
+            headers=cfg.upstream_headers(),  # the router's key, never the client's
             trust_env=False,  # a proxy from the environment must not sit between router and servers
         )
         self._health = HealthMonitor(cfg, self.pool, on_failure=self._count_check_failure)

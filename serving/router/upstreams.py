@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from cpkv_jax.errors import CpkvError
+from serving.api_keys import UPSTREAM_API_KEY_ENV
 from serving.router.config import ROLES, Role, RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -229,7 +230,9 @@ class HealthMonitor:
         self.pool = pool
         self.on_failure = on_failure
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(config.health_timeout), trust_env=False
+            timeout=httpx.Timeout(config.health_timeout),
+            headers=config.upstream_headers(),  # /server_info needs the servers' key
+            trust_env=False,
         )
         self._task: asyncio.Task[None] | None = None
 
@@ -261,6 +264,12 @@ class HealthMonitor:
             if health.status_code != 200:
                 raise ValueError(f"/health answered {health.status_code}")
             r = await self._client.get(s.url + "/server_info")
+            if r.status_code in (401, 403):
+                raise ValueError(
+                    f"/server_info answered {r.status_code}: the server wants another API "
+                    f"key; give the router its key with --upstream-api-key (or "
+                    f"${UPSTREAM_API_KEY_ENV})"
+                )
             if r.status_code != 200:
                 raise ValueError(f"/server_info answered {r.status_code}")
             info = parse_server_info(s.role, r.json())

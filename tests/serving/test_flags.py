@@ -103,3 +103,24 @@ def test_field_checks():
 
     with pytest.raises(TypeError, match="must default to False"):
         flags.add_dataclass_args(parser(), BadBool)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WithSecret:
+    user: str = flags.arg("me", help="a user", group="a")
+    token: str | None = flags.arg(None, help="a token", group="a", env="DEMO_TOKEN", secret=True)
+
+
+def test_env_fallback_and_secrets():
+    p = flags.RaisingParser(prog="demo", error_class=DemoError)
+    flags.add_dataclass_args(p, WithSecret)
+    (action,) = [a for a in p._actions if a.dest == "token"]
+    assert action.help == "a token (default: $DEMO_TOKEN if set, else none)"
+    assert flags.from_cli(WithSecret, p, [], environ={}).token is None
+    assert flags.from_cli(WithSecret, p, [], environ={"DEMO_TOKEN": "t1"}).token == "t1"
+    # Empty is kept, for the caller to refuse (an unset shell variable is not "no key").
+    assert flags.from_cli(WithSecret, p, [], environ={"DEMO_TOKEN": ""}).token == ""
+    got = flags.from_cli(WithSecret, p, ["--token", "t2"], environ={"DEMO_TOKEN": "t1"})
+    assert got.token == "t2" and "t2" not in repr(got)
+    assert flags.redacted_dict(got) == {"user": "me", "token": "<redacted>"}
+    assert flags.redacted_dict(WithSecret()) == {"user": "me", "token": None}

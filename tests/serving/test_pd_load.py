@@ -5,7 +5,9 @@ shared-KV prefill server (8 virtual CPU devices, `--chunked-prefill-size 256`) a
 router, with small KV pools so requests wait for pages and some prompts are near the
 decode pool's size. 16 clients send a mixed load (`LoadMix`: 5 to ~1,300-token prompts,
 1-16 new tokens, 40% streamed and half of those cancelled after two chunks, a few bad
-requests). Then, under load, the decode server is SIGKILLed and started again.
+requests). Then, under load, the decode server is SIGKILLed and started again. API keys
+are on (issue 41): every process gets `$CPKV_API_KEY`, the router sends it upstream, the
+clients send it to the router.
 
 Asserts:
 - before the kill, every request ends with 200 and the right token count, a client
@@ -14,6 +16,7 @@ Asserts:
 - while the decode server dies, requests end with an explicit error (a 503 or an SSE
   error event) within the per-request bound, never a hang; after the restart, service
   resumes (every request of a new wave succeeds);
+- a request without the key is a 401 from the router and each server;
 - at the end, every prefill lane's free pages equal its total minus what the prefix
   cache holds (the cache's own count, `/server_info` `kv_pages_cached`), the restarted
   decode server has every page free, no engine thread died (`/health` 200), and the
@@ -77,8 +80,14 @@ def _why(c: PDCluster, summary: dict) -> str:
     return "\n".join(lines)
 
 
+API_KEY = "pd-load-test-key"
+KEYED = {"Authorization": f"Bearer {API_KEY}"}
+
+
 def _run(url: str, requests, *, timeout_s: float = REQUEST_TIMEOUT_S) -> list[Outcome]:
-    return asyncio.run(run_load(url, requests, concurrency=CONCURRENCY, timeout_s=timeout_s))
+    return asyncio.run(
+        run_load(url, requests, concurrency=CONCURRENCY, timeout_s=timeout_s, headers=KEYED)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +123,17 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         prefill_pool=PREFILL_POOL,
         decode_pool=DECODE_POOL,
         max_queued_requests=64,
+        api_key=API_KEY,
     )
     c = PDCluster(config)
     try:
         c.start()
         router = c.urls["router"]
-        info = httpx.get(c.urls["decode"] + "/server_info", timeout=10).json()
+        assert c.headers() == KEYED
+        body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}}
+        for name in ("router", "prefill", "decode"):
+            assert httpx.post(c.urls[name] + "/generate", json=body, timeout=10).status_code == 401
+        info = httpx.get(c.urls["decode"] + "/server_info", timeout=10, headers=KEYED).json()
         near = pool_tokens(DECODE_POOL, info["kv_bytes_per_page"]) - 16 - 1
         mix = LoadMix(vocab_size=info["vocab_size"], max_prompt=600, near_pool_tokens=near,
                       max_new_tokens=16)  # fmt: skip
@@ -166,12 +180,12 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         assert all(o.kind in ("ok", "cancelled") for o in after), _why(c, summary)
 
         # 4. Every page accounted for; no engine died.
-        assert wait_idle([c.urls["prefill"], c.urls["decode"]], timeout_s=60)
+        assert wait_idle([c.urls["prefill"], c.urls["decode"]], timeout_s=60, headers=KEYED)
         for name in ("prefill", "decode"):
-            balance = page_balance(c.urls[name])
+            balance = page_balance(c.urls[name], headers=KEYED)
             assert balance["balanced"], (name, balance)
             assert httpx.get(c.urls[name] + "/health", timeout=5).status_code == 200
-        assert page_balance(c.urls["decode"])["cached"] == [0]
+        assert page_balance(c.urls["decode"], headers=KEYED)["cached"] == [0]
         assert c.alive() == {"decode": True, "prefill": True, "router": True}
     finally:
         codes = c.close()

@@ -69,6 +69,7 @@ def test_flag_names_cover_the_brief():
         "--json-model-override-args", "--kernel-impl", "--host", "--port", "--log-level",
         "--request-timeout", "--check-config", "--fp8-weights", "--ep-size", "--ep-dispatch",
         "--ep-capacity-factor", "--mem-fraction-static", "--device-memory-bytes",
+        "--api-key", "--admin-api-key",
     ):  # fmt: skip
         assert flag in flags
 
@@ -127,6 +128,8 @@ def test_non_default_values_round_trip_through_the_command_line():
         log_level="debug",
         request_timeout=30.0,
         check_config=True,
+        api_key="k-1",
+        admin_api_key="k-2",
     )
     assert ServerArgs.from_cli(to_argv(args)) == args
 

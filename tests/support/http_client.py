@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cpkv_jax.tokenizer import Tokenizer
 from cpkv_jax.tools.make_tiny_checkpoint import CHAT_TEMPLATE, SPECIAL_TOKENS
+from serving.api_keys import ApiKeys
 from serving.engine.mock import MOCK_EOS_ID, MOCK_FAIL_ID, MOCK_PAGES, MOCK_REFUSE_ID, MockEngine
 from serving.engine.wait_queue import QueueStats
 from serving.http.app import build_app
@@ -78,9 +79,15 @@ class Served:
 
 
 def start_server(
-    tmp: Path, *, tokenizer: Tokenizer | None, template: Any, name: str
+    tmp: Path,
+    *,
+    tokenizer: Tokenizer | None,
+    template: Any,
+    name: str,
+    api_keys: ApiKeys | None = None,
 ) -> SimpleNamespace:
-    """A live server named `name` (its model is `tiny-<name>`); `s.http` is its client."""
+    """A live server named `name` (its model is `tiny-<name>`, its keys `api_keys`);
+    `s.http` is its client (sending no key)."""
     engine = MockEngine(tokenizer, stats_extra=STATS_EXTRA)
     loop = engine.loop(idle_wait_s=0.01, name=f"engine-{name}")
     metrics = ServerMetrics()
@@ -94,6 +101,7 @@ def start_server(
         metrics=metrics,
         server_info=lambda: {"server_name": name, "waiting": -1},
         profile_dir=str(tmp / f"profile-{name}"),
+        api_keys=api_keys,
     )
     server = Served(app, lifespan="off")
     client = httpx.Client(base_url=server.url, timeout=20)

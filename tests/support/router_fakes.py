@@ -29,6 +29,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from cpkv_jax.tokenizer import Tokenizer
+from serving.api_keys import ApiKeys
 from serving.engine.api import GenerateRequest, StepEngine
 from serving.engine.loop import EngineLoop
 from serving.engine.mock import MOCK_EOS_ID, MockEngine, MockRooms, echo_ids
@@ -96,6 +97,7 @@ class MockPD:
         cp_size: int | None = None,
         transfer_target: str | None = None,
         port: int = 0,
+        api_keys: ApiKeys | None = None,
     ) -> None:
         self.name = name
         self.mode = "prefill" if cp_size is not None else "decode"
@@ -119,6 +121,7 @@ class MockPD:
             chat_template=chat_template,
             metrics=self.metrics,
             server_info=lambda: dict(info),
+            api_keys=api_keys,
         )
         self.served = Served(app, port=port)
         self.url, self.port = self.served.url, self.served.port
@@ -153,7 +156,7 @@ class MockWorker:
     """A unified (mode null) `cpkv-serve` app on uvicorn: the real HTTP app and
     `EngineLoop` around a `MockEngine` (token ids only, output `echo_ids`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, api_keys: ApiKeys | None = None) -> None:
         self.engine = MockEngine(None)
         self.loop = self.engine.loop(name="router-test-worker")
         app = build_app(
@@ -164,6 +167,7 @@ class MockWorker:
             context_length=256,
             chat_template=None,
             metrics=ServerMetrics(),
+            api_keys=api_keys,
         )
         self.served = Served(app)
         self.url = self.served.url
