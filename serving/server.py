@@ -636,6 +636,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         metrics=metrics,
         server_info=server_info_source(info, engine, compiler),
         api_keys=ApiKeys(args.api_key, args.admin_api_key),
+        model_path=args.model_path,
     )
     return Server(args, cfg, engine, loop, app, info, closers, compiler=compiler)
 

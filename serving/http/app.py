@@ -27,6 +27,13 @@ a listener for the ASGI `http.disconnect` message, and the streaming response cl
 engine stream (which aborts, per `EngineClient`) however it ends
 (`serving.http.generation`, `serving.http.streaming`).
 
+SGLang's gateway `smg` (regular mode) registers a worker from `/health`, `/v1/models`,
+`/server_info` (or `/get_server_info`; its SGLang fields `served_model_name`, `model_path`,
+`tp_size`, `dp_size`, `disaggregation_mode`, `max_running_requests`, `version` must have
+SGLang's JSON types: one wrong type voids the whole parse) and `/model_info` (or
+`/get_model_info`). Nothing answers `/version`: a 2xx there makes it treat the worker
+as vLLM. See README "Behind SGLang's gateway (smg)".
+
 API keys (`api_keys`, from `--api-key` / `--admin-api-key`; `serving.http.auth`): every
 route but `/health` and `/metrics` then needs `Authorization: Bearer KEY` (401 without
 it); the routes that change server state (`AdminRoutes.ADMIN_PATHS`, the profiler) need
@@ -44,6 +51,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from cpkv_jax import __version__
 from cpkv_jax.tokenizer import Tokenizer
 from serving.api_keys import ApiKeys
 from serving.engine.api import EngineClient
@@ -60,7 +68,8 @@ logger = logging.getLogger(__name__)
 
 
 class AdminRoutes:
-    """`/health`, `/metrics`, `/server_info` and the JAX profiler routes of one app."""
+    """`/health`, `/metrics`, `/server_info`, `/model_info` and the JAX profiler routes of
+    one app."""
 
     # The routes that change server state: with `--admin-api-key` only that key opens them.
     # (Aborting is not a route: a client aborts its own request by disconnecting.)
@@ -72,16 +81,22 @@ class AdminRoutes:
         *,
         server_info: Callable[[], dict[str, Any]] | None,
         profile_dir: str,
+        model_path: str | None = None,
     ) -> None:
         self.core = core
         self.server_info_fn = server_info
+        self.model_path = model_path if model_path is not None else core.model_name
         self.profile_dir = profile_dir
         self.profiling_to: str | None = None
 
     def register(self, app: FastAPI) -> None:
         app.add_api_route("/health", self.health, response_model=None, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_text, response_model=None, methods=["GET"])
-        app.add_api_route("/server_info", self.server_info, response_model=None, methods=["GET"])
+        # SGLang serves both names (`/get_*` is the older one; the gateway falls back to it).
+        for path in ("/server_info", "/get_server_info"):
+            app.add_api_route(path, self.server_info, response_model=None, methods=["GET"])
+        for path in ("/model_info", "/get_model_info"):
+            app.add_api_route(path, self.model_info, response_model=None, methods=["GET"])
         app.add_api_route(
             "/start_profile", self.start_profile, response_model=None, methods=["POST"]
         )
@@ -112,8 +127,24 @@ class AdminRoutes:
             vocab_size=self.core.vocab_size,
             has_tokenizer=self.core.tokenizer is not None,
             has_chat_template=self.core.chat_template is not None,
+            # SGLang's fields, which its gateway reads (module docstring): one device
+            # group per server, so tensor- and data-parallel sizes of 1.
+            served_model_name=self.core.model_name,
+            model_path=self.model_path,
+            tp_size=1,
+            dp_size=1,
+            disaggregation_mode=stats.mode,  # "null", "prefill" or "decode", as SGLang's
+            version=__version__,
         )
         return info
+
+    def model_info(self) -> dict[str, Any]:
+        """SGLang's `/model_info` fields that its gateway reads."""
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path if self.core.tokenizer is not None else None,
+            "is_generation": True,
+        }
 
     async def start_profile(self, request: Request) -> dict[str, Any]:
         body = await self.core.parse(request, ProfileBody, empty_ok=True)
@@ -157,6 +188,7 @@ def build_app(
     profile_dir: str = "/tmp/cpkv-profile",
     model_aliases: Sequence[str] = (),
     api_keys: ApiKeys | None = None,
+    model_path: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `client`.
 
@@ -167,7 +199,8 @@ def build_app(
     which knows the model's bos / eos strings) or a bare template source. `metrics` gets
     the engine's stats attached (read at each scrape of `/metrics`). `server_info()` is
     merged into `GET /server_info` with the engine's `stats()`. `api_keys` guards the
-    routes (module docstring; None or no key set: open).
+    routes (module docstring; None or no key set: open). `model_path` (default: the
+    served name) is what `/model_info` reports.
     """
     if vocab_size <= 0 or context_length <= 0:
         raise ValueError(
@@ -183,13 +216,16 @@ def build_app(
         context_length=context_length,
         chat_template=template,
         metrics=metrics,
+        model_aliases=model_aliases,
     )
     app = FastAPI(title="cpkv-jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = core  # the shared state, for tests and debugging
     install_error_handlers(app, on_client_error=metrics.record_bad_request)
     NativeRoutes(core).register(app)
-    OpenAIRoutes(core, model_aliases=model_aliases).register(app)
-    AdminRoutes(core, server_info=server_info, profile_dir=profile_dir).register(app)
+    OpenAIRoutes(core).register(app)
+    AdminRoutes(
+        core, server_info=server_info, profile_dir=profile_dir, model_path=model_path
+    ).register(app)
     install_api_keys(
         app,
         api_keys or ApiKeys(),

@@ -3,6 +3,12 @@ routes: parse and validate (`ApiCore.parse`, `tokenize`, `make_request`), submit
 for the first chunk (`first_chunk`, which maps an engine refusal to its 4xx / 503), then
 either collect every chunk (`run_to_end`) or stream them as SSE (`stream_response`).
 
+Request ids: a body's `rid` (`/generate`), else the `X-Request-Id` header (which SGLang's
+gateway `smg` and other proxies pass through, so logs and traces line up), else a fresh
+uuid. A body `rid` already in flight is refused by the engine (400), as SGLang does; a
+header id already in flight here gets a unique suffix instead (`request_id`), since a
+tracing header is not promised to be unique (one trace may fan out into many requests).
+
 The status line of a stream is sent with the first generated token, so a request the
 engine refuses still gets its 4xx / 503; an error after that is one `data: {"error": ...}`
 event before `[DONE]`. A client that goes away aborts its request in the engine: every
@@ -17,7 +23,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -44,6 +50,9 @@ _M = TypeVar("_M", bound=BaseModel)
 
 # Prompts longer than this many characters are tokenized off the event loop.
 _TOKENIZE_INLINE_CHARS = 4096
+# The longest `X-Request-Id` taken as the request id, leaving room for the suffix within
+# a body `rid`'s 256 chars; a longer one is ignored (a fresh id is used), not refused.
+MAX_HEADER_RID_CHARS = 200
 # `render(gen, chunk, delta, n_tokens_before)`: the SSE events of one chunk.
 Render = Callable[["Generation", OutputChunk, str, int], list[dict[str, Any]]]
 
@@ -55,9 +64,21 @@ class EngineStream:
     cancelled (Starlette cancels a streaming response whose client went away).
     """
 
-    def __init__(self, client: EngineClient, req: GenerateRequest, request: Request) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        req: GenerateRequest,
+        request: Request,
+        in_flight: set[str] | None = None,
+    ) -> None:
         self._client = client
         self.req = req
+        # The app's ids in flight (`ApiCore.in_flight`); the id leaves it on `close`, unless
+        # another request holds it (a duplicate body `rid`, which the engine refuses).
+        self._in_flight = None
+        if in_flight is not None and req.rid not in in_flight:
+            in_flight.add(req.rid)
+            self._in_flight = in_flight
         self._agen = client.generate(req)
         self._receive = request.receive
         self._disconnect: asyncio.Task[None] | None = None
@@ -98,6 +119,8 @@ class EngineStream:
         if self._closed:
             return
         self._closed = True
+        if self._in_flight is not None:
+            self._in_flight.discard(self.req.rid)
         if self._disconnect is not None:
             self._disconnect.cancel()
         if self._dead:
@@ -198,9 +221,11 @@ class ApiCore:
         context_length: int,
         chat_template: ChatTemplate | None,
         metrics: ServerMetrics,
+        model_aliases: Sequence[str] = (),
     ) -> None:
         self.client = client
         self.model_name = model_name
+        self.model_aliases = tuple(a for a in model_aliases if a != model_name)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_length = context_length
@@ -209,6 +234,38 @@ class ApiCore:
         self.created = int(time.time())
         # Engine streams closing after their response ended (kept so they are not GCed).
         self.background: set[asyncio.Task[None]] = set()
+        # The request ids this app has submitted and not yet closed (`request_id`).
+        self.in_flight: set[str] = set()
+
+    # -- model names and request ids --
+
+    def check_model(self, model: str | None, *, also_any: frozenset[str] = frozenset()) -> None:
+        """A request's `model`: omitted, the served name, an alias, or one of `also_any`
+        (names that mean "any model"); any other name is a 404 listing the accepted ones."""
+        name = self.model_name
+        if model is None or model == name or model in self.model_aliases or model in also_any:
+            return
+        also = ""
+        if self.model_aliases:
+            also = f" (also accepted: {', '.join(repr(a) for a in self.model_aliases)})"
+        raise ApiError(
+            404,
+            f"model {model!r} does not exist here; this server serves {name!r}{also}",
+            "model_not_found",
+        )
+
+    def request_id(self, request: Request, body_rid: str | None = None) -> str:
+        """The engine request id: `body_rid`, else `X-Request-Id`, else a fresh uuid (module
+        docstring). A header id already in flight here gets a suffix, so a repeated trace
+        id never refuses a request."""
+        if body_rid is not None:
+            return body_rid
+        header = request.headers.get("x-request-id", "").strip()
+        if not header or len(header) > MAX_HEADER_RID_CHARS:
+            return uuid.uuid4().hex
+        if header in self.in_flight:
+            return f"{header}-{uuid.uuid4().hex}"
+        return header
 
     # -- parsing and validation --
 
@@ -288,7 +345,7 @@ class ApiCore:
         self, req: GenerateRequest, request: Request, arrival: float
     ) -> tuple[EngineStream, Generation, OutputChunk]:
         """Submit and wait for the first chunk, mapping submit errors to HTTP statuses."""
-        stream = EngineStream(self.client, req, request)
+        stream = EngineStream(self.client, req, request, self.in_flight)
         gen = Generation(
             req=req,
             timer=self.metrics.start_request(arrival),

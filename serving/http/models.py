@@ -179,7 +179,9 @@ GENERATE_SAMPLING_NEUTRAL: Mapping[str, Neutral] = {
 }
 
 # SGLang's `GenerateReqInput` fields that this server does not implement (`bootstrap_room`
-# is a PD field, `_PDFields`).
+# is a PD field, `_PDFields`). SGLang's gateway `smg` sends `log_metrics`, `background`,
+# `no_logs`, `return_bytes`, `return_entropy` (and `return_text_in_logprobs`, a model
+# field) on every `/generate`, at their defaults unless its client set them.
 GENERATE_NEUTRAL: Mapping[str, Neutral] = {
     "session_id": ignored(str),  # an identity only: it does not change the prompt
     "input_embeds": off(),
@@ -194,10 +196,9 @@ GENERATE_NEUTRAL: Mapping[str, Neutral] = {
     "top_logprobs_num": off(0),
     "token_ids_logprob": off([]),
     "return_sampling_mask": off(False),
-    "return_text_in_logprobs": off(False),
     "return_flat_raw_top_logprobs": off(False),
     "return_flat_raw_top_logprobs_b64": off(False),
-    "log_metrics": ignored(bool),
+    "log_metrics": ignored(bool),  # SGLang: skip this request in its metrics (health probes)
     "return_hidden_states": off(False),
     "return_routed_experts": off(False),
     "routed_experts_start_len": off(0),
@@ -219,15 +220,15 @@ GENERATE_NEUTRAL: Mapping[str, Neutral] = {
     "routing_key": ignored(str),
     "conversation_id": ignored(str),
     "http_worker_ipc": off(),
-    "background": off(False),
+    "background": off(False),  # SGLang: run detached (Responses API); nothing here does
     "require_reasoning": off(False),
     "max_thinking_tokens": off(),
     "priority": off(0),
     "extra_key": off(),
-    "no_logs": off(False),
+    "no_logs": ignored(bool),  # SGLang: keep the contents out of logs; never logged here
     "custom_labels": ignored(dict),
-    "return_bytes": off(False),
-    "return_entropy": off(False),
+    "return_bytes": off(False),  # SGLang: raw bytes of generated images; text only here
+    "return_entropy": off(False),  # SGLang: each token's distribution entropy; not computed
     "return_prompt_token_ids": off(False),
     "external_trace_header": off(),
     "received_time": off(),
@@ -308,16 +309,27 @@ class _PDFields(_Body):
         }
 
 
+# The `model` SGLang's gateway `smg` puts in a `/generate` whose client named none.
+GATEWAY_ANY_MODEL = "unknown"
+
+
 class GenerateBody(_PDFields):
-    """`POST /generate`: exactly one of `text` / `input_ids`, plus the PD fields."""
+    """`POST /generate`: exactly one of `text` / `input_ids`, plus the PD fields.
+
+    `model` is not SGLang's (its `/generate` serves its one model) but SGLang's gateway
+    `smg` always sends it: the client's, `"unknown"` (`GATEWAY_ANY_MODEL`) when the client
+    named none, or null (`sglang-router` 0.3); checked like the OpenAI routes' `model`.
+    `return_text_in_logprobs` puts each token's text in `output_token_logprobs`."""
 
     NEUTRAL: ClassVar[Mapping[str, Neutral]] = GENERATE_NEUTRAL
 
     text: str | None = None
     input_ids: list[int] | None = None
+    model: str | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
     return_logprob: bool = False
+    return_text_in_logprobs: bool = False
     rid: str | None = Field(default=None, min_length=1, max_length=256)
 
     @model_validator(mode="after")

@@ -1,6 +1,8 @@
 """SGLang-style `POST /generate`: text or token ids in; the text (with a tokenizer), the
 output ids and `meta_info` out. Stream events carry the cumulative `text` and
-`output_ids` so far, as SGLang's do.
+`output_ids` so far, as SGLang's do. The body's `model`, which SGLang's gateway `smg` adds,
+is checked like the OpenAI routes' (`ApiCore.check_model`), its "no model named"
+placeholder accepted (`GATEWAY_ANY_MODEL`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from serving.engine.api import OutputChunk
+from serving.http.errors import ApiError
 from serving.http.generation import ApiCore, Generation
-from serving.http.models import GenerateBody
+from serving.http.models import GATEWAY_ANY_MODEL, GenerateBody
+
+_ANY_MODEL = frozenset({GATEWAY_ANY_MODEL})
 
 
 class NativeRoutes:
@@ -29,6 +34,13 @@ class NativeRoutes:
         core = self.core
         arrival = time.monotonic()
         body = await core.parse(request, GenerateBody, empty_ok=False)
+        core.check_model(body.model, also_any=_ANY_MODEL)
+        if body.return_text_in_logprobs and body.return_logprob and core.tokenizer is None:
+            raise ApiError(
+                400,
+                "return_text_in_logprobs needs a tokenizer, and this server has none: "
+                "send return_text_in_logprobs=false",
+            )
         if body.text is not None:
             ids = await core.tokenize(body.text, field="text")
         else:
@@ -36,25 +48,27 @@ class NativeRoutes:
         req = core.make_request(
             ids,
             body.sampling_params.to_engine(),
-            rid=body.rid,
+            rid=core.request_id(request, body.rid),
             return_logprob=body.return_logprob,
             arrival=arrival,
             **body.pd_fields(),
         )
+        texts = body.return_text_in_logprobs
         if not body.stream:
             gen = await core.run_to_end(req, request, arrival)  # gone: 499 (errors.py)
-            return JSONResponse(self.result(gen))
+            return JSONResponse(self.result(gen, texts))
         stream, gen, first = await core.first_chunk(req, request, arrival)
 
         def render(
             g: Generation, chunk: OutputChunk, delta: str, before: int
         ) -> list[dict[str, Any]]:
-            return [self.result(g)]
+            return [self.result(g, texts)]
 
         return core.stream_response(stream, gen, first, render)
 
-    def result(self, gen: Generation) -> dict[str, Any]:
-        """`/generate`'s body (and each stream event): cumulative text and ids so far."""
+    def result(self, gen: Generation, texts: bool = False) -> dict[str, Any]:
+        """`/generate`'s body (and each stream event): cumulative text and ids so far;
+        `texts`: each log-prob entry carries its token's text (SGLang's third element)."""
         finish: dict[str, Any] | None = None
         if gen.finish_reason is not None:
             finish = {"type": gen.finish_reason}
@@ -71,8 +85,9 @@ class NativeRoutes:
             "ttft": gen.timer.ttft,
         }
         if gen.req.return_logprob:
+            token_text = gen.out.detok.token_text if texts else lambda t: None
             meta["output_token_logprobs"] = [
-                [lp, t, None] for lp, t in zip(gen.logprobs, gen.ids, strict=False)
+                [lp, t, token_text(t)] for lp, t in zip(gen.logprobs, gen.ids, strict=False)
             ]
         out: dict[str, Any] = {"output_ids": list(gen.ids), "meta_info": meta}
         if self.core.tokenizer is not None:

@@ -3,17 +3,16 @@
 `stream_options.include_usage` a last chunk without choices carries the usage.
 
 Model names: a request's `model` may be omitted, or be the served name or one of its
-aliases; any other name is a 404 that lists them. Responses and `/v1/models` give the
-served name. `cpkv-serve` serves `--model-path` as given (the SGLang / vLLM default, so
-clients that name the model by its path, e.g. `bench_serving --model /path/to/m`, work)
-with the path's base name as an alias (`m`), or `--served-model-name` alone when it is
-given (`ServerArgs.served_model_names`).
+aliases; any other name is a 404 that lists them (`ApiCore.check_model`). Responses and
+`/v1/models` give the served name. `cpkv-serve` serves `--model-path` as given (the SGLang /
+vLLM default, so clients that name the model by its path, e.g. `bench_serving --model
+/path/to/m`, work) with the path's base name as an alias (`m`), or `--served-model-name`
+alone when it is given (`ServerArgs.served_model_names`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -53,9 +52,8 @@ def chat_logprobs(gen: Generation, start: int, end: int) -> dict[str, Any]:
 class OpenAIRoutes:
     """The OpenAI-compatible routes of one app."""
 
-    def __init__(self, core: ApiCore, *, model_aliases: Sequence[str] = ()) -> None:
+    def __init__(self, core: ApiCore) -> None:
         self.core = core
-        self.model_aliases = tuple(a for a in model_aliases if a != core.model_name)
 
     def register(self, app: FastAPI) -> None:
         app.add_api_route(
@@ -78,26 +76,13 @@ class OpenAIRoutes:
             "choices": choices,
         }
 
-    def check_model(self, model: str | None) -> None:
-        model_name = self.core.model_name
-        if model is None or model == model_name or model in self.model_aliases:
-            return
-        also = ""
-        if self.model_aliases:
-            also = f" (also accepted: {', '.join(repr(a) for a in self.model_aliases)})"
-        raise ApiError(
-            404,
-            f"model {model!r} does not exist here; this server serves {model_name!r}{also}",
-            "model_not_found",
-        )
-
     # -- /v1/completions --
 
     async def completions(self, request: Request) -> Response:
         core = self.core
         arrival = time.monotonic()
         body = await core.parse(request, CompletionBody, empty_ok=False)
-        self.check_model(body.model)
+        core.check_model(body.model)
         if isinstance(body.prompt, str):
             ids = await core.tokenize(body.prompt, field="prompt")
         else:
@@ -105,7 +90,10 @@ class OpenAIRoutes:
         want_logprobs = body.logprobs is not None
         sampling = body.to_engine(body.max_new_tokens())
         pd = body.pd_fields()
-        req = core.make_request(ids, sampling, return_logprob=want_logprobs, arrival=arrival, **pd)
+        rid_in = core.request_id(request)  # X-Request-Id, when given
+        req = core.make_request(
+            ids, sampling, rid=rid_in, return_logprob=want_logprobs, arrival=arrival, **pd
+        )
         rid, created = f"cmpl-{req.rid}", int(time.time())
         if not body.stream:
             gen = await core.run_to_end(req, request, arrival)  # gone: 499 (errors.py)
@@ -152,7 +140,7 @@ class OpenAIRoutes:
         core = self.core
         arrival = time.monotonic()
         body = await core.parse(request, ChatCompletionBody, empty_ok=False)
-        self.check_model(body.model)
+        core.check_model(body.model)
         if core.chat_template is None:
             raise ApiError(
                 400,
@@ -166,7 +154,10 @@ class OpenAIRoutes:
         ids = await core.tokenize(prompt, field="messages")
         sampling = body.to_engine(body.max_new_tokens(len(ids), core.context_length))
         pd = body.pd_fields()
-        req = core.make_request(ids, sampling, return_logprob=body.logprobs, arrival=arrival, **pd)
+        rid_in = core.request_id(request)  # X-Request-Id, when given
+        req = core.make_request(
+            ids, sampling, rid=rid_in, return_logprob=body.logprobs, arrival=arrival, **pd
+        )
         rid, created = f"chatcmpl-{req.rid}", int(time.time())
         if not body.stream:
             gen = await core.run_to_end(req, request, arrival)  # gone: 499 (errors.py)
