@@ -31,8 +31,8 @@ SGLang's gateway `smg` (regular mode) registers a worker from `/health`, `/v1/mo
 `/server_info` (or `/get_server_info`; its SGLang fields `served_model_name`, `model_path`,
 `tp_size`, `dp_size`, `disaggregation_mode`, `max_running_requests`, `version` must have
 SGLang's JSON types: one wrong type voids the whole parse) and `/model_info` (or
-`/get_model_info`). Nothing answers `/version`: a 2xx there makes it treat the worker
-as vLLM. See README "Behind SGLang's gateway (smg)".
+`/get_model_info`), and polls the load from `/v1/loads`. Nothing answers `/version`: a
+2xx there makes it treat the worker as vLLM. See README "Behind SGLang's gateway (smg)".
 
 API keys (`api_keys`, from `--api-key` / `--admin-api-key`; `serving.http.auth`): every
 route but `/health` and `/metrics` then needs `Authorization: Bearer KEY` (401 without
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -97,6 +98,7 @@ class AdminRoutes:
             app.add_api_route(path, self.server_info, response_model=None, methods=["GET"])
         for path in ("/model_info", "/get_model_info"):
             app.add_api_route(path, self.model_info, response_model=None, methods=["GET"])
+        app.add_api_route("/v1/loads", self.loads, response_model=None, methods=["GET"])
         app.add_api_route(
             "/start_profile", self.start_profile, response_model=None, methods=["POST"]
         )
@@ -137,6 +139,32 @@ class AdminRoutes:
             version=__version__,
         )
         return info
+
+    async def loads(self) -> dict[str, Any]:
+        """SGLang's `/v1/loads` (one data-parallel rank): the queue and the KV usage its
+        gateway's load-aware routing reads. Prefix-cached pages count as free (evictable),
+        as in SGLang's `token_usage`; token counts are 0 when the page size is unknown."""
+        try:
+            stats = self.core.client.stats()
+        except Exception as e:
+            raise ApiError(503, f"the engine could not report its stats: {e}") from e
+        info = self.server_info_fn() if self.server_info_fn else {}
+        page = info.get("page_size", 0)
+        total = sum(stats.kv_pages_total)
+        used = max(0, total - sum(stats.kv_pages_free) - sum(stats.kv_pages_cached))
+        load = {
+            "dp_rank": 0,
+            "num_running_reqs": stats.running,
+            "num_waiting_reqs": stats.waiting,
+            "num_total_reqs": stats.running + stats.waiting,
+            "num_used_tokens": used * page,
+            "max_total_num_tokens": total * page,
+            "token_usage": used / total if total else 0.0,
+            "max_running_requests": info.get("max_running_requests", 0),
+            "disagg_mode": stats.mode,
+        }
+        now = datetime.datetime.now(datetime.UTC).isoformat()
+        return {"timestamp": now, "dp_rank_count": 1, "loads": [load]}
 
     def model_info(self) -> dict[str, Any]:
         """SGLang's `/model_info` fields that its gateway reads."""

@@ -206,7 +206,8 @@ def test_every_route_of_both_apps_is_open_guarded_or_admin() -> None:
         asyncio.run(loop.shutdown(1.0))
     paths = {r.path for r in engine_app.routes}
     api_only = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/models",
-                "/server_info", "/get_server_info", "/model_info", "/get_model_info"}  # fmt: skip
+                "/server_info", "/get_server_info", "/model_info", "/get_model_info",
+                "/v1/loads"}  # fmt: skip
     assert paths == OPEN_PATHS | AdminRoutes.ADMIN_PATHS | api_only
     router_app = build_router_app(router_config(worker=("http://127.0.0.1:1",), api_key=API))
     router_paths = {r.path for r in router_app.routes}

@@ -74,6 +74,23 @@ def test_model_info_and_no_version_route(srv, bare):
     assert models["data"][0]["id"] == "tiny-tok"
 
 
+def test_v1_loads_is_sglangs_load_schema(srv):
+    body = srv.http.get("/v1/loads", params={"include": "core,disagg,queues,memory"}).json()
+    assert body["dp_rank_count"] == 1 and isinstance(body["timestamp"], str)
+    (load,) = body["loads"]
+    stats = srv.loop.stats()
+    total = sum(stats.kv_pages_total)
+    # (The mock's made-up cached pages overlap its free ones: never below 0.)
+    used = max(0, total - sum(stats.kv_pages_free) - sum(stats.kv_pages_cached))
+    assert load["token_usage"] == used / total and 0 <= load["token_usage"] <= 1
+    assert load["num_running_reqs"] == load["num_waiting_reqs"] == 0
+    assert load["disagg_mode"] == "null"
+    assert load["max_total_num_tokens"] == 0  # the mock server reports no page size
+    for key in ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs",
+                "num_used_tokens", "max_total_num_tokens", "max_running_requests"):  # fmt: skip
+        assert type(load[key]) is int, key  # i32 in the gateway's parse
+
+
 # ---- /generate as the gateway sends it ----------------------------------------------------
 
 
