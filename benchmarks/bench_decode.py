@@ -50,6 +50,12 @@ PATHS = {"sparse": SINGLE_DEVICE_KV_IO, "dense": DENSE_VIEW_KV_IO}
 
 
 def glm5_shaped(layers: int, hidden: int) -> ModelConfig:
+    return ModelConfig.from_dict(glm5_shaped_raw(layers, hidden))
+
+
+def glm5_shaped_raw(layers: int, hidden: int) -> dict:
+    """GLM-5's config.json with its attention and indexer dims kept, `hidden` wide and
+    `layers` deep, every layer a full indexer layer with a dense FFN, vocab 4096."""
     raw = json.loads((config_dir("glm-5") / "config.json").read_text())
     raw.update(
         hidden_size=hidden,
@@ -61,7 +67,7 @@ def glm5_shaped(layers: int, hidden: int) -> ModelConfig:
         layer_types=["indexed_attention"] * layers,
         vocab_size=4096,
     )
-    return ModelConfig.from_dict(raw)
+    return raw
 
 
 def random_pool(cfg: ModelConfig, num_pages: int, seed: int, dtype):
