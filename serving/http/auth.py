@@ -6,7 +6,8 @@ Every path but `open_paths` (`/health` and `/metrics`, for load balancers and Pr
 needs `Authorization: Bearer KEY`. A path in `admin_paths` needs the admin key when one
 is set (the API key alone gets 403), else the API key; any other path takes the API key
 or the admin key. A missing or wrong key is a 401, a 403 an API key on an admin path,
-each with the `{"error": ...}` body of `serving.http.errors` and logged without the key.
+each with the `{"error": ...}` body of `serving.http.errors` and logged without the key
+(at most one line per client host every 10 s, with the count of the others).
 
 It is a middleware, not a per-route dependency, so a route added later is guarded by
 default, unknown paths included (no probing which routes exist), and it never touches
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -32,6 +34,9 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 # OpenAI's `type` for these statuses (its clients raise AuthenticationError /
 # PermissionDeniedError from the status alone).
 UNAUTHORIZED_TYPE = "authentication_error"
+# Refusals are logged at most once per client host per this many seconds (with a count).
+REFUSAL_LOG_INTERVAL_S = 10.0
+MAX_TRACKED_HOSTS = 4096
 FORBIDDEN_TYPE = "permission_error"
 
 
@@ -57,12 +62,17 @@ class ApiKeyMiddleware:
         admin_paths: Collection[str] = (),
         open_paths: Collection[str] = OPEN_PATHS,
         on_reject: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.app = app
         self.keys = keys
         self.admin_paths = frozenset(admin_paths)
         self.open_paths = frozenset(open_paths)
         self.on_reject = on_reject
+        self.clock = clock
+        # Per client host: when its last refusal was logged, and how many since then went
+        # unlogged (a flood of bad keys must not become a flood of log lines).
+        self._logged: dict[str, tuple[float, int]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -100,9 +110,7 @@ class ApiKeyMiddleware:
     async def refuse(self, scope: Scope, send: Send, status: int, kind: str, message: str) -> None:
         client = scope.get("client")
         who = f"{client[0]}:{client[1]}" if client else "unknown client"
-        logger.warning(
-            "refused %s %s from %s (%d): %s", scope["method"], scope["path"], who, status, message
-        )
+        self._log(client[0] if client else "", who, scope, status, message)
         if self.on_reject is not None:
             self.on_reject()
         body = json.dumps(error_body(status, message, kind)).encode()
@@ -115,6 +123,28 @@ class ApiKeyMiddleware:
         # The request body is left unread: the server closes or drains it (h11 / httptools).
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    def _log(self, host: str, who: str, scope: Scope, status: int, message: str) -> None:
+        """Log a refusal, at most one per client host every `REFUSAL_LOG_INTERVAL_S`; the
+        next line logged for that host says how many were refused in between."""
+        now = self.clock()
+        last, quiet = self._logged.get(host, (None, 0))
+        if last is not None and now - last < REFUSAL_LOG_INTERVAL_S:
+            self._logged[host] = (last, quiet + 1)
+            return
+        if len(self._logged) >= MAX_TRACKED_HOSTS:  # bounded memory under a spread-out flood
+            self._logged.clear()
+        self._logged[host] = (now, 0)
+        also = f" ({quiet} more refused from {host} since the last line)" if quiet else ""
+        logger.warning(
+            "refused %s %s from %s (%d): %s%s",
+            scope["method"],
+            scope["path"],
+            who,
+            status,
+            message,
+            also,
+        )
 
 
 def install_api_keys(

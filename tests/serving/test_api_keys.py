@@ -169,7 +169,10 @@ def test_an_admin_key_alone_guards_only_the_admin_routes(tokenizer_dir, tok, tmp
         assert s.http.post("/stop_profile", headers=bearer(ADMIN)).status_code == 400
 
 
-def test_a_refusal_is_logged_without_the_key_and_counted(both, caplog) -> None:
+def test_a_refusal_is_logged_without_the_key_and_counted(both, caplog, monkeypatch) -> None:
+    # Every refusal logged here (the earlier tests' refusals from this host are recent).
+    monkeypatch.setattr("serving.http.auth.REFUSAL_LOG_INTERVAL_S", 0.0)
+
     def bad_requests() -> float:
         text = both.http.get("/metrics").text
         (line,) = [ln for ln in text.splitlines() if ln.startswith("cpkv_http_bad_requests_total")]
@@ -462,3 +465,47 @@ def test_router_key_flags(monkeypatch) -> None:
     assert "--host 0.0.0.0" in w and "no --api-key" in w
     assert RouterConfig.from_cli([*worker, "--host", "0.0.0.0", "--api-key", "k"]).warnings() == ()
     assert RouterConfig.from_cli(worker).warnings() == ()
+
+
+def test_a_flood_of_refusals_is_logged_once_per_host_per_interval(caplog) -> None:
+    """Bad keys from one client host: the first refusal is logged, the next ones within
+    `REFUSAL_LOG_INTERVAL_S` only counted, and the first line after it says how many; another
+    host has its own line. Every refusal is still answered 401."""
+    import asyncio
+
+    from serving.http.auth import REFUSAL_LOG_INTERVAL_S, ApiKeyMiddleware
+
+    now = [100.0]
+
+    async def app(scope, receive, send) -> None:
+        raise AssertionError("a refused request reached the app")
+
+    mw = ApiKeyMiddleware(app, keys=ApiKeys(api_key=API), clock=lambda: now[0])
+    statuses: list[int] = []
+
+    async def send(message) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    def hit(host: str) -> None:
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/generate",
+            "headers": [(b"authorization", b"Bearer nope")],
+            "client": (host, 5000),
+        }
+        asyncio.run(mw(scope, None, send))  # type: ignore[arg-type]
+
+    with caplog.at_level(logging.WARNING, logger="serving.http.auth"):
+        for _ in range(5):
+            hit("10.0.0.1")
+        hit("10.0.0.2")
+        now[0] += REFUSAL_LOG_INTERVAL_S
+        hit("10.0.0.1")
+    lines = [r.getMessage() for r in caplog.records]
+    assert statuses == [401] * 7
+    assert len(lines) == 3, lines
+    assert "from 10.0.0.1" in lines[0] and "more refused" not in lines[0]
+    assert "from 10.0.0.2" in lines[1]
+    assert "(4 more refused from 10.0.0.1 since the last line)" in lines[2]
