@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 import uuid
@@ -53,6 +54,7 @@ _TOKENIZE_INLINE_CHARS = 4096
 # The longest `X-Request-Id` taken as the request id, leaving room for the suffix within
 # a body `rid`'s 256 chars; a longer one is ignored (a fresh id is used), not refused.
 MAX_HEADER_RID_CHARS = 200
+_SEED_MASK = (1 << 63) - 1
 # `render(gen, chunk, delta, n_tokens_before)`: the SSE events of one chunk.
 Render = Callable[["Generation", OutputChunk, str, int], list[dict[str, Any]]]
 
@@ -70,6 +72,7 @@ class EngineStream:
         req: GenerateRequest,
         request: Request,
         in_flight: set[str] | None = None,
+        disconnect: asyncio.Future[None] | None = None,
     ) -> None:
         self._client = client
         self.req = req
@@ -81,7 +84,10 @@ class EngineStream:
             self._in_flight = in_flight
         self._agen = client.generate(req)
         self._receive = request.receive
-        self._disconnect: asyncio.Task[None] | None = None
+        # The client's disconnect wait: this stream's own, or one that the streams of one
+        # HTTP request share (`ApiCore.disconnect_watch`; its owner cancels it).
+        self._disconnect: asyncio.Future[None] | None = disconnect
+        self._owns_disconnect = disconnect is None
         self._pending: asyncio.Task[OutputChunk] | None = None
         self.finished = False
         self._dead = False
@@ -121,7 +127,7 @@ class EngineStream:
         self._closed = True
         if self._in_flight is not None:
             self._in_flight.discard(self.req.rid)
-        if self._disconnect is not None:
+        if self._disconnect is not None and self._owns_disconnect:
             self._disconnect.cancel()
         if self._dead:
             return
@@ -150,6 +156,8 @@ class Generation:
     error: str | None = None
     meta: dict[str, float | int] = dataclasses.field(default_factory=dict)
     e2e: float | None = None
+    # The choice this generation is in its response (several prompts or `n` > 1).
+    index: int = 0
 
     @property
     def ids(self) -> list[int]:
@@ -205,6 +213,43 @@ class Generation:
             "total_tokens": prompt + len(self.ids),
             "prompt_tokens_details": {"cached_tokens": int(self.meta.get("cached_tokens", 0))},
         }
+
+
+def choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
+    """The sampling of choice `j` of a request's `n` (each choice is its own engine request).
+
+    Choice 0 keeps the request's `seed`, so `n: 1` samples as before. A later choice of a
+    seeded request gets a seed derived from `(seed, j)` (BLAKE2b, as `request_seed`
+    derives one from a request id), so sampled choices differ and the same request gives
+    the same choices again; an unseeded choice keeps no seed, and the engine derives one
+    from its own request id (`serving.decode.sampling.request_seed`). Greedy choices do
+    not depend on the seed: they are identical.
+    """
+    if j == 0 or sampling.seed is None:
+        return sampling
+    digest = hashlib.blake2b(
+        f"{sampling.seed}:{j}".encode(), digest_size=8, person=b"cpkv-jax-choice"
+    )
+    seed = int.from_bytes(digest.digest(), "little") & _SEED_MASK
+    return dataclasses.replace(sampling, seed=seed)
+
+
+def batch_usage(gens: Sequence[Generation], n: int) -> dict[str, Any]:
+    """OpenAI `usage` of a response whose choices are `gens`, `n` per prompt in prompt
+    order: the prompt tokens once per prompt, the completion tokens of every choice, and
+    per prompt the most cached tokens any of its choices had."""
+    prompt = completion = cached = 0
+    for i in range(0, len(gens), n):
+        group = gens[i : i + n]
+        prompt += len(group[0].req.input_ids)
+        completion += sum(len(g.ids) for g in group)
+        cached += max(int(g.meta.get("cached_tokens", 0)) for g in group)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 class ApiCore:
@@ -266,6 +311,17 @@ class ApiCore:
         if header in self.in_flight:
             return f"{header}-{uuid.uuid4().hex}"
         return header
+
+    def request_ids(self, request: Request, count: int) -> tuple[str, list[str]]:
+        """The response's id and the engine request ids of its `count` choices: the
+        `request_id` itself for one, `<id>-<k>` for choice `k` of several (a fresh suffix
+        on the id when one of those is in flight here)."""
+        base = self.request_id(request)
+        if count == 1:
+            return base, [base]
+        if any(f"{base}-{k}" in self.in_flight for k in range(count)):
+            base = f"{base}-{uuid.uuid4().hex}"
+        return base, [f"{base}-{k}" for k in range(count)]
 
     # -- parsing and validation --
 
@@ -342,14 +398,21 @@ class ApiCore:
     # -- driving the engine --
 
     async def first_chunk(
-        self, req: GenerateRequest, request: Request, arrival: float
+        self,
+        req: GenerateRequest,
+        request: Request,
+        arrival: float,
+        *,
+        index: int = 0,
+        disconnect: asyncio.Future[None] | None = None,
     ) -> tuple[EngineStream, Generation, OutputChunk]:
         """Submit and wait for the first chunk, mapping submit errors to HTTP statuses."""
-        stream = EngineStream(self.client, req, request, self.in_flight)
+        stream = EngineStream(self.client, req, request, self.in_flight, disconnect)
         gen = Generation(
             req=req,
             timer=self.metrics.start_request(arrival),
             out=OutputText(self.tokenizer, req.sampling.stop),
+            index=index,
         )
         try:
             chunk = await stream.next()
@@ -363,10 +426,18 @@ class ApiCore:
         return stream, gen, chunk
 
     async def run_to_end(
-        self, req: GenerateRequest, request: Request, arrival: float
+        self,
+        req: GenerateRequest,
+        request: Request,
+        arrival: float,
+        *,
+        index: int = 0,
+        disconnect: asyncio.Future[None] | None = None,
     ) -> Generation:
         """A non-streaming request: every chunk, or `ClientDisconnectedError`."""
-        stream, gen, chunk = await self.first_chunk(req, request, arrival)
+        stream, gen, chunk = await self.first_chunk(
+            req, request, arrival, index=index, disconnect=disconnect
+        )
         try:
             gen.absorb(chunk)
             while not chunk.finished:
@@ -424,3 +495,127 @@ class ApiCore:
             stream.close(self.background)
 
         return sse_response(events(), on_close)
+
+    # -- several engine requests behind one response (batched prompts, `n` > 1) --
+
+    async def run_all(
+        self, reqs: Sequence[GenerateRequest], request: Request, arrival: float
+    ) -> list[Generation]:
+        """`run_to_end` of every request, submitted together (generation `k` has index `k`).
+        The first to fail (in index order, among those failed when one is seen) fails the
+        whole response: the others are aborted and its error is raised."""
+        if len(reqs) == 1:
+            return [await self.run_to_end(reqs[0], request, arrival)]
+        disconnect = asyncio.ensure_future(wait_disconnect(request.receive))
+        tasks = [
+            asyncio.ensure_future(
+                self.run_to_end(r, request, arrival, index=k, disconnect=disconnect)
+            )
+            for k, r in enumerate(reqs)
+        ]
+        try:
+            await self._wait_all_or_failure(tasks)
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()  # no-op for the done ones; a cancelled one closes its stream
+            disconnect.cancel()
+
+    @staticmethod
+    async def _wait_all_or_failure(tasks: Sequence[asyncio.Task[Any]]) -> None:
+        """Wait for every task; when one fails, cancel the others (awaiting them) and
+        raise the failure of the lowest index."""
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception()]
+        if failed:
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            exc = failed[0].exception()
+            assert exc is not None
+            raise exc
+
+    async def open_streams(
+        self, reqs: Sequence[GenerateRequest], request: Request, arrival: float
+    ) -> tuple[list[tuple[EngineStream, Generation, OutputChunk]], asyncio.Future[None]]:
+        """`first_chunk` of every request, submitted together, and the disconnect wait
+        they share (for `stream_many`). A refusal of any fails them all (`run_all`)."""
+        disconnect = asyncio.ensure_future(wait_disconnect(request.receive))
+        tasks = [
+            asyncio.ensure_future(
+                self.first_chunk(r, request, arrival, index=k, disconnect=disconnect)
+            )
+            for k, r in enumerate(reqs)
+        ]
+        try:
+            await self._wait_all_or_failure(tasks)
+            return [t.result() for t in tasks], disconnect
+        except BaseException:
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    t.result()[0].close(self.background)
+                else:
+                    t.cancel()
+            disconnect.cancel()
+            raise
+
+    def stream_many(
+        self,
+        items: Sequence[tuple[EngineStream, Generation, OutputChunk]],
+        disconnect: asyncio.Future[None],
+        render: Render,
+        tail: Callable[[list[Generation]], list[dict[str, Any]]] = lambda gens: [],
+    ) -> ClosingStreamingResponse:
+        """SSE of several requests (`open_streams`), their chunks sent as they come:
+        `render` gives each chunk's events (`gen.index` names the choice), `tail(gens)`
+        the events after the last request finished; then `[DONE]`. A request that fails
+        ends the stream with its error event (the others are aborted)."""
+        streams = [s for s, _, _ in items]
+        gens = [g for _, g, _ in items]
+        nexts: dict[asyncio.Future[OutputChunk], int] = {}
+
+        def close() -> None:
+            for t in nexts:
+                t.cancel()
+            for g in gens:
+                g.abandon()
+            for s in streams:
+                s.close(self.background)
+            disconnect.cancel()
+
+        async def events() -> AsyncIterator[bytes]:
+            ready = [(k, first) for k, (_, _, first) in enumerate(items)]
+            try:
+                while True:
+                    failed: ApiError | None = None
+                    for k, chunk in ready:
+                        gen = gens[k]
+                        before = len(gen.ids)
+                        delta = gen.absorb(chunk)
+                        if chunk.finished and (failed := gen.failure()) is not None:
+                            break
+                        for event in render(gen, chunk, delta, before):
+                            yield sse_event(event)
+                        if not chunk.finished:
+                            nexts[asyncio.ensure_future(streams[k].next())] = k
+                    if failed is not None:
+                        yield sse_event(failed.body())
+                        break
+                    if not nexts:
+                        for event in tail(gens):
+                            yield sse_event(event)
+                        break
+                    done, _ = await asyncio.wait(nexts, return_when=asyncio.FIRST_COMPLETED)
+                    ready = []
+                    for t in sorted(done, key=lambda t: nexts[t]):
+                        ready.append((nexts.pop(t), t.result()))
+            except ClientDisconnectedError:
+                return
+            except Exception as e:
+                logger.exception("stream of request %s failed", gens[0].req.rid)
+                yield sse_event(error_body(500, f"the stream failed: {type(e).__name__}: {e}"))
+            finally:
+                close()
+            yield SSE_DONE
+
+        return sse_response(events(), close)

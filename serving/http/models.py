@@ -42,6 +42,10 @@ _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 _HOST_PORT = re.compile(r"^[^\s:]+:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$")
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default
+# The most choices one request may ask for: `n` (OpenAI's limit is 128), and `n` times the
+# number of prompts of a batched `/v1/completions` (each choice is one engine request).
+MAX_N = 128
+MAX_CHOICES = 1024
 
 
 # ---- fields accepted only where they ask for nothing ----------------------------------
@@ -348,11 +352,9 @@ _OPENAI_BOTH_NEUTRAL: Mapping[str, Neutral] = {
     "frequency_penalty": off(0),
     "presence_penalty": off(0),
     "logit_bias": off({}),
-    "n": off(1),  # one choice per request
     "user": ignored(str),  # an end-user id for abuse monitoring
     # vLLM
     "best_of": off(1),
-    "echo": off(False),
     "use_beam_search": off(False),
     "repetition_penalty": off(1),
     "length_penalty": off(1),
@@ -416,6 +418,7 @@ COMPLETIONS_NEUTRAL: Mapping[str, Neutral] = {
 
 CHAT_NEUTRAL: Mapping[str, Neutral] = {
     **_OPENAI_BOTH_NEUTRAL,
+    "echo": off(False),  # vLLM: echo the last message; not implemented for chat
     # OpenAI
     "audio": off(),
     "function_call": off("none"),
@@ -483,11 +486,14 @@ class _OpenAICommon(_PDFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    n: int = 1
 
     @model_validator(mode="after")
     def _check_common(self) -> _OpenAICommon:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         return self
 
     @property
@@ -511,28 +517,60 @@ class _OpenAICommon(_PDFields):
 
 
 class CompletionBody(_OpenAICommon):
-    """`POST /v1/completions`. One prompt per request: a string or a list of token ids.
+    """`POST /v1/completions`. `prompt` is OpenAI's: a string, a list of token ids, or a
+    batch of either (a list of strings, a list of token-id lists); each prompt gets `n`
+    choices (`prompts`).
 
     `logprobs` accepts only 0: the chosen token's log-prob is returned for each token, and
-    top alternatives (`logprobs > 0`) are not computed by the engine.
+    top alternatives (`logprobs > 0`) are not computed by the engine. `echo` puts each
+    prompt's text before its choices' text; with `logprobs` it would need the prompt
+    tokens' log-probs, which the engine does not compute (refused).
     """
 
     NEUTRAL: ClassVar[Mapping[str, Neutral]] = COMPLETIONS_NEUTRAL
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = None
     logprobs: int | None = None
+    echo: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> CompletionBody:
-        if len(self.prompt) == 0:
+        prompts = self.prompts()
+        if not prompts:
             raise ValueError("prompt must not be empty")
+        empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+        if empty:
+            where = "" if not self.batched() else f" (prompt[{empty[0]}] is empty)"
+            raise ValueError(f"prompt must not be empty{where}")
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise ValueError(
+                f"{len(prompts)} prompts times n={self.n} is {len(prompts) * self.n} choices, "
+                f"over this server's limit of {MAX_CHOICES}: send fewer prompts per request"
+            )
         if self.logprobs not in (None, 0):
             raise ValueError(
                 f"logprobs={self.logprobs} asks for top alternatives, which are not supported; "
                 "send logprobs=0 to get the chosen tokens' log-probs"
             )
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "echo with logprobs needs the prompt tokens' log-probs, which this server "
+                "does not compute: send echo=false or omit logprobs"
+            )
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 is only allowed with echo=true (it generates nothing)")
         return self
+
+    def batched(self) -> bool:
+        """Whether `prompt` is a list of prompts (strings or token-id lists)."""
+        return isinstance(self.prompt, list) and any(not isinstance(p, int) for p in self.prompt)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids (one for an unbatched body)."""
+        if isinstance(self.prompt, str) or not self.batched():
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
     def max_new_tokens(self) -> int:
         if self.max_tokens is None:

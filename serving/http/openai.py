@@ -13,16 +13,18 @@ alone when it is given (`ServerArgs.served_model_names`).
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from cpkv_jax.errors import InputError
-from serving.engine.api import OutputChunk
+from serving.engine.api import GenerateRequest, OutputChunk
 from serving.http.errors import ApiError
-from serving.http.generation import ApiCore, Generation
+from serving.http.generation import ApiCore, Generation, batch_usage, choice_sampling
 from serving.http.models import ChatCompletionBody, CompletionBody
+from serving.http.streaming import SSE_DONE, sse_event, sse_response
 from serving.http.text import REPLACEMENT_CHAR
 
 
@@ -83,33 +85,70 @@ class OpenAIRoutes:
         arrival = time.monotonic()
         body = await core.parse(request, CompletionBody, empty_ok=False)
         core.check_model(body.model)
-        if isinstance(body.prompt, str):
-            ids = await core.tokenize(body.prompt, field="prompt")
-        else:
-            ids = list(body.prompt)
+        prompts = body.prompts()
+        batched, n = body.batched(), body.n
+        count = len(prompts) * n
+        if count > 1 and body.bootstrap_room is not None:
+            raise ApiError(
+                400,
+                "n > 1 and batched prompts are not supported behind the PD router (one "
+                "bootstrap room is one engine request): send one prompt with n=1",
+            )
+        if body.echo and core.tokenizer is None:
+            raise ApiError(400, "echo needs a tokenizer, and this server has none: send echo=false")
         want_logprobs = body.logprobs is not None
-        sampling = body.to_engine(body.max_new_tokens())
+        # max_tokens=0 (allowed with echo only) generates nothing: no engine request; the
+        # prompts are validated as for one new token.
+        generate = body.max_new_tokens() != 0
+        sampling = body.to_engine(body.max_new_tokens() if generate else 1)
         pd = body.pd_fields()
-        rid_in = core.request_id(request)  # X-Request-Id, when given
-        req = core.make_request(
-            ids, sampling, rid=rid_in, return_logprob=want_logprobs, arrival=arrival, **pd
-        )
-        rid, created = f"cmpl-{req.rid}", int(time.time())
-        if not body.stream:
-            gen = await core.run_to_end(req, request, arrival)  # gone: 499 (errors.py)
-            choice = {
-                "index": 0,
-                "text": gen.out.text,
-                "logprobs": completion_logprobs(gen, 0, len(gen.ids)) if want_logprobs else None,
-                "finish_reason": gen.finish_reason,
-                "token_ids": list(gen.ids),  # extension: the ids behind `text`
-            }
-            body_out = self.envelope(rid, "text_completion", created, [choice])
-            return JSONResponse({**body_out, "usage": gen.usage()})
-        stream, gen, first = await core.first_chunk(req, request, arrival)
+        base, rids = core.request_ids(request, count)  # X-Request-Id, when given
+        reqs, echoes = [], []
+        for i, prompt in enumerate(prompts):
+            where = f"prompt[{i}]: " if batched else ""
+            try:
+                if isinstance(prompt, str):
+                    ids = await core.tokenize(prompt, field="prompt")
+                else:
+                    ids = list(prompt)
+                for j in range(n):
+                    reqs.append(
+                        core.make_request(
+                            ids,
+                            choice_sampling(sampling, j),
+                            rid=rids[i * n + j],
+                            return_logprob=want_logprobs,
+                            arrival=arrival,
+                            **pd,
+                        )
+                    )
+            except ApiError as e:
+                raise ApiError(e.status, where + e.message, e.kind) from None
+            if body.echo:
+                assert core.tokenizer is not None
+                echoes.append(prompt if isinstance(prompt, str) else core.tokenizer.decode(ids))
+        rid, created = f"cmpl-{base}", int(time.time())
 
         def envelope(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return self.envelope(rid, "text_completion", created, choices)
+
+        if not generate:
+            return self._echo_only(body, reqs, echoes, envelope)
+        if not body.stream:
+            gens = await core.run_all(reqs, request, arrival)  # gone: 499 (errors.py)
+            choices = [
+                {
+                    "index": g.index,
+                    "text": (echoes[g.index // n] if body.echo else "") + g.out.text,
+                    "logprobs": completion_logprobs(g, 0, len(g.ids)) if want_logprobs else None,
+                    "finish_reason": g.finish_reason,
+                    "token_ids": list(g.ids),  # extension: the ids behind `text`
+                }
+                for g in gens
+            ]
+            return JSONResponse({**envelope(choices), "usage": batch_usage(gens, n)})
+        items, disconnect = await core.open_streams(reqs, request, arrival)
+        echo_pending = set(range(count)) if body.echo else set()
 
         def render(
             g: Generation, chunk: OutputChunk, delta: str, before: int
@@ -117,11 +156,15 @@ class OpenAIRoutes:
             # Every chunk with tokens is sent, even when its text is held back (an
             # incomplete UTF-8 character, a possible stop string): the streamed
             # `token_ids` then add up to `usage.completion_tokens`, and token timing
-            # (TTFT, inter-token latency) is what a client measures.
+            # (TTFT, inter-token latency) is what a client measures. The echoed prompt
+            # opens a choice's first chunk.
+            if g.index in echo_pending:
+                echo_pending.discard(g.index)
+                delta = echoes[g.index // n] + delta
             if not (delta or chunk.finished or chunk.token_ids):
                 return []
             choice = {
-                "index": 0,
+                "index": g.index,
                 "text": delta,
                 "logprobs": completion_logprobs(g, before, len(g.ids)) if want_logprobs else None,
                 "finish_reason": g.finish_reason if chunk.finished else None,
@@ -129,10 +172,49 @@ class OpenAIRoutes:
             }
             return [envelope([choice])]
 
-        def tail(g: Generation) -> list[dict[str, Any]]:
-            return [{**envelope([]), "usage": g.usage()}] if body.include_usage else []
+        def tail(gens: list[Generation]) -> list[dict[str, Any]]:
+            return [{**envelope([]), "usage": batch_usage(gens, n)}] if body.include_usage else []
 
-        return core.stream_response(stream, gen, first, render, tail)
+        return core.stream_many(items, disconnect, render, tail)
+
+    @staticmethod
+    def _echo_only(
+        body: CompletionBody,
+        reqs: list[GenerateRequest],
+        echoes: list[str],
+        envelope: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    ) -> Response:
+        """`echo` with `max_tokens: 0`: each choice is its prompt's text, finish "length",
+        answered without the engine."""
+        n = body.n
+        choices = [
+            {
+                "index": k,
+                "text": echoes[k // n],
+                "logprobs": None,
+                "finish_reason": "length",
+                "token_ids": [],
+            }
+            for k in range(len(reqs))
+        ]
+        prompt = sum(len(r.input_ids) for r in reqs[::n])
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": 0,
+            "total_tokens": prompt,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+        if not body.stream:
+            return JSONResponse({**envelope(choices), "usage": usage})
+
+        async def events() -> AsyncIterator[bytes]:
+            for choice in choices:
+                yield sse_event(envelope([choice]))
+            if body.include_usage:
+                yield sse_event({**envelope([]), "usage": usage})
+            yield SSE_DONE
+
+        return sse_response(events(), lambda: None)
 
     # -- /v1/chat/completions --
 
@@ -141,6 +223,10 @@ class OpenAIRoutes:
         arrival = time.monotonic()
         body = await core.parse(request, ChatCompletionBody, empty_ok=False)
         core.check_model(body.model)
+        if body.n != 1:
+            raise ApiError(
+                400, f"n={body.n} is not supported on /v1/chat/completions yet: send n=1"
+            )
         if core.chat_template is None:
             raise ApiError(
                 400,

@@ -250,7 +250,7 @@ def bad_requests(vocab: int, context: int, rng: np.random.Generator) -> list[tup
         ("/v1/completions", {"prompt": ok, "max_tokens": -n}),
         ("/v1/completions", {"prompt": ok, "max_tokens": "many"}),
         ("/v1/completions", {"prompt": [*ok, big]}),
-        ("/v1/completions", {"prompt": ok, "n": 3}),
+        ("/v1/completions", {"prompt": ok, "n": 0}),
         ("/v1/chat/completions", {"messages": []}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "bogus": 1}),
     ]
