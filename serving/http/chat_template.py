@@ -23,6 +23,10 @@ from cpkv_jax.errors import CheckpointError, InputError
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# The variables `ChatTemplate.render` sets itself.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
 
 
 def _raise_exception(message: str) -> None:
@@ -64,16 +68,33 @@ class ChatTemplate:
         self.eos_token = eos_token
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for `messages` (dicts with at least `role` and `content`).
 
-        A template that refuses the conversation (`raise_exception`), or that trips the
-        sandbox, raises `InputError` with the template's message: it is the request's fault.
+        `tools` (OpenAI tool definitions) is the template's `tools` variable, as
+        `transformers` passes it; `template_kwargs` (a request's `chat_template_kwargs`,
+        e.g. `enable_thinking`) are further template variables, and may not replace the
+        ones above (`InputError`). A template that refuses the conversation
+        (`raise_exception`), or that trips the sandbox, raises `InputError` with the
+        template's message: it is the request's fault.
         """
+        extra = dict(template_kwargs or {})
+        clash = sorted(set(extra) & RESERVED_TEMPLATE_VARIABLES)
+        if clash:
+            raise InputError(
+                f"chat_template_kwargs may not set {clash}: the server sets those variables"
+            )
         try:
             return self._template.render(
+                **extra,
                 messages=[dict(m) for m in messages],
+                tools=None if tools is None else [dict(t) for t in tools],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
