@@ -21,11 +21,12 @@ import httpx
 import pytest
 from support.http_client import VOCAB, Served, sse
 
+from cpkv_jax.tools.make_tiny_checkpoint import CHAT_TEMPLATE
 from serving.engine.mock import MockEngine
 from serving.http.app import build_app
 from serving.http.chat_template import ChatTemplate
 from serving.http.metrics import ServerMetrics
-from serving.parsers import ChatParserConfig
+from serving.parsers import ChatParserConfig, ToolCall, tool_call_parser
 
 ECHO_TEMPLATE = "{{ messages[-1]['content'] }}{{ eos_token }}"
 B = "｜"
@@ -198,3 +199,27 @@ def test_tools_reach_the_template():
     ]  # fmt: skip
     got = t.render(msgs, tools=[WEATHER], template_kwargs={"enable_thinking": False})
     assert got == "[get_weather]assistant:<get_weather Oslo>;tool:coldc1;False"
+
+
+def test_the_tiny_template_renders_tools_calls_and_results():
+    t = ChatTemplate(CHAT_TEMPLATE, bos_token="B", eos_token="E")
+    plain = [{"role": "user", "content": "q"}]
+    assert t.render(plain) == "B<|user|>\nqE\n<|assistant|>\n"  # unchanged without tools
+    msgs = [
+        *plain,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}]},
+        {"role": "tool", "content": "cold", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    got = t.render(msgs, tools=[WEATHER])
+    assert got.startswith("B<|system|>\n# Tools\n{") and '"name": "get_weather"' in got
+    assert got.endswith(
+        "<|user|>\nqE\n<|assistant|>\n<tool_call>get_weather<arg_key>city</arg_key>"
+        "<arg_value>Oslo</arg_value><arg_key>days</arg_key><arg_value>2</arg_value>"
+        "</tool_call>E\n<|tool|>\ncoldE\n<|assistant|>\n"
+    )
+    # and the glm47 parser reads back what the template writes
+    call = got.split("<|assistant|>\n")[1].removesuffix("E\n<|tool|>\ncoldE\n")
+    p = tool_call_parser("glm47", [WEATHER])
+    assert p.feed(call) + p.finish() == [ToolCall("get_weather", '{"city": "Oslo", "days": 2}')]
