@@ -5,7 +5,8 @@ HF model directories carry the template either as `chat_template.jinja` (newer
 list of `{"name", "template"}` of which `"default"` is used). The file wins when both
 exist, as in `transformers`. Templates are untrusted input (they come with downloaded
 weights), so they run in jinja2's immutable sandbox, with the same environment options
-and helpers (`raise_exception`, `strftime_now`) that `transformers` gives them.
+and helpers (`raise_exception`, `strftime_now`, its `tojson`) that `transformers` gives
+them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,20 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # `transformers`' `tojson`: templates call it with json.dumps' keywords (GLM's
+    # `tool | tojson(ensure_ascii=False)`), which jinja2's own filter does not take.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 def _special_token_text(value: object) -> str:
     """`bos_token` / `eos_token` of tokenizer_config.json: a string or an AddedToken dict."""
     if isinstance(value, str):
@@ -56,6 +71,7 @@ class ChatTemplate:
         )
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
+        env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:

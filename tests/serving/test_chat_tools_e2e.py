@@ -223,3 +223,8 @@ def test_the_tiny_template_renders_tools_calls_and_results():
     call = got.split("<|assistant|>\n")[1].removesuffix("E\n<|tool|>\ncoldE\n")
     p = tool_call_parser("glm47", [WEATHER])
     assert p.feed(call) + p.finish() == [ToolCall("get_weather", '{"city": "Oslo", "days": 2}')]
+
+
+def test_tojson_takes_the_keywords_of_transformers():
+    t = ChatTemplate("{{ tools[0] | tojson(ensure_ascii=False) }}|{{ 'é' | tojson }}")
+    assert t.render([], tools=[{"a": "é"}]) == '{"a": "é"}|"é"'
