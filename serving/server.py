@@ -637,6 +637,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         server_info=server_info_source(info, engine, compiler),
         api_keys=ApiKeys(args.api_key, args.admin_api_key),
         model_path=args.model_path,
+        chat_parsers=args.chat_parsers(),
     )
     return Server(args, cfg, engine, loop, app, info, closers, compiler=compiler)
 

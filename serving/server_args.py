@@ -75,6 +75,7 @@ from cpkv_jax.pallas.paged_gather import GatherImpl
 from serving import flags
 from serving.api_keys import ADMIN_API_KEY_ENV, API_KEY_ENV, key_problem, open_bind_warning
 from serving.flags import flag_name
+from serving.parsers import ChatParserConfig
 from transfer.capabilities import DEFAULT_BACKEND as DEFAULT_TRANSFER_BACKEND
 from transfer.capabilities import TransferBackendRegistry, default_backend_registry
 
@@ -114,6 +115,9 @@ HICACHE_STORAGE_NOT_BUILT = (
 )
 DisaggregationMode = Literal["null", "prefill", "decode"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+# `serving.parsers.TOOL_CALL_PARSERS` / `REASONING_PARSERS` (SGLang's names), or none.
+ToolCallParserName = Literal["none", "glm45", "glm47", "deepseekv32"]
+ReasoningParserName = Literal["none", "glm45", "deepseek-v3"]
 
 # Help groups, in the order `--help` shows them.
 GROUPS: dict[str, str] = {
@@ -574,6 +578,21 @@ class ServerArgs:
         group="server",
         metavar="NAME",
     )
+    tool_call_parser: ToolCallParserName = _arg(  # noqa: RUF009
+        "none",
+        help="parse the model's tool calls in /v1/chat/completions into `tool_calls` "
+        "(requests may then send `tools`): glm47 for GLM-4.7 / GLM-5, glm45 for GLM-4.5, "
+        "deepseekv32 for DeepSeek-V3.2 (SGLang's names); none = `tools` is refused",
+        group="server",
+    )
+    reasoning_parser: ReasoningParserName = _arg(  # noqa: RUF009
+        "none",
+        help="split the model's <think> block into `reasoning_content` in "
+        "/v1/chat/completions: glm45 for GLM-4.5 .. GLM-5 (thinks unless "
+        "chat_template_kwargs.enable_thinking is false), deepseek-v3 for DeepSeek-V3.x "
+        "(thinks when chat_template_kwargs.thinking is true); none = the text as it is",
+        group="server",
+    )
     shutdown_drain_timeout: float = _arg(
         30.0,
         help="on SIGTERM, seconds to let running requests finish before aborting them",
@@ -673,6 +692,13 @@ class ServerArgs:
     def to_dict(self) -> dict[str, Any]:
         """Every field, API keys that are set as `<redacted>` (this is printed and logged)."""
         return flags.redacted_dict(self)
+
+    def chat_parsers(self) -> ChatParserConfig:
+        """`--tool-call-parser` and `--reasoning-parser`, for the chat route."""
+        return ChatParserConfig(
+            reasoning=None if self.reasoning_parser == "none" else self.reasoning_parser,
+            tool_call=None if self.tool_call_parser == "none" else self.tool_call_parser,
+        )
 
     def served_model_names(self) -> tuple[str, ...]:
         """The names the OpenAI API accepts for the model, the served one (that answers

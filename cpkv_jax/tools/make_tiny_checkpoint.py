@@ -44,11 +44,22 @@ TINY_FP8_SHARD_BYTES = 256 * 1024  # several files, so the index-json path is th
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
 BYTE_ID_OFFSET = len(SPECIAL_TOKENS)
 # A ChatML-like template: bos once, each message as `<|role|>\ncontent` + eos, then the
-# assistant header when a reply is asked for. Role markers are plain bytes here.
+# assistant header when a reply is asked for. Role markers are plain bytes here. With
+# `tools`, a system turn lists them (JSON) and the call format first; an assistant turn's
+# `tool_calls` are rendered in GLM-4.7 / GLM-5 markup (`--tool-call-parser glm47`), and
+# `tool` results are turns like any other.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|system|>\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}Call a tool as <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE"
+    "</arg_value></tool_call>{{ eos_token }}\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>{{ call.function.name }}"
+    "{% if call.function.arguments is mapping %}{% for k, v in call.function.arguments.items() %}"
+    "<arg_key>{{ k }}</arg_key><arg_value>{{ v if v is string else v | tojson }}</arg_value>"
+    "{% endfor %}{% endif %}</tool_call>{% endfor %}"
+    "{{ eos_token }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

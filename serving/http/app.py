@@ -64,6 +64,7 @@ from serving.http.metrics import ServerMetrics
 from serving.http.models import ProfileBody
 from serving.http.native import NativeRoutes
 from serving.http.openai import OpenAIRoutes
+from serving.parsers import ChatParserConfig
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +218,7 @@ def build_app(
     model_aliases: Sequence[str] = (),
     api_keys: ApiKeys | None = None,
     model_path: str | None = None,
+    chat_parsers: ChatParserConfig | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `client`.
 
@@ -228,7 +230,8 @@ def build_app(
     the engine's stats attached (read at each scrape of `/metrics`). `server_info()` is
     merged into `GET /server_info` with the engine's `stats()`. `api_keys` guards the
     routes (module docstring; None or no key set: open). `model_path` (default: the
-    served name) is what `/model_info` reports.
+    served name) is what `/model_info` reports. `chat_parsers` are the chat route's
+    tool-call and reasoning parsers (`serving.http.chat_output`; default: none).
     """
     if vocab_size <= 0 or context_length <= 0:
         raise ValueError(
@@ -245,6 +248,7 @@ def build_app(
         chat_template=template,
         metrics=metrics,
         model_aliases=model_aliases,
+        chat_parsers=chat_parsers,
     )
     app = FastAPI(title="cpkv-jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = core  # the shared state, for tests and debugging

@@ -5,7 +5,8 @@ HF model directories carry the template either as `chat_template.jinja` (newer
 list of `{"name", "template"}` of which `"default"` is used). The file wins when both
 exist, as in `transformers`. Templates are untrusted input (they come with downloaded
 weights), so they run in jinja2's immutable sandbox, with the same environment options
-and helpers (`raise_exception`, `strftime_now`) that `transformers` gives them.
+and helpers (`raise_exception`, `strftime_now`, its `tojson`) that `transformers` gives
+them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from cpkv_jax.errors import CheckpointError, InputError
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# The variables `ChatTemplate.render` sets itself.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
 
 
 def _raise_exception(message: str) -> None:
@@ -32,6 +37,20 @@ def _raise_exception(message: str) -> None:
 
 def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # `transformers`' `tojson`: templates call it with json.dumps' keywords (GLM's
+    # `tool | tojson(ensure_ascii=False)`), which jinja2's own filter does not take.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _special_token_text(value: object) -> str:
@@ -52,6 +71,7 @@ class ChatTemplate:
         )
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
+        env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -64,16 +84,33 @@ class ChatTemplate:
         self.eos_token = eos_token
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for `messages` (dicts with at least `role` and `content`).
 
-        A template that refuses the conversation (`raise_exception`), or that trips the
-        sandbox, raises `InputError` with the template's message: it is the request's fault.
+        `tools` (OpenAI tool definitions) is the template's `tools` variable, as
+        `transformers` passes it; `template_kwargs` (a request's `chat_template_kwargs`,
+        e.g. `enable_thinking`) are further template variables, and may not replace the
+        ones above (`InputError`). A template that refuses the conversation
+        (`raise_exception`), or that trips the sandbox, raises `InputError` with the
+        template's message: it is the request's fault.
         """
+        extra = dict(template_kwargs or {})
+        clash = sorted(set(extra) & RESERVED_TEMPLATE_VARIABLES)
+        if clash:
+            raise InputError(
+                f"chat_template_kwargs may not set {clash}: the server sets those variables"
+            )
         try:
             return self._template.render(
+                **extra,
                 messages=[dict(m) for m in messages],
+                tools=None if tools is None else [dict(t) for t in tools],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

@@ -45,6 +45,7 @@ from serving.http.streaming import (
     wait_disconnect,
 )
 from serving.http.text import OutputText
+from serving.parsers import ChatParserConfig
 
 logger = logging.getLogger(__name__)
 _M = TypeVar("_M", bound=BaseModel)
@@ -267,8 +268,11 @@ class ApiCore:
         chat_template: ChatTemplate | None,
         metrics: ServerMetrics,
         model_aliases: Sequence[str] = (),
+        chat_parsers: ChatParserConfig | None = None,
     ) -> None:
         self.client = client
+        # `--tool-call-parser` / `--reasoning-parser` (`serving.http.chat_output`).
+        self.chat_parsers = chat_parsers or ChatParserConfig()
         self.model_name = model_name
         self.model_aliases = tuple(a for a in model_aliases if a != model_name)
         self.tokenizer = tokenizer

@@ -425,15 +425,12 @@ CHAT_NEUTRAL: Mapping[str, Neutral] = {
     "functions": off([]),
     "metadata": ignored(dict),
     "modalities": off(["text"]),
-    "parallel_tool_calls": ignored(bool),  # no tools are accepted
     "prediction": off(),
     "prompt_cache_key": ignored(str),
     "reasoning_effort": off(),
     "safety_identifier": ignored(str),
     "service_tier": off("auto", "default"),
     "store": off(False),
-    "tool_choice": off("none", "auto"),  # "auto" without tools calls none
-    "tools": off([]),
     "verbosity": off("medium"),
     "web_search_options": off(),
     # vLLM
@@ -441,7 +438,6 @@ CHAT_NEUTRAL: Mapping[str, Neutral] = {
     "continue_final_message": off(False),
     "documents": off([]),
     "chat_template": off(),
-    "chat_template_kwargs": off({}),
     "mm_processor_kwargs": off({}),
     "include_reasoning": off(True),
     # SGLang
@@ -449,7 +445,6 @@ CHAT_NEUTRAL: Mapping[str, Neutral] = {
     "return_token_ids": off(False),
     "return_meta_info": off(False),
     "task": off(),
-    "separate_reasoning": ignored(bool),  # no reasoning parser: the text is the output
     "stream_reasoning": ignored(bool),
     "max_dynamic_patch": off(),
     "min_dynamic_patch": off(),
@@ -583,35 +578,65 @@ class TextContentPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallItem(_Body):
+    """An assistant message's tool call (`message.tool_calls[i]` of an earlier answer)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    """One of a chat request's `tools` (OpenAI's function tools)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatMessage(_Body):
     """One chat message; `content` is text or a list of text parts (joined for the template).
 
     The `NEUTRAL` rows are what the `openai` client's message objects carry when a caller
-    sends an answer back as the next turn's assistant message."""
+    sends an answer back as the next turn's assistant message. An assistant turn may carry
+    `tool_calls` (then `content` may be omitted), a `tool` turn answers one by
+    `tool_call_id`; both reach the chat template (`for_template`)."""
 
     NEUTRAL: ClassVar[Mapping[str, Neutral]] = {
-        "tool_calls": off([]),
         "function_call": off(),
         "refusal": off(),
         "audio": off(),
         "annotations": off([]),
-        "reasoning_content": off(),
-        "tool_call_id": ignored(str),
     }
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _needs_content(self) -> ChatMessage:
         # OpenAI answers 400 here too: only an assistant turn carrying tool calls may omit
-        # content, and this server accepts no tool calls.
-        if self.content is None:
+        # content.
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"a {self.role} message cannot carry tool_calls (assistant only)")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(
                 f"a {self.role} message needs `content` (text or text parts); a message "
-                "without content is valid only for an assistant turn with tool_calls, "
-                "which this server does not accept"
+                "without content is valid only for an assistant turn with tool_calls"
             )
         return self
 
@@ -622,11 +647,38 @@ class ChatMessage(_Body):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def for_template(self) -> dict[str, str]:
-        out = {"role": self.role, "content": self.text()}
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (HF's convention: a tool call's
+        `function.arguments` is a dict when it is a JSON object)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            out["tool_calls"] = [_template_tool_call(tc) for tc in self.tool_calls]
         return out
+
+
+def _template_tool_call(tc: ToolCallItem) -> dict[str, Any]:
+    try:
+        args: Any = json.loads(tc.function.arguments)
+    except ValueError:
+        args = tc.function.arguments
+    if not isinstance(args, dict):
+        args = tc.function.arguments
+    return {
+        "id": tc.id,
+        "type": "function",
+        "function": {"name": tc.function.name, "arguments": args},
+    }
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: dict[str, Any]
 
 
 class ChatCompletionBody(_OpenAICommon):
@@ -640,6 +692,13 @@ class ChatCompletionBody(_OpenAICommon):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tools and reasoning (`serving.http.chat_output` checks them against the server's
+    # parsers: without `--tool-call-parser`, `tools` must be empty).
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # SGLang: false gives the reasoning inside `content`
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionBody:

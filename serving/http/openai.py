@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 
 from cpkv_jax.errors import InputError
 from serving.engine.api import GenerateRequest, OutputChunk
+from serving.http import chat_output
 from serving.http.errors import ApiError
 from serving.http.generation import ApiCore, Generation, batch_usage, choice_sampling
 from serving.http.models import ChatCompletionBody, CompletionBody
@@ -233,8 +234,14 @@ class OpenAIRoutes:
                 "the model dir has no chat template (chat_template.jinja or tokenizer_config."
                 "json 'chat_template'): use /v1/completions with a formatted prompt",
             )
+        tools = chat_output.request_tools(body, core.chat_parsers)
+        parser = chat_output.output_parser(body, core.chat_parsers, tools)
         try:
-            prompt = core.chat_template.render([m.for_template() for m in body.messages])
+            prompt = core.chat_template.render(
+                [m.for_template() for m in body.messages],
+                tools=tools,
+                template_kwargs=body.chat_template_kwargs,
+            )
         except InputError as e:
             raise ApiError(400, str(e)) from None
         ids = await core.tokenize(prompt, field="messages")
@@ -249,9 +256,9 @@ class OpenAIRoutes:
             gen = await core.run_to_end(req, request, arrival)  # gone: 499 (errors.py)
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": gen.out.text},
+                "message": chat_output.message(parser, gen.out.text),
                 "logprobs": chat_logprobs(gen, 0, len(gen.ids)) if body.logprobs else None,
-                "finish_reason": gen.finish_reason,
+                "finish_reason": chat_output.finish_reason(parser, gen.finish_reason),
             }
             body_out = self.envelope(rid, "chat.completion", created, [choice])
             return JSONResponse({**body_out, "usage": gen.usage()})
@@ -275,12 +282,20 @@ class OpenAIRoutes:
                         [{"index": 0, "delta": role_delta, "logprobs": None, "finish_reason": None}]
                     )
                 )
-            if delta or chunk.finished or (body.logprobs and chunk.token_ids):
+            deltas = chat_output.stream_deltas(parser, delta, chunk.finished)
+            if not deltas and (chunk.finished or (body.logprobs and chunk.token_ids)):
+                deltas = [{}]
+            for i, d in enumerate(deltas):  # logprobs on the first, finish on the last
+                last = chunk.finished and i == len(deltas) - 1
                 choice = {
                     "index": 0,
-                    "delta": {"content": delta} if delta else {},
-                    "logprobs": chat_logprobs(g, before, len(g.ids)) if body.logprobs else None,
-                    "finish_reason": g.finish_reason if chunk.finished else None,
+                    "delta": d,
+                    "logprobs": (
+                        chat_logprobs(g, before, len(g.ids)) if body.logprobs and i == 0 else None
+                    ),
+                    "finish_reason": chat_output.finish_reason(parser, g.finish_reason)
+                    if last
+                    else None,
                 }
                 events.append(envelope([choice]))
             return events

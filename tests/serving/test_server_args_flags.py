@@ -26,6 +26,7 @@ from cpkv_jax.errors import ConfigError
 from cpkv_jax.model.expert_parallel import EP_DISPATCHES
 from cpkv_jax.model.weights import FP8_MODES
 from serving import launch
+from serving.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ChatParserConfig
 from serving.server_args import (
     GROUPS,
     ServerArgs,
@@ -69,7 +70,7 @@ def test_flag_names_cover_the_brief():
         "--json-model-override-args", "--kernel-impl", "--host", "--port", "--log-level",
         "--request-timeout", "--check-config", "--fp8-weights", "--ep-size", "--ep-dispatch",
         "--ep-capacity-factor", "--mem-fraction-static", "--device-memory-bytes",
-        "--api-key", "--admin-api-key",
+        "--api-key", "--admin-api-key", "--tool-call-parser", "--reasoning-parser",
     ):  # fmt: skip
         assert flag in flags
 
@@ -123,6 +124,8 @@ def test_non_default_values_round_trip_through_the_command_line():
         transfer_backend="mooncake",
         transfer_bootstrap_timeout=12.5,
         disable_transfer_malloc_tuning=True,
+        tool_call_parser="glm47",
+        reasoning_parser="glm45",
         kernel_impl="pallas",
         port=8000,
         log_level="debug",
@@ -257,3 +260,23 @@ def test_library_errors_name_parameters_and_the_server_says_flags():
     )
     with pytest.raises(ServerArgsError, match="--cp-size must be >= 1, got 0"):
         make_args(cp_size=0).validate()
+
+
+def test_parser_flags_name_the_parsers_and_build_their_config():
+    hints = typing.get_type_hints(ServerArgs)
+    assert set(typing.get_args(hints["tool_call_parser"])) == {"none", *TOOL_CALL_PARSERS}
+    assert set(typing.get_args(hints["reasoning_parser"])) == {"none", *REASONING_PARSERS}
+    args = ServerArgs.from_cli(
+        [
+            "--model-path",
+            "m",
+            "--tool-call-parser",
+            "deepseekv32",
+            "--reasoning-parser",
+            "deepseek-v3",
+        ]
+    )
+    assert args.chat_parsers() == ChatParserConfig(reasoning="deepseek-v3", tool_call="deepseekv32")
+    assert ServerArgs(model_path="m").chat_parsers() == ChatParserConfig()
+    with pytest.raises(ServerArgsError, match="tool-call-parser"):
+        ServerArgs.from_cli(["--model-path", "m", "--tool-call-parser", "hermes"])
