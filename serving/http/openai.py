@@ -224,9 +224,12 @@ class OpenAIRoutes:
         arrival = time.monotonic()
         body = await core.parse(request, ChatCompletionBody, empty_ok=False)
         core.check_model(body.model)
-        if body.n != 1:
+        n = body.n
+        if n > 1 and body.bootstrap_room is not None:
             raise ApiError(
-                400, f"n={body.n} is not supported on /v1/chat/completions yet: send n=1"
+                400,
+                "n > 1 is not supported behind the PD router (one bootstrap room is one "
+                "engine request): send n=1",
             )
         if core.chat_template is None:
             raise ApiError(
@@ -235,7 +238,6 @@ class OpenAIRoutes:
                 "json 'chat_template'): use /v1/completions with a formatted prompt",
             )
         tools = chat_output.request_tools(body, core.chat_parsers)
-        parser = chat_output.output_parser(body, core.chat_parsers, tools)
         try:
             prompt = core.chat_template.render(
                 [m.for_template() for m in body.messages],
@@ -247,39 +249,53 @@ class OpenAIRoutes:
         ids = await core.tokenize(prompt, field="messages")
         sampling = body.to_engine(body.max_new_tokens(len(ids), core.context_length))
         pd = body.pd_fields()
-        rid_in = core.request_id(request)  # X-Request-Id, when given
-        req = core.make_request(
-            ids, sampling, rid=rid_in, return_logprob=body.logprobs, arrival=arrival, **pd
-        )
-        rid, created = f"chatcmpl-{req.rid}", int(time.time())
+        base, rids = core.request_ids(request, n)  # X-Request-Id, when given
+        # One engine request per choice (`choice_sampling`: greedy choices are identical),
+        # each with its own output parser (a stream's parser keeps state).
+        reqs = [
+            core.make_request(
+                ids,
+                choice_sampling(sampling, j),
+                rid=rids[j],
+                return_logprob=body.logprobs,
+                arrival=arrival,
+                **pd,
+            )
+            for j in range(n)
+        ]
+        parsers = [chat_output.output_parser(body, core.chat_parsers, tools) for _ in range(n)]
+        rid, created = f"chatcmpl-{base}", int(time.time())
         if not body.stream:
-            gen = await core.run_to_end(req, request, arrival)  # gone: 499 (errors.py)
-            choice = {
-                "index": 0,
-                "message": chat_output.message(parser, gen.out.text),
-                "logprobs": chat_logprobs(gen, 0, len(gen.ids)) if body.logprobs else None,
-                "finish_reason": chat_output.finish_reason(parser, gen.finish_reason),
-            }
-            body_out = self.envelope(rid, "chat.completion", created, [choice])
-            return JSONResponse({**body_out, "usage": gen.usage()})
-        stream, gen, first = await core.first_chunk(req, request, arrival)
+            gens = await core.run_all(reqs, request, arrival)  # gone: 499 (errors.py)
+            choices = [
+                {
+                    "index": g.index,
+                    "message": chat_output.message(parsers[g.index], g.out.text),
+                    "logprobs": chat_logprobs(g, 0, len(g.ids)) if body.logprobs else None,
+                    "finish_reason": chat_output.finish_reason(parsers[g.index], g.finish_reason),
+                }
+                for g in gens
+            ]
+            body_out = self.envelope(rid, "chat.completion", created, choices)
+            return JSONResponse({**body_out, "usage": batch_usage(gens, n)})
+        items, disconnect = await core.open_streams(reqs, request, arrival)
 
         def envelope(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return self.envelope(rid, "chat.completion.chunk", created, choices)
 
-        sent_role = False
+        role_pending = set(range(n))
 
         def render(
             g: Generation, chunk: OutputChunk, delta: str, before: int
         ) -> list[dict[str, Any]]:
-            nonlocal sent_role
+            k, parser = g.index, parsers[g.index]
             events = []
-            if not sent_role:  # OpenAI opens every chat stream with the role
-                sent_role = True
+            if k in role_pending:  # OpenAI opens every choice's stream with the role
+                role_pending.discard(k)
                 role_delta = {"role": "assistant", "content": ""}
                 events.append(
                     envelope(
-                        [{"index": 0, "delta": role_delta, "logprobs": None, "finish_reason": None}]
+                        [{"index": k, "delta": role_delta, "logprobs": None, "finish_reason": None}]
                     )
                 )
             deltas = chat_output.stream_deltas(parser, delta, chunk.finished)
@@ -288,7 +304,7 @@ class OpenAIRoutes:
             for i, d in enumerate(deltas):  # logprobs on the first, finish on the last
                 last = chunk.finished and i == len(deltas) - 1
                 choice = {
-                    "index": 0,
+                    "index": k,
                     "delta": d,
                     "logprobs": (
                         chat_logprobs(g, before, len(g.ids)) if body.logprobs and i == 0 else None
@@ -300,10 +316,10 @@ class OpenAIRoutes:
                 events.append(envelope([choice]))
             return events
 
-        def tail(g: Generation) -> list[dict[str, Any]]:
-            return [{**envelope([]), "usage": g.usage()}] if body.include_usage else []
+        def tail(gens: list[Generation]) -> list[dict[str, Any]]:
+            return [{**envelope([]), "usage": batch_usage(gens, n)}] if body.include_usage else []
 
-        return core.stream_response(stream, gen, first, render, tail)
+        return core.stream_many(items, disconnect, render, tail)
 
     # -- /v1/models --
 

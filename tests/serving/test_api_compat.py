@@ -360,7 +360,7 @@ REFUSED = [
         {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
         "stream_options: continuous_usage_stats=true",
     ),
-    ("/v1/chat/completions", {"n": 2}, "n=2"),
+    ("/v1/chat/completions", {"echo": True}, "echo=true"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     (
         "/v1/chat/completions",
@@ -400,7 +400,7 @@ def test_a_non_neutral_value_through_the_router(deployment) -> None:
     for endpoint, extra, named in [
         ("/generate", {"lora_path": "my-adapter"}, "lora_path"),
         ("/v1/completions", {"best_of": 3}, "best_of=3"),
-        ("/v1/chat/completions", {"n": 2}, "n=2"),
+        ("/v1/chat/completions", {"echo": True}, "echo=true"),
     ]:
         msg = error_message(post(deployment.client, endpoint, refused_body(endpoint, extra)))
         assert named in msg, msg

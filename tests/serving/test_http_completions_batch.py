@@ -186,12 +186,55 @@ def test_refusals_name_the_field(srv, body, words):
     assert all(w in message for w in words), message
 
 
-def test_echo_without_tokenizer_and_chat_n_are_400(bare, srv):
+def test_echo_without_tokenizer_is_400(bare):
     r = _post(bare, prompt=[5, 6], echo=True)
     assert r.status_code == 400
     assert "echo" in r.json()["error"]["message"]
-    r = srv.http.post(
-        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 2}
+
+
+def _chat(s, **body):
+    messages = [{"role": "user", "content": "abcd"}]
+    return s.http.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": N, "ignore_eos": True, **body},
     )
-    assert r.status_code == 400
-    assert "n=2" in r.json()["error"]["message"]
+
+
+def test_chat_n_greedy_identical_and_usage(srv):
+    r = _chat(srv, n=3, temperature=0)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert len({c["message"]["content"] for c in out["choices"]}) == 1
+    one = _chat(srv, n=1, temperature=0).json()
+    assert out["choices"][0]["message"] == one["choices"][0]["message"]
+    assert out["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]  # counted once
+    assert out["usage"]["completion_tokens"] == 3 * one["usage"]["completion_tokens"]
+
+
+def test_chat_n_stream_opens_each_choice_with_its_role(srv):
+    r = _chat(srv, n=2, temperature=0, stream=True, stream_options={"include_usage": True})
+    assert r.status_code == 200, r.text
+    events = sse(r)
+    usage = events[-1]
+    text: dict[int, str] = {0: "", 1: ""}
+    roles: dict[int, int] = {0: 0, 1: 0}
+    finish: dict[int, str] = {}
+    for e in events[:-1]:
+        (c,) = e["choices"]
+        if c["delta"].get("role") == "assistant":
+            assert text[c["index"]] == "", "the role comes first"
+            roles[c["index"]] += 1
+        text[c["index"]] += c["delta"].get("content") or ""
+        if c["finish_reason"] is not None:
+            finish[c["index"]] = c["finish_reason"]
+    assert roles == {0: 1, 1: 1}
+    assert text[0] == text[1] != ""
+    assert finish == {0: "length", 1: "length"}
+    assert usage["usage"]["completion_tokens"] == 2 * N
+
+
+def test_chat_n_behind_the_pd_router_is_400(srv):
+    r = _chat(srv, n=2, bootstrap_room="room-1", decode_transfer_target="127.0.0.1:1")
+    assert r.status_code == 400, r.text
+    assert "n > 1" in r.json()["error"]["message"]
