@@ -182,6 +182,27 @@ def test_unified_outputs_equal_the_reference(ckpt, unified):
     assert_pages_back(server)
 
 
+def test_unified_n_choices_are_the_reference_when_greedy(ckpt, unified):
+    """`n: 4` on the real tiny model (issue 37): four choices, each its own engine request
+    decoded in one batch, each the single-device reference's greedy output; the prompt
+    counted once in `usage`."""
+    _, cfg, ref = ckpt
+    server, served = unified
+    ids = prompts(cfg, seed=5)[1]
+    want = reference(ref, ids)
+    body = {"model": "tiny", "prompt": ids, "max_tokens": NEW, "temperature": 0.0, "n": 4}
+    r = httpx.post(
+        served.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=WAIT_S
+    )
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert [c["token_ids"] for c in out["choices"]] == [want] * 4
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    assert out["usage"]["completion_tokens"] == 4 * NEW
+    assert_pages_back(server)
+
+
 def test_batch_invariant_server_log_probs_equal_the_reference_bitwise(ckpt):
     """`--enable-batch-invariant`: two requests sent at once (so the decode engine
     batches them) get the batch-invariant reference's tokens and log-probs, bit for bit."""
