@@ -61,7 +61,7 @@ from serving.http.chat_template import ChatTemplate
 from serving.http.errors import ApiError, install_error_handlers
 from serving.http.generation import ApiCore
 from serving.http.metrics import ServerMetrics
-from serving.http.models import ProfileBody
+from serving.http.models import AbortBody, ProfileBody
 from serving.http.native import NativeRoutes
 from serving.http.openai import OpenAIRoutes
 from serving.parsers import ChatParserConfig
@@ -74,8 +74,8 @@ class AdminRoutes:
     one app."""
 
     # The routes that change server state: with `--admin-api-key` only that key opens them.
-    # (Aborting is not a route: a client aborts its own request by disconnecting.)
-    ADMIN_PATHS = frozenset({"/start_profile", "/stop_profile"})
+    # (A client aborts its own request by disconnecting; `/abort_request` aborts anyone's.)
+    ADMIN_PATHS = frozenset({"/start_profile", "/stop_profile", "/abort_request"})
 
     def __init__(
         self,
@@ -104,6 +104,9 @@ class AdminRoutes:
             "/start_profile", self.start_profile, response_model=None, methods=["POST"]
         )
         app.add_api_route("/stop_profile", self.stop_profile, response_model=None, methods=["POST"])
+        app.add_api_route(
+            "/abort_request", self.abort_request, response_model=None, methods=["POST"]
+        )
 
     def health(self) -> Response:
         if self.core.client.healthy():
@@ -174,6 +177,26 @@ class AdminRoutes:
             "tokenizer_path": self.model_path if self.core.tokenizer is not None else None,
             "is_generation": True,
         }
+
+    async def abort_request(self, request: Request) -> dict[str, Any]:
+        """SGLang's `/abort_request`: abort `rid` and its choices (`rid-k`, `n` > 1 and
+        batches), or every request of this app (`abort_all`). Each aborted request ends
+        with finish reason "abort" for its client; an id not running here is ignored,
+        as SGLang does (the request may have just finished). Answers which ids it aborted."""
+        body = await self.core.parse(request, AbortBody, empty_ok=False)
+        live = set(self.core.in_flight)
+        if body.abort_all:
+            rids = sorted(live)
+        else:
+            assert body.rid is not None
+            prefix = body.rid + "-"
+            rids = sorted(r for r in live if r == body.rid or r.startswith(prefix))
+            if body.rid not in rids:
+                rids.insert(0, body.rid)  # maybe submitted by another front (the router)
+        for rid in rids:
+            self.core.client.abort(rid)
+        logger.info("abort_request: aborting %d request(s): %s", len(rids), rids[:8])
+        return {"aborted": rids}
 
     async def start_profile(self, request: Request) -> dict[str, Any]:
         body = await self.core.parse(request, ProfileBody, empty_ok=True)

@@ -189,7 +189,11 @@ class Generation:
         if self.finish_reason == "error":
             return ApiError(500, self.error or "the engine failed while serving this request")
         if self.finish_reason == "abort":
-            return ApiError(503, "the request was aborted by the server (shutting down?)")
+            return ApiError(
+                503,
+                "the request was aborted by the server (shutting down, or an operator's "
+                "/abort_request)",
+            )
         return None
 
     def matched(self) -> str | int | None:

@@ -729,6 +729,20 @@ class ChatCompletionBody(_OpenAICommon):
         return max(1, min(context_length - prompt_tokens, MAX_NEW_TOKENS_LIMIT))
 
 
+class AbortBody(_Body):
+    """`POST /abort_request` (SGLang's): abort request `rid` (and its choices `rid-k`), or
+    with `abort_all` every request this server is running or queueing."""
+
+    rid: str | None = Field(default=None, min_length=1, max_length=256)
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one(self) -> AbortBody:
+        if (self.rid is None) == (not self.abort_all):
+            raise ValueError("give either rid or abort_all=true")
+        return self
+
+
 class ProfileBody(_Body):
     """`POST /start_profile`: where to write the trace (default: the server's profile dir)."""
 

@@ -70,3 +70,52 @@ def test_profile_start_stop(srv, tmp_path):
     assert r.status_code == 200, r.text
     assert list(out.rglob("*.xplane.pb")), "the JAX trace was not written"
     assert srv.http.post("/stop_profile").status_code == 400
+
+
+def _stream_until_first_event(srv, rid: str, stack):
+
+    body = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": CONTEXT - 3, "ignore_eos": True},
+        "stream": True,
+        "rid": rid,
+    }
+    r = stack.enter_context(srv.http.stream("POST", "/generate", json=body, timeout=30))
+    assert r.status_code == 200
+    lines = r.iter_lines()
+    assert next(ln for ln in lines if ln.startswith("data:"))
+    return lines
+
+
+def _aborted(lines) -> bool:
+    """Whether the stream ended with the error event of an aborted request."""
+    import json
+
+    last = None
+    for ln in lines:
+        if ln.startswith("data:") and ln[5:].strip() != "[DONE]":
+            last = json.loads(ln[5:])
+    assert last is not None
+    return "/abort_request" in last.get("error", {}).get("message", "")
+
+
+def test_abort_request_by_rid_and_all(srv):
+    """SGLang's `/abort_request`: by `rid` the named stream ends with the abort's error
+    event and another goes on; `abort_all` ends every one; an unknown rid is a 200 (it
+    may have just finished) and a body naming neither is a 400."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        a = _stream_until_first_event(srv, "abort-me", stack)
+        b = _stream_until_first_event(srv, "keep-me", stack)
+        r = srv.http.post("/abort_request", json={"rid": "abort-me"})
+        assert r.status_code == 200, r.text
+        assert r.json()["aborted"] == ["abort-me"]
+        assert _aborted(a)
+        r = srv.http.post("/abort_request", json={"abort_all": True})
+        assert r.status_code == 200 and "keep-me" in r.json()["aborted"], r.text
+        assert _aborted(b)
+    assert srv.http.post("/abort_request", json={"rid": "gone"}).status_code == 200
+    for bad in ({}, {"rid": "x", "abort_all": True}, {"abort_all": False}):
+        r = srv.http.post("/abort_request", json=bad)
+        assert r.status_code == 400, (bad, r.text)
