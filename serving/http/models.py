@@ -327,20 +327,46 @@ class GenerateBody(_PDFields):
 
     NEUTRAL: ClassVar[Mapping[str, Neutral]] = GENERATE_NEUTRAL
 
-    text: str | None = None
-    input_ids: list[int] | None = None
+    # A list of texts or of token-id lists is a batch (SGLang's): one result per prompt.
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
     model: str | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
-    rid: str | None = Field(default=None, min_length=1, max_length=256)
+    rid: str | list[str] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> GenerateBody:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("send exactly one of 'text' and 'input_ids'")
+        prompts = self.text if self.text is not None else self.input_ids
+        if self.batched() and not prompts:
+            raise ValueError("a batch needs at least one prompt")
+        if self.batched() and self.stream:
+            raise ValueError("stream=true takes one prompt: stream each prompt of the batch")
+        rids = [self.rid] if isinstance(self.rid, str) else self.rid or []
+        if any(not 1 <= len(r) <= 256 for r in rids):
+            raise ValueError("rid: each id must be 1 to 256 characters")
+        if self.rid is not None and (
+            isinstance(self.rid, list) != self.batched()
+            or (isinstance(self.rid, list) and len(self.rid) != len(self.prompts()))
+        ):
+            raise ValueError("rid: a list of ids goes with a batch of as many prompts")
         return self
+
+    def batched(self) -> bool:
+        if isinstance(self.text, list):
+            return True
+        return self.input_ids is not None and any(isinstance(x, list) for x in self.input_ids)
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts of the request: one unless it is a batch."""
+        if self.text is not None:
+            return self.text if isinstance(self.text, list) else [self.text]
+        assert self.input_ids is not None
+        return self.input_ids if self.batched() else [self.input_ids]  # type: ignore[list-item]
 
 
 # ---- OpenAI-compatible endpoints -------------------------------------------------------

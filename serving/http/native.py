@@ -41,10 +41,14 @@ class NativeRoutes:
                 "return_text_in_logprobs needs a tokenizer, and this server has none: "
                 "send return_text_in_logprobs=false",
             )
-        if body.text is not None:
+        texts = body.return_text_in_logprobs
+        if body.batched():
+            return await self.generate_batch(body, request, arrival)
+        if isinstance(body.text, str):
             ids = await core.tokenize(body.text, field="text")
         else:
-            ids = list(body.input_ids or ())
+            ids = list(body.prompts()[0])  # type: ignore[arg-type]
+        assert not isinstance(body.rid, list)
         req = core.make_request(
             ids,
             body.sampling_params.to_engine(),
@@ -53,7 +57,6 @@ class NativeRoutes:
             arrival=arrival,
             **body.pd_fields(),
         )
-        texts = body.return_text_in_logprobs
         if not body.stream:
             gen = await core.run_to_end(req, request, arrival)  # gone: 499 (errors.py)
             return JSONResponse(self.result(gen, texts))
@@ -65,6 +68,47 @@ class NativeRoutes:
             return [self.result(g, texts)]
 
         return core.stream_response(stream, gen, first, render)
+
+    async def generate_batch(
+        self, body: GenerateBody, request: Request, arrival: float
+    ) -> Response:
+        """A batch (`text` / `input_ids` lists, SGLang's): every prompt its own engine
+        request, submitted together; a list of results in prompt order. The first
+        failure fails the response (`ApiCore.run_all`); streaming is refused by the body."""
+        core = self.core
+        prompts = body.prompts()
+        if body.bootstrap_room is not None:
+            raise ApiError(
+                400,
+                "a batch is not supported behind the PD router (one bootstrap room is one "
+                "engine request): send one prompt per request",
+            )
+        if isinstance(body.rid, list):
+            rids = body.rid
+        else:
+            rids = core.request_ids(request, len(prompts))[1]
+        sampling = body.sampling_params.to_engine()
+        reqs = []
+        for i, prompt in enumerate(prompts):
+            try:
+                if isinstance(prompt, str):
+                    ids = await core.tokenize(prompt, field="text")
+                else:
+                    ids = list(prompt)
+                reqs.append(
+                    core.make_request(
+                        ids,
+                        sampling,
+                        rid=rids[i],
+                        return_logprob=body.return_logprob,
+                        arrival=arrival,
+                    )
+                )
+            except ApiError as e:
+                where = "text" if body.text is not None else "input_ids"
+                raise ApiError(e.status, f"{where}[{i}]: {e.message}", e.kind) from None
+        gens = await core.run_all(reqs, request, arrival)  # gone: 499 (errors.py)
+        return JSONResponse([self.result(g, body.return_text_in_logprobs) for g in gens])
 
     def result(self, gen: Generation, texts: bool = False) -> dict[str, Any]:
         """`/generate`'s body (and each stream event): cumulative text and ids so far;

@@ -286,3 +286,40 @@ def test_client_disconnect_aborts_the_engine_request(srv):
         assert srv.engine.finished["gone-plain"] < 200
     finally:
         srv.engine.step_delay = 0.0005
+
+
+def test_generate_batches_of_texts_and_token_id_lists(srv, tok):
+    """SGLang's batched `/generate` (issue 37): a list of texts or of token-id lists is
+    one engine request per prompt, answered as a list in prompt order; `rid` may be a list
+    of as many ids."""
+    sp = {"max_new_tokens": 3, "ignore_eos": True}
+    texts = ["hello", "bye now"]
+    r = srv.http.post("/generate", json={"text": texts, "sampling_params": sp})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [o["output_ids"] for o in out] == [echo_ids(tok.encode(t), 3) for t in texts]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [len(tok.encode(t)) for t in texts]
+    ids = [[10, 11, 12], [20, 21]]
+    body = {"input_ids": ids, "sampling_params": sp, "rid": ["b-0", "b-1"]}
+    r = srv.http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [o["output_ids"] for o in out] == [echo_ids(p, 3) for p in ids]
+    assert [o["meta_info"]["id"] for o in out] == ["b-0", "b-1"]
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"text": ["a", "b"], "stream": True}, "stream=true takes one prompt"),
+        ({"input_ids": [[10], [11]], "rid": "one"}, "rid: a list of ids"),
+        ({"input_ids": [[10], [11]], "rid": ["only-one"]}, "rid: a list of ids"),
+        ({"input_ids": [[10], []]}, "input_ids[1]"),
+        ({"input_ids": [[10], [99999]]}, "input_ids[1]"),
+        ({"text": []}, "at least one prompt"),
+    ],
+)
+def test_generate_batch_refusals_name_the_field(srv, body, words):
+    r = srv.http.post("/generate", json={"sampling_params": {"max_new_tokens": 2}, **body})
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"], r.text
