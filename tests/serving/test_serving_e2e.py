@@ -310,7 +310,7 @@ def pd(request, ckpt) -> Iterator[dict[str, Any]]:
     # Over gRPC both servers compile every reachable shape before healthy: the PD
     # requests then compile nothing on either side (issue 25; checked in the first test).
     # Once is enough (the suite's time): the Mooncake pair warms the common shapes only.
-    warm = ("--warmup-all-shapes", "--max-running-requests", "4") if backend == "grpc" else ()
+    warm = ("--warmup-all-shapes", "--max-running-requests", "2") if backend == "grpc" else ()
     decode = build_server(server_args(path, "decode", "--transfer-backend", backend, *warm))
     prefill = build_server(
         server_args(
