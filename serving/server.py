@@ -65,6 +65,7 @@ from serving.engine.api import GenerateRequest, SamplingParams, StepEngine
 from serving.engine.loop import EngineLoop
 from serving.http.app import build_app
 from serving.http.chat_template import load_chat_template
+from serving.http.keepalive import HTTP_KEEPALIVE_S
 from serving.http.metrics import ServerMetrics
 from serving.prefill.build import build_prefill_engine, load_serving_model, pool_pages_per_rank
 from serving.prefill.engine import PrefillModeEngine, backend_from_args
@@ -687,6 +688,7 @@ async def _serve(server: Server) -> None:
         server.app,
         host=args.host,
         port=args.port,
+        timeout_keep_alive=HTTP_KEEPALIVE_S,  # longer than clients' idle expiry
         log_level=args.log_level.lower(),
         timeout_graceful_shutdown=max(1, int(args.shutdown_drain_timeout)),
         lifespan="off",

@@ -29,6 +29,7 @@ from cpkv_jax.cli_logging import configure_logging
 from serving.api_keys import ApiKeys
 from serving.http.auth import install_api_keys
 from serving.http.errors import error_response
+from serving.http.keepalive import HTTP_KEEPALIVE_S
 from serving.router.config import ROLES, RouterConfig, RouterConfigError
 from serving.router.relay import PD_ENDPOINTS, PDRouter, RouterStartupError
 
@@ -161,6 +162,7 @@ async def _serve(config: RouterConfig) -> int:
                 port=config.port,
                 log_level=config.log_level,
                 lifespan="on",
+                timeout_keep_alive=HTTP_KEEPALIVE_S,  # longer than clients' idle expiry
                 timeout_graceful_shutdown=5,
             )
         )

@@ -69,6 +69,7 @@ from fastapi.responses import Response
 
 from cpkv_jax.errors import CpkvError, InputError
 from serving.http.errors import CLIENT_CLOSED_REQUEST, error_body, error_response
+from serving.http.keepalive import UPSTREAM_KEEPALIVE_S
 from serving.http.streaming import SSE_DONE, ClosingStreamingResponse, sse_event, wait_disconnect
 from serving.router.config import ROLES, RouterConfig
 from serving.router.upstreams import (
@@ -283,7 +284,9 @@ class PDRouter:
                 write=cfg.request_timeout,
                 pool=cfg.connect_timeout,
             ),
-            limits=httpx.Limits(max_connections=_MAX_UPSTREAM_CONNECTIONS),
+            limits=httpx.Limits(
+                max_connections=_MAX_UPSTREAM_CONNECTIONS, keepalive_expiry=UPSTREAM_KEEPALIVE_S
+            ),
             headers=cfg.upstream_headers(),  # the router's key, never the client's
             trust_env=False,  # a proxy from the environment must not sit between router and servers
         )
