@@ -1,4 +1,5 @@
-"""The context-parallel mesh: one axis `"cp"` over `cp_size` devices.
+"""The serving meshes: `("cp",)` for context-parallel prefill, `("dp",)` for
+data-parallel decode (each with expert parallelism over the same devices).
 
 Single process: the first `cp_size` local devices (virtual CPU devices in tests, GPUs in
 production). Multi-host: call `initialize_distributed` in every process first (JAX's own
@@ -19,22 +20,32 @@ from cpkv_jax.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 CP_AXIS = "cp"
+DP_AXIS = "dp"
 
 
 def make_cp_mesh(cp_size: int, devices: list[jax.Device] | None = None) -> Mesh:
     """A 1-D mesh `("cp",)` over `cp_size` devices (all processes' devices by default)."""
+    return _line_mesh(CP_AXIS, "cp_size", cp_size, devices)
+
+
+def make_dp_mesh(dp_size: int, devices: list[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh `("dp",)` over `dp_size` devices: data-parallel decode ranks."""
+    return _line_mesh(DP_AXIS, "dp_size", dp_size, devices)
+
+
+def _line_mesh(axis: str, flag: str, size: int, devices: list[jax.Device] | None) -> Mesh:
     devices = list(jax.devices()) if devices is None else list(devices)
-    if cp_size < 1:
-        raise ConfigError(f"`cp_size` must be >= 1, got {cp_size}")
-    if cp_size > len(devices) or len(devices) % cp_size:
+    if size < 1:
+        raise ConfigError(f"`{flag}` must be >= 1, got {size}")
+    if size > len(devices) or len(devices) % size:
         raise ConfigError(
-            f"`cp_size` {cp_size} must divide the {len(devices)} available devices "
+            f"`{flag}` {size} must divide the {len(devices)} available devices "
             f"({devices[0].platform}); pick a divisor of {len(devices)} or expose more "
             "devices (tests: XLA_FLAGS=--xla_force_host_platform_device_count=N)"
         )
     # Keep process order so a multi-host mesh places rank r on process r // local_count.
-    devices = sorted(devices, key=lambda d: (d.process_index, d.id))[:cp_size]
-    return Mesh(np.asarray(devices), (CP_AXIS,))
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))[:size]
+    return Mesh(np.asarray(devices), (axis,))
 
 
 def initialize_distributed(

@@ -232,10 +232,10 @@ def bytes_per_device(state: nnx.State, shardings: nnx.State) -> dict[str, int]:
     return out
 
 
-def check_divisible(n_routed_experts: int, size: int) -> None:
+def check_divisible(n_routed_experts: int, size: int, flag: str = "cp_size") -> None:
     if n_routed_experts % size:
         raise ConfigError(
             f"expert parallelism over {size} ranks needs `n_routed_experts` "
-            f"({n_routed_experts}) divisible by `cp_size` ({size}); pick a cp size that "
+            f"({n_routed_experts}) divisible by `{flag}` ({size}); pick a size that "
             f"divides {n_routed_experts} or turn expert parallelism off"
         )

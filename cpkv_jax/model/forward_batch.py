@@ -65,19 +65,24 @@ def batch_from_host(
     return ForwardBatch(*jax.device_put(host))
 
 
-def abstract_batch(rows: int, tokens: int, width: int) -> ForwardBatch:
-    """A `ForwardBatch` of `ShapeDtypeStruct`s (no sharding: the steps' batches are
-    uncommitted arrays), for lowering a step ahead of time without allocating one."""
+def abstract_batch(rows: int, tokens: int, width: int, sharding=None) -> ForwardBatch:
+    """A `ForwardBatch` of `ShapeDtypeStruct`s, for lowering a step ahead of time without
+    allocating one. No `sharding` for the single-device steps (their batches are
+    uncommitted arrays); the DP steps pass their rows' sharding."""
     i32, dims = np.int32, (rows, tokens)
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
     return _unflatten(
         None,
         [
-            jax.ShapeDtypeStruct(dims, i32),  # input_ids
-            jax.ShapeDtypeStruct(dims, i32),  # positions
-            jax.ShapeDtypeStruct(dims, np.bool_),  # valid
-            jax.ShapeDtypeStruct(dims, i32),  # write_slots
-            jax.ShapeDtypeStruct((rows, width), i32),  # page_table
-            jax.ShapeDtypeStruct((rows,), i32),  # kv_lens
+            spec(dims, i32),  # input_ids
+            spec(dims, i32),  # positions
+            spec(dims, np.bool_),  # valid
+            spec(dims, i32),  # write_slots
+            spec((rows, width), i32),  # page_table
+            spec((rows,), i32),  # kv_lens
         ],
     )
 

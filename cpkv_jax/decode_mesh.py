@@ -1,0 +1,298 @@
+"""Data-parallel decode on a `("dp",)` mesh with expert-parallel MoE (issue 36).
+
+MLA keeps one latent KV head, so tensor parallelism would hold every request's KV on
+every rank. Data-parallel attention keeps a request on one rank instead: its pages live
+in that rank's shard of the pool and its rows run there. Routed experts are sharded over
+the same devices (`expert_parallel` on the `"dp"` axis); attention, indexer, dense
+layers, shared experts and the LM head are replicated.
+
+Pool (`DPPoolLayout`): every leaf is `[dp * pages_per_rank, page_size, ...]` with its
+page axis split over `"dp"`, so rank `r` holds pages `[r * ppr, (r + 1) * ppr)`. The
+host speaks *global* page ids (`r * ppr + local`): the allocator, the transfer
+receiver's scatter (a jitted scatter on the sharded pool is partitioned by XLA) and the
+engine. Batches carry *rank-local* ids, built on the host by `DPBatch`, so inside
+`shard_map` each rank runs the unchanged single-device model on its shard; local page 0
+of every rank is that rank's trash page.
+
+One step runs every rank's rows, padded to a common row bucket and page-table width:
+an idle rank runs padding rows (valid False, written to its trash page) and still joins
+the MoE collectives. Logits come back `[dp * rows, vocab]`, rank-major, on the devices;
+the sampler draws from them there.
+
+`choose_rank` is the admission policy, pure host-side: the rank with the most free
+pages that can take the request, then the fewest running rows, then the lowest index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
+
+from cpkv_jax.aot import ShapeCache, abstract
+from cpkv_jax.buckets import pow2_at_least, prefill_bucket
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.errors import ConfigError
+from cpkv_jax.mesh import DP_AXIS
+from cpkv_jax.model.expert_parallel import EPDispatch, EPSpec, check_divisible, param_shardings
+from cpkv_jax.model.expert_parallel import expert_parallel as ep_context
+from cpkv_jax.model.forward_batch import ForwardBatch, abstract_batch
+from cpkv_jax.model.kv_cache import (
+    SINGLE_DEVICE_KV_IO,
+    TRASH_PAGE,
+    IndexKDtype,
+    KVPool,
+    PagedKVIO,
+    pool_shapes,
+)
+from cpkv_jax.model.mla import AttnForm
+from cpkv_jax.model.numerics import batch_invariant, token_block_bytes
+from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.paging import padded_page_table, slots_for_positions
+
+# A compiled DP step: (form, rows per rank, tokens per row, page-table width).
+DPShape = tuple[str, int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class DPPoolLayout:
+    dp_size: int
+    pages_per_rank: int  # physical pages each rank holds, its trash page included
+    page_size: int
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ConfigError(f"`dp_size` must be >= 1, got {self.dp_size}")
+        if self.pages_per_rank < 2:
+            raise ConfigError(
+                f"each DP rank needs >= 2 pages (its trash page + one usable), got "
+                f"{self.pages_per_rank}; raise the KV pool size"
+            )
+
+    @property
+    def global_pages(self) -> int:
+        return self.dp_size * self.pages_per_rank
+
+    def rank_of(self, pages: np.ndarray) -> np.ndarray:
+        return np.asarray(pages) // self.pages_per_rank
+
+    def local(self, pages: np.ndarray, rank: int) -> np.ndarray:
+        """Rank-local ids of global `pages`, which must all be rank `rank`'s."""
+        pages = np.asarray(pages)
+        local = pages - rank * self.pages_per_rank
+        if local.size and (local.min() < 0 or local.max() >= self.pages_per_rank):
+            raise ValueError(f"pages {pages.tolist()} are not all on DP rank {rank}")
+        return local
+
+    def trash_page(self, rank: int) -> int:
+        """Global id of rank `rank`'s trash page (its local page 0)."""
+        return rank * self.pages_per_rank + TRASH_PAGE
+
+
+def init_dp_pool(
+    cfg: ModelConfig,
+    layout: DPPoolLayout,
+    mesh: Mesh,
+    dtype: DTypeLike = jnp.float32,
+    index_k_dtype: IndexKDtype = "fp8_e4m3",
+) -> KVPool:
+    """A zero pool created in its sharding (page axis over `"dp"`, no host copy)."""
+    shapes = pool_shapes(cfg, layout.global_pages, layout.page_size, dtype, index_k_dtype)
+    sharding = NamedSharding(mesh, P(DP_AXIS))
+    shardings = jax.tree_util.tree_map(lambda _: sharding, shapes)
+
+    @functools.partial(jax.jit, out_shardings=shardings)
+    def zeros():
+        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    return zeros()
+
+
+def choose_rank(
+    free_pages: Sequence[int],
+    running: Sequence[int],
+    need_pages: int,
+    max_running_per_rank: int,
+) -> int | None:
+    """The DP rank a request needing `need_pages` pages goes to, or None when no rank
+    can take it now: most free pages, then fewest running rows, then lowest index."""
+    best: tuple[int, int, int] | None = None
+    for rank, (free, rows) in enumerate(zip(free_pages, running, strict=True)):
+        if free < need_pages or rows >= max_running_per_rank:
+            continue
+        key = (-free, rows, rank)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class DPRow:
+    """One row of a DP step: `tokens` fed at positions `start..start+len-1` of a request
+    whose KV lives in global `pages` (all on `rank`), `width` = its reservation's pages."""
+
+    rank: int
+    tokens: np.ndarray  # int32 [t]
+    start: int
+    pages: np.ndarray  # global page ids, logical order
+    n_pages: int
+
+
+def build_batch(
+    layout: DPPoolLayout, rows: Sequence[DPRow], *, prefill: bool
+) -> tuple[DPShape, list[tuple[int, int]], tuple[np.ndarray, ...]]:
+    """Host arrays of one DP step and its shape, and where each of `rows` sits in the
+    step's `[dp * rows_per_rank]` output (`(rank, slot)`, row index `rank * R + slot`).
+
+    Decode rows feed one token each; prefill rows a whole prompt, padded to the bucket
+    of the longest (`buckets.prefill_bucket`). Rows per rank pad to a power of two of the
+    busiest rank's, page tables to a power of two of the widest reservation."""
+    per_rank = [0] * layout.dp_size
+    where: list[tuple[int, int]] = []
+    for r in rows:
+        where.append((r.rank, per_rank[r.rank]))
+        per_rank[r.rank] += 1
+    rows_p = pow2_at_least(max(per_rank))
+    width = pow2_at_least(max(r.n_pages for r in rows))
+    t_len = prefill_bucket(max(len(r.tokens) for r in rows)) if prefill else 1
+    n = layout.dp_size * rows_p
+    ids = np.zeros((n, t_len), np.int32)
+    positions = np.zeros((n, t_len), np.int32)
+    valid = np.zeros((n, t_len), bool)
+    slots = np.zeros((n, t_len), np.int32)  # local slot 0: each rank's trash page
+    tables = np.full((n, width), TRASH_PAGE, np.int32)
+    kv_lens = np.zeros((n,), np.int32)
+    for r, (rank, slot) in zip(rows, where, strict=True):
+        i = rank * rows_p + slot
+        t = len(r.tokens)
+        table = padded_page_table(layout.local(r.pages, rank), width)
+        tables[i] = table
+        ids[i, :t] = r.tokens
+        positions[i, :t] = np.arange(r.start, r.start + t)
+        valid[i, :t] = True
+        slots[i, :t] = slots_for_positions(table, positions[i, :t], layout.page_size)
+        kv_lens[i] = r.start + t
+    form = "absorbed"
+    return (form, rows_p, t_len, width), where, (ids, positions, valid, slots, tables, kv_lens)
+
+
+class DPDecodeSteps:
+    """The jitted DP steps of one model on one mesh and pool layout, one executable per
+    `DPShape` (compiled ahead of time on abstract inputs, as `DecodeSteps`)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        mesh: Mesh,
+        layout: DPPoolLayout,
+        pool: KVPool,
+        *,
+        index_k_dtype: IndexKDtype,
+        batch_invariant: bool = False,
+        block_bytes: int | None = None,
+        kv_io: PagedKVIO = SINGLE_DEVICE_KV_IO,
+        ep_dispatch: EPDispatch = "allgather",
+    ):
+        if tuple(mesh.axis_names) != (DP_AXIS,) or mesh.size != layout.dp_size:
+            raise ConfigError(f"DP steps need a ('dp',) mesh of {layout.dp_size} devices")
+        cfg = model.cfg
+        check_divisible(cfg.n_routed_experts, layout.dp_size, "dp_size")
+        self.mesh = mesh
+        self.layout = layout
+        self.index_k_dtype = index_k_dtype
+        self.vocab_size = cfg.vocab_size
+        graphdef, state = nnx.split(model)
+        self._graphdef = graphdef
+        shardings = param_shardings(state, mesh, DP_AXIS)
+        # Routed experts split over dp; everything else replicated on every rank.
+        self.state = jax.device_put(state, shardings)
+        self._row_sharding = NamedSharding(mesh, P(DP_AXIS))
+        self._abstract = (abstract(self.state), abstract(pool))
+        ep = EPSpec(DP_AXIS, layout.dp_size, ep_dispatch) if layout.dp_size > 1 else None
+        state_specs = jax.tree.map(
+            lambda s: s.spec, shardings, is_leaf=lambda x: isinstance(x, NamedSharding)
+        )
+        self._step = _build_step(
+            graphdef,
+            mesh,
+            state_specs,
+            ep,
+            kv_io,
+            index_k_dtype,
+            batch_invariant,
+            block_bytes,
+        )
+        self._compiled: ShapeCache[DPShape] = ShapeCache("DP decode step")
+
+    def batch(self, host: tuple[np.ndarray, ...]) -> ForwardBatch:
+        """The step's batch on the mesh, rows split over `"dp"` (each process fills its
+        own shards from the same host arrays)."""
+        sharding = self._row_sharding
+        return ForwardBatch(
+            *(jax.make_array_from_callback(a.shape, sharding, lambda i, a=a: a[i]) for a in host)
+        )
+
+    def compiled(self, shape: DPShape) -> jax.stages.Compiled:
+        return self._compiled.get(shape, lambda: self._lower(shape))
+
+    @property
+    def compiled_shapes(self) -> set[DPShape]:
+        return self._compiled.compiled_keys()
+
+    def run(
+        self, shape: DPShape, host: tuple[np.ndarray, ...], pool: KVPool
+    ) -> tuple[jax.Array, KVPool]:
+        """Logits `[dp * rows, vocab]` (rank-major, on the devices) and the new pool
+        (`pool` is donated)."""
+        step = self.compiled(shape)
+        return step(self.state, self.batch(host), pool)
+
+    def _lower(self, shape: DPShape) -> jax.stages.Lowered:
+        form, rows, tokens, width = shape
+        batch = abstract_batch(self.layout.dp_size * rows, tokens, width, self._row_sharding)
+        state, pool = self._abstract
+        return self._step[form].lower(state, batch, pool)
+
+
+def _build_step(
+    graphdef,
+    mesh: Mesh,
+    state_specs,
+    ep: EPSpec | None,
+    kv_io: PagedKVIO,
+    index_k_dtype: str,
+    invariant: bool,
+    block_bytes: int | None,
+) -> dict[str, object]:
+    def build(form: AttnForm):
+        def per_rank(state, batch: ForwardBatch, pool: KVPool):
+            model = nnx.merge(graphdef, state)
+            with batch_invariant(invariant), token_block_bytes(block_bytes), ep_context(ep):
+                hidden, pool = model(
+                    batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form
+                )
+                last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
+                hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+                return model.logits(hidden), pool
+
+        rows = P(DP_AXIS)
+        sharded = jax.shard_map(
+            per_rank,
+            mesh=mesh,
+            in_specs=(state_specs, rows, rows),
+            out_specs=(rows, rows),
+            # Replicated weights meet per-rank rows in every layer (and the EP exchange
+            # builds buffers from constants); the varying-axes checker is not needed.
+            check_vma=False,
+        )
+        return jax.jit(sharded, donate_argnums=(2,))
+
+    return {"absorbed": build("absorbed")}
