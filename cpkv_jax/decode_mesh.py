@@ -20,7 +20,7 @@ the MoE collectives. Logits come back `[dp * rows, vocab]`, rank-major, on the d
 the sampler draws from them there.
 
 `choose_rank` is the admission policy, pure host-side: the rank with the most free
-pages that can take the request, then the fewest running rows, then the lowest index.
+pages that can take the request, then the fewest running rows, then round robin.
 """
 
 from __future__ import annotations
@@ -121,17 +121,21 @@ def choose_rank(
     running: Sequence[int],
     need_pages: int,
     max_running_per_rank: int,
+    first: int = 0,
 ) -> int | None:
     """The DP rank a request needing `need_pages` pages goes to, or None when no rank
-    can take it now: most free pages, then fewest running rows, then lowest index."""
+    can take it now: most free pages, then fewest running rows, then the first in
+    cyclic order from `first` (the engine passes the rank after its last admission, so
+    ties rotate over the ranks as round robin does)."""
+    n = len(free_pages)
     best: tuple[int, int, int] | None = None
     for rank, (free, rows) in enumerate(zip(free_pages, running, strict=True)):
         if free < need_pages or rows >= max_running_per_rank:
             continue
-        key = (-free, rows, rank)
+        key = (-free, rows, (rank - first) % n)
         if best is None or key < best:
             best = key
-    return None if best is None else best[2]
+    return None if best is None else (best[2] + first) % n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,9 +152,10 @@ class DPRow:
 
 def build_batch(
     layout: DPPoolLayout, rows: Sequence[DPRow], *, prefill: bool
-) -> tuple[DPShape, list[tuple[int, int]], tuple[np.ndarray, ...]]:
-    """Host arrays of one DP step and its shape, and where each of `rows` sits in the
-    step's `[dp * rows_per_rank]` output (`(rank, slot)`, row index `rank * R + slot`).
+) -> tuple[DPShape, np.ndarray, tuple[np.ndarray, ...]]:
+    """Host arrays of one DP step, its shape, and `order`: the step's row of each of
+    `rows` (`rank * rows_per_rank + slot`; padding rows after), by which the step returns
+    its logits so that row `i` is `rows[i]`'s.
 
     Decode rows feed one token each; prefill rows a whole prompt, padded to the bucket
     of the longest (`buckets.prefill_bucket`). Rows per rank pad to a power of two of the
@@ -180,8 +185,10 @@ def build_batch(
         valid[i, :t] = True
         slots[i, :t] = slots_for_positions(table, positions[i, :t], layout.page_size)
         kv_lens[i] = r.start + t
+    order = np.zeros((n,), np.int32)
+    order[: len(rows)] = [rank * rows_p + slot for rank, slot in where]
     form = "absorbed"
-    return (form, rows_p, t_len, width), where, (ids, positions, valid, slots, tables, kv_lens)
+    return (form, rows_p, t_len, width), order, (ids, positions, valid, slots, tables, kv_lens)
 
 
 class DPDecodeSteps:
@@ -215,6 +222,7 @@ class DPDecodeSteps:
         # Routed experts split over dp; everything else replicated on every rank.
         self.state = jax.device_put(state, shardings)
         self._row_sharding = NamedSharding(mesh, P(DP_AXIS))
+        self.replicated = NamedSharding(mesh, P())
         self._abstract = (abstract(self.state), abstract(pool))
         ep = EPSpec(DP_AXIS, layout.dp_size, ep_dispatch) if layout.dp_size > 1 else None
         state_specs = jax.tree.map(
@@ -247,19 +255,30 @@ class DPDecodeSteps:
     def compiled_shapes(self) -> set[DPShape]:
         return self._compiled.compiled_keys()
 
+    @property
+    def compile_count(self) -> int:
+        return self._compiled.compiles
+
+    def compile_estimate(self, shapes: set[DPShape]) -> tuple[int, float]:
+        return self._compiled.estimate(shapes)
+
     def run(
-        self, shape: DPShape, host: tuple[np.ndarray, ...], pool: KVPool
+        self, shape: DPShape, order: np.ndarray, host: tuple[np.ndarray, ...], pool: KVPool
     ) -> tuple[jax.Array, KVPool]:
-        """Logits `[dp * rows, vocab]` (rank-major, on the devices) and the new pool
-        (`pool` is donated)."""
+        """Logits `[dp * rows, vocab]` in `order` (`build_batch`: row `i` is the `i`-th
+        row given, padding after; replicated on the mesh) and the new pool (`pool` is
+        donated)."""
         step = self.compiled(shape)
-        return step(self.state, self.batch(host), pool)
+        order = jax.device_put(order, self.replicated)
+        return step(self.state, self.batch(host), pool, order)
 
     def _lower(self, shape: DPShape) -> jax.stages.Lowered:
         form, rows, tokens, width = shape
-        batch = abstract_batch(self.layout.dp_size * rows, tokens, width, self._row_sharding)
+        n = self.layout.dp_size * rows
+        batch = abstract_batch(n, tokens, width, self._row_sharding)
+        order = jax.ShapeDtypeStruct((n,), np.int32, sharding=self.replicated)
         state, pool = self._abstract
-        return self._step[form].lower(state, batch, pool)
+        return self._step[form].lower(state, batch, pool, order)
 
 
 def _build_step(
@@ -293,6 +312,15 @@ def _build_step(
             # builds buffers from constants); the varying-axes checker is not needed.
             check_vma=False,
         )
-        return jax.jit(sharded, donate_argnums=(2,))
+        replicated = NamedSharding(mesh, P())
+
+        # Logits come back in the caller's row order, on every device (the sampler's
+        # input): one small gather inside the step, no extra program.
+        @functools.partial(jax.jit, donate_argnums=(2,), out_shardings=(replicated, None))
+        def step(state, batch, pool, order):
+            logits, pool = sharded(state, batch, pool)
+            return logits[order], pool
+
+        return step
 
     return {"absorbed": build("absorbed")}

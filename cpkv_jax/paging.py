@@ -54,39 +54,60 @@ def padded_page_table(pages: np.ndarray, width: int) -> np.ndarray:
 
 
 class PageAllocator:
-    """Free list of one pool's physical pages; page 0 is reserved as the trash page."""
+    """Free lists of one pool's physical pages; page 0 is reserved as the trash page.
 
-    def __init__(self, num_pages: int):
-        if num_pages < 2:
+    `ranks > 1` (a data-parallel decode pool, `cpkv_jax.decode_mesh`): the pool is split
+    into `ranks` equal shards of `num_pages // ranks` pages, each with its own trash page
+    (its first) and free list; `alloc(n, rank)` takes all `n` pages from one shard and
+    `free` returns pages to the shard they came from.
+    """
+
+    def __init__(self, num_pages: int, ranks: int = 1):
+        if ranks < 1 or num_pages % ranks:
+            raise ConfigError(f"{num_pages} pages do not split into {ranks} equal rank shards")
+        per_rank = num_pages // ranks
+        if per_rank < 2:
             raise ConfigError(
-                f"a pool needs at least 2 pages (1 trash + 1 usable), got {num_pages}"
+                f"a pool needs at least 2 pages (1 trash + 1 usable) per rank, got {per_rank}"
             )
         self.num_pages = num_pages
+        self.ranks = ranks
+        self.pages_per_rank = per_rank
         # Lowest pages first, so small tests get predictable page numbers.
-        self._free = list(range(num_pages - 1, TRASH_PAGE, -1))
+        self._free = [
+            list(range((r + 1) * per_rank - 1, r * per_rank + TRASH_PAGE, -1)) for r in range(ranks)
+        ]
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return sum(len(f) for f in self._free)
 
-    def alloc(self, n: int) -> np.ndarray:
-        if n > len(self._free):
+    @property
+    def num_free_per_rank(self) -> tuple[int, ...]:
+        return tuple(len(f) for f in self._free)
+
+    def alloc(self, n: int, rank: int = 0) -> np.ndarray:
+        free = self._free[rank]
+        if n > len(free):
+            where = f" on DP rank {rank}" if self.ranks > 1 else ""
             raise CacheCapacityError(
-                f"need {n} KV pages but only {len(self._free)} of {self.num_pages - 1} are free; "
-                "raise the KV pool size or shorten the request"
+                f"need {n} KV pages but only {len(free)} of {self.pages_per_rank - 1} are "
+                f"free{where}; raise the KV pool size or shorten the request"
             )
-        out = [self._free.pop() for _ in range(n)]
+        out = [free.pop() for _ in range(n)]
         return np.asarray(out, dtype=np.int32)
 
     def free(self, pages: np.ndarray) -> None:
         pages = [int(p) for p in np.asarray(pages).reshape(-1)]
-        if TRASH_PAGE in pages:
+        per_rank = self.pages_per_rank
+        if any(p % per_rank == TRASH_PAGE and 0 <= p < self.num_pages for p in pages):
             raise ValueError("the trash page is never allocated and cannot be freed")
-        in_free = set(self._free)
+        in_free = {p for f in self._free for p in f}
         dup = [p for p in pages if p in in_free or not 0 < p < self.num_pages]
         if dup or len(set(pages)) != len(pages):
             raise ValueError(f"double free or foreign page(s): {dup or pages}")
-        self._free.extend(sorted(pages, reverse=True))
+        for p in sorted(pages, reverse=True):
+            self._free[p // per_rank].append(p)
 
 
 def owner_of_page(p: PageIndex, cp_size: int) -> PageIndex:

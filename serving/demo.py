@@ -6,12 +6,13 @@
 The model is the tiny GLM-5-architecture checkpoint in the official FP8 format
 (block-quantized weights + `weight_scale_inv`, sharded files + index json), written on
 first use, with 16 routed experts. On 127.0.0.1 it starts three processes: a decode
-server (one device), a CP=8 shared-KV prefill server with expert parallelism over the
-same 8 ranks (`--ep-size 8`: 2 experts per rank, loaded straight into their shards; 8
-virtual CPU devices) and `cpkv-router` in front of them. Both servers keep the weights
-FP8 on device. It sends a
-short prompt, a long one (many pages), and two prompts sharing a long prefix (the second
-reuses the prefill server's radix cache), half of them streamed; prints each request's
+server decoding data-parallel over 8 devices (`--dp-size 8`: each request's pages and
+rows on one rank, the routed experts split over the 8), a CP=8 shared-KV prefill server
+with expert parallelism over the same 8 ranks (`--ep-size 8`: 2 experts per rank,
+loaded straight into their shards; 8 virtual CPU devices) and `cpkv-router` in front of
+them. Both servers keep the weights FP8 on device. It sends a short prompt, a long one
+(many pages), and two prompts sharing a long prefix (the second reuses the prefill
+server's radix cache), half of them streamed; prints each request's
 TTFT and output, the per-rank KV bytes of the shared vs a replicated pool of the same
 capacity, the weights per device and the transfer throughput; checks every greedy
 output against the single-device reference computed here
@@ -140,7 +141,11 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
     ]
     procs: list[Proc] = []
     try:
-        print(f"starting decode server on :{ports['decode']} (1 device) ...", flush=True)
+        print(
+            f"starting decode server on :{ports['decode']} (DP={CP} with EP={CP}, {CP} "
+            "virtual CPU devices) ...",
+            flush=True,
+        )
         procs.append(
             Proc(
                 "decode",
@@ -151,13 +156,15 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
                     *common,
                     "--disaggregation-mode",
                     "decode",
+                    "--dp-size",
+                    str(CP),
                     "--port",
                     str(ports["decode"]),
                     "--transfer-port",
                     str(ports["transfer"]),
                 ],
                 log_dir,
-                base_env,
+                prefill_env,
             )
         )
         print(
@@ -367,8 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         weights = prefill_info.get("weight_bytes_per_device")
         if weights is not None:
             print(
-                f"weights per device: prefill (EP={CP}) {weights / 2**10:.0f} KiB, decode (all "
-                f"experts) {decode_info['weight_bytes_per_device'] / 2**10:.0f} KiB, "
+                f"weights per device: prefill (EP={CP}) {weights / 2**10:.0f} KiB, decode "
+                f"(DP={CP}, EP={CP}) {decode_info['weight_bytes_per_device'] / 2**10:.0f} KiB, "
                 f"FP8 {prefill_info.get('fp8_weights', 'keep')}"
             )
         sent, secs = (

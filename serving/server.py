@@ -51,7 +51,9 @@ from fastapi import FastAPI
 
 from cpkv_jax.aot import BackgroundCompiler, CompileJob
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.decode_mesh import DPPoolLayout, init_dp_pool
 from cpkv_jax.errors import ConfigError
+from cpkv_jax.mesh import make_dp_mesh
 from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
@@ -202,13 +204,27 @@ def _build_decode_side(
         return _build_cached_unified(args, cfg, model, tokenizer, devices)
     dtype = DTYPES[args.dtype]
     pages = pool_pages_per_rank(args, cfg)  # cp_size 1 here: one lane, one trash page
-    pool = init_pool(cfg, pages, args.page_size, dtype, args.index_k_dtype)
-    running, why = max_running_requests(args, pages - 1)
+    dp = args.dp_size
+    mesh = make_dp_mesh(dp, devices) if dp > 1 else None
+    if mesh is None:
+        pool = init_pool(cfg, pages, args.page_size, dtype, args.index_k_dtype)
+    else:  # one shard of `pages` per DP rank, each with its trash page
+        dp_layout = DPPoolLayout(dp, pages, args.page_size)
+        pool = init_dp_pool(cfg, dp_layout, mesh, dtype, args.index_k_dtype)
+    running, why = max_running_requests(args, dp * (pages - 1))
     logger.info("max running requests: %d (%s)", running, why)
-    info: dict[str, Any] = {"max_running_requests": running}
+    info: dict[str, Any] = {"max_running_requests": running, "dp_size": dp}
+    if mesh is not None:
+        logger.info(
+            "data-parallel decode over %d devices: %d KV pages per rank, routed experts "
+            "split %d per rank",
+            dp,
+            pages - 1,
+            cfg.n_routed_experts // dp,
+        )
     closers: list[Callable[[], None]] = []
     if args.disaggregation_mode == "null":
-        kv: Any = KVSink(pool, PageAllocator(pages))
+        kv: Any = KVSink(pool, PageAllocator(dp * pages, ranks=dp))
     else:
         from transfer.page_plan import LayoutDescriptor
         from transfer.protocol import TransferTimeouts
@@ -230,7 +246,7 @@ def _build_decode_side(
             heartbeat_interval=args.transfer_heartbeat_interval,
         )
         receiver = Receiver(
-            layout, pool, PageAllocator(pages), timeouts=timeouts, mooncake=endpoint
+            layout, pool, PageAllocator(dp * pages, ranks=dp), timeouts=timeouts, mooncake=endpoint
         )
         receiver.start()
         closers.append(receiver.close)
@@ -248,6 +264,7 @@ def _build_decode_side(
         max_running_requests=running,
         max_queued_requests=args.max_queued_requests,
         detokenize=_detokenizer(tokenizer),
+        mesh=mesh,
     )
     return engine, info, closers
 
@@ -420,7 +437,9 @@ def _run_warmup_requests(
     (prefill buckets and decode batches 1..k); returns the step shapes they ran."""
     free0 = engine.kv.num_free_pages
     vocab = cfg.vocab_size - 3
-    probe = _decode_engine(args, cfg, model, engine.kv, mode="null", max_running_requests=k)
+    probe = _decode_engine(
+        args, cfg, model, engine.kv, mode="null", max_running_requests=k, mesh=engine.mesh
+    )
     for i in range(k):
         n = long_prompt if i % 2 == 0 else min(5, long_prompt)
         ids = tuple(3 + (7 * j) % vocab for j in range(n))

@@ -125,6 +125,7 @@ GROUPS: dict[str, str] = {
     "nsa": "NSA index top-k sharing overrides (SPEC S11)",
     "cp": "context-parallel prefill and shared KV (SPEC S1)",
     "ep": "expert parallelism over the CP ranks of a prefill server",
+    "dp": "data-parallel decode with expert parallelism (decode and unified servers)",
     "scheduler": "scheduler and memory",
     "bs_gt1": "CP shared-KV prefill batches of more than one request (SPEC S5-S9)",
     "hicache": "host KV cache, HiCache (SPEC S4)",
@@ -332,6 +333,16 @@ class ServerArgs:
         "exact); none = --ep-size (never drops)",
         group="ep",
         requires="ep_all_to_all",
+    )
+
+    # data-parallel decode
+    dp_size: int = _arg(
+        1,
+        help="devices a decode (or --disable-radix-cache unified) server decodes on: each "
+        "request's KV pages and rows stay on one rank, the routed experts are split over "
+        "all of them; --kv-pool-size is per rank (as on a CP prefill server), "
+        "--max-running-requests for the whole server",
+        group="dp",
     )
 
     # scheduler and memory
@@ -798,6 +809,7 @@ class ServerArgs:
             raise ServerArgsError(as_flags(str(e))) from e
         self._check_transfer(backends)
         self._check_expert_parallel(model_config, warnings)
+        self._check_data_parallel(model_config, device_count)
         self._check_hicache(warnings)
         self._check_radix_cache()
         self._check_api_keys(warnings)
@@ -982,6 +994,36 @@ class ServerArgs:
         yet: starting anyway would silently serve without it."""
         for reason in self._hicache_unbuilt():
             raise ServerArgsError(reason)
+
+    def _check_data_parallel(
+        self, model_config: ModelConfig | None, device_count: int | None
+    ) -> None:
+        """`--dp-size N > 1`: a decode server, or a unified one without the prefix cache
+        (its prefill scheduler is one device's still); experts split evenly."""
+        dp = self.dp_size
+        if dp < 1:
+            raise ServerArgsError(f"--dp-size must be >= 1, got {dp}")
+        if dp == 1:
+            return
+        if self.disaggregation_mode == "prefill":
+            raise ServerArgsError(
+                f"--dp-size {dp} is for decode: a prefill server splits a request over "
+                "--cp-size ranks instead; use --dp-size 1 here"
+            )
+        if self.uses_prefix_cache():
+            raise ServerArgsError(
+                f"--dp-size {dp} on a unified server needs --disable-radix-cache: the prefix "
+                "cache's scheduler runs on one device (a cache per DP rank is not built yet)"
+            )
+        if device_count is not None and (dp > device_count or device_count % dp):
+            raise ServerArgsError(
+                f"--dp-size {dp} must divide the {device_count} available devices"
+            )
+        if model_config is not None:
+            try:
+                check_divisible(model_config.n_routed_experts, dp, "dp_size")
+            except ConfigError as e:
+                raise ServerArgsError(f"--dp-size {dp}: {as_flags(str(e))}") from e
 
     def _check_radix_cache(self) -> None:
         if not self.disable_radix_cache:

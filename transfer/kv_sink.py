@@ -49,7 +49,10 @@ class KVStore(Protocol):
 
     def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T: ...
 
-    def allocate_pages(self, n: int) -> np.ndarray: ...
+    @property
+    def num_free_pages_per_rank(self) -> tuple[int, ...]: ...
+
+    def allocate_pages(self, n: int, rank: int = 0) -> np.ndarray: ...
 
     def free_pages(self, pages: np.ndarray) -> None: ...
 
@@ -122,10 +125,16 @@ class KVSink:
             result, self._pool = step(self._pool)
             return result
 
-    def allocate_pages(self, n: int) -> np.ndarray:
-        """`n` pages from the allocator (under its lock)."""
+    @property
+    def num_free_pages_per_rank(self) -> tuple[int, ...]:
+        """Free pages of each DP rank's shard (one entry for a single-device pool)."""
         with self._alloc_lock:
-            return self._allocator.alloc(n)
+            return self._allocator.num_free_per_rank
+
+    def allocate_pages(self, n: int, rank: int = 0) -> np.ndarray:
+        """`n` pages from the allocator (under its lock), all from DP rank `rank`'s shard."""
+        with self._alloc_lock:
+            return self._allocator.alloc(n, rank)
 
     def free_pages(self, pages: np.ndarray) -> None:
         """Give pages back (a finished request's, or a failed room's)."""

@@ -78,6 +78,10 @@ class RunnerStore:
         return int(self._runner.allocator.num_free(0))
 
     @property
+    def num_free_pages_per_rank(self) -> tuple[int, ...]:
+        return (self.num_free_pages,)
+
+    @property
     def num_available_pages(self) -> int:
         """Free plus evictable (cached, unlocked) pages."""
         return self.num_free_pages + int(self._cache.evictable_pages_per_lane()[0])
@@ -87,9 +91,11 @@ class RunnerStore:
             out, self._runner.pool = step(self._runner.pool)
         return out
 
-    def allocate_pages(self, n: int) -> np.ndarray:
+    def allocate_pages(self, n: int, rank: int = 0) -> np.ndarray:
         """`n` pages, evicting cached ones as needed; `CacheCapacityError` (nothing
-        evicted) when free + evictable cannot cover them."""
+        evicted) when free + evictable cannot cover them. One rank only (`rank` 0)."""
+        if rank != 0:
+            raise ValueError(f"the cached unified engine has one pool shard, not rank {rank}")
         table = RequestPageTable(1)
         alloc_with_evict(self._cache, table, n * self.page_size)
         return table.detach().astype(np.int64)

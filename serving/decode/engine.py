@@ -53,10 +53,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
+from jax.sharding import Mesh
 
 from cpkv_jax.aot import CompileJob
 from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.decode_mesh import choose_rank
 from cpkv_jax.errors import ConfigError, CpkvError, InputError
 from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM
@@ -65,7 +67,7 @@ from cpkv_jax.paging import (
 )
 from cpkv_jax.sampling import RowSampling, sample
 from serving.decode.sampling import Detokenize, StopChecker, StopResult, request_seed
-from serving.decode.steps import DecodeSteps, reachable_shapes
+from serving.decode.steps import DecodeSteps, MeshDecodeSteps, reachable_shapes
 from serving.engine.api import (
     EngineStateLostError,
     EngineStats,
@@ -115,6 +117,7 @@ class _Request:
     width: int  # page-table width of its prefill (pow2 of n_pages)
     stop: StopChecker
     pages: np.ndarray | None = None  # held pages; None once freed (or owned by a room)
+    rank: int = 0  # the DP rank whose pool shard holds its pages and runs its rows
     out_ids: list[int] = dataclasses.field(default_factory=list)
     out_lps: list[float] = dataclasses.field(default_factory=list)
     emitted: int = 0  # output tokens already sent in a chunk
@@ -156,6 +159,7 @@ class DecodeEngine:
         max_queued_requests: int | None = None,
         idle_wait_s: float = DEFAULT_IDLE_WAIT_S,
         kv_io: PagedKVIO = SINGLE_DEVICE_KV_IO,
+        mesh: Mesh | None = None,
     ):
         if mode not in ("null", "decode"):
             raise ConfigError(
@@ -194,11 +198,25 @@ class DecodeEngine:
         self.detokenize = detokenize
         self.idle_wait_s = idle_wait_s
         self._clock = clock
-        self._steps = DecodeSteps(
-            model, kv, page_size, index_k_dtype, batch_invariant, block_bytes, kv_io
-        )
+        # Data-parallel decode (`--dp-size`): the pool splits into one shard per rank,
+        # each with its trash page; a request's pages and rows stay on one rank.
+        self.mesh = mesh
+        self.dp_size = 1 if mesh is None else mesh.size
+        self._steps: DecodeSteps | MeshDecodeSteps
+        if self.dp_size > 1:
+            assert mesh is not None
+            self._steps = MeshDecodeSteps(
+                model, kv, mesh, page_size, index_k_dtype, batch_invariant, block_bytes, kv_io
+            )
+        else:
+            self._steps = DecodeSteps(
+                model, kv, page_size, index_k_dtype, batch_invariant, block_bytes, kv_io
+            )
         self._num_pages = pool.num_pages
-        self._usable_pages = pool.num_pages - 1  # page 0 is the trash page
+        self._usable_pages = pool.num_pages // self.dp_size - 1  # per rank, less its trash page
+        self._max_rows_per_rank = -(-max_running_requests // self.dp_size)
+        self.admitted_per_rank = [0] * self.dp_size  # requests each rank has taken
+        self._next_rank = 0  # ties between ranks go round robin from here
         self._bytes_per_page = pool.nbytes() // pool.num_pages
         # Waiting for pages and a batch slot (null: to prefill; decode: to register its room).
         self._queue: WaitQueue[_Request] = WaitQueue(
@@ -281,8 +299,8 @@ class DecodeEngine:
             mode=self.mode,
             waiting=waiting,
             running=running,
-            kv_pages_total=(self._usable_pages,),
-            kv_pages_free=(self.kv.num_free_pages,),
+            kv_pages_total=(self._usable_pages,) * self.dp_size,
+            kv_pages_free=tuple(self.kv.num_free_pages_per_rank),
             kv_bytes_per_page=self._bytes_per_page,
             transfer_bytes=received,
             transfer_failures=failures,
@@ -361,8 +379,27 @@ class DecodeEngine:
 
     def _fits_now(self, r: _Request) -> bool:
         """A batch slot and the request's pages are free (decode: transfers count)."""
-        active = len(self._transferring) + len(self._running)
-        return active < self.max_running_requests and self.kv.num_free_pages >= r.n_pages
+        return self._rank_for(r) is not None
+
+    def _rank_for(self, r: _Request) -> int | None:
+        """The rank `r` would be admitted to now (`decode_mesh.choose_rank`), or None:
+        the total batch is full, or no rank has a row and `r`'s pages free."""
+        active = [*self._transferring.values(), *self._running.values()]
+        if len(active) >= self.max_running_requests:
+            return None
+        rows = [0] * self.dp_size
+        for q in active:
+            rows[q.rank] += 1
+        free = self.kv.num_free_pages_per_rank
+        return choose_rank(free, rows, r.n_pages, self._max_rows_per_rank, self._next_rank)
+
+    def _allocate(self, r: _Request) -> None:
+        rank = self._rank_for(r)
+        assert rank is not None, "allocate only what fits now"
+        r.pages = self.kv.allocate_pages(r.n_pages, rank)
+        r.rank = rank
+        self.admitted_per_rank[rank] += 1
+        self._next_rank = (rank + 1) % self.dp_size
 
     def _register_queued(self, touched: dict[str, _Request]) -> None:
         """Register the rooms of queued requests, in arrival order, while they fit."""
@@ -383,7 +420,7 @@ class DecodeEngine:
 
     def _register_room(self, r: _Request) -> None:
         assert self._rooms is not None
-        r.pages = self.kv.allocate_pages(r.n_pages)
+        self._allocate(r)
         try:
             self._rooms.register_room(
                 r.req.bootstrap_room, r.pages, len(r.prompt), r.req.bootstrap_cp_size
@@ -397,12 +434,10 @@ class DecodeEngine:
 
     def _admit_and_prefill(self, touched: dict[str, _Request]) -> None:
         r = self._queue.head()
-        if r is None or len(self._running) >= self.max_running_requests:
-            return
-        if self.kv.num_free_pages < r.n_pages:
+        if r is None or not self._fits_now(r):
             return  # FIFO: nobody overtakes the head of the queue
         self._queue.pop(r.rid)
-        r.pages = self.kv.allocate_pages(r.n_pages)
+        self._allocate(r)
         self._running[r.rid] = r
         try:
             logprobs = self._steps.prefill(r.prompt, r.pages, r.width)
@@ -498,7 +533,7 @@ class DecodeEngine:
             page_size=self.page_size,
             context_length=self.context_length,
             usable_pages=self._usable_pages,
-            max_running_requests=self.max_running_requests,
+            max_running_requests=self._max_rows_per_rank,  # rows per rank
             prefill=self._prefills_itself,
         )
 

@@ -23,11 +23,13 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from cpkv_jax import sampling
 from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import MIN_PREFILL_BUCKET, pow2_at_least, prefill_bucket
+from cpkv_jax.decode_mesh import DPDecodeSteps, DPPoolLayout, DPRow, build_batch
 from cpkv_jax.model.forward_batch import abstract_batch, batch_from_host, prefill_batch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
@@ -176,16 +178,7 @@ class DecodeSteps:
         """Run each shape once on tables of the trash page only (every write lands in page
         0, which no request reads), through the same code the requests take (the step,
         then the sampler on its rows)."""
-        trash = np.zeros((1,), np.int32)
-        bar = tqdm(shapes, desc="compiling decode steps", unit="shape", disable=None)
-        for form, rows, tokens, width in bar:  # a bar on a terminal only
-            if tokens > 1:  # a prefill: one row, `tokens` padded prompt tokens
-                if form != self.prefill_form:
-                    raise ValueError(f"this engine prefills in {self.prefill_form!r}, not {form!r}")
-                lp = self.prefill(np.full((tokens,), 3, np.int32), trash, width)
-            else:
-                lp = self.decode([(3, 0, trash, width)] * rows)
-            sampling.sample(lp, [sampling.GREEDY])
+        _warm(self, shapes, "compiling decode steps")
 
     def warm_log_probs(self, rows: set[int]) -> None:
         """Run the small programs around the steps (the log-softmax of `[rows, vocab]`
@@ -234,3 +227,126 @@ class DecodeSteps:
             invariant=self.batch_invariant,
             block_bytes=self.block_bytes,
         )
+
+
+def _warm(steps: DecodeSteps | MeshDecodeSteps, shapes: Sequence[Shape], desc: str) -> None:
+    """Run each shape once on tables of the trash page only (every write lands in a
+    trash page, which no request reads), through the same code the requests take (the
+    step, then the sampler on its rows)."""
+    trash = np.zeros((1,), np.int32)
+    bar = tqdm(shapes, desc=desc, unit="shape", disable=None)
+    for form, rows, tokens, width in bar:  # a bar on a terminal only
+        if tokens > 1:  # a prefill: one row, `tokens` padded prompt tokens
+            if form != steps.prefill_form:
+                raise ValueError(f"this engine prefills in {steps.prefill_form!r}, not {form!r}")
+            lp = steps.prefill(np.full((tokens,), 3, np.int32), trash, width)
+        else:
+            lp = steps.decode([(3, 0, trash, width)] * rows)
+        sampling.sample(lp, [sampling.GREEDY])
+
+
+_DP_STEPS: weakref.WeakKeyDictionary[CausalLM, dict[tuple, DPDecodeSteps]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class MeshDecodeSteps:
+    """`DecodeSteps` on a `("dp",)` mesh (`cpkv_jax.decode_mesh`): the same interface
+    for `DecodeEngine`, with a request's rank read from its (global) pages.
+
+    Shape keys count rows *per rank*: `("absorbed", R, 1, W)` is a step in which the
+    busiest rank has up to `R` rows. A prefill runs one request on its rank while the
+    other ranks run padding. The `DPDecodeSteps` (placed weights, executables) are
+    shared by the engines of one model, mesh and pool layout (the warm-up probe's and
+    the served engine's)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: KVStore,
+        mesh: Mesh,
+        page_size: int,
+        index_k_dtype: IndexKDtype,
+        batch_invariant: bool,
+        block_bytes: int | None,
+        kv_io: PagedKVIO = SINGLE_DEVICE_KV_IO,
+    ):
+        pool = kv.pool
+        dp = mesh.size
+        self.layout = DPPoolLayout(dp, pool.num_pages // dp, page_size)
+        self.kv = kv
+        self.vocab_size = model.cfg.vocab_size
+        self.prefill_form = "absorbed"
+        self.shapes: set[Shape] = set()
+        key = (
+            tuple(d.id for d in mesh.devices.reshape(-1)),
+            self.layout,
+            index_k_dtype,
+            batch_invariant,
+            block_bytes,
+            kv_io,
+        )
+        with _CACHES_LOCK:
+            by_key = _DP_STEPS.setdefault(model, {})
+            if key not in by_key:
+                by_key[key] = DPDecodeSteps(
+                    model,
+                    mesh,
+                    self.layout,
+                    pool,
+                    index_k_dtype=index_k_dtype,
+                    batch_invariant=batch_invariant,
+                    block_bytes=block_bytes,
+                    kv_io=kv_io,
+                )
+            self._dp = by_key[key]
+
+    def _run(self, rows: list[DPRow], prefill: bool) -> jax.Array:
+        shape, order, host = build_batch(self.layout, rows, prefill=prefill)
+        self._dp.compiled(shape)  # before the pool lock: it may compile or wait
+        self.shapes.add(shape)
+        with jax.named_scope("decode_engine.prefill" if prefill else "decode_engine.decode"):
+            logits = self.kv.update_pool(lambda pool: self._dp.run(shape, order, host, pool))
+        return log_probs(logits)
+
+    def _rank(self, pages: np.ndarray) -> int:
+        return int(np.asarray(pages)[0]) // self.layout.pages_per_rank
+
+    def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> jax.Array:
+        """Log-probs after the prompt's last token, row 0 (the request) of the step's."""
+        row = DPRow(self._rank(pages), np.asarray(prompt, np.int32), 0, pages, width)
+        return self._run([row], prefill=True)
+
+    def decode(self, rows: Sequence[DecodeRow]) -> jax.Array:
+        """Log-probs of each row's next token, row `i` that of `rows[i]` (padding after)."""
+        dp_rows = [
+            DPRow(self._rank(pages), np.asarray([token], np.int32), pos, pages, n_pages)
+            for token, pos, pages, n_pages in rows
+        ]
+        return self._run(dp_rows, prefill=False)
+
+    def warm(self, shapes: Sequence[Shape]) -> None:
+        """Run each shape once on rank 0's trash page, then the sampler on its rows."""
+        _warm(self, shapes, "compiling DP decode steps")
+
+    def warm_log_probs(self, rows: set[int]) -> None:
+        """The log-softmax and sampler on the steps' replicated `[dp * R, vocab]` logits
+        for each row bucket `R` (see `DecodeSteps.warm_log_probs`)."""
+        for r in sorted(rows | {1}):
+            n = self.layout.dp_size * r
+            logits = jax.device_put(np.zeros((n, self.vocab_size), np.float32), self._dp.replicated)
+            sampling.sample(log_probs(logits), [sampling.GREEDY])
+
+    def compiled(self, shape: Shape) -> jax.stages.Compiled:
+        return self._dp.compiled(shape)
+
+    def compile_estimate(self, shapes: set[Shape]) -> tuple[int, float]:
+        return self._dp.compile_estimate(shapes)
+
+    @property
+    def compile_count(self) -> int:
+        return self._dp.compile_count
+
+    @property
+    def compiled_shapes(self) -> set[Shape]:
+        return self._dp.compiled_shapes

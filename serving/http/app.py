@@ -133,12 +133,13 @@ class AdminRoutes:
             vocab_size=self.core.vocab_size,
             has_tokenizer=self.core.tokenizer is not None,
             has_chat_template=self.core.chat_template is not None,
-            # SGLang's fields, which its gateway reads (module docstring): one device
-            # group per server, so tensor- and data-parallel sizes of 1.
+            # SGLang's fields, which its gateway reads (module docstring): no tensor
+            # parallelism; a decode server's data-parallel ranks (`--dp-size`) are one
+            # engine behind one address, its own scheduler picking the rank.
             served_model_name=self.core.model_name,
             model_path=self.model_path,
             tp_size=1,
-            dp_size=1,
+            dp_size=int(info.get("dp_size", 1)),
             disaggregation_mode=stats.mode,  # "null", "prefill" or "decode", as SGLang's
             version=__version__,
         )

@@ -38,7 +38,7 @@ from cpkv_jax.errors import ConfigError
 from cpkv_jax.host_cache import bytes_per_page, leaf_specs
 from cpkv_jax.host_cache.pool import host_pages_for
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
-from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
+from cpkv_jax.mesh import CP_AXIS, DP_AXIS, make_cp_mesh, make_dp_mesh
 from cpkv_jax.model.expert_parallel import EPSpec
 from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.transformer import CausalLM, log_probs
@@ -246,7 +246,11 @@ def load_serving_model(
     replicated), so each process reads only the experts its devices hold. Logs what was
     read (`LoadStats`)."""
     ep = args.disaggregation_mode == "prefill" and args.ep_size > 1
+    dp = args.disaggregation_mode != "prefill" and args.dp_size > 1
     mesh = make_cp_mesh(args.cp_size, devices) if ep else None
+    axis = CP_AXIS if ep else None
+    if dp:  # a data-parallel decode server: experts split over its dp ranks
+        mesh, axis = make_dp_mesh(args.dp_size, devices), DP_AXIS
     stats = LoadStats()
     cfg, model = load_model(
         args.model_path,
@@ -255,7 +259,7 @@ def load_serving_model(
         progress=progress,
         fp8=args.fp8_weights,
         mesh=mesh,
-        expert_axis=CP_AXIS if ep else None,
+        expert_axis=axis,
         stats=stats,
     )
     logger.info(
@@ -267,7 +271,11 @@ def load_serving_model(
         stats.seconds,
         stats.bytes_read / 1e9 / max(stats.seconds, 1e-9),
         args.fp8_weights,
-        f"routed experts split over {args.ep_size} cp ranks" if ep else "no expert parallelism",
+        f"routed experts split over {args.ep_size} cp ranks"
+        if ep
+        else f"routed experts split over {args.dp_size} dp ranks"
+        if dp
+        else "no expert parallelism",
     )
     return cfg, model, stats
 

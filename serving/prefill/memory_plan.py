@@ -53,7 +53,7 @@ from flax import nnx
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import chunk_tokens
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
-from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
+from cpkv_jax.mesh import CP_AXIS, DP_AXIS, make_cp_mesh, make_dp_mesh
 from cpkv_jax.model.expert_parallel import bytes_per_device, param_shardings
 from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.weights import checkpoint_model
@@ -358,6 +358,8 @@ def plan_device_memory(
     state = nnx.state(model)
     mesh = make_cp_mesh(args.cp_size if prefill else 1, devices)
     ep_axis = CP_AXIS if prefill and args.ep_size > 1 else None
+    if not prefill and args.dp_size > 1:  # data-parallel decode: experts split over dp
+        mesh, ep_axis = make_dp_mesh(args.dp_size, devices), DP_AXIS
     shardings = param_shardings(state, mesh, ep_axis)
     weights = bytes_per_device(state, shardings)
     dequant = fp8_dequant_bytes(state, shardings, dtype)
@@ -395,7 +397,11 @@ def plan_device_memory(
 def over_budget_message(args: ServerArgs, plan: MemoryPlan) -> str:
     """Every number of `plan` (GiB, then exact bytes) and the flags that change them."""
     assert plan.budget_bytes is not None
-    if args.ep_size > 1:
+    if args.disaggregation_mode != "prefill":
+        ep = (
+            f"split the routed experts over more decode devices with --dp-size (now {args.dp_size})"
+        )
+    elif args.ep_size > 1:
         ep = f"raise --cp-size with --ep-size equal to it (now both {args.ep_size})"
     else:
         ep = (

@@ -111,13 +111,13 @@ def _serve(cfg, model, dp: int, reqs: list[_Req], *, invariant: bool, max_rows: 
             waiting.remove(r)
             prefills.append(r)
         if prefills:
-            shape, where, host = build_batch(
+            shape, order, host = build_batch(
                 layout,
                 [DPRow(r.rank, r.prompt, 0, r.pages, len(r.pages)) for r in prefills],
                 prefill=True,
             )
-            logits, pool = steps.run(shape, host, pool)
-            _take(prefills, where, shape, logits)
+            logits, pool = steps.run(shape, order, host, pool)
+            _take(prefills, logits)
             running += prefills
         decoding = [r for r in running if r not in prefills and len(r.out) < r.new]
         if decoding:
@@ -131,9 +131,9 @@ def _serve(cfg, model, dp: int, reqs: list[_Req], *, invariant: bool, max_rows: 
                 )
                 for r in decoding
             ]
-            shape, where, host = build_batch(layout, rows, prefill=False)
-            logits, pool = steps.run(shape, host, pool)
-            _take(decoding, where, shape, logits)
+            shape, order, host = build_batch(layout, rows, prefill=False)
+            logits, pool = steps.run(shape, order, host, pool)
+            _take(decoding, logits)
         for r in [r for r in running if len(r.out) >= r.new]:
             running.remove(r)
             free[r.rank] += r.pages.tolist()
@@ -142,14 +142,12 @@ def _serve(cfg, model, dp: int, reqs: list[_Req], *, invariant: bool, max_rows: 
     return steps
 
 
-def _take(reqs, where, shape, logits) -> None:
+def _take(reqs, logits) -> None:
     lp = np.asarray(log_probs(logits))
-    rows_p = shape[1]
-    for r, (rank, slot) in zip(reqs, where, strict=True):
-        row = lp[rank * rows_p + slot]
-        tok = int(np.argmax(row))
+    for i, r in enumerate(reqs):  # row i is reqs[i]'s (the step's `order`)
+        tok = int(np.argmax(lp[i]))
         r.out.append(tok)
-        r.lps.append(float(row[tok]))
+        r.lps.append(float(lp[i, tok]))
 
 
 def _check(cfg, model, reqs, *, invariant: bool) -> None:
@@ -199,9 +197,11 @@ def test_idle_ranks_and_experts_split_over_dp(models):
         assert leaf.addressable_shards[0].data.shape[0] == leaf.shape[0] // dp
 
 
-def test_choose_rank_prefers_free_pages_then_rows_then_index():
+def test_choose_rank_prefers_free_pages_then_rows_then_round_robin():
     assert choose_rank([5, 9, 9], [0, 2, 1], 3, 4) == 2  # most free, then fewest rows
-    assert choose_rank([5, 9, 9], [0, 1, 1], 3, 4) == 1  # then lowest index
+    assert choose_rank([5, 9, 9], [0, 1, 1], 3, 4) == 1  # then the first from rank 0
+    assert choose_rank([9, 9, 9], [1, 1, 1], 3, 4, first=2) == 2  # ... or from `first`
+    assert choose_rank([9, 9, 5], [1, 1, 1], 3, 4, first=2) == 0  # cyclic order
     assert choose_rank([5, 9, 9], [0, 4, 4], 3, 4) == 0  # full ranks are skipped
     assert choose_rank([2, 2], [0, 0], 3, 4) is None  # no rank has the pages
     assert choose_rank([9, 9], [4, 4], 1, 4) is None  # no rank has a row free

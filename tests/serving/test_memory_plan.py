@@ -215,6 +215,16 @@ def test_single_device_server_plan_counts_weights_and_its_pool(fp8_ckpt):
     assert plan.kv_pool_bytes > 0
 
 
+def test_dp_decode_plan_splits_the_routed_experts(fp8_ckpt):
+    """`--dp-size 4` (issue 36): each decode device holds 1/4 of the routed experts and
+    all the rest, from the same code as the single-device plan."""
+    base = ["--model-path", str(fp8_ckpt), "--dtype", "float32", "--page-size", "16"]
+    one = plan_for(ServerArgs.from_cli([*base, "--disable-radix-cache"]))
+    dp4 = plan_for(ServerArgs.from_cli([*base, "--disable-radix-cache", "--dp-size", "4"]))
+    assert dp4.routed_expert_bytes * 4 == one.routed_expert_bytes > 0
+    assert dp4.weight_bytes - dp4.routed_expert_bytes == one.weight_bytes - one.routed_expert_bytes
+
+
 def test_build_server_refuses_before_reading_any_weight(fp8_ckpt, monkeypatch):
     def no_load(*a, **k):
         raise AssertionError("weights were read before the memory check")

@@ -54,6 +54,7 @@ CP = 8
 NEW = 6
 WAIT_S = 60.0
 MOONCAKE, MOONCAKE_REASON = mooncake_available()
+DECODE_DP = 4
 
 
 def wait_until(pred: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
@@ -311,7 +312,10 @@ def pd(request, ckpt) -> Iterator[dict[str, Any]]:
     # requests then compile nothing on either side (issue 25; checked in the first test).
     # Once is enough (the suite's time): the Mooncake pair warms the common shapes only.
     warm = ("--warmup-all-shapes", "--max-running-requests", "2") if backend == "grpc" else ()
-    decode = build_server(server_args(path, "decode", "--transfer-backend", backend, *warm))
+    # The Mooncake pair's decode server runs data-parallel over 4 devices (issue 36):
+    # each request's pages land in one rank's shard of its pool, by global page id.
+    dp = ("--dp-size", str(DECODE_DP)) if backend == "mooncake" else ()
+    decode = build_server(server_args(path, "decode", "--transfer-backend", backend, *warm, *dp))
     prefill = build_server(
         server_args(
             path,
@@ -361,6 +365,9 @@ def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):
         assert COMPILES.total.compiles == compiles
     info = httpx.get(pd["served"]["decode"].url + "/server_info", timeout=10).json()
     assert info["transfer_bytes"] > 0 and info["transfer_failures"] == 0
+    if pd["backend"] == "mooncake":  # pages went to more than one DP rank
+        assert info["dp_size"] == DECODE_DP
+        assert sum(n > 0 for n in pd["decode"].engine.admitted_per_rank) > 1
     assert_pages_back(pd["decode"])
     assert_pages_back(pd["prefill"])
 

@@ -29,6 +29,8 @@ from support.transfer import (
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner
+from cpkv_jax.decode_mesh import DPPoolLayout, init_dp_pool
+from cpkv_jax.mesh import make_dp_mesh
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator
@@ -70,9 +72,16 @@ def prefill(cfg, layout, cp_runner) -> Iterator[Prefill]:
 def decode(cfg, layout):
     """A receiver on loopback; `Decode.server` may be stopped by a test."""
 
-    def make(pages: int) -> Decode:
-        pool = init_pool(cfg, pages, P, jnp.float32, INDEX_K)
-        rx = Receiver(layout, pool, PageAllocator(pages), timeouts=TIMEOUTS).start(interval=0.02)
+    def make(pages: int, dp: int = 1) -> Decode:
+        """`dp > 1`: a data-parallel decode pool, `pages` per rank (issue 36)."""
+        if dp == 1:
+            pool = init_pool(cfg, pages, P, jnp.float32, INDEX_K)
+        else:
+            pool = init_dp_pool(
+                cfg, DPPoolLayout(dp, pages, P), make_dp_mesh(dp), jnp.float32, INDEX_K
+            )
+        allocator = PageAllocator(dp * pages, ranks=dp)
+        rx = Receiver(layout, pool, allocator, timeouts=TIMEOUTS).start(interval=0.02)
         server, port = serve(rx)
         made.append(Decode(rx, server, f"127.0.0.1:{port}", rx.num_free_pages))
         return made[-1]

@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 import time
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 from support.transfer import (
     CP,
     SENDER,
@@ -37,6 +39,7 @@ from support.transfer import (
 )
 
 from cpkv_jax.lane_allocator import RequestPageTable
+from cpkv_jax.mesh import DP_AXIS
 from cpkv_jax.paging import pages_for_tokens
 from transfer.backends import grpc_backend as gb
 from transfer.backends.grpc_backend import GrpcBackend
@@ -72,6 +75,46 @@ def test_e2e_cp_prefill_to_decode_matches_full_view_and_reference(prefill, decod
         dec.receiver.free_pages(dst)  # the decode request is done
     assert pre.runner.allocator.num_free_per_lane().sum() == free_prefill + held
     assert dec.receiver.num_free_pages == dec.free0
+
+
+def test_cp_prefill_to_one_rank_of_a_dp_decode_pool(prefill, decode):
+    """PD into a rank (issue 36 item 4): the decode pool is split over 4 DP ranks; the
+    room's pages all come from rank 2's shard (global ids); the receiver's commit
+    scatter writes them there, the pool keeps its per-rank sharding (the DP steps are
+    compiled for it), and the layout equals the prefill full view bitwise."""
+    pre = prefill
+    dec = decode(12, dp=4)
+    table = new_table(pre, 3 * P + 5)
+    view = pre.runner.full_view(table)
+    n, n_pages = table.num_tokens, table.num_pages  # the hold releases `table`
+    dst = dec.receiver.allocate_pages(n_pages, 2)
+    assert ((dst >= 2 * 12) & (dst < 3 * 12)).all()
+    dec.receiver.register_room("dp-rank-2", dst, table.num_tokens, CP)
+    sources = [CPPoolPageSource(lambda: pre.runner.pool, pre.layout, r) for r in range(CP)]
+    jobs = rank_jobs(
+        "dp-rank-2",
+        dec.target,
+        pre.layout,
+        table.num_tokens,
+        table.local_pages(),
+        sources,
+        Aux(5, -0.5),
+    )
+    hold = send_request(GrpcBackend(SENDER), jobs, lambda _: pre.runner.release(table))
+    assert finish(hold).state is RoomState.SUCCESS
+    # Read on the host: a jitted gather from the sharded pool sums the shards' partial
+    # rows, which turns a -0.0 into +0.0 (the pool itself holds the sent bits).
+    for got, want in zip(
+        jax.tree_util.tree_leaves(dec.receiver.pool), jax.tree_util.tree_leaves(view), strict=True
+    ):
+        rows = np.asarray(got)[dst[:n_pages]].reshape((n_pages * P, *got.shape[2:]))[:n]
+        assert rows.tobytes() == np.asarray(want).tobytes()
+    for leaf in jax.tree_util.tree_leaves(dec.receiver.pool):
+        assert leaf.sharding.spec == PartitionSpec(DP_AXIS), leaf.sharding
+    free = dec.receiver.num_free_pages_per_rank
+    assert free == (11, 11, 11 - n_pages, 11)
+    dec.receiver.free_pages(dst)
+    assert dec.receiver.num_free_pages_per_rank == (11,) * 4
 
 
 def bootstrap_room(

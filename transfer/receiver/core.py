@@ -145,9 +145,9 @@ class Receiver:
         scatter runs in between and the receiver never holds a donated pool."""
         return self.kv.update_pool(step)
 
-    def allocate_pages(self, n: int) -> np.ndarray:
-        """`n` decode pages from the sink's allocator."""
-        return self.kv.allocate_pages(n)
+    def allocate_pages(self, n: int, rank: int = 0) -> np.ndarray:
+        """`n` decode pages from the sink's allocator, all on DP rank `rank`."""
+        return self.kv.allocate_pages(n, rank)
 
     def free_pages(self, pages: np.ndarray) -> None:
         """Give decode pages back (e.g. a successful room's, once its request is done)."""
@@ -156,6 +156,10 @@ class Receiver:
     @property
     def num_free_pages(self) -> int:
         return self.kv.num_free_pages
+
+    @property
+    def num_free_pages_per_rank(self) -> tuple[int, ...]:
+        return self.kv.num_free_pages_per_rank
 
     # ---- decode-side API ------------------------------------------------------------------
     @property
