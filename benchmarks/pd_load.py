@@ -67,13 +67,15 @@ class ClusterConfig:
     max_queued_requests: int | None = 256  # None: the flag is not passed
     max_running_requests: int = 16
     extra: tuple[str, ...] = ()
+    decode_dp: int = 1  # > 1: the decode server decodes data-parallel (`--dp-size`)
     # Given to all three processes as $CPKV_API_KEY (the router sends it upstream too);
     # clients then send it (`PDCluster.headers`). None: no key.
     api_key: str | None = None
 
 
 class PDCluster:
-    """Decode (1 device), CP=8 shared-KV prefill (8 virtual CPU devices) and the router,
+    """Decode (1 device, or `decode_dp` data-parallel ranks), CP=8 shared-KV prefill (8
+    virtual CPU devices) and the router,
     on 127.0.0.1. The decode server can be killed (SIGKILL) and started again on the same
     ports. `close` stops everything and returns each process's exit code."""
 
@@ -115,9 +117,10 @@ class PDCluster:
                 "--disaggregation-mode", "decode", "--kv-pool-size", self.config.decode_pool,
                 "--port", str(self.ports["decode"]),
                 "--transfer-port", str(self.ports["transfer"]),
+                "--dp-size", str(self.config.decode_dp),
             ],
             self.config.log_dir,
-            self._env,
+            self._env if self.config.decode_dp == 1 else self._prefill_env,  # its devices
         )  # fmt: skip
 
     def start(self) -> PDCluster:

@@ -228,7 +228,7 @@ class DecodeEngine:
         self._rejections: collections.Counter[str] = collections.Counter()
         self._transfer_failures = 0
         self._transfer_bytes = 0  # KV pages received in successful rooms
-        self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, (), self._queue.stats())
+        self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, (), self._queue.stats(), ())
 
     # ---- StepEngine ----------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:
@@ -294,7 +294,7 @@ class DecodeEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot; safe from any thread."""
-        waiting, running, failures, received, rejections, queue = self._snapshot
+        waiting, running, failures, received, rejections, queue, per_rank = self._snapshot
         return EngineStats(
             mode=self.mode,
             waiting=waiting,
@@ -306,6 +306,7 @@ class DecodeEngine:
             transfer_failures=failures,
             admission_rejections=dict(rejections),
             queue=queue,
+            running_per_rank=per_rank,
         )
 
     # ---- admission -----------------------------------------------------------------------
@@ -384,17 +385,14 @@ class DecodeEngine:
     def _rank_for(self, r: _Request) -> int | None:
         """The rank `r` would be admitted to now (`decode_mesh.choose_rank`), or None:
         the total batch is full, or no rank has a row and `r`'s pages free."""
-        active = [*self._transferring.values(), *self._running.values()]
-        if len(active) >= self.max_running_requests:
+        if len(self._transferring) + len(self._running) >= self.max_running_requests:
             return None
-        rows = [0] * self.dp_size
-        for q in active:
-            rows[q.rank] += 1
+        rows = self._rows_per_rank()
         free = self.kv.num_free_pages_per_rank
         return choose_rank(free, rows, r.n_pages, self._max_rows_per_rank, self._next_rank)
 
-    def _allocate(self, r: _Request) -> None:
-        rank = self._rank_for(r)
+    def _allocate(self, r: _Request, rank: int | None = None) -> None:
+        rank = self._rank_for(r) if rank is None else rank
         assert rank is not None, "allocate only what fits now"
         r.pages = self.kv.allocate_pages(r.n_pages, rank)
         r.rank = rank
@@ -433,18 +431,32 @@ class DecodeEngine:
             raise
 
     def _admit_and_prefill(self, touched: dict[str, _Request]) -> None:
-        r = self._queue.head()
-        if r is None or not self._fits_now(r):
-            return  # FIFO: nobody overtakes the head of the queue
-        self._queue.pop(r.rid)
-        self._allocate(r)
-        self._running[r.rid] = r
-        try:
-            logprobs = self._steps.prefill(r.prompt, r.pages, r.width)
-        except Exception as e:
-            self._step_failed("the prefill step", e, [r], touched)
+        """Admit the head of the queue and prefill it; on a DP mesh, keep admitting in
+        order while the next one fits on a rank not prefilling yet, and prefill them
+        all in one step (each rank its own request)."""
+        batch: list[_Request] = []
+        while (r := self._queue.head()) is not None and len(batch) < self.dp_size:
+            rank = self._rank_for(r)
+            if rank is None or any(q.rank == rank for q in batch):
+                break  # FIFO: nobody overtakes the head (nor shares a rank's prefill)
+            self._allocate(r, rank)
+            self._queue.pop(r.rid)
+            self._running[r.rid] = r
+            batch.append(r)
+        if not batch:
             return
-        self._sample(r, logprobs, touched)  # on the device; a failed draw fails `r` alone
+        try:
+            if len(batch) == 1:
+                logprobs = self._steps.prefill(batch[0].prompt, batch[0].pages, batch[0].width)
+            else:
+                assert isinstance(self._steps, MeshDecodeSteps)
+                logprobs = self._steps.prefill_many([(q.prompt, q.pages, q.width) for q in batch])
+            drawn = sample(logprobs, [self._row_sampling(q) for q in batch])
+        except Exception as e:
+            self._step_failed("the prefill step", e, batch, touched)
+            return
+        for i, q in enumerate(batch):  # a failed draw fails that request alone
+            self._produce(q, touched, functools.partial(drawn.pick, i))
 
     def _poll_transfers(self, touched: dict[str, _Request]) -> None:
         assert self._rooms is not None
@@ -697,7 +709,14 @@ class DecodeEngine:
             self._transfer_bytes,
             tuple(self._rejections.items()),
             self._queue.stats(),
+            self._rows_per_rank() if self.dp_size > 1 else (),
         )
+
+    def _rows_per_rank(self) -> tuple[int, ...]:
+        rows = [0] * self.dp_size
+        for q in (*self._transferring.values(), *self._running.values()):
+            rows[q.rank] += 1
+        return tuple(rows)
 
 
 def _state_name(snapshot: Any) -> str:

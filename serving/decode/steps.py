@@ -314,8 +314,19 @@ class MeshDecodeSteps:
 
     def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> jax.Array:
         """Log-probs after the prompt's last token, row 0 (the request) of the step's."""
-        row = DPRow(self._rank(pages), np.asarray(prompt, np.int32), 0, pages, width)
-        return self._run([row], prefill=True)
+        return self.prefill_many([(prompt, pages, width)])
+
+    def prefill_many(self, requests: Sequence[tuple[np.ndarray, np.ndarray, int]]) -> jax.Array:
+        """One step prefilling `(prompt, pages, width)` requests, each on its pages' rank
+        (at most one per rank: a prefill row is one request's whole prompt); row `i` of
+        the log-probs is after `requests[i]`'s last prompt token."""
+        rows = [
+            DPRow(self._rank(pages), np.asarray(prompt, np.int32), 0, pages, width)
+            for prompt, pages, width in requests
+        ]
+        if len({r.rank for r in rows}) != len(rows):
+            raise ValueError("a DP prefill step takes at most one request per rank")
+        return self._run(rows, prefill=True)
 
     def decode(self, rows: Sequence[DecodeRow]) -> jax.Array:
         """Log-probs of each row's next token, row `i` that of `rows[i]` (padding after)."""

@@ -133,6 +133,9 @@ class EngineStats:
     # Per rank, same order as kv_pages_free: pages the prefix cache holds (a server
     # without one: empty). Free + cached == total when no request holds pages.
     kv_pages_cached: tuple[int, ...] = ()
+    # Per data-parallel rank (`--dp-size`): requests holding its pages (running, or
+    # waiting for their KV); empty for an engine without ranks.
+    running_per_rank: tuple[int, ...] = ()
     queue: QueueStats = QueueStats()  # noqa: RUF009 - frozen; the wait queue (`serving.engine.wait_queue`)
 
 

@@ -111,6 +111,13 @@ class _EngineStatsCollector(Collector):
             total.add_metric([str(rank)], n_total)
         for rank, n in enumerate(stats.kv_pages_cached):
             cached.add_metric([str(rank)], n)
+        rank_running = GaugeMetricFamily(
+            "cpkv_rank_running_requests",
+            "Requests holding a data-parallel rank's pages (running or receiving KV).",
+            labels=["rank"],
+        )
+        for rank, n in enumerate(stats.running_per_rank):
+            rank_running.add_metric([str(rank)], n)
         t_bytes = CounterMetricFamily(
             "cpkv_transfer_bytes", "Bytes sent or received over PD KV transfer."
         )
@@ -128,7 +135,7 @@ class _EngineStatsCollector(Collector):
         )
         for gate, n in sorted(stats.admission_rejections.items()):
             rejections.add_metric([gate], n)
-        yield from (queue, wait, full, limit, running, used, total, cached)
+        yield from (queue, wait, full, limit, running, used, total, cached, rank_running)
         yield from (t_bytes, t_secs, t_fail, rejections)
 
 

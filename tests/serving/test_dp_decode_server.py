@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import httpx
 import numpy as np
 import pytest
 from support.prefill_server import float32_args
@@ -65,8 +66,11 @@ def test_dp_unified_server_equals_the_reference(dp_server):
     assert stats.kv_pages_free == stats.kv_pages_total  # every rank's pages back
     ranks = {shape[1] for shape in engine.step_shapes}  # rows per rank ran in buckets
     assert ranks and all(r & (r - 1) == 0 for r in ranks)
-    info = server.info
-    assert info["dp_size"] == DP
+    info = httpx.get(served.url + "/server_info", timeout=10).json()
+    assert info["dp_size"] == DP and info["running_per_rank"] == [0] * DP
+    assert len(info["kv_pages_free"]) == DP
+    metrics = httpx.get(served.url + "/metrics", timeout=10).text
+    assert 'cpkv_rank_running_requests{rank="3"} 0.0' in metrics
 
 
 def test_dp_flags_refuse_what_dp_decode_does_not_do(tiny_checkpoints):
