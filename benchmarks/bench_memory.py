@@ -67,6 +67,9 @@ seconds and no allocation), `expert_parallel.param_shardings` on an `AbstractMes
   usable pages (trash page excluded) in tokens per rank, sized through
   `per_rank_pool_bytes`, and the context one node holds (a page-owned pool holds 1/cp of
   each request's pages: tokens per rank x cp). `fits`: at least one usable page is left.
+- `decode_dp_rank_on_device`: the same device as one rank of a data-parallel decode
+  server (`--dp-size` = `--cp-size`, experts split over it): its own KV pool in tokens
+  and the longest request it holds (a request's pages all live on one rank).
 `measured_weights` (with `--measured`): a tiny FP8 checkpoint (`make_tiny_checkpoint(...,
 fp8=True, n_routed_experts=16)`, temp dir) loaded by `weights.load_model` on a
 `jax.device_count()`-rank mesh with experts split over `"cp"`; the bytes each device's
@@ -570,6 +573,42 @@ def kv_on_device(
     }
 
 
+def decode_rank_kv_on_device(
+    cfg: ModelConfig, weights_bytes: int, dequant_bytes: int, args: MemoryBenchArgs
+) -> dict[str, Any]:
+    """One rank of a data-parallel decode server (`--dp-size` = `--cp-size` devices,
+    routed experts split over them, issue 36) on one `--device-gb` device: its own
+    (non-CP) KV pool after the weights, and the longest request it can hold (a request's
+    pages all live on its rank). Sized through `per_rank_pool_bytes`, as the server's
+    pool is; the decode step's transient buffers are not counted (the server's memory
+    plan does not estimate them yet)."""
+    page = args.page_size
+    dtype = DTYPES[args.dtype]
+    ikd: IndexKDtype = args.index_k_dtype  # type: ignore[assignment]
+    device_bytes = int(args.device_gb * GB)
+    static = int(device_bytes * args.mem_fraction_static)
+    kv_budget = static - weights_bytes - dequant_bytes
+
+    def pool_bytes(usable_pages: int) -> int:  # + the rank's trash page
+        return per_rank_pool_bytes(cfg, PoolLayout(1, False, usable_pages + 1, page), dtype, ikd)
+
+    tokens = max_context_tokens(kv_budget, page, pool_bytes)
+    return {
+        "dp_size": args.cp_size,
+        "ep_size": args.cp_size,
+        "page_size": page,
+        "dtype": args.dtype,
+        "index_k_dtype": args.index_k_dtype,
+        "weights_bytes": weights_bytes,
+        "dequant_transient_bytes": dequant_bytes,
+        "kv_budget_bytes": kv_budget,
+        "kv_tokens_per_rank": tokens,
+        "kv_tokens_per_server": tokens * args.cp_size,
+        "longest_request_tokens": min(tokens, cfg.max_position_embeddings),
+        "fits": tokens > 0,
+    }
+
+
 def weights_model_report(name: str, args: MemoryBenchArgs) -> dict[str, Any]:
     """One model's weights per device at each EP size, FP8 and (EP 8) bf16."""
     config = config_dir(WEIGHT_MODELS[name])
@@ -590,6 +629,12 @@ def weights_model_report(name: str, args: MemoryBenchArgs) -> dict[str, Any]:
         "bf16_ep": BF16_EP,
         "bf16_weights_bytes_per_device": bytes_per_device(bf16, ep_shardings(bf16, BF16_EP)),
         "kv_tokens_per_rank_on_device": kv_on_device(
+            cfg,
+            at_cp["weights_bytes_per_device"]["total"],
+            at_cp["dequant_transient_bytes_per_device"],
+            args,
+        ),
+        "decode_dp_rank_on_device": decode_rank_kv_on_device(
             cfg,
             at_cp["weights_bytes_per_device"]["total"],
             at_cp["dequant_transient_bytes_per_device"],

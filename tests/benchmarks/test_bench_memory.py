@@ -180,6 +180,11 @@ def test_main_default_json_has_all_keys(capsys, tiny_fp8):
     for model in report["weights"]["models"].values():
         assert model["ep"].keys() == {"1", "8", "16"}
         assert model["kv_tokens_per_rank_on_device"]["fits"] is True
+        # A DP8 decode rank: the EP 8 weights, its own pool (issue 36).
+        decode = model["decode_dp_rank_on_device"]
+        assert decode["weights_bytes"] == model["ep"]["8"]["weights_bytes_per_device"]["total"]
+        assert decode["fits"] is True and decode["longest_request_tokens"] > 0
+        assert decode["kv_tokens_per_server"] == 8 * decode["kv_tokens_per_rank"]
     assert report["measured_weights"]["measured_equals_predicted"] is True
 
 
