@@ -269,7 +269,7 @@ class DPDecodeSteps:
         row given, padding after; replicated on the mesh) and the new pool (`pool` is
         donated)."""
         step = self.compiled(shape)
-        order = jax.device_put(order, self.replicated)
+        order = jax.make_array_from_callback(order.shape, self.replicated, lambda i: order[i])
         return step(self.state, self.batch(host), pool, order)
 
     def _lower(self, shape: DPShape) -> jax.stages.Lowered:

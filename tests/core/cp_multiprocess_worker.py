@@ -51,6 +51,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="routed experts sharded over the cp ranks, loaded straight into their shards",
     )
+    p.add_argument(
+        "--dp-decode-ids",
+        type=int,
+        nargs="*",
+        default=None,
+        help="also decode on a ('dp',) mesh of all devices (issue 36): three requests "
+        "with these prompt ids, on ranks 1, 5 and 6, prefilled in one step then decoded",
+    )
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--shared", dest="shared_kv", action="store_true", default=True)
     kv.add_argument("--replicated", dest="shared_kv", action="store_false")
@@ -173,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     # read it whole.
     view = runner.full_view(result.tables[0])
     latent0 = np.asarray(view.latent[0], np.float32)
+    dp = dp_decode(args, jax, np) if args.dp_decode_ids else None
     if jax.process_index() == 0:
         payload = {
+            "dp_decode": dp,
             "process_count": jax.process_count(),
             "device_count": jax.device_count(),
             "local_device_count": jax.local_device_count(),
@@ -192,6 +202,48 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.cancel_dump_traceback_later()
     stage("done")
     return 0
+
+
+DP_RANKS = (1, 5, 6)  # with 4 devices per process, ranks 5 and 6 are the second's
+DP_STEPS = 3
+
+
+def dp_decode(args, jax, np) -> dict:
+    """Data-parallel decode over every device: the model loaded with the routed experts
+    split over `"dp"`, three requests (prompt lengths 1/3, 2/3 and all of
+    `--dp-decode-ids`) prefilled in one step on `DP_RANKS`, then `DP_STEPS` greedy
+    decode steps. Returns each step's tokens and their log-probs (every process sees the
+    replicated logits)."""
+    from cpkv_jax.decode_mesh import DPDecodeSteps, DPPoolLayout, DPRow, build_batch, init_dp_pool
+    from cpkv_jax.mesh import DP_AXIS, make_dp_mesh
+    from cpkv_jax.model.transformer import log_probs
+    from cpkv_jax.model.weights import load_model
+    from cpkv_jax.paging import pages_for_tokens
+
+    page = args.page_size
+    mesh = make_dp_mesh(jax.device_count())
+    cfg, model = load_model(args.model_path, progress=False, mesh=mesh, expert_axis=DP_AXIS)
+    ids = np.asarray(args.dp_decode_ids, np.int32)
+    prompts = [ids[: len(ids) // 3], ids[: 2 * len(ids) // 3], ids]
+    need = max(pages_for_tokens(len(p) + DP_STEPS + 1, page) for p in prompts)
+    layout = DPPoolLayout(mesh.size, need + 1, page)
+    pool = init_dp_pool(cfg, layout, mesh, model.dtype, "float32")
+    steps = DPDecodeSteps(model, mesh, layout, pool, index_k_dtype="float32")
+    pages = [r * layout.pages_per_rank + 1 + np.arange(need) for r in DP_RANKS]
+    rows = [DPRow(r, p, 0, pg, need) for r, p, pg in zip(DP_RANKS, prompts, pages, strict=True)]
+    tokens, lps = [], []
+    for step in range(DP_STEPS + 1):
+        shape, order, host = build_batch(layout, rows, prefill=step == 0)
+        logits, pool = steps.run(shape, order, host, pool)
+        lp = np.asarray(log_probs(logits), np.float32)[: len(rows)]
+        tok = lp.argmax(-1)
+        tokens.append(tok.tolist())
+        lps.append(lp[np.arange(len(rows)), tok].tolist())
+        rows = [
+            DPRow(r.rank, np.asarray([t], np.int32), r.start + len(r.tokens), r.pages, need)
+            for r, t in zip(rows, tok, strict=True)
+        ]
+    return {"tokens": tokens, "logprobs": lps}
 
 
 if __name__ == "__main__":

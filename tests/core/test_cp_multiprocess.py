@@ -1,4 +1,5 @@
-"""Multi-process CP + EP: 2 processes x 4 CPU devices give the same prefill as 1 process x 8.
+"""Multi-process CP + EP: 2 processes x 4 CPU devices give the same prefill as 1 process x 8
+(and the same data-parallel decode, issue 36).
 
 The checkpoint is the FP8 tiny one with 16 routed experts (sharded files + index json),
 loaded straight into the mesh with the experts split over the 8 ranks (expert
@@ -165,6 +166,8 @@ def _run_workers(
                 "--expert-parallel",
                 "--prompt-ids",
                 *map(str, ids),
+                "--dp-decode-ids",  # the same processes then decode data-parallel
+                *map(str, ids),
             ]
             if port is not None:
                 cmd[2:2] = ["--coordinator", f"127.0.0.1:{port}"]
@@ -236,6 +239,13 @@ def test_two_processes_match_one_process(tmp_path: Path, tiny_checkpoints):
     assert np.abs(view_1).sum(axis=1).min() > 0, "a token's latent was never written"
     np.testing.assert_array_equal(logits_2, logits_1)
     np.testing.assert_array_equal(view_2, view_1)
+
+    # Data-parallel decode over the same 8 devices (issue 36): three requests on ranks 1,
+    # 5 and 6 (5 and 6 in the second process), experts split over all 8, so the MoE
+    # exchange crosses processes; tokens and log-probs bitwise equal.
+    dp_1, dp_2 = one["dp_decode"], two["dp_decode"]
+    assert len(dp_1["tokens"]) == 4 and all(len(t) == 3 for t in dp_1["tokens"])
+    assert dp_2 == dp_1
 
     # Sharded loading: each process read every replicated tensor once and only its half
     # of the routed experts; each device holds 1/8 of an expert leaf.
