@@ -207,6 +207,7 @@ class DPDecodeSteps:
         block_bytes: int | None = None,
         kv_io: PagedKVIO = SINGLE_DEVICE_KV_IO,
         ep_dispatch: EPDispatch = "allgather",
+        ep_capacity_factor: float | None = None,
     ):
         if tuple(mesh.axis_names) != (DP_AXIS,) or mesh.size != layout.dp_size:
             raise ConfigError(f"DP steps need a ('dp',) mesh of {layout.dp_size} devices")
@@ -224,7 +225,11 @@ class DPDecodeSteps:
         self._row_sharding = NamedSharding(mesh, P(DP_AXIS))
         self.replicated = NamedSharding(mesh, P())
         self._abstract = (abstract(self.state), abstract(pool))
-        ep = EPSpec(DP_AXIS, layout.dp_size, ep_dispatch) if layout.dp_size > 1 else None
+        ep = (
+            EPSpec(DP_AXIS, layout.dp_size, ep_dispatch, ep_capacity_factor)
+            if layout.dp_size > 1
+            else None
+        )
         state_specs = jax.tree.map(
             lambda s: s.spec, shardings, is_leaf=lambda x: isinstance(x, NamedSharding)
         )

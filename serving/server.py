@@ -265,6 +265,7 @@ def _build_decode_side(
         max_queued_requests=args.max_queued_requests,
         detokenize=_detokenizer(tokenizer),
         mesh=mesh,
+        **_dp_flags(args),
     )
     return engine, info, closers
 
@@ -306,6 +307,11 @@ def _model_flags(args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> dict[st
         "batch_invariant": args.enable_batch_invariant,
         "block_bytes": args.transient_block_size,
     }
+
+
+def _dp_flags(args: ServerArgs) -> dict[str, Any]:
+    """A data-parallel decode engine's expert dispatch (`--ep-dispatch`, its factor)."""
+    return {"ep_dispatch": args.ep_dispatch, "ep_capacity_factor": args.ep_capacity_factor}
 
 
 def _decode_engine(
@@ -438,7 +444,14 @@ def _run_warmup_requests(
     free0 = engine.kv.num_free_pages
     vocab = cfg.vocab_size - 3
     probe = _decode_engine(
-        args, cfg, model, engine.kv, mode="null", max_running_requests=k, mesh=engine.mesh
+        args,
+        cfg,
+        model,
+        engine.kv,
+        mode="null",
+        max_running_requests=k,
+        mesh=engine.mesh,
+        **_dp_flags(args),
     )
     for i in range(k):
         n = long_prompt if i % 2 == 0 else min(5, long_prompt)

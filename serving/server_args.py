@@ -316,7 +316,8 @@ class ServerArgs:
     ep_size: int = _arg(
         1,
         help="ranks the routed experts are split over: 1 (every rank holds all experts) "
-        "or --cp-size (prefill mode only; n_routed_experts must divide evenly)",
+        "or --cp-size (prefill mode only; n_routed_experts must divide evenly; a decode "
+        "server splits them over its --dp-size ranks)",
         group="ep",
     )
     ep_dispatch: EPDispatch = _arg(  # noqa: RUF009
@@ -737,10 +738,12 @@ class ServerArgs:
         return self.disaggregation_mode != "null"
 
     def ep_enabled(self) -> bool:
-        return self.ep_size > 1
+        """Routed experts split over ranks: a CP prefill's `--ep-size`, or a data-parallel
+        decode server's `--dp-size` (its experts always split over its ranks)."""
+        return self.ep_size > 1 or (self.disaggregation_mode != "prefill" and self.dp_size > 1)
 
     def ep_all_to_all(self) -> bool:
-        return self.ep_size > 1 and self.ep_dispatch == "all_to_all"
+        return self.ep_enabled() and self.ep_dispatch == "all_to_all"
 
     def cp_config(self) -> CPConfig:
         return CPConfig(
@@ -809,7 +812,7 @@ class ServerArgs:
             raise ServerArgsError(as_flags(str(e))) from e
         self._check_transfer(backends)
         self._check_expert_parallel(model_config, warnings)
-        self._check_data_parallel(model_config, device_count)
+        self._check_data_parallel(model_config, device_count, warnings)
         self._check_hicache(warnings)
         self._check_radix_cache()
         self._check_api_keys(warnings)
@@ -996,7 +999,7 @@ class ServerArgs:
             raise ServerArgsError(reason)
 
     def _check_data_parallel(
-        self, model_config: ModelConfig | None, device_count: int | None
+        self, model_config: ModelConfig | None, device_count: int | None, warnings: list[str]
     ) -> None:
         """`--dp-size N > 1`: a decode server, or a unified one without the prefix cache
         (its prefill scheduler is one device's still); experts split evenly."""
@@ -1024,6 +1027,13 @@ class ServerArgs:
                 check_divisible(model_config.n_routed_experts, dp, "dp_size")
             except ConfigError as e:
                 raise ServerArgsError(f"--dp-size {dp}: {as_flags(str(e))}") from e
+        factor = self.ep_capacity_factor
+        if self.ep_dispatch == "all_to_all" and factor is not None and factor < dp:
+            warnings.append(
+                f"--ep-capacity-factor {factor:g} < --dp-size {dp}: each rank's all_to_all "
+                "buffer holds fewer rows than the worst case, so token-expert pairs over "
+                "a rank's capacity are dropped and decode is no longer exact"
+            )
 
     def _check_radix_cache(self) -> None:
         if not self.disable_radix_cache:
@@ -1096,8 +1106,8 @@ class ServerArgs:
             "bs_gt1_requested": "--enable-cp-shared-kv-prefill-bs-gt1",
             "hicache_enabled": "--enable-hierarchical-cache",
             "disaggregated": "--disaggregation-mode prefill|decode",
-            "ep_enabled": "--ep-size N (N > 1)",
-            "ep_all_to_all": "--ep-dispatch all_to_all (with --ep-size N > 1)",
+            "ep_enabled": "--ep-size N (N > 1), or --dp-size N (N > 1) on a decode server",
+            "ep_all_to_all": "--ep-dispatch all_to_all (with expert parallelism)",
         }
         for f in dataclasses.fields(self):
             predicate = f.metadata["requires"]

@@ -60,6 +60,7 @@ from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.decode_mesh import choose_rank
 from cpkv_jax.errors import ConfigError, CpkvError, InputError
+from cpkv_jax.model.expert_parallel import EPDispatch
 from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import (
@@ -160,6 +161,8 @@ class DecodeEngine:
         idle_wait_s: float = DEFAULT_IDLE_WAIT_S,
         kv_io: PagedKVIO = SINGLE_DEVICE_KV_IO,
         mesh: Mesh | None = None,
+        ep_dispatch: EPDispatch = "allgather",
+        ep_capacity_factor: float | None = None,
     ):
         if mode not in ("null", "decode"):
             raise ConfigError(
@@ -206,7 +209,16 @@ class DecodeEngine:
         if self.dp_size > 1:
             assert mesh is not None
             self._steps = MeshDecodeSteps(
-                model, kv, mesh, page_size, index_k_dtype, batch_invariant, block_bytes, kv_io
+                model,
+                kv,
+                mesh,
+                page_size,
+                index_k_dtype,
+                batch_invariant,
+                block_bytes,
+                kv_io,
+                ep_dispatch,
+                ep_capacity_factor,
             )
         else:
             self._steps = DecodeSteps(

@@ -30,6 +30,7 @@ from cpkv_jax import sampling
 from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import MIN_PREFILL_BUCKET, pow2_at_least, prefill_bucket
 from cpkv_jax.decode_mesh import DPDecodeSteps, DPPoolLayout, DPRow, build_batch
+from cpkv_jax.model.expert_parallel import EPDispatch
 from cpkv_jax.model.forward_batch import abstract_batch, batch_from_host, prefill_batch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
@@ -270,6 +271,8 @@ class MeshDecodeSteps:
         batch_invariant: bool,
         block_bytes: int | None,
         kv_io: PagedKVIO = SINGLE_DEVICE_KV_IO,
+        ep_dispatch: EPDispatch = "allgather",
+        ep_capacity_factor: float | None = None,
     ):
         pool = kv.pool
         dp = mesh.size
@@ -285,6 +288,8 @@ class MeshDecodeSteps:
             batch_invariant,
             block_bytes,
             kv_io,
+            ep_dispatch,
+            ep_capacity_factor,
         )
         with _CACHES_LOCK:
             by_key = _DP_STEPS.setdefault(model, {})
@@ -298,6 +303,8 @@ class MeshDecodeSteps:
                     batch_invariant=batch_invariant,
                     block_bytes=block_bytes,
                     kv_io=kv_io,
+                    ep_dispatch=ep_dispatch,
+                    ep_capacity_factor=ep_capacity_factor,
                 )
             self._dp = by_key[key]
 

@@ -1,6 +1,7 @@
 """A unified server decoding on a ("dp",) mesh (`--dp-size 4 --disable-radix-cache`,
-issue 36): the tiny model's routed experts split over 4 virtual CPU devices, each
-request's pages in one rank's shard of the pool.
+issue 36): the tiny model's routed experts split over 4 virtual CPU devices (reached by
+the padded all-to-all dispatch here), each request's pages in one rank's shard of the
+pool.
 
 Concurrent requests of mixed lengths give the single-device reference's greedy tokens
 (compared exactly: the reference and the DP step run the same model code; rows batched
@@ -42,6 +43,10 @@ def dp_server(tiny_checkpoints):
         "--disable-radix-cache",
         "--max-running-requests",
         "8",
+        # The padded all-to-all expert dispatch (exact at its default capacity); the PD
+        # tests and `make demo` run the default all-gather.
+        "--ep-dispatch",
+        "all_to_all",
     )
     with serving(args) as (server, served):
         yield cfg, model, server, served
@@ -81,5 +86,12 @@ def test_dp_flags_refuse_what_dp_decode_does_not_do(tiny_checkpoints):
         float32_args(path, "--dp-size", "2", "--disaggregation-mode", "prefill").validate()
     with pytest.raises(ServerArgsError, match="divide the 8 available devices"):
         float32_args(path, "--dp-size", "3", "--disable-radix-cache").validate(device_count=8)
+    capped = float32_args(
+        path, "--dp-size", "4", "--disable-radix-cache", "--ep-dispatch", "all_to_all",
+        "--ep-capacity-factor", "1",
+    )  # fmt: skip
+    assert any("no longer exact" in w for w in capped.validate())
+    with pytest.raises(ServerArgsError, match="--ep-dispatch"):  # nothing to dispatch
+        float32_args(path, "--ep-dispatch", "all_to_all").validate()
     with pytest.raises(ServerArgsError, match="--dp-size must be >= 1"):
         float32_args(path, "--dp-size", "0", "--disable-radix-cache").validate()
