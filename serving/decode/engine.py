@@ -32,6 +32,13 @@ keeps them until it finishes, so a running request never needs more and no preem
 exists. A request that could never fit (past `context_length`, or larger than the whole
 pool) is refused in `add` with `InputError`, before anything is allocated.
 
+Data-parallel decode (`mesh=`, `cpkv-serve --dp-size N`, issue 36): the pool is split
+into one shard per rank (`PageAllocator(ranks=N)`), a request is admitted to one rank
+(`decode_mesh.choose_rank`: most free pages, then fewest rows, then round robin) and its
+pages and rows stay there; a unified server prefills up to one admitted request per rank
+in one step; every step runs all ranks' rows (`MeshDecodeSteps`), rows per rank bounded
+by `ceil(max_running_requests / N)`.
+
 Shapes (bounded compiles): decode batch rows are padded to a power of two (padding rows
 have `valid=False` and write into the trash page), and the page-table width to a power
 of two of the longest reservation in the batch; prefill pads the prompt to
