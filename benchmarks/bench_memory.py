@@ -531,6 +531,16 @@ def ep_figures(state: nnx.State, ep: int) -> dict[str, Any]:
     }
 
 
+def kv_budget_on_device(
+    weights_bytes: int, dequant_bytes: int, args: MemoryBenchArgs
+) -> tuple[int, int, int]:
+    """(device bytes, the static fraction of them, what is left of it for the KV pool
+    after the weights and the dequant transient) on one `--device-gb` device."""
+    device_bytes = int(args.device_gb * GB)
+    static = int(device_bytes * args.mem_fraction_static)
+    return device_bytes, static, static - weights_bytes - dequant_bytes
+
+
 def kv_on_device(
     cfg: ModelConfig, weights_bytes: int, dequant_bytes: int, args: MemoryBenchArgs
 ) -> dict[str, Any]:
@@ -538,9 +548,7 @@ def kv_on_device(
     cp, page = args.cp_size, args.page_size
     dtype = DTYPES[args.dtype]
     ikd: IndexKDtype = args.index_k_dtype  # type: ignore[assignment]
-    device_bytes = int(args.device_gb * GB)
-    static = int(device_bytes * args.mem_fraction_static)
-    kv_budget = static - weights_bytes - dequant_bytes
+    device_bytes, static, kv_budget = kv_budget_on_device(weights_bytes, dequant_bytes, args)
 
     def pool_bytes(usable_pages: int) -> int:  # + the lane's trash page
         return per_rank_pool_bytes(cfg, PoolLayout(cp, True, usable_pages + 1, page), dtype, ikd)
@@ -585,9 +593,7 @@ def decode_rank_kv_on_device(
     page = args.page_size
     dtype = DTYPES[args.dtype]
     ikd: IndexKDtype = args.index_k_dtype  # type: ignore[assignment]
-    device_bytes = int(args.device_gb * GB)
-    static = int(device_bytes * args.mem_fraction_static)
-    kv_budget = static - weights_bytes - dequant_bytes
+    _, _, kv_budget = kv_budget_on_device(weights_bytes, dequant_bytes, args)
 
     def pool_bytes(usable_pages: int) -> int:  # + the rank's trash page
         return per_rank_pool_bytes(cfg, PoolLayout(1, False, usable_pages + 1, page), dtype, ikd)

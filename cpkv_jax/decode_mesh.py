@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,7 @@ from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import pow2_at_least, prefill_bucket
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError
+from cpkv_jax.kv_pool import zeros_in
 from cpkv_jax.mesh import DP_AXIS
 from cpkv_jax.model.expert_parallel import EPDispatch, EPSpec, check_divisible, param_shardings
 from cpkv_jax.model.expert_parallel import expert_parallel as ep_context
@@ -60,6 +61,8 @@ from cpkv_jax.paging import padded_page_table, slots_for_positions
 
 # A compiled DP step: (form, rows per rank, tokens per row, page-table width).
 DPShape = tuple[str, int, int, int]
+# Prefill and decode rows alike run the absorbed MLA form (the servers' only one).
+FORM: AttnForm = "absorbed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +84,9 @@ class DPPoolLayout:
     def global_pages(self) -> int:
         return self.dp_size * self.pages_per_rank
 
-    def rank_of(self, pages: np.ndarray) -> np.ndarray:
-        return np.asarray(pages) // self.pages_per_rank
+    def rank_of(self, page: int | np.integer) -> int:
+        """The rank holding global page `page`."""
+        return int(page) // self.pages_per_rank
 
     def local(self, pages: np.ndarray, rank: int) -> np.ndarray:
         """Rank-local ids of global `pages`, which must all be rank `rank`'s."""
@@ -107,13 +111,7 @@ def init_dp_pool(
     """A zero pool created in its sharding (page axis over `"dp"`, no host copy)."""
     shapes = pool_shapes(cfg, layout.global_pages, layout.page_size, dtype, index_k_dtype)
     sharding = NamedSharding(mesh, P(DP_AXIS))
-    shardings = jax.tree_util.tree_map(lambda _: sharding, shapes)
-
-    @functools.partial(jax.jit, out_shardings=shardings)
-    def zeros():
-        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-    return zeros()
+    return zeros_in(shapes, jax.tree_util.tree_map(lambda _: sharding, shapes))
 
 
 def choose_rank(
@@ -141,7 +139,7 @@ def choose_rank(
 @dataclasses.dataclass(frozen=True)
 class DPRow:
     """One row of a DP step: `tokens` fed at positions `start..start+len-1` of a request
-    whose KV lives in global `pages` (all on `rank`), `width` = its reservation's pages."""
+    whose KV lives in global `pages` (all on `rank`), `n_pages` its reservation."""
 
     rank: int
     tokens: np.ndarray  # int32 [t]
@@ -187,8 +185,7 @@ def build_batch(
         kv_lens[i] = r.start + t
     order = np.zeros((n,), np.int32)
     order[: len(rows)] = [rank * rows_p + slot for rank, slot in where]
-    form = "absorbed"
-    return (form, rows_p, t_len, width), order, (ids, positions, valid, slots, tables, kv_lens)
+    return (FORM, rows_p, t_len, width), order, (ids, positions, valid, slots, tables, kv_lens)
 
 
 class DPDecodeSteps:
@@ -283,7 +280,9 @@ class DPDecodeSteps:
         batch = abstract_batch(n, tokens, width, self._row_sharding)
         order = jax.ShapeDtypeStruct((n,), np.int32, sharding=self.replicated)
         state, pool = self._abstract
-        return self._step[form].lower(state, batch, pool, order)
+        if form != FORM:
+            raise ValueError(f"DP steps run the {FORM!r} form, not {form!r}")
+        return self._step.lower(state, batch, pool, order)
 
 
 def _build_step(
@@ -295,37 +294,32 @@ def _build_step(
     index_k_dtype: str,
     invariant: bool,
     block_bytes: int | None,
-) -> dict[str, object]:
-    def build(form: AttnForm):
-        def per_rank(state, batch: ForwardBatch, pool: KVPool):
-            model = nnx.merge(graphdef, state)
-            with batch_invariant(invariant), token_block_bytes(block_bytes), ep_context(ep):
-                hidden, pool = model(
-                    batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form
-                )
-                last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
-                hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-                return model.logits(hidden), pool
+) -> Callable:
+    def per_rank(state, batch: ForwardBatch, pool: KVPool):
+        model = nnx.merge(graphdef, state)
+        with batch_invariant(invariant), token_block_bytes(block_bytes), ep_context(ep):
+            hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=FORM)
+            last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
+            hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+            return model.logits(hidden), pool
 
-        rows = P(DP_AXIS)
-        sharded = jax.shard_map(
-            per_rank,
-            mesh=mesh,
-            in_specs=(state_specs, rows, rows),
-            out_specs=(rows, rows),
-            # Replicated weights meet per-rank rows in every layer (and the EP exchange
-            # builds buffers from constants); the varying-axes checker is not needed.
-            check_vma=False,
-        )
-        replicated = NamedSharding(mesh, P())
+    rows = P(DP_AXIS)
+    sharded = jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(state_specs, rows, rows),
+        out_specs=(rows, rows),
+        # Replicated weights meet per-rank rows in every layer (and the EP exchange
+        # builds buffers from constants); the varying-axes checker is not needed.
+        check_vma=False,
+    )
+    replicated = NamedSharding(mesh, P())
 
-        # Logits come back in the caller's row order, on every device (the sampler's
-        # input): one small gather inside the step, no extra program.
-        @functools.partial(jax.jit, donate_argnums=(2,), out_shardings=(replicated, None))
-        def step(state, batch, pool, order):
-            logits, pool = sharded(state, batch, pool)
-            return logits[order], pool
+    # Logits come back in the caller's row order, on every device (the sampler's
+    # input): one small gather inside the step, no extra program.
+    @functools.partial(jax.jit, donate_argnums=(2,), out_shardings=(replicated, None))
+    def step(state, batch, pool, order):
+        logits, pool = sharded(state, batch, pool)
+        return logits[order], pool
 
-        return step
-
-    return {"absorbed": build("absorbed")}
+    return step

@@ -100,7 +100,12 @@ def init_cp_pool(
 ) -> KVPool:
     """Zero pools created directly in their sharding (no host copy, no replication)."""
     shapes = cp_pool_shapes(cfg, layout, dtype, index_k_dtype)
-    shardings = pool_shardings(mesh, layout, shapes)
+    return zeros_in(shapes, pool_shardings(mesh, layout, shapes))
+
+
+def zeros_in(shapes: KVPool, shardings: KVPool) -> KVPool:
+    """Zero pool leaves of `shapes` created directly in `shardings` (each device
+    allocates only its shard; no host copy)."""
 
     @functools.partial(jax.jit, out_shardings=shardings)
     def zeros():

@@ -978,19 +978,7 @@ class ServerArgs:
                 f"--ep-size {ep} must be 1 or equal --cp-size ({self.cp_size}): expert "
                 f"parallelism runs over the CP ranks; use --ep-size {self.cp_size} or 1"
             )
-        if model_config is not None:
-            try:
-                check_divisible(model_config.n_routed_experts, ep)
-            except ConfigError as e:
-                raise ServerArgsError(f"--ep-size {ep}: {as_flags(str(e))}") from e
-        factor = self.ep_capacity_factor
-        if self.ep_dispatch == "all_to_all" and factor is not None and factor < ep:
-            warnings.append(
-                f"--ep-capacity-factor {factor:g} < --ep-size {ep}: each rank's all_to_all "
-                "buffer holds fewer rows than the worst case, so token-expert pairs over "
-                "a rank's capacity are dropped and results are not exact; use a factor "
-                f">= {ep} or none for exact results"
-            )
+        self._check_expert_split(model_config, "--ep-size", ep, "cp_size", warnings)
 
     def refuse_unbuilt(self) -> None:
         """Raise `ServerArgsError` for a valid flag whose feature the server does not have
@@ -1022,17 +1010,31 @@ class ServerArgs:
             raise ServerArgsError(
                 f"--dp-size {dp} must divide the {device_count} available devices"
             )
+        self._check_expert_split(model_config, "--dp-size", dp, "dp_size", warnings)
+
+    def _check_expert_split(
+        self,
+        model_config: ModelConfig | None,
+        flag: str,
+        ranks: int,
+        ranks_param: str,
+        warnings: list[str],
+    ) -> None:
+        """Routed experts split over `ranks` (`flag`'s value; the mesh size is
+        `ranks_param`): they divide evenly, and a capped all_to_all buffer is warned
+        about (it drops pairs: not exact)."""
         if model_config is not None:
             try:
-                check_divisible(model_config.n_routed_experts, dp, "dp_size")
+                check_divisible(model_config.n_routed_experts, ranks, ranks_param)
             except ConfigError as e:
-                raise ServerArgsError(f"--dp-size {dp}: {as_flags(str(e))}") from e
+                raise ServerArgsError(f"{flag} {ranks}: {as_flags(str(e))}") from e
         factor = self.ep_capacity_factor
-        if self.ep_dispatch == "all_to_all" and factor is not None and factor < dp:
+        if self.ep_dispatch == "all_to_all" and factor is not None and factor < ranks:
             warnings.append(
-                f"--ep-capacity-factor {factor:g} < --dp-size {dp}: each rank's all_to_all "
+                f"--ep-capacity-factor {factor:g} < {flag} {ranks}: each rank's all_to_all "
                 "buffer holds fewer rows than the worst case, so token-expert pairs over "
-                "a rank's capacity are dropped and decode is no longer exact"
+                "a rank's capacity are dropped and results are not exact; use a "
+                f"factor >= {ranks} or none for exact results"
             )
 
     def _check_radix_cache(self) -> None:

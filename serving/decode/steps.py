@@ -317,7 +317,7 @@ class MeshDecodeSteps:
         return log_probs(logits)
 
     def _rank(self, pages: np.ndarray) -> int:
-        return int(np.asarray(pages)[0]) // self.layout.pages_per_rank
+        return self.layout.rank_of(np.asarray(pages)[0])
 
     def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> jax.Array:
         """Log-probs after the prompt's last token, row 0 (the request) of the step's."""
