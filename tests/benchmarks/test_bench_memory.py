@@ -121,8 +121,8 @@ def test_measured_pools_equal_predicted_bytes():
         assert len(per_device) == 8
         assert per_device == [m[f"predicted_per_rank_pool_bytes_{name}"]] * 8
     assert m["measured_equals_predicted"] is True
-    # Tiny model, float32 latent (32 + 8 values) x 6 layers, fp8 index K (32 B + 4 B) x 3.
-    per_page = 64 * (6 * 40 * 4 + 3 * (32 + 4))
+    # Tiny model, float32 latent (32 + 8 values) x 3 layers, fp8 index K (32 B + 4 B) x 1.
+    per_page = 64 * (3 * 40 * 4 + 1 * (32 + 4))
     assert m["per_rank_pool_bytes_replicated"] == (n + 1) * per_page
     assert m["per_rank_pool_bytes_shared"] == (n // 8 + 1) * per_page
     # 1/8 up to page rounding: ceil(n/8) + 1 trash page of n + 1.

@@ -60,7 +60,7 @@ def test_decoder_layers_are_row_count_invariant():
     numerics do not (the control)."""
     cfg = ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa"))
     model = CausalLM(cfg, rngs=nnx.Rngs(2))
-    layer = model.model.layers[3]  # MoE layer with shared experts
+    layer = model.model.layers[2]  # MoE layer with shared experts
     x = np.random.default_rng(3).standard_normal((600, cfg.hidden_size)).astype(np.float32)
 
     def run(invariant):

@@ -82,8 +82,10 @@ def test_old_style_yarn_rope_is_read():
 
 
 def test_shared_layers_source_is_nearest_full_layer():
-    cfg = ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa"))
+    cfg = ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa", num_layers=6))  # FFSFSS
     assert [cfg.indexer_source_layer(l) for l in range(6)] == [0, 1, 1, 3, 3, 3]
+    cfg = ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa"))  # FSS
+    assert [cfg.indexer_source_layer(l) for l in range(3)] == [0, 0, 0]
 
 
 @pytest.mark.parametrize(
@@ -94,7 +96,7 @@ def test_shared_layers_source_is_nearest_full_layer():
         (lambda d: d.update(n_routed_experts=6, n_group=4), "not divisible by n_group"),
         (lambda d: d.update(qk_rope_head_dim=64), "qk_rope_head_dim=64 must be even and <="),
         (lambda d: d.update(indexer_types=["full"] * 5), "indexer_types must list"),
-        (lambda d: d.update(indexer_types=["shared"] + ["full"] * 5), "layer 0 must be a 'full'"),
+        (lambda d: d.update(indexer_types=["shared"] + ["full"] * 2), "layer 0 must be a 'full'"),
         (lambda d: d.update(index_topk_pattern="FFX"), "index_topk_pattern"),
         (lambda d: d.update(num_experts_per_tok=9), "num_experts_per_tok=9 exceeds"),
         (lambda d: d.update(hidden_act="gelu"), "hidden_act"),

@@ -221,7 +221,7 @@ def test_ragged_batch_of_requests(setup):
         chex.assert_trees_all_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
         view = runners[True].full_view(table)
         chex.assert_trees_all_close(
-            np.asarray(view.latent[3]), np.asarray(ref_view.latent[3]), atol=1e-5
+            np.asarray(view.latent[2]), np.asarray(ref_view.latent[2]), atol=1e-5
         )
         runners[True].release(table)
 

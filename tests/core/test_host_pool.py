@@ -54,8 +54,10 @@ KINDS = ("latent", "index_k", "index_scale")
 
 
 @functools.cache
-def _cfg() -> ModelConfig:
-    return ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa"))
+def _cfg(num_layers: int = 3) -> ModelConfig:
+    """The tiny model's; six layers where a test needs a full indexer layer after a shared
+    one (FFSFSS: layer 3's index K is in slot 2)."""
+    return ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa", num_layers=num_layers))
 
 
 @functools.cache
@@ -68,9 +70,9 @@ def _layout(shared: bool) -> PoolLayout:
     return PoolLayout(CP, shared, PAGES_PER_RANK if shared else 2 * PAGES_PER_RANK, P)
 
 
-def _random_pool(layout: PoolLayout, seed: int):
+def _random_pool(layout: PoolLayout, seed: int, num_layers: int = 3):
     rng = np.random.default_rng(seed)
-    shapes = cp_pool_shapes(_cfg(), layout, jnp.bfloat16, "fp8_e4m3")
+    shapes = cp_pool_shapes(_cfg(num_layers), layout, jnp.bfloat16, "fp8_e4m3")
     sharding = NamedSharding(_mesh(), layout.spec)
 
     def leaf(s):
@@ -110,7 +112,7 @@ def _leaf_bits_equal(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
 def test_host_buffer_shapes_mirror_device_leaves(layout):
-    cfg = _cfg()
+    cfg = _cfg(6)
     pool_layout = _layout(True)
     shapes = cp_pool_shapes(cfg, pool_layout, jnp.bfloat16, "fp8_e4m3")
     host = HostPool.for_device_pool(
@@ -349,8 +351,8 @@ def test_warm_copies_compile_every_copy_and_change_no_bits(layout, shared):
 
 def test_index_k_only_copy_leaves_latent_alone():
     pool_layout = _layout(True)
-    pool = _random_pool(pool_layout, 5)
-    host = HostPools.create(pool, _cfg().full_indexer_layers, pool_layout, "layer_page_first")[2]
+    pool = _random_pool(pool_layout, 5, num_layers=6)
+    host = HostPools.create(pool, _cfg(6).full_indexer_layers, pool_layout, "layer_page_first")[2]
     pages = host.allocator.alloc(2)
     dev, hidx = token_indices_of_pages(np.array([3, 1]), P), token_indices_of_pages(pages, P)
     kw = dict(pool_layout=pool_layout, lane=2, kinds=("index_k", "index_scale"))
@@ -412,9 +414,9 @@ def test_malformed_indices_are_refused_before_anything_moves(case, layout, load,
     pool_before, host_before = _snapshot(pool), _host_snapshot(host)
     kw = dict(device_indices=dev, host_indices=hidx, pool_layout=pool_layout, lane=1)
     if load:
-        fn = load_all_layers if all_layers else functools.partial(load_layer, layer=3)
+        fn = load_all_layers if all_layers else functools.partial(load_layer, layer=2)
     else:
-        fn = backup_all_layers if all_layers else functools.partial(backup_layer, layer=3)
+        fn = backup_all_layers if all_layers else functools.partial(backup_layer, layer=2)
     with pytest.raises(PageAlignmentError, match={"partial": "partial"}.get(kind, "page group")):
         fn(pool, host, **kw)
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(pool))

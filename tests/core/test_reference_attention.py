@@ -403,12 +403,12 @@ PAGE_TABLE = np.array([[1, 2, 3], [4, 5, 0]])
 MLA_CASES = {
     # name: (arch, layer_id, config overrides, form)
     "glm_full_sparse": ("glm_moe_dsa", 0, {}, "expanded"),
-    "glm_full_sparse_absorbed": ("glm_moe_dsa", 1, {}, "absorbed"),
-    "dsv32_full_sparse_absorbed": ("deepseek_v32", 3, {}, "absorbed"),
+    "glm_full_sparse_absorbed": ("glm_moe_dsa", 0, {}, "absorbed"),
+    "dsv32_full_sparse_absorbed": ("deepseek_v32", 1, {}, "absorbed"),
     # index_topk >= kv_len: sparse attention must be dense causal attention.
     "dsv32_full_dense": ("deepseek_v32", 0, {"index_topk": 1024}, "expanded"),
     "glm_shared": ("glm_moe_dsa", 2, {}, "absorbed"),
-    "dsv32_shared": ("deepseek_v32", 4, {}, "expanded"),
+    "dsv32_shared": ("deepseek_v32", 2, {}, "expanded"),
 }
 
 

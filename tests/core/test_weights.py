@@ -76,12 +76,12 @@ def test_hf_tensor_names_cover_model_with_per_expert_names():
     cfg = _cfg("glm_moe_dsa")
     names = hf_tensor_names(cfg)
     assert names["model.layers.2.mlp.experts.7.down_proj.weight"] == (64, 32)
-    assert names["model.layers.5.mlp.experts.0.gate_proj.weight"] == (32, 64)
+    assert names["model.layers.1.mlp.experts.0.gate_proj.weight"] == (32, 64)
     assert names["model.layers.0.self_attn.indexer.k_norm.bias"] == (32,)
-    assert names["model.layers.3.mlp.gate.e_score_correction_bias"] == (8,)
+    assert names["model.layers.1.mlp.gate.e_score_correction_bias"] == (8,)
     assert "model.layers.2.self_attn.indexer.wk.weight" not in names  # shared layer
     assert "model.layers.2.mlp.experts.gate_proj" not in names  # stacked leaf name
-    assert not any(n.startswith("model.layers.6.") for n in names)
+    assert not any(n.startswith("model.layers.3.") for n in names)  # 3 layers
     # Element count: the per-expert names add up to the model's parameter count.
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
     model_params = sum(math.prod(v.shape) for _, v in nnx.to_flat_state(nnx.state(abstract)))
@@ -165,7 +165,7 @@ def test_fp8_block_dequant_matches_float64(glm_model, tmp_path):
         if n.endswith(("proj.weight", "_mqa.weight", ".wk.weight", ".wq_b.weight"))
     ]
     assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in quantized
-    assert "model.layers.4.mlp.experts.3.down_proj.weight" in quantized
+    assert "model.layers.2.mlp.experts.3.down_proj.weight" in quantized
     for name in quantized:
         q, scale = _quantize_blocks(tensors[name], block)
         tensors[name], tensors[name + "_scale_inv"] = q, scale
@@ -197,10 +197,10 @@ def test_fp8_block_dequant_matches_float64(glm_model, tmp_path):
         np.asarray(layer.dense_weight(jnp.float32)),
         expected["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"],
     )
-    experts = kept.model.layers[4].mlp.experts
+    experts = kept.model.layers[2].mlp.experts
     np.testing.assert_array_equal(
         np.asarray(experts._weight("down_proj"))[3].T,
-        expected["model.layers.4.mlp.experts.3.down_proj.weight"],
+        expected["model.layers.2.mlp.experts.3.down_proj.weight"],
     )
 
 
@@ -224,7 +224,7 @@ def test_fp8_without_scale_or_with_bad_scale_shape(glm_model, tmp_path):
 
 def test_missing_tensor_is_named(glm_model, tmp_path):
     tensors = hf_state_dict(glm_model)
-    gone = ["model.layers.3.mlp.experts.5.up_proj.weight", "model.norm.weight"]
+    gone = ["model.layers.2.mlp.experts.5.up_proj.weight", "model.norm.weight"]
     for name in gone:
         del tensors[name]
     with pytest.raises(CheckpointError, match="missing 2 of the") as err:
@@ -243,10 +243,11 @@ def test_wrong_shape_names_tensor_expected_and_got(glm_model, tmp_path):
 def test_mtp_layers_skipped_with_one_log_line(glm_model, tmp_path, caplog):
     tensors = hf_state_dict(glm_model)
     mtp = np.ones((64, 128), np.float32)
-    tensors["model.layers.6.eh_proj.weight"] = mtp
-    tensors["model.layers.6.enorm.weight"] = np.ones(64, np.float32)
-    tensors["model.layers.6.mlp.experts.0.up_proj.weight"] = mtp.astype(ml_dtypes.float8_e4m3fn)
-    tensors["model.layers.6.mlp.experts.0.up_proj.weight_scale_inv"] = np.ones((1, 1), np.float32)
+    m = f"model.layers.{glm_model.cfg.num_hidden_layers}"  # the MTP layer follows the last
+    tensors[f"{m}.eh_proj.weight"] = mtp
+    tensors[f"{m}.enorm.weight"] = np.ones(64, np.float32)
+    tensors[f"{m}.mlp.experts.0.up_proj.weight"] = mtp.astype(ml_dtypes.float8_e4m3fn)
+    tensors[f"{m}.mlp.experts.0.up_proj.weight_scale_inv"] = np.ones((1, 1), np.float32)
     with caplog.at_level(logging.INFO, logger="cpkv_jax.model.weights"):
         loaded = load_hf_weights(
             glm_model.cfg, _write(tensors, tmp_path), progress=False, strict=True

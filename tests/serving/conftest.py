@@ -120,10 +120,11 @@ def bare(tmp_path_factory) -> Iterator[SimpleNamespace]:
 
 @pytest.fixture
 def tiny_config_dir(tmp_path: Path) -> Path:
-    """Tiny GLM-5-style config (explicit indexer_types list FFSFSS, 6 layers), no weights."""
+    """Tiny GLM-5-style config (explicit indexer_types list FFSFSS, 6 layers: the schedule
+    tests need a longer one than the tiny model's 3), no weights."""
     d = tmp_path / "m"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps(tiny_config_dict("glm_moe_dsa")))
+    (d / "config.json").write_text(json.dumps(tiny_config_dict("glm_moe_dsa", num_layers=6)))
     return d
 
 

@@ -37,12 +37,6 @@ POOL_PAGES = 48
 # join. Few distinct shapes (5 programs per path): each one compiles.
 WAVE = [(60, 14, 0), (37, 7, 0), (50, 2, 1), (45, 6, 1), (62, 3, 2)]
 TWO_LAYERS = {"num_hidden_layers": 2, "first_k_dense_replace": 1}
-# The FP8 checkpoint's first three layers: full, full, shared indexer; dense, dense, MoE.
-GLM_THREE_LAYERS = {
-    "num_hidden_layers": 3,
-    "indexer_types": ["full", "full", "shared"],
-    "mlp_layer_types": ["dense", "dense", "sparse"],
-}
 
 
 def _deepseek_two_layers() -> tuple[ModelConfig, CausalLM]:
@@ -58,9 +52,9 @@ def _glm_two_layers() -> tuple[ModelConfig, CausalLM]:
 
 @pytest.fixture(scope="module")
 def models(tiny_checkpoints):
-    def fp8():  # the checkpoint's first three layers (the rest is left unread)
+    def fp8():  # the tiny FP8 checkpoint: full, shared, shared indexer; dense, MoE, MoE
         path = tiny_checkpoints("glm_moe_dsa", fp8=True)
-        cfg, model = load_model(path, json_model_override_args=GLM_THREE_LAYERS, progress=False)
+        cfg, model = load_model(path, progress=False)
         assert any("weight_scale" in str(k) for k, _ in nnx.to_flat_state(nnx.state(model)))
         return cfg, model
 

@@ -18,12 +18,12 @@ AVAILABLE, REASON = mooncake_available()
 needs_mooncake = pytest.mark.skipif(
     not AVAILABLE, reason=f"Mooncake Transfer Engine unavailable: {REASON}"
 )
-ARENA_BYTES = 4 << 20  # decode staging arena: rooms here are <= 16 pages of 17 KiB
+ARENA_BYTES = 4 << 20  # decode staging arena: rooms here are <= 16 pages of about 8 KiB
 QUARANTINE_S = 2.0  # decode side: a silent writer's region is reused after this
 CONFIG = MooncakeBackendConfig(
     transfer_timeout_s=5.0,
     host_buffer_bytes=1 << 20,
-    write_group_bytes=16 * 1024,  # several batch writes per rank, so hooks fire between
+    write_group_bytes=4 * 1024,  # several batch writes per rank, so hooks fire between
     **CONTROL,
     write_retry_backoff_s=0.01,
     uncertain_hold_s=0.5,  # a failed write's host region comes back fast (tests check it)
