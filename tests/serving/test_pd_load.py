@@ -51,8 +51,8 @@ from transfer.backends.mooncake_engine import mooncake_available
 
 pytestmark = pytest.mark.slow(seconds=340)  # on 2 workers, 2026-12-03
 
-DECODE_POOL = "1536KiB"  # ~87 pages of 16 tokens: long prompts wait for each other
-PREFILL_POOL = "2MiB"  # per rank
+DECODE_POOL = "720KiB"  # ~89 pages of 16 tokens: long prompts wait for each other
+PREFILL_POOL = "1MiB"  # per rank
 CONCURRENCY = 16
 # One request's bound; a hang fails the test. The first wave compiles the step shapes
 # it reaches (about 60 on first use) while the other test worker compiles too: CI saw a

@@ -52,6 +52,7 @@ pytestmark = pytest.mark.slow(seconds=540)  # on 2 workers, 2026-12-03
 P = 16
 CP = 8
 NEW = 6
+SIGTERM_NEW = 1500  # a stream the 1 s drain cannot finish, within the 1 MiB pool
 WAIT_S = 60.0
 MOONCAKE, MOONCAKE_REASON = mooncake_available()
 DECODE_DP = 4
@@ -72,22 +73,17 @@ def ckpt(tiny_checkpoints):
     return path, cfg, ref
 
 
+def server_args_cli(path: Path, mode: str = "null", *extra: str) -> list[str]:
+    # The same flags for the in-process servers and the SIGTERM test's process: its
+    # warm-up then reads the unified fixture's programs from the run's compilation cache.
+    return [
+        *("--model-path", str(path), "--dtype", "float32", "--page-size", str(P)),
+        *("--disaggregation-mode", mode, "--kv-pool-size", "1MiB", *extra),
+    ]
+
+
 def server_args(path: Path, mode: str, *extra: str) -> ServerArgs:
-    return ServerArgs.from_cli(
-        [
-            "--model-path",
-            str(path),
-            "--dtype",
-            "float32",
-            "--page-size",
-            str(P),
-            "--disaggregation-mode",
-            mode,
-            "--kv-pool-size",
-            "2MiB",
-            *extra,
-        ]
-    )
+    return ServerArgs.from_cli(server_args_cli(path, mode, *extra))
 
 
 def prompts(cfg, seed: int) -> list[list[int]]:
@@ -418,7 +414,7 @@ def test_sigterm_mid_request_aborts_after_the_drain_and_frees_every_page(ckpt, t
         wait_until(lambda: healthy(url), "the server to become healthy", timeout=120)
         body = {
             "input_ids": prompts(cfg, seed=5)[1],
-            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": SIGTERM_NEW, "ignore_eos": True},
             "stream": True,
         }
         tail: list[str] = []
@@ -432,7 +428,7 @@ def test_sigterm_mid_request_aborts_after_the_drain_and_frees_every_page(ckpt, t
                     proc.send_signal(signal.SIGTERM)
         # The drain (1 s) ran out: the stream ended early with the abort, then [DONE].
         assert tail[-1] == "data: [DONE]"
-        assert len(tail) < 3000
+        assert len(tail) < SIGTERM_NEW
         assert proc.wait(60) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
@@ -442,10 +438,6 @@ def test_sigterm_mid_request_aborts_after_the_drain_and_frees_every_page(ckpt, t
     assert "SIGTERM received: draining" in text
     m = re.search(r"shutdown complete: KV pages free rank 0: (\d+)/(\d+)", text)
     assert m and m.group(1) == m.group(2), text[-3000:]
-
-
-def server_args_cli(path: Path) -> list[str]:
-    return ["--model-path", str(path), "--dtype", "float32", "--page-size", str(P)]
 
 
 def healthy(url: str) -> bool:
