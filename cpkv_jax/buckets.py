@@ -28,6 +28,14 @@ def prefill_bucket(n: int) -> int:
     return pow2_at_least(n, MIN_PREFILL_BUCKET)
 
 
+def min_block(cp_size: int) -> int:
+    """Smallest zigzag block: a step of at least `MIN_PREFILL_BUCKET` tokens, as the plain
+    prefill's smallest bucket. A shorter extend pads up to it: below that, each halving
+    of the padding is one more program to compile (per width and row bucket) for a step
+    that costs the same weight reads either way."""
+    return pow2_at_least(-(-MIN_PREFILL_BUCKET // (2 * cp_size)))
+
+
 def page_table_width(num_pages: int, cp_size: int) -> int:
     """Page-table entries for `num_pages` logical pages: `cp * pow2(ceil(pages / cp))`."""
     return cp_size * pow2_at_least(-(-num_pages // cp_size))
@@ -66,7 +74,7 @@ def step_shape(
     num_requests: int, max_extend_tokens: int, max_kv_tokens: int, cp_size: int, page_size: int
 ) -> StepShape:
     """The step shapes `plan_step` picks for a batch with these maxima."""
-    block = pow2_at_least(-(-max_extend_tokens // (2 * cp_size)))
+    block = pow2_at_least(-(-max_extend_tokens // (2 * cp_size)), min_block(cp_size))
     width = page_table_width(pages_for_tokens(max_kv_tokens, page_size), cp_size)
     return StepShape(cp_size, page_size, pow2_at_least(num_requests), block, width)
 
@@ -123,9 +131,9 @@ def reachable_step_shapes(
     there (a prefix hit or earlier chunks, both page multiples), so its KV holds
     `k = e + j * page_size <= longest_tokens` tokens (the longest prompt the pool and
     the context admit). Block bucket `b` takes `e in (cp * b, 2 * cp * b]` (from 1 for
-    `b = 1`); its widths are those of every page count from `pages(e_lo)` to the largest
-    `pages(e) + (longest - e) // page_size` in the bucket. Exact for one row
-    (brute-forced in tests/core/test_step_buckets.py).
+    the smallest, `min_block(cp)`); its widths are those of every page count from
+    `pages(e_lo)` to the largest `pages(e) + (longest - e) // page_size` in the bucket.
+    Exact for one row (brute-forced in tests/core/test_step_buckets.py).
 
     Batches of `k >= 2` rows pad to `rows = pow2(k) <= pow2(max_rows)`. They hold their
     pages at once: every row its own `pages(e)` new pages, a prefix at most once (rows
@@ -139,8 +147,8 @@ def reachable_step_shapes(
     longest_pages = pages_for_tokens(max(longest_tokens, 1), page_size)
     widest = page_table_width(longest_pages, cp_size)
     out: set[StepShape] = set()
-    block = 1
-    while (lo := 1 if block == 1 else cp_size * block + 1) <= max_e:
+    block = first_block = min_block(cp_size)
+    while (lo := 1 if block == first_block else cp_size * block + 1) <= max_e:
         hi = min(2 * cp_size * block, max_e)
         # pages(e) + (L - e) // P has period P in e: one period holds its maximum.
         top = max(

@@ -50,6 +50,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from cpkv_jax.aot import BackgroundCompiler, CompileJob
+from cpkv_jax.buckets import min_block
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.decode_mesh import DPPoolLayout, init_dp_pool
 from cpkv_jax.errors import ConfigError
@@ -367,7 +368,11 @@ def warm_up(
         chunk = args.chunked_prefill_size or 4 * args.page_size * args.cp_size
         chunk = min(chunk, longest)
         cp = args.cp_size
-        lengths = [2 * cp * b for b in _pow2_upto(chunk // (2 * cp)) if 2 * cp * b < chunk]
+        lengths = [
+            2 * cp * b
+            for b in _pow2_upto(chunk // (2 * cp))
+            if b >= min_block(cp) and 2 * cp * b < chunk
+        ]
         for n in [*lengths, chunk]:
             result = runner.prefill([prompt(n)], args.chunked_prefill_size)
             runner.release(result.tables[0])
