@@ -164,7 +164,7 @@ def time_gathers(quick: bool) -> list[dict[str, Any]]:
     ]
     if quick:
         cases = [(n, d, f, 256, 64) for n, d, f, _, _ in cases]
-    repeats = 10 if quick else 50
+    repeats = 3 if quick else 50  # quick: a smoke test of the script, not a timing
     for name, dtype, feature, n_pages, n_ids in cases:
         pool = _pool(jax.random.key(1), n_pages, page, dtype, feature)
         # Several id sets (random permutations) so repeats do not re-read one cached set.
