@@ -19,7 +19,8 @@ from typing import Any
 ARCHS = ("glm_moe_dsa", "deepseek_v32")
 
 
-# GLM-5 style explicit schedules (indexer types, MLP types) by layer count.
+# Schedules by layer count: (indexer types, MLP types). GLM style configs list both;
+# DeepSeek style ones take `first_k_dense_replace` from the MLP types.
 _GLM_SCHEDULES = {
     3: (["full", "shared", "shared"], ["dense", "sparse", "sparse"]),
     6: (
