@@ -15,7 +15,9 @@ selected top-k latent rows from the pool (`PagedKVIO`).
 numerics, so a CP prefill and a single-device prefill give bitwise-equal KV, logits and
 so `--output-json`.
 `output_logprobs[i]` is the log-probability of `output_ids[i]` under the model's
-(untempered) next-token distribution.
+(untempered) next-token distribution; with `top_logprobs=N`, `output_top_logprobs[i]` is
+that distribution's N most likely (token, log-prob) pairs, found on the host by a stable
+sort (ties to the lower id): the reference for the device sampler's `top_k`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class GenerationResult:
     finish_reason: str  # "length" | "stop"
     prefill_seconds: float
     decode_seconds: float
+    output_top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(
+        default_factory=list
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +142,7 @@ class ReferenceGenerator:
         seed: int = 0,
         ignore_eos: bool = False,
         cp_prefill: CPPrefillOptions | None = None,
+        top_logprobs: int = 0,
     ) -> GenerationResult:
         """Prefill then decode. With `cp_prefill`, the prompt is prefilled on the CP mesh
         (shared or replicated pools, optionally chunked) and decoding continues here,
@@ -165,12 +171,16 @@ class ReferenceGenerator:
         rng = np.random.default_rng(seed)
         out_ids: list[int] = []
         out_lp: list[float] = []
+        out_top: list[tuple[tuple[int, float], ...]] = []
         finish = "length"
         t1 = time.perf_counter()
         for i in range(max_new_tokens):
             tok = self._sample(logprobs, temperature, rng)
             out_ids.append(tok)
             out_lp.append(float(logprobs[tok]))
+            if top_logprobs:
+                best = np.argsort(-logprobs, kind="stable")[:top_logprobs]
+                out_top.append(tuple((int(t), float(logprobs[t])) for t in best))
             if not ignore_eos and tok in self.cfg.eos_token_ids:
                 finish = "stop"
                 break
@@ -196,7 +206,7 @@ class ReferenceGenerator:
             decode_s,
             len(out_ids) / max(decode_s, 1e-9),
         )
-        return GenerationResult(out_ids, out_lp, finish, prefill_s, decode_s)
+        return GenerationResult(out_ids, out_lp, finish, prefill_s, decode_s, out_top)
 
     def _prefill_single_device(self, prompt: np.ndarray, table: np.ndarray, pool: KVPool):
         batch = prefill_batch(prompt, table, self.page_size)

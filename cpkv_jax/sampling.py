@@ -14,6 +14,13 @@ one token), then min-p (of those, the tokens whose tempered probability is at le
 through the kept tokens' CDF. `temperature == 0` is
 greedy: `argmax`, the lowest id among ties, as the reference generator picks.
 
+A row may also ask for its `top_n` (at most `TOP_LOGPROBS_MAX`) most likely tokens and
+their log-probs, under the same untempered distribution (OpenAI's `top_logprobs`, SGLang's
+`top_logprobs_num`): the step's program always takes the `TOP_LOGPROBS_MAX` best per row
+(one `lax.top_k`, ties towards the lower id as greedy breaks them, so a greedy token that
+ranks there is first), and those `[R, 20]` arrays come to the host only when a row of
+the step asked.
+
 The draw is stateless per output position: token `step` of a request uses the key
 `fold_in(fold_in(fold_in(key(0), seed_lo), seed_hi), step)` (the 63-bit seed's 32-bit
 halves), so a prefill server that samples token 0 and a decode server that samples tokens
@@ -32,6 +39,9 @@ import numpy as np
 from jaxtyping import Array, Float
 
 _U32 = 0xFFFFFFFF
+# The most alternatives a row may ask for (OpenAI's chat limit; vLLM's default cap).
+TOP_LOGPROBS_MAX = 20
+TopLogprobs = tuple[tuple[int, float], ...]  # (token id, log-prob), most likely first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +54,7 @@ class RowSampling:
     seed: int = 0
     step: int = 0
     min_p: float = 0.0
+    top_n: int = 0  # alternatives to return, 0..TOP_LOGPROBS_MAX
 
 
 GREEDY = RowSampling()  # the padding rows of a step
@@ -56,13 +67,26 @@ class Sampled:
     tokens: np.ndarray  # int32
     logprobs: np.ndarray  # float32, of `tokens` under the untempered distribution
     finite: np.ndarray  # bool: False when the row had no finite maximum (broken logits)
+    top_n: tuple[int, ...] = ()  # per row: alternatives asked for (empty: none asked)
+    top_ids: np.ndarray | None = None  # int32 [rows, TOP_LOGPROBS_MAX], most likely first
+    top_logprobs: np.ndarray | None = None  # float32, same shape
 
-    def pick(self, i: int) -> tuple[int, float]:
-        """Row `i`'s (token, log-prob); `ValueError` for a broken row (NaN anywhere, or
-        nothing finite): the engines fail that request alone."""
+    def pick(self, i: int) -> tuple[int, float, TopLogprobs]:
+        """Row `i`'s (token, log-prob, its `top_n` alternatives); `ValueError` for a
+        broken row (NaN anywhere, or nothing finite): the engines fail that request
+        alone."""
         if not self.finite[i]:
             raise ValueError("log-probs have no finite maximum; the logits are broken")
-        return int(self.tokens[i]), float(self.logprobs[i])
+        return int(self.tokens[i]), float(self.logprobs[i]), self.top(i)
+
+    def top(self, i: int) -> TopLogprobs:
+        n = self.top_n[i] if self.top_n else 0
+        if n == 0:
+            return ()
+        assert self.top_ids is not None and self.top_logprobs is not None
+        pairs = zip(self.top_ids[i, :n].tolist(), self.top_logprobs[i, :n].tolist(), strict=True)
+        # A row with fewer finite entries than `n` (a masked vocabulary) lists only those.
+        return tuple((t, v) for t, v in pairs if np.isfinite(v))
 
 
 def sample(logprobs: Float[Array, "r v"] | np.ndarray, rows: Sequence[RowSampling]) -> Sampled:
@@ -72,21 +96,27 @@ def sample(logprobs: Float[Array, "r v"] | np.ndarray, rows: Sequence[RowSamplin
     n, r = len(rows), logprobs.shape[0]
     if not 0 < n <= r:
         raise ValueError(f"{n} row parameters for {r} log-prob rows")
+    bad = [p.top_n for p in rows if not 0 <= p.top_n <= TOP_LOGPROBS_MAX]
+    if bad:
+        raise ValueError(f"top_n {bad[0]} outside [0, {TOP_LOGPROBS_MAX}]")
     padded = [*rows, *([GREEDY] * (r - n))]
     seeds = np.asarray([p.seed for p in padded], np.uint64)
-    tokens, lps, finite = jax.device_get(
-        _sample(
-            logprobs,
-            np.asarray([p.temperature for p in padded], np.float32),
-            np.asarray([p.top_k for p in padded], np.int32),
-            np.asarray([p.top_p for p in padded], np.float32),
-            (seeds & _U32).astype(np.uint32),
-            (seeds >> np.uint64(32)).astype(np.uint32),
-            np.asarray([p.step for p in padded], np.uint32),
-            np.asarray([p.min_p for p in padded], np.float32),
-        )
+    out = _sample(
+        logprobs,
+        np.asarray([p.temperature for p in padded], np.float32),
+        np.asarray([p.top_k for p in padded], np.int32),
+        np.asarray([p.top_p for p in padded], np.float32),
+        (seeds & _U32).astype(np.uint32),
+        (seeds >> np.uint64(32)).astype(np.uint32),
+        np.asarray([p.step for p in padded], np.uint32),
+        np.asarray([p.min_p for p in padded], np.float32),
     )
-    return Sampled(tokens[:n], lps[:n], finite[:n])
+    top_n = tuple(p.top_n for p in rows)
+    if not any(top_n):  # the alternatives stay on the device
+        tokens, lps, finite = jax.device_get(out[:3])
+        return Sampled(tokens[:n], lps[:n], finite[:n])
+    tokens, lps, finite, top_ids, top_lps = jax.device_get(out)
+    return Sampled(tokens[:n], lps[:n], finite[:n], top_n, top_ids[:n], top_lps[:n])
 
 
 def _row_key(seed_lo: Array, seed_hi: Array, step: Array) -> Array:
@@ -122,7 +152,9 @@ def _sample(lp, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p):
     at = jnp.minimum(jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1), v - 1)
     drawn = jnp.take_along_axis(order, at[:, None], axis=1)[:, 0]
     tokens = jnp.where(temperature > 0, drawn, greedy)
-    return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0], finite
+    top_lps, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS_MAX, v))  # ties: lower id first
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0]
+    return tokens, chosen, finite, top_ids.astype(jnp.int32), top_lps
 
 
 def warm(

@@ -151,6 +151,9 @@ class Aux:
     logprob: float
     cached_tokens: int = 0
     host_cached_tokens: int = 0
+    # The first token's most likely alternatives, (token id, log-prob) most likely first,
+    # when the request asked for top log-probs (the decode server streams them).
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,11 +296,18 @@ def aux_to_pb(aux: Aux) -> pb.Aux:
         logprob=aux.logprob,
         cached_tokens=aux.cached_tokens,
         host_cached_tokens=aux.host_cached_tokens,
+        top_ids=[t for t, _ in aux.top],
+        top_logprobs=[v for _, v in aux.top],
     )
 
 
 def aux_from_pb(msg: pb.Aux) -> Aux:
-    return Aux(msg.first_token, msg.logprob, msg.cached_tokens, msg.host_cached_tokens)
+    if len(msg.top_ids) != len(msg.top_logprobs):
+        raise BadRequestError(
+            f"aux has {len(msg.top_ids)} top token ids but {len(msg.top_logprobs)} log-probs"
+        )
+    top = tuple(zip(msg.top_ids, msg.top_logprobs, strict=True))
+    return Aux(msg.first_token, msg.logprob, msg.cached_tokens, msg.host_cached_tokens, top)
 
 
 def snapshot_to_pb(s: RoomSnapshot) -> pb.RoomStatus:

@@ -73,7 +73,7 @@ from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import (
     pages_for_tokens,
 )
-from cpkv_jax.sampling import RowSampling, sample
+from cpkv_jax.sampling import RowSampling, TopLogprobs, sample
 from serving.decode.sampling import Detokenize, StopChecker, StopResult, request_seed
 from serving.decode.steps import DecodeSteps, MeshDecodeSteps, reachable_shapes
 from serving.engine.api import (
@@ -128,6 +128,7 @@ class _Request:
     rank: int = 0  # the DP rank whose pool shard holds its pages and runs its rows
     out_ids: list[int] = dataclasses.field(default_factory=list)
     out_lps: list[float] = dataclasses.field(default_factory=list)
+    out_tops: list[TopLogprobs] = dataclasses.field(default_factory=list)
     emitted: int = 0  # output tokens already sent in a chunk
     first_token_at: float | None = None
     # Decode mode: the prefill server's prefix-cache hit (from the transfer's aux data).
@@ -507,7 +508,9 @@ class DecodeEngine:
                 r.cached_tokens, r.host_cached_tokens = aux.cached_tokens, aux.host_cached_tokens
                 n_prompt_pages = pages_for_tokens(len(r.prompt), self.page_size)
                 self._transfer_bytes += n_prompt_pages * self._bytes_per_page
-                self._produce(r, touched, lambda aux=aux: (int(aux.first_token), aux.logprob))
+                self._produce(
+                    r, touched, lambda aux=aux: (int(aux.first_token), aux.logprob, aux.top)
+                )
 
     def _decode_step(self, touched: dict[str, _Request]) -> None:
         rows = [r for r in self._running.values() if r.finish is None]
@@ -590,7 +593,8 @@ class DecodeEngine:
     # ---- failures ------------------------------------------------------------------------
     def _row_sampling(self, r: _Request) -> RowSampling:
         s = r.req.sampling
-        return RowSampling(s.temperature, s.top_k, s.top_p, r.seed, len(r.out_ids), s.min_p)
+        top_n = r.req.top_logprobs if r.req.return_logprob else 0
+        return RowSampling(s.temperature, s.top_k, s.top_p, r.seed, len(r.out_ids), s.min_p, top_n)
 
     def _sample(self, r: _Request, logprobs: Any, touched: dict[str, _Request]) -> None:
         """Draw `r`'s next token from its log-prob row (`[1, vocab]`, on the device or
@@ -598,18 +602,21 @@ class DecodeEngine:
         self._produce(r, touched, lambda: sample(logprobs, [self._row_sampling(r)]).pick(0))
 
     def _produce(
-        self, r: _Request, touched: dict[str, _Request], pick: Callable[[], tuple[int, float]]
+        self,
+        r: _Request,
+        touched: dict[str, _Request],
+        pick: Callable[[], tuple[int, float, TopLogprobs]],
     ) -> None:
         """Record the token `pick` gives; if that raises (a broken log-prob row, the
         request's detokenizer in its stop check) only `r` fails: the other rows of the
         step go on."""
         n = len(r.out_ids)
         try:
-            tok, logprob = pick()
-            self._record(r, tok, float(logprob))
+            tok, logprob, top = pick()
+            self._record(r, tok, float(logprob), top)
         except Exception as e:
             logger.exception("request %s: output token %d could not be produced", r.rid, n)
-            del r.out_ids[n:], r.out_lps[n:]  # the error chunk carries no half-made token
+            del r.out_ids[n:], r.out_lps[n:], r.out_tops[n:]  # no half-made token in the error
             message = step_failure(f"output token {n} of this request", e)
             self._discard(r, message)
             self._end(r, message, touched)
@@ -660,12 +667,13 @@ class DecodeEngine:
         self._release(r)
 
     # ---- bookkeeping ---------------------------------------------------------------------
-    def _record(self, r: _Request, tok: int, logprob: float) -> None:
+    def _record(self, r: _Request, tok: int, logprob: float, top: TopLogprobs) -> None:
         """Append one output token; finish the request if it stops here."""
         if r.first_token_at is None:
             r.first_token_at = self._clock()
         r.out_ids.append(tok)
         r.out_lps.append(logprob)
+        r.out_tops.append(top)
         done = r.stop.append(tok)
         if done is not None:
             r.finish = done
@@ -693,8 +701,9 @@ class DecodeEngine:
         new = slice(r.emitted, len(r.out_ids))
         r.emitted = len(r.out_ids)
         lps = tuple(r.out_lps[new]) if r.req.return_logprob else None
+        tops = tuple(r.out_tops[new]) if r.req.return_logprob and r.req.top_logprobs else None
         if r.finish is None:
-            return OutputChunk(r.rid, tuple(r.out_ids[new]), lps)
+            return OutputChunk(r.rid, tuple(r.out_ids[new]), lps, tops)
         now = self._clock()
         meta: dict[str, float | int] = {
             "prompt_tokens": len(r.prompt),
@@ -712,6 +721,7 @@ class DecodeEngine:
             r.rid,
             tuple(r.out_ids[new]),
             lps,
+            tops,
             finished=True,
             finish_reason=r.finish.reason,
             error=r.error,

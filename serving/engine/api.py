@@ -30,6 +30,10 @@ ServerMode = Literal["null", "prefill", "decode"]
 # A request asking for more new tokens than this is refused outright, whatever the
 # context length (a typo such as 10**9 must not reserve pages).
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+# The most top log-probs a request may ask for per token (OpenAI's chat limit, vLLM's
+# default cap); equal to `cpkv_jax.sampling.TOP_LOGPROBS_MAX`, the sampler's (this module
+# stays free of JAX).
+TOP_LOGPROBS_LIMIT = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +90,9 @@ class GenerateRequest:
     input_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     return_logprob: bool = False
+    # With `return_logprob`: each output token's `top_logprobs` most likely alternatives
+    # (0..`cpkv_jax.sampling.TOP_LOGPROBS_MAX`), computed on the device with the token.
+    top_logprobs: int = 0
     # PD only. Decode mode: the transfer room this request's KV arrives in. Prefill mode:
     # the room to send to, at the decode server's transfer receiver `host:port`.
     bootstrap_room: str | None = None
@@ -100,15 +107,18 @@ class OutputChunk:
     """What a request produced since its previous chunk; the last one has `finished`.
 
     `logprobs[i]` is the log-probability of `token_ids[i]` under the model's untempered
-    next-token distribution (present when the request asked for them). `meta` on the final
-    chunk holds `prompt_tokens`, `completion_tokens`, `cached_tokens`, `ttft_s`, `e2e_s`.
-    A finished chunk with `finish_reason == "error"` carries `error` (a sentence for the
-    client); "abort" means the client or the server (shutdown) cancelled it.
+    next-token distribution (present when the request asked for them); `top_logprobs[i]`
+    its position's `GenerateRequest.top_logprobs` most likely (token, log-prob) pairs under
+    the same distribution, most likely first (present when the request asked for them).
+    `meta` on the final chunk holds `prompt_tokens`, `completion_tokens`, `cached_tokens`,
+    `ttft_s`, `e2e_s`. A finished chunk with `finish_reason == "error"` carries `error` (a
+    sentence for the client); "abort" means the client or the server (shutdown) cancelled it.
     """
 
     rid: str
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None

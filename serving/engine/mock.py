@@ -9,7 +9,8 @@ real app, the real `EngineLoop` and real HTTP against it instead of hand-written
 The output is closed-form, so a test recomputes every expected value itself:
 
 - output token `i` is `prompt[i % len(prompt)]` (`echo_ids`), one token per `step`, with
-  log-prob `mock_logprob(token, i)` when the request asks for log-probs;
+  log-prob `mock_logprob(token, i)` when the request asks for log-probs, and
+  `mock_top_logprobs(token, i, n)` when it asks for `n` top log-probs;
 - it finishes with "stop" on a stop token id, on `eos_id` (unless `ignore_eos`), or once
   the decoded output contains a stop string (the engine-side check the contract asks
   for; needs a tokenizer); with "length" at `max_new_tokens`; with "error" when the
@@ -70,6 +71,13 @@ MODES: tuple[ServerMode, ...] = ("null", "prefill", "decode")
 def mock_logprob(token: int, i: int) -> float:
     """The log-prob `MockEngine` reports for output token `token` at position `i`."""
     return -(((token * 7 + i) % 11) / 10.0) - 0.05
+
+
+def mock_top_logprobs(token: int, i: int, n: int) -> tuple[tuple[int, float], ...]:
+    """The `n` top log-probs `MockEngine` reports at output position `i`: the chosen token
+    first, then `token + 1, token + 2, ...`, each 0.5 less likely than the one before."""
+    first = mock_logprob(token, i)
+    return tuple((token + k, first - 0.5 * k) for k in range(n))
 
 
 def echo_ids(prompt: Sequence[int], n: int) -> list[int]:
@@ -307,6 +315,11 @@ class MockEngine:
             req.rid,
             token_ids=(tok,),
             logprobs=(logprob,) if req.return_logprob else None,
+            top_logprobs=(
+                (mock_top_logprobs(tok, i, req.top_logprobs),)
+                if req.return_logprob and req.top_logprobs
+                else None
+            ),
             finished=reason is not None,
             finish_reason=reason,
             meta=meta if reason else {},

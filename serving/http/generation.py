@@ -153,6 +153,8 @@ class Generation:
     timer: RequestTimer
     out: OutputText
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    # Per output token, its (token id, log-prob) alternatives (requests with top_logprobs).
+    top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     meta: dict[str, float | int] = dataclasses.field(default_factory=dict)
@@ -169,6 +171,8 @@ class Generation:
         self.timer.on_tokens(len(chunk.token_ids))
         if chunk.logprobs is not None:
             self.logprobs.extend(chunk.logprobs)
+        if chunk.top_logprobs is not None:
+            self.top_logprobs.extend(chunk.top_logprobs)
         delta = self.out.add(chunk.token_ids)
         if chunk.finished:
             delta += self.out.finish()
@@ -361,6 +365,7 @@ class ApiCore:
         *,
         rid: str | None = None,
         return_logprob: bool = False,
+        top_logprobs: int = 0,
         arrival: float,
         bootstrap_room: str | None = None,
         decode_transfer_target: str | None = None,
@@ -397,6 +402,7 @@ class ApiCore:
             input_ids=tuple(input_ids),
             sampling=sampling,
             return_logprob=return_logprob,
+            top_logprobs=top_logprobs if return_logprob else 0,
             bootstrap_room=bootstrap_room,
             decode_transfer_target=decode_transfer_target,
             bootstrap_cp_size=bootstrap_cp_size,

@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from serving.engine.api import MAX_NEW_TOKENS_LIMIT, SamplingParams
+from serving.engine.api import MAX_NEW_TOKENS_LIMIT, TOP_LOGPROBS_LIMIT, SamplingParams
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 _HOST_PORT = re.compile(r"^[^\s:]+:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$")
@@ -154,6 +154,11 @@ class _Body(BaseModel):
         }
 
 
+def _check_top_logprobs(field: str, n: int) -> None:
+    if not 0 <= n <= TOP_LOGPROBS_LIMIT:
+        raise ValueError(f"{field} must be in [0, {TOP_LOGPROBS_LIMIT}], got {n}")
+
+
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -197,7 +202,6 @@ GENERATE_NEUTRAL: Mapping[str, Neutral] = {
     "use_audio_in_video": off(False),
     "video_config": off(),
     "logprob_start_len": off(-1),  # -1: log-probs of the output tokens only
-    "top_logprobs_num": off(0),
     "token_ids_logprob": off([]),
     "return_sampling_mask": off(False),
     "return_flat_raw_top_logprobs": off(False),
@@ -334,6 +338,7 @@ class GenerateBody(_PDFields):
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
     return_logprob: bool = False
+    top_logprobs_num: int = 0  # with return_logprob: `meta_info.output_top_logprobs`
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
 
@@ -354,6 +359,7 @@ class GenerateBody(_PDFields):
             or (isinstance(self.rid, list) and len(self.rid) != len(self.prompts()))
         ):
             raise ValueError("rid: a list of ids goes with a batch of as many prompts")
+        _check_top_logprobs("top_logprobs_num", self.top_logprobs_num)
         return self
 
     def batched(self) -> bool:
@@ -542,10 +548,10 @@ class CompletionBody(_OpenAICommon):
     batch of either (a list of strings, a list of token-id lists); each prompt gets `n`
     choices (`prompts`).
 
-    `logprobs` accepts only 0: the chosen token's log-prob is returned for each token, and
-    top alternatives (`logprobs > 0`) are not computed by the engine. `echo` puts each
-    prompt's text before its choices' text; with `logprobs` it would need the prompt
-    tokens' log-probs, which the engine does not compute (refused).
+    `logprobs: N` returns each token's log-prob and its N most likely alternatives
+    (0..`TOP_LOGPROBS_LIMIT`). `echo` puts each prompt's text before its choices' text;
+    with `logprobs` it would need the prompt tokens' log-probs, which the engine does not
+    compute (refused).
     """
 
     NEUTRAL: ClassVar[Mapping[str, Neutral]] = COMPLETIONS_NEUTRAL
@@ -569,11 +575,8 @@ class CompletionBody(_OpenAICommon):
                 f"{len(prompts)} prompts times n={self.n} is {len(prompts) * self.n} choices, "
                 f"over this server's limit of {MAX_CHOICES}: send fewer prompts per request"
             )
-        if self.logprobs not in (None, 0):
-            raise ValueError(
-                f"logprobs={self.logprobs} asks for top alternatives, which are not supported; "
-                "send logprobs=0 to get the chosen tokens' log-probs"
-            )
+        if self.logprobs is not None:
+            _check_top_logprobs("logprobs", self.logprobs)
         if self.echo and self.logprobs is not None:
             raise ValueError(
                 "echo with logprobs needs the prompt tokens' log-probs, which this server "
@@ -708,8 +711,8 @@ class NamedToolChoice(_Body):
 
 
 class ChatCompletionBody(_OpenAICommon):
-    """`POST /v1/chat/completions`. `logprobs=true` returns the chosen tokens' log-probs;
-    `top_logprobs` accepts only 0 (no alternatives)."""
+    """`POST /v1/chat/completions`. `logprobs=true` returns the chosen tokens' log-probs,
+    and with `top_logprobs: N` each one's N most likely alternatives."""
 
     NEUTRAL: ClassVar[Mapping[str, Neutral]] = CHAT_NEUTRAL
 
@@ -728,11 +731,10 @@ class ChatCompletionBody(_OpenAICommon):
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionBody:
-        if self.top_logprobs not in (None, 0):
-            raise ValueError(
-                f"top_logprobs={self.top_logprobs} is not supported (no alternatives are "
-                "computed); send 0 or omit it"
-            )
+        if self.top_logprobs is not None:
+            _check_top_logprobs("top_logprobs", self.top_logprobs)
+            if self.top_logprobs > 0 and not self.logprobs:
+                raise ValueError("top_logprobs needs logprobs=true")
         if (
             self.max_tokens is not None
             and self.max_completion_tokens is not None

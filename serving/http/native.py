@@ -54,6 +54,7 @@ class NativeRoutes:
             body.sampling_params.to_engine(),
             rid=core.request_id(request, body.rid),
             return_logprob=body.return_logprob,
+            top_logprobs=body.top_logprobs_num,
             arrival=arrival,
             **body.pd_fields(),
         )
@@ -101,6 +102,7 @@ class NativeRoutes:
                         sampling,
                         rid=rids[i],
                         return_logprob=body.return_logprob,
+                        top_logprobs=body.top_logprobs_num,
                         arrival=arrival,
                     )
                 )
@@ -133,6 +135,10 @@ class NativeRoutes:
             meta["output_token_logprobs"] = [
                 [lp, t, token_text(t)] for lp, t in zip(gen.logprobs, gen.ids, strict=False)
             ]
+            if gen.req.top_logprobs:  # SGLang's: per output token, its alternatives
+                meta["output_top_logprobs"] = [
+                    [[lp, t, token_text(t)] for t, lp in alts] for alts in gen.top_logprobs
+                ]
         out: dict[str, Any] = {"output_ids": list(gen.ids), "meta_info": meta}
         if self.core.tokenizer is not None:
             out = {"text": gen.out.text, **out}

@@ -29,26 +29,49 @@ from serving.http.streaming import SSE_DONE, sse_event, sse_response
 from serving.http.text import REPLACEMENT_CHAR
 
 
+def _alternatives(gen: Generation, start: int, end: int) -> list[tuple[tuple[int, float], ...]]:
+    """Each output token's top log-probs in `[start, end)` (empty tuples when the request
+    asked for none)."""
+    if not gen.req.top_logprobs:
+        return [()] * (end - start)
+    return gen.top_logprobs[start:end]
+
+
 def completion_logprobs(gen: Generation, start: int, end: int) -> dict[str, Any]:
-    """OpenAI legacy `logprobs` for output tokens `[start, end)`."""
+    """OpenAI legacy `logprobs` for output tokens `[start, end)`: `top_logprobs` maps the
+    text of each position's `logprobs: N` most likely tokens to their log-probs (the chosen
+    token alone for N = 0; tokens with the same text keep the likelier entry)."""
     detok = gen.out.detok
     tokens = [detok.token_text(t) for t in gen.ids[start:end]]
     values = gen.logprobs[start:end]
+    tops: list[dict[str, float]] = []
+    for text, v, alts in zip(tokens, values, _alternatives(gen, start, end), strict=True):
+        top: dict[str, float] = {}
+        for t, lp in alts or ((None, v),):
+            top.setdefault(text if t is None else detok.token_text(t), lp)
+        tops.append(top)
     return {
         "tokens": tokens,
         "token_logprobs": values,
-        "top_logprobs": [{t: v} for t, v in zip(tokens, values, strict=True)],
+        "top_logprobs": tops,
         "text_offset": detok.offsets[start:end],
     }
 
 
+def _token_entry(text: str, logprob: float) -> dict[str, Any]:
+    raw = None if REPLACEMENT_CHAR in text else list(text.encode())
+    return {"token": text, "logprob": logprob, "bytes": raw}
+
+
 def chat_logprobs(gen: Generation, start: int, end: int) -> dict[str, Any]:
-    """OpenAI chat `logprobs` for output tokens `[start, end)` (no alternatives)."""
+    """OpenAI chat `logprobs` for output tokens `[start, end)`, each with its
+    `top_logprobs` alternatives, most likely first."""
+    text_of = gen.out.detok.token_text
     content = []
-    for t, v in zip(gen.ids[start:end], gen.logprobs[start:end], strict=True):
-        text = gen.out.detok.token_text(t)
-        raw = None if REPLACEMENT_CHAR in text else list(text.encode())
-        content.append({"token": text, "logprob": v, "bytes": raw, "top_logprobs": []})
+    alternatives = _alternatives(gen, start, end)
+    for t, v, alts in zip(gen.ids[start:end], gen.logprobs[start:end], alternatives, strict=True):
+        top = [_token_entry(text_of(a), lp) for a, lp in alts]
+        content.append({**_token_entry(text_of(t), v), "top_logprobs": top})
     return {"content": content}
 
 
@@ -119,6 +142,7 @@ class OpenAIRoutes:
                             choice_sampling(sampling, j),
                             rid=rids[i * n + j],
                             return_logprob=want_logprobs,
+                            top_logprobs=body.logprobs or 0,
                             arrival=arrival,
                             **pd,
                         )
@@ -258,6 +282,7 @@ class OpenAIRoutes:
                 choice_sampling(sampling, j),
                 rid=rids[j],
                 return_logprob=body.logprobs,
+                top_logprobs=body.top_logprobs or 0,
                 arrival=arrival,
                 **pd,
             )

@@ -78,7 +78,7 @@ from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import pages_for_tokens
-from cpkv_jax.sampling import RowSampling, sample
+from cpkv_jax.sampling import RowSampling, TopLogprobs, sample
 from serving.decode.sampling import request_seed
 from serving.engine.api import (
     EngineStateLostError,
@@ -150,6 +150,7 @@ class _Request:
     hold: TransferHold | None = None
     first_token: int = -1
     logprob: float = 0.0
+    top: TopLogprobs = ()  # the first token's alternatives, when the request asked
     cached_tokens: int = 0
     host_cached_tokens: int = 0  # of `cached_tokens`, loaded back from the host cache
     num_pages: int = 0
@@ -627,8 +628,9 @@ class PrefillModeEngine:
         req = entry.req
         logprobs = np.asarray(log_probs(outcome.last_logits))[None]  # host: one row
         s = req.sampling
-        row = RowSampling(s.temperature, s.top_k, s.top_p, request_seed(req), 0, s.min_p)
-        token, entry.logprob = sample(logprobs, [row]).pick(0)
+        top_n = req.top_logprobs if req.return_logprob else 0
+        row = RowSampling(s.temperature, s.top_k, s.top_p, request_seed(req), 0, s.min_p, top_n)
+        token, entry.logprob, entry.top = sample(logprobs, [row]).pick(0)
         entry.first_token = token
         entry.cached_tokens = outcome.cached_tokens
         entry.host_cached_tokens = outcome.host_cached_tokens
@@ -646,7 +648,7 @@ class PrefillModeEngine:
         entry.state = "transferring"
         if not entry.hold.provide(
             table.local_pages(),
-            Aux(token, entry.logprob, entry.cached_tokens, entry.host_cached_tokens),
+            Aux(token, entry.logprob, entry.cached_tokens, entry.host_cached_tokens, entry.top),
         ):
             # The room failed while the prefill ran: the next poll frees the pages and
             # reports the hold's outcome.
@@ -740,6 +742,7 @@ class PrefillModeEngine:
             rid=req.rid,
             token_ids=(entry.first_token,) if ok else (),
             logprobs=(entry.logprob,) if ok and req.return_logprob else None,
+            top_logprobs=(entry.top,) if ok and req.return_logprob and req.top_logprobs else None,
             finished=True,
             finish_reason=reason,
             error=None if ok else error,

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from cpkv_jax.sampling import GREEDY, RowSampling, sample
+from cpkv_jax.sampling import GREEDY, TOP_LOGPROBS_MAX, RowSampling, sample
 
 
 def random_logprobs(rng: np.random.Generator, vocab: int, scale: float = 2.0) -> np.ndarray:
@@ -122,7 +122,7 @@ def test_a_row_without_a_finite_maximum_is_refused_greedy_or_not(temperature):
     for i in range(3):
         with pytest.raises(ValueError, match="no finite maximum"):
             got.pick(i)
-    assert got.pick(3) == (1, pytest.approx(-0.1))
+    assert got.pick(3) == (1, pytest.approx(-0.1), ())
 
 
 def test_draws_are_seeded_stateless_per_step_and_independent_of_the_batch():
@@ -146,3 +146,59 @@ def test_draws_are_seeded_stateless_per_step_and_independent_of_the_batch():
     rows = [RowSampling(0.9, seed=i, step=3) for i in range(6)]
     rows[5] = RowSampling(1.0, seed=seed, step=11)
     assert sample(others, rows).tokens[5] == forward[11]  # 6 rows of 8, at place 5
+
+
+def reference_top(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """Float64 reference of a row's `n` most likely tokens: by (log-prob desc, id asc)."""
+    order = sorted(range(len(logprobs)), key=lambda i: (-float(logprobs[i]), i))
+    return [(i, float(logprobs[i])) for i in order[:n]]
+
+
+def test_top_logprobs_are_the_untempered_n_best_ties_to_the_lower_id():
+    """Each row's `top_n` alternatives are its most likely tokens under the untempered
+    log-probs, most likely first, ties towards the lower id (as greedy picks, so a greedy
+    token is the first alternative); rows that asked for none get none, and the values
+    are the row's own log-probs exactly (they are gathered, not recomputed)."""
+    rng = np.random.default_rng(7)
+    vocab = 97
+    lp = np.stack([random_logprobs(rng, vocab) for _ in range(5)])
+    lp[1, [3, 40, 41, 90]] = lp[1].max() + 0.5  # a four-way tie for the best token
+    lp[2, [10, 11]] = np.sort(lp[2])[-3]  # a tie inside the top 5, not at its head
+    rows = [
+        RowSampling(top_n=5),
+        RowSampling(top_n=3),
+        RowSampling(0.8, seed=3, top_n=TOP_LOGPROBS_MAX),
+        RowSampling(),
+        RowSampling(1.0, top_k=4, seed=9, top_n=1),
+    ]
+    got = sample(lp, rows)
+    for i, row in enumerate(rows):
+        token, logprob, top = got.pick(i)
+        assert list(top) == reference_top(lp[i], row.top_n), i
+        assert logprob == float(lp[i, token])
+        if row.temperature == 0 and row.top_n:
+            assert top[0][0] == token  # the greedy token leads its alternatives
+    assert [t for t, _ in got.pick(1)[2]] == [3, 40, 41]
+    # A step where no row asked leaves the alternatives on the device.
+    plain = sample(lp, [RowSampling()] * 5)
+    assert plain.top_ids is None and plain.pick(0)[2] == ()
+    with pytest.raises(ValueError, match="top_n 21 outside"):
+        sample(lp, [RowSampling(top_n=TOP_LOGPROBS_MAX + 1)])
+
+
+def test_top_logprobs_list_only_finite_alternatives():
+    """A row with fewer finite log-probs than it asked for (a masked vocabulary) lists
+    those only: JSON has no -inf."""
+    row = np.asarray([[-np.inf, -0.2, -np.inf, -1.7, -np.inf]], np.float32)
+    assert sample(row, [RowSampling(top_n=4)]).pick(0)[2] == (
+        (1, pytest.approx(-0.2)),
+        (3, pytest.approx(-1.7)),
+    )
+
+
+def test_the_api_limit_is_the_samplers():
+    """The HTTP layer refuses more alternatives than the sampler computes (its limit lives
+    in the JAX-free `serving.engine.api`)."""
+    from serving.engine.api import TOP_LOGPROBS_LIMIT
+
+    assert TOP_LOGPROBS_LIMIT == TOP_LOGPROBS_MAX

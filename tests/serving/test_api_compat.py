@@ -343,7 +343,6 @@ REFUSED = [
     ("/generate", {"lora_path": "my-adapter"}, "lora_path"),
     ("/generate", {"return_routed_experts": True}, "return_routed_experts"),
     ("/generate", {"logprob_start_len": 0}, "logprob_start_len"),
-    ("/generate", {"top_logprobs_num": 5}, "top_logprobs_num"),
     ("/generate", {"image_data": "http://x/cat.png"}, "image_data"),
     ("/generate", {"sampling_params": {"max_new_tokens": N, "n": 2}}, "sampling_params: n=2"),
     ("/generate", {"sampling_params": {"repetition_penalty": 1.2}}, "repetition_penalty"),

@@ -391,9 +391,9 @@ def test_decode_mode_continues_transferred_kv(tiny):
     for r, cached in ((greedy, (3, 1)), (sampled, (0, 0))):
         data, lp = prefill_into_pages(tiny, r.input_ids, r.sampling.max_new_tokens, layout)
         s = r.sampling
-        tok, _ = sample(lp[None], [RowSampling(s.temperature, s.top_k, s.top_p, s.seed or 0)]).pick(
-            0
-        )
+        tok, _, _ = sample(
+            lp[None], [RowSampling(s.temperature, s.top_k, s.top_p, s.seed or 0)]
+        ).pick(0)
         send(rx, f"room-{r.rid}", len(r.input_ids), data, Aux(tok, float(lp[tok]), *cached))
     rx.abort(f"room-{failing.rid}", "prefill crashed", sender_rank=0)
     engine.abort(aborted.rid)

@@ -75,7 +75,8 @@ def _bad_requests(rng: np.random.Generator) -> list[tuple[str, str, Any, int]]:
         ("POST", "/v1/completions", {"prompt": [5], "max_tokens": 10**12}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "n": 0}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "echo": True, "logprobs": 0}, 400),
-        ("POST", "/v1/completions", {"prompt": [5], "logprobs": 3}, 400),
+        ("POST", "/v1/completions", {"prompt": [5], "logprobs": 21}, 400),
+        ("POST", "/v1/completions", {"prompt": [5], "logprobs": -1}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "best_of": 2}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "presence_penalty": 0.5}, 400),
         (
@@ -92,7 +93,24 @@ def _bad_requests(rng: np.random.Generator) -> list[tuple[str, str, Any, int]]:
         ("POST", "/generate", {"input_ids": [5], "sampling_params": {"min_p": -0.1}}, 400),
         ("POST", "/v1/chat/completions", {"messages": []}, 400),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
-        ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 2}, 400),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},  # no logprobs
+            400,
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            400,
+        ),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [5], "return_logprob": True, "top_logprobs_num": 99},
+            400,
+        ),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400),
         (

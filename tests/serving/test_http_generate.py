@@ -18,7 +18,7 @@ import pytest
 from support.http_client import CONTEXT, EOS_ID, reference_chat_prompt, sse, wait_for
 
 from cpkv_jax.tools.make_tiny_checkpoint import SPECIAL_TOKENS
-from serving.engine.mock import echo_ids, mock_logprob
+from serving.engine.mock import echo_ids, mock_logprob, mock_top_logprobs
 
 # ---- /generate -----------------------------------------------------------------------------
 
@@ -323,3 +323,76 @@ def test_generate_batch_refusals_name_the_field(srv, body, words):
     r = srv.http.post("/generate", json={"sampling_params": {"max_new_tokens": 2}, **body})
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"], r.text
+
+
+# ---- top log-probs (issue 37 item 4) ----------------------------------------------------
+
+
+def test_top_logprobs_on_every_endpoint_stream_and_not(srv, tok):
+    """`top_logprobs` (chat), `logprobs: N` (completions) and `top_logprobs_num`
+    (`/generate`) return each output token's N alternatives the engine computed, most
+    likely first, in each API's own shape; streamed, each chunk carries its tokens'."""
+    prompt = "top?"
+    ids = tok.encode(prompt)
+    n, k = 6, 3
+    want_ids = echo_ids(ids, n)
+    want_top = [mock_top_logprobs(t, i, k) for i, t in enumerate(want_ids)]
+    text_of = lambda t: tok.decode([t], skip_special_tokens=False)
+
+    r = srv.http.post(
+        "/generate",
+        json={
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": n},
+            "return_logprob": True,
+            "top_logprobs_num": k,
+            "return_text_in_logprobs": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["output_top_logprobs"] == [
+        [[lp, t, text_of(t)] for t, lp in alts] for alts in want_top
+    ]
+
+    def completion_tops(alts):
+        top = {}
+        for t, lp in alts:  # byte tokens: each id its own text, so no entry merges
+            top.setdefault(text_of(t), lp)
+        return top
+
+    body = {"prompt": ids, "max_tokens": n, "logprobs": k}
+    choice = srv.http.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["logprobs"]["top_logprobs"] == [completion_tops(a) for a in want_top]
+    chunks = sse(srv.http.post("/v1/completions", json={**body, "stream": True}))
+    streamed = [
+        x for c in chunks for x in (c["choices"][0]["logprobs"] or {}).get("top_logprobs", [])
+    ]
+    assert streamed == [completion_tops(a) for a in want_top]
+    # logprobs: 0 keeps OpenAI's legacy shape: the chosen token alone.
+    body0 = {**body, "logprobs": 0}
+    tops0 = srv.http.post("/v1/completions", json=body0).json()["choices"][0]["logprobs"]
+    assert tops0["top_logprobs"] == [
+        {text_of(t): mock_logprob(t, i)} for i, t in enumerate(want_ids)
+    ]
+
+    chat = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": n,
+        "logprobs": True,
+        "top_logprobs": k,
+    }
+    chat_ids = tok.encode(reference_chat_prompt(chat["messages"]))
+    chat_top = [mock_top_logprobs(t, i, k) for i, t in enumerate(echo_ids(chat_ids, n))]
+    want_content = [[(text_of(t), lp) for t, lp in alts] for alts in chat_top]
+    content = srv.http.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]
+    got = [[(a["token"], a["logprob"]) for a in c["top_logprobs"]] for c in content["content"]]
+    assert got == want_content
+    events = sse(srv.http.post("/v1/chat/completions", json={**chat, "stream": True}))
+    streamed = [
+        [(a["token"], a["logprob"]) for a in c["top_logprobs"]]
+        for e in events
+        if e["choices"] and e["choices"][0]["logprobs"]
+        for c in e["choices"][0]["logprobs"]["content"]
+    ]
+    assert streamed == want_content

@@ -201,6 +201,56 @@ def test_unified_n_choices_are_the_reference_when_greedy(ckpt, unified):
     assert_pages_back(server)
 
 
+TOP = 5
+
+
+def assert_top_logprobs_match(got: list, want: list, tol: float) -> None:
+    """Per position, the server's alternatives (SGLang's `[logprob, id, text]` entries)
+    against the reference's `(id, logprob)` pairs: values, most likely first, within `tol`
+    (a float32 model run on another program than the reference's; 0 for bitwise), and the
+    ids wherever the reference's values are more than `2 * tol` apart (a near tie may
+    order either way)."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        g_ids, g_vals = [t for _, t, _ in g], [v for v, _, _ in g]
+        w_ids, w_vals = [t for t, _ in w], [v for _, v in w]
+        assert len(g) == len(w) == TOP, i
+        assert g_vals == sorted(g_vals, reverse=True), (i, g_vals)
+        np.testing.assert_allclose(g_vals, w_vals, rtol=0, atol=tol, err_msg=str(i))
+        for j in range(TOP):
+            apart = all(abs(w_vals[j] - w_vals[k]) > 2 * tol for k in range(TOP) if k != j)
+            if apart:
+                assert g_ids[j] == w_ids[j], (i, j, g_ids, w_ids)
+
+
+def top_logprobs_body(ids: list[int]) -> dict[str, Any]:
+    return {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True},
+        "return_logprob": True,
+        "top_logprobs_num": TOP,
+    }
+
+
+def test_unified_top_logprobs_are_the_references(ckpt, unified):
+    """`top_logprobs_num: 5` on the real tiny model (issue 37): each token's five most
+    likely alternatives, sorted, the greedy token first, equal to the single-device
+    reference's within 1e-5 (the server's steps are other programs than the reference's:
+    float32 rounding, not batch-invariant here)."""
+    _, cfg, ref = ckpt
+    server, served = unified
+    ids = prompts(cfg, seed=6)[2]
+    want = ref.generate(ids, NEW, ignore_eos=True, top_logprobs=TOP)
+    r = httpx.post(served.url + "/generate", json=top_logprobs_body(ids), timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output_ids"] == want.output_ids
+    tops = out["meta_info"]["output_top_logprobs"]
+    assert [alts[0][1] for alts in tops] == out["output_ids"]  # greedy: the best one
+    assert_top_logprobs_match(tops, want.output_top_logprobs, 1e-5)
+    assert_pages_back(server)
+
+
 def test_batch_invariant_server_log_probs_equal_the_reference_bitwise(ckpt):
     """`--enable-batch-invariant`: two requests sent at once (so the decode engine
     batches them) get the batch-invariant reference's tokens and log-probs, bit for bit."""
@@ -216,11 +266,7 @@ def test_batch_invariant_server_log_probs_equal_the_reference_bitwise(ckpt):
         results: dict[int, dict[str, Any]] = {}
 
         def call(i: int) -> None:
-            body = {
-                "input_ids": ids_list[i],
-                "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True},
-                "return_logprob": True,
-            }
+            body = top_logprobs_body(ids_list[i])
             r = httpx.post(served.url + "/generate", json=body, timeout=WAIT_S)
             assert r.status_code == 200, r.text
             results[i] = r.json()
@@ -232,11 +278,13 @@ def test_batch_invariant_server_log_probs_equal_the_reference_bitwise(ckpt):
             t.join(WAIT_S)
         assert sorted(results) == list(range(len(ids_list)))
         for i, ids in enumerate(ids_list):
-            want = ref.generate(ids, NEW, ignore_eos=True)
+            want = ref.generate(ids, NEW, ignore_eos=True, top_logprobs=TOP)
             got = results[i]
             assert got["output_ids"] == want.output_ids
             lps = [lp for lp, _, _ in got["meta_info"]["output_token_logprobs"]]
             assert lps == want.output_logprobs, (i, lps, want.output_logprobs)
+            tops = got["meta_info"]["output_top_logprobs"]
+            assert_top_logprobs_match(tops, want.output_top_logprobs, 0.0)  # bitwise
         assert_pages_back(server)
     finally:
         served.stop()
@@ -353,11 +401,18 @@ def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):
     wants = [reference(ref, ids) for ids in cases]  # the reference compiles: before the count
     last = prompts(cfg, seed=3)[2]
     want_last = reference(ref, last)
+    top_want = ref.generate(last, NEW, ignore_eos=True, top_logprobs=TOP)
     # Both servers live in this process, so count all its compiles around the requests.
     compiles = COMPILES.total.compiles
     for i, (ids, want) in enumerate(zip(cases, wants, strict=True)):
         assert generate(router, ids, stream=i % 2 == 0) == want, (pd["backend"], len(ids))
     assert completions(router, last) == want_last
+    # Top log-probs: token 0's alternatives come from the prefill server (aux data).
+    r = httpx.post(router + "/generate", json=top_logprobs_body(last), timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == want_last
+    tops = r.json()["meta_info"]["output_top_logprobs"]
+    assert_top_logprobs_match(tops, top_want.output_top_logprobs, 1e-5)
     if pd["backend"] == "grpc":  # --warmup-all-shapes on both servers (issue 25)
         assert COMPILES.total.compiles == compiles
     info = httpx.get(pd["served"]["decode"].url + "/server_info", timeout=10).json()

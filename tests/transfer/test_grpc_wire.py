@@ -40,8 +40,12 @@ from transfer.proto import kv_transfer_pb2 as pb
 from transfer.proto import kv_transfer_pb2_grpc as pb_grpc
 from transfer.protocol import (
     SERVICE_NAME,
+    Aux,
+    BadRequestError,
     RoomSnapshot,
     RoomState,
+    aux_from_pb,
+    aux_to_pb,
     kind_from_pb,
     kind_to_pb,
     layout_to_pb,
@@ -426,3 +430,16 @@ def test_s2_3_startup_refuses_a_backend_without_position_addressing():
         args.validate(backends=reg)
     ok = dataclasses.replace(args, transfer_backend="grpc")
     ok.validate(backends=reg)
+
+
+def test_aux_carries_the_first_tokens_top_logprobs():
+    """`Aux.top` (fields 5-6) survives the wire; a sender that leaves it out (or one from
+    before the fields) gives an empty tuple; ids and log-probs of different lengths are a
+    bad request, not a silent zip."""
+    aux = Aux(17, -0.25, 3, 1, ((17, -0.25), (4, -1.5), (99, -2.75)))
+    wire = aux_to_pb(aux).SerializeToString()
+    assert aux_from_pb(pb.Aux.FromString(wire)) == aux
+    assert aux_from_pb(pb.Aux.FromString(aux_to_pb(Aux(5, -1.0)).SerializeToString())).top == ()
+    broken = pb.Aux(first_token=1, logprob=-1.0, top_ids=[1, 2], top_logprobs=[-1.0])
+    with pytest.raises(BadRequestError, match="2 top token ids but 1 log-probs"):
+        aux_from_pb(broken)
