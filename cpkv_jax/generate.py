@@ -15,9 +15,10 @@ selected top-k latent rows from the pool (`PagedKVIO`).
 numerics, so a CP prefill and a single-device prefill give bitwise-equal KV, logits and
 so `--output-json`.
 `output_logprobs[i]` is the log-probability of `output_ids[i]` under the model's
-(untempered) next-token distribution; with `top_logprobs=N`, `output_top_logprobs[i]` is
-that distribution's N most likely (token, log-prob) pairs, found on the host by a stable
-sort (ties to the lower id): the reference for the device sampler's `top_k`.
+(untempered, unpenalized) next-token distribution; with `top_logprobs=N`,
+`output_top_logprobs[i]` is that distribution's N most likely (token, log-prob) pairs,
+found on the host by a stable sort (ties to the lower id): the reference for the device
+sampler's `top_k`.
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ class ReferenceGenerator:
         ignore_eos: bool = False,
         cp_prefill: CPPrefillOptions | None = None,
         top_logprobs: int = 0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
     ) -> GenerationResult:
         """Prefill then decode. With `cp_prefill`, the prompt is prefilled on the CP mesh
         (shared or replicated pools, optionally chunked) and decoding continues here,
@@ -172,10 +175,15 @@ class ReferenceGenerator:
         out_ids: list[int] = []
         out_lp: list[float] = []
         out_top: list[tuple[tuple[int, float], ...]] = []
+        counts = np.zeros(self.cfg.vocab_size, np.float64)  # output tokens so far
         finish = "length"
         t1 = time.perf_counter()
         for i in range(max_new_tokens):
-            tok = self._sample(logprobs, temperature, rng)
+            # OpenAI's penalties shift the logits, so the log-probs exactly (float64 here);
+            # the reported log-probs stay unpenalized.
+            shifted = logprobs - frequency_penalty * counts - presence_penalty * (counts > 0)
+            tok = self._sample(shifted, temperature, rng)
+            counts[tok] += 1
             out_ids.append(tok)
             out_lp.append(float(logprobs[tok]))
             if top_logprobs:

@@ -21,6 +21,15 @@ their log-probs, under the same untempered distribution (OpenAI's `top_logprobs`
 ranks there is first), and those `[R, 20]` arrays come to the host only when a row of
 the step asked.
 
+Frequency and presence penalties (OpenAI's, over the output so far) need each request's
+output-token counts: `PenaltyCounts` keeps them on the device, `[slots, vocab]` int32, a
+slot per running request that asked for a penalty (set from its output ids when it takes
+the slot, then updated by the sampler's own program with the tokens it draws, so the
+counts never cross to or from the host per step). A row with a slot draws from
+`logprobs - frequency_penalty * count - presence_penalty * (count > 0)` (a per-row shift
+of the logits, so applying it to the log-softmax is exact); the log-probs it reports stay
+the unpenalized ones, as vLLM's default.
+
 The draw is stateless per output position: token `step` of a request uses the key
 `fold_in(fold_in(fold_in(key(0), seed_lo), seed_hi), step)` (the 63-bit seed's 32-bit
 halves), so a prefill server that samples token 0 and a decode server that samples tokens
@@ -31,6 +40,7 @@ rows batched with it. JAX's threefry keys are the same on every backend.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -55,6 +65,13 @@ class RowSampling:
     step: int = 0
     min_p: float = 0.0
     top_n: int = 0  # alternatives to return, 0..TOP_LOGPROBS_MAX
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    slot: int = -1  # its `PenaltyCounts` slot; a row with a penalty must have one
+
+    @property
+    def penalized(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 GREEDY = RowSampling()  # the padding rows of a step
@@ -89,10 +106,57 @@ class Sampled:
         return tuple((t, v) for t, v in pairs if np.isfinite(v))
 
 
-def sample(logprobs: Float[Array, "r v"] | np.ndarray, rows: Sequence[RowSampling]) -> Sampled:
+class PenaltyCounts:
+    """Output-token counts of the requests that asked for a penalty, on the device:
+    `counts[slot, token]`, one slot per such running request (the engine assigns them).
+    `sample` reads a penalized row's slot and adds the token it draws there, in the same
+    program (the counts are donated to it and replaced). GLM-5's vocabulary of 154,880 at
+    256 slots is 159 MB (`nbytes`)."""
+
+    def __init__(self, slots: int, vocab_size: int, sharding: jax.sharding.Sharding):
+        if slots < 1:
+            raise ValueError(f"need at least one slot, got {slots}")
+        self.slots, self.vocab_size = slots, vocab_size
+        self.sharding = sharding  # the log-prob rows' (the sampler's inputs live together)
+        self.counts = jax.device_put(np.zeros((slots, vocab_size), np.int32), sharding)
+
+    @property
+    def nbytes(self) -> int:
+        return self.counts.nbytes
+
+    def reset(self, slot: int, output_ids: Sequence[int]) -> None:
+        """Slot `slot` now counts a request whose output so far is `output_ids` (one
+        `[vocab]` row to the device when the request takes the slot)."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} outside [0, {self.slots})")
+        row = np.bincount(np.asarray(output_ids, np.int64), minlength=self.vocab_size)
+        self.counts = _set_row(self.counts, np.int32(slot), row.astype(np.int32))
+
+    def warm(self, row_counts: set[int]) -> None:
+        """Compile the penalized sampler for log-prob rows of each count (on arrays with
+        `sharding`, as the steps return them) and the slot reset. Before serving only:
+        it leaves slot 0 with zero counts (a slot is reset whenever it is taken)."""
+        row = RowSampling(frequency_penalty=0.5, slot=0)
+        for r in sorted(row_counts):
+            lp = jax.device_put(np.zeros((r, self.vocab_size), np.float32), self.sharding)
+            sample(lp, [row], self)
+        self.reset(0, [])
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_row(counts, slot, row):
+    return counts.at[slot].set(row)
+
+
+def sample(
+    logprobs: Float[Array, "r v"] | np.ndarray,
+    rows: Sequence[RowSampling],
+    penalties: PenaltyCounts | None = None,
+) -> Sampled:
     """Sample `len(rows)` tokens from the first rows of `logprobs` (more rows, a step's
-    padding, are sampled greedily and dropped). One device program per row count; the
-    result is fetched once."""
+    padding, are sampled greedily and dropped). One device program per row count (and
+    one more where a row has a penalty: it reads and updates `penalties`); the result is
+    fetched once."""
     n, r = len(rows), logprobs.shape[0]
     if not 0 < n <= r:
         raise ValueError(f"{n} row parameters for {r} log-prob rows")
@@ -101,7 +165,7 @@ def sample(logprobs: Float[Array, "r v"] | np.ndarray, rows: Sequence[RowSamplin
         raise ValueError(f"top_n {bad[0]} outside [0, {TOP_LOGPROBS_MAX}]")
     padded = [*rows, *([GREEDY] * (r - n))]
     seeds = np.asarray([p.seed for p in padded], np.uint64)
-    out = _sample(
+    common = (
         logprobs,
         np.asarray([p.temperature for p in padded], np.float32),
         np.asarray([p.top_k for p in padded], np.int32),
@@ -111,6 +175,23 @@ def sample(logprobs: Float[Array, "r v"] | np.ndarray, rows: Sequence[RowSamplin
         np.asarray([p.step for p in padded], np.uint32),
         np.asarray([p.min_p for p in padded], np.float32),
     )
+    if any(p.penalized for p in rows):
+        if penalties is None:
+            raise ValueError("a row has a frequency or presence penalty, but no counts were given")
+        bad = [p.slot for p in rows if p.penalized and not 0 <= p.slot < penalties.slots]
+        if bad:
+            raise ValueError(f"penalized row slot {bad[0]} outside [0, {penalties.slots})")
+        # Rows without a penalty update no slot (index `slots`: dropped by the scatter).
+        slots = np.asarray([p.slot if p.penalized else penalties.slots for p in padded], np.int32)
+        *out, penalties.counts = _sample_penalized(
+            *common,
+            penalties.counts,
+            slots,
+            np.asarray([p.frequency_penalty for p in padded], np.float32),
+            np.asarray([p.presence_penalty for p in padded], np.float32),
+        )
+    else:
+        out = _sample(*common)
     top_n = tuple(p.top_n for p in rows)
     if not any(top_n):  # the alternatives stay on the device
         tokens, lps, finite = jax.device_get(out[:3])
@@ -127,10 +208,27 @@ def _row_key(seed_lo: Array, seed_hi: Array, step: Array) -> Array:
 @jax.jit
 def _sample(lp, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p):
     lp = lp.astype(jnp.float32)
+    return _draw(lp, lp, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p)
+
+
+@functools.partial(jax.jit, donate_argnums=8)
+def _sample_penalized(
+    lp, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p, counts, slots, freq, pres
+):
+    lp = lp.astype(jnp.float32)
+    c = counts[jnp.minimum(slots, counts.shape[0] - 1)].astype(jnp.float32)  # [R, vocab]
+    shifted = lp - freq[:, None] * c - pres[:, None] * (c > 0)
+    out = _draw(lp, shifted, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p)
+    return (*out, counts.at[slots, out[0]].add(1, mode="drop"))
+
+
+def _draw(lp, shifted, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p):
+    """Tokens drawn from `shifted` (the log-probs, penalized where asked); the chosen and
+    top log-probs reported from `lp`."""
     r, v = lp.shape
-    greedy = jnp.argmax(lp, axis=-1).astype(jnp.int32)
+    greedy = jnp.argmax(shifted, axis=-1).astype(jnp.int32)
     finite = jnp.isfinite(jnp.max(lp, axis=-1))  # max propagates NaN
-    z = lp / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    z = shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     ids = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (r, v))
     # Most likely first, ties by lower id (-z ascending, then id ascending).
     neg, order = jax.lax.sort((-z, ids), dimension=1, num_keys=2)

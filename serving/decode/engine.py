@@ -73,7 +73,7 @@ from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import (
     pages_for_tokens,
 )
-from cpkv_jax.sampling import RowSampling, TopLogprobs, sample
+from cpkv_jax.sampling import PenaltyCounts, RowSampling, TopLogprobs, sample
 from serving.decode.sampling import Detokenize, StopChecker, StopResult, request_seed
 from serving.decode.steps import DecodeSteps, MeshDecodeSteps, reachable_shapes
 from serving.engine.api import (
@@ -249,6 +249,19 @@ class DecodeEngine:
         self._transfer_failures = 0
         self._transfer_bytes = 0  # KV pages received in successful rooms
         self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, (), self._queue.stats(), ())
+        # Output-token counts of the running requests with a frequency / presence
+        # penalty, on the device (`cpkv_jax.sampling.PenaltyCounts`): a slot per such
+        # request, taken at its first decode step, given back once it stops running.
+        self._penalties = PenaltyCounts(
+            max_running_requests, cfg.vocab_size, self._steps.logits_sharding
+        )
+        self._penalty_slots: dict[str, int] = {}
+        logger.info(
+            "penalty counts: %d slots x %d tokens, %.1f MiB on each device",
+            max_running_requests,
+            cfg.vocab_size,
+            self._penalties.nbytes / 2**20,
+        )
 
     # ---- StepEngine ----------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:
@@ -519,10 +532,11 @@ class DecodeEngine:
         # Each row feeds its last output token, at position kv_len; the tokens are drawn
         # on the device and only they (and their log-probs) come back.
         try:
+            self._take_penalty_slots(rows)
             logprobs = self._steps.decode(
                 [(r.out_ids[-1], r.kv_len, r.pages, r.n_pages) for r in rows]
             )
-            drawn = sample(logprobs, [self._row_sampling(r) for r in rows])
+            drawn = sample(logprobs, [self._row_sampling(r) for r in rows], self._penalties)
         except Exception as e:
             self._step_failed("the decode step", e, rows, touched)
             return
@@ -554,6 +568,7 @@ class DecodeEngine:
         A request that needs a shape meanwhile waits for its compile."""
         todo = self.reachable_shapes() - self._steps.compiled_shapes
         self._steps.warm_log_probs({rows for _, rows, _, _ in self.reachable_shapes()})
+        self._warm_penalties(self.reachable_shapes())
         return [
             CompileJob(f"decode step {s}", functools.partial(self._steps.compiled, s))
             for s in sorted(todo, key=lambda s: (s[3], s[1], s[2], s[0]))
@@ -576,6 +591,7 @@ class DecodeEngine:
         and has not run; returns how many. Before serving only: it donates the pool."""
         todo = sorted((shapes & self.reachable_shapes()) - self._steps.shapes)
         self._steps.warm(todo)
+        self._warm_penalties(set(todo))
         return len(todo)
 
     def warm_all_shapes(self, already: set[tuple[str, int, int, int]] = frozenset()) -> int:
@@ -584,18 +600,55 @@ class DecodeEngine:
         shared); returns how many. Before serving only: it donates the pool."""
         todo = sorted(self.reachable_shapes() - self._steps.shapes - already)
         self._steps.warm(todo)
+        self._warm_penalties(self.reachable_shapes())
         return len(todo)
 
     @property
     def _prefills_itself(self) -> bool:
         return self.mode == "null"
 
-    # ---- failures ------------------------------------------------------------------------
+    # ---- sampling ------------------------------------------------------------------------
     def _row_sampling(self, r: _Request) -> RowSampling:
         s = r.req.sampling
         top_n = r.req.top_logprobs if r.req.return_logprob else 0
-        return RowSampling(s.temperature, s.top_k, s.top_p, r.seed, len(r.out_ids), s.min_p, top_n)
+        slot = self._penalty_slots.get(r.rid, -1)  # none before its first output token
+        return RowSampling(
+            s.temperature,
+            s.top_k,
+            s.top_p,
+            r.seed,
+            len(r.out_ids),
+            s.min_p,
+            top_n,
+            s.frequency_penalty if slot >= 0 else 0.0,
+            s.presence_penalty if slot >= 0 else 0.0,
+            slot,
+        )
 
+    def _take_penalty_slots(self, rows: Sequence[_Request]) -> None:
+        """Give back the slots of requests no longer running; a penalized row without a
+        slot takes a free one, its counts set from its output so far (the first token,
+        from this engine's prefill or the prefill server's)."""
+        for rid in [rid for rid in self._penalty_slots if rid not in self._running]:
+            del self._penalty_slots[rid]
+        for r in rows:
+            s = r.req.sampling
+            if r.rid in self._penalty_slots or not (s.frequency_penalty or s.presence_penalty):
+                continue
+            # Running requests never outnumber the slots (max_running_requests each).
+            taken = set(self._penalty_slots.values())
+            slot = next(i for i in range(self._penalties.slots) if i not in taken)
+            self._penalties.reset(slot, r.out_ids)
+            self._penalty_slots[r.rid] = slot
+
+    def _warm_penalties(self, shapes: set[tuple[str, int, int, int]]) -> None:
+        """Compile the penalized sampler for the decode steps' row counts, and the slot
+        reset (what a request with a penalty runs), before serving."""
+        self._penalties.warm(
+            {self._steps.logit_rows(n) for _, n, tokens, _ in shapes if tokens == 1}
+        )
+
+    # ---- failures ------------------------------------------------------------------------
     def _sample(self, r: _Request, logprobs: Any, touched: dict[str, _Request]) -> None:
         """Draw `r`'s next token from its log-prob row (`[1, vocab]`, on the device or
         the host) and record it."""

@@ -181,14 +181,25 @@ class DecodeSteps:
         then the sampler on its rows)."""
         _warm(self, shapes, "compiling decode steps")
 
+    @property
+    def logits_sharding(self) -> jax.sharding.Sharding:
+        """Where the steps' log-prob rows live (the pool's device)."""
+        return jax.tree.leaves(self._abstract[1])[0].sharding
+
+    @staticmethod
+    def logit_rows(rows: int) -> int:
+        """Log-prob rows of a decode step of `rows` (padded) rows."""
+        return rows
+
     def warm_log_probs(self, rows: set[int]) -> None:
         """Run the small programs around the steps (the log-softmax of `[rows, vocab]`
         logits and the sampler on it) for each batch-row bucket, on committed arrays as
         the steps return them: what `warm` covers by running the steps, for a server
         whose steps compile in the background."""
-        sharding = jax.tree.leaves(self._abstract[1])[0].sharding
         for r in sorted(rows | {1}):
-            logits = jax.device_put(np.zeros((r, self.vocab_size), np.float32), sharding)
+            logits = jax.device_put(
+                np.zeros((r, self.vocab_size), np.float32), self.logits_sharding
+            )
             sampling.sample(log_probs(logits), [sampling.GREEDY])
 
     def compiled(self, shape: Shape) -> jax.stages.Compiled:
@@ -347,12 +358,23 @@ class MeshDecodeSteps:
         """Run each shape once on rank 0's trash page, then the sampler on its rows."""
         _warm(self, shapes, "compiling DP decode steps")
 
+    @property
+    def logits_sharding(self) -> jax.sharding.Sharding:
+        """The steps' log-prob rows are replicated over the mesh."""
+        return self._dp.replicated
+
+    def logit_rows(self, rows: int) -> int:
+        """Log-prob rows of a step whose busiest rank has `rows` (padded) rows."""
+        return self.layout.dp_size * rows
+
     def warm_log_probs(self, rows: set[int]) -> None:
         """The log-softmax and sampler on the steps' replicated `[dp * R, vocab]` logits
         for each row bucket `R` (see `DecodeSteps.warm_log_probs`)."""
         for r in sorted(rows | {1}):
-            n = self.layout.dp_size * r
-            logits = jax.device_put(np.zeros((n, self.vocab_size), np.float32), self._dp.replicated)
+            n = self.logit_rows(r)
+            logits = jax.device_put(
+                np.zeros((n, self.vocab_size), np.float32), self.logits_sharding
+            )
             sampling.sample(log_probs(logits), [sampling.GREEDY])
 
     def compiled(self, shape: Shape) -> jax.stages.Compiled:

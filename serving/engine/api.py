@@ -52,6 +52,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    # OpenAI's: subtracted from a token's logit per occurrence in the output so far /
+    # once if it occurs there (`cpkv_jax.sampling.PenaltyCounts`); in [-2, 2].
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -69,6 +73,10 @@ class SamplingParams:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InputError(f"{name} must be in [-2, 2], got {value}")
         if self.top_k > vocab_size:
             raise InputError(f"top_k must be <= the vocabulary size {vocab_size}, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:

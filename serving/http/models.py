@@ -16,7 +16,7 @@ SGLang's `GenerateReqInput` and `SamplingParams` for `/generate`) is known here:
 ones this server implements are model fields, and each of the others is a row of its
 body's `NEUTRAL` table (`Neutral`): accepted at the value that asks for nothing (`null`
 always; `best_of: 1`, `n: 1`, `echo: false`, `logprob_start_len: -1`, `logit_bias: {}`,
-`presence_penalty: 0`, ...), or, for a hint or label that changes nothing here (`user`,
+`repetition_penalty: 1`, ...), or, for a hint or label that changes nothing here (`user`,
 `session_id`, `log_metrics`, ...), at any value of its JSON type; any other value is a
 400 naming the field and the values it would accept. A table row never reaches the
 engine. A `null` is an omitted field (its default) everywhere.
@@ -170,8 +170,6 @@ def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
 # SGLang's `SamplingParams` fields that this server does not implement.
 GENERATE_SAMPLING_NEUTRAL: Mapping[str, Neutral] = {
     "stop_regex": off([]),
-    "frequency_penalty": off(0),
-    "presence_penalty": off(0),
     "repetition_penalty": off(1),
     "min_new_tokens": off(0),
     "n": off(1),
@@ -264,6 +262,8 @@ class GenerateSamplingParams(_Body):
     top_p: float = SamplingParams.top_p
     top_k: int = SamplingParams.top_k
     min_p: float = SamplingParams.min_p
+    frequency_penalty: float = SamplingParams.frequency_penalty
+    presence_penalty: float = SamplingParams.presence_penalty
     seed: int | None = None
     sampling_seed: int | None = None
     stop: str | list[str] | None = None
@@ -286,6 +286,8 @@ class GenerateSamplingParams(_Body):
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
             seed=self.seed if self.seed is not None else self.sampling_seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=_stop_tuple(self.stop),
@@ -381,8 +383,6 @@ class GenerateBody(_PDFields):
 # server does not implement.
 _OPENAI_BOTH_NEUTRAL: Mapping[str, Neutral] = {
     # OpenAI
-    "frequency_penalty": off(0),
-    "presence_penalty": off(0),
     "logit_bias": off({}),
     "user": ignored(str),  # an end-user id for abuse monitoring
     # vLLM
@@ -498,8 +498,8 @@ class _OpenAICommon(_PDFields):
     """Fields shared by `/v1/completions` and `/v1/chat/completions`.
 
     `top_k`, `min_p`, `ignore_eos` and `stop_token_ids` are extensions (as in vLLM /
-    SGLang); the PD
-    fields come from the router, which forwards OpenAI bodies as they are.
+    SGLang); `frequency_penalty` / `presence_penalty` are OpenAI's, over the output so
+    far. The PD fields come from the router, which forwards OpenAI bodies as they are.
     """
 
     model: str | None = None
@@ -507,6 +507,8 @@ class _OpenAICommon(_PDFields):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -536,6 +538,8 @@ class _OpenAICommon(_PDFields):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=_stop_tuple(self.stop),

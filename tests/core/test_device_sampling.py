@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
 import pytest
 
-from cpkv_jax.sampling import GREEDY, TOP_LOGPROBS_MAX, RowSampling, sample
+from cpkv_jax.sampling import GREEDY, TOP_LOGPROBS_MAX, PenaltyCounts, RowSampling, sample
 
 
 def random_logprobs(rng: np.random.Generator, vocab: int, scale: float = 2.0) -> np.ndarray:
@@ -202,3 +203,52 @@ def test_the_api_limit_is_the_samplers():
     from serving.engine.api import TOP_LOGPROBS_LIMIT
 
     assert TOP_LOGPROBS_LIMIT == TOP_LOGPROBS_MAX
+
+
+def test_penalties_shift_the_draw_by_the_device_counts_and_count_the_drawn_tokens():
+    """A penalized row draws exactly what the plain sampler draws from its log-probs
+    shifted by `frequency * count + presence * (count > 0)` (computed here on the host,
+    float32 as on the device), reports the unshifted log-prob, and its drawn token is
+    counted in its slot; an unpenalized row in the same step touches no slot."""
+    rng = np.random.default_rng(11)
+    vocab, slots = 61, 4
+    lp = np.stack([random_logprobs(rng, vocab, scale=0.7) for _ in range(4)])
+    counts = PenaltyCounts(slots, vocab, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    outputs = {2: [5, 5, 9, 17, 5], 0: [int(np.argmax(lp[1]))] * 3}
+    for slot, out in outputs.items():
+        counts.reset(slot, out)
+    rows = [
+        RowSampling(frequency_penalty=0.9, presence_penalty=0.4, slot=2),  # greedy
+        RowSampling(0.8, seed=4, step=6, frequency_penalty=1.7, slot=0),  # sampled
+        RowSampling(0.8, seed=4, step=6),  # no penalty: no slot
+        RowSampling(presence_penalty=-0.3, slot=3),  # a fresh slot: nothing counted yet
+    ]
+    before = np.asarray(counts.counts)
+    got = sample(lp, rows, counts)
+    shifted = lp.copy()
+    for i, row in enumerate(rows):
+        if row.penalized:
+            c = before[row.slot].astype(np.float32)
+            shifted[i] = lp[i] - np.float32(row.frequency_penalty) * c
+            shifted[i] -= np.float32(row.presence_penalty) * (c > 0)
+    unpenalized = [
+        dataclasses.replace(r, frequency_penalty=0.0, presence_penalty=0.0) for r in rows
+    ]
+    plain = sample(shifted, unpenalized)
+    assert got.tokens.tolist() == plain.tokens.tolist()
+    np.testing.assert_array_equal(got.logprobs, lp[np.arange(4), got.tokens])
+    # The sampled row's slot counts its greedy token 3 times: at 1.7 each, it loses it.
+    assert got.tokens[0] == int(np.argmax(shifted[0]))
+    assert int(np.argmax(shifted[1])) != int(np.argmax(lp[1]))
+    want = before.copy()
+    for i, row in enumerate(rows):
+        if row.penalized:
+            want[row.slot, got.tokens[i]] += 1
+    np.testing.assert_array_equal(np.asarray(counts.counts), want)
+    # A row with a penalty needs counts and a slot in range.
+    with pytest.raises(ValueError, match="no counts were given"):
+        sample(lp[:1], rows[:1])
+    with pytest.raises(ValueError, match="slot 4 outside"):
+        sample(lp[:1], [RowSampling(frequency_penalty=1.0, slot=4)], counts)
+    counts.reset(2, [])  # a slot taken again starts from the new request's output
+    assert not np.asarray(counts.counts)[2].any()

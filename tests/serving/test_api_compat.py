@@ -352,7 +352,7 @@ REFUSED = [
     ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"lora_path": "my-adapter"}, "lora_path"),
-    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty=0.5"),
+    ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty=1.2"),
     ("/v1/completions", {"user": 42}, "user must be a string"),
     (
         "/v1/completions",

@@ -78,7 +78,13 @@ def _bad_requests(rng: np.random.Generator) -> list[tuple[str, str, Any, int]]:
         ("POST", "/v1/completions", {"prompt": [5], "logprobs": 21}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "logprobs": -1}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "best_of": 2}, 400),
-        ("POST", "/v1/completions", {"prompt": [5], "presence_penalty": 0.5}, 400),
+        ("POST", "/v1/completions", {"prompt": [5], "presence_penalty": 2.5}, 400),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [5], "sampling_params": {"frequency_penalty": -3}},
+            400,
+        ),
         (
             "POST",
             "/v1/completions",

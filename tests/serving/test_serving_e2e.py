@@ -251,6 +251,56 @@ def test_unified_top_logprobs_are_the_references(ckpt, unified):
     assert_pages_back(server)
 
 
+# The tiny model's greedy outputs repeat no token in NEW steps, so a penalty shows only
+# once a negative one has made a token repeat: the third differs from the second by its
+# positive frequency penalty alone.
+PENALTIES = (
+    {"frequency_penalty": -2.0},
+    {"presence_penalty": -2.0},
+    {"presence_penalty": -2.0, "frequency_penalty": 0.5},
+)
+
+
+def penalized_body(ids: list[int], penalties: dict[str, float]) -> dict[str, Any]:
+    sampling = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True, **penalties}
+    return {"input_ids": ids, "sampling_params": sampling, "return_logprob": True}
+
+
+def assert_penalized_outputs(url: str, ref: ReferenceGenerator, ids: list[int]) -> None:
+    """Greedy requests with frequency / presence penalties (issue 37) get the reference's
+    tokens (its penalties applied on the host in float64), their reported log-probs the
+    unpenalized ones; sent together, so the penalized rows share decode steps (and their
+    device count slots) with each other."""
+    wants = [ref.generate(ids, NEW, ignore_eos=True, **p) for p in PENALTIES]
+    plain = reference(ref, ids)
+    assert all(w.output_ids != plain for w in wants), "a penalty changed nothing"
+    assert wants[1].output_ids != wants[2].output_ids, "the frequency penalty changed nothing"
+    results: dict[int, Any] = {}
+
+    def call(i: int) -> None:
+        body = penalized_body(ids, PENALTIES[i])
+        results[i] = httpx.post(url + "/generate", json=body, timeout=WAIT_S)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(PENALTIES))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    for i, want in enumerate(wants):
+        r = results[i]
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == want.output_ids, (i, PENALTIES[i])
+        lps = [lp for lp, _, _ in r.json()["meta_info"]["output_token_logprobs"]]
+        np.testing.assert_allclose(lps, want.output_logprobs, rtol=0, atol=1e-5)
+
+
+def test_unified_penalties_are_the_references(ckpt, unified):
+    _, cfg, ref = ckpt
+    server, served = unified
+    assert_penalized_outputs(served.url, ref, prompts(cfg, seed=7)[1])
+    assert_pages_back(server)
+
+
 def test_batch_invariant_server_log_probs_equal_the_reference_bitwise(ckpt):
     """`--enable-batch-invariant`: two requests sent at once (so the decode engine
     batches them) get the batch-invariant reference's tokens and log-probs, bit for bit."""
@@ -402,6 +452,9 @@ def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):
     last = prompts(cfg, seed=3)[2]
     want_last = reference(ref, last)
     top_want = ref.generate(last, NEW, ignore_eos=True, top_logprobs=TOP)
+    penalized = cases[0]
+    for p in PENALTIES:  # the reference's programs compile before the count
+        ref.generate(penalized, NEW, ignore_eos=True, **p)
     # Both servers live in this process, so count all its compiles around the requests.
     compiles = COMPILES.total.compiles
     for i, (ids, want) in enumerate(zip(cases, wants, strict=True)):
@@ -413,6 +466,8 @@ def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):
     assert r.json()["output_ids"] == want_last
     tops = r.json()["meta_info"]["output_top_logprobs"]
     assert_top_logprobs_match(tops, top_want.output_top_logprobs, 1e-5)
+    # Penalties: the decode server counts token 0 (from the prefill server) too.
+    assert_penalized_outputs(router, ref, penalized)
     if pd["backend"] == "grpc":  # --warmup-all-shapes on both servers (issue 25)
         assert COMPILES.total.compiles == compiles
     info = httpx.get(pd["served"]["decode"].url + "/server_info", timeout=10).json()
