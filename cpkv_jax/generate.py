@@ -146,6 +146,7 @@ class ReferenceGenerator:
         top_logprobs: int = 0,
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
     ) -> GenerationResult:
         """Prefill then decode. With `cp_prefill`, the prompt is prefilled on the CP mesh
         (shared or replicated pools, optionally chunked) and decoding continues here,
@@ -168,6 +169,7 @@ class ReferenceGenerator:
         else:
             logits, pool = self._prefill_cp(prompt, pages, pool, cp_prefill)
         logprobs = np.asarray(log_probs(jnp.asarray(logits)))
+        raw = np.asarray(logits, np.float64).reshape(-1)
         prefill_s = time.perf_counter() - t0
         logger.info("prefill: %d tokens in %.3fs", len(prompt), prefill_s)
 
@@ -176,12 +178,21 @@ class ReferenceGenerator:
         out_lp: list[float] = []
         out_top: list[tuple[tuple[int, float], ...]] = []
         counts = np.zeros(self.cfg.vocab_size, np.float64)  # output tokens so far
+        in_prompt = np.zeros(self.cfg.vocab_size, bool)
+        in_prompt[prompt] = True
         finish = "length"
         t1 = time.perf_counter()
         for i in range(max_new_tokens):
-            # OpenAI's penalties shift the logits, so the log-probs exactly (float64 here);
-            # the reported log-probs stay unpenalized.
-            shifted = logprobs - frequency_penalty * counts - presence_penalty * (counts > 0)
+            # Penalties in vLLM's order, in float64: the repetition penalty on the raw
+            # logits of tokens in the prompt or the output, then OpenAI's, a shift. The
+            # reported log-probs stay unpenalized.
+            base = logprobs
+            if repetition_penalty != 1.0:
+                seen = in_prompt | (counts > 0)
+                rep = np.where(raw > 0, raw / repetition_penalty, raw * repetition_penalty)
+                z = np.where(seen, rep, raw)
+                base = z - z.max() - np.log(np.exp(z - z.max()).sum())
+            shifted = base - frequency_penalty * counts - presence_penalty * (counts > 0)
             tok = self._sample(shifted, temperature, rng)
             counts[tok] += 1
             out_ids.append(tok)
@@ -207,6 +218,7 @@ class ReferenceGenerator:
                 "absorbed",
             )
             logprobs = np.asarray(log_probs(logits[0]))
+            raw = np.asarray(logits[0], np.float64)
         decode_s = time.perf_counter() - t1
         logger.info(
             "decode: %d tokens in %.3fs (%.1f tok/s)",

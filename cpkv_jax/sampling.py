@@ -21,14 +21,17 @@ their log-probs, under the same untempered distribution (OpenAI's `top_logprobs`
 ranks there is first), and those `[R, 20]` arrays come to the host only when a row of
 the step asked.
 
-Frequency and presence penalties (OpenAI's, over the output so far) need each request's
-output-token counts: `PenaltyCounts` keeps them on the device, `[slots, vocab]` int32, a
-slot per running request that asked for a penalty (set from its output ids when it takes
-the slot, then updated by the sampler's own program with the tokens it draws, so the
-counts never cross to or from the host per step). A row with a slot draws from
-`logprobs - frequency_penalty * count - presence_penalty * (count > 0)` (a per-row shift
-of the logits, so applying it to the log-softmax is exact); the log-probs it reports stay
-the unpenalized ones, as vLLM's default.
+Penalties need each request's history: `PenaltyCounts` keeps it on the device, a slot
+per running request that asked for one: its output-token counts `[slots, vocab]` int32
+and its prompt's tokens `[slots, vocab]` bool, set when the request takes the slot (from
+its prompt and output so far), then updated by the sampler's own program with the tokens
+it draws, so nothing crosses to or from the host per step. In vLLM's order, a penalized
+row's logits first get the repetition penalty (HF's: a logit of a token in the prompt or
+the output is divided by `repetition_penalty` when positive, multiplied when not; this
+needs the raw logits, so `sample` takes them too), then OpenAI's frequency and presence
+penalties (`- frequency_penalty * count - presence_penalty * (count > 0)` over the
+output: a per-row shift, exact on the log-softmax). The log-probs a row reports stay the
+unpenalized ones, as vLLM's default.
 
 The draw is stateless per output position: token `step` of a request uses the key
 `fold_in(fold_in(fold_in(key(0), seed_lo), seed_hi), step)` (the 63-bit seed's 32-bit
@@ -67,11 +70,16 @@ class RowSampling:
     top_n: int = 0  # alternatives to return, 0..TOP_LOGPROBS_MAX
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     slot: int = -1  # its `PenaltyCounts` slot; a row with a penalty must have one
 
     @property
     def penalized(self) -> bool:
-        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 GREEDY = RowSampling()  # the padding rows of a step
@@ -107,11 +115,12 @@ class Sampled:
 
 
 class PenaltyCounts:
-    """Output-token counts of the requests that asked for a penalty, on the device:
-    `counts[slot, token]`, one slot per such running request (the engine assigns them).
+    """The history penalized requests need, on the device, one slot per such running
+    request (the engine assigns them): `counts[slot, token]` (int32, output tokens so
+    far) and `prompt[slot, token]` (bool, the prompt's tokens; the repetition penalty's).
     `sample` reads a penalized row's slot and adds the token it draws there, in the same
-    program (the counts are donated to it and replaced). GLM-5's vocabulary of 154,880 at
-    256 slots is 159 MB (`nbytes`)."""
+    program (the counts are donated to it and replaced). At GLM-5's vocabulary of 154,880
+    and 256 slots, 198 MB on each device holding them (`nbytes`)."""
 
     def __init__(self, slots: int, vocab_size: int, sharding: jax.sharding.Sharding):
         if slots < 1:
@@ -119,44 +128,67 @@ class PenaltyCounts:
         self.slots, self.vocab_size = slots, vocab_size
         self.sharding = sharding  # the log-prob rows' (the sampler's inputs live together)
         self.counts = jax.device_put(np.zeros((slots, vocab_size), np.int32), sharding)
+        self.prompt = jax.device_put(np.zeros((slots, vocab_size), bool), sharding)
 
     @property
     def nbytes(self) -> int:
-        return self.counts.nbytes
+        return self.counts.nbytes + self.prompt.nbytes
 
-    def reset(self, slot: int, output_ids: Sequence[int]) -> None:
-        """Slot `slot` now counts a request whose output so far is `output_ids` (one
-        `[vocab]` row to the device when the request takes the slot)."""
+    def reset(
+        self,
+        slot: int,
+        output_ids: Sequence[int] | np.ndarray,
+        prompt_ids: Sequence[int] | np.ndarray = (),
+    ) -> None:
+        """Slot `slot` now holds a request whose output so far is `output_ids` and whose
+        prompt is `prompt_ids` (two `[vocab]` rows to the device when it takes the slot)."""
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} outside [0, {self.slots})")
-        row = np.bincount(np.asarray(output_ids, np.int64), minlength=self.vocab_size)
-        self.counts = _set_row(self.counts, np.int32(slot), row.astype(np.int32))
+        counts = np.bincount(np.asarray(output_ids, np.int64), minlength=self.vocab_size)
+        prompt = np.zeros(self.vocab_size, bool)
+        prompt[np.asarray(prompt_ids, np.int64)] = True
+        self.counts, self.prompt = _set_rows(
+            self.counts, self.prompt, np.int32(slot), counts.astype(np.int32), prompt
+        )
 
-    def warm(self, row_counts: set[int]) -> None:
-        """Compile the penalized sampler for log-prob rows of each count (on arrays with
-        `sharding`, as the steps return them) and the slot reset. Before serving only:
-        it leaves slot 0 with zero counts (a slot is reset whenever it is taken)."""
-        row = RowSampling(frequency_penalty=0.5, slot=0)
-        for r in sorted(row_counts):
-            lp = jax.device_put(np.zeros((r, self.vocab_size), np.float32), self.sharding)
-            sample(lp, [row], self)
+    def warm(self, row_counts: set[int], host_row_counts: set[int] = frozenset()) -> None:
+        """Compile the penalized sampler for log-prob rows of each count, on arrays with
+        `sharding` (as the steps return them) and, for `host_row_counts`, on host arrays
+        (a prefill's first token), and the slot reset. Before serving only: it leaves
+        slot 0 empty (a slot is reset whenever it is taken)."""
+        row = RowSampling(frequency_penalty=0.5, repetition_penalty=1.5, slot=0)
+        rows = [(r, self.sharding) for r in sorted(row_counts)]
+        for r, where in [*rows, *((r, None) for r in sorted(host_row_counts))]:
+            lp = np.zeros((r, self.vocab_size), np.float32)
+            lp = lp if where is None else jax.device_put(lp, where)
+            sample(lp, [row], self, logits=lp)
         self.reset(0, [])
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_row(counts, slot, row):
-    return counts.at[slot].set(row)
+def first_token_penalties(vocab_size: int) -> PenaltyCounts:
+    """One slot on the default device, for a server that draws only first tokens (from a
+    host row): its repetition penalty over the prompt (the other penalties count output
+    tokens, and there are none yet). Built the same way for the warm-up and the draws,
+    so they share one program."""
+    return PenaltyCounts(1, vocab_size, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _set_rows(counts, prompt, slot, counts_row, prompt_row):
+    return counts.at[slot].set(counts_row), prompt.at[slot].set(prompt_row)
 
 
 def sample(
     logprobs: Float[Array, "r v"] | np.ndarray,
     rows: Sequence[RowSampling],
     penalties: PenaltyCounts | None = None,
+    logits: Float[Array, "r v"] | np.ndarray | None = None,
 ) -> Sampled:
     """Sample `len(rows)` tokens from the first rows of `logprobs` (more rows, a step's
     padding, are sampled greedily and dropped). One device program per row count (and
-    one more where a row has a penalty: it reads and updates `penalties`); the result is
-    fetched once."""
+    one more where a row has a penalty: it reads and updates `penalties`, and a
+    repetition penalty needs the `logits` behind `logprobs`); the result is fetched
+    once."""
     n, r = len(rows), logprobs.shape[0]
     if not 0 < n <= r:
         raise ValueError(f"{n} row parameters for {r} log-prob rows")
@@ -177,18 +209,25 @@ def sample(
     )
     if any(p.penalized for p in rows):
         if penalties is None:
-            raise ValueError("a row has a frequency or presence penalty, but no counts were given")
+            raise ValueError("a row has a penalty, but no penalty counts were given")
         bad = [p.slot for p in rows if p.penalized and not 0 <= p.slot < penalties.slots]
         if bad:
             raise ValueError(f"penalized row slot {bad[0]} outside [0, {penalties.slots})")
+        if logits is None:
+            if any(p.repetition_penalty != 1.0 for p in rows):
+                raise ValueError("a row has a repetition penalty, but no logits were given")
+            logits = logprobs  # read by no row
         # Rows without a penalty update no slot (index `slots`: dropped by the scatter).
         slots = np.asarray([p.slot if p.penalized else penalties.slots for p in padded], np.int32)
         *out, penalties.counts = _sample_penalized(
             *common,
             penalties.counts,
+            penalties.prompt,
             slots,
             np.asarray([p.frequency_penalty for p in padded], np.float32),
             np.asarray([p.presence_penalty for p in padded], np.float32),
+            np.asarray([p.repetition_penalty for p in padded], np.float32),
+            logits,
         )
     else:
         out = _sample(*common)
@@ -213,11 +252,32 @@ def _sample(lp, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p):
 
 @functools.partial(jax.jit, donate_argnums=8)
 def _sample_penalized(
-    lp, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p, counts, slots, freq, pres
+    lp,
+    temperature,
+    top_k,
+    top_p,
+    seed_lo,
+    seed_hi,
+    step,
+    min_p,
+    counts,
+    prompt,
+    slots,
+    freq,
+    pres,
+    rep,
+    logits,
 ):
     lp = lp.astype(jnp.float32)
-    c = counts[jnp.minimum(slots, counts.shape[0] - 1)].astype(jnp.float32)  # [R, vocab]
-    shifted = lp - freq[:, None] * c - pres[:, None] * (c > 0)
+    at = jnp.minimum(slots, counts.shape[0] - 1)  # padding rows read slot S-1, unused
+    c = counts[at].astype(jnp.float32)  # [R, vocab]
+    seen = prompt[at] | (c > 0)
+    z = logits.astype(jnp.float32)
+    r = rep[:, None]
+    z = jnp.where(seen, jnp.where(z > 0, z / r, z * r), z)
+    # Rows without a repetition penalty keep their log-probs as they are (no re-rounding).
+    base = jnp.where(rep[:, None] != 1.0, jax.nn.log_softmax(z, axis=-1), lp)
+    shifted = base - freq[:, None] * c - pres[:, None] * (c > 0)
     out = _draw(lp, shifted, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p)
     return (*out, counts.at[slots, out[0]].add(1, mode="drop"))
 

@@ -43,7 +43,6 @@ from cpkv_jax.cache.radix import CacheCapacityError, alloc_with_evict
 from cpkv_jax.errors import CpkvError
 from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.model.kv_cache import KVPool
-from cpkv_jax.model.transformer import log_probs
 from serving.decode.engine import DecodeEngine, _Request
 from serving.decode.sampling import StopResult
 from serving.engine.api import EngineStats, GenerateRequest
@@ -252,8 +251,8 @@ class CachedUnifiedEngine(DecodeEngine):
         r.host_cached_tokens = outcome.host_cached_tokens
         self.prefix_cache_hit_tokens += outcome.cached_tokens
         self._running[r.rid] = r
-        logprobs = np.asarray(log_probs(outcome.last_logits))[None]  # host: one row
-        self._sample(r, logprobs, touched)  # a failed token fails this request alone
+        # A failed token fails this request alone; the logits are one host row.
+        self._sample(r, np.asarray(outcome.last_logits)[None], touched)
 
     def _release(self, r: _Request) -> None:
         if r.pages is None:

@@ -69,11 +69,11 @@ from cpkv_jax.decode_mesh import choose_rank
 from cpkv_jax.errors import ConfigError, CpkvError, InputError
 from cpkv_jax.model.expert_parallel import EPDispatch
 from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
-from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import (
     pages_for_tokens,
 )
-from cpkv_jax.sampling import PenaltyCounts, RowSampling, TopLogprobs, sample
+from cpkv_jax.sampling import PenaltyCounts, RowSampling, Sampled, TopLogprobs, sample
 from serving.decode.sampling import Detokenize, StopChecker, StopResult, request_seed
 from serving.decode.steps import DecodeSteps, MeshDecodeSteps, reachable_shapes
 from serving.engine.api import (
@@ -81,6 +81,7 @@ from serving.engine.api import (
     EngineStats,
     GenerateRequest,
     OutputChunk,
+    SamplingParams,
     ServerMode,
 )
 from serving.engine.step_failures import check_pool_after, step_failure
@@ -480,11 +481,11 @@ class DecodeEngine:
             return
         try:
             if len(batch) == 1:
-                logprobs = self._steps.prefill(batch[0].prompt, batch[0].pages, batch[0].width)
+                logits = self._steps.prefill(batch[0].prompt, batch[0].pages, batch[0].width)
             else:
                 assert isinstance(self._steps, MeshDecodeSteps)
-                logprobs = self._steps.prefill_many([(q.prompt, q.pages, q.width) for q in batch])
-            drawn = sample(logprobs, [self._row_sampling(q) for q in batch])
+                logits = self._steps.prefill_many([(q.prompt, q.pages, q.width) for q in batch])
+            drawn = self._draw(batch, logits)
         except Exception as e:
             self._step_failed("the prefill step", e, batch, touched)
             return
@@ -532,11 +533,10 @@ class DecodeEngine:
         # Each row feeds its last output token, at position kv_len; the tokens are drawn
         # on the device and only they (and their log-probs) come back.
         try:
-            self._take_penalty_slots(rows)
-            logprobs = self._steps.decode(
+            logits = self._steps.decode(
                 [(r.out_ids[-1], r.kv_len, r.pages, r.n_pages) for r in rows]
             )
-            drawn = sample(logprobs, [self._row_sampling(r) for r in rows], self._penalties)
+            drawn = self._draw(rows, logits)
         except Exception as e:
             self._step_failed("the decode step", e, rows, touched)
             return
@@ -611,7 +611,7 @@ class DecodeEngine:
     def _row_sampling(self, r: _Request) -> RowSampling:
         s = r.req.sampling
         top_n = r.req.top_logprobs if r.req.return_logprob else 0
-        slot = self._penalty_slots.get(r.rid, -1)  # none before its first output token
+        slot = self._penalty_slots.get(r.rid, -1)  # taken by `_take_penalty_slots`
         return RowSampling(
             s.temperature,
             s.top_k,
@@ -622,37 +622,46 @@ class DecodeEngine:
             top_n,
             s.frequency_penalty if slot >= 0 else 0.0,
             s.presence_penalty if slot >= 0 else 0.0,
+            s.repetition_penalty if slot >= 0 else 1.0,
             slot,
         )
 
+    def _draw(self, rows: Sequence[_Request], logits: Any) -> Sampled:
+        """The next token of each of `rows` from a step's logit rows (on the device, or
+        one host row), penalties read from and counted on the device."""
+        self._take_penalty_slots(rows)
+        sampled = [self._row_sampling(r) for r in rows]
+        return sample(log_probs(logits), sampled, self._penalties, logits=logits)
+
     def _take_penalty_slots(self, rows: Sequence[_Request]) -> None:
         """Give back the slots of requests no longer running; a penalized row without a
-        slot takes a free one, its counts set from its output so far (the first token,
-        from this engine's prefill or the prefill server's)."""
+        slot takes a free one, set from its prompt and its output so far (the first
+        token, when the prefill server drew it)."""
         for rid in [rid for rid in self._penalty_slots if rid not in self._running]:
             del self._penalty_slots[rid]
         for r in rows:
-            s = r.req.sampling
-            if r.rid in self._penalty_slots or not (s.frequency_penalty or s.presence_penalty):
+            if r.rid in self._penalty_slots or not _penalized(r.req.sampling):
                 continue
             # Running requests never outnumber the slots (max_running_requests each).
             taken = set(self._penalty_slots.values())
             slot = next(i for i in range(self._penalties.slots) if i not in taken)
-            self._penalties.reset(slot, r.out_ids)
+            self._penalties.reset(slot, r.out_ids, r.prompt)
             self._penalty_slots[r.rid] = slot
 
     def _warm_penalties(self, shapes: set[tuple[str, int, int, int]]) -> None:
-        """Compile the penalized sampler for the decode steps' row counts, and the slot
-        reset (what a request with a penalty runs), before serving."""
+        """Compile the penalized sampler for the steps' row counts (and, for an engine that
+        prefills, a first token's host row), and the slot reset: what a request with a
+        penalty runs, before serving."""
         self._penalties.warm(
-            {self._steps.logit_rows(n) for _, n, tokens, _ in shapes if tokens == 1}
+            {self._steps.logit_rows(n) for _, n, _, _ in shapes},
+            {1} if self._prefills_itself else set(),
         )
 
     # ---- failures ------------------------------------------------------------------------
-    def _sample(self, r: _Request, logprobs: Any, touched: dict[str, _Request]) -> None:
-        """Draw `r`'s next token from its log-prob row (`[1, vocab]`, on the device or
-        the host) and record it."""
-        self._produce(r, touched, lambda: sample(logprobs, [self._row_sampling(r)]).pick(0))
+    def _sample(self, r: _Request, logits: Any, touched: dict[str, _Request]) -> None:
+        """Draw `r`'s next token from its logit row (`[1, vocab]`, on the device or the
+        host) and record it."""
+        self._produce(r, touched, lambda: self._draw([r], logits).pick(0))
 
     def _produce(
         self,
@@ -799,6 +808,10 @@ class DecodeEngine:
         for q in (*self._transferring.values(), *self._running.values()):
             rows[q.rank] += 1
         return tuple(rows)
+
+
+def _penalized(s: SamplingParams) -> bool:
+    return s.frequency_penalty != 0 or s.presence_penalty != 0 or s.repetition_penalty != 1
 
 
 def _state_name(snapshot: Any) -> str:

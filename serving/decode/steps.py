@@ -5,10 +5,10 @@
 - `decode`: one token for each running request, rows padded to a power of two and page
   tables to a power of two of the longest reservation.
 
-Both donate the pool through `KVStore.update_pool` and return the step's log-prob rows
-where they were computed (on the device: `cpkv_jax.sampling.sample` draws from them
-there and brings back only tokens), so the number of compiled shapes is bounded by the
-buckets (`shapes` records them).
+Both donate the pool through `KVStore.update_pool` and return the step's logit rows where
+they were computed (on the device: the engine takes their log-softmax and
+`cpkv_jax.sampling.sample` draws from both there, bringing back only tokens), so the
+number of compiled shapes is bounded by the buckets (`shapes` records them).
 `reachable_shapes` enumerates every shape an engine's requests can reach from its limits
 (the same bucket rules, one source of truth) and `warm` runs each once on trash-page-only
 tables, so a server that warms them all compiles nothing while serving (issue 25).
@@ -138,19 +138,18 @@ class DecodeSteps:
             self._compiled = caches.setdefault(context, ShapeCache("decode step"))
 
     def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> jax.Array:
-        """Log-probs `[1, vocab]` after the prompt's last token, on the device; its KV
-        lands in `pages`."""
+        """Logits `[1, vocab]` after the prompt's last token, on the device; its KV lands
+        in `pages`."""
         table = padded_page_table(pages, width)
         batch = prefill_batch(prompt, table, self.page_size)
         shape = (self.prefill_form, 1, batch.input_ids.shape[1], width)
         step = self.compiled(shape)  # before the pool lock: it may compile or wait
         self.shapes.add(shape)
         with jax.named_scope("decode_engine.prefill"):
-            logits = self.kv.update_pool(lambda pool: step(self._state, batch, pool))
-        return log_probs(logits)
+            return self.kv.update_pool(lambda pool: step(self._state, batch, pool))
 
     def decode(self, rows: Sequence[DecodeRow]) -> jax.Array:
-        """Log-probs after feeding each row's token at its position, on the device:
+        """Logits after feeding each row's token at its position, on the device:
         `[pow2(len(rows)), vocab]`, the first `len(rows)` rows those of `rows`."""
         rows_p = pow2_at_least(len(rows))
         width = pow2_at_least(max(n_pages for *_, n_pages in rows))
@@ -172,8 +171,7 @@ class DecodeSteps:
         step = self.compiled(shape)
         self.shapes.add(shape)
         with jax.named_scope("decode_engine.decode"):
-            logits = self.kv.update_pool(lambda pool: step(self._state, batch, pool))
-        return log_probs(logits)
+            return self.kv.update_pool(lambda pool: step(self._state, batch, pool))
 
     def warm(self, shapes: Sequence[Shape]) -> None:
         """Run each shape once on tables of the trash page only (every write lands in page
@@ -251,10 +249,10 @@ def _warm(steps: DecodeSteps | MeshDecodeSteps, shapes: Sequence[Shape], desc: s
         if tokens > 1:  # a prefill: one row, `tokens` padded prompt tokens
             if form != steps.prefill_form:
                 raise ValueError(f"this engine prefills in {steps.prefill_form!r}, not {form!r}")
-            lp = steps.prefill(np.full((tokens,), 3, np.int32), trash, width)
+            logits = steps.prefill(np.full((tokens,), 3, np.int32), trash, width)
         else:
-            lp = steps.decode([(3, 0, trash, width)] * rows)
-        sampling.sample(lp, [sampling.GREEDY])
+            logits = steps.decode([(3, 0, trash, width)] * rows)
+        sampling.sample(log_probs(logits), [sampling.GREEDY])
 
 
 _DP_STEPS: weakref.WeakKeyDictionary[CausalLM, dict[tuple, DPDecodeSteps]] = (
@@ -324,20 +322,19 @@ class MeshDecodeSteps:
         self._dp.compiled(shape)  # before the pool lock: it may compile or wait
         self.shapes.add(shape)
         with jax.named_scope("decode_engine.prefill" if prefill else "decode_engine.decode"):
-            logits = self.kv.update_pool(lambda pool: self._dp.run(shape, order, host, pool))
-        return log_probs(logits)
+            return self.kv.update_pool(lambda pool: self._dp.run(shape, order, host, pool))
 
     def _rank(self, pages: np.ndarray) -> int:
         return self.layout.rank_of(np.asarray(pages)[0])
 
     def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> jax.Array:
-        """Log-probs after the prompt's last token, row 0 (the request) of the step's."""
+        """Logits after the prompt's last token, row 0 (the request) of the step's."""
         return self.prefill_many([(prompt, pages, width)])
 
     def prefill_many(self, requests: Sequence[tuple[np.ndarray, np.ndarray, int]]) -> jax.Array:
         """One step prefilling `(prompt, pages, width)` requests, each on its pages' rank
         (at most one per rank: a prefill row is one request's whole prompt); row `i` of
-        the log-probs is after `requests[i]`'s last prompt token."""
+        the logits is after `requests[i]`'s last prompt token."""
         rows = [
             DPRow(self._rank(pages), np.asarray(prompt, np.int32), 0, pages, width)
             for prompt, pages, width in requests
@@ -347,7 +344,7 @@ class MeshDecodeSteps:
         return self._run(rows, prefill=True)
 
     def decode(self, rows: Sequence[DecodeRow]) -> jax.Array:
-        """Log-probs of each row's next token, row `i` that of `rows[i]` (padding after)."""
+        """Logits of each row's next token, row `i` that of `rows[i]` (padding after)."""
         dp_rows = [
             DPRow(self._rank(pages), np.asarray([token], np.int32), pos, pages, n_pages)
             for token, pos, pages, n_pages in rows

@@ -56,6 +56,9 @@ class SamplingParams:
     # once if it occurs there (`cpkv_jax.sampling.PenaltyCounts`); in [-2, 2].
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # HF's / vLLM's, over the prompt and the output: a positive logit of a token seen
+    # there is divided by it, another multiplied; in (0, 2], 1 = off.
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -77,6 +80,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InputError(f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InputError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.top_k > vocab_size:
             raise InputError(f"top_k must be <= the vocabulary size {vocab_size}, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:

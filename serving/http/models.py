@@ -16,7 +16,7 @@ SGLang's `GenerateReqInput` and `SamplingParams` for `/generate`) is known here:
 ones this server implements are model fields, and each of the others is a row of its
 body's `NEUTRAL` table (`Neutral`): accepted at the value that asks for nothing (`null`
 always; `best_of: 1`, `n: 1`, `echo: false`, `logprob_start_len: -1`, `logit_bias: {}`,
-`repetition_penalty: 1`, ...), or, for a hint or label that changes nothing here (`user`,
+`length_penalty: 1`, ...), or, for a hint or label that changes nothing here (`user`,
 `session_id`, `log_metrics`, ...), at any value of its JSON type; any other value is a
 400 naming the field and the values it would accept. A table row never reaches the
 engine. A `null` is an omitted field (its default) everywhere.
@@ -170,7 +170,6 @@ def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
 # SGLang's `SamplingParams` fields that this server does not implement.
 GENERATE_SAMPLING_NEUTRAL: Mapping[str, Neutral] = {
     "stop_regex": off([]),
-    "repetition_penalty": off(1),
     "min_new_tokens": off(0),
     "n": off(1),
     "json_schema": off(),
@@ -264,6 +263,7 @@ class GenerateSamplingParams(_Body):
     min_p: float = SamplingParams.min_p
     frequency_penalty: float = SamplingParams.frequency_penalty
     presence_penalty: float = SamplingParams.presence_penalty
+    repetition_penalty: float = SamplingParams.repetition_penalty
     seed: int | None = None
     sampling_seed: int | None = None
     stop: str | list[str] | None = None
@@ -288,6 +288,7 @@ class GenerateSamplingParams(_Body):
             min_p=self.min_p,
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
             seed=self.seed if self.seed is not None else self.sampling_seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=_stop_tuple(self.stop),
@@ -388,7 +389,6 @@ _OPENAI_BOTH_NEUTRAL: Mapping[str, Neutral] = {
     # vLLM
     "best_of": off(1),
     "use_beam_search": off(False),
-    "repetition_penalty": off(1),
     "length_penalty": off(1),
     "include_stop_str_in_output": off(False),  # stop strings are always trimmed
     "min_tokens": off(0),
@@ -499,7 +499,8 @@ class _OpenAICommon(_PDFields):
 
     `top_k`, `min_p`, `ignore_eos` and `stop_token_ids` are extensions (as in vLLM /
     SGLang); `frequency_penalty` / `presence_penalty` are OpenAI's, over the output so
-    far. The PD fields come from the router, which forwards OpenAI bodies as they are.
+    far, `repetition_penalty` vLLM's, over the prompt and the output. The PD fields come
+    from the router, which forwards OpenAI bodies as they are.
     """
 
     model: str | None = None
@@ -509,6 +510,7 @@ class _OpenAICommon(_PDFields):
     min_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -540,6 +542,9 @@ class _OpenAICommon(_PDFields):
             min_p=0.0 if self.min_p is None else self.min_p,
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=_stop_tuple(self.stop),

@@ -157,9 +157,11 @@ class PrefillEngine:
         return self.runner.compile_jobs(self.reachable_shapes(max_waiting))
 
     def _warm_first_token(self) -> None:
-        """Each finished prefill's log-softmax and its first token's draw (host row)."""
-        log_probs(np.zeros(self.cfg.vocab_size, np.float32))
+        """Each finished prefill's log-softmax and its first token's draw (host row), with
+        and without a repetition penalty."""
+        log_probs(np.zeros((1, self.cfg.vocab_size), np.float32))
         sampling.warm(self.cfg.vocab_size, [1], None)
+        sampling.first_token_penalties(self.cfg.vocab_size).warm(set(), {1})
 
     def warm_host_copies(self) -> int:
         """Compile the host cache's copy programs (`HostCacheIO.warm`); returns how many

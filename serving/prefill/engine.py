@@ -78,7 +78,7 @@ from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import pages_for_tokens
-from cpkv_jax.sampling import RowSampling, TopLogprobs, sample
+from cpkv_jax.sampling import RowSampling, TopLogprobs, first_token_penalties, sample
 from serving.decode.sampling import request_seed
 from serving.engine.api import (
     EngineStateLostError,
@@ -200,6 +200,8 @@ class PrefillModeEngine:
         self.scheduler = engine.scheduler
         self.runner = engine.runner
         self.cfg = engine.cfg
+        # The first token's repetition penalty (over the prompt) draws on the device too.
+        self._penalties = first_token_penalties(self.cfg.vocab_size)
         self.cp_size = engine.args.cp_size
         self.page_size = engine.args.page_size
         pool = self.runner.pool
@@ -626,11 +628,26 @@ class PrefillModeEngine:
             return self._final(entry, reason, error=why or f"{outcome.status}: {outcome.reason}")
         assert outcome.last_logits is not None and outcome.table is not None
         req = entry.req
-        logprobs = np.asarray(log_probs(outcome.last_logits))[None]  # host: one row
+        logits = np.asarray(outcome.last_logits)[None]  # host: one row
         s = req.sampling
         top_n = req.top_logprobs if req.return_logprob else 0
-        row = RowSampling(s.temperature, s.top_k, s.top_p, request_seed(req), 0, s.min_p, top_n)
-        token, entry.logprob, entry.top = sample(logprobs, [row]).pick(0)
+        # Frequency and presence penalties count output tokens: none yet, so no effect.
+        rep, slot = (s.repetition_penalty, 0) if s.repetition_penalty != 1.0 else (1.0, -1)
+        if slot == 0:
+            self._penalties.reset(0, (), req.input_ids)
+        row = RowSampling(
+            s.temperature,
+            s.top_k,
+            s.top_p,
+            request_seed(req),
+            0,
+            s.min_p,
+            top_n,
+            repetition_penalty=rep,
+            slot=slot,
+        )
+        drawn = sample(log_probs(logits), [row], self._penalties, logits=logits)
+        token, entry.logprob, entry.top = drawn.pick(0)
         entry.first_token = token
         entry.cached_tokens = outcome.cached_tokens
         entry.host_cached_tokens = outcome.host_cached_tokens

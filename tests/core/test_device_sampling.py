@@ -246,9 +246,44 @@ def test_penalties_shift_the_draw_by_the_device_counts_and_count_the_drawn_token
             want[row.slot, got.tokens[i]] += 1
     np.testing.assert_array_equal(np.asarray(counts.counts), want)
     # A row with a penalty needs counts and a slot in range.
-    with pytest.raises(ValueError, match="no counts were given"):
+    with pytest.raises(ValueError, match="no penalty counts were given"):
         sample(lp[:1], rows[:1])
     with pytest.raises(ValueError, match="slot 4 outside"):
         sample(lp[:1], [RowSampling(frequency_penalty=1.0, slot=4)], counts)
     counts.reset(2, [])  # a slot taken again starts from the new request's output
     assert not np.asarray(counts.counts)[2].any()
+
+
+@pytest.mark.parametrize("rep", [1.8, 0.4])
+def test_repetition_penalty_scales_the_logits_of_prompt_and_output_tokens(rep):
+    """HF's / vLLM's repetition penalty on the raw logits of tokens in the prompt or the
+    output (positive ones divided, others multiplied), then the frequency penalty, against
+    a float64 reference; a row without one in the same step keeps its own draw; the
+    reported log-probs are the unpenalized ones."""
+    rng = np.random.default_rng(5)
+    vocab = 53
+    logits = (rng.normal(size=(3, vocab)) * 2).astype(np.float32)  # both signs
+    lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    counts = PenaltyCounts(2, vocab, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    prompt = rng.choice(vocab, 12, replace=False)
+    out = [int(t) for t in rng.choice(vocab, 4)]
+    counts.reset(1, out, prompt)
+    rows = [
+        RowSampling(repetition_penalty=rep, slot=1),
+        RowSampling(repetition_penalty=rep, frequency_penalty=0.3, slot=1),
+        RowSampling(0.9, seed=2, step=4),
+    ]
+    got = sample(lp, rows, counts, logits=logits)
+    seen = np.zeros(vocab, bool)
+    seen[prompt] = True
+    c = np.bincount(out, minlength=vocab).astype(np.float64)
+    seen |= c > 0
+    for i, row in enumerate(rows[:2]):
+        z = logits[i].astype(np.float64)
+        z = np.where(seen, np.where(z > 0, z / rep, z * rep), z)
+        want = z - np.log(np.exp(z - z.max()).sum()) - z.max() - row.frequency_penalty * c
+        assert got.tokens[i] == int(np.argmax(want)), (i, rep)
+    assert got.tokens[2] == sample(lp[2:], rows[2:]).tokens[0]
+    np.testing.assert_array_equal(got.logprobs, lp[np.arange(3), got.tokens])
+    with pytest.raises(ValueError, match="no logits were given"):
+        sample(lp, rows, counts)

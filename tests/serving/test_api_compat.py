@@ -345,14 +345,14 @@ REFUSED = [
     ("/generate", {"logprob_start_len": 0}, "logprob_start_len"),
     ("/generate", {"image_data": "http://x/cat.png"}, "image_data"),
     ("/generate", {"sampling_params": {"max_new_tokens": N, "n": 2}}, "sampling_params: n=2"),
-    ("/generate", {"sampling_params": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ("/generate", {"sampling_params": {"min_new_tokens": 3}}, "min_new_tokens"),
     ("/generate", {"session_id": 5}, "session_id must be a string"),
     ("/v1/completions", {"best_of": 3}, "best_of=3"),
     ("/v1/completions", {"n": 200}, "n must be"),  # n and echo: test_http_completions_batch.py
     ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"lora_path": "my-adapter"}, "lora_path"),
-    ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty=1.2"),
+    ("/v1/completions", {"length_penalty": 1.2}, "length_penalty=1.2"),
     ("/v1/completions", {"user": 42}, "user must be a string"),
     (
         "/v1/completions",

@@ -251,13 +251,16 @@ def test_unified_top_logprobs_are_the_references(ckpt, unified):
     assert_pages_back(server)
 
 
-# The tiny model's greedy outputs repeat no token in NEW steps, so a penalty shows only
-# once a negative one has made a token repeat: the third differs from the second by its
-# positive frequency penalty alone.
+# The tiny model's greedy outputs repeat no token in NEW steps, so a positive frequency,
+# presence or repetition penalty shows only once a negative one has made a token repeat;
+# a repetition penalty below 1 favours the prompt's tokens from the first token on.
+FREQ_DOWN, PRESENCE_DOWN, FREQ_UP, REP_DOWN, REP_UP = range(5)
 PENALTIES = (
     {"frequency_penalty": -2.0},
     {"presence_penalty": -2.0},
     {"presence_penalty": -2.0, "frequency_penalty": 0.5},
+    {"repetition_penalty": 0.3},
+    {"repetition_penalty": 1.9, "frequency_penalty": -2.0},
 )
 
 
@@ -267,14 +270,17 @@ def penalized_body(ids: list[int], penalties: dict[str, float]) -> dict[str, Any
 
 
 def assert_penalized_outputs(url: str, ref: ReferenceGenerator, ids: list[int]) -> None:
-    """Greedy requests with frequency / presence penalties (issue 37) get the reference's
-    tokens (its penalties applied on the host in float64), their reported log-probs the
-    unpenalized ones; sent together, so the penalized rows share decode steps (and their
-    device count slots) with each other."""
-    wants = [ref.generate(ids, NEW, ignore_eos=True, **p) for p in PENALTIES]
+    """Greedy requests with frequency / presence / repetition penalties (issue 37) get the
+    reference's tokens (its penalties applied on the host in float64), their reported
+    log-probs the unpenalized ones; sent together, so the penalized rows share decode
+    steps (and their device slots) with each other."""
+    refs = [ref.generate(ids, NEW, ignore_eos=True, **p) for p in PENALTIES]
+    wants = [r.output_ids for r in refs]
     plain = reference(ref, ids)
-    assert all(w.output_ids != plain for w in wants), "a penalty changed nothing"
-    assert wants[1].output_ids != wants[2].output_ids, "the frequency penalty changed nothing"
+    # Each penalty, in each direction, changes the output here (so a server ignoring it
+    # fails); the first token already for a repetition penalty (the prompt's tokens).
+    assert wants[FREQ_DOWN] != plain and wants[PRESENCE_DOWN] != wants[FREQ_UP]
+    assert wants[REP_DOWN][0] != plain[0] and wants[REP_UP] != wants[FREQ_DOWN]
     results: dict[int, Any] = {}
 
     def call(i: int) -> None:
@@ -289,9 +295,9 @@ def assert_penalized_outputs(url: str, ref: ReferenceGenerator, ids: list[int]) 
     for i, want in enumerate(wants):
         r = results[i]
         assert r.status_code == 200, r.text
-        assert r.json()["output_ids"] == want.output_ids, (i, PENALTIES[i])
+        assert r.json()["output_ids"] == want, (i, PENALTIES[i])
         lps = [lp for lp, _, _ in r.json()["meta_info"]["output_token_logprobs"]]
-        np.testing.assert_allclose(lps, want.output_logprobs, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(lps, refs[i].output_logprobs, rtol=0, atol=1e-5)
 
 
 def test_unified_penalties_are_the_references(ckpt, unified):
