@@ -147,6 +147,7 @@ class ReferenceGenerator:
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
+        logit_bias: dict[int, float] | None = None,
     ) -> GenerationResult:
         """Prefill then decode. With `cp_prefill`, the prompt is prefilled on the CP mesh
         (shared or replicated pools, optionally chunked) and decoding continues here,
@@ -180,17 +181,23 @@ class ReferenceGenerator:
         counts = np.zeros(self.cfg.vocab_size, np.float64)  # output tokens so far
         in_prompt = np.zeros(self.cfg.vocab_size, bool)
         in_prompt[prompt] = True
+        bias = np.zeros(self.cfg.vocab_size, np.float64)
+        for token, value in (logit_bias or {}).items():
+            bias[token] += value
         finish = "length"
         t1 = time.perf_counter()
         for i in range(max_new_tokens):
-            # Penalties in vLLM's order, in float64: the repetition penalty on the raw
-            # logits of tokens in the prompt or the output, then OpenAI's, a shift. The
-            # reported log-probs stay unpenalized.
-            base = logprobs
+            # Penalties in vLLM's order, in float64: the logit bias, the repetition
+            # penalty on the logits of tokens in the prompt or the output, then OpenAI's
+            # frequency and presence penalties, a shift. The reported log-probs stay
+            # unpenalized.
+            base = logprobs + bias
             if repetition_penalty != 1.0:
+                z = raw + bias
                 seen = in_prompt | (counts > 0)
-                rep = np.where(raw > 0, raw / repetition_penalty, raw * repetition_penalty)
-                z = np.where(seen, rep, raw)
+                z = np.where(
+                    seen, np.where(z > 0, z / repetition_penalty, z * repetition_penalty), z
+                )
                 base = z - z.max() - np.log(np.exp(z - z.max()).sum())
             shifted = base - frequency_penalty * counts - presence_penalty * (counts > 0)
             tok = self._sample(shifted, temperature, rng)

@@ -31,7 +31,9 @@ the output is divided by `repetition_penalty` when positive, multiplied when not
 needs the raw logits, so `sample` takes them too), then OpenAI's frequency and presence
 penalties (`- frequency_penalty * count - presence_penalty * (count > 0)` over the
 output: a per-row shift, exact on the log-softmax). The log-probs a row reports stay the
-unpenalized ones, as vLLM's default.
+unpenalized ones, as vLLM's default. OpenAI's `logit_bias` (at most `LOGIT_BIAS_MAX`
+tokens, each a value added to that token's logit) rides in the same slot, as `(token,
+value)` pairs, and comes first, as in vLLM.
 
 The draw is stateless per output position: token `step` of a request uses the key
 `fold_in(fold_in(fold_in(key(0), seed_lo), seed_hi), step)` (the 63-bit seed's 32-bit
@@ -55,6 +57,8 @@ _U32 = 0xFFFFFFFF
 # The most alternatives a row may ask for (OpenAI's chat limit; vLLM's default cap).
 TOP_LOGPROBS_MAX = 20
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, log-prob), most likely first
+# The most tokens one request's `logit_bias` may name (OpenAI's limit).
+LOGIT_BIAS_MAX = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,7 @@ class RowSampling:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: bool = False  # its slot holds a logit bias (`PenaltyCounts.reset`)
     slot: int = -1  # its `PenaltyCounts` slot; a row with a penalty must have one
 
     @property
@@ -79,6 +84,7 @@ class RowSampling:
             self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
             or self.repetition_penalty != 1.0
+            or self.logit_bias
         )
 
 
@@ -117,7 +123,9 @@ class Sampled:
 class PenaltyCounts:
     """The history penalized requests need, on the device, one slot per such running
     request (the engine assigns them): `counts[slot, token]` (int32, output tokens so
-    far) and `prompt[slot, token]` (bool, the prompt's tokens; the repetition penalty's).
+    far), `prompt[slot, token]` (bool, the prompt's tokens; the repetition penalty's) and
+    the slot's logit bias, `LOGIT_BIAS_MAX` (token, value) pairs (unused ones name token
+    `vocab_size`, which the sampler's scatter drops).
     `sample` reads a penalized row's slot and adds the token it draws there, in the same
     program (the counts are donated to it and replaced). At GLM-5's vocabulary of 154,880
     and 256 slots, 198 MB on each device holding them (`nbytes`)."""
@@ -129,26 +137,41 @@ class PenaltyCounts:
         self.sharding = sharding  # the log-prob rows' (the sampler's inputs live together)
         self.counts = jax.device_put(np.zeros((slots, vocab_size), np.int32), sharding)
         self.prompt = jax.device_put(np.zeros((slots, vocab_size), bool), sharding)
+        self.bias_ids = jax.device_put(
+            np.full((slots, LOGIT_BIAS_MAX), vocab_size, np.int32), sharding
+        )
+        self.bias_values = jax.device_put(np.zeros((slots, LOGIT_BIAS_MAX), np.float32), sharding)
 
     @property
     def nbytes(self) -> int:
-        return self.counts.nbytes + self.prompt.nbytes
+        arrays = (self.counts, self.prompt, self.bias_ids, self.bias_values)
+        return sum(a.nbytes for a in arrays)
 
     def reset(
         self,
         slot: int,
         output_ids: Sequence[int] | np.ndarray,
         prompt_ids: Sequence[int] | np.ndarray = (),
+        logit_bias: Sequence[tuple[int, float]] = (),
     ) -> None:
         """Slot `slot` now holds a request whose output so far is `output_ids` and whose
-        prompt is `prompt_ids` (two `[vocab]` rows to the device when it takes the slot)."""
+        prompt is `prompt_ids`, with `logit_bias`'s (token, value) pairs (two `[vocab]`
+        rows and the pairs to the device when it takes the slot)."""
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} outside [0, {self.slots})")
+        if len(logit_bias) > LOGIT_BIAS_MAX:
+            raise ValueError(f"{len(logit_bias)} logit_bias tokens, over {LOGIT_BIAS_MAX}")
         counts = np.bincount(np.asarray(output_ids, np.int64), minlength=self.vocab_size)
         prompt = np.zeros(self.vocab_size, bool)
         prompt[np.asarray(prompt_ids, np.int64)] = True
-        self.counts, self.prompt = _set_rows(
-            self.counts, self.prompt, np.int32(slot), counts.astype(np.int32), prompt
+        bias_ids = np.full(LOGIT_BIAS_MAX, self.vocab_size, np.int32)
+        bias_values = np.zeros(LOGIT_BIAS_MAX, np.float32)
+        for i, (token, value) in enumerate(logit_bias):
+            bias_ids[i], bias_values[i] = token, value
+        self.counts, self.prompt, self.bias_ids, self.bias_values = _set_rows(
+            (self.counts, self.prompt, self.bias_ids, self.bias_values),
+            np.int32(slot),
+            (counts.astype(np.int32), prompt, bias_ids, bias_values),
         )
 
     def warm(self, row_counts: set[int], host_row_counts: set[int] = frozenset()) -> None:
@@ -156,7 +179,7 @@ class PenaltyCounts:
         `sharding` (as the steps return them) and, for `host_row_counts`, on host arrays
         (a prefill's first token), and the slot reset. Before serving only: it leaves
         slot 0 empty (a slot is reset whenever it is taken)."""
-        row = RowSampling(frequency_penalty=0.5, repetition_penalty=1.5, slot=0)
+        row = RowSampling(frequency_penalty=0.5, repetition_penalty=1.5, logit_bias=True, slot=0)
         rows = [(r, self.sharding) for r in sorted(row_counts)]
         for r, where in [*rows, *((r, None) for r in sorted(host_row_counts))]:
             lp = np.zeros((r, self.vocab_size), np.float32)
@@ -167,15 +190,15 @@ class PenaltyCounts:
 
 def first_token_penalties(vocab_size: int) -> PenaltyCounts:
     """One slot on the default device, for a server that draws only first tokens (from a
-    host row): its repetition penalty over the prompt (the other penalties count output
-    tokens, and there are none yet). Built the same way for the warm-up and the draws,
-    so they share one program."""
+    host row): its repetition penalty over the prompt and its logit bias (the other
+    penalties count output tokens, and there are none yet). Built the same way for the
+    warm-up and the draws, so they share one program."""
     return PenaltyCounts(1, vocab_size, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _set_rows(counts, prompt, slot, counts_row, prompt_row):
-    return counts.at[slot].set(counts_row), prompt.at[slot].set(prompt_row)
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_rows(arrays, slot, rows):
+    return tuple(a.at[slot].set(r) for a, r in zip(arrays, rows, strict=True))
 
 
 def sample(
@@ -223,6 +246,8 @@ def sample(
             *common,
             penalties.counts,
             penalties.prompt,
+            penalties.bias_ids,
+            penalties.bias_values,
             slots,
             np.asarray([p.frequency_penalty for p in padded], np.float32),
             np.asarray([p.presence_penalty for p in padded], np.float32),
@@ -262,6 +287,8 @@ def _sample_penalized(
     min_p,
     counts,
     prompt,
+    bias_ids,
+    bias_values,
     slots,
     freq,
     pres,
@@ -269,14 +296,22 @@ def _sample_penalized(
     logits,
 ):
     lp = lp.astype(jnp.float32)
-    at = jnp.minimum(slots, counts.shape[0] - 1)  # padding rows read slot S-1, unused
+    rows, vocab = lp.shape
+    at = jnp.minimum(slots, counts.shape[0] - 1)  # rows without a slot read S-1: unused
     c = counts[at].astype(jnp.float32)  # [R, vocab]
     seen = prompt[at] | (c > 0)
-    z = logits.astype(jnp.float32)
+    # The logit bias as a dense [R, vocab] row (unused pairs name token `vocab`: dropped);
+    # zero for rows without a slot.
+    own = (slots < counts.shape[0])[:, None]
+    bias = jnp.zeros((rows, vocab), jnp.float32)
+    bias = bias.at[jnp.arange(rows)[:, None], bias_ids[at]].add(bias_values[at], mode="drop")
+    bias = jnp.where(own, bias, 0.0)
+    z = logits.astype(jnp.float32) + bias
     r = rep[:, None]
     z = jnp.where(seen, jnp.where(z > 0, z / r, z * r), z)
-    # Rows without a repetition penalty keep their log-probs as they are (no re-rounding).
-    base = jnp.where(rep[:, None] != 1.0, jax.nn.log_softmax(z, axis=-1), lp)
+    # Without a repetition penalty the bias is a per-token shift of the log-probs (exact:
+    # the log-softmax shifts each row by one constant), kept as they are otherwise.
+    base = jnp.where(rep[:, None] != 1.0, jax.nn.log_softmax(z, axis=-1), lp + bias)
     shifted = base - freq[:, None] * c - pres[:, None] * (c > 0)
     out = _draw(lp, shifted, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p)
     return (*out, counts.at[slots, out[0]].add(1, mode="drop"))

@@ -623,6 +623,7 @@ class DecodeEngine:
             s.frequency_penalty if slot >= 0 else 0.0,
             s.presence_penalty if slot >= 0 else 0.0,
             s.repetition_penalty if slot >= 0 else 1.0,
+            bool(s.logit_bias) and slot >= 0,
             slot,
         )
 
@@ -645,7 +646,7 @@ class DecodeEngine:
             # Running requests never outnumber the slots (max_running_requests each).
             taken = set(self._penalty_slots.values())
             slot = next(i for i in range(self._penalties.slots) if i not in taken)
-            self._penalties.reset(slot, r.out_ids, r.prompt)
+            self._penalties.reset(slot, r.out_ids, r.prompt, r.req.sampling.logit_bias)
             self._penalty_slots[r.rid] = slot
 
     def _warm_penalties(self, shapes: set[tuple[str, int, int, int]]) -> None:
@@ -811,7 +812,13 @@ class DecodeEngine:
 
 
 def _penalized(s: SamplingParams) -> bool:
-    return s.frequency_penalty != 0 or s.presence_penalty != 0 or s.repetition_penalty != 1
+    """Whether `s` needs a `PenaltyCounts` slot (a penalty or a logit bias)."""
+    return bool(
+        s.frequency_penalty != 0
+        or s.presence_penalty != 0
+        or s.repetition_penalty != 1
+        or s.logit_bias
+    )
 
 
 def _state_name(snapshot: Any) -> str:

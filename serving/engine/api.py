@@ -34,6 +34,8 @@ MAX_NEW_TOKENS_LIMIT = 1 << 20
 # default cap); equal to `cpkv_jax.sampling.TOP_LOGPROBS_MAX`, the sampler's (this module
 # stays free of JAX).
 TOP_LOGPROBS_LIMIT = 20
+# The most tokens a `logit_bias` may name (OpenAI's); `cpkv_jax.sampling.LOGIT_BIAS_MAX`.
+LOGIT_BIAS_LIMIT = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,9 @@ class SamplingParams:
     # HF's / vLLM's, over the prompt and the output: a positive logit of a token seen
     # there is divided by it, another multiplied; in (0, 2], 1 = off.
     repetition_penalty: float = 1.0
+    # OpenAI's: (token id, value in [-100, 100]) added to that token's logit, at most
+    # `LOGIT_BIAS_LIMIT` tokens.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -80,6 +85,22 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InputError(f"{name} must be in [-2, 2], got {value}")
+        if len(self.logit_bias) > LOGIT_BIAS_LIMIT:
+            raise InputError(
+                f"logit_bias names {len(self.logit_bias)} tokens, over the limit of "
+                f"{LOGIT_BIAS_LIMIT}"
+            )
+        bad_bias = [(t, v) for t, v in self.logit_bias if not 0 <= t < vocab_size]
+        if bad_bias:
+            raise InputError(
+                f"logit_bias token {bad_bias[0][0]} is outside the vocabulary [0, {vocab_size})"
+            )
+        bad_bias = [(t, v) for t, v in self.logit_bias if not -100.0 <= v <= 100.0]
+        if bad_bias:
+            raise InputError(
+                f"logit_bias value {bad_bias[0][1]} for token {bad_bias[0][0]} is outside "
+                "[-100, 100]"
+            )
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise InputError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.top_k > vocab_size:

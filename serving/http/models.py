@@ -15,7 +15,7 @@ completions and chat-completions request, vLLM's and SGLang's extensions of them
 SGLang's `GenerateReqInput` and `SamplingParams` for `/generate`) is known here: the
 ones this server implements are model fields, and each of the others is a row of its
 body's `NEUTRAL` table (`Neutral`): accepted at the value that asks for nothing (`null`
-always; `best_of: 1`, `n: 1`, `echo: false`, `logprob_start_len: -1`, `logit_bias: {}`,
+always; `best_of: 1`, `n: 1`, `echo: false`, `logprob_start_len: -1`,
 `length_penalty: 1`, ...), or, for a hint or label that changes nothing here (`user`,
 `session_id`, `log_metrics`, ...), at any value of its JSON type; any other value is a
 400 naming the field and the values it would accept. A table row never reaches the
@@ -159,6 +159,17 @@ def _check_top_logprobs(field: str, n: int) -> None:
         raise ValueError(f"{field} must be in [0, {TOP_LOGPROBS_LIMIT}], got {n}")
 
 
+def _logit_bias(bias: Mapping[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token ids as JSON object keys) as (id, value) pairs."""
+    if not bias:
+        return ()
+    try:
+        return tuple((int(k), float(v)) for k, v in bias.items())
+    except ValueError:
+        bad = next(k for k in bias if not k.strip().lstrip("-").isdigit())
+        raise ValueError(f"logit_bias keys are token ids, got {bad!r}") from None
+
+
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -181,7 +192,6 @@ GENERATE_SAMPLING_NEUTRAL: Mapping[str, Neutral] = {
     "no_stop_trim": off(False),  # stop strings are always trimmed
     "custom_params": off({}),
     "stream_interval": ignored(int),  # stream events follow the engine's chunks
-    "logit_bias": off({}),
 }
 
 # SGLang's `GenerateReqInput` fields that this server does not implement (`bootstrap_room`
@@ -264,6 +274,7 @@ class GenerateSamplingParams(_Body):
     frequency_penalty: float = SamplingParams.frequency_penalty
     presence_penalty: float = SamplingParams.presence_penalty
     repetition_penalty: float = SamplingParams.repetition_penalty
+    logit_bias: dict[str, float] | None = None
     seed: int | None = None
     sampling_seed: int | None = None
     stop: str | list[str] | None = None
@@ -272,6 +283,7 @@ class GenerateSamplingParams(_Body):
 
     @model_validator(mode="after")
     def _check_seed(self) -> GenerateSamplingParams:
+        _logit_bias(self.logit_bias)  # keys must be token ids
         if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
             raise ValueError(
                 f"seed ({self.seed}) and sampling_seed ({self.sampling_seed}) disagree; "
@@ -289,6 +301,7 @@ class GenerateSamplingParams(_Body):
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             repetition_penalty=self.repetition_penalty,
+            logit_bias=_logit_bias(self.logit_bias),
             seed=self.seed if self.seed is not None else self.sampling_seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=_stop_tuple(self.stop),
@@ -384,7 +397,6 @@ class GenerateBody(_PDFields):
 # server does not implement.
 _OPENAI_BOTH_NEUTRAL: Mapping[str, Neutral] = {
     # OpenAI
-    "logit_bias": off({}),
     "user": ignored(str),  # an end-user id for abuse monitoring
     # vLLM
     "best_of": off(1),
@@ -511,6 +523,7 @@ class _OpenAICommon(_PDFields):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -521,6 +534,7 @@ class _OpenAICommon(_PDFields):
 
     @model_validator(mode="after")
     def _check_common(self) -> _OpenAICommon:
+        _logit_bias(self.logit_bias)  # keys must be token ids
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         if not 1 <= self.n <= MAX_N:
@@ -545,6 +559,7 @@ class _OpenAICommon(_PDFields):
             repetition_penalty=(
                 1.0 if self.repetition_penalty is None else self.repetition_penalty
             ),
+            logit_bias=_logit_bias(self.logit_bias),
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=_stop_tuple(self.stop),

@@ -631,10 +631,11 @@ class PrefillModeEngine:
         logits = np.asarray(outcome.last_logits)[None]  # host: one row
         s = req.sampling
         top_n = req.top_logprobs if req.return_logprob else 0
-        # Frequency and presence penalties count output tokens: none yet, so no effect.
-        rep, slot = (s.repetition_penalty, 0) if s.repetition_penalty != 1.0 else (1.0, -1)
+        # Frequency and presence penalties count output tokens (none yet: no effect); the
+        # repetition penalty reads the prompt, the logit bias its slot.
+        slot = 0 if s.repetition_penalty != 1.0 or s.logit_bias else -1
         if slot == 0:
-            self._penalties.reset(0, (), req.input_ids)
+            self._penalties.reset(0, (), req.input_ids, s.logit_bias)
         row = RowSampling(
             s.temperature,
             s.top_k,
@@ -643,7 +644,8 @@ class PrefillModeEngine:
             0,
             s.min_p,
             top_n,
-            repetition_penalty=rep,
+            repetition_penalty=s.repetition_penalty,
+            logit_bias=bool(s.logit_bias),
             slot=slot,
         )
         drawn = sample(log_probs(logits), [row], self._penalties, logits=logits)

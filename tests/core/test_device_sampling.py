@@ -287,3 +287,41 @@ def test_repetition_penalty_scales_the_logits_of_prompt_and_output_tokens(rep):
     np.testing.assert_array_equal(got.logprobs, lp[np.arange(3), got.tokens])
     with pytest.raises(ValueError, match="no logits were given"):
         sample(lp, rows, counts)
+
+
+def test_logit_bias_rides_in_the_slot_and_shifts_only_its_row():
+    """A slot's logit bias adds to its tokens' logits (a +100 forces a token, a -100 bans
+    the greedy one), against a float64 reference with and without a repetition penalty
+    on the biased logits; rows without the slot in the same step are untouched; a taken
+    slot starts from the new request's bias only."""
+    rng = np.random.default_rng(8)
+    vocab = 47
+    logits = (rng.normal(size=(4, vocab)) * 2).astype(np.float32)
+    lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    counts = PenaltyCounts(3, vocab, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    best = [int(np.argmax(row)) for row in lp]
+    counts.reset(0, [], (), [(11, 100.0)])
+    counts.reset(1, [], (), [(best[1], -100.0), (3, 1.5), (4, -0.25)])
+    prompt = rng.choice(vocab, 6, replace=False)
+    counts.reset(2, [], prompt, [(best[2], -3.0), (5, 2.0)])
+    rows = [
+        RowSampling(logit_bias=True, slot=0),
+        RowSampling(logit_bias=True, slot=1),
+        RowSampling(logit_bias=True, repetition_penalty=1.6, slot=2),
+        RowSampling(),  # no slot: its own greedy token
+    ]
+    got = sample(lp, rows, counts, logits=logits)
+    assert got.tokens[0] == 11 and got.tokens[1] != best[1] and got.tokens[3] == best[3]
+    bias = np.zeros((3, vocab))
+    bias[0, 11] = 100.0
+    bias[1, [best[1], 3, 4]] = (-100.0, 1.5, -0.25)
+    bias[2, [best[2], 5]] = (-3.0, 2.0)
+    assert got.tokens[1] == int(np.argmax(lp[1].astype(np.float64) + bias[1]))
+    z = logits[2].astype(np.float64) + bias[2]
+    seen = np.zeros(vocab, bool)
+    seen[prompt] = True
+    z = np.where(seen, np.where(z > 0, z / 1.6, z * 1.6), z)
+    assert got.tokens[2] == int(np.argmax(z))
+    np.testing.assert_array_equal(got.logprobs, lp[np.arange(4), got.tokens])  # unbiased
+    counts.reset(0, [], ())  # slot 0 taken again, without a bias
+    assert sample(lp[:1], [RowSampling(frequency_penalty=0.1, slot=0)], counts).tokens[0] == best[0]

@@ -349,7 +349,7 @@ REFUSED = [
     ("/generate", {"session_id": 5}, "session_id must be a string"),
     ("/v1/completions", {"best_of": 3}, "best_of=3"),
     ("/v1/completions", {"n": 200}, "n must be"),  # n and echo: test_http_completions_batch.py
-    ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("/v1/completions", {"allowed_token_ids": [5]}, "allowed_token_ids"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"lora_path": "my-adapter"}, "lora_path"),
     ("/v1/completions", {"length_penalty": 1.2}, "length_penalty=1.2"),

@@ -80,6 +80,15 @@ def _bad_requests(rng: np.random.Generator) -> list[tuple[str, str, Any, int]]:
         ("POST", "/v1/completions", {"prompt": [5], "best_of": 2}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "presence_penalty": 2.5}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "repetition_penalty": 0}, 400),
+        ("POST", "/v1/completions", {"prompt": [5], "logit_bias": {"5": 101}}, 400),
+        ("POST", "/v1/completions", {"prompt": [5], "logit_bias": {"the": 1}}, 400),
+        ("POST", "/v1/completions", {"prompt": [5], "logit_bias": {str(big): 1}}, 400),
+        (
+            "POST",
+            "/v1/completions",
+            {"prompt": [5], "logit_bias": {str(t): 1 for t in range(301)}},
+            400,
+        ),
         (
             "POST",
             "/generate",

@@ -254,14 +254,23 @@ def test_unified_top_logprobs_are_the_references(ckpt, unified):
 # The tiny model's greedy outputs repeat no token in NEW steps, so a positive frequency,
 # presence or repetition penalty shows only once a negative one has made a token repeat;
 # a repetition penalty below 1 favours the prompt's tokens from the first token on.
-FREQ_DOWN, PRESENCE_DOWN, FREQ_UP, REP_DOWN, REP_UP = range(5)
+FREQ_DOWN, PRESENCE_DOWN, FREQ_UP, REP_DOWN, REP_UP, BIAS = range(6)
 PENALTIES = (
     {"frequency_penalty": -2.0},
     {"presence_penalty": -2.0},
     {"presence_penalty": -2.0, "frequency_penalty": 0.5},
     {"repetition_penalty": 0.3},
     {"repetition_penalty": 1.9, "frequency_penalty": -2.0},
+    {"logit_bias": {"42": 100.0}},
 )
+
+
+def _ref_args(params: dict[str, Any]) -> dict[str, Any]:
+    """The reference's keywords for a body's sampling fields (its logit bias by int id)."""
+    bias = params.get("logit_bias")
+    if bias is None:
+        return params
+    return {**params, "logit_bias": {int(t): v for t, v in bias.items()}}
 
 
 def penalized_body(ids: list[int], penalties: dict[str, float]) -> dict[str, Any]:
@@ -274,13 +283,14 @@ def assert_penalized_outputs(url: str, ref: ReferenceGenerator, ids: list[int]) 
     reference's tokens (its penalties applied on the host in float64), their reported
     log-probs the unpenalized ones; sent together, so the penalized rows share decode
     steps (and their device slots) with each other."""
-    refs = [ref.generate(ids, NEW, ignore_eos=True, **p) for p in PENALTIES]
+    refs = [ref.generate(ids, NEW, ignore_eos=True, **_ref_args(p)) for p in PENALTIES]
     wants = [r.output_ids for r in refs]
     plain = reference(ref, ids)
     # Each penalty, in each direction, changes the output here (so a server ignoring it
     # fails); the first token already for a repetition penalty (the prompt's tokens).
     assert wants[FREQ_DOWN] != plain and wants[PRESENCE_DOWN] != wants[FREQ_UP]
     assert wants[REP_DOWN][0] != plain[0] and wants[REP_UP] != wants[FREQ_DOWN]
+    assert wants[BIAS] == [42] * NEW  # a bias of 100 decides every token, the first too
     results: dict[int, Any] = {}
 
     def call(i: int) -> None:
@@ -460,7 +470,7 @@ def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):
     top_want = ref.generate(last, NEW, ignore_eos=True, top_logprobs=TOP)
     penalized = cases[0]
     for p in PENALTIES:  # the reference's programs compile before the count
-        ref.generate(penalized, NEW, ignore_eos=True, **p)
+        ref.generate(penalized, NEW, ignore_eos=True, **_ref_args(p))
     # Both servers live in this process, so count all its compiles around the requests.
     compiles = COMPILES.total.compiles
     for i, (ids, want) in enumerate(zip(cases, wants, strict=True)):
