@@ -676,6 +676,8 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         api_keys=ApiKeys(args.api_key, args.admin_api_key),
         model_path=args.model_path,
         chat_parsers=args.chat_parsers(),
+        # One prefill for a prompt's `n` choices where later ones find it cached.
+        prefix_cache=isinstance(engine, CachedUnifiedEngine),
     )
     return Server(args, cfg, engine, loop, app, info, closers, compiler=compiler)
 

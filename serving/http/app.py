@@ -243,6 +243,7 @@ def build_app(
     api_keys: ApiKeys | None = None,
     model_path: str | None = None,
     chat_parsers: ChatParserConfig | None = None,
+    prefix_cache: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `client`.
 
@@ -256,6 +257,8 @@ def build_app(
     routes (module docstring; None or no key set: open). `model_path` (default: the
     served name) is what `/model_info` reports. `chat_parsers` are the chat route's
     tool-call and reasoning parsers (`serving.http.chat_output`; default: none).
+    `prefix_cache`: the engine caches prompts' KV, so the `n` choices of a prompt are
+    submitted after its first choice's first token (`ApiCore.prefill_order`).
     """
     if vocab_size <= 0 or context_length <= 0:
         raise ValueError(
@@ -273,6 +276,7 @@ def build_app(
         metrics=metrics,
         model_aliases=model_aliases,
         chat_parsers=chat_parsers,
+        prefix_cache=prefix_cache,
     )
     app = FastAPI(title="cpkv-jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = core  # the shared state, for tests and debugging

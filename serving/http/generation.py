@@ -277,8 +277,13 @@ class ApiCore:
         metrics: ServerMetrics,
         model_aliases: Sequence[str] = (),
         chat_parsers: ChatParserConfig | None = None,
+        prefix_cache: bool = False,
     ) -> None:
         self.client = client
+        # The engine keeps prompts' KV in a prefix cache: the choices of one prompt (`n`)
+        # then follow its first, which leaves the prompt's pages cached for them
+        # (`prefill_order`), instead of all prefilling it at once.
+        self.prefix_cache = prefix_cache
         # `--tool-call-parser` / `--reasoning-parser` (`serving.http.chat_output`).
         self.chat_parsers = chat_parsers or ChatParserConfig()
         self.model_name = model_name
@@ -411,6 +416,26 @@ class ApiCore:
 
     # -- driving the engine --
 
+    def prefill_order(
+        self, reqs: Sequence[GenerateRequest]
+    ) -> tuple[list[asyncio.Event | None], list[asyncio.Event | None]]:
+        """For requests submitted together: `(after, then)`, per request the event it
+        waits for before it is submitted and the one it sets once its first token came
+        (or it failed). With a prefix cache, a request whose prompt an earlier one of
+        `reqs` has waits for that one's first token: its prompt's pages are cached by
+        then, so it prefills only what the cache lacks (one prefill serves `n` choices)."""
+        after: list[asyncio.Event | None] = [None] * len(reqs)
+        then: list[asyncio.Event | None] = [None] * len(reqs)
+        if not self.prefix_cache:
+            return after, then
+        first: dict[tuple[int, ...], int] = {}
+        for k, r in enumerate(reqs):
+            lead = first.setdefault(r.input_ids, k)
+            if lead != k:
+                then[lead] = then[lead] or asyncio.Event()
+                after[k] = then[lead]
+        return after, then
+
     async def first_chunk(
         self,
         req: GenerateRequest,
@@ -419,8 +444,27 @@ class ApiCore:
         *,
         index: int = 0,
         disconnect: asyncio.Future[None] | None = None,
+        after: asyncio.Event | None = None,
+        then: asyncio.Event | None = None,
     ) -> tuple[EngineStream, Generation, OutputChunk]:
-        """Submit and wait for the first chunk, mapping submit errors to HTTP statuses."""
+        """Submit (once `after` is set) and wait for the first chunk, mapping submit
+        errors to HTTP statuses; `then` is set when the first chunk came or it failed."""
+        try:
+            if after is not None:
+                await after.wait()
+            return await self._first_chunk(req, request, arrival, index, disconnect)
+        finally:
+            if then is not None:
+                then.set()
+
+    async def _first_chunk(
+        self,
+        req: GenerateRequest,
+        request: Request,
+        arrival: float,
+        index: int,
+        disconnect: asyncio.Future[None] | None,
+    ) -> tuple[EngineStream, Generation, OutputChunk]:
         stream = EngineStream(self.client, req, request, self.in_flight, disconnect)
         gen = Generation(
             req=req,
@@ -447,10 +491,12 @@ class ApiCore:
         *,
         index: int = 0,
         disconnect: asyncio.Future[None] | None = None,
+        after: asyncio.Event | None = None,
+        then: asyncio.Event | None = None,
     ) -> Generation:
         """A non-streaming request: every chunk, or `ClientDisconnectedError`."""
         stream, gen, chunk = await self.first_chunk(
-            req, request, arrival, index=index, disconnect=disconnect
+            req, request, arrival, index=index, disconnect=disconnect, after=after, then=then
         )
         try:
             gen.absorb(chunk)
@@ -521,9 +567,18 @@ class ApiCore:
         if len(reqs) == 1:
             return [await self.run_to_end(reqs[0], request, arrival)]
         disconnect = asyncio.ensure_future(wait_disconnect(request.receive))
+        after, then = self.prefill_order(reqs)
         tasks = [
             asyncio.ensure_future(
-                self.run_to_end(r, request, arrival, index=k, disconnect=disconnect)
+                self.run_to_end(
+                    r,
+                    request,
+                    arrival,
+                    index=k,
+                    disconnect=disconnect,
+                    after=after[k],
+                    then=then[k],
+                )
             )
             for k, r in enumerate(reqs)
         ]
@@ -555,9 +610,18 @@ class ApiCore:
         """`first_chunk` of every request, submitted together, and the disconnect wait
         they share (for `stream_many`). A refusal of any fails them all (`run_all`)."""
         disconnect = asyncio.ensure_future(wait_disconnect(request.receive))
+        after, then = self.prefill_order(reqs)
         tasks = [
             asyncio.ensure_future(
-                self.first_chunk(r, request, arrival, index=k, disconnect=disconnect)
+                self.first_chunk(
+                    r,
+                    request,
+                    arrival,
+                    index=k,
+                    disconnect=disconnect,
+                    after=after[k],
+                    then=then[k],
+                )
             )
             for k, r in enumerate(reqs)
         ]

@@ -183,7 +183,9 @@ def test_unified_outputs_equal_the_reference(ckpt, unified):
 def test_unified_n_choices_are_the_reference_when_greedy(ckpt, unified):
     """`n: 4` on the real tiny model (issue 37): four choices, each its own engine request
     decoded in one batch, each the single-device reference's greedy output; the prompt
-    counted once in `usage`."""
+    counted once in `usage`. One prefill serves them: choices 1-3 are submitted after
+    choice 0's first token, and find its whole pages in the prefix cache (all but the
+    last token's page: a prefill computes at least one token)."""
     _, cfg, ref = ckpt
     server, served = unified
     ids = prompts(cfg, seed=5)[1]
@@ -198,6 +200,8 @@ def test_unified_n_choices_are_the_reference_when_greedy(ckpt, unified):
     assert [c["token_ids"] for c in out["choices"]] == [want] * 4
     assert out["usage"]["prompt_tokens"] == len(ids)
     assert out["usage"]["completion_tokens"] == 4 * NEW
+    cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (len(ids) - 1) // P * P > 0, cached
     assert_pages_back(server)
 
 
