@@ -222,6 +222,8 @@ class CachedUnifiedEngine(DecodeEngine):
                 return True
             if self.store.num_available_pages - self._reserved < r.n_pages:
                 return False  # FIFO: nobody overtakes the head of the queue
+            if not self._penalty_slot_free(r):
+                return True  # waits for a penalized request to finish, as for a batch slot
             self._queue.pop(r.rid)
             try:
                 self.scheduler.submit(r.rid, r.prompt, max_new_tokens=r.req.sampling.max_new_tokens)
@@ -231,6 +233,7 @@ class CachedUnifiedEngine(DecodeEngine):
                 self._finals.append(self._chunk(r))
                 continue
             self._prefilling[r.rid] = r
+            self._reserve_penalty_slot(r)
             self._reserved += r.n_pages
         return True
 

@@ -92,6 +92,10 @@ from transfer.kv_sink import KVStore
 
 logger = logging.getLogger(__name__)
 
+# Penalty slots at most (`cpkv_jax.sampling.PenaltyCounts`: GLM-5's vocabulary at 256
+# slots is 198 MB on each device); penalized requests beyond them wait to be admitted.
+PENALTY_SLOTS_MAX = 256
+
 # Room states as `transfer.protocol.RoomState` names them: compared by name so this
 # module needs neither the transfer receiver nor its generated protobuf code.
 # Decode mode with only transfers in flight: `step` waits this long for a room to change.
@@ -172,6 +176,7 @@ class DecodeEngine:
         mesh: Mesh | None = None,
         ep_dispatch: EPDispatch = "allgather",
         ep_capacity_factor: float | None = None,
+        penalty_slots: int | None = None,
     ):
         if mode not in ("null", "decode"):
             raise ConfigError(
@@ -250,16 +255,22 @@ class DecodeEngine:
         self._transfer_failures = 0
         self._transfer_bytes = 0  # KV pages received in successful rooms
         self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, (), self._queue.stats(), ())
-        # Output-token counts of the running requests with a frequency / presence
-        # penalty, on the device (`cpkv_jax.sampling.PenaltyCounts`): a slot per such
-        # request, taken at its first decode step, given back once it stops running.
+        # The history of requests with a penalty or a logit bias, on the device
+        # (`cpkv_jax.sampling.PenaltyCounts`): a slot per such request, reserved when it
+        # is admitted (one waits in the queue while none is free), set at its first draw,
+        # given back once it is no longer in flight. At most PENALTY_SLOTS_MAX slots: the
+        # arrays are [slots, vocab], and `max_running_requests` may be the pool's pages.
+        slots = min(max_running_requests, PENALTY_SLOTS_MAX)
         self._penalties = PenaltyCounts(
-            max_running_requests, cfg.vocab_size, self._steps.logits_sharding
+            slots if penalty_slots is None else penalty_slots,
+            cfg.vocab_size,
+            self._steps.logits_sharding,
         )
-        self._penalty_slots: dict[str, int] = {}
+        self._penalty_slots: dict[str, int] = {}  # rid -> slot, reserved at admission
+        self._penalty_ready: set[str] = set()  # of those, the slots already set
         logger.info(
-            "penalty counts: %d slots x %d tokens, %.1f MiB on each device",
-            max_running_requests,
+            "penalty slots: %d x %d tokens, %.1f MiB on each device",
+            self._penalties.slots,
             cfg.vocab_size,
             self._penalties.nbytes / 2**20,
         )
@@ -413,8 +424,9 @@ class DecodeEngine:
         )
 
     def _fits_now(self, r: _Request) -> bool:
-        """A batch slot and the request's pages are free (decode: transfers count)."""
-        return self._rank_for(r) is not None
+        """A batch slot and the request's pages are free (decode: transfers count), and a
+        penalty slot if it needs one."""
+        return self._rank_for(r) is not None and self._penalty_slot_free(r)
 
     def _rank_for(self, r: _Request) -> int | None:
         """The rank `r` would be admitted to now (`decode_mesh.choose_rank`), or None:
@@ -429,6 +441,7 @@ class DecodeEngine:
         rank = self._rank_for(r) if rank is None else rank
         assert rank is not None, "allocate only what fits now"
         r.pages = self.kv.allocate_pages(r.n_pages, rank)
+        self._reserve_penalty_slot(r)
         r.rank = rank
         self.admitted_per_rank[rank] += 1
         self._next_rank = (rank + 1) % self.dp_size
@@ -473,6 +486,8 @@ class DecodeEngine:
             rank = self._rank_for(r)
             if rank is None or any(q.rank == rank for q in batch):
                 break  # FIFO: nobody overtakes the head (nor shares a rank's prefill)
+            if not self._penalty_slot_free(r):
+                break
             self._allocate(r, rank)
             self._queue.pop(r.rid)
             self._running[r.rid] = r
@@ -611,7 +626,7 @@ class DecodeEngine:
     def _row_sampling(self, r: _Request) -> RowSampling:
         s = r.req.sampling
         top_n = r.req.top_logprobs if r.req.return_logprob else 0
-        slot = self._penalty_slots.get(r.rid, -1)  # taken by `_take_penalty_slots`
+        slot = self._penalty_slots.get(r.rid, -1)  # set by `_take_penalty_slots`
         return RowSampling(
             s.temperature,
             s.top_k,
@@ -634,20 +649,34 @@ class DecodeEngine:
         sampled = [self._row_sampling(r) for r in rows]
         return sample(log_probs(logits), sampled, self._penalties, logits=logits)
 
-    def _take_penalty_slots(self, rows: Sequence[_Request]) -> None:
-        """Give back the slots of requests no longer running; a penalized row without a
-        slot takes a free one, set from its prompt and its output so far (the first
-        token, when the prefill server drew it)."""
-        for rid in [rid for rid in self._penalty_slots if rid not in self._running]:
+    def _penalty_slot_free(self, r: _Request) -> bool:
+        """Whether `r` can be admitted as far as penalty slots go: it needs none, or one is
+        free (slots of requests no longer in flight are given back first)."""
+        if not _penalized(r.req.sampling):
+            return True
+        live = {q.rid for q in self._in_flight()}
+        for rid in [rid for rid in self._penalty_slots if rid not in live]:
             del self._penalty_slots[rid]
+            self._penalty_ready.discard(rid)
+        return len(self._penalty_slots) < self._penalties.slots
+
+    def _reserve_penalty_slot(self, r: _Request) -> None:
+        """Reserve a slot for an admitted request that needs one (`_penalty_slot_free` said
+        one is free)."""
+        if not _penalized(r.req.sampling) or r.rid in self._penalty_slots:
+            return
+        taken = set(self._penalty_slots.values())
+        self._penalty_slots[r.rid] = next(i for i in range(self._penalties.slots) if i not in taken)
+
+    def _take_penalty_slots(self, rows: Sequence[_Request]) -> None:
+        """Set the reserved slots of rows drawing for the first time from their prompt,
+        logit bias and output so far (the first token, when the prefill server drew it)."""
         for r in rows:
-            if r.rid in self._penalty_slots or not _penalized(r.req.sampling):
+            slot = self._penalty_slots.get(r.rid)
+            if slot is None or r.rid in self._penalty_ready:
                 continue
-            # Running requests never outnumber the slots (max_running_requests each).
-            taken = set(self._penalty_slots.values())
-            slot = next(i for i in range(self._penalties.slots) if i not in taken)
             self._penalties.reset(slot, r.out_ids, r.prompt, r.req.sampling.logit_bias)
-            self._penalty_slots[r.rid] = slot
+            self._penalty_ready.add(r.rid)
 
     def _warm_penalties(self, shapes: set[tuple[str, int, int, int]]) -> None:
         """Compile the penalized sampler for the steps' row counts (and, for an engine that

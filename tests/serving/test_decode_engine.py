@@ -547,3 +547,51 @@ def test_a_raising_detokenizer_fails_only_its_request(tiny):
     del final[talker.rid]
     check_against_reference(tiny, [quiet], toks, lps, final)
     assert kv.num_free_pages == POOL_PAGES - 1
+
+
+def test_penalized_requests_beyond_the_penalty_slots_wait_then_match_the_reference(tiny):
+    """With one penalty slot, a second penalized request waits in the queue (admission,
+    FIFO, as for pages), starting only once the first has finished and given its slot
+    back; an unpenalized request queued between them runs alongside the first. Each
+    penalized one gets the float64 reference's tokens: the slot was set afresh."""
+    _, _, ref = tiny
+    engine, kv = make_engine(tiny, penalty_slots=1)
+    free0 = kv.num_free_pages
+    rng = np.random.default_rng(21)
+    penalties = (
+        {"frequency_penalty": -2.0, "logit_bias": ((7, 1.5),)},
+        {"repetition_penalty": 0.3},
+    )
+    reqs = [
+        GenerateRequest(
+            f"pen{i}",
+            tuple(int(t) for t in rng.integers(3, 300, 9)),
+            SamplingParams(max_new_tokens=5, ignore_eos=True, **p),
+            return_logprob=True,
+        )
+        for i, p in enumerate(penalties)
+    ]
+    plain = wave_requests(3, "plain", ignore_eos=True)[0]
+    first_token_step: dict[str, int] = {}
+    finished_step: dict[str, int] = {}
+    toks: dict[str, list[int]] = {}
+    for r in (reqs[0], plain, reqs[1]):
+        engine.add(r)
+    step = 0
+    while engine.has_work():
+        for c in engine.step():
+            toks.setdefault(c.rid, []).extend(c.token_ids)
+            if c.token_ids:
+                first_token_step.setdefault(c.rid, step)
+            if c.finished:
+                assert c.finish_reason == "length", c
+                finished_step[c.rid] = step
+        step += 1
+        assert step < 200
+    assert first_token_step["pen1"] > finished_step["pen0"]  # waited for the slot
+    assert first_token_step["plain0"] < finished_step["pen0"]  # a plain one did not wait
+    for r, p in zip(reqs, penalties, strict=True):
+        kw = {**p, "logit_bias": dict(p.get("logit_bias", ()))}
+        want = ref.generate(r.input_ids, 5, ignore_eos=True, **kw)
+        assert toks[r.rid] == want.output_ids, r.rid
+    assert kv.num_free_pages == free0
