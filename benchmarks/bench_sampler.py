@@ -7,6 +7,7 @@ live on the device, as the decode engine calls it, timed to the host's tokens (t
 step's one fetch). Variants, each on the same rows in the same run:
 
 - `plain`: temperature 0.8, top-p 0.95 (the sort-based filters), no penalties;
+- `greedy`: temperature 0 on every row (the sort skipped: `lax.cond`);
 - `top_logprobs`: the same, every row asking for 5 alternatives (the `[rows, 20]` top-k
   arrays fetched as well);
 - `penalized`: every row with a frequency and a presence penalty (its slot's counts
@@ -38,6 +39,7 @@ GLM5_VOCAB = 154880
 
 VARIANTS = {
     "plain": lambda i: RowSampling(0.8, top_p=0.95, seed=i, step=3),
+    "greedy": lambda i: RowSampling(seed=i, step=3),
     "top_logprobs": lambda i: RowSampling(0.8, top_p=0.95, seed=i, step=3, top_n=5),
     "penalized": lambda i: RowSampling(
         0.8, top_p=0.95, seed=i, step=3, frequency_penalty=0.5, presence_penalty=0.3, slot=i
