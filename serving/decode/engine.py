@@ -679,12 +679,13 @@ class DecodeEngine:
             self._penalty_ready.add(r.rid)
 
     def _warm_penalties(self, shapes: set[tuple[str, int, int, int]]) -> None:
-        """Compile the penalized sampler for the steps' row counts (and, for an engine that
-        prefills, a first token's host row), and the slot reset: what a request with a
-        penalty runs, before serving."""
+        """Compile the penalized sampler for the steps' row counts (and, on a unified
+        server, a first token's host row: the prefix-cache engine's prefill hands its
+        logits over on the host), and the slot reset: what a request with a penalty runs,
+        before serving."""
         self._penalties.warm(
             {self._steps.logit_rows(n) for _, n, _, _ in shapes},
-            {1} if self._prefills_itself else set(),
+            {1} if self.mode == "null" else set(),
         )
 
     # ---- failures ------------------------------------------------------------------------

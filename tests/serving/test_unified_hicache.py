@@ -112,6 +112,16 @@ def test_evicted_prompt_comes_back_from_host(unified, tiny_checkpoint):
     assert meta["cached_tokens"] == 8 * P  # device + loaded-back host hits (S7)
     assert meta["cached_tokens_details"]["host"] == m.host_num_tokens > 0
     assert again["output_ids"] == first["output_ids"]
+    # A request with every penalty, a logit bias and top log-probs: its sampler programs
+    # (the first token's from a host row, the decode rows') were warmed too.
+    sampling = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+    sampling |= {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2}
+    sampling |= {"logit_bias": {"7": 2.0}}
+    body = {"input_ids": _prompt(cfg, 5, 3), "sampling_params": sampling}
+    body |= {"return_logprob": True, "top_logprobs_num": 3}
+    r = httpx.post(served.url + "/generate", json=body, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["meta_info"]["output_top_logprobs"]) == NEW
     # Backups, load-backs, chunked prefills and decode: all compiled at startup.
     assert COMPILES.snapshot()["serving"]["compiles"] == compiles
     ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
