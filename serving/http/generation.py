@@ -24,7 +24,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -49,6 +49,7 @@ from serving.parsers import ChatParserConfig
 
 logger = logging.getLogger(__name__)
 _M = TypeVar("_M", bound=BaseModel)
+_T = TypeVar("_T")
 
 # Prompts longer than this many characters are tokenized off the event loop.
 _TOKENIZE_INLINE_CHARS = 4096
@@ -567,10 +568,29 @@ class ApiCore:
         if len(reqs) == 1:
             return [await self.run_to_end(reqs[0], request, arrival)]
         disconnect = asyncio.ensure_future(wait_disconnect(request.receive))
+        tasks = self._submit_all(self.run_to_end, reqs, request, arrival, disconnect)
+        try:
+            await self._wait_all_or_failure(tasks)
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()  # no-op for the done ones; a cancelled one closes its stream
+            disconnect.cancel()
+
+    def _submit_all(
+        self,
+        start: Callable[..., Awaitable[_T]],
+        reqs: Sequence[GenerateRequest],
+        request: Request,
+        arrival: float,
+        disconnect: asyncio.Future[None],
+    ) -> list[asyncio.Task[_T]]:
+        """`start` (`run_to_end` or `first_chunk`) of every request as a task, request `k`
+        as choice index `k`, in `prefill_order`."""
         after, then = self.prefill_order(reqs)
-        tasks = [
+        return [
             asyncio.ensure_future(
-                self.run_to_end(
+                start(
                     r,
                     request,
                     arrival,
@@ -582,13 +602,6 @@ class ApiCore:
             )
             for k, r in enumerate(reqs)
         ]
-        try:
-            await self._wait_all_or_failure(tasks)
-            return [t.result() for t in tasks]
-        finally:
-            for t in tasks:
-                t.cancel()  # no-op for the done ones; a cancelled one closes its stream
-            disconnect.cancel()
 
     @staticmethod
     async def _wait_all_or_failure(tasks: Sequence[asyncio.Task[Any]]) -> None:
@@ -610,21 +623,7 @@ class ApiCore:
         """`first_chunk` of every request, submitted together, and the disconnect wait
         they share (for `stream_many`). A refusal of any fails them all (`run_all`)."""
         disconnect = asyncio.ensure_future(wait_disconnect(request.receive))
-        after, then = self.prefill_order(reqs)
-        tasks = [
-            asyncio.ensure_future(
-                self.first_chunk(
-                    r,
-                    request,
-                    arrival,
-                    index=k,
-                    disconnect=disconnect,
-                    after=after[k],
-                    then=then[k],
-                )
-            )
-            for k, r in enumerate(reqs)
-        ]
+        tasks = self._submit_all(self.first_chunk, reqs, request, arrival, disconnect)
         try:
             await self._wait_all_or_failure(tasks)
             return [t.result() for t in tasks], disconnect
