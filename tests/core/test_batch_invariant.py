@@ -131,3 +131,29 @@ def test_batch_invariant_benchmark_reports_both_modes(tmp_path, capsys):
     for key in ("cp_default_s", "cp_invariant_s", "single_default_s", "single_invariant_s"):
         assert case[key] > 0
     assert case["cp_cost_ratio"] == case["cp_invariant_s"] / case["cp_default_s"]
+
+
+def test_row_invariance_also_holds_under_xla_default_flags():
+    """The suite compiles with fast XLA:CPU flags (tests/conftest.py); the decoder-layer
+    test above runs again here in a child pytest under XLA's defaults (LLVM -O2, the
+    fusion emitters), where vectorized loops could round a row by its batch's shape."""
+    import os
+    import subprocess
+    import sys
+
+    from support.xla_flags import FAST_COMPILE_FLAGS
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.pop("CPKV_TEST_FAST_COMPILE", None)
+    env["CPKV_TEST_XLA_DEFAULT"] = "1"
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(FAST_COMPILE_FLAGS, "").strip()
+    tests = "test_decoder_layers_are_row_count_invariant"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "1 passed" in done.stdout, done.stdout[-2000:]

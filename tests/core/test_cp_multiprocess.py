@@ -70,7 +70,7 @@ def _free_port() -> int:
 
 def _child_env(port: int | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}  # loopback only
-    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+    # XLA_FLAGS stay (the suite's compiler flags): the worker replaces the device count.
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     if port is not None:

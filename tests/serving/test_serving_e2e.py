@@ -531,7 +531,8 @@ def test_sigterm_mid_request_aborts_after_the_drain_and_frees_every_page(ckpt, t
     port = free_port()
     log = tmp_path / "server.log"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    env["XLA_FLAGS"] = ""  # one device is enough for a unified server
+    # XLA_FLAGS as this process's (the server uses one of the 8 devices): the same
+    # compiler flags, so its warm-up reads the unified fixture's programs from the cache.
     with log.open("w") as out:
         argv = [*server_args_cli(path), "--port", str(port), "--shutdown-drain-timeout", "1"]
         proc = subprocess.Popen(
