@@ -810,6 +810,8 @@ class DecodeEngine:
         if r.finish.matched_stop_index is not None:
             meta["matched_stop_index"] = r.finish.matched_stop_index
             meta["stop_text_end"] = int(r.finish.text_end or 0)
+        if r.finish.matched_token is not None:
+            meta["matched_stop_token"] = r.finish.matched_token
         return OutputChunk(
             r.rid,
             tuple(r.out_ids[new]),

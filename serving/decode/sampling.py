@@ -54,12 +54,14 @@ _REPLACEMENT = "\ufffd"
 @dataclasses.dataclass(frozen=True)
 class StopResult:
     """Why a request finished. `matched_stop` / `text_end` are set for a stop string:
-    the client's text is `detokenized_output[:text_end]`."""
+    the client's text is `detokenized_output[:text_end]`; `matched_token` for a stop token
+    (EOS or one of `stop_token_ids`), the output's last."""
 
     reason: FinishReason
     matched_stop: str | None = None
     matched_stop_index: int | None = None  # index into `SamplingParams.stop`
     text_end: int | None = None
+    matched_token: int | None = None
 
 
 class StopChecker:
@@ -99,7 +101,7 @@ class StopChecker:
         """Record the next output token; the reason if the request is now finished."""
         self.ids.append(int(token))
         if token in self._stop_ids:
-            return StopResult("stop")
+            return StopResult("stop", matched_token=int(token))
         if self.params.stop:
             hit = self._check_stop_strings()
             if hit is not None:

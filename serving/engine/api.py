@@ -68,6 +68,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # The client-visible text only (serving/http/text.py), not the tokens: special tokens
+    # in the text (SGLang's / vLLM's `skip_special_tokens`, default on), and the stop
+    # string or stop token kept at the text's end (SGLang's `no_stop_trim`, vLLM's
+    # `include_stop_str_in_output`).
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
 
     def validate(self, vocab_size: int) -> None:
         """Raise `InputError` naming the bad field, its value and the accepted range."""

@@ -307,6 +307,8 @@ class MockEngine:
         out.append(tok)
         meta["completion_tokens"] = len(out)
         reason = self.finish_reason(req, out)
+        if reason == "stop" and self._stop_token(req, tok):
+            meta["matched_stop_token"] = tok  # as the decode engine's chunk says it
         if self.rooms is not None and self.mode == "prefill":
             assert req.decode_transfer_target and req.bootstrap_room  # checked by `add`
             kv = RoomKV(tok, logprob, self.cp_size, req.rid)
@@ -372,10 +374,14 @@ class MockEngine:
             )
         return kv
 
+    def _stop_token(self, req: GenerateRequest, tok: int) -> bool:
+        sp = req.sampling
+        return tok in sp.stop_token_ids or (tok == self.eos_id and not sp.ignore_eos)
+
     def finish_reason(self, req: GenerateRequest, out: Sequence[int]) -> FinishReason | None:
         """Why the output `out` of `req` ends here, or None to go on."""
         sp = req.sampling
-        if out[-1] in sp.stop_token_ids or (out[-1] == self.eos_id and not sp.ignore_eos):
+        if self._stop_token(req, out[-1]):
             return "stop"
         if sp.stop and self._tok is not None:
             text = self._tok.decode(list(out))

@@ -174,9 +174,16 @@ class Generation:
             self.logprobs.extend(chunk.logprobs)
         if chunk.top_logprobs is not None:
             self.top_logprobs.extend(chunk.top_logprobs)
-        delta = self.out.add(chunk.token_ids)
+        ids = chunk.token_ids
+        # The engine names a stop token that ended the output (the chunk's last id).
+        stop_token = chunk.meta.get("matched_stop_token") if chunk.finished and ids else None
+        if stop_token is not None and int(stop_token) == ids[-1]:
+            delta = self.out.add(ids[:-1])
+        else:
+            stop_token = None
+            delta = self.out.add(ids)
         if chunk.finished:
-            delta += self.out.finish()
+            delta += self.out.finish(None if stop_token is None else int(stop_token))
             self.finish_reason = chunk.finish_reason or "stop"
             self.error = chunk.error
             self.meta = dict(chunk.meta)
@@ -470,7 +477,12 @@ class ApiCore:
         gen = Generation(
             req=req,
             timer=self.metrics.start_request(arrival),
-            out=OutputText(self.tokenizer, req.sampling.stop),
+            out=OutputText(
+                self.tokenizer,
+                req.sampling.stop,
+                skip_special_tokens=req.sampling.skip_special_tokens,
+                no_stop_trim=req.sampling.no_stop_trim,
+            ),
             index=index,
         )
         try:

@@ -187,9 +187,7 @@ GENERATE_SAMPLING_NEUTRAL: Mapping[str, Neutral] = {
     "regex": off(),
     "ebnf": off(),
     "structural_tag": off(),
-    "skip_special_tokens": off(True),  # the text never shows special tokens
     "spaces_between_special_tokens": off(True),
-    "no_stop_trim": off(False),  # stop strings are always trimmed
     "custom_params": off({}),
     "stream_interval": ignored(int),  # stream events follow the engine's chunks
 }
@@ -280,6 +278,8 @@ class GenerateSamplingParams(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = SamplingParams.skip_special_tokens
+    no_stop_trim: bool = SamplingParams.no_stop_trim
 
     @model_validator(mode="after")
     def _check_seed(self) -> GenerateSamplingParams:
@@ -306,6 +306,8 @@ class GenerateSamplingParams(_Body):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=_stop_tuple(self.stop),
             ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            no_stop_trim=self.no_stop_trim,
         )
 
 
@@ -402,9 +404,7 @@ _OPENAI_BOTH_NEUTRAL: Mapping[str, Neutral] = {
     "best_of": off(1),
     "use_beam_search": off(False),
     "length_penalty": off(1),
-    "include_stop_str_in_output": off(False),  # stop strings are always trimmed
     "min_tokens": off(0),
-    "skip_special_tokens": off(True),  # the text never shows special tokens
     "spaces_between_special_tokens": off(True),
     "truncate_prompt_tokens": off(),
     "allowed_token_ids": off(),
@@ -435,7 +435,6 @@ _OPENAI_BOTH_NEUTRAL: Mapping[str, Neutral] = {
     "regex": off(),
     "ebnf": off(),
     "stop_regex": off([]),
-    "no_stop_trim": off(False),
     "lora_path": off(),
     "session_id": ignored(str),
     "session_params": off(),
@@ -509,10 +508,12 @@ class StreamOptions(_Body):
 class _OpenAICommon(_PDFields):
     """Fields shared by `/v1/completions` and `/v1/chat/completions`.
 
-    `top_k`, `min_p`, `ignore_eos` and `stop_token_ids` are extensions (as in vLLM /
-    SGLang); `frequency_penalty` / `presence_penalty` are OpenAI's, over the output so
-    far, `repetition_penalty` vLLM's, over the prompt and the output. The PD fields come
-    from the router, which forwards OpenAI bodies as they are.
+    `top_k`, `min_p`, `ignore_eos`, `stop_token_ids` and `skip_special_tokens` are
+    extensions (as in vLLM / SGLang); `frequency_penalty` / `presence_penalty` are
+    OpenAI's, over the output so far, `repetition_penalty` vLLM's, over the prompt and the
+    output. vLLM's `include_stop_str_in_output` and SGLang's `no_stop_trim` are one switch
+    (either keeps the stop string or token in the text). The PD fields come from the
+    router, which forwards OpenAI bodies as they are.
     """
 
     model: str | None = None
@@ -530,6 +531,9 @@ class _OpenAICommon(_PDFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = SamplingParams.skip_special_tokens
+    include_stop_str_in_output: bool = False
+    no_stop_trim: bool = False
     n: int = 1
 
     @model_validator(mode="after")
@@ -564,6 +568,8 @@ class _OpenAICommon(_PDFields):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=_stop_tuple(self.stop),
             ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            no_stop_trim=self.no_stop_trim or self.include_stop_str_in_output,
         )
 
 

@@ -263,10 +263,12 @@ def test_stop_token_and_stop_string(tiny):
     ]
     toks, _, final = run(engine, {0: reqs})
     assert toks["t"] == want[: want.index(stop_tok) + 1] and final["t"].finish_reason == "stop"
+    assert final["t"].meta["matched_stop_token"] == stop_tok  # the HTTP text leaves it out
     end = text.index(stop_str)
     assert toks["s"] == want[: end + len(stop_str)]
     assert final["s"].finish_reason == "stop"
     assert final["s"].meta["matched_stop_index"] == 1 and final["s"].meta["stop_text_end"] == end
+    assert "matched_stop_token" not in final["s"].meta
     assert kv.num_free_pages == POOL_PAGES - 1
 
 

@@ -108,6 +108,55 @@ def test_stop_token_id_and_eos(bare):
     assert r.json()["output_ids"] == echo_ids(with_eos, 9)
 
 
+def test_stop_tokens_and_special_tokens_in_the_text(srv, tok):
+    """A stop token that ends the output is an output id but not text (SGLang and vLLM);
+    `no_stop_trim` / `include_stop_str_in_output` keep it, and the stop string;
+    `skip_special_tokens: false` shows special tokens (`<|bos|>` mid-output, `<|eos|>`)."""
+    bos = SPECIAL_TOKENS.index("<|bos|>")  # a special token that is not a stop
+    a, b, c = tok.encode("abc")
+
+    def generate(ids: list[int], **params) -> dict:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 9, **params}}
+        r = srv.http.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    out = generate([a, b, c], stop_token_ids=[c])
+    assert out["output_ids"] == [a, b, c] and out["text"] == "ab"
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": c}
+    assert generate([a, b, c], stop_token_ids=[c], no_stop_trim=True)["text"] == "abc"
+    with_eos = [a, bos, b, EOS_ID]
+    for params, text in [
+        ({}, "ab"),
+        ({"skip_special_tokens": False}, "a<|bos|>b"),
+        ({"no_stop_trim": True}, "ab"),  # the EOS kept, but a special token
+        ({"skip_special_tokens": False, "no_stop_trim": True}, "a<|bos|>b<|eos|>"),
+    ]:
+        out = generate(with_eos, **params)
+        assert out["output_ids"] == with_eos and out["text"] == text, params
+    # The stop string kept: "abcXY..." stops at "cX" (streamed and not).
+    stream = {"text": "abcXY", "stream": True}
+    params = {"max_new_tokens": 30, "stop": ["cX"], "no_stop_trim": True}
+    assert generate(tok.encode("abcXY"), **params)["text"] == "abcX"
+    r = srv.http.post("/generate", json={**stream, "sampling_params": params})
+    assert sse(r)[-1]["text"] == "abcX"
+    # OpenAI endpoints: vLLM's and SGLang's names, streamed and not.
+    for extra in ({"include_stop_str_in_output": True}, {"no_stop_trim": True}):
+        for streamed in (False, True):
+            body = {"prompt": "abcXY", "max_tokens": 30, "stop": "cX", "stream": streamed}
+            r = srv.http.post("/v1/completions", json={**body, **extra})
+            assert r.status_code == 200, r.text
+            if streamed:
+                text = "".join(e["choices"][0]["text"] for e in sse(r) if e["choices"])
+            else:
+                text = r.json()["choices"][0]["text"]
+            assert text == "abcX", (extra, streamed)
+    body = {"prompt": [a, bos, b, EOS_ID], "max_tokens": 9, "skip_special_tokens": False}
+    r = srv.http.post("/v1/completions", json=body)
+    assert r.json()["choices"][0]["text"] == "a<|bos|>b"
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+
 # ---- OpenAI endpoints ---------------------------------------------------------------------
 
 

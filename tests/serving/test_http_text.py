@@ -37,19 +37,27 @@ def byte_tok() -> Tokenizer:
     text=st.text(min_size=1, max_size=40),
     cuts=st.lists(st.integers(0, 200), max_size=6),
     stop_spans=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4)), max_size=2),
+    keep=st.booleans(),
 )
-def test_output_text_streams_whole_characters_and_trims_stops(byte_tok, text, cuts, stop_spans):
+def test_output_text_streams_whole_characters_and_trims_stops(
+    byte_tok, text, cuts, stop_spans, keep
+):
+    """`keep`: `no_stop_trim`, the first stop string stays (the earliest; at one position
+    the least of the candidates, as `OutputText` picks)."""
     # Special-token strings encode to special ids, which the output text drops (hypothesis
     # draws string literals from the source, "<|pad|>" among them): not this property.
     assume(not any(special in text for special in SPECIAL_TOKENS))
     ids = byte_tok.encode(text)
     stops = [text[a : a + n] for a, n in stop_spans if text[a : a + n]]
     bounds = sorted({0, len(ids), *(c % (len(ids) + 1) for c in cuts)})
-    out = OutputText(byte_tok, stops)
+    out = OutputText(byte_tok, stops, no_stop_trim=keep)
     deltas = [out.add(ids[a:b]) for a, b in itertools.pairwise(bounds)]
     deltas.append(out.finish())
-    first = min((text.find(s) for s in stops), default=-1)
-    want = text[:first] if first >= 0 else text
+    hits = [(text.find(s), s) for s in stops if s in text]
+    want = text
+    if hits:
+        first, stop = min(hits)
+        want = text[: first + len(stop)] if keep else text[:first]
     assert "".join(deltas) == want == out.text
     if "\ufffd" not in text:
         assert all("\ufffd" not in d for d in deltas)

@@ -30,12 +30,13 @@ def feed(checker: StopChecker, ids: list[int]):
 def test_eos_stop_ids_and_length():
     eos = (1,)
     at, res = feed(StopChecker(SamplingParams(max_new_tokens=10), eos), [5, 6, 1, 7])
-    assert (at, res.reason) == (2, "stop")
+    assert (at, res.reason, res.matched_token) == (2, "stop", 1)
     ignore = SamplingParams(max_new_tokens=10, ignore_eos=True, stop_token_ids=(7,))
     at, res = feed(StopChecker(ignore, eos), [5, 1, 6, 7, 8])
-    assert (at, res.reason) == (3, "stop")  # eos ignored, explicit stop id honoured
+    # eos ignored, explicit stop id honoured
+    assert (at, res.reason, res.matched_token) == (3, "stop", 7)
     at, res = feed(StopChecker(SamplingParams(max_new_tokens=3), eos), [5, 6, 8, 9])
-    assert (at, res.reason) == (2, "length")
+    assert (at, res.reason, res.matched_token) == (2, "length", None)
     # A stop token that is also the last allowed token finishes as "stop" (as the
     # reference generator reports eos).
     at, res = feed(StopChecker(SamplingParams(max_new_tokens=2), eos), [5, 1])
