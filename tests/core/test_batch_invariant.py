@@ -133,13 +133,16 @@ def test_batch_invariant_benchmark_reports_both_modes(tmp_path, capsys):
     assert case["cp_cost_ratio"] == case["cp_invariant_s"] / case["cp_default_s"]
 
 
-def test_row_invariance_also_holds_under_xla_default_flags():
-    """The suite compiles with fast XLA:CPU flags (tests/conftest.py); the decoder-layer
-    test above runs again here in a child pytest under XLA's defaults (LLVM -O2, the
-    fusion emitters), where vectorized loops could round a row by its batch's shape."""
+def test_bitwise_invariance_also_holds_under_xla_default_flags():
+    """The suite compiles with fast XLA:CPU flags (tests/conftest.py), under which LLVM does
+    not vectorize; vectorized loops could round a row by its batch's shape. So the
+    decoder-layer test above and the CP prefill's bitwise check at its longest prompt
+    (chunked) run again here, in a child pytest under XLA's defaults (LLVM -O2,
+    the fusion emitters), as the demo and the servers compile."""
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     from support.xla_flags import FAST_COMPILE_FLAGS
 
@@ -147,13 +150,18 @@ def test_row_invariance_also_holds_under_xla_default_flags():
     env.pop("CPKV_TEST_FAST_COMPILE", None)
     env["CPKV_TEST_XLA_DEFAULT"] = "1"
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(FAST_COMPILE_FLAGS, "").strip()
-    tests = "test_decoder_layers_are_row_count_invariant"
+    cp = Path(__file__).with_name("test_cp_prefill.py")
+    bitwise = "test_batch_invariant_cp_prefill_is_bitwise_equal_to_reference"
+    tests = [
+        f"{__file__}::test_decoder_layers_are_row_count_invariant",
+        f"{cp}::{bitwise}[40-533]",
+    ]
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "1 passed" in done.stdout, done.stdout[-2000:]
+    assert "2 passed" in done.stdout, done.stdout[-2000:]
