@@ -18,6 +18,9 @@ from cpkv_jax.model.numerics import TILE, batch_invariant, is_batch_invariant, t
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
+# Among the longer files of the suite: scheduled early, longest first (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=45)  # on 2 workers, 2026-12-05
+
 # Row counts (and offsets into a 600-row batch) a CP rank or a chunk can present.
 ROWS = [1, 2, 3, 8, 15, 16, 17, 33, 100, 128, 533]
 OFFSETS = [0, 5, 37]

@@ -38,6 +38,9 @@ import pytest
 from cpkv_jax.model.weights import _checkpoint_tensors
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
+# Among the longer files of the suite: scheduled early, longest first (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=18)  # on 2 workers, 2026-12-05
+
 WORKER = Path(__file__).with_name("cp_multiprocess_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 CP_SIZE = 8

@@ -34,7 +34,7 @@ from cpkv_jax.shared_kv_debug import SharedKVInvariantError
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
-pytestmark = pytest.mark.slow(seconds=460)  # on 2 workers, 2026-12-03
+pytestmark = pytest.mark.slow(seconds=100)  # on 2 workers, 2026-12-05
 
 CP = 8
 LENGTHS = [1, P - 1, P, P + 1, 7 * P + 3, 33 * P + 5]

@@ -37,6 +37,9 @@ from cpkv_jax.model.transformer import log_probs
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.paging import pages_for_tokens
 
+# Among the longer files of the suite: scheduled early, longest first (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=50)  # on 2 workers, 2026-12-05
+
 P = 16
 PAGES_PER_RANK = 12
 INDEX_K = "float32"

@@ -32,7 +32,7 @@ from cpkv_jax.model.weights import LoadStats, _checkpoint_tensors, load_model
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
-pytestmark = pytest.mark.slow(seconds=230)  # on 2 workers, 2026-12-03
+pytestmark = pytest.mark.slow(seconds=50)  # on 2 workers, 2026-12-05
 
 CP = 8
 EXPERTS = 16

@@ -17,7 +17,7 @@ from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
-pytestmark = pytest.mark.slow(seconds=160)  # on 2 workers, 2026-12-03
+pytestmark = pytest.mark.slow(seconds=33)  # on 2 workers, 2026-12-05
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ from cpkv_jax.pallas import lpf_copy
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
-pytestmark = pytest.mark.slow(seconds=160)  # on 2 workers, 2026-12-03
+pytestmark = pytest.mark.slow(seconds=45)  # on 2 workers, 2026-12-05
 
 P = 4
 CP = 4

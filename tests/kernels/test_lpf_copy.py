@@ -27,6 +27,9 @@ from cpkv_jax.pallas.lpf_copy import (
     lpf_to_lf_reference,
 )
 
+# Among the longer files of the suite: scheduled early, longest first (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=23)  # on 2 workers, 2026-12-05
+
 PAGE = 8
 NUM_PAGES = 24
 BLOCK = 8

@@ -27,6 +27,9 @@ from cpkv_jax.pallas.paged_gather import (
     validate_page_ids,
 )
 
+# Among the longer files of the suite: scheduled early, longest first (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=25)  # on 2 workers, 2026-12-05
+
 PAGE = 8
 NUM_PAGES = 40
 BLOCK = 8

@@ -65,6 +65,9 @@ from cpkv_jax.model.transformer import CausalLM
 from serving.prefill import buffer_estimator as be
 from serving.prefill.buffer_estimator import KINDS
 
+# Among the longer files of the suite: scheduled early, longest first (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=34)  # on 2 workers, 2026-12-05
+
 TIGHT = 1.25
 # XLA's own scalars and tuple index tables (partition id, a TopK tuple: 4-16 bytes each)
 # are not modelled; the lower bound allows this many bytes of them.

@@ -40,6 +40,9 @@ from transfer.protocol import Aux, RoomState, UnknownRoomError
 from transfer.receiver import Receiver, staging_region_bytes
 from transfer.staging_arena import DEFAULT_ALIGNMENT, StagingArena
 
+# Among the longer files of the suite: scheduled early, longest first (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=30)  # on 2 workers, 2026-12-05
+
 LP_TOL = 1e-5  # see the module docstring
 
 # (prompt length, max_new_tokens): a page multiple (16) and not; each one's decode

@@ -49,7 +49,7 @@ from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
 from transfer.backends.mooncake_engine import mooncake_available
 
-pytestmark = pytest.mark.slow(seconds=340)  # on 2 workers, 2026-12-03
+pytestmark = pytest.mark.slow(seconds=110)  # on 2 workers, 2026-12-05
 
 DECODE_POOL = "720KiB"  # ~89 pages of 16 tokens: long prompts wait for each other
 PREFILL_POOL = "1MiB"  # per rank

@@ -14,6 +14,9 @@ from serving.prefill import build as prefill_build
 from serving.prefill.build import build_prefill_engine
 from serving.server_args import ServerArgs
 
+# Among the longer files of the suite: scheduled early, longest first (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=23)  # on 2 workers, 2026-12-05
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoints):

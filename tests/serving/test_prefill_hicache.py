@@ -40,6 +40,9 @@ from serving.prefill.adder import CPSharedKVLimits
 from serving.prefill.host_cache import HostCacheIO
 from serving.prefill.scheduler import CPRunnerExecutor, PrefillScheduler
 
+# Among the longer files of the suite: scheduled early, longest first (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=22)  # on 2 workers, 2026-12-05
+
 PAGE = 16
 CP = 8
 PAGES_PER_RANK = 4  # 3 usable device pages per lane: 24 pages, 384 tokens in all

@@ -57,7 +57,7 @@ from transfer.protocol import Aux, RoomState
 from transfer.receiver import Receiver
 
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
-pytestmark = pytest.mark.slow(seconds=140)  # on 2 workers, 2026-12-03
+pytestmark = pytest.mark.slow(seconds=42)  # on 2 workers, 2026-12-05
 
 VOCAB = 320  # the tiny model's
 WAIT = 120.0  # bound on any one request here (first compiles included); never reached when green

@@ -47,7 +47,7 @@ from serving.server_args import ServerArgs
 from transfer.backends.mooncake_engine import mooncake_available
 
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
-pytestmark = pytest.mark.slow(seconds=540)  # on 2 workers, 2026-12-03
+pytestmark = pytest.mark.slow(seconds=195)  # on 2 workers, 2026-12-05
 
 P = 16
 CP = 8

@@ -29,6 +29,9 @@ from serving.decode.engine import DecodeEngine
 from serving.engine.api import GenerateRequest, SamplingParams
 from transfer.kv_sink import KVSink
 
+# Among the longer files of the suite: scheduled early, longest first (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=43)  # on 2 workers, 2026-12-05
+
 LP_TOL = 1e-5  # see the module docstring
 POOL_PAGES = 48
 # (prompt length, max_new_tokens, step it joins at): contexts 2-5x index_topk in one

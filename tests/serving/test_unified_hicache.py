@@ -31,7 +31,7 @@ from serving.decode.cached import CachedUnifiedEngine
 from serving.server_args import ServerArgs
 
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
-pytestmark = pytest.mark.slow(seconds=510)  # on 2 workers, 2026-12-03
+pytestmark = pytest.mark.slow(seconds=50)  # on 2 workers, 2026-12-05
 
 P = 16
 POOL_PAGES = 16  # 15 usable: one long prompt (9 pages + output) at a time, evicted by others

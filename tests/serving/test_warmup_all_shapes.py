@@ -33,7 +33,7 @@ from serving.compile_events import COMPILES
 from serving.server import build_server
 
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
-pytestmark = pytest.mark.slow(seconds=170)  # on 2 workers, 2026-12-05
+pytestmark = pytest.mark.slow(seconds=70)  # on 2 workers, 2026-12-05
 
 # The plain whole-prompt engine: the default engine's (prefix cache) all-shapes warm-up
 # is checked in tests/serving/test_unified_hicache.py, and compiling its CP step shapes
