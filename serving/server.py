@@ -68,6 +68,7 @@ from serving.engine.api import GenerateRequest, SamplingParams, StepEngine
 from serving.engine.loop import EngineLoop
 from serving.http.app import build_app
 from serving.http.chat_template import load_chat_template
+from serving.http.deepseek_v32_template import builtin_chat_template
 from serving.http.keepalive import HTTP_KEEPALIVE_S
 from serving.http.metrics import ServerMetrics
 from serving.prefill.build import build_prefill_engine, load_serving_model, pool_pages_per_rank
@@ -582,14 +583,15 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
     t0 = time.perf_counter()
     cfg, model, _ = load_serving_model(args, devices)
     tokenizer = load_tokenizer(args.model_path)
-    chat = load_chat_template(args.model_path)
+    # DeepSeek-V3.2's HF checkpoint ships no template: its format is built in.
+    chat = load_chat_template(args.model_path) or builtin_chat_template(cfg.model_type)
     logger.info(
         "model %s loaded in %.1fs (%d layers, tokenizer: %s, chat template: %s)",
         cfg.architecture,
         time.perf_counter() - t0,
         cfg.num_hidden_layers,
         "yes" if tokenizer else "no (token-id prompts only)",
-        "yes" if chat else "no",
+        "no" if chat is None else chat.source if chat.source.startswith("built-in") else "yes",
     )
     info: dict[str, Any] = {
         "mode": args.disaggregation_mode,

@@ -57,7 +57,7 @@ from cpkv_jax.tokenizer import Tokenizer
 from serving.api_keys import ApiKeys
 from serving.engine.api import EngineClient
 from serving.http.auth import install_api_keys
-from serving.http.chat_template import ChatTemplate
+from serving.http.chat_template import ChatRenderer, ChatTemplate
 from serving.http.errors import ApiError, install_error_handlers
 from serving.http.generation import ApiCore
 from serving.http.metrics import ServerMetrics
@@ -235,7 +235,7 @@ def build_app(
     tokenizer: Tokenizer | None,
     vocab_size: int,
     context_length: int,
-    chat_template: str | ChatTemplate | None,
+    chat_template: str | ChatRenderer | None,
     metrics: ServerMetrics,
     server_info: Callable[[], dict[str, Any]] | None = None,
     profile_dir: str = "/tmp/cpkv-profile",
@@ -250,8 +250,9 @@ def build_app(
     `model_name` is the served name (responses and `/v1/models` give it); a request's
     `model` may also be one of `model_aliases` (`serving.http.openai`).
 
-    `chat_template` is a `ChatTemplate` (from `serving.http.chat_template.load_chat_template`,
-    which knows the model's bos / eos strings) or a bare template source. `metrics` gets
+    `chat_template` is a `ChatRenderer` (a `ChatTemplate` from
+    `serving.http.chat_template.load_chat_template`, which knows the model's bos / eos
+    strings, or a built-in format) or a bare template source. `metrics` gets
     the engine's stats attached (read at each scrape of `/metrics`). `server_info()` is
     merged into `GET /server_info` with the engine's `stats()`. `api_keys` guards the
     routes (module docstring; None or no key set: open). `model_path` (default: the

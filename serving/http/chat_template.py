@@ -15,7 +15,7 @@ import datetime
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -60,6 +60,23 @@ def _special_token_text(value: object) -> str:
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
         return value["content"]
     return ""
+
+
+@runtime_checkable
+class ChatRenderer(Protocol):
+    """What the chat endpoint renders prompts with: a model dir's Jinja template
+    (`ChatTemplate`) or a built-in format (`serving.http.deepseek_v32_template`)."""
+
+    source: str
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str: ...
 
 
 class ChatTemplate:

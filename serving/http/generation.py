@@ -33,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 from cpkv_jax.errors import InputError
 from cpkv_jax.tokenizer import Tokenizer
 from serving.engine.api import EngineClient, GenerateRequest, OutputChunk, SamplingParams
-from serving.http.chat_template import ChatTemplate
+from serving.http.chat_template import ChatRenderer
 from serving.http.errors import ApiError, ClientDisconnectedError, engine_error, error_body
 from serving.http.metrics import RequestTimer, ServerMetrics
 from serving.http.models import describe_validation_error
@@ -281,7 +281,7 @@ class ApiCore:
         tokenizer: Tokenizer | None,
         vocab_size: int,
         context_length: int,
-        chat_template: ChatTemplate | None,
+        chat_template: ChatRenderer | None,
         metrics: ServerMetrics,
         model_aliases: Sequence[str] = (),
         chat_parsers: ChatParserConfig | None = None,
