@@ -83,6 +83,7 @@ from serving.engine.api import (
     OutputChunk,
     SamplingParams,
     ServerMode,
+    stop_token_bias,
 )
 from serving.engine.step_failures import check_pool_after, step_failure
 from serving.engine.wait_queue import WaitQueue
@@ -267,7 +268,9 @@ class DecodeEngine:
             self._steps.logits_sharding,
         )
         self._penalty_slots: dict[str, int] = {}  # rid -> slot, reserved at admission
-        self._penalty_ready: set[str] = set()  # of those, the slots already set
+        # Of those, the slots already set: rid -> whether the set bias bans the stop tokens
+        # (`min_new_tokens`; the slot is set again once the request is past it).
+        self._penalty_ready: dict[str, bool] = {}
         logger.info(
             "penalty slots: %d x %d tokens, %.1f MiB on each device",
             self._penalties.slots,
@@ -638,7 +641,7 @@ class DecodeEngine:
             s.frequency_penalty if slot >= 0 else 0.0,
             s.presence_penalty if slot >= 0 else 0.0,
             s.repetition_penalty if slot >= 0 else 1.0,
-            bool(s.logit_bias) and slot >= 0,
+            bool(s.logit_bias or s.min_new_tokens) and slot >= 0,
             slot,
         )
 
@@ -657,7 +660,7 @@ class DecodeEngine:
         live = {q.rid for q in self._in_flight()}
         for rid in [rid for rid in self._penalty_slots if rid not in live]:
             del self._penalty_slots[rid]
-            self._penalty_ready.discard(rid)
+            self._penalty_ready.pop(rid, None)
         return len(self._penalty_slots) < self._penalties.slots
 
     def _reserve_penalty_slot(self, r: _Request) -> None:
@@ -670,13 +673,19 @@ class DecodeEngine:
 
     def _take_penalty_slots(self, rows: Sequence[_Request]) -> None:
         """Set the reserved slots of rows drawing for the first time from their prompt,
-        logit bias and output so far (the first token, when the prefill server drew it)."""
+        logit bias and output so far (the first token, when the prefill server drew it);
+        again once a row's output reaches `min_new_tokens` (its stop tokens allowed)."""
         for r in rows:
             slot = self._penalty_slots.get(r.rid)
-            if slot is None or r.rid in self._penalty_ready:
+            if slot is None:
                 continue
-            self._penalties.reset(slot, r.out_ids, r.prompt, r.req.sampling.logit_bias)
-            self._penalty_ready.add(r.rid)
+            s = r.req.sampling
+            banning = len(r.out_ids) < s.min_new_tokens
+            if self._penalty_ready.get(r.rid) == banning:
+                continue
+            bias = stop_token_bias(s, self.cfg.eos_token_ids, len(r.out_ids))
+            self._penalties.reset(slot, r.out_ids, r.prompt, bias)
+            self._penalty_ready[r.rid] = banning
 
     def _warm_penalties(self, shapes: set[tuple[str, int, int, int]]) -> None:
         """Compile the penalized sampler for the steps' row counts (and, on a unified
@@ -844,12 +853,14 @@ class DecodeEngine:
 
 
 def _penalized(s: SamplingParams) -> bool:
-    """Whether `s` needs a `PenaltyCounts` slot (a penalty or a logit bias)."""
+    """Whether `s` needs a `PenaltyCounts` slot (a penalty, a logit bias, or stop tokens
+    banned by `min_new_tokens`)."""
     return bool(
         s.frequency_penalty != 0
         or s.presence_penalty != 0
         or s.repetition_penalty != 1
         or s.logit_bias
+        or s.min_new_tokens
     )
 
 

@@ -68,6 +68,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # SGLang's `min_new_tokens` (vLLM's `min_tokens`): the stop tokens (EOS unless
+    # `ignore_eos`, and `stop_token_ids`) cannot be drawn before this many output tokens
+    # (`stop_token_bias`); stop strings still stop.
+    min_new_tokens: int = 0
     # The client-visible text only (serving/http/text.py), not the tokens: special tokens
     # in the text (SGLang's / vLLM's `skip_special_tokens`, default on), and the stop
     # string or stop token kept at the text's end (SGLang's `no_stop_trim`, vLLM's
@@ -120,6 +124,37 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InputError("stop strings must be non-empty")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise InputError(
+                f"min_new_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], got "
+                f"{self.min_new_tokens}"
+            )
+        if self.min_new_tokens and len(self.logit_bias) + len(self.stop_token_ids) > (
+            LOGIT_BIAS_LIMIT - MAX_EOS_TOKENS
+        ):
+            raise InputError(
+                f"min_new_tokens bans the stop tokens through the logit bias: logit_bias and "
+                f"stop_token_ids name {len(self.logit_bias) + len(self.stop_token_ids)} "
+                f"tokens together, over {LOGIT_BIAS_LIMIT - MAX_EOS_TOKENS} with min_new_tokens"
+            )
+
+
+# EOS ids a model config may list (GLM-5 lists 3); room kept for them in the logit bias.
+MAX_EOS_TOKENS = 8
+BANNED = float("-inf")
+
+
+def stop_token_bias(
+    s: SamplingParams, eos_token_ids: Sequence[int], n_output: int
+) -> tuple[tuple[int, float], ...]:
+    """The logit bias to draw output token `n_output` with: the request's own, and while
+    `n_output < s.min_new_tokens` every stop token banned (-inf: never drawn, as vLLM's
+    min_tokens)."""
+    if n_output >= s.min_new_tokens:
+        return s.logit_bias
+    eos = () if s.ignore_eos else tuple(eos_token_ids)[:MAX_EOS_TOKENS]
+    banned = sorted(set(s.stop_token_ids) | set(eos))
+    return (*s.logit_bias, *((int(t), BANNED) for t in banned))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ The output is closed-form, so a test recomputes every expected value itself:
 - output token `i` is `prompt[i % len(prompt)]` (`echo_ids`), one token per `step`, with
   log-prob `mock_logprob(token, i)` when the request asks for log-probs, and
   `mock_top_logprobs(token, i, n)` when it asks for `n` top log-probs;
-- it finishes with "stop" on a stop token id, on `eos_id` (unless `ignore_eos`), or once
+- it finishes with "stop" on a stop token id, on `eos_id` (unless `ignore_eos`; neither
+  before `min_new_tokens` output tokens), or once
   the decoded output contains a stop string (the engine-side check the contract asks
   for; needs a tokenizer); with "length" at `max_new_tokens`; with "error" when the
   prompt starts with `fail_id` (as a failed KV transfer would); with "abort" on the step
@@ -307,7 +308,7 @@ class MockEngine:
         out.append(tok)
         meta["completion_tokens"] = len(out)
         reason = self.finish_reason(req, out)
-        if reason == "stop" and self._stop_token(req, tok):
+        if reason == "stop" and self._stop_token(req, out):
             meta["matched_stop_token"] = tok  # as the decode engine's chunk says it
         if self.rooms is not None and self.mode == "prefill":
             assert req.decode_transfer_target and req.bootstrap_room  # checked by `add`
@@ -374,14 +375,18 @@ class MockEngine:
             )
         return kv
 
-    def _stop_token(self, req: GenerateRequest, tok: int) -> bool:
-        sp = req.sampling
-        return tok in sp.stop_token_ids or (tok == self.eos_id and not sp.ignore_eos)
+    def _stop_token(self, req: GenerateRequest, out: Sequence[int]) -> bool:
+        """Whether `out` ends on a stop token that stops it. Not before `min_new_tokens`:
+        the real engines never draw one there; the mock's echoed token stays an ordinary
+        output token."""
+        sp, tok = req.sampling, out[-1]
+        is_stop = tok in sp.stop_token_ids or (tok == self.eos_id and not sp.ignore_eos)
+        return is_stop and len(out) > sp.min_new_tokens
 
     def finish_reason(self, req: GenerateRequest, out: Sequence[int]) -> FinishReason | None:
         """Why the output `out` of `req` ends here, or None to go on."""
         sp = req.sampling
-        if self._stop_token(req, out[-1]):
+        if self._stop_token(req, out):
             return "stop"
         if sp.stop and self._tok is not None:
             text = self._tok.decode(list(out))

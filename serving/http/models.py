@@ -181,7 +181,6 @@ def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
 # SGLang's `SamplingParams` fields that this server does not implement.
 GENERATE_SAMPLING_NEUTRAL: Mapping[str, Neutral] = {
     "stop_regex": off([]),
-    "min_new_tokens": off(0),
     "n": off(1),
     "json_schema": off(),
     "regex": off(),
@@ -280,6 +279,7 @@ class GenerateSamplingParams(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = SamplingParams.skip_special_tokens
     no_stop_trim: bool = SamplingParams.no_stop_trim
+    min_new_tokens: int = SamplingParams.min_new_tokens
 
     @model_validator(mode="after")
     def _check_seed(self) -> GenerateSamplingParams:
@@ -308,6 +308,7 @@ class GenerateSamplingParams(_Body):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             no_stop_trim=self.no_stop_trim,
+            min_new_tokens=self.min_new_tokens,
         )
 
 
@@ -404,7 +405,6 @@ _OPENAI_BOTH_NEUTRAL: Mapping[str, Neutral] = {
     "best_of": off(1),
     "use_beam_search": off(False),
     "length_penalty": off(1),
-    "min_tokens": off(0),
     "spaces_between_special_tokens": off(True),
     "truncate_prompt_tokens": off(),
     "allowed_token_ids": off(),
@@ -534,6 +534,7 @@ class _OpenAICommon(_PDFields):
     skip_special_tokens: bool = SamplingParams.skip_special_tokens
     include_stop_str_in_output: bool = False
     no_stop_trim: bool = False
+    min_tokens: int = 0  # vLLM's name for SGLang's min_new_tokens
     n: int = 1
 
     @model_validator(mode="after")
@@ -570,6 +571,7 @@ class _OpenAICommon(_PDFields):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             no_stop_trim=self.no_stop_trim or self.include_stop_str_in_output,
+            min_new_tokens=self.min_tokens,
         )
 
 

@@ -86,6 +86,7 @@ from serving.engine.api import (
     GenerateRequest,
     OutputChunk,
     ServerMode,
+    stop_token_bias,
 )
 from serving.engine.step_failures import check_pool_after, step_failure
 from serving.engine.wait_queue import WaitQueue
@@ -632,10 +633,12 @@ class PrefillModeEngine:
         s = req.sampling
         top_n = req.top_logprobs if req.return_logprob else 0
         # Frequency and presence penalties count output tokens (none yet: no effect); the
-        # repetition penalty reads the prompt, the logit bias its slot.
-        slot = 0 if s.repetition_penalty != 1.0 or s.logit_bias else -1
+        # repetition penalty reads the prompt, the logit bias its slot (with the stop
+        # tokens banned when `min_new_tokens` > 0).
+        bias = stop_token_bias(s, self.cfg.eos_token_ids, 0)
+        slot = 0 if s.repetition_penalty != 1.0 or bias else -1
         if slot == 0:
-            self._penalties.reset(0, (), req.input_ids, s.logit_bias)
+            self._penalties.reset(0, (), req.input_ids, bias)
         row = RowSampling(
             s.temperature,
             s.top_k,
@@ -645,7 +648,7 @@ class PrefillModeEngine:
             s.min_p,
             top_n,
             repetition_penalty=s.repetition_penalty,
-            logit_bias=bool(s.logit_bias),
+            logit_bias=bool(bias),
             slot=slot,
         )
         drawn = sample(log_probs(logits), [row], self._penalties, logits=logits)

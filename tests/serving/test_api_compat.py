@@ -345,7 +345,13 @@ REFUSED = [
     ("/generate", {"logprob_start_len": 0}, "logprob_start_len"),
     ("/generate", {"image_data": "http://x/cat.png"}, "image_data"),
     ("/generate", {"sampling_params": {"max_new_tokens": N, "n": 2}}, "sampling_params: n=2"),
-    ("/generate", {"sampling_params": {"min_new_tokens": 3}}, "min_new_tokens"),
+    ("/generate", {"sampling_params": {"stop_regex": ["a+"]}}, "stop_regex"),
+    (
+        "/generate",
+        {"sampling_params": {"max_new_tokens": N, "min_new_tokens": N + 1}},
+        "min_new_tokens must be in",
+    ),
+    ("/v1/completions", {"max_tokens": 2, "min_tokens": 3}, "min_new_tokens must be in"),
     ("/generate", {"session_id": 5}, "session_id must be a string"),
     ("/v1/completions", {"best_of": 3}, "best_of=3"),
     ("/v1/completions", {"n": 200}, "n must be"),  # n and echo: test_http_completions_batch.py

@@ -275,6 +275,36 @@ def test_stop_token_and_stop_string(tiny):
     assert kv.num_free_pages == POOL_PAGES - 1
 
 
+def test_min_new_tokens_bans_the_stop_tokens_until_reached(tiny):
+    """`min_new_tokens` (SGLang; vLLM's `min_tokens`): the stop token cannot be drawn for
+    the first k tokens (banned on the device through the request's penalty slot), then
+    stops as usual. The tokens are the reference's with that token biased away for k
+    tokens, then its plain continuation of prompt + those k."""
+    _, _, ref = tiny
+    rng = np.random.default_rng(16)
+    for _ in range(20):  # the second greedy token is the stop token: new at index 1
+        prompt = tuple(int(t) for t in rng.integers(3, 300, 12))
+        want = ref.generate(prompt, 10, ignore_eos=True).output_ids
+        if want[1] != want[0]:
+            break
+    stop, k = want[1], 3
+    engine, _ = make_engine(tiny)
+    params = {"max_new_tokens": 10, "ignore_eos": True, "stop_token_ids": (stop,)}
+    reqs = [
+        GenerateRequest("plain", prompt, SamplingParams(**params)),
+        GenerateRequest("min", prompt, SamplingParams(**params, min_new_tokens=k)),
+    ]
+    toks, _, final = run(engine, {0: reqs})
+    assert toks["plain"] == want[: want.index(stop) + 1]
+    head = ref.generate(prompt, k, ignore_eos=True, logit_bias={stop: -100.0}).output_ids
+    tail = ref.generate(prompt + tuple(head), 10 - k, ignore_eos=True).output_ids
+    if stop in tail:
+        tail = tail[: tail.index(stop) + 1]
+    assert stop not in toks["min"][:k]
+    assert toks["min"] == head + tail
+    assert final["min"].finish_reason == ("stop" if tail[-1] == stop else "length")
+
+
 # ---- decode mode: KV arrives through a transfer receiver -----------------------------------
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from cpkv_jax.errors import InputError
 from serving.decode.sampling import StopChecker
-from serving.engine.api import SamplingParams
+from serving.engine.api import SamplingParams, stop_token_bias
 
 # ---- stop conditions ---------------------------------------------------------------------
 
@@ -72,3 +72,13 @@ def test_earliest_stop_string_wins_and_text_matches_full_decode():
 def test_stop_strings_without_detokenizer_are_refused():
     with pytest.raises(InputError, match="need a tokenizer"):
         StopChecker(SamplingParams(stop=("x",)), (1,), None)
+
+
+def test_stop_token_bias_bans_stop_tokens_before_min_new_tokens():
+    s = SamplingParams(8, stop_token_ids=(7, 5), logit_bias=((9, 1.5),), min_new_tokens=2)
+    banned = ((9, 1.5), (1, float("-inf")), (5, float("-inf")), (7, float("-inf")))
+    assert stop_token_bias(s, (1,), 0) == stop_token_bias(s, (1,), 1) == banned
+    assert stop_token_bias(s, (1,), 2) == ((9, 1.5),)  # reached: the request's own bias
+    ignoring = SamplingParams(8, ignore_eos=True, min_new_tokens=1)
+    assert stop_token_bias(ignoring, (1,), 0) == ()  # no stop token to ban
+    assert stop_token_bias(SamplingParams(8), (1,), 0) == ()

@@ -258,7 +258,7 @@ def test_unified_top_logprobs_are_the_references(ckpt, unified):
 # The tiny model's greedy outputs repeat no token in NEW steps, so a positive frequency,
 # presence or repetition penalty shows only once a negative one has made a token repeat;
 # a repetition penalty below 1 favours the prompt's tokens from the first token on.
-FREQ_DOWN, PRESENCE_DOWN, FREQ_UP, REP_DOWN, REP_UP, BIAS = range(6)
+FREQ_DOWN, PRESENCE_DOWN, FREQ_UP, REP_DOWN, REP_UP, BIAS, MIN_NEW = range(7)
 PENALTIES = (
     {"frequency_penalty": -2.0},
     {"presence_penalty": -2.0},
@@ -266,15 +266,20 @@ PENALTIES = (
     {"repetition_penalty": 0.3},
     {"repetition_penalty": 1.9, "frequency_penalty": -2.0},
     {"logit_bias": {"42": 100.0}},
+    # min_new_tokens bans its stop tokens for every token here: 42 never drawn, bias or not.
+    {"logit_bias": {"42": 100.0}, "stop_token_ids": [42], "min_new_tokens": NEW},
 )
 
 
 def _ref_args(params: dict[str, Any]) -> dict[str, Any]:
-    """The reference's keywords for a body's sampling fields (its logit bias by int id)."""
-    bias = params.get("logit_bias")
-    if bias is None:
-        return params
-    return {**params, "logit_bias": {int(t): v for t, v in bias.items()}}
+    """The reference's keywords for a body's sampling fields (its logit bias by int id;
+    `min_new_tokens` >= the output's length as a -inf bias on the stop tokens)."""
+    out = dict(params)
+    bias = {int(t): v for t, v in out.pop("logit_bias", {}).items()}
+    stops = out.pop("stop_token_ids", [])
+    if out.pop("min_new_tokens", 0) >= NEW:
+        bias.update({t: float("-inf") for t in stops})
+    return {**out, "logit_bias": bias} if bias else out
 
 
 def penalized_body(ids: list[int], penalties: dict[str, float]) -> dict[str, Any]:
@@ -283,7 +288,8 @@ def penalized_body(ids: list[int], penalties: dict[str, float]) -> dict[str, Any
 
 
 def assert_penalized_outputs(url: str, ref: ReferenceGenerator, ids: list[int]) -> None:
-    """Greedy requests with frequency / presence / repetition penalties (issue 37) get the
+    """Greedy requests with frequency / presence / repetition penalties, a logit bias and
+    `min_new_tokens` (issue 37) get the
     reference's tokens (its penalties applied on the host in float64), their reported
     log-probs the unpenalized ones; sent together, so the penalized rows share decode
     steps (and their device slots) with each other."""
@@ -295,6 +301,7 @@ def assert_penalized_outputs(url: str, ref: ReferenceGenerator, ids: list[int]) 
     assert wants[FREQ_DOWN] != plain and wants[PRESENCE_DOWN] != wants[FREQ_UP]
     assert wants[REP_DOWN][0] != plain[0] and wants[REP_UP] != wants[FREQ_DOWN]
     assert wants[BIAS] == [42] * NEW  # a bias of 100 decides every token, the first too
+    assert 42 not in wants[MIN_NEW]  # its bias would draw 42 but for the ban
     results: dict[int, Any] = {}
 
     def call(i: int) -> None:
