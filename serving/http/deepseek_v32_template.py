@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cpkv_jax.errors import InputError
+from serving.parsers.reasoning import REASONING_PARSERS
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -127,12 +128,8 @@ class DeepSeekV32ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        kwargs = dict(template_kwargs or {})
-        thinking = False
-        for key in ("enable_thinking", "thinking"):
-            if isinstance(kwargs.get(key), bool):
-                thinking = kwargs[key]
-                break
+        # Read as `--reasoning-parser deepseek-v3` reads the output.
+        thinking = REASONING_PARSERS["deepseek-v3"].thinking(template_kwargs)
         msgs = [dict(m) for m in messages]
         if not msgs:
             raise InputError("messages is empty: send at least one message")
@@ -162,17 +159,15 @@ class DeepSeekV32ChatTemplate:
     ) -> str:
         m = msgs[i]
         role, content = m.get("role"), m.get("content") or ""
+        # The assistant's turn opens thinking after the last user turn (and tool results
+        # past it), in thinking mode; it opens closed everywhere else.
         opener = THINK_START if thinking and i >= last_user else THINK_END
         if role == "system":
             return content + ("\n\n" + _tools_section(tools) if tools else "")
         if role == "developer":
-            return f"{USER}\n\n# The user's message is: {content}{ASSISTANT}" + (
-                THINK_START if thinking and i == last_user else THINK_END
-            )
+            return f"{USER}\n\n# The user's message is: {content}{ASSISTANT}{opener}"
         if role == "user":
-            return f"{USER}{content}{ASSISTANT}" + (
-                THINK_START if thinking and i == last_user else THINK_END
-            )
+            return f"{USER}{content}{ASSISTANT}{opener}"
         if role == "assistant":
             reasoning = ""
             calls = m.get("tool_calls") or []

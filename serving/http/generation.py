@@ -176,14 +176,11 @@ class Generation:
             self.top_logprobs.extend(chunk.top_logprobs)
         ids = chunk.token_ids
         # The engine names a stop token that ended the output (the chunk's last id).
-        stop_token = chunk.meta.get("matched_stop_token") if chunk.finished and ids else None
-        if stop_token is not None and int(stop_token) == ids[-1]:
-            delta = self.out.add(ids[:-1])
-        else:
-            stop_token = None
-            delta = self.out.add(ids)
+        stop = chunk.meta.get("matched_stop_token") if chunk.finished else None
+        trim = bool(ids) and stop is not None and int(stop) == ids[-1]
+        delta = self.out.add(ids[:-1] if trim else ids)
         if chunk.finished:
-            delta += self.out.finish(None if stop_token is None else int(stop_token))
+            delta += self.out.finish(ids[-1] if trim else None)
             self.finish_reason = chunk.finish_reason or "stop"
             self.error = chunk.error
             self.meta = dict(chunk.meta)
