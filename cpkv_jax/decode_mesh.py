@@ -45,7 +45,7 @@ from cpkv_jax.kv_pool import zeros_in
 from cpkv_jax.mesh import DP_AXIS
 from cpkv_jax.model.expert_parallel import EPDispatch, EPSpec, check_divisible, param_shardings
 from cpkv_jax.model.expert_parallel import expert_parallel as ep_context
-from cpkv_jax.model.forward_batch import ForwardBatch, abstract_batch
+from cpkv_jax.model.forward_batch import ForwardBatch, abstract_batch, feed_ids
 from cpkv_jax.model.kv_cache import (
     SINGLE_DEVICE_KV_IO,
     TRASH_PAGE,
@@ -241,6 +241,7 @@ class DPDecodeSteps:
             block_bytes,
         )
         self._compiled: ShapeCache[DPShape] = ShapeCache("DP decode step")
+        self._feed = jax.jit(feed_ids, out_shardings=self._row_sharding)
 
     def batch(self, host: tuple[np.ndarray, ...]) -> ForwardBatch:
         """The step's batch on the mesh, rows split over `"dp"` (each process fills its
@@ -265,14 +266,32 @@ class DPDecodeSteps:
         return self._compiled.estimate(shapes)
 
     def run(
-        self, shape: DPShape, order: np.ndarray, host: tuple[np.ndarray, ...], pool: KVPool
+        self,
+        shape: DPShape,
+        order: np.ndarray,
+        host: tuple[np.ndarray, ...],
+        pool: KVPool,
+        input_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, KVPool]:
         """Logits `[dp * rows, vocab]` in `order` (`build_batch`: row `i` is the `i`-th
         row given, padding after; replicated on the mesh) and the new pool (`pool` is
-        donated)."""
+        donated). `input_ids` (on the mesh, `feed_ids`) replace the host ones."""
         step = self.compiled(shape)
         order = jax.make_array_from_callback(order.shape, self.replicated, lambda i: order[i])
-        return step(self.state, self.batch(host), pool, order)
+        batch = self.batch(host)
+        if input_ids is not None:
+            batch = dataclasses.replace(batch, input_ids=input_ids)
+        return step(self.state, batch, pool, order)
+
+    def feed_ids(self, prev: jax.Array, src: np.ndarray, host_ids: np.ndarray) -> jax.Array:
+        """A step's `[dp * rows, 1]` input ids on the mesh: row `i` (in the step's layout)
+        feeds `prev[src[i]]` (the last draw's replicated tokens) where `src[i] >= 0`, its
+        host id otherwise; no host round trip for the drawn tokens."""
+        src_a, ids_a = (
+            jax.make_array_from_callback(a.shape, self._row_sharding, lambda i, a=a: a[i])
+            for a in (src, host_ids)
+        )
+        return self._feed(prev, src_a, ids_a)
 
     def _lower(self, shape: DPShape) -> jax.stages.Lowered:
         form, rows, tokens, width = shape

@@ -29,7 +29,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -148,10 +148,14 @@ class ReferenceGenerator:
         presence_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         logit_bias: dict[int, float] | None = None,
+        allowed: Callable[[list[int]], np.ndarray | None] | None = None,
     ) -> GenerationResult:
         """Prefill then decode. With `cp_prefill`, the prompt is prefilled on the CP mesh
         (shared or replicated pools, optionally chunked) and decoding continues here,
-        single-device, from the materialized full view."""
+        single-device, from the materialized full view. `allowed(output so far)` (a
+        grammar's, for structured output) gives the tokens the next one may be (bool
+        `[vocab]`: the others are never drawn), or None when the output is complete
+        (finish "stop")."""
         self.validate_prompt(prompt_ids, max_new_tokens)
         if temperature < 0:
             raise InputError(f"temperature must be >= 0, got {temperature}")
@@ -187,6 +191,10 @@ class ReferenceGenerator:
         finish = "length"
         t1 = time.perf_counter()
         for i in range(max_new_tokens):
+            keep = None if allowed is None else allowed(out_ids)
+            if allowed is not None and keep is None:
+                finish = "stop"
+                break
             # Penalties in vLLM's order, in float64: the logit bias, the repetition
             # penalty on the logits of tokens in the prompt or the output, then OpenAI's
             # frequency and presence penalties, a shift. The reported log-probs stay
@@ -200,6 +208,8 @@ class ReferenceGenerator:
                 )
                 base = z - z.max() - np.log(np.exp(z - z.max()).sum())
             shifted = base - frequency_penalty * counts - presence_penalty * (counts > 0)
+            if keep is not None:
+                shifted = np.where(keep, shifted, -np.inf)
             tok = self._sample(shifted, temperature, rng)
             counts[tok] += 1
             out_ids.append(tok)

@@ -159,20 +159,35 @@ class PenaltyCounts:
         rows and the pairs to the device when it takes the slot)."""
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} outside [0, {self.slots})")
-        if len(logit_bias) > LOGIT_BIAS_MAX:
-            raise ValueError(f"{len(logit_bias)} logit_bias tokens, over {LOGIT_BIAS_MAX}")
+        bias_ids, bias_values = self._bias_rows(logit_bias)
         counts = np.bincount(np.asarray(output_ids, np.int64), minlength=self.vocab_size)
         prompt = np.zeros(self.vocab_size, bool)
         prompt[np.asarray(prompt_ids, np.int64)] = True
-        bias_ids = np.full(LOGIT_BIAS_MAX, self.vocab_size, np.int32)
-        bias_values = np.zeros(LOGIT_BIAS_MAX, np.float32)
-        for i, (token, value) in enumerate(logit_bias):
-            bias_ids[i], bias_values[i] = token, value
         self.counts, self.prompt, self.bias_ids, self.bias_values = _set_rows(
             (self.counts, self.prompt, self.bias_ids, self.bias_values),
             np.int32(slot),
             (counts.astype(np.int32), prompt, bias_ids, bias_values),
         )
+
+    def set_bias(self, slot: int, logit_bias: Sequence[tuple[int, float]] = ()) -> None:
+        """Replace slot `slot`'s logit bias, its counts kept: the counts may already hold
+        tokens the host has not seen (a decode step in flight), so they are not rebuilt
+        from the host's output."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} outside [0, {self.slots})")
+        bias_ids, bias_values = self._bias_rows(logit_bias)
+        self.bias_ids, self.bias_values = _set_rows(
+            (self.bias_ids, self.bias_values), np.int32(slot), (bias_ids, bias_values)
+        )
+
+    def _bias_rows(self, logit_bias: Sequence[tuple[int, float]]) -> tuple[np.ndarray, ...]:
+        if len(logit_bias) > LOGIT_BIAS_MAX:
+            raise ValueError(f"{len(logit_bias)} logit_bias tokens, over {LOGIT_BIAS_MAX}")
+        bias_ids = np.full(LOGIT_BIAS_MAX, self.vocab_size, np.int32)
+        bias_values = np.zeros(LOGIT_BIAS_MAX, np.float32)
+        for i, (token, value) in enumerate(logit_bias):
+            bias_ids[i], bias_values[i] = token, value
+        return bias_ids, bias_values
 
     def warm(self, row_counts: set[int], host_row_counts: set[int] = frozenset()) -> None:
         """Compile the penalized sampler for log-prob rows of each count, on arrays with
@@ -186,6 +201,7 @@ class PenaltyCounts:
             lp = lp if where is None else jax.device_put(lp, where)
             sample(lp, [row], self, logits=lp)
         self.reset(0, [])
+        self.set_bias(0)
 
 
 def first_token_penalties(vocab_size: int) -> PenaltyCounts:
@@ -206,12 +222,54 @@ def sample(
     rows: Sequence[RowSampling],
     penalties: PenaltyCounts | None = None,
     logits: Float[Array, "r v"] | np.ndarray | None = None,
+    token_mask: np.ndarray | None = None,
 ) -> Sampled:
     """Sample `len(rows)` tokens from the first rows of `logprobs` (more rows, a step's
     padding, are sampled greedily and dropped). One device program per row count (and
     one more where a row has a penalty: it reads and updates `penalties`, and a
     repetition penalty needs the `logits` behind `logprobs`); the result is fetched
     once."""
+    return sample_async(logprobs, rows, penalties, logits, token_mask).fetch()
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingSample:
+    """A dispatched draw: `tokens` stay on the device (`[R]` int32, the padding rows'
+    too: a decode engine feeds them to its next step without a host round trip) until
+    `fetch` brings back the first `n` rows' tokens and log-probs."""
+
+    n: int
+    top_n: tuple[int, ...]
+    out: tuple[jax.Array, ...]  # tokens, log-probs, finite, top ids, top log-probs
+
+    @property
+    def tokens(self) -> jax.Array:
+        return self.out[0]
+
+    def fetch(self) -> Sampled:
+        """Wait for the draw and bring back what the rows asked for (the alternatives
+        only when a row asked)."""
+        n, top_n = self.n, self.top_n
+        if not any(top_n):  # the alternatives stay on the device
+            tokens, lps, finite = jax.device_get(self.out[:3])
+            return Sampled(tokens[:n], lps[:n], finite[:n])
+        tokens, lps, finite, top_ids, top_lps = jax.device_get(self.out)
+        return Sampled(tokens[:n], lps[:n], finite[:n], top_n, top_ids[:n], top_lps[:n])
+
+
+def sample_async(
+    logprobs: Float[Array, "r v"] | np.ndarray,
+    rows: Sequence[RowSampling],
+    penalties: PenaltyCounts | None = None,
+    logits: Float[Array, "r v"] | np.ndarray | None = None,
+    token_mask: np.ndarray | None = None,
+) -> PendingSample:
+    """`sample`, dispatched and not waited for (`PendingSample.fetch` waits). With
+    `token_mask` (int32 `[R, ceil(vocab / 32)]`, bit `t % 32` of word `t // 32` set for
+    an allowed token `t`; a grammar's, `mask_tokens`) each row draws only among its
+    allowed tokens, and its alternatives are those allowed tokens."""
+    if token_mask is not None:
+        logprobs, logits = mask_tokens(logprobs, logprobs if logits is None else logits, token_mask)
     n, r = len(rows), logprobs.shape[0]
     if not 0 < n <= r:
         raise ValueError(f"{n} row parameters for {r} log-prob rows")
@@ -257,12 +315,17 @@ def sample(
         )
     else:
         out = _sample(*common)
-    top_n = tuple(p.top_n for p in rows)
-    if not any(top_n):  # the alternatives stay on the device
-        tokens, lps, finite = jax.device_get(out[:3])
-        return Sampled(tokens[:n], lps[:n], finite[:n])
-    tokens, lps, finite, top_ids, top_lps = jax.device_get(out)
-    return Sampled(tokens[:n], lps[:n], finite[:n], top_n, top_ids[:n], top_lps[:n])
+    return PendingSample(n, tuple(p.top_n for p in rows), tuple(out))
+
+
+@jax.jit
+def mask_tokens(logprobs, logits, token_mask):
+    """`logprobs` and `logits` with every token the packed `token_mask` does not allow at
+    -inf (a grammar's bitmask, llguidance's layout: 32 tokens per int32 word, lowest bit
+    first). An allowed token keeps its value: its reported log-prob is the model's."""
+    ids = jnp.arange(logprobs.shape[-1])
+    allowed = ((token_mask[:, ids // 32] >> (ids % 32)) & 1).astype(bool)
+    return jnp.where(allowed, logprobs, -jnp.inf), jnp.where(allowed, logits, -jnp.inf)
 
 
 def _row_key(seed_lo: Array, seed_hi: Array, step: Array) -> Array:
@@ -369,10 +432,18 @@ def _draw(lp, shifted, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p,
 
 
 def warm(
-    vocab_size: int, row_counts: Sequence[int], sharding: jax.sharding.Sharding | None
+    vocab_size: int,
+    row_counts: Sequence[int],
+    sharding: jax.sharding.Sharding | None,
+    *,
+    masked: bool = False,
 ) -> None:
     """Compile `sample` for log-prob rows of each count: on committed arrays with
-    `sharding` (a step's output), or host arrays when None (a prefill's first token)."""
+    `sharding` (a step's output), or host arrays when None (a prefill's first token);
+    with `masked`, the draw under a token mask (a grammar's) too."""
     for r in sorted(set(row_counts)):
         lp = np.zeros((r, vocab_size), np.float32)
-        sample(lp if sharding is None else jax.device_put(lp, sharding), [GREEDY])
+        lp = lp if sharding is None else jax.device_put(lp, sharding)
+        sample(lp, [GREEDY])
+        if masked:
+            sample(lp, [GREEDY], token_mask=np.full((r, (vocab_size + 31) // 32), -1, np.int32))

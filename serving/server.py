@@ -43,6 +43,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -58,7 +59,7 @@ from cpkv_jax.mesh import make_dp_mesh
 from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
-from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
+from cpkv_jax.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from serving.api_keys import ApiKeys
 from serving.compilation_cache import enable_compilation_cache
 from serving.compile_events import COMPILES
@@ -66,6 +67,7 @@ from serving.decode.cached import CachedUnifiedEngine
 from serving.decode.engine import DecodeEngine
 from serving.engine.api import GenerateRequest, SamplingParams, StepEngine
 from serving.engine.loop import EngineLoop
+from serving.grammar import GrammarBackend, load_grammar_backend
 from serving.http.app import build_app
 from serving.http.chat_template import load_chat_template
 from serving.http.deepseek_v32_template import builtin_chat_template
@@ -201,9 +203,10 @@ def _build_decode_side(
     model: CausalLM,
     tokenizer: Tokenizer | None,
     devices: list,
+    grammar: GrammarBackend | None = None,
 ) -> tuple[DecodeEngine, dict[str, Any], list[Callable[[], None]]]:
     if args.uses_prefix_cache():
-        return _build_cached_unified(args, cfg, model, tokenizer, devices)
+        return _build_cached_unified(args, cfg, model, tokenizer, devices, grammar)
     dtype = DTYPES[args.dtype]
     pages = pool_pages_per_rank(args, cfg)  # cp_size 1 here: one lane, one trash page
     dp = args.dp_size
@@ -267,6 +270,7 @@ def _build_decode_side(
         max_queued_requests=args.max_queued_requests,
         detokenize=_detokenizer(tokenizer),
         mesh=mesh,
+        grammar=grammar,
         **_dp_flags(args),
     )
     return engine, info, closers
@@ -278,6 +282,7 @@ def _build_cached_unified(
     model: CausalLM,
     tokenizer: Tokenizer | None,
     devices: list,
+    grammar: GrammarBackend | None = None,
 ) -> tuple[DecodeEngine, dict[str, Any], list[Callable[[], None]]]:
     """Unified mode with the host cache: the CP prefill engine on one device (its prefix
     cache, host cache and scheduler) feeding the decode batch on its pool."""
@@ -291,6 +296,7 @@ def _build_cached_unified(
             max_running_requests=running,
             max_queued_requests=args.max_queued_requests,
             detokenize=_detokenizer(tokenizer),
+            grammar=grammar,
         )
     except BaseException:
         prefill.close()
@@ -308,6 +314,7 @@ def _model_flags(args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> dict[st
         "index_k_dtype": args.index_k_dtype,
         "batch_invariant": args.enable_batch_invariant,
         "block_bytes": args.transient_block_size,
+        "overlap": not args.disable_overlap_schedule,
     }
 
 
@@ -401,6 +408,7 @@ def warm_up(
         engine.warm_shapes(warmed)
     else:
         warmed = _run_warmup_requests(args, cfg, model, engine, k, long_prompt, new_tokens)
+        engine.warm_feeds(warmed)  # the probe's steps fed only the pairs it met
     reachable = engine.reachable_shapes()
     _log_compile_work("decode step", len(reachable), *engine.compile_estimate())
     if args.warmup_all_shapes:
@@ -583,6 +591,11 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
     t0 = time.perf_counter()
     cfg, model, _ = load_serving_model(args, devices)
     tokenizer = load_tokenizer(args.model_path)
+    # Structured output reads the same tokenizer.json (`serving.grammar`).
+    grammar = None
+    if tokenizer is not None:
+        tokenizer_file = str(Path(args.model_path) / TOKENIZER_FILE)
+        grammar = load_grammar_backend(tokenizer_file, cfg.vocab_size, cfg.eos_token_ids)
     # DeepSeek-V3.2's HF checkpoint ships no template: its format is built in.
     chat = load_chat_template(args.model_path) or builtin_chat_template(cfg.model_type)
     logger.info(
@@ -612,6 +625,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
             build_prefill_engine(args, model=model, devices=devices, hold_finished=True),
             backend_from_args(args, cfg),
             max_queued_requests=args.max_queued_requests,
+            grammar=grammar,
         )
         backend_close = getattr(engine.backend, "close", None)
         if backend_close is not None:
@@ -621,7 +635,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         engine.backend.prepare()  # Mooncake: engine up, host copy buffer registered
         logger.info("transfer backend ready in %.2fs", time.perf_counter() - t)
     else:  # validate() refused --cp-size > 1 outside prefill mode
-        engine, extra, more = _build_decode_side(args, cfg, model, tokenizer, devices)
+        engine, extra, more = _build_decode_side(args, cfg, model, tokenizer, devices, grammar)
         info.update(extra)
         closers += more
     try:
@@ -680,6 +694,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         chat_parsers=args.chat_parsers(),
         # One prefill for a prompt's `n` choices where later ones find it cached.
         prefix_cache=isinstance(engine, CachedUnifiedEngine),
+        grammar=grammar,
     )
     return Server(args, cfg, engine, loop, app, info, closers, compiler=compiler)
 

@@ -399,6 +399,14 @@ class ServerArgs:
         "decode steps",
         group="scheduler",
     )
+    disable_overlap_schedule: bool = _arg(
+        False,
+        help="unified and decode servers: fetch each decode step's tokens before the next "
+        "step is built. By default the next step is dispatched first (its input ids stay "
+        "on the device) and the host's stop checks, detokenization and streaming run while "
+        "the device computes; a row that finished drops the one extra token it drew",
+        group="scheduler",
+    )
     mem_fraction_static: float = _arg(
         DEFAULT_MEM_FRACTION_STATIC,
         help="share of each device's memory the static allocations - weights, KV pools, "

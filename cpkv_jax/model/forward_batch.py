@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
@@ -63,6 +64,13 @@ def batch_from_host(
         np.asarray(kv_lens, i32),
     ]
     return ForwardBatch(*jax.device_put(host))
+
+
+def feed_ids(prev: jax.Array, src: jax.Array, host_ids: jax.Array) -> jax.Array:
+    """A decode step's `[rows, 1]` input ids: row `i` feeds `prev[src[i]]` (a token the
+    last draw left on the device) where `src[i] >= 0`, `host_ids[i]` otherwise. Jitted by
+    the steps that use it (the DP steps with their rows' sharding)."""
+    return jnp.where(src[:, None] >= 0, prev[jnp.maximum(src, 0)][:, None], host_ids)
 
 
 def abstract_batch(rows: int, tokens: int, width: int, sharding=None) -> ForwardBatch:

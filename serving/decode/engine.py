@@ -73,7 +73,16 @@ from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import (
     pages_for_tokens,
 )
-from cpkv_jax.sampling import PenaltyCounts, RowSampling, Sampled, TopLogprobs, sample
+from cpkv_jax.sampling import (
+    PenaltyCounts,
+    PendingSample,
+    RowSampling,
+    Sampled,
+    TopLogprobs,
+    sample,
+    sample_async,
+)
+from cpkv_jax.sampling import warm as sampling_warm
 from serving.decode.sampling import Detokenize, StopChecker, StopResult, request_seed
 from serving.decode.steps import DecodeSteps, MeshDecodeSteps, reachable_shapes
 from serving.engine.api import (
@@ -87,6 +96,7 @@ from serving.engine.api import (
 )
 from serving.engine.step_failures import check_pool_after, step_failure
 from serving.engine.wait_queue import WaitQueue
+from serving.grammar import GrammarBackend, RowGrammar, row_grammar_for, token_mask
 from transfer.kv_sink import KVStore
 
 # The unified-mode store is the transfer receiver's KV sink: one object for both.
@@ -142,6 +152,9 @@ class _Request:
     host_cached_tokens: int = 0
     finish: StopResult | None = None
     error: str | None = None
+    # Tokens drawn on the device and not recorded yet (0 or 1: a decode step in flight).
+    pending: int = 0
+    grammar: RowGrammar | None = None  # structured output: its place in the grammar
 
     @property
     def rid(self) -> str:
@@ -151,6 +164,16 @@ class _Request:
     def kv_len(self) -> int:
         """Tokens whose KV is in the pool: the prompt and every output token but the last."""
         return len(self.prompt) + max(len(self.out_ids) - 1, 0)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched decode step whose tokens are not fetched yet: its rows, in the step's
+    row order, and its draw (the tokens stay on the device for the next step's ids)."""
+
+    rows: list[_Request]
+    drawn: PendingSample
+    row_of: dict[str, int]  # rid -> its row in `rows` and the draw
 
 
 class DecodeEngine:
@@ -178,6 +201,8 @@ class DecodeEngine:
         ep_dispatch: EPDispatch = "allgather",
         ep_capacity_factor: float | None = None,
         penalty_slots: int | None = None,
+        overlap: bool = True,
+        grammar: GrammarBackend | None = None,
     ):
         if mode not in ("null", "decode"):
             raise ConfigError(
@@ -215,6 +240,11 @@ class DecodeEngine:
             )
         self.detokenize = detokenize
         self.idle_wait_s = idle_wait_s
+        # Dispatch step n+1 before fetching step n's tokens (`_decode_step`); False: fetch
+        # each step's tokens before the next is built (`--disable-overlap-schedule`).
+        self.overlap = overlap
+        self._in_step: _InFlight | None = None
+        self.grammar = grammar  # None: a request with a grammar is refused
         self._clock = clock
         # Data-parallel decode (`--dp-size`): the pool splits into one shard per rank,
         # each with its trash page; a request's pages and rows stay on one rank.
@@ -309,7 +339,13 @@ class DecodeEngine:
         self._update_snapshot()
 
     def has_work(self) -> bool:
-        return bool(self._finals or self._queue or self._transferring or self._running)
+        return bool(
+            self._finals
+            or self._queue
+            or self._transferring
+            or self._running
+            or self._in_step is not None
+        )
 
     def step(self) -> Sequence[OutputChunk]:
         """One unit of work: pending abort chunks, then (null) admit and prefill one
@@ -326,7 +362,7 @@ class DecodeEngine:
             else:
                 self._register_queued(touched)
                 self._poll_transfers(touched)
-                if not touched and not finals and not self._running:
+                if not touched and not finals and not self._running and not self._in_step:
                     # Only transfers in flight: sleep until a room changes, not spin.
                     assert self._rooms is not None
                     self._rooms.wait_for_change(self.idle_wait_s)
@@ -402,6 +438,12 @@ class DecodeEngine:
             stop = StopChecker(req.sampling, cfg.eos_token_ids, self.detokenize)
         except InputError as e:
             raise self._reject("stop_strings", str(e)) from e
+        row_grammar = None
+        if req.sampling.grammar is not None:
+            try:
+                row_grammar = row_grammar_for(self.grammar, req.sampling.grammar)
+            except InputError as e:
+                raise self._reject("bad_grammar", str(e)) from e
         # The same rule as the prefill server's (PD: it samples token 0, we the rest).
         seed = request_seed(req)
         if self.mode == "decode" and (
@@ -424,6 +466,7 @@ class DecodeEngine:
             n_pages=n_pages,
             width=pow2_at_least(n_pages),
             stop=stop,
+            grammar=row_grammar,
         )
 
     def _fits_now(self, r: _Request) -> bool:
@@ -545,21 +588,74 @@ class DecodeEngine:
                 )
 
     def _decode_step(self, touched: dict[str, _Request]) -> None:
+        """Dispatch one decode step for every running row, then record the tokens of the
+        step before it (overlap: the device computes this step meanwhile), or (without
+        overlap) this step's own.
+
+        A row that finished in the previous step was in this one too (the host did not
+        know yet): its extra token is dropped, and its KV write landed inside its own
+        reservation (`prompt + max_new_tokens` tokens) before its pages were reused
+        (every later pool use is dispatched after this step)."""
+        prev, self._in_step = self._in_step, None
+        if prev is not None and any(r.grammar for r in self._running.values()):
+            # A grammar row's mask needs the token before it: this step waits for them.
+            self._collect(prev, touched)
+            prev = None
         rows = [r for r in self._running.values() if r.finish is None]
-        if not rows:
-            return
-        # Each row feeds its last output token, at position kv_len; the tokens are drawn
-        # on the device and only they (and their log-probs) come back.
-        try:
-            logits = self._steps.decode(
-                [(r.out_ids[-1], r.kv_len, r.pages, r.n_pages) for r in rows]
-            )
-            drawn = self._draw(rows, logits)
-        except Exception as e:
-            self._step_failed("the decode step", e, rows, touched)
-            return
+        if rows:
+            try:
+                self._in_step = self._launch(rows, prev)
+            except Exception as e:
+                self._step_failed("the decode step", e, rows, touched)
+        if prev is not None:
+            self._collect(prev, touched)
+        if not self.overlap and self._in_step is not None:
+            step, self._in_step = self._in_step, None
+            self._collect(step, touched)
+
+    def _launch(self, rows: list[_Request], prev: _InFlight | None) -> _InFlight:
+        """Dispatch the step and its draw, fetching nothing. Each row feeds its last
+        output token at position `kv_len`; a row of `prev` feeds the token `prev` drew
+        for it, still on the device, one position further."""
+        src = [-1] * len(rows)
         for i, r in enumerate(rows):
-            self._produce(r, touched, functools.partial(drawn.pick, i))
+            if prev is not None and r.rid in prev.row_of:
+                src[i] = prev.row_of[r.rid]
+            assert r.pending == (src[i] >= 0), (r.rid, r.pending)
+        self._take_penalty_slots(rows)
+        sampled = [self._row_sampling(r) for r in rows]
+        logits = self._steps.decode(
+            [(r.out_ids[-1], r.kv_len + r.pending, r.pages, r.n_pages) for r in rows],
+            (prev.drawn.tokens, src) if prev is not None and max(src) >= 0 else None,
+        )
+        drawn = sample_async(
+            log_probs(logits),
+            sampled,
+            self._penalties,
+            logits=logits,
+            token_mask=token_mask([r.grammar for r in rows], logits.shape[0], self.cfg.vocab_size),
+        )
+        for r in rows:
+            r.pending += 1
+        return _InFlight(rows, drawn, {r.rid: i for i, r in enumerate(rows)})
+
+    def _collect(self, step: _InFlight, touched: dict[str, _Request]) -> None:
+        """Fetch `step`'s tokens and record those of rows still running (a row that
+        finished or left since keeps nothing of it)."""
+        for r in step.rows:
+            r.pending -= 1
+        live = [
+            i for i, r in enumerate(step.rows) if r.finish is None and self._running.get(r.rid) is r
+        ]
+        if not live:
+            return
+        try:
+            drawn = step.drawn.fetch()
+        except Exception as e:
+            self._step_failed("the decode step", e, [step.rows[i] for i in live], touched)
+            return
+        for i in live:
+            self._produce(step.rows[i], touched, functools.partial(drawn.pick, i))
 
     @property
     def step_shapes(self) -> set[tuple[str, int, int, int]]:
@@ -587,6 +683,7 @@ class DecodeEngine:
         todo = self.reachable_shapes() - self._steps.compiled_shapes
         self._steps.warm_log_probs({rows for _, rows, _, _ in self.reachable_shapes()})
         self._warm_penalties(self.reachable_shapes())
+        self.warm_feeds(self.reachable_shapes())
         return [
             CompileJob(f"decode step {s}", functools.partial(self._steps.compiled, s))
             for s in sorted(todo, key=lambda s: (s[3], s[1], s[2], s[0]))
@@ -610,6 +707,7 @@ class DecodeEngine:
         todo = sorted((shapes & self.reachable_shapes()) - self._steps.shapes)
         self._steps.warm(todo)
         self._warm_penalties(set(todo))
+        self.warm_feeds(set(todo))
         return len(todo)
 
     def warm_all_shapes(self, already: set[tuple[str, int, int, int]] = frozenset()) -> int:
@@ -619,7 +717,17 @@ class DecodeEngine:
         todo = sorted(self.reachable_shapes() - self._steps.shapes - already)
         self._steps.warm(todo)
         self._warm_penalties(self.reachable_shapes())
+        self.warm_feeds(self.reachable_shapes())
         return len(todo)
+
+    def warm_feeds(self, shapes: set[tuple[str, int, int, int]]) -> None:
+        """With overlap, compile the feed of drawn tokens into the next step's ids between
+        every two decode row buckets among `shapes` and the steps run so far (rows join
+        and leave, so a draw of any bucket feeds a step of any other)."""
+        if self.overlap:
+            self._steps.warm_feeds(
+                {rows for _, rows, tokens, _ in (*shapes, *self._steps.shapes) if tokens == 1}
+            )
 
     @property
     def _prefills_itself(self) -> bool:
@@ -635,7 +743,7 @@ class DecodeEngine:
             s.top_k,
             s.top_p,
             r.seed,
-            len(r.out_ids),
+            len(r.out_ids) + r.pending,  # the output position this draw's token takes
             s.min_p,
             top_n,
             s.frequency_penalty if slot >= 0 else 0.0,
@@ -650,7 +758,8 @@ class DecodeEngine:
         one host row), penalties read from and counted on the device."""
         self._take_penalty_slots(rows)
         sampled = [self._row_sampling(r) for r in rows]
-        return sample(log_probs(logits), sampled, self._penalties, logits=logits)
+        mask = token_mask([r.grammar for r in rows], logits.shape[0], self.cfg.vocab_size)
+        return sample(log_probs(logits), sampled, self._penalties, logits=logits, token_mask=mask)
 
     def _penalty_slot_free(self, r: _Request) -> bool:
         """Whether `r` can be admitted as far as penalty slots go: it needs none, or one is
@@ -674,28 +783,42 @@ class DecodeEngine:
     def _take_penalty_slots(self, rows: Sequence[_Request]) -> None:
         """Set the reserved slots of rows drawing for the first time from their prompt,
         logit bias and output so far (the first token, when the prefill server drew it);
-        again once a row's output reaches `min_new_tokens` (its stop tokens allowed)."""
+        its bias again once a row's output reaches `min_new_tokens` (its stop tokens
+        allowed; the counts stay: they may hold a token still in flight)."""
         for r in rows:
             slot = self._penalty_slots.get(r.rid)
             if slot is None:
                 continue
             s = r.req.sampling
-            banning = len(r.out_ids) < s.min_new_tokens
-            if self._penalty_ready.get(r.rid) == banning:
+            n_out = len(r.out_ids) + r.pending
+            banning = n_out < s.min_new_tokens
+            ready = self._penalty_ready.get(r.rid)
+            if ready == banning:
                 continue
-            bias = stop_token_bias(s, self.cfg.eos_token_ids, len(r.out_ids))
-            self._penalties.reset(slot, r.out_ids, r.prompt, bias)
+            bias = stop_token_bias(s, self.cfg.eos_token_ids, n_out)
+            if ready is None:
+                assert r.pending == 0, "a row's first draw has nothing in flight"
+                self._penalties.reset(slot, r.out_ids, r.prompt, bias)
+            else:
+                self._penalties.set_bias(slot, bias)
             self._penalty_ready[r.rid] = banning
 
     def _warm_penalties(self, shapes: set[tuple[str, int, int, int]]) -> None:
         """Compile the penalized sampler for the steps' row counts (and, on a unified
         server, a first token's host row: the prefix-cache engine's prefill hands its
         logits over on the host), and the slot reset: what a request with a penalty runs,
-        before serving."""
+        before serving; with a grammar backend, the masked draws too."""
         self._penalties.warm(
             {self._steps.logit_rows(n) for _, n, _, _ in shapes},
             {1} if self.mode == "null" else set(),
         )
+        if self.grammar is not None:  # the token mask of a step with a grammar row
+            rows = {self._steps.logit_rows(n) for _, n, _, _ in shapes}
+            sampling_warm(
+                self.cfg.vocab_size, sorted(rows), self._steps.logits_sharding, masked=True
+            )
+            if self.mode == "null":  # a first token's host row
+                sampling_warm(self.cfg.vocab_size, [1], None, masked=True)
 
     # ---- failures ------------------------------------------------------------------------
     def _sample(self, r: _Request, logits: Any, touched: dict[str, _Request]) -> None:
@@ -773,10 +896,17 @@ class DecodeEngine:
         """Append one output token; finish the request if it stops here."""
         if r.first_token_at is None:
             r.first_token_at = self._clock()
+        if r.grammar is not None:
+            r.grammar.accept(tok)  # a token it did not allow fails this request (`_produce`)
         r.out_ids.append(tok)
         r.out_lps.append(logprob)
         r.out_tops.append(top)
         done = r.stop.append(tok)
+        if done is None and r.grammar is not None and r.grammar.done:
+            # The grammar ended (with EOS, which it alone allows at its end, ignore_eos
+            # or not): "stop", the EOS left out of the text as a stop token.
+            eos = tok in self.cfg.eos_token_ids
+            done = StopResult("stop", matched_token=tok if eos else None)
         if done is not None:
             r.finish = done
             self._running.pop(r.rid, None)

@@ -16,6 +16,8 @@ tables, so a server that warms them all compiles nothing while serving (issue 25
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import threading
 import weakref
 from collections.abc import Sequence
@@ -31,7 +33,7 @@ from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import MIN_PREFILL_BUCKET, pow2_at_least, prefill_bucket
 from cpkv_jax.decode_mesh import DPDecodeSteps, DPPoolLayout, DPRow, build_batch
 from cpkv_jax.model.expert_parallel import EPDispatch
-from cpkv_jax.model.forward_batch import abstract_batch, batch_from_host, prefill_batch
+from cpkv_jax.model.forward_batch import abstract_batch, batch_from_host, feed_ids, prefill_batch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
 from cpkv_jax.paging import TRASH_PAGE, padded_page_table, pages_for_tokens, slots_for_positions
@@ -39,6 +41,10 @@ from transfer.kv_sink import KVStore
 
 # One decode row: (token fed now, its position, the request's pages, pages reserved).
 DecodeRow = tuple[int, int, np.ndarray, int]
+# Input ids from the last draw, left on the device (issue 35 item 5: the engine dispatches
+# step n+1 before it fetches step n's tokens): (that draw's `[R]` tokens, per row of the
+# step the row of the draw it feeds, or -1 for the row's own host token).
+PrevTokens = tuple[jax.Array, Sequence[int]]
 # A compiled step: (form, rows, tokens, page-table width).
 Shape = tuple[str, int, int, int]
 
@@ -148,9 +154,11 @@ class DecodeSteps:
         with jax.named_scope("decode_engine.prefill"):
             return self.kv.update_pool(lambda pool: step(self._state, batch, pool))
 
-    def decode(self, rows: Sequence[DecodeRow]) -> jax.Array:
+    def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> jax.Array:
         """Logits after feeding each row's token at its position, on the device:
-        `[pow2(len(rows)), vocab]`, the first `len(rows)` rows those of `rows`."""
+        `[pow2(len(rows)), vocab]`, the first `len(rows)` rows those of `rows`. With
+        `prev`, a row whose source is `>= 0` feeds that row of the last draw instead of
+        its host token."""
         rows_p = pow2_at_least(len(rows))
         width = pow2_at_least(max(n_pages for *_, n_pages in rows))
         ids = np.zeros((rows_p, 1), np.int32)
@@ -167,6 +175,10 @@ class DecodeSteps:
             slots[i, 0] = slots_for_positions(tables[i], np.asarray([pos]), self.page_size)[0]
             kv_lens[i] = pos + 1
         batch = batch_from_host(ids, positions, valid, slots, tables, kv_lens)
+        if prev is not None:
+            src = np.full((rows_p,), -1, np.int32)
+            src[: len(prev[1])] = prev[1]
+            batch = dataclasses.replace(batch, input_ids=_feed_ids(prev[0], src, batch.input_ids))
         shape = ("absorbed", rows_p, 1, width)
         step = self.compiled(shape)
         self.shapes.add(shape)
@@ -188,6 +200,14 @@ class DecodeSteps:
     def logit_rows(rows: int) -> int:
         """Log-prob rows of a decode step of `rows` (padded) rows."""
         return rows
+
+    def warm_feeds(self, rows: set[int]) -> None:
+        """Compile the next-ids feed (`PrevTokens`) between every pair of the row buckets
+        `rows`: a draw of one bucket feeds a step of any other (rows join and leave)."""
+        for a, b in itertools.product(sorted(rows), repeat=2):
+            tokens = jax.device_put(np.zeros((a,), np.int32), self.logits_sharding)
+            ids = jax.device_put(np.zeros((b, 1), np.int32))
+            _feed_ids(tokens, np.full((b,), -1, np.int32), ids)
 
     def warm_log_probs(self, rows: set[int]) -> None:
         """Run the small programs around the steps (the log-softmax of `[rows, vocab]`
@@ -255,6 +275,9 @@ def _warm(steps: DecodeSteps | MeshDecodeSteps, shapes: Sequence[Shape], desc: s
         sampling.sample(log_probs(logits), [sampling.GREEDY])
 
 
+_feed_ids = jax.jit(feed_ids)
+
+
 _DP_STEPS: weakref.WeakKeyDictionary[CausalLM, dict[tuple, DPDecodeSteps]] = (
     weakref.WeakKeyDictionary()
 )
@@ -317,12 +340,17 @@ class MeshDecodeSteps:
                 )
             self._dp = by_key[key]
 
-    def _run(self, rows: list[DPRow], prefill: bool) -> jax.Array:
+    def _run(self, rows: list[DPRow], prefill: bool, prev: PrevTokens | None = None) -> jax.Array:
         shape, order, host = build_batch(self.layout, rows, prefill=prefill)
         self._dp.compiled(shape)  # before the pool lock: it may compile or wait
         self.shapes.add(shape)
+        ids = None
+        if prev is not None:  # the step's row of rows[i] is order[i]
+            src = np.full(order.shape, -1, np.int32)
+            src[order[: len(prev[1])]] = prev[1]
+            ids = self._dp.feed_ids(prev[0], src, host[0])
         with jax.named_scope("decode_engine.prefill" if prefill else "decode_engine.decode"):
-            return self.kv.update_pool(lambda pool: self._dp.run(shape, order, host, pool))
+            return self.kv.update_pool(lambda pool: self._dp.run(shape, order, host, pool, ids))
 
     def _rank(self, pages: np.ndarray) -> int:
         return self.layout.rank_of(np.asarray(pages)[0])
@@ -343,13 +371,14 @@ class MeshDecodeSteps:
             raise ValueError("a DP prefill step takes at most one request per rank")
         return self._run(rows, prefill=True)
 
-    def decode(self, rows: Sequence[DecodeRow]) -> jax.Array:
-        """Logits of each row's next token, row `i` that of `rows[i]` (padding after)."""
+    def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> jax.Array:
+        """Logits of each row's next token, row `i` that of `rows[i]` (padding after);
+        `prev` as `DecodeSteps.decode`."""
         dp_rows = [
             DPRow(self._rank(pages), np.asarray([token], np.int32), pos, pages, n_pages)
             for token, pos, pages, n_pages in rows
         ]
-        return self._run(dp_rows, prefill=False)
+        return self._run(dp_rows, prefill=False, prev=prev)
 
     def warm(self, shapes: Sequence[Shape]) -> None:
         """Run each shape once on rank 0's trash page, then the sampler on its rows."""
@@ -363,6 +392,13 @@ class MeshDecodeSteps:
     def logit_rows(self, rows: int) -> int:
         """Log-prob rows of a step whose busiest rank has `rows` (padded) rows."""
         return self.layout.dp_size * rows
+
+    def warm_feeds(self, rows: set[int]) -> None:
+        """`DecodeSteps.warm_feeds` for steps whose busiest rank has `rows` rows."""
+        for a, b in itertools.product(sorted(rows), repeat=2):
+            n = self.logit_rows(b)
+            tokens = jax.device_put(np.zeros((self.logit_rows(a),), np.int32), self.logits_sharding)
+            self._dp.feed_ids(tokens, np.full((n,), -1, np.int32), np.zeros((n, 1), np.int32))
 
     def warm_log_probs(self, rows: set[int]) -> None:
         """The log-softmax and sampler on the steps' replicated `[dp * R, vocab]` logits

@@ -38,6 +38,19 @@ TOP_LOGPROBS_LIMIT = 20
 LOGIT_BIAS_LIMIT = 300
 
 
+GrammarKind = Literal["json_schema", "regex", "ebnf", "choice"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Grammar:
+    """Structured output (`serving.grammar`): the output must match `source`, a JSON
+    schema, a regular expression, an EBNF / GBNF or Lark grammar, or a JSON list of the
+    strings to choose from."""
+
+    kind: GrammarKind
+    source: str
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. `temperature == 0` is greedy (argmax of the log-probs).
@@ -78,6 +91,9 @@ class SamplingParams:
     # `include_stop_str_in_output`).
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Structured output: every token is drawn from those the grammar allows next
+    # (`serving.grammar`); the request stops with "stop" when the grammar ends.
+    grammar: Grammar | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raise `InputError` naming the bad field, its value and the accepted range."""

@@ -56,6 +56,7 @@ from cpkv_jax import __version__
 from cpkv_jax.tokenizer import Tokenizer
 from serving.api_keys import ApiKeys
 from serving.engine.api import EngineClient
+from serving.grammar import GrammarBackend
 from serving.http.auth import install_api_keys
 from serving.http.chat_template import ChatRenderer, ChatTemplate
 from serving.http.errors import ApiError, install_error_handlers
@@ -244,6 +245,7 @@ def build_app(
     model_path: str | None = None,
     chat_parsers: ChatParserConfig | None = None,
     prefix_cache: bool = False,
+    grammar: GrammarBackend | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `client`.
 
@@ -278,6 +280,7 @@ def build_app(
         model_aliases=model_aliases,
         chat_parsers=chat_parsers,
         prefix_cache=prefix_cache,
+        grammar=grammar,
     )
     app = FastAPI(title="cpkv-jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = core  # the shared state, for tests and debugging

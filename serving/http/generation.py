@@ -32,7 +32,14 @@ from pydantic import BaseModel, ValidationError
 
 from cpkv_jax.errors import InputError
 from cpkv_jax.tokenizer import Tokenizer
-from serving.engine.api import EngineClient, GenerateRequest, OutputChunk, SamplingParams
+from serving.engine.api import (
+    EngineClient,
+    GenerateRequest,
+    Grammar,
+    OutputChunk,
+    SamplingParams,
+)
+from serving.grammar import GrammarBackend, row_grammar_for
 from serving.http.chat_template import ChatRenderer
 from serving.http.errors import ApiError, ClientDisconnectedError, engine_error, error_body
 from serving.http.metrics import RequestTimer, ServerMetrics
@@ -283,8 +290,11 @@ class ApiCore:
         model_aliases: Sequence[str] = (),
         chat_parsers: ChatParserConfig | None = None,
         prefix_cache: bool = False,
+        grammar: GrammarBackend | None = None,
     ) -> None:
         self.client = client
+        # Structured output's compiler (`serving.grammar`); None without a tokenizer.
+        self.grammar = grammar
         # The engine keeps prompts' KV in a prefix cache: the choices of one prompt (`n`)
         # then follow its first, which leaves the prompt's pages cached for them
         # (`prefill_order`), instead of all prefilling it at once.
@@ -470,6 +480,8 @@ class ApiCore:
         index: int,
         disconnect: asyncio.Future[None] | None,
     ) -> tuple[EngineStream, Generation, OutputChunk]:
+        if req.sampling.grammar is not None:
+            await self.check_grammar(req.sampling.grammar)
         stream = EngineStream(self.client, req, request, self.in_flight, disconnect)
         gen = Generation(
             req=req,
@@ -492,6 +504,14 @@ class ApiCore:
                 raise err from None
             raise
         return stream, gen, chunk
+
+    async def check_grammar(self, grammar: Grammar) -> None:
+        """Compile `grammar` in a worker thread (cached), so the engine thread only copies
+        its matcher; a 400 saying why when it cannot be used."""
+        try:
+            await asyncio.to_thread(row_grammar_for, self.grammar, grammar)
+        except InputError as e:
+            raise ApiError(400, str(e)) from None
 
     async def run_to_end(
         self,

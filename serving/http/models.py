@@ -36,7 +36,13 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from serving.engine.api import MAX_NEW_TOKENS_LIMIT, TOP_LOGPROBS_LIMIT, SamplingParams
+from serving.engine.api import (
+    MAX_NEW_TOKENS_LIMIT,
+    TOP_LOGPROBS_LIMIT,
+    Grammar,
+    GrammarKind,
+    SamplingParams,
+)
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 _HOST_PORT = re.compile(r"^[^\s:]+:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$")
@@ -182,9 +188,6 @@ def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
 GENERATE_SAMPLING_NEUTRAL: Mapping[str, Neutral] = {
     "stop_regex": off([]),
     "n": off(1),
-    "json_schema": off(),
-    "regex": off(),
-    "ebnf": off(),
     "structural_tag": off(),
     "spaces_between_special_tokens": off(True),
     "custom_params": off({}),
@@ -280,10 +283,15 @@ class GenerateSamplingParams(_Body):
     skip_special_tokens: bool = SamplingParams.skip_special_tokens
     no_stop_trim: bool = SamplingParams.no_stop_trim
     min_new_tokens: int = SamplingParams.min_new_tokens
+    # SGLang's structured output: at most one (`serving.grammar`).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @model_validator(mode="after")
     def _check_seed(self) -> GenerateSamplingParams:
         _logit_bias(self.logit_bias)  # keys must be token ids
+        self.grammar()
         if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
             raise ValueError(
                 f"seed ({self.seed}) and sampling_seed ({self.sampling_seed}) disagree; "
@@ -309,6 +317,16 @@ class GenerateSamplingParams(_Body):
             skip_special_tokens=self.skip_special_tokens,
             no_stop_trim=self.no_stop_trim,
             min_new_tokens=self.min_new_tokens,
+            grammar=self.grammar(),
+        )
+
+    def grammar(self) -> Grammar | None:
+        return _one_grammar(
+            {
+                "json_schema": _schema_grammar(self.json_schema),
+                "regex": _grammar_of("regex", self.regex),
+                "ebnf": _grammar_of("ebnf", self.ebnf),
+            }
         )
 
 
@@ -411,11 +429,6 @@ _OPENAI_BOTH_NEUTRAL: Mapping[str, Neutral] = {
     "bad_words": off([]),
     "prompt_logprobs": off(),
     "add_special_tokens": off(False),  # prompts are tokenized as they are
-    "response_format": off({"type": "text"}),
-    "guided_json": off(),
-    "guided_regex": off(),
-    "guided_choice": off(),
-    "guided_grammar": off(),
     "guided_decoding_backend": ignored(str),
     "guided_whitespace_pattern": off(),
     "structural_tag": off(),
@@ -431,9 +444,6 @@ _OPENAI_BOTH_NEUTRAL: Mapping[str, Neutral] = {
     "return_routed_experts": off(False),
     "routed_experts_start_len": off(0),
     "return_cached_tokens_details": off(False),
-    "json_schema": off(),
-    "regex": off(),
-    "ebnf": off(),
     "stop_regex": off([]),
     "lora_path": off(),
     "session_id": ignored(str),
@@ -496,6 +506,73 @@ CHAT_NEUTRAL: Mapping[str, Neutral] = {
 }
 
 
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`: OpenAI's named schema (`schema` is a JSON schema;
+    `strict` is accepted: the output always follows the schema here)."""
+
+    model_config = ConfigDict(
+        extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True
+    )
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: `text` (no constraint), `json_object` (any JSON
+    object) or `json_schema` (the output follows `json_schema.schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError(
+                "response_format: json_schema goes with type 'json_schema' and only with it"
+            )
+        return self
+
+    def grammar(self) -> Grammar | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Grammar("json_schema", json.dumps({"type": "object"}))
+        assert self.json_schema is not None
+        schema = self.json_schema.schema_
+        # OpenAI: a missing schema is any JSON value.
+        return Grammar("json_schema", json.dumps({} if schema is None else schema))
+
+
+def _grammar_of(kind: GrammarKind, source: str | None) -> Grammar | None:
+    if source is None:
+        return None
+    if not source.strip():
+        raise ValueError(f"the {kind} grammar is empty")
+    return Grammar(kind, source)
+
+
+def _schema_grammar(schema: str | dict[str, Any] | None) -> Grammar | None:
+    """A JSON schema given as JSON text (SGLang) or as an object (vLLM)."""
+    if isinstance(schema, dict):
+        return Grammar("json_schema", json.dumps(schema))
+    if schema is not None:
+        try:
+            json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+    return _grammar_of("json_schema", schema)
+
+
+def _one_grammar(given: Mapping[str, Grammar | None]) -> Grammar | None:
+    named = [k for k, g in given.items() if g is not None]
+    if len(named) > 1:
+        raise ValueError(f"give at most one structured-output constraint, got {', '.join(named)}")
+    return given[named[0]] if named else None
+
+
 class StreamOptions(_Body):
     NEUTRAL: ClassVar[Mapping[str, Neutral]] = {
         "include_obfuscation": off(False),  # OpenAI
@@ -536,10 +613,20 @@ class _OpenAICommon(_PDFields):
     no_stop_trim: bool = False
     min_tokens: int = 0  # vLLM's name for SGLang's min_new_tokens
     n: int = 1
+    # Structured output, at most one (`serving.grammar`): OpenAI's, SGLang's, vLLM's.
+    response_format: ResponseFormat | None = None
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _OpenAICommon:
         _logit_bias(self.logit_bias)  # keys must be token ids
+        self.grammar()
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         if not 1 <= self.n <= MAX_N:
@@ -572,6 +659,29 @@ class _OpenAICommon(_PDFields):
             skip_special_tokens=self.skip_special_tokens,
             no_stop_trim=self.no_stop_trim or self.include_stop_str_in_output,
             min_new_tokens=self.min_tokens,
+            grammar=self.grammar(),
+        )
+
+    def grammar(self) -> Grammar | None:
+        """The one grammar the body asks for (`ValueError` naming them when several)."""
+        choice = None
+        if self.guided_choice is not None:
+            if not self.guided_choice:
+                raise ValueError("guided_choice must list at least one string")
+            choice = Grammar("choice", json.dumps(self.guided_choice))
+        return _one_grammar(
+            {
+                "response_format": None
+                if self.response_format is None
+                else self.response_format.grammar(),
+                "json_schema": _schema_grammar(self.json_schema),
+                "regex": _grammar_of("regex", self.regex),
+                "ebnf": _grammar_of("ebnf", self.ebnf),
+                "guided_json": _schema_grammar(self.guided_json),
+                "guided_regex": _grammar_of("regex", self.guided_regex),
+                "guided_choice": choice,
+                "guided_grammar": _grammar_of("ebnf", self.guided_grammar),
+            }
         )
 
 

@@ -160,7 +160,7 @@ class PrefillEngine:
         """Each finished prefill's log-softmax and its first token's draw (host row), with
         and without a repetition penalty."""
         log_probs(np.zeros((1, self.cfg.vocab_size), np.float32))
-        sampling.warm(self.cfg.vocab_size, [1], None)
+        sampling.warm(self.cfg.vocab_size, [1], None, masked=True)  # masked: a grammar's
         sampling.first_token_penalties(self.cfg.vocab_size).warm(set(), {1})
 
     def warm_host_copies(self) -> int:

@@ -90,6 +90,7 @@ from serving.engine.api import (
 )
 from serving.engine.step_failures import check_pool_after, step_failure
 from serving.engine.wait_queue import WaitQueue
+from serving.grammar import GrammarBackend, RowGrammar, row_grammar_for, token_mask
 from serving.prefill.build import (
     PrefillEngine,
     build_prefill_engine,
@@ -158,6 +159,7 @@ class _Request:
     ttft_s: float = 0.0
     abort_reason: str | None = None
     error: str | None = None  # serving this request failed here (its chunk says why)
+    grammar: RowGrammar | None = None  # structured output: token 0's mask
     transfer_started: float = 0.0
     bootstrapped_at: float = 0.0  # when its senders last started (`_bootstrap`)
     parks: int = 0  # times its senders gave their window slot back (`_park_stale`)
@@ -187,6 +189,7 @@ class PrefillModeEngine:
         max_queued_requests: int | None = None,
         bootstrap_window: int | None = None,
         park_after_s: float = PARK_AFTER_S,
+        grammar: GrammarBackend | None = None,
     ):
         if not engine.scheduler.hold_finished:
             raise ConfigError(
@@ -196,6 +199,7 @@ class PrefillModeEngine:
             )
         self.engine = engine
         self.backend = backend
+        self.grammar = grammar  # structured output: the first token drawn under its mask
         self.clock = clock
         self.idle_wait_s = idle_wait_s
         self.scheduler = engine.scheduler
@@ -308,6 +312,8 @@ class PrefillModeEngine:
             )
         self.scheduler.check_submit(req.rid, int(ids.size))
         entry = _Request(req)
+        if req.sampling.grammar is not None:
+            entry.grammar = row_grammar_for(self.grammar, req.sampling.grammar)
         self._queue.push(req.rid, entry)  # QueueFullError: nothing started
         self._requests[req.rid] = entry
         self._rooms[req.bootstrap_room] = req.rid
@@ -651,7 +657,8 @@ class PrefillModeEngine:
             logit_bias=bool(bias),
             slot=slot,
         )
-        drawn = sample(log_probs(logits), [row], self._penalties, logits=logits)
+        mask = token_mask([entry.grammar], 1, self.cfg.vocab_size)
+        drawn = sample(log_probs(logits), [row], self._penalties, logits=logits, token_mask=mask)
         token, entry.logprob, entry.top = drawn.pick(0)
         entry.first_token = token
         entry.cached_tokens = outcome.cached_tokens

@@ -326,3 +326,27 @@ def test_logit_bias_rides_in_the_slot_and_shifts_only_its_row():
     np.testing.assert_array_equal(got.logprobs, lp[np.arange(4), got.tokens])  # unbiased
     counts.reset(0, [], ())  # slot 0 taken again, without a bias
     assert sample(lp[:1], [RowSampling(frequency_penalty=0.1, slot=0)], counts).tokens[0] == best[0]
+
+
+def test_set_bias_replaces_a_slots_bias_and_keeps_its_counts():
+    """`PenaltyCounts.set_bias` (a `min_new_tokens` ban lifted while a decode step is in
+    flight): the slot's counts, which may hold a token the host has not seen, stay as
+    the sampler left them; only the bias changes. Reset rebuilds both from the host."""
+    rng = np.random.default_rng(12)
+    vocab = 31
+    counts = PenaltyCounts(2, vocab, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    out = rng.integers(0, vocab, 5)
+    counts.reset(1, out, (), [(4, -100.0)])
+    lp = np.asarray(jax.nn.log_softmax(rng.normal(size=(1, vocab)).astype(np.float32), axis=-1))
+    drawn = sample(lp, [RowSampling(frequency_penalty=0.5, logit_bias=True, slot=1)], counts)
+    assert drawn.tokens[0] != 4
+    want = np.bincount(np.append(out, drawn.tokens[0]), minlength=vocab)
+    np.testing.assert_array_equal(np.asarray(counts.counts[1]), want)  # the sampler counted
+    counts.set_bias(1, [(9, 100.0)])
+    np.testing.assert_array_equal(np.asarray(counts.counts[1]), want)  # kept
+    assert np.asarray(counts.bias_ids[1])[0] == 9 and np.asarray(counts.bias_values[1])[0] == 100
+    assert (np.asarray(counts.bias_ids[1])[1:] == vocab).all()  # the old pair is gone
+    again = sample(lp, [RowSampling(frequency_penalty=0.5, logit_bias=True, slot=1)], counts)
+    assert again.tokens[0] == 9
+    with pytest.raises(ValueError, match="slot 2 outside"):
+        counts.set_bias(2)

@@ -372,7 +372,6 @@ REFUSED = [
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
         "tools",
     ),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
     ("/v1/chat/completions", {"best_of": 2}, "best_of=2"),
     ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
@@ -398,6 +397,36 @@ def test_a_non_neutral_value_is_a_400_naming_the_field(srv, endpoint, extra, nam
     assert named in msg, msg
     if "must be" not in named:
         assert "not supported" in msg and ("send" in msg or "omit" in msg), msg
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "extra", "named"),
+    [
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "json_schema goes"),
+        ("/v1/completions", {"regex": "a+", "guided_json": {}}, "at most one"),
+        ("/v1/completions", {"response_format": {"type": "xml"}}, "response_format"),
+        (
+            "/generate",
+            {"sampling_params": {"max_new_tokens": N, "json_schema": "{not json"}},
+            "not valid JSON",
+        ),
+        ("/v1/chat/completions", {"guided_choice": []}, "guided_choice must list"),
+        ("/v1/completions", {"guided_regex": " "}, "the regex grammar is empty"),
+        # A valid constraint on a server built without a grammar backend (no tokenizer.json).
+        ("/v1/completions", {"response_format": {"type": "json_object"}}, "tokenizer.json"),
+        ("/generate", {"sampling_params": {"max_new_tokens": N, "regex": "[0-9]+"}}, "tokenizer"),
+    ],
+)
+def test_structured_output_fields_are_checked_before_the_engine(srv, endpoint, extra, named):
+    """Issue 37: `response_format`, SGLang's `json_schema` / `regex` / `ebnf`, vLLM's
+    `guided_*`: at most one, well formed, and a server that cannot compile grammars says
+    so (400s naming the field or the cause; the engine never sees them)."""
+    body = refused_body(endpoint, extra)
+    body.pop("model", None)
+    status, _ = post(srv.http, endpoint, body)
+    assert status == 400
+    msg = error_message(post(srv.http, endpoint, body))
+    assert named in msg, msg
 
 
 def test_a_non_neutral_value_through_the_router(deployment) -> None:

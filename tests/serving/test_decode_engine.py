@@ -525,8 +525,8 @@ def test_a_broken_log_prob_row_fails_only_its_request(tiny, monkeypatch):
     real = engine._steps.decode
     broken = {"on": False}
 
-    def decode(rows):
-        out = real(rows)
+    def decode(rows, prev=None):
+        out = real(rows, prev)
         if broken["on"]:
             broken["on"] = False
             pages = engine._running[hot.rid].pages
@@ -543,6 +543,9 @@ def test_a_broken_log_prob_row_fails_only_its_request(tiny, monkeypatch):
     take(engine.step(), toks, lps, final)
     take(engine.step(), toks, lps, final)  # both running now
     broken["on"] = True
+    got = take(engine.step(), toks, lps, final)
+    # The broken step's tokens are fetched one step later (the next step is in flight).
+    assert hot.rid not in final and got[hot.rid].token_ids
     got = take(engine.step(), toks, lps, final)
     assert got[hot.rid].finish_reason == "error" and not got[hot.rid].token_ids
     assert "ValueError: log-probs have no finite maximum" in got[hot.rid].error
@@ -630,3 +633,193 @@ def test_penalized_requests_beyond_the_penalty_slots_wait_then_match_the_referen
         want = ref.generate(r.input_ids, 5, ignore_eos=True, **kw)
         assert toks[r.rid] == want.output_ids, r.rid
     assert kv.num_free_pages == free0
+
+
+def _fetch_order(engine, monkeypatch) -> list[tuple[int, int]]:
+    """Per fetched decode draw: (the decode step it drew for, decode steps dispatched by
+    the time it was fetched)."""
+    from cpkv_jax.sampling import PendingSample
+    from serving.decode import engine as engine_mod
+
+    dispatched = [0]
+    drew_for: dict[int, int] = {}
+    seen: list[tuple[int, int]] = []
+    real_decode, real_async, real_fetch = engine._steps.decode, engine_mod.sample_async, None
+    real_fetch = PendingSample.fetch
+
+    def decode(rows, prev=None):
+        dispatched[0] += 1
+        return real_decode(rows, prev)
+
+    def sample_async(*a, **k):
+        p = real_async(*a, **k)
+        drew_for[id(p)] = dispatched[0]
+        return p
+
+    def fetch(self):
+        if id(self) in drew_for:
+            seen.append((drew_for[id(self)], dispatched[0]))
+        return real_fetch(self)
+
+    monkeypatch.setattr(engine._steps, "decode", decode)
+    monkeypatch.setattr(engine_mod, "sample_async", sample_async)
+    monkeypatch.setattr(PendingSample, "fetch", fetch)
+    return seen
+
+
+def test_overlap_dispatches_the_next_step_before_fetching_and_gives_the_same_bits(
+    tiny, monkeypatch
+):
+    """Issue 35 item 5. With overlap (the default) step n+1 is dispatched before step
+    n's tokens are fetched, its input ids fed from the draw on the device; without it,
+    each draw is fetched before the next step. Under batch-invariant numerics both give
+    the same bits for a wave joining and leaving, with a request ending on a stop token
+    mid-batch (its extra in-flight token dropped), sampled and penalized rows; every
+    page comes back."""
+    _, _, ref = tiny
+    reqs = wave_requests(4, "ov", ignore_eos=True)
+    plain = ref.generate(reqs[1].input_ids, 8, ignore_eos=True).output_ids
+    reqs[1] = dataclasses.replace(
+        reqs[1], sampling=SamplingParams(8, ignore_eos=True, stop_token_ids=(plain[2],))
+    )
+    reqs[2] = dataclasses.replace(
+        reqs[2],
+        sampling=SamplingParams(
+            12, temperature=0.9, seed=5, frequency_penalty=0.7, min_new_tokens=4
+        ),
+    )
+    sched: dict[int, list[GenerateRequest]] = {}
+    for r, s in zip(reqs, JOIN_AT, strict=True):
+        sched.setdefault(s, []).append(r)
+    got = {}
+    for overlap in (False, True):
+        engine, kv = make_engine(tiny, batch_invariant=True, overlap=overlap)
+        with monkeypatch.context() as m:
+            order = _fetch_order(engine, m)
+            got[overlap] = run(engine, sched)
+        assert order, "no decode draw was fetched"
+        if overlap:  # every draw but the last one's fetched after the next dispatch
+            assert sum(now == step + 1 for step, now in order) >= len(order) - 2
+        else:
+            assert all(now == step for step, now in order)
+        assert kv.num_free_pages == POOL_PAGES - 1
+    (toks0, lps0, fin0), (toks1, lps1, fin1) = got[False], got[True]
+    assert toks0 == toks1 and lps0 == lps1
+    assert toks1[reqs[1].rid] == plain[:3] and fin1[reqs[1].rid].finish_reason == "stop"
+    assert {r: f.meta["completion_tokens"] for r, f in fin0.items()} == {
+        r: f.meta["completion_tokens"] for r, f in fin1.items()
+    }
+
+
+def test_a_step_failing_when_its_tokens_are_fetched_fails_its_rows_alone(tiny, monkeypatch):
+    """An error that surfaces only when a step's draw is fetched (the next step is already
+    in flight, fed from it): the rows of that step fail with the step's error and their
+    pages come back; the in-flight step's tokens for them are dropped; a request arriving
+    afterwards runs to the reference's tokens."""
+    from cpkv_jax.sampling import PendingSample
+
+    engine, kv = make_engine(tiny)
+    free0 = kv.num_free_pages
+    a, b, c = wave_requests(7, "ff", ignore_eos=True)[:3]
+    real_fetch = PendingSample.fetch
+    fail = {"at": None, "n": 0}
+
+    def fetch(self):
+        fail["n"] += 1
+        if fail["at"] is not None and fail["n"] == fail["at"]:
+            raise RuntimeError("device step failed at run time")
+        return real_fetch(self)
+
+    monkeypatch.setattr(PendingSample, "fetch", fetch)
+    toks: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    final: dict = {}
+    for r in (a, b):
+        engine.add(r)
+        take(engine.step(), toks, lps, final)
+    take(engine.step(), toks, lps, final)
+    fail["at"] = fail["n"] + 1  # the next fetch: a decode draw of a and b
+    got = take(engine.step(), toks, lps, final)
+    for r in (a, b):
+        assert got[r.rid].finish_reason == "error"
+        assert "the decode step failed: RuntimeError: device step failed" in got[r.rid].error
+    assert not engine._running and engine.has_work()  # the in-flight step, not fetched
+    take(engine.step(), toks, lps, final)
+    assert not engine.has_work() and kv.num_free_pages == free0
+    toks.clear(), lps.clear(), final.clear()
+    engine.add(c)
+    while engine.has_work():
+        take(engine.step(), toks, lps, final)
+    check_against_reference(tiny, [c], toks, lps, final)
+    assert kv.num_free_pages == free0
+
+
+def test_grammar_rows_match_the_masked_reference_beside_plain_rows(tiny, tiny_checkpoints):
+    """Structured output in the continuous batch (overlap on): a regex request (greedy)
+    and a JSON-schema one (greedy) ride with plain requests. Each grammar row's tokens
+    and log-probs equal the reference generator's under the same grammar's masks (its
+    own matcher, float64 argmax over the allowed tokens) and it finishes "stop" when the
+    grammar ends; its text matches; the plain rows equal the plain reference; a bad
+    grammar is refused at `add` with nothing held."""
+    import json
+    import re
+
+    from support.grammar_ref import grammar_reference
+
+    from serving.engine.api import Grammar
+    from serving.grammar import load_grammar_backend
+
+    cfg, _, ref = tiny
+    path = tiny_checkpoints("glm_moe_dsa")
+    backend = load_grammar_backend(str(path / "tokenizer.json"), cfg.vocab_size, cfg.eos_token_ids)
+    engine, kv = make_engine(tiny, grammar=backend)
+    free0 = kv.num_free_pages
+    schema = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999},
+            "tag": {"enum": ["x", "yz"]},
+        },
+        "required": ["id", "tag"],
+        "additionalProperties": False,
+    }
+    grammars = {
+        "g-regex": Grammar("regex", r"[a-d]{2}[0-9]{1,3}!"),
+        "g-json": Grammar("json_schema", json.dumps(schema)),
+    }
+    plain = wave_requests(8, "gp", ignore_eos=True)[:3]
+    rng = np.random.default_rng(8)
+    gram = [
+        GenerateRequest(
+            rid,
+            tuple(int(t) for t in rng.integers(3, 300, 9)),
+            SamplingParams(40, grammar=g),
+            return_logprob=True,
+        )
+        for rid, g in grammars.items()
+    ]
+    toks, lps, final = run(engine, {0: [plain[0], gram[0]], 2: [gram[1], plain[1]], 3: [plain[2]]})
+    check_against_reference(tiny, plain, toks, lps, final)
+
+    for r in gram:
+        g = r.sampling.grammar
+        want = grammar_reference(ref, backend, g, r.input_ids, 40)
+        assert toks[r.rid] == want.output_ids, r.rid
+        np.testing.assert_allclose(lps[r.rid], want.output_logprobs, rtol=0, atol=LP_TOL)
+        assert final[r.rid].finish_reason == want.finish_reason == "stop"
+        text = bytes(t - 3 for t in toks[r.rid]).decode()
+        if g.kind == "regex":
+            assert re.fullmatch(g.source, text), text
+        else:
+            value = json.loads(text)
+            assert set(value) == {"id", "tag"} and value["tag"] in ("x", "yz"), text
+            assert 0 <= value["id"] <= 999 and text == json.dumps(value)  # `JSON_LAYOUT`
+    assert kv.num_free_pages == free0
+    with pytest.raises(InputError, match="regex: the grammar cannot be compiled"):
+        engine.add(GenerateRequest("bad", (5, 6), SamplingParams(4, grammar=Grammar("regex", "("))))
+    no_backend, _ = make_engine(tiny)
+    with pytest.raises(InputError, match="needs the model's tokenizer.json"):
+        no_backend.add(
+            GenerateRequest("nb", (5, 6), SamplingParams(4, grammar=grammars["g-regex"]))
+        )
+    assert not engine.has_work() and kv.num_free_pages == free0

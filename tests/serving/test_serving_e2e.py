@@ -34,12 +34,15 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from support.grammar_ref import grammar_reference
 from support.http_client import Served
 
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
 from serving.compile_events import COMPILES
 from serving.decode.cached import CachedUnifiedEngine
+from serving.engine.api import Grammar
+from serving.grammar import load_grammar_backend
 from serving.prefill.engine import PrefillModeEngine
 from serving.router import RouterConfig, build_router_app
 from serving.server import Server, build_server
@@ -328,6 +331,95 @@ def test_unified_penalties_are_the_references(ckpt, unified):
     assert_pages_back(server)
 
 
+# Structured output (issue 37): a regex through SGLang's `/generate` field, a JSON schema
+# through OpenAI's `response_format`; bounded, so each ends well within GRAMMAR_NEW.
+GRAMMAR_REGEX = r"[a-d]{2}[0-9]{1,3}!"
+GRAMMAR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tag": {"enum": ["x", "yz"]},
+    },
+    "required": ["id", "tag"],
+    "additionalProperties": False,
+}
+GRAMMAR_NEW = 40
+
+
+def grammar_wants(path: Path, ref: ReferenceGenerator, ids: list[int]) -> list[Any]:
+    """The masked reference's results for the two requests of `assert_structured_outputs`
+    (run before a compile count: the reference compiles)."""
+    cfg = ref.cfg
+    backend = load_grammar_backend(str(path / "tokenizer.json"), cfg.vocab_size, cfg.eos_token_ids)
+    grammars = (
+        Grammar("regex", GRAMMAR_REGEX),
+        Grammar("json_schema", json.dumps(GRAMMAR_SCHEMA)),
+    )
+    return [grammar_reference(ref, backend, g, ids, GRAMMAR_NEW) for g in grammars]
+
+
+def assert_structured_outputs(url: str, ids: list[int], wants: list[Any]) -> None:
+    """Greedy requests under a grammar get the masked reference's tokens and log-probs and
+    end with "stop" when the grammar ends; their text matches (sent together: the two
+    grammar rows share decode steps)."""
+    regex_body = {
+        "input_ids": ids,
+        "sampling_params": {
+            "max_new_tokens": GRAMMAR_NEW,
+            "temperature": 0.0,
+            "regex": GRAMMAR_REGEX,
+        },
+        "return_logprob": True,
+    }
+    json_body = {
+        "model": "tiny",
+        "prompt": ids,
+        "max_tokens": GRAMMAR_NEW,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "tagged", "schema": GRAMMAR_SCHEMA, "strict": True},
+        },
+    }
+    results: dict[str, Any] = {}
+
+    def call(route: str, body: dict[str, Any]) -> None:
+        results[route] = httpx.post(url + route, json=body, timeout=WAIT_S)
+
+    threads = [
+        threading.Thread(target=call, args=("/generate", regex_body)),
+        threading.Thread(target=call, args=("/v1/completions", json_body)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    want_re, want_js = wants
+    r = results["/generate"]
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output_ids"] == want_re.output_ids and want_re.finish_reason == "stop"
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert re.fullmatch(GRAMMAR_REGEX, out["text"]), out["text"]
+    lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    np.testing.assert_allclose(lps, want_re.output_logprobs, rtol=0, atol=1e-5)
+    r = results["/v1/completions"]
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == want_js.output_ids and choice["finish_reason"] == "stop"
+    value = json.loads(choice["text"])
+    assert set(value) == {"id", "tag"} and 0 <= value["id"] <= 999 and value["tag"] in ("x", "yz")
+
+
+def test_unified_structured_outputs_are_the_masked_references(ckpt, unified):
+    path, cfg, ref = ckpt
+    server, served = unified
+    ids = prompts(cfg, seed=11)[0]
+    assert_structured_outputs(served.url, ids, grammar_wants(path, ref, ids))
+    assert_pages_back(server)
+
+
 def test_batch_invariant_server_log_probs_equal_the_reference_bitwise(ckpt):
     """`--enable-batch-invariant`: two requests sent at once (so the decode engine
     batches them) get the batch-invariant reference's tokens and log-probs, bit for bit."""
@@ -390,6 +482,10 @@ def bad_requests(vocab: int, context: int, rng: np.random.Generator) -> list[tup
         ("/generate", {"input_ids": ok, "sampling_params": {"max_new_tokens": context}}),
         ("/generate", {"input_ids": ok, "sampling_params": {"top_p": 0.0}}),
         ("/generate", {"input_ids": ok, "unknown_field": n}),
+        # Grammars that do not compile (llguidance's reason in the 400; issue 37).
+        ("/generate", {"input_ids": ok, "sampling_params": {"regex": "(" * n}}),
+        ("/generate", {"input_ids": ok, "sampling_params": {"json_schema": '{"type": 5}'}}),
+        ("/v1/completions", {"prompt": ok, "guided_grammar": f"root ::= rule{n}"}),
         ("/v1/completions", {"prompt": ""}),
         ("/v1/completions", {"prompt": ok, "max_tokens": -n}),
         ("/v1/completions", {"prompt": ok, "max_tokens": "many"}),
@@ -472,7 +568,7 @@ def pd(request, ckpt) -> Iterator[dict[str, Any]]:
 
 
 def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):
-    _, cfg, ref = ckpt
+    path, cfg, ref = ckpt
     router = pd["served"]["router"].url
     cases = prompts(cfg, seed=2)
     wants = [reference(ref, ids) for ids in cases]  # the reference compiles: before the count
@@ -482,6 +578,8 @@ def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):
     penalized = cases[0]
     for p in PENALTIES:  # the reference's programs compile before the count
         ref.generate(penalized, NEW, ignore_eos=True, **_ref_args(p))
+    grammar_ids = prompts(cfg, seed=11)[1]
+    wants_grammar = grammar_wants(path, ref, grammar_ids)
     # Both servers live in this process, so count all its compiles around the requests.
     compiles = COMPILES.total.compiles
     for i, (ids, want) in enumerate(zip(cases, wants, strict=True)):
@@ -495,6 +593,8 @@ def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):
     assert_top_logprobs_match(tops, top_want.output_top_logprobs, 1e-5)
     # Penalties: the decode server counts token 0 (from the prefill server) too.
     assert_penalized_outputs(router, ref, penalized)
+    # Grammars: the prefill server draws token 0 under the mask, the decode server the rest.
+    assert_structured_outputs(router, grammar_ids, wants_grammar)
     if pd["backend"] == "grpc":  # --warmup-all-shapes on both servers (issue 25)
         assert COMPILES.total.compiles == compiles
     info = httpx.get(pd["served"]["decode"].url + "/server_info", timeout=10).json()
