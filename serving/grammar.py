@@ -66,7 +66,7 @@ class GrammarBackend:
 
     def matcher(self, grammar: Grammar) -> RowGrammar:
         """A fresh matcher at the grammar's start (compiled here on a cache miss)."""
-        return RowGrammar(self._compiled(grammar).deep_copy())
+        return RowGrammar(self._compiled(grammar).deep_copy(), grammar.after)
 
     def _compiled(self, grammar: Grammar) -> llguidance.LLMatcher:
         # No lock: a compile never blocks the engine thread's copies of cached grammars
@@ -105,28 +105,45 @@ _FORMATS = {
 
 
 class RowGrammar:
-    """One request's place in its grammar."""
+    """One request's place in its grammar; with `after`, every token is allowed until
+    the output has produced that token sequence (a reasoning block's end), the grammar
+    applies from the next token on."""
 
-    def __init__(self, matcher: llguidance.LLMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, after: Sequence[int] = ()):
         self._m = matcher
         if matcher.is_error():
             raise InputError(f"the grammar cannot be used: {matcher.get_error()}")
+        self._after = tuple(int(t) for t in after)
+        self._tail: list[int] = []  # the last tokens, while waiting for `after`
+
+    @property
+    def waiting(self) -> bool:
+        """Still before `after`: the grammar does not apply yet."""
+        return bool(self._after)
 
     def fill(self, row: np.ndarray) -> None:
         """Write the mask of the next token into `row` (int32 `[mask_words(vocab)]`)."""
+        if self.waiting:
+            row[:] = -1
+            return
         # llguidance may pad its mask past the vocabulary's words: those bits name no token.
         row[:] = np.frombuffer(self._m.compute_bitmask(), np.int32)[: row.size]
 
     def accept(self, token: int) -> None:
         """Advance by the drawn token; `ValueError` if the grammar did not allow it (the
         engine fails that request alone)."""
+        if self.waiting:
+            self._tail = [*self._tail, int(token)][-len(self._after) :]
+            if tuple(self._tail) == self._after:
+                self._after = ()
+            return
         if not self._m.consume_token(int(token)) or self._m.is_error():
             raise ValueError(f"the grammar did not allow token {token}: {self._m.get_error()}")
 
     @property
     def done(self) -> bool:
         """The grammar has ended: nothing more may follow."""
-        return self._m.is_stopped()
+        return not self.waiting and self._m.is_stopped()
 
 
 def row_grammar_for(backend: GrammarBackend | None, grammar: Grammar) -> RowGrammar:

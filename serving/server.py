@@ -71,12 +71,20 @@ from serving.grammar import GrammarBackend, load_grammar_backend
 from serving.http.app import build_app
 from serving.http.chat_template import load_chat_template
 from serving.http.deepseek_v32_template import builtin_chat_template
+from serving.http.gateway_pd import GatewayPD
 from serving.http.keepalive import HTTP_KEEPALIVE_S
 from serving.http.metrics import ServerMetrics
 from serving.prefill.build import build_prefill_engine, load_serving_model, pool_pages_per_rank
 from serving.prefill.engine import PrefillModeEngine, backend_from_args
 from serving.prefill.memory_plan import plan_device_memory
 from serving.server_args import ServerArgs
+from transfer.bootstrap import (
+    DEFAULT_BOOTSTRAP_PORT,
+    BootstrapClient,
+    BootstrapRegistry,
+    BootstrapServer,
+    layout_json,
+)
 from transfer.kv_sink import KVSink
 from transfer.page_plan import LayoutDescriptor
 from transfer.receiver import staging_region_bytes
@@ -302,6 +310,43 @@ def _build_cached_unified(
         prefill.close()
         raise
     return engine, {"max_running_requests": running}, [prefill.close]
+
+
+# A decode server's calls to a prefill server's bootstrap endpoint (info, registration).
+BOOTSTRAP_CALL_TIMEOUT_S = 10.0
+
+
+def _prefill_bootstrap(
+    args: ServerArgs, engine: PrefillModeEngine
+) -> tuple[GatewayPD | None, BootstrapServer | None]:
+    """The bootstrap endpoint where decode servers that SGLang's gateway drives register
+    their rooms (`transfer.bootstrap`). On the default port, a port already taken (a
+    second prefill server on this host) turns only that off, with a warning."""
+    registry = BootstrapRegistry(
+        {
+            "cp_size": args.cp_size,
+            "page_size": args.page_size,
+            "layout": layout_json(engine.layout),
+        },
+        expire_s=args.transfer_bootstrap_timeout,
+    )
+    port = args.disaggregation_bootstrap_port
+    try:
+        server = BootstrapServer(registry, args.host, port).start()
+    except OSError as e:
+        if port != DEFAULT_BOOTSTRAP_PORT:
+            raise
+        logger.warning(
+            "PD bootstrap port %d is taken (%s): SGLang's gateway cannot drive this prefill "
+            "server in PD mode; start it with --disaggregation-bootstrap-port PORT for that "
+            "(cpkv-router does not need it)",
+            port,
+            e,
+        )
+        return None, None
+    logger.info("PD bootstrap endpoint (SGLang's gateway) on %s:%d", args.host, server.port)
+    gateway = GatewayPD("prefill", wait_s=args.transfer_bootstrap_timeout, registry=registry)
+    return gateway, server
 
 
 def _model_flags(args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> dict[str, Any]:
@@ -634,10 +679,26 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         t = time.perf_counter()
         engine.backend.prepare()  # Mooncake: engine up, host copy buffer registered
         logger.info("transfer backend ready in %.2fs", time.perf_counter() - t)
+        gateway_pd, bootstrap = _prefill_bootstrap(args, engine)
+        if bootstrap is not None:
+            closers.append(bootstrap.close)
+            info["disaggregation_bootstrap_port"] = bootstrap.port
     else:  # validate() refused --cp-size > 1 outside prefill mode
         engine, extra, more = _build_decode_side(args, cfg, model, tokenizer, devices, grammar)
         info.update(extra)
         closers += more
+        gateway_pd = None
+        if args.disaggregation_mode == "decode":  # SGLang's gateway: `transfer.bootstrap`
+            layout = LayoutDescriptor.from_model(
+                cfg, args.page_size, DTYPES[args.dtype], args.index_k_dtype
+            )
+            gateway_pd = GatewayPD(
+                "decode",
+                wait_s=args.transfer_bootstrap_timeout,
+                client=BootstrapClient(timeout=BOOTSTRAP_CALL_TIMEOUT_S),
+                layout=layout_json(layout),
+                transfer_target=extra["transfer_target"],
+            )
     try:
         warm_s, jobs = warm_up(engine, args, cfg, model)
     except Exception:
@@ -695,6 +756,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         # One prefill for a prompt's `n` choices where later ones find it cached.
         prefix_cache=isinstance(engine, CachedUnifiedEngine),
         grammar=grammar,
+        gateway_pd=gateway_pd,
     )
     return Server(args, cfg, engine, loop, app, info, closers, compiler=compiler)
 

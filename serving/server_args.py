@@ -76,6 +76,7 @@ from serving import flags
 from serving.api_keys import ADMIN_API_KEY_ENV, API_KEY_ENV, key_problem, open_bind_warning
 from serving.flags import flag_name
 from serving.parsers import ChatParserConfig
+from transfer.bootstrap import DEFAULT_BOOTSTRAP_PORT
 from transfer.capabilities import DEFAULT_BACKEND as DEFAULT_TRANSFER_BACKEND
 from transfer.capabilities import TransferBackendRegistry, default_backend_registry
 
@@ -529,6 +530,16 @@ class ServerArgs:
         group="transfer",
         requires="disaggregated",
     )
+    disaggregation_bootstrap_port: int = _arg(
+        DEFAULT_BOOTSTRAP_PORT,
+        help="prefill mode: port of the PD bootstrap endpoint where a decode server driven "
+        "by SGLang's gateway (smg --pd-disaggregation) registers its receiver for a room "
+        "(SGLang's flag and default; give the gateway this port with the prefill URL). "
+        "0 = any free port; the default port, when taken, only turns the gateway's PD "
+        "mode off on this server (logged); an explicit port must be free",
+        group="transfer",
+        requires="disaggregated",
+    )
     transfer_bootstrap_timeout: float = _arg(
         300.0,
         help="seconds for a PD pair's bootstrap handshake: decode mode, from a room's "
@@ -898,6 +909,11 @@ class ServerArgs:
             )
         if not 1 <= self.port <= 65535:
             raise ServerArgsError(f"--port must be in [1, 65535], got {self.port}")
+        if not 0 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ServerArgsError(
+                "--disaggregation-bootstrap-port must be in [0, 65535], got "
+                f"{self.disaggregation_bootstrap_port}"
+            )
         if not 0 <= self.transfer_port <= 65535:
             raise ServerArgsError(
                 f"--transfer-port must be in [0, 65535] (0 = any free port), got "

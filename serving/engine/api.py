@@ -43,12 +43,15 @@ GrammarKind = Literal["json_schema", "regex", "ebnf", "choice"]
 
 @dataclasses.dataclass(frozen=True)
 class Grammar:
-    """Structured output (`serving.grammar`): the output must match `source`, a JSON
-    schema, a regular expression, an EBNF / GBNF or Lark grammar, or a JSON list of the
-    strings to choose from."""
+    """Structured output (`serving.grammar`): the output (after `after`, when set) must
+    match `source`, a JSON schema, a regular expression, an EBNF / GBNF or Lark grammar,
+    or a JSON list of the strings to choose from."""
 
     kind: GrammarKind
     source: str
+    # Constrain only after the output has produced these tokens (a reasoning model's
+    # `</think>`: the reasoning stays free, the answer follows the grammar).
+    after: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

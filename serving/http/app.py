@@ -60,6 +60,7 @@ from serving.grammar import GrammarBackend
 from serving.http.auth import install_api_keys
 from serving.http.chat_template import ChatRenderer, ChatTemplate
 from serving.http.errors import ApiError, install_error_handlers
+from serving.http.gateway_pd import GatewayPD
 from serving.http.generation import ApiCore
 from serving.http.metrics import ServerMetrics
 from serving.http.models import AbortBody, ProfileBody
@@ -246,6 +247,7 @@ def build_app(
     chat_parsers: ChatParserConfig | None = None,
     prefix_cache: bool = False,
     grammar: GrammarBackend | None = None,
+    gateway_pd: GatewayPD | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `client`.
 
@@ -281,6 +283,7 @@ def build_app(
         chat_parsers=chat_parsers,
         prefix_cache=prefix_cache,
         grammar=grammar,
+        gateway_pd=gateway_pd,
     )
     app = FastAPI(title="cpkv-jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = core  # the shared state, for tests and debugging

@@ -42,8 +42,9 @@ from serving.engine.api import (
 from serving.grammar import GrammarBackend, row_grammar_for
 from serving.http.chat_template import ChatRenderer
 from serving.http.errors import ApiError, ClientDisconnectedError, engine_error, error_body
+from serving.http.gateway_pd import GatewayPD
 from serving.http.metrics import RequestTimer, ServerMetrics
-from serving.http.models import describe_validation_error
+from serving.http.models import PDFields, describe_validation_error
 from serving.http.streaming import (
     SSE_DONE,
     ClosingStreamingResponse,
@@ -291,8 +292,13 @@ class ApiCore:
         chat_parsers: ChatParserConfig | None = None,
         prefix_cache: bool = False,
         grammar: GrammarBackend | None = None,
+        gateway_pd: GatewayPD | None = None,
     ) -> None:
         self.client = client
+        # PD bodies from SGLang's gateway (bootstrap host / port / room); None outside PD.
+        self.gateway_pd = gateway_pd
+        # Decode side: rooms to register at their prefill server once submitted.
+        self._registrations: dict[str, tuple[str, int | None]] = {}
         # Structured output's compiler (`serving.grammar`); None without a tokenizer.
         self.grammar = grammar
         # The engine keeps prompts' KV in a prefix cache: the choices of one prompt (`n`)
@@ -482,7 +488,10 @@ class ApiCore:
     ) -> tuple[EngineStream, Generation, OutputChunk]:
         if req.sampling.grammar is not None:
             await self.check_grammar(req.sampling.grammar)
+        where = self._registrations.pop(req.bootstrap_room or "", None)
         stream = EngineStream(self.client, req, request, self.in_flight, disconnect)
+        if where is not None:  # submitted below: then tell the prefill server our receiver
+            self._register_soon(stream, req, *where)
         gen = Generation(
             req=req,
             timer=self.metrics.start_request(arrival),
@@ -505,6 +514,23 @@ class ApiCore:
             raise
         return stream, gen, chunk
 
+    async def pd_fields(self, body: PDFields) -> dict[str, Any]:
+        """`GenerateRequest`'s PD keywords from `body`, completed through the bootstrap
+        rendezvous for a body from SGLang's gateway (`serving.http.gateway_pd`)."""
+        fields = body.pd_fields()
+        if body.bootstrap_host is None:
+            return fields
+        if self.gateway_pd is None:
+            raise ApiError(
+                400,
+                "bootstrap_host: this server is not one side of a PD pair; send the "
+                "request to a prefill or decode server, or without the bootstrap fields",
+            )
+        out = await self.gateway_pd.resolve(fields, body.bootstrap_host, body.bootstrap_port)
+        if self.gateway_pd.mode == "decode":
+            self._registrations[out["bootstrap_room"]] = (body.bootstrap_host, body.bootstrap_port)
+        return out
+
     async def check_grammar(self, grammar: Grammar) -> None:
         """Compile `grammar` in a worker thread (cached), so the engine thread only copies
         its matcher; a 400 saying why when it cannot be used."""
@@ -512,6 +538,26 @@ class ApiCore:
             await asyncio.to_thread(row_grammar_for, self.grammar, grammar)
         except InputError as e:
             raise ApiError(400, str(e)) from None
+
+    def _register_soon(
+        self, stream: EngineStream, req: GenerateRequest, host: str, port: int | None
+    ) -> None:
+        """Register `req`'s room at its prefill server in the background; a failure aborts
+        the request (its room and pages freed), whose stream then ends with the reason."""
+        assert self.gateway_pd is not None and req.bootstrap_room is not None
+        room = req.bootstrap_room
+
+        async def register() -> None:
+            await asyncio.sleep(0)  # after the submit that the first `next` starts
+            try:
+                await self.gateway_pd.register(room, host, port)  # type: ignore[union-attr]
+            except Exception as e:
+                logger.warning("request %s: PD bootstrap registration failed: %s", req.rid, e)
+                self.client.abort(req.rid)
+
+        task = asyncio.ensure_future(register())
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     async def run_to_end(
         self,

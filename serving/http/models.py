@@ -195,7 +195,7 @@ GENERATE_SAMPLING_NEUTRAL: Mapping[str, Neutral] = {
 }
 
 # SGLang's `GenerateReqInput` fields that this server does not implement (`bootstrap_room`
-# is a PD field, `_PDFields`). SGLang's gateway `smg` sends `log_metrics`, `background`,
+# is a PD field, `PDFields`). SGLang's gateway `smg` sends `log_metrics`, `background`,
 # `no_logs`, `return_bytes`, `return_entropy` (and `return_text_in_logprobs`, a model
 # field) on every `/generate`, at their defaults unless its client set them.
 GENERATE_NEUTRAL: Mapping[str, Neutral] = {
@@ -224,8 +224,6 @@ GENERATE_NEUTRAL: Mapping[str, Neutral] = {
     "lora_id": off(),
     "custom_logit_processor": off(),
     "positional_embed_overrides": off(),
-    "bootstrap_host": off(),
-    "bootstrap_port": off(),
     "bootstrap_pair_key": off(),
     "decode_tp_size": off(),
     "routed_dp_rank": off(),
@@ -330,16 +328,27 @@ class GenerateSamplingParams(_Body):
         )
 
 
-class _PDFields(_Body):
+class PDFields(_Body):
     """Set by the PD router (`serving.router.pd_bodies`) on every generation endpoint, never
-    by end users; see `engine.api.GenerateRequest`. `decode_transfer_target` is "host:port"."""
+    by end users; see `engine.api.GenerateRequest`. `decode_transfer_target` is "host:port".
+    SGLang's gateway sends `bootstrap_host` / `bootstrap_port` and an integer room instead
+    (`serving.http.gateway_pd`); the room is kept as its exact decimal text."""
 
-    bootstrap_room: str | None = Field(default=None, min_length=1, max_length=256)
+    bootstrap_room: str | int | None = None
     decode_transfer_target: str | None = None
     bootstrap_cp_size: int | None = Field(default=None, ge=1, le=4096)
+    bootstrap_host: str | None = Field(default=None, min_length=1, max_length=255)
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
 
     @model_validator(mode="after")
-    def _check_pd(self) -> _PDFields:
+    def _check_pd(self) -> PDFields:
+        room = self.bootstrap_room
+        if isinstance(room, int) and not 0 <= room < 2**64:
+            raise ValueError(f"bootstrap_room must be in [0, 2**64), got {room}")
+        if isinstance(room, str) and not 1 <= len(room) <= 256:
+            raise ValueError("bootstrap_room must be 1 to 256 characters")
+        if self.bootstrap_host is not None and room is None:
+            raise ValueError("bootstrap_host goes with a bootstrap_room")
         target = self.decode_transfer_target
         if target is not None and not _HOST_PORT.match(target):
             raise ValueError(f"decode_transfer_target must be 'host:port', got {target!r}")
@@ -347,8 +356,9 @@ class _PDFields(_Body):
 
     def pd_fields(self) -> dict[str, str | int | None]:
         """Keyword arguments of `GenerateRequest` for the PD fields."""
+        room = self.bootstrap_room
         return {
-            "bootstrap_room": self.bootstrap_room,
+            "bootstrap_room": None if room is None else str(room),  # an int exactly
             "decode_transfer_target": self.decode_transfer_target,
             "bootstrap_cp_size": self.bootstrap_cp_size,
         }
@@ -358,7 +368,7 @@ class _PDFields(_Body):
 GATEWAY_ANY_MODEL = "unknown"
 
 
-class GenerateBody(_PDFields):
+class GenerateBody(PDFields):
     """`POST /generate`: exactly one of `text` / `input_ids`, plus the PD fields.
 
     `model` is not SGLang's (its `/generate` serves its one model) but SGLang's gateway
@@ -451,8 +461,6 @@ _OPENAI_BOTH_NEUTRAL: Mapping[str, Neutral] = {
     "custom_params": off({}),
     "custom_logit_processor": off(),
     "images_config": off(),
-    "bootstrap_host": off(),
-    "bootstrap_port": off(),
     "routed_dp_rank": off(),
     "disagg_prefill_dp_rank": off(),
     "data_parallel_rank": off(),
@@ -582,7 +590,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _OpenAICommon(_PDFields):
+class _OpenAICommon(PDFields):
     """Fields shared by `/v1/completions` and `/v1/chat/completions`.
 
     `top_k`, `min_p`, `ignore_eos`, `stop_token_ids` and `skip_special_tokens` are

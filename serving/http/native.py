@@ -49,6 +49,7 @@ class NativeRoutes:
         else:
             ids = list(body.prompts()[0])  # type: ignore[arg-type]
         assert not isinstance(body.rid, list)
+        pd = await core.pd_fields(body)
         req = core.make_request(
             ids,
             body.sampling_params.to_engine(),
@@ -56,7 +57,7 @@ class NativeRoutes:
             return_logprob=body.return_logprob,
             top_logprobs=body.top_logprobs_num,
             arrival=arrival,
-            **body.pd_fields(),
+            **pd,
         )
         if not body.stream:
             gen = await core.run_to_end(req, request, arrival)  # gone: 499 (errors.py)

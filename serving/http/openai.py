@@ -12,6 +12,7 @@ alone when it is given (`ServerArgs.served_model_names`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -125,7 +126,7 @@ class OpenAIRoutes:
         # prompts are validated as for one new token.
         generate = body.max_new_tokens() != 0
         sampling = body.to_engine(body.max_new_tokens() if generate else 1)
-        pd = body.pd_fields()
+        pd = await core.pd_fields(body)
         base, rids = core.request_ids(request, count)  # X-Request-Id, when given
         reqs, echoes = [], []
         for i, prompt in enumerate(prompts):
@@ -272,7 +273,14 @@ class OpenAIRoutes:
             raise ApiError(400, str(e)) from None
         ids = await core.tokenize(prompt, field="messages")
         sampling = body.to_engine(body.max_new_tokens(len(ids), core.context_length))
-        pd = body.pd_fields()
+        # `tool_choice` required / named forces the calls; a reasoning model's grammar
+        # applies after its reasoning (`serving.http.chat_output`).
+        grammar = chat_output.forced_tool_grammar(body, tools) or sampling.grammar
+        grammar = chat_output.grammar_after_reasoning(
+            grammar, body, core.chat_parsers, core.tokenizer
+        )
+        sampling = dataclasses.replace(sampling, grammar=grammar)
+        pd = await core.pd_fields(body)
         base, rids = core.request_ids(request, n)  # X-Request-Id, when given
         # One engine request per choice (`choice_sampling`: greedy choices are identical),
         # each with its own output parser (a stream's parser keeps state).

@@ -12,6 +12,7 @@ response.
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,6 +36,42 @@ class ChatDelta:
     tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
+class JsonToolCalls:
+    """The answer of a request whose `tool_choice` forced calls (`required`: a JSON array
+    of `{"name", "parameters"}`; a named function: its arguments object), held until the
+    output ends, then turned into `ToolCall`s. Output that is not such JSON (a length
+    stop mid-answer) comes back as content."""
+
+    start = ""  # no markup: nothing interrupts the reasoning
+
+    def __init__(self, function: str | None) -> None:
+        self.function = function  # the named function, or None for `required`
+        self._buf = ""
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self._buf += text
+        return []
+
+    def finish(self) -> list[str | ToolCall]:
+        buf, self._buf = self._buf, ""
+        try:
+            value = json.loads(buf)
+        except ValueError:
+            return [buf] if buf else []
+        if self.function is not None and isinstance(value, dict):
+            return [ToolCall(self.function, json.dumps(value, ensure_ascii=False))]
+        calls = (
+            [
+                ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                for c in value
+                if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c
+            ]
+            if isinstance(value, list)
+            else []
+        )
+        return list(calls) if calls else [buf]
+
+
 class ChatOutputParser:
     def __init__(
         self,
@@ -44,13 +81,18 @@ class ChatOutputParser:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         separate_reasoning: bool = True,
         parallel_tool_calls: bool = True,
+        forced_tool: str | None = None,
     ) -> None:
-        self.tools: ToolCallParser | None = None
-        if config.tool_call is not None and tools:
+        # `forced_tool`: `tool_choice` forced the calls ("" for `required`, else the
+        # function's name); the answer is JSON (`serving.http.chat_output`).
+        self.tools: ToolCallParser | JsonToolCalls | None = None
+        if forced_tool is not None:
+            self.tools = JsonToolCalls(forced_tool or None)
+        elif config.tool_call is not None and tools:
             self.tools = tool_call_parser(config.tool_call, tools)
         self.thinking: ReasoningParser | None = None
         if config.reasoning is not None and separate_reasoning:
-            interrupt = (self.tools.start,) if self.tools is not None else ()
+            interrupt = (self.tools.start,) if isinstance(self.tools, ToolCallParser) else ()
             self.thinking = reasoning_parser(
                 config.reasoning, chat_template_kwargs, interrupt=interrupt
             )

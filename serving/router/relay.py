@@ -84,7 +84,13 @@ from serving.router.upstreams import (
 logger = logging.getLogger(__name__)
 
 PD_ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
-PD_FIELDS = ("bootstrap_room", "bootstrap_cp_size", "decode_transfer_target")
+PD_FIELDS = (
+    "bootstrap_room",
+    "bootstrap_cp_size",
+    "decode_transfer_target",
+    "bootstrap_host",  # SGLang gateway's
+    "bootstrap_port",
+)
 
 # Upstream connections the router may hold open at once; a proxy should not queue here.
 _MAX_UPSTREAM_CONNECTIONS = 4096

@@ -166,8 +166,16 @@ def test_a_conversation_with_tool_calls_and_tool_results(chat_srv):
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        ({"tool_choice": "required"}, "constrained decoding"),
-        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+        # Forcing calls needs the grammar backend, which a server without a tokenizer.json
+        # (this one: its engine is the mock) does not have; the real model's in
+        # test_serving_e2e.py.
+        ({"tool_choice": "required"}, "tokenizer.json"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tokenizer"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not one of"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "drop response_format",
+        ),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
         ({"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name"),
     ],
@@ -228,3 +236,60 @@ def test_the_tiny_template_renders_tools_calls_and_results():
 def test_tojson_takes_the_keywords_of_transformers():
     t = ChatTemplate("{{ tools[0] | tojson(ensure_ascii=False) }}|{{ 'é' | tojson }}")
     assert t.render([], tools=[{"a": "é"}]) == '{"a": "é"}|"é"'
+
+
+def test_forced_calls_parse_from_their_json_and_malformed_json_is_content():
+    """`JsonToolCalls`: `required`'s array of {name, parameters}, a named function's
+    arguments object; anything else (cut by max_tokens) comes back as content."""
+    from serving.parsers.chat import JsonToolCalls
+
+    p = JsonToolCalls(None)
+    assert p.feed('[{"name": "get_weather", "parameters": {"city": "Zürich"}}, ') == []
+    assert p.feed('{"name": "f", "parameters": {}}]') == []
+    assert p.finish() == [
+        ToolCall("get_weather", '{"city": "Zürich"}'),
+        ToolCall("f", "{}"),
+    ]
+    named = JsonToolCalls("get_weather")
+    named.feed('{"city": "Oslo", "days": 2}')
+    assert named.finish() == [ToolCall("get_weather", '{"city": "Oslo", "days": 2}')]
+    cut = JsonToolCalls(None)
+    cut.feed('[{"name": "get_weather", "param')
+    assert cut.finish() == ['[{"name": "get_weather", "param']
+    odd = JsonToolCalls(None)
+    odd.feed('{"name": "x"}')
+    assert odd.finish() == ['{"name": "x"}']
+
+
+def test_the_forced_grammar_names_the_tools_and_waits_for_the_reasoning_end():
+    """`forced_tool_grammar`: `required` is an array of the tools' calls (at most one with
+    `parallel_tool_calls: false`), a named function its parameters' schema;
+    `grammar_after_reasoning` starts it after `</think>` when the output starts in
+    reasoning (glm45 by default, not with `enable_thinking: false`)."""
+    from cpkv_jax.tokenizer import Tokenizer
+    from cpkv_jax.tools.make_tiny_checkpoint import build_byte_tokenizer
+    from serving.http.chat_output import forced_tool_grammar, grammar_after_reasoning
+    from serving.http.models import ChatCompletionBody
+
+    def body(**kw):
+        base = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+        return ChatCompletionBody.model_validate({**base, **kw})
+
+    tools = [WEATHER]
+    assert forced_tool_grammar(body(tool_choice="auto"), tools) is None
+    g = forced_tool_grammar(body(tool_choice="required", parallel_tool_calls=False), tools)
+    schema = json.loads(g.source)
+    assert g.kind == "json_schema" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    (call,) = schema["items"]["anyOf"]
+    assert call["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
+    assert call["properties"]["parameters"] == WEATHER["function"]["parameters"]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    g = forced_tool_grammar(body(tool_choice=named), tools)
+    assert json.loads(g.source) == WEATHER["function"]["parameters"]
+    tok = Tokenizer(build_byte_tokenizer())
+    config = ChatParserConfig(reasoning="glm45", tool_call="glm47")
+    after = grammar_after_reasoning(g, body(tool_choice=named), config, tok)
+    assert after.after == tuple(tok.encode("</think>")) and after.source == g.source
+    off = body(tool_choice=named, chat_template_kwargs={"enable_thinking": False})
+    assert grammar_after_reasoning(g, off, config, tok) == g
+    assert grammar_after_reasoning(g, body(), ChatParserConfig(tool_call="glm47"), tok) == g

@@ -823,3 +823,37 @@ def test_grammar_rows_match_the_masked_reference_beside_plain_rows(tiny, tiny_ch
             GenerateRequest("nb", (5, 6), SamplingParams(4, grammar=grammars["g-regex"]))
         )
     assert not engine.has_work() and kv.num_free_pages == free0
+
+
+def test_a_grammar_after_a_marker_leaves_the_output_free_until_it(tiny, tiny_checkpoints):
+    """`Grammar.after` (a reasoning model's `</think>`, set by the chat route): tokens
+    are drawn unconstrained until the output has produced the marker, then under the
+    grammar. The marker here is the model's own greedy tokens 2-3, so the output up to it
+    is the plain reference's and the rest matches the regex; equal to the masked
+    reference's too."""
+    import re
+
+    from support.grammar_ref import grammar_reference
+
+    from serving.engine.api import Grammar
+    from serving.grammar import load_grammar_backend
+
+    cfg, _, ref = tiny
+    path = tiny_checkpoints("glm_moe_dsa")
+    backend = load_grammar_backend(str(path / "tokenizer.json"), cfg.vocab_size, cfg.eos_token_ids)
+    prompt = tuple(int(t) for t in np.random.default_rng(14).integers(3, 300, 11))
+    plain = ref.generate(prompt, 8, ignore_eos=True).output_ids
+    marker = tuple(plain[2:4])
+    assert marker != tuple(plain[1:3]) and marker != tuple(plain[0:2])
+    grammar = Grammar("regex", "[0-9]{2}!", after=marker)
+    engine, kv = make_engine(tiny, grammar=backend)
+    req = GenerateRequest("after", prompt, SamplingParams(30, grammar=grammar), return_logprob=True)
+    toks, lps, final = run(engine, {0: [req]})
+    out = toks["after"]
+    assert out[:4] == plain[:4]
+    assert re.fullmatch("[0-9]{2}!", bytes(t - 3 for t in out[4:]).decode())
+    assert final["after"].finish_reason == "stop"
+    want = grammar_reference(ref, backend, grammar, prompt, 30)
+    assert out == want.output_ids
+    np.testing.assert_allclose(lps["after"], want.output_logprobs, rtol=0, atol=LP_TOL)
+    assert kv.num_free_pages == POOL_PAGES - 1

@@ -36,9 +36,12 @@ import numpy as np
 import pytest
 from support.grammar_ref import grammar_reference
 from support.http_client import Served
+from support.smg import gateway as smg_gateway
+from support.smg import smg_binary
 
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
+from cpkv_jax.tokenizer import load_tokenizer
 from serving.compile_events import COMPILES
 from serving.decode.cached import CachedUnifiedEngine
 from serving.engine.api import Grammar
@@ -163,7 +166,9 @@ def assert_pages_back(server: Server) -> None:
 @pytest.fixture(scope="module")
 def unified(ckpt) -> Iterator[tuple[Server, Served]]:
     path, _, _ = ckpt
-    server = build_server(server_args(path, "null"))
+    # The parsers only change chat answers (the forced tool calls below).
+    parsers = ("--tool-call-parser", "glm47", "--reasoning-parser", "glm45")
+    server = build_server(server_args(path, "null", *parsers))
     served = Served(server.app)
     yield server, served
     served.stop()
@@ -412,6 +417,88 @@ def assert_structured_outputs(url: str, ids: list[int], wants: list[Any]) -> Non
     assert set(value) == {"id", "tag"} and 0 <= value["id"] <= 999 and value["tag"] in ("x", "yz")
 
 
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"enum": ["c", "f"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+ALARM = {"type": "function", "function": {"name": "alarm", "parameters": {
+    "type": "object", "properties": {"at": {"enum": ["6", "7"]}}, "required": ["at"],
+    "additionalProperties": False}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "alarm"}}]
+)
+def test_unified_tool_choice_forces_calls_of_the_tools(ckpt, unified, choice, stream):
+    """`tool_choice: "required"` or a named function (issue 37) on the real tiny model:
+    the answer is constrained to the calls' JSON, so a model that would never call a tool
+    on its own returns `tool_calls` of the tools (the named one), arguments valid for its
+    schema, `finish_reason: "tool_calls"`, and no content; streamed, the same calls come
+    as deltas. Thinking is off here: with it, the constraint starts after `</think>`."""
+    _, _, _ = ckpt
+    server, served = unified
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Weather, or an alarm?"}],
+        "tools": [FORECAST, ALARM],
+        "tool_choice": choice,
+        "parallel_tool_calls": False,
+        "max_tokens": 120,  # the byte tokenizer: a token per character
+        "temperature": 0.0,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "stream": stream,
+    }
+    if not stream:
+        r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=WAIT_S)
+        assert r.status_code == 200, r.text
+        choice_out = r.json()["choices"][0]
+        assert "tool_calls" in choice_out["message"], choice_out
+        calls, content = choice_out["message"]["tool_calls"], choice_out["message"]["content"]
+        finish = choice_out["finish_reason"]
+    else:
+        calls_by_index: dict[int, dict[str, Any]] = {}
+        content, finish = "", None
+        with httpx.stream(
+            "POST", served.url + "/v1/chat/completions", json=body, timeout=WAIT_S
+        ) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                event = json.loads(line[5:])
+                delta = event["choices"][0]["delta"]
+                content += delta.get("content") or ""
+                for tc in delta.get("tool_calls") or ():
+                    call = calls_by_index.setdefault(tc["index"], {"function": {"arguments": ""}})
+                    if "id" in tc:
+                        call["id"], call["function"]["name"] = tc["id"], tc["function"]["name"]
+                    call["function"]["arguments"] += tc["function"].get("arguments", "")
+                finish = event["choices"][0].get("finish_reason") or finish
+        calls = [calls_by_index[i] for i in sorted(calls_by_index)]
+    assert finish == "tool_calls" and not content and len(calls) == 1, (calls, content)
+    fn = calls[0]["function"]
+    args = json.loads(fn["arguments"])
+    if isinstance(choice, dict):
+        assert fn["name"] == "alarm" and args["at"] in ("6", "7")
+    elif fn["name"] == "forecast":
+        assert args["unit"] in ("c", "f") and 1 <= args["days"] <= 7
+    else:
+        assert fn["name"] == "alarm" and args["at"] in ("6", "7")
+    assert_pages_back(server)
+
+
 def test_unified_structured_outputs_are_the_masked_references(ckpt, unified):
     path, cfg, ref = ckpt
     server, served = unified
@@ -546,6 +633,10 @@ def pd(request, ckpt) -> Iterator[dict[str, Any]]:
             "--enable-cp-shared-kv",
             "--chunked-prefill-size",
             str(4 * P),
+            # SGLang's gateway (issue 38): a free port, not the default 8998 another
+            # test's prefill server may hold.
+            "--disaggregation-bootstrap-port",
+            "0",
         )
     )
     served = {"decode": Served(decode.app), "prefill": Served(prefill.app)}
@@ -604,6 +695,42 @@ def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):
         assert sum(n > 0 for n in pd["decode"].engine.admitted_per_rank) > 1
     assert_pages_back(pd["decode"])
     assert_pages_back(pd["prefill"])
+
+
+def test_pd_through_sglangs_gateway_equals_the_reference(ckpt, pd, tmp_path):
+    """Issue 38: the same pair behind SGLang's real gateway in PD mode (`smg launch
+    --pd-disaggregation --prefill URL BOOTSTRAP_PORT --decode URL`), which sends both
+    servers the body with `bootstrap_host` / `bootstrap_port` / an integer room and none
+    of our fields: the decode server reads the prefill's bootstrap info and registers its
+    receiver for the room (`transfer.bootstrap`), the prefill request waits for it. Greedy
+    outputs equal the reference, streamed and not, on `/generate` and `/v1/completions`;
+    every page comes back and no room is left registered."""
+    if smg_binary() is None:
+        pytest.skip("the `smg` gateway is not installed (pip install smg==1.13.0)")
+    path, cfg, ref = ckpt
+    prefill_url, decode_url = pd["served"]["prefill"].url, pd["served"]["decode"].url
+    port = pd["prefill"].info["disaggregation_bootstrap_port"]
+    cases = prompts(cfg, seed=21)
+    wants = [reference(ref, ids) for ids in cases]
+    text = "Prefill here, decode there, and the gateway in between."
+    tokenizer = load_tokenizer(path)
+    assert tokenizer is not None
+    want_text = reference(ref, tokenizer.encode(text))
+    args = ["--pd-disaggregation", "--prefill", prefill_url, str(port), "--decode", decode_url]
+    with smg_gateway(args, tmp_path / "smg.log", expect=2) as url:
+        for i, (ids, want) in enumerate(zip(cases, wants, strict=True)):
+            assert generate(url, ids, stream=i % 2 == 0) == want, (pd["backend"], len(ids))
+        # The gateway takes only text prompts on /v1/completions, and routes by the model
+        # id the workers' /v1/models give.
+        model = httpx.get(prefill_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": text, "max_tokens": NEW, "temperature": 0.0}
+        r = httpx.post(url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=WAIT_S)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want_text
+    assert_pages_back(pd["decode"])
+    assert_pages_back(pd["prefill"])
+    gateway_pd = pd["prefill"].app.state.api.gateway_pd
+    assert gateway_pd is not None and gateway_pd.registry.pending == 0
 
 
 def test_pd_client_disconnect_mid_stream_frees_pages_on_both_sides(ckpt, pd):

@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from support.prefill_server import P
+from support.smg import gateway as smg_gateway
+from support.smg import smg_binary
 from support.unified_server import serving, unified_args
 
 from cpkv_jax import __version__
@@ -42,19 +38,6 @@ RUNNING = 2
 POOL_PAGES = 24
 NEW = 4
 WAIT_S = 60.0  # a first request may compile a step shape on a busy 2-core host
-STARTUP_S = 60.0
-
-
-def smg_binary() -> str | None:
-    """The `smg` of this environment (next to the interpreter), else one on PATH."""
-    here = Path(sys.executable).parent / "smg"
-    return str(here) if here.exists() else shutil.which("smg")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -75,49 +58,13 @@ def workers(tiny_checkpoint) -> Iterator[list[str]]:
 
 @pytest.fixture(scope="module")
 def gateway(workers, tmp_path_factory) -> Iterator[str]:
-    """`smg launch` in regular mode in front of `workers`, once both are registered."""
-    binary = smg_binary()
-    assert binary is not None
-    port = free_port()
+    """`smg launch` in regular mode in front of `workers`, once both are registered (the
+    command line README "Behind SGLang's gateway (smg)" gives; regular mode routes on
+    text, so the gateway needs no tokenizer)."""
     log_path = tmp_path_factory.mktemp("smg") / "smg.log"
-    # The command line README "Behind SGLang's gateway (smg)" gives, on loopback ports
-    # (its Prometheus port too: the default 29000 may be taken), without the tokenizer
-    # the gateway would load from /model_info's path (regular mode routes on text).
-    cmd = [
-        binary, "launch", "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", *workers,
-        "--policy", "cache_aware",
-        "--api-key", KEY,
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-        "--disable-tokenizer-autoload",
-        "--shutdown-grace-period-secs", "1",  # nothing is in flight at teardown
-        "--log-level", "warn",
-    ]  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"smg exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                # Until it listens, then a body without "workers" until it registers some.
-                listed = httpx.get(url + "/workers", headers=AUTH, timeout=5).json()
-                listed = listed.get("workers", [])
-                if len(listed) == 2 and all(w["status"] == "ready" for w in listed):
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"smg did not register both workers:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
+    args = ["--worker-urls", *workers, "--policy", "cache_aware", "--api-key", KEY]
+    with smg_gateway(args, log_path, expect=2, headers=AUTH) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def post(url: str, path: str, body: dict, **headers: str) -> dict:
