@@ -297,8 +297,9 @@ class ApiCore:
         self.client = client
         # PD bodies from SGLang's gateway (bootstrap host / port / room); None outside PD.
         self.gateway_pd = gateway_pd
-        # Decode side: rooms to register at their prefill server once submitted.
-        self._registrations: dict[str, tuple[str, int | None]] = {}
+        # Decode side: rooms to register at their prefill server once submitted, with when
+        # they were resolved (a request refused before its submit leaves its entry: pruned).
+        self._registrations: dict[str, tuple[str, int | None, float]] = {}
         # Structured output's compiler (`serving.grammar`); None without a tokenizer.
         self.grammar = grammar
         # The engine keeps prompts' KV in a prefix cache: the choices of one prompt (`n`)
@@ -486,12 +487,12 @@ class ApiCore:
         index: int,
         disconnect: asyncio.Future[None] | None,
     ) -> tuple[EngineStream, Generation, OutputChunk]:
+        where = self._registrations.pop(req.bootstrap_room or "", None)
         if req.sampling.grammar is not None:
             await self.check_grammar(req.sampling.grammar)
-        where = self._registrations.pop(req.bootstrap_room or "", None)
         stream = EngineStream(self.client, req, request, self.in_flight, disconnect)
         if where is not None:  # submitted below: then tell the prefill server our receiver
-            self._register_soon(stream, req, *where)
+            self._register_soon(stream, req, where[0], where[1])
         gen = Generation(
             req=req,
             timer=self.metrics.start_request(arrival),
@@ -528,7 +529,12 @@ class ApiCore:
             )
         out = await self.gateway_pd.resolve(fields, body.bootstrap_host, body.bootstrap_port)
         if self.gateway_pd.mode == "decode":
-            self._registrations[out["bootstrap_room"]] = (body.bootstrap_host, body.bootstrap_port)
+            now = time.monotonic()
+            old = now - self.gateway_pd.wait_s
+            for room in [r for r, (*_, at) in self._registrations.items() if at < old]:
+                del self._registrations[room]
+            room = out["bootstrap_room"]
+            self._registrations[room] = (body.bootstrap_host, body.bootstrap_port, now)
         return out
 
     async def check_grammar(self, grammar: Grammar) -> None:

@@ -437,9 +437,9 @@ ALARM = {"type": "function", "function": {"name": "alarm", "parameters": {
     "additionalProperties": False}}}  # fmt: skip
 
 
-@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
-    "choice", ["required", {"type": "function", "function": {"name": "alarm"}}]
+    ("choice", "stream"),
+    [("required", False), ({"type": "function", "function": {"name": "alarm"}}, True)],
 )
 def test_unified_tool_choice_forces_calls_of_the_tools(ckpt, unified, choice, stream):
     """`tool_choice: "required"` or a named function (issue 37) on the real tiny model:
@@ -697,6 +697,8 @@ def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):
     assert_pages_back(pd["prefill"])
 
 
+# The gateway's side does not depend on the transfer backend: once, over gRPC (suite time).
+@pytest.mark.parametrize("pd", ["grpc"], indirect=True)
 def test_pd_through_sglangs_gateway_equals_the_reference(ckpt, pd, tmp_path):
     """Issue 38: the same pair behind SGLang's real gateway in PD mode (`smg launch
     --pd-disaggregation --prefill URL BOOTSTRAP_PORT --decode URL`), which sends both
