@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks.report import emit
 from cpkv_jax import sampling
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.transformer import CausalLM, log_probs
@@ -146,10 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "rows": rows,
     }
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    emit(out, str(args.json) if args.json else None)
     return 0
 
 
