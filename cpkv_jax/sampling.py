@@ -4,7 +4,10 @@
 computed (on the device, for the decode steps) and per-row `RowSampling` parameters, and
 returns each row's token, that token's log-prob (under the untempered distribution, the
 one the API reports) and whether the row had a finite maximum - three small arrays
-instead of the whole vocabulary's log-probs.
+instead of the whole vocabulary's log-probs. `sample_async` dispatches the same draw and
+returns a `PendingSample` whose tokens stay on the device (a decode engine feeds them to
+its next step) until `fetch`. A `token_mask` (a grammar's packed bitmask,
+`mask_tokens`) restricts each row to its allowed tokens before the draw.
 
 Per row, as SGLang and vLLM order the filters: temperature, then top-k (`top_k > 0`: the
 k most likely tokens, ties broken towards the lower token id), then top-p (the smallest

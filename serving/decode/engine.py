@@ -45,6 +45,12 @@ of two of the longest reservation in the batch; prefill pads the prompt to
 `buckets.prefill_bucket(len)` and the table to a power of two of the reservation. The KV pool
 is donated to every forward step, through `KVStore.update_pool`.
 
+Overlap (default; `overlap=False` is `--disable-overlap-schedule`): each `step`
+dispatches the next decode step before it fetches the previous one's tokens, the ids of
+rows that continue fed from that draw on the device (`_decode_step`), so a finished
+request's final chunk comes one step after its last token was drawn. A step with a
+structured-output row (`serving.grammar`) fetches first: its mask needs the tokens.
+
 All methods run on the engine thread (`serving.engine_loop.EngineLoop`); only `stats`
 may be called from another thread (it reads a snapshot).
 """
