@@ -88,6 +88,13 @@ class BootstrapRegistry:
             self._rooms[room] = _Registration(target, self._clock())
             self._cond.notify_all()
 
+    def claim(self, room: str) -> str | None:
+        """The receiver registered for `room`, claimed (a room is used once); None while
+        none is registered. Never blocks (an event loop polls it)."""
+        with self._cond:
+            reg = self._rooms.pop(room, None)
+        return None if reg is None else reg.target
+
     def wait(self, room: str, timeout: float) -> str:
         """The receiver registered for `room` (claimed: a room is used once), waiting up to
         `timeout` seconds; `BootstrapTimeoutError` when none came."""

@@ -5,9 +5,10 @@ The gateway sends the same body to a prefill and a decode server with `bootstrap
 `bootstrap_cp_size`). `GatewayPD` fills those in through the rendezvous of
 `transfer.bootstrap` before the request reaches the engine:
 
-- prefill server: wait (in a worker thread, bounded by `--transfer-bootstrap-timeout`)
-  for the decode server to register the room; its receiver is the request's
-  `decode_transfer_target`. No registration in time: 504, nothing was started.
+- prefill server: wait (polled from the event loop, bounded by
+  `--transfer-bootstrap-timeout`) for the decode server to register the room; its
+  receiver is the request's `decode_transfer_target`. No registration in time: 504,
+  nothing was started.
 - decode server: read the prefill's bootstrap info (its CP size, and a layout check: a
   400 when the two serve different KV layouts), so the room is registered with the
   right number of senders; once the request is submitted (its room registered with the
@@ -20,18 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Literal
 
 from cpkv_jax.errors import CpkvError, InputError
 from serving.http.errors import ApiError
-from transfer.bootstrap import (
-    DEFAULT_BOOTSTRAP_PORT,
-    BootstrapClient,
-    BootstrapRegistry,
-    BootstrapTimeoutError,
-)
+from transfer.bootstrap import DEFAULT_BOOTSTRAP_PORT, BootstrapClient, BootstrapRegistry
 
 logger = logging.getLogger(__name__)
+
+# A prefill request polls for its room's registration from 1 ms, doubling up to 50 ms.
+POLL_MIN_S = 0.001
+POLL_MAX_S = 0.05
 
 
 class GatewayPD:
@@ -67,12 +68,7 @@ class GatewayPD:
         if self.mode == "prefill":
             if fields.get("decode_transfer_target") is not None:
                 return fields
-            assert self.registry is not None
-            try:
-                target = await asyncio.to_thread(self.registry.wait, room, self.wait_s)
-            except BootstrapTimeoutError as e:
-                raise ApiError(504, str(e)) from None
-            return {**fields, "decode_transfer_target": target}
+            return {**fields, "decode_transfer_target": await self._wait_for(room)}
         if fields.get("bootstrap_cp_size") is not None:
             return fields
         info = await self._info(host, port)
@@ -84,6 +80,24 @@ class GatewayPD:
                 "model, page size and dtypes on both",
             )
         return {**fields, "bootstrap_cp_size": int(info["cp_size"])}
+
+    async def _wait_for(self, room: str) -> str:
+        """The room's receiver once registered, polled from the event loop: waiting
+        requests hold no worker thread (a burst of them would otherwise fill the default
+        executor that tokenization also runs in). A 504 after `wait_s`."""
+        assert self.registry is not None
+        deadline = time.monotonic() + self.wait_s
+        pause = POLL_MIN_S
+        while (target := self.registry.claim(room)) is None:
+            if time.monotonic() >= deadline:
+                raise ApiError(
+                    504,
+                    f"room {room}: no decode server registered it within {self.wait_s:g}s "
+                    "(is the decode server up, and given this server's bootstrap port?)",
+                )
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
+        return target
 
     async def register(self, room: str, host: str, port: int | None) -> None:
         """Decode side: tell the prefill server that `room`'s pages go to this server's

@@ -79,3 +79,30 @@ def test_a_registration_racing_ahead_of_the_prefill_request_is_kept(prefill):
     fields = {**FIELDS, "bootstrap_room": "7"}
     got = asyncio.run(pre.resolve(fields, "127.0.0.1", prefill.port))
     assert got["decode_transfer_target"] == "127.0.0.1:7001"
+
+
+def test_waiting_prefill_requests_hold_no_worker_thread(prefill):
+    """A burst of prefill requests waiting for their rooms (more than the default
+    executor's threads) leaves the executor free: tokenization runs there too. Each is
+    answered once its room is registered."""
+    pre = GatewayPD("prefill", wait_s=10.0, registry=prefill.registry)
+    rooms = [str(r) for r in range(40)]
+
+    async def run() -> list[dict]:
+        waiting = [
+            asyncio.ensure_future(
+                pre.resolve({**FIELDS, "bootstrap_room": r}, "127.0.0.1", prefill.port)
+            )
+            for r in rooms
+        ]
+        await asyncio.sleep(0.05)
+        # A worker-thread call while all 40 wait: answered at once.
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: 7), timeout=2.0) == 7
+        for r in rooms:
+            prefill.registry.register(r, f"127.0.0.1:{7000 + int(r)}", LAYOUT)
+        return await asyncio.gather(*waiting)
+
+    got = asyncio.run(run())
+    assert [g["decode_transfer_target"] for g in got] == [
+        f"127.0.0.1:{7000 + i}" for i in range(40)
+    ]
