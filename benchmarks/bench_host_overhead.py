@@ -58,7 +58,6 @@ def build(cfg: ModelConfig, model: CausalLM, batch: int, steps: int, overlap: bo
     new = 4 * steps + 8  # room for the warm-up and every timing
     pages = batch * (-(-(PROMPT + new) // PAGE)) + 2
     kv = KVSink.create(cfg, pages, PAGE, jnp.float32, INDEX_K)
-    kw = {"overlap": overlap} if overlap is not None else {}
     engine = DecodeEngine(
         cfg=cfg,
         model=model,
@@ -68,7 +67,7 @@ def build(cfg: ModelConfig, model: CausalLM, batch: int, steps: int, overlap: bo
         mode="null",
         max_running_requests=batch,
         detokenize=detokenize,
-        **kw,
+        overlap=overlap,
     )
     rng = np.random.default_rng(batch)
     for i in range(batch):

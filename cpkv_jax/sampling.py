@@ -321,6 +321,11 @@ def sample_async(
     return PendingSample(n, tuple(p.top_n for p in rows), tuple(out))
 
 
+def mask_words(vocab_size: int) -> int:
+    """Int32 words of one row's packed token mask (`mask_tokens`)."""
+    return (vocab_size + 31) // 32
+
+
 @jax.jit
 def mask_tokens(logprobs, logits, token_mask):
     """`logprobs` and `logits` with every token the packed `token_mask` does not allow at
@@ -449,4 +454,4 @@ def warm(
         lp = lp if sharding is None else jax.device_put(lp, sharding)
         sample(lp, [GREEDY])
         if masked:
-            sample(lp, [GREEDY], token_mask=np.full((r, (vocab_size + 31) // 32), -1, np.int32))
+            sample(lp, [GREEDY], token_mask=np.full((r, mask_words(vocab_size)), -1, np.int32))

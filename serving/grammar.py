@@ -26,14 +26,16 @@ previous step's tokens are known (the engine gives up the overlap for that step 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import llguidance
 import numpy as np
 
 from cpkv_jax.errors import InputError
+from cpkv_jax.sampling import mask_words
+from cpkv_jax.tokenizer import TOKENIZER_FILE
 from serving.engine.api import Grammar
 
 logger = logging.getLogger(__name__)
@@ -42,19 +44,12 @@ logger = logging.getLogger(__name__)
 GRAMMAR_CACHE_SIZE = 1024
 
 
-def mask_words(vocab_size: int) -> int:
-    """Int32 words of one row's token bitmask."""
-    return (vocab_size + 31) // 32
-
-
 class GrammarBackend:
     """llguidance over one tokenizer and model vocabulary (thread-safe: compiled grammars
     are immutable strings; each matcher belongs to one request)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]):
         eos = [int(t) for t in eos_token_ids]
-        self.vocab_size = vocab_size
-        self.eos_token_ids = tuple(eos)
         self._tok = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=eos if eos else None
         )
@@ -173,12 +168,11 @@ def token_mask(
 
 
 def load_grammar_backend(
-    tokenizer_path: str | None, vocab_size: int, eos_token_ids: Sequence[int]
+    model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]
 ) -> GrammarBackend | None:
-    """The backend over `tokenizer_path` (a `tokenizer.json`), or None without one."""
-    if tokenizer_path is None:
+    """The backend over `model_dir`'s `tokenizer.json`, or None without one (the server
+    loaded, and so checked, the same file as its tokenizer first)."""
+    path = Path(model_dir) / TOKENIZER_FILE
+    if not path.is_file():
         return None
-    with open(tokenizer_path, encoding="utf-8") as f:
-        text = f.read()
-    json.loads(text)  # a broken file fails here with its position, not inside llguidance
-    return GrammarBackend(text, vocab_size, eos_token_ids)
+    return GrammarBackend(path.read_text(encoding="utf-8"), vocab_size, eos_token_ids)

@@ -43,7 +43,6 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -59,7 +58,7 @@ from cpkv_jax.mesh import make_dp_mesh
 from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
-from cpkv_jax.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
+from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
 from serving.api_keys import ApiKeys
 from serving.compilation_cache import enable_compilation_cache
 from serving.compile_events import COMPILES
@@ -639,8 +638,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
     # Structured output reads the same tokenizer.json (`serving.grammar`).
     grammar = None
     if tokenizer is not None:
-        tokenizer_file = str(Path(args.model_path) / TOKENIZER_FILE)
-        grammar = load_grammar_backend(tokenizer_file, cfg.vocab_size, cfg.eos_token_ids)
+        grammar = load_grammar_backend(args.model_path, cfg.vocab_size, cfg.eos_token_ids)
     # DeepSeek-V3.2's HF checkpoint ships no template: its format is built in.
     chat = load_chat_template(args.model_path) or builtin_chat_template(cfg.model_type)
     logger.info(

@@ -60,16 +60,14 @@ class JsonToolCalls:
             return [buf] if buf else []
         if self.function is not None and isinstance(value, dict):
             return [ToolCall(self.function, json.dumps(value, ensure_ascii=False))]
-        calls = (
-            [
-                ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                for c in value
-                if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c
-            ]
-            if isinstance(value, list)
-            else []
-        )
-        return list(calls) if calls else [buf]
+        if not isinstance(value, list):
+            return [buf]
+        calls: list[str | ToolCall] = [
+            ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+            for c in value
+            if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c
+        ]
+        return calls or [buf]
 
 
 class ChatOutputParser:

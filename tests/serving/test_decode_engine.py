@@ -764,28 +764,19 @@ def test_grammar_rows_match_the_masked_reference_beside_plain_rows(tiny, tiny_ch
     import json
     import re
 
-    from support.grammar_ref import grammar_reference
+    from support.grammar_ref import BOUNDED_REGEX, BOUNDED_SCHEMA, grammar_reference
 
     from serving.engine.api import Grammar
     from serving.grammar import load_grammar_backend
 
     cfg, _, ref = tiny
     path = tiny_checkpoints("glm_moe_dsa")
-    backend = load_grammar_backend(str(path / "tokenizer.json"), cfg.vocab_size, cfg.eos_token_ids)
+    backend = load_grammar_backend(path, cfg.vocab_size, cfg.eos_token_ids)
     engine, kv = make_engine(tiny, grammar=backend)
     free0 = kv.num_free_pages
-    schema = {
-        "type": "object",
-        "properties": {
-            "id": {"type": "integer", "minimum": 0, "maximum": 999},
-            "tag": {"enum": ["x", "yz"]},
-        },
-        "required": ["id", "tag"],
-        "additionalProperties": False,
-    }
     grammars = {
-        "g-regex": Grammar("regex", r"[a-d]{2}[0-9]{1,3}!"),
-        "g-json": Grammar("json_schema", json.dumps(schema)),
+        "g-regex": Grammar("regex", BOUNDED_REGEX),
+        "g-json": Grammar("json_schema", json.dumps(BOUNDED_SCHEMA)),
     }
     plain = wave_requests(8, "gp", ignore_eos=True)[:3]
     rng = np.random.default_rng(8)
@@ -840,7 +831,7 @@ def test_a_grammar_after_a_marker_leaves_the_output_free_until_it(tiny, tiny_che
 
     cfg, _, ref = tiny
     path = tiny_checkpoints("glm_moe_dsa")
-    backend = load_grammar_backend(str(path / "tokenizer.json"), cfg.vocab_size, cfg.eos_token_ids)
+    backend = load_grammar_backend(path, cfg.vocab_size, cfg.eos_token_ids)
     prompt = tuple(int(t) for t in np.random.default_rng(14).integers(3, 300, 11))
     plain = ref.generate(prompt, 8, ignore_eos=True).output_ids
     marker = tuple(plain[2:4])

@@ -19,14 +19,9 @@ import pytest
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import InputError
-from cpkv_jax.sampling import RowSampling, mask_tokens, sample
+from cpkv_jax.sampling import RowSampling, mask_tokens, mask_words, sample
 from serving.engine.api import Grammar
-from serving.grammar import (
-    load_grammar_backend,
-    mask_words,
-    row_grammar_for,
-    token_mask,
-)
+from serving.grammar import load_grammar_backend, row_grammar_for, token_mask
 
 VOCAB = 320  # the tiny config's
 EOS = 1
@@ -37,7 +32,7 @@ def backend(tiny_checkpoints):
     path = tiny_checkpoints("glm_moe_dsa")
     cfg = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
     assert cfg.vocab_size == VOCAB and cfg.eos_token_ids == (EOS,)
-    return load_grammar_backend(str(path / "tokenizer.json"), VOCAB, cfg.eos_token_ids)
+    return load_grammar_backend(path, VOCAB, cfg.eos_token_ids)
 
 
 def allowed(mask_row: np.ndarray) -> np.ndarray:

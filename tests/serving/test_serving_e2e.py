@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from support.grammar_ref import grammar_reference
+from support.grammar_ref import BOUNDED_REGEX, BOUNDED_SCHEMA, grammar_reference
 from support.http_client import Served
 from support.smg import gateway as smg_gateway
 from support.smg import smg_binary
@@ -338,16 +338,7 @@ def test_unified_penalties_are_the_references(ckpt, unified):
 
 # Structured output (issue 37): a regex through SGLang's `/generate` field, a JSON schema
 # through OpenAI's `response_format`; bounded, so each ends well within GRAMMAR_NEW.
-GRAMMAR_REGEX = r"[a-d]{2}[0-9]{1,3}!"
-GRAMMAR_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 999},
-        "tag": {"enum": ["x", "yz"]},
-    },
-    "required": ["id", "tag"],
-    "additionalProperties": False,
-}
+GRAMMAR_REGEX, GRAMMAR_SCHEMA = BOUNDED_REGEX, BOUNDED_SCHEMA
 GRAMMAR_NEW = 40
 
 
@@ -355,7 +346,7 @@ def grammar_wants(path: Path, ref: ReferenceGenerator, ids: list[int]) -> list[A
     """The masked reference's results for the two requests of `assert_structured_outputs`
     (run before a compile count: the reference compiles)."""
     cfg = ref.cfg
-    backend = load_grammar_backend(str(path / "tokenizer.json"), cfg.vocab_size, cfg.eos_token_ids)
+    backend = load_grammar_backend(path, cfg.vocab_size, cfg.eos_token_ids)
     grammars = (
         Grammar("regex", GRAMMAR_REGEX),
         Grammar("json_schema", json.dumps(GRAMMAR_SCHEMA)),

@@ -7,8 +7,22 @@ from __future__ import annotations
 import numpy as np
 
 from cpkv_jax.generate import GenerationResult, ReferenceGenerator
+from cpkv_jax.sampling import mask_words
 from serving.engine.api import Grammar
-from serving.grammar import GrammarBackend, mask_words
+from serving.grammar import GrammarBackend
+
+# A regex and a JSON schema whose outputs are short whatever the (random) model prefers:
+# the request ends with the grammar, well within a few dozen tokens.
+BOUNDED_REGEX = r"[a-d]{2}[0-9]{1,3}!"
+BOUNDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tag": {"enum": ["x", "yz"]},
+    },
+    "required": ["id", "tag"],
+    "additionalProperties": False,
+}
 
 
 def grammar_reference(
