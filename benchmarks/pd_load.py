@@ -46,6 +46,7 @@ import httpx
 
 from serving.api_keys import API_KEY_ENV, KEY_ENVS
 from serving.demo import SSE_DONE, Proc, free_port, sse_event, wait_healthy
+from serving.smg import pd_workers, smg_argv, smg_binary, wait_ready
 
 CP = 8
 PAGE = 16
@@ -71,6 +72,11 @@ class ClusterConfig:
     # Given to all three processes as $CPKV_API_KEY (the router sends it upstream too);
     # clients then send it (`PDCluster.headers`). None: no key.
     api_key: str | None = None
+    # What clients talk to: "cpkv" (`cpkv-router`) or "smg" (SGLang's gateway in PD mode;
+    # the prefill server then serves its bootstrap port, and a prefill request waits at
+    # most `bootstrap_timeout` s for its decode partner: the gateway waits for both legs).
+    router: str = "cpkv"
+    bootstrap_timeout: float = 20.0
 
 
 class PDCluster:
@@ -82,7 +88,10 @@ class PDCluster:
     def __init__(self, config: ClusterConfig):
         self.config = config
         config.log_dir.mkdir(parents=True, exist_ok=True)
-        self.ports = {k: free_port() for k in ("decode", "prefill", "router", "transfer")}
+        if config.router not in ("cpkv", "smg"):
+            raise ValueError(f"router must be 'cpkv' or 'smg', not {config.router!r}")
+        names = ("decode", "prefill", "router", "transfer", "bootstrap", "metrics")
+        self.ports = {k: free_port() for k in names}
         self.urls = {
             k: f"http://127.0.0.1:{self.ports[k]}" for k in ("decode", "prefill", "router")
         }
@@ -133,12 +142,16 @@ class PDCluster:
                 "--disaggregation-mode", "prefill", "--cp-size", str(CP),
                 "--enable-cp-shared-kv", "--chunked-prefill-size", str(c.chunked_prefill_size),
                 "--kv-pool-size", c.prefill_pool, "--port", str(self.ports["prefill"]),
+                *self._bootstrap_flags(),
             ],
             c.log_dir,
             self._prefill_env,
         )  # fmt: skip
         for name in ("decode", "prefill"):
             wait_healthy(self.urls[name], list(self.procs.values()), STARTUP_TIMEOUT_S)
+        if c.router == "smg":
+            self._start_smg()
+            return self
         self.procs["router"] = Proc(
             "router",
             [
@@ -149,8 +162,49 @@ class PDCluster:
             c.log_dir,
             self._env,
         )  # fmt: skip
-        wait_healthy(self.urls["router"], list(self.procs.values()), 60.0)
+        self.wait_router_ready(60.0)
         return self
+
+    def _bootstrap_flags(self) -> list[str]:
+        if self.config.router != "smg":
+            return []
+        return [
+            "--disaggregation-bootstrap-port", str(self.ports["bootstrap"]),
+            "--transfer-bootstrap-timeout", str(self.config.bootstrap_timeout),
+        ]  # fmt: skip
+
+    def _start_smg(self) -> None:
+        """The gateway in PD mode; probing each worker every second, so the restarted
+        decode server is taken back soon (its circuit breaker re-closes as fast)."""
+        binary = smg_binary()
+        if binary is None:
+            raise RuntimeError("the `smg` gateway is not installed (pip install smg)")
+        key = self.config.api_key
+        workers = pd_workers(self.urls["prefill"], self.ports["bootstrap"], self.urls["decode"])
+        extra = [
+            "--health-check-interval-secs", "1", "--health-success-threshold", "1",
+            "--cb-timeout-duration-secs", "2", "--shutdown-grace-period-secs", "5",
+            *(["--api-key", key] if key is not None else []),
+        ]  # fmt: skip
+        argv = smg_argv(binary, self.ports["router"], workers, metrics_port=self.ports["metrics"],
+                        extra=extra)  # fmt: skip
+        self.procs["router"] = Proc("smg", argv, self.config.log_dir, self._env)
+        self.wait_router_ready(60.0)
+
+    def wait_router_ready(self, timeout_s: float) -> None:
+        """Until the router takes requests with both servers: `/health` for `cpkv-router`
+        (it checks its upstreams), both workers listed ready for `smg`."""
+        if self.config.router == "cpkv":
+            wait_healthy(self.urls["router"], list(self.procs.values()), timeout_s)
+            return
+        proc = self.procs["router"]
+
+        def exited() -> str | None:
+            if proc.alive():
+                return None
+            return f"smg exited with {proc.popen.returncode}:\n{proc.tail()}"
+
+        wait_ready(self.urls["router"], 2, timeout_s, headers=self.headers(), alive=exited)
 
     def headers(self) -> dict[str, str]:
         """What a client of these servers sends: the API key, if there is one."""
@@ -493,6 +547,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prefill-pool", default="4MiB")
     ap.add_argument("--max-queued-requests", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--router", default="cpkv", choices=["cpkv", "smg"],
+        help="what the clients talk to: cpkv-router, or SGLang's gateway in PD mode",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write the JSON here")
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -508,6 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill_pool=args.prefill_pool,
         decode_pool=args.decode_pool,
         max_queued_requests=args.max_queued_requests,
+        router=args.router,
     )
     t_start = time.time()
     with cluster(config) as c:

@@ -1,23 +1,24 @@
 """`make demo`: CP=8 shared-KV prefill -> KV transfer -> decode, behind the PD router.
 
     python -m serving.demo [--model-dir .demo/tiny-glm5-fp8] [--transfer-backend grpc|mooncake]
-        [--max-new-tokens 16] [--enable-batch-invariant] [--warmup-all-shapes] [--keep-running]
+        [--max-new-tokens 16] [--enable-batch-invariant] [--warmup-all-shapes]
+        [--router cpkv|smg] [--keep-running]
 
 The model is the tiny GLM-5-architecture checkpoint in the official FP8 format
 (block-quantized weights + `weight_scale_inv`, sharded files + index json), written on
 first use, with 16 routed experts. On 127.0.0.1 it starts three processes: a decode
 server decoding data-parallel over 8 devices (`--dp-size 8`: each request's pages and
 rows on one rank, the routed experts split over the 8), a CP=8 shared-KV prefill server
-with expert parallelism over the same 8 ranks (`--ep-size 8`: 2 experts per rank,
-loaded straight into their shards; 8 virtual CPU devices) and `cpkv-router` in front of
-them. Both servers keep the weights FP8 on device. It sends a short prompt, a long one
-(many pages), and two prompts sharing a long prefix (the second reuses the prefill
-server's radix cache), half of them streamed; prints each request's
-TTFT and output, the per-rank KV bytes of the shared vs a replicated pool of the same
-capacity, the weights per device and the transfer throughput; checks every greedy
-output against the single-device reference computed here
-(`cpkv_jax.generate.ReferenceGenerator`: the same FP8 checkpoint, one device): the
-tokens must be equal, and the largest log-prob difference is printed; with
+with expert parallelism over the same 8 ranks (`--ep-size 8`: 2 experts per rank, loaded
+straight into their shards; 8 virtual CPU devices) and `cpkv-router` in front of them
+(`--router smg`: SGLang's gateway in PD mode instead). Both servers keep the weights FP8
+on device. It sends a short prompt, a long one (many pages), and two prompts sharing a
+long prefix (the second reuses the prefill server's radix cache), half of them streamed;
+prints each request's TTFT and output, the per-rank KV bytes of the shared vs a
+replicated pool of the same capacity, the weights per device and the transfer throughput;
+checks every greedy output against the single-device reference computed here
+(`cpkv_jax.generate.ReferenceGenerator`: the same FP8 checkpoint, one device): the tokens
+must be equal, and the largest log-prob difference is printed; with
 `--enable-batch-invariant` (passed to every server and the reference) the log-probs must
 be equal too, bit for bit. Then it stops everything (SIGTERM: drain, exit) and exits 0
 only if all outputs match. With `--keep-running` (`make demo ARGS=--keep-running`) the
@@ -46,6 +47,7 @@ from typing import Any
 import httpx
 
 from serving.api_keys import KEY_ENVS
+from serving.smg import pd_workers, smg_argv, smg_binary, wait_ready
 
 CP = 8
 PAGE = 16
@@ -93,16 +95,24 @@ class Proc:
         return self.popen.returncode
 
 
+def dead(procs: Sequence[Proc]) -> str | None:
+    """Why startup cannot go on: the first process that exited, with its log's tail."""
+    for p in procs:
+        if not p.alive():
+            return (
+                f"{p.name} exited with code {p.popen.returncode} during startup; "
+                f"log tail ({p.log_path}):\n{p.tail()}"
+            )
+    return None
+
+
 def wait_healthy(url: str, procs: Sequence[Proc], timeout: float) -> None:
     t0 = time.monotonic()
     last = ""
     while time.monotonic() - t0 < timeout:
-        for p in procs:
-            if not p.alive():
-                raise RuntimeError(
-                    f"{p.name} exited with code {p.popen.returncode} during startup; "
-                    f"log tail ({p.log_path}):\n{p.tail()}"
-                )
+        why = dead(procs)
+        if why is not None:
+            raise RuntimeError(why)
         try:
             if httpx.get(url + "/health", timeout=2.0).status_code == 200:
                 return
@@ -124,7 +134,8 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
             base_env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={CP}"
         ).strip(),
     }
-    ports = {k: free_port() for k in ("decode", "prefill", "router", "transfer")}
+    names = ("decode", "prefill", "router", "transfer", "bootstrap", "metrics")
+    ports = {k: free_port() for k in names}
     common = [
         "--model-path",
         str(args.model_dir),
@@ -191,6 +202,9 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
                     "128",
                     "--port",
                     str(ports["prefill"]),
+                    # The gateway's PD handshake; on a free port (8998 may be taken).
+                    "--disaggregation-bootstrap-port",
+                    str(ports["bootstrap"]),
                 ],
                 log_dir,
                 prefill_env,
@@ -204,31 +218,41 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
                 urls[name], procs, STARTUP_TIMEOUT_S * (4 if args.warmup_all_shapes else 1)
             )
             print(f"  {name} healthy after {time.monotonic() - t0:.0f}s (compiles warmed up)")
-        procs.append(
-            Proc(
-                "router",
-                [
-                    py,
-                    "-m",
-                    "serving.router",
-                    "--prefill",
-                    urls["prefill"],
-                    "--decode",
-                    urls["decode"],
-                    "--port",
-                    str(ports["router"]),
-                ],
-                log_dir,
-                base_env,
-            )
-        )
-        wait_healthy(urls["router"], procs, 60.0)
-        print(f"  router healthy on :{ports['router']}\n", flush=True)
+        if args.router == "smg":
+            procs.append(start_smg(urls, ports, log_dir, base_env))
+            wait_ready(urls["router"], 2, 60.0, alive=lambda: dead(procs))
+            print(f"  smg gateway (PD mode) ready on :{ports['router']}\n", flush=True)
+        else:
+            procs.append(
+                Proc(
+                    "router",
+                    [
+                        py, "-m", "serving.router", "--prefill", urls["prefill"],
+                        "--decode", urls["decode"], "--port", str(ports["router"]),
+                    ],
+                    log_dir,
+                    base_env,
+                )
+            )  # fmt: skip
+            wait_healthy(urls["router"], procs, 60.0)
+            print(f"  router healthy on :{ports['router']}\n", flush=True)
         yield {"urls": urls, "procs": procs}
     finally:
         for p in reversed(procs):
             code = p.stop()
             print(f"stopped {p.name} (exit code {code})")
+
+
+def start_smg(
+    urls: dict[str, str], ports: dict[str, int], log_dir: Path, env: dict[str, str]
+) -> Proc:
+    """SGLang's gateway in PD mode in front of the pair (`--router smg`)."""
+    binary = smg_binary()
+    if binary is None:
+        raise RuntimeError("--router smg: the `smg` gateway is not installed (pip install smg)")
+    workers = pd_workers(urls["prefill"], ports["bootstrap"], urls["decode"])
+    argv = smg_argv(binary, ports["router"], workers, metrics_port=ports["metrics"])
+    return Proc("smg", argv, log_dir, env)
 
 
 SSE_DONE: Any = object()  # `sse_event` at `data: [DONE]`
@@ -294,6 +318,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="both servers compile every reachable shape before turning healthy (a slower "
         "first start; the compilation cache keeps them for the next)",
+    )
+    ap.add_argument(
+        "--router",
+        default="cpkv",
+        choices=["cpkv", "smg"],
+        help="what the requests go through: cpkv-router, or SGLang's gateway `smg` in PD "
+        "mode (the prefill server's bootstrap port, the same checks)",
     )
     ap.add_argument(
         "--keep-running",

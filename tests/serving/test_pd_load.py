@@ -1,14 +1,16 @@
 """PD serving under concurrent load and a decode server killed (issue: PD under load).
 
 Real processes on 127.0.0.1 (`benchmarks.pd_load.PDCluster`): a decode server (over
-Mooncake, data-parallel on 2 ranks: `--dp-size 2`, issue 36), a CP=8
-shared-KV prefill server (8 virtual CPU devices, `--chunked-prefill-size 256`) and the
-router, with small KV pools so requests wait for pages and some prompts are near the
-decode pool's size. 16 clients send a mixed load (`LoadMix`: 5 to ~1,300-token prompts,
-1-16 new tokens, 40% streamed and half of those cancelled after two chunks, a few bad
-requests). Then, under load, the decode server is SIGKILLed and started again. API keys
-are on (issue 41): every process gets `$CPKV_API_KEY`, the router sends it upstream, the
-clients send it to the router.
+Mooncake, data-parallel on 2 ranks: `--dp-size 2`, issue 36), a CP=8 shared-KV prefill
+server (8 virtual CPU devices, `--chunked-prefill-size 256`) and a router in front:
+`cpkv-router` over gRPC, SGLang's gateway `smg` in PD mode over Mooncake (issue 38: the
+same pass rule through the gateway). Small KV pools make requests wait for pages, and
+some prompts are near the decode pool's size. 16 clients send a mixed load (`LoadMix`:
+5 to ~1,300-token prompts, 1-16 new tokens, 40% streamed and half of those cancelled
+after two chunks, a few bad requests). Then, under load, the decode server is SIGKILLed
+and started again. API keys are on (issue 41): every process gets `$CPKV_API_KEY`, the
+router sends it upstream (the gateway with `--api-key` for its own probes; it passes the
+client's header on), the clients send it to the router.
 
 Asserts:
 - before the kill, every request ends with 200 and the right token count, a client
@@ -17,7 +19,8 @@ Asserts:
 - while the decode server dies, requests end with an explicit error (a 503 or an SSE
   error event) within the per-request bound, never a hang; after the restart, service
   resumes (every request of a new wave succeeds);
-- a request without the key is a 401 from the router and each server;
+- a request without the key is a 401 from the router (through the gateway, from the
+  servers it passes the request to) and from each server;
 - at the end, every prefill lane's free pages equal its total minus what the prefix
   cache holds (the cache's own count, `/server_info` `kv_pages_cached`), the restarted
   decode server has every page free, no engine thread died (`/health` 200), and the
@@ -47,6 +50,7 @@ from benchmarks.pd_load import (
 )
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
+from serving.smg import smg_binary
 from transfer.backends.mooncake_engine import mooncake_available
 
 pytestmark = pytest.mark.slow(seconds=110)  # on 2 workers, 2026-12-05
@@ -107,9 +111,15 @@ BACKENDS = [
     "grpc",
     pytest.param(
         "mooncake",
-        marks=pytest.mark.skipif(
-            not MOONCAKE, reason=f"Mooncake Transfer Engine unavailable: {MOONCAKE_WHY}"
-        ),
+        marks=[
+            pytest.mark.skipif(
+                not MOONCAKE, reason=f"Mooncake Transfer Engine unavailable: {MOONCAKE_WHY}"
+            ),
+            pytest.mark.skipif(
+                smg_binary() is None,
+                reason="the `smg` gateway is not installed (pip install smg==1.13.0)",
+            ),
+        ],
     ),
 ]
 
@@ -126,8 +136,10 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         max_queued_requests=64,
         api_key=API_KEY,
         # The Mooncake run's decode server is data-parallel over 2 ranks (issue 36): the
-        # same load, kill and restart with pages in two pool shards.
+        # same load, kill and restart with pages in two pool shards; its clients talk to
+        # SGLang's gateway in PD mode (issue 38), the gRPC run's to cpkv-router.
         decode_dp=1 if backend == "grpc" else 2,
+        router="cpkv" if backend == "grpc" else "smg",
     )
     c = PDCluster(config)
     try:
@@ -175,10 +187,7 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
 
         # 3. Restarted: service resumes once the router sees it healthy.
         c.restart_decode()
-        deadline = time.monotonic() + 30
-        while httpx.get(router + "/health", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline, "router did not take the restarted decode back"
-            time.sleep(0.25)
+        c.wait_router_ready(30.0)
         after = _run(router, [r for r in mix.make(n_after, seed=3) if r.bad is None])
         summary = summarize(after)
         assert all(o.kind in ("ok", "cancelled") for o in after), _why(c, summary)

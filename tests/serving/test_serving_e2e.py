@@ -50,6 +50,7 @@ from serving.prefill.engine import PrefillModeEngine
 from serving.router import RouterConfig, build_router_app
 from serving.server import Server, build_server
 from serving.server_args import ServerArgs
+from serving.smg import pd_workers
 from transfer.backends.mooncake_engine import mooncake_available
 
 # Among the longest files of the suite: scheduled first (tests/conftest.py).
@@ -709,8 +710,8 @@ def test_pd_through_sglangs_gateway_equals_the_reference(ckpt, pd, tmp_path):
     tokenizer = load_tokenizer(path)
     assert tokenizer is not None
     want_text = reference(ref, tokenizer.encode(text))
-    args = ["--pd-disaggregation", "--prefill", prefill_url, str(port), "--decode", decode_url]
-    with smg_gateway(args, tmp_path / "smg.log", expect=2) as url:
+    workers = pd_workers(prefill_url, port, decode_url)
+    with smg_gateway(workers, tmp_path / "smg.log", expect=2) as url:
         for i, (ids, want) in enumerate(zip(cases, wants, strict=True)):
             assert generate(url, ids, stream=i % 2 == 0) == want, (pd["backend"], len(ids))
         # The gateway takes only text prompts on /v1/completions, and routes by the model
