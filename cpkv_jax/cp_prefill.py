@@ -50,8 +50,9 @@ from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool
 from cpkv_jax.model.mla import AttnForm
 from cpkv_jax.model.numerics import batch_invariant, token_block_bytes
-from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import pages_for_tokens
+from cpkv_jax.scores import TOP_SCORES, TokenScores
 from cpkv_jax.shared_kv_debug import (
     DEBUG_ENV,
     check_step,
@@ -182,6 +183,22 @@ class CPPrefillRunner:
             param_specs(state, ep_axis),
             expert_parallel,
         )
+        # The same step that also scores every prompt token (prompt log-probs, `score`):
+        # compiled only for the shapes such requests reach.
+        self._score_step = _build_step(
+            graphdef,
+            mesh,
+            self.layout,
+            self.kv_io,
+            index_k_dtype,
+            attn_form,
+            batch_invariant,
+            block_bytes,
+            param_specs(state, ep_axis),
+            expert_parallel,
+            score=True,
+        )
+        self._score_steps: ShapeCache[StepShape] = ShapeCache("CP prefill scoring step")
         self._view = _build_view(mesh, self.layout, self.kv_io)
         # Steps dispatch through ahead-of-time executables, one per shape, compiled on
         # abstract inputs: a background compile never touches the live pool (issue 25).
@@ -226,6 +243,18 @@ class CPPrefillRunner:
         if (shape.cp_size, shape.page_size) != (self.cp.cp_size, self.cp.page_size):
             raise ValueError(f"{shape} is not a step shape of this runner")
         return self._steps.get(shape, lambda: self._step.lower(*self._abstract_step_args(shape)))
+
+    def compiled_score_step(self, shape: StepShape) -> jax.stages.Compiled:
+        """`compiled_step`'s scoring twin (`run_score_step`)."""
+        if (shape.cp_size, shape.page_size) != (self.cp.cp_size, self.cp.page_size):
+            raise ValueError(f"{shape} is not a step shape of this runner")
+        split = self._shardings[0]
+        targets = jax.ShapeDtypeStruct(
+            (shape.rows, shape.tokens_per_step), np.int32, sharding=split
+        )
+        return self._score_steps.get(
+            shape, lambda: self._score_step.lower(*self._abstract_step_args(shape), targets)
+        )
 
     def _abstract_step_args(self, shape: StepShape) -> tuple:
         """`_step_args` + pool as `ShapeDtypeStruct`s of `shape` (same dtypes, shardings)."""
@@ -364,6 +393,42 @@ class CPPrefillRunner:
             check_step(self, self._shadow, plan, out)
         return out
 
+    def run_score_step(
+        self, plan: StepPlan, prompts: Sequence[np.ndarray]
+    ) -> tuple[np.ndarray, list[TokenScores]]:
+        """`run_step` that also scores the step's tokens: for row `b` (prompt
+        `prompts[b]`), the log-prob of each next prompt token at the chunk's positions
+        and the `TOP_SCORES` most likely tokens there (`TokenScores`, in position order;
+        the prompt's last position, which predicts the output, is not scored)."""
+        state, tokens, table, kv_lens, last = self._step_args(plan)
+        targets = _global(plan_targets(plan, prompts), self._shardings[0])
+        shape = self.shape_of(plan)
+        step = self.compiled_score_step(shape)
+        self.step_shapes.add(shape)
+        with self.pool_lock:
+            logits, self.pool, chosen, top_ids, top_lps = step(
+                state, tokens, table, kv_lens, self.pool, last, targets
+            )
+        out = np.asarray(logits)
+        if self._shadow is not None:  # the shadow's pool follows every step (SPEC S1.7)
+            check_step(self, self._shadow, plan, out)
+        chosen, top_ids, top_lps = (np.asarray(x) for x in (chosen, top_ids, top_lps))
+        scores = []
+        for b, prompt in enumerate(prompts):
+            pos = plan.positions[b]
+            keep = plan.valid[b] & (pos + 1 < len(prompt))
+            order = np.argsort(pos[keep], kind="stable")
+            slots = np.flatnonzero(keep)[order]
+            scores.append(
+                TokenScores(
+                    int(pos[slots[0]]) + 1 if slots.size else 0,
+                    chosen[b, slots],
+                    top_ids[b, slots],
+                    top_lps[b, slots],
+                )
+            )
+        return out, scores
+
     def shape_of(self, plan: StepPlan) -> StepShape:
         rows, tokens = plan.input_ids.shape
         block = tokens // (2 * self.cp.cp_size)
@@ -415,6 +480,49 @@ class CPPrefillRunner:
         table.release(self.allocator)
 
 
+# Tokens whose full-vocabulary log-probs a scoring step holds at once: GLM-5's 154,880
+# entries x 512 tokens x 4 B = 317 MB, not a whole 16K chunk's 10 GB.
+SCORE_BLOCK_TOKENS = 512
+
+
+def plan_targets(plan: StepPlan, prompts: Sequence[np.ndarray]) -> np.ndarray:
+    """Each slot's next prompt token (0 where there is none: padding, or the prompt's
+    last token), in the plan's zigzag layout."""
+    targets = np.zeros_like(plan.input_ids)
+    for b, prompt in enumerate(prompts):
+        pos = plan.positions[b]
+        has_next = plan.valid[b] & (pos + 1 < len(prompt))
+        targets[b] = np.where(has_next, prompt[np.minimum(pos + 1, len(prompt) - 1)], 0)
+    return targets
+
+
+def score_tokens(model: CausalLM, hidden: jax.Array, targets: jax.Array):
+    """Log-prob of `targets` and the `TOP_SCORES` best tokens after each `hidden` row
+    (`[B, T, H]`), in token blocks of `SCORE_BLOCK_TOKENS` so the full-vocabulary
+    log-probs are never all in memory. Ties in the top: lower id first (`lax.top_k`)."""
+    b, t, h = hidden.shape
+    n = b * t
+    block = min(SCORE_BLOCK_TOKENS, n)
+    pad = -n % block
+    flat_h = jnp.pad(hidden.reshape(n, h), ((0, pad), (0, 0)))
+    flat_t = jnp.pad(targets.reshape(n), (0, pad))
+    k = min(TOP_SCORES, model.cfg.vocab_size)
+
+    def one(args):
+        rows, tgt = args
+        lp = log_probs(model.logits(rows))
+        top_lps, top_ids = jax.lax.top_k(lp, k)
+        return jnp.take_along_axis(lp, tgt[:, None], axis=1)[:, 0], top_ids, top_lps
+
+    blocks = (flat_h.reshape(-1, block, h), flat_t.reshape(-1, block))
+    chosen, top_ids, top_lps = jax.lax.map(one, blocks)
+    return (
+        chosen.reshape(-1)[:n].reshape(b, t),
+        top_ids.reshape(-1, k)[:n].reshape(b, t, k).astype(jnp.int32),
+        top_lps.reshape(-1, k)[:n].reshape(b, t, k),
+    )
+
+
 def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global array from host data every process holds (works single- and multi-host)."""
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
@@ -431,7 +539,12 @@ def _build_step(
     block_bytes: int | None,
     state_specs,
     ep: EPSpec | None,
+    *,
+    score: bool = False,
 ):
+    """The jitted CP step; with `score`, it also takes each slot's next prompt token and
+    returns their scores (`score_tokens`) after the logits and the pool."""
+
     def per_rank(state, tokens, page_table, kv_lens, pool):
         input_ids, positions, valid, write_slots = tokens
         batch = ForwardBatch(input_ids, positions, valid, write_slots, page_table, kv_lens)
@@ -461,7 +574,17 @@ def _build_step(
         with batch_invariant(invariant):
             return nnx.merge(graphdef, state).logits(last), pool
 
-    return step
+    @functools.partial(
+        jax.jit, donate_argnums=(4,), out_shardings=(replicated, None) + (replicated,) * 3
+    )
+    def score_step(state, tokens, page_table, kv_lens, pool, last_index, targets):
+        hidden, pool = sharded(state, tokens, page_table, kv_lens, pool)
+        last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]
+        model = nnx.merge(graphdef, state)
+        with batch_invariant(invariant):
+            return (model.logits(last), pool, *score_tokens(model, hidden, targets))
+
+    return score_step if score else step
 
 
 def _build_view(mesh: Mesh, layout: PoolLayout, kv_io: CPKVIO):

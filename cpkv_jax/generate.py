@@ -245,6 +245,40 @@ class ReferenceGenerator:
         )
         return GenerationResult(out_ids, out_lp, finish, prefill_s, decode_s, out_top)
 
+    def prompt_logprobs(
+        self, prompt_ids: Sequence[int], top_n: int = 0
+    ) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
+        """Teacher-forced log-probs of prompt tokens 1..n-1, each given the tokens before
+        it: the single-device prefill's logits at every position, log-softmaxed in float64
+        here; with `top_n`, each position's most likely tokens (ties: lower id first)."""
+        self.validate_prompt(prompt_ids, 1)
+        p = self.page_size
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        n_pages = pages_for_tokens(len(prompt), p)
+        width = pow2_at_least(n_pages)
+        table = padded_page_table(PageAllocator(width + 1).alloc(n_pages), width)
+        pool = init_pool(self.cfg, width + 1, p, self.dtype, self.index_k_dtype)
+        batch = prefill_batch(prompt, table, p)
+        logits, _ = forward_step(
+            self.graphdef,
+            self.state,
+            batch,
+            pool,
+            index_k_dtype=self.index_k_dtype,
+            form=self.prefill_form,
+            all_logits=True,
+            invariant=self.batch_invariant,
+        )
+        z = np.asarray(logits[0, : len(prompt) - 1], np.float64)
+        z = z - z.max(axis=-1, keepdims=True)
+        lp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+        chosen = lp[np.arange(len(prompt) - 1), prompt[1:]]
+        tops = []
+        for row in lp if top_n else ():
+            best = np.argsort(-row, kind="stable")[:top_n]
+            tops.append(tuple((int(t), float(row[t])) for t in best))
+        return chosen.tolist(), tops
+
     def _prefill_single_device(self, prompt: np.ndarray, table: np.ndarray, pool: KVPool):
         batch = prefill_batch(prompt, table, self.page_size)
         logits, pool = self._forward(batch, pool, self.prefill_form)

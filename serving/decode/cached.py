@@ -43,6 +43,7 @@ from cpkv_jax.cache.radix import CacheCapacityError, alloc_with_evict
 from cpkv_jax.errors import CpkvError
 from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.model.kv_cache import KVPool
+from cpkv_jax.scores import PromptLogprobs
 from serving.decode.engine import DecodeEngine, _Request
 from serving.decode.sampling import StopResult
 from serving.engine.api import EngineStats, GenerateRequest
@@ -53,6 +54,21 @@ from serving.prefill.scheduler import PrefillOutcome, PrefillStepError
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def prompt_scores(scores: PromptLogprobs, top_n: int) -> tuple[tuple, tuple]:
+    """A prefill's prompt scores as `OutputChunk.prompt_logprobs` / `prompt_top_logprobs`
+    (token 0, without context: None and no alternatives)."""
+    lps, tops = [], []
+    for i, lp in enumerate(scores.logprobs.tolist()):
+        if scores.start + i == 0:
+            lps.append(None)
+            tops.append(())
+            continue
+        lps.append(lp)
+        ids = scores.top_ids[i, :top_n].tolist()
+        tops.append(tuple(zip(ids, scores.top_logprobs[i, :top_n].tolist(), strict=True)))
+    return tuple(lps), tuple(tops)
 
 
 class RunnerStore:
@@ -135,6 +151,15 @@ class CachedUnifiedEngine(DecodeEngine):
         if req.rid in self._prefilling:
             raise self._reject("duplicate_rid", f"request id {req.rid!r} is already in flight")
         return super()._validate(req)
+
+    def _check_prompt_logprobs(self, req: GenerateRequest) -> None:
+        start = req.prompt_logprobs_from
+        if start is not None and not 0 <= start < len(req.input_ids):
+            raise self._reject(
+                "prompt_logprobs",
+                f"logprob_start_len {start} is outside the prompt's {len(req.input_ids)} "
+                f"tokens [0, {len(req.input_ids)})",
+            )
 
     def _lookup(self, rid: str) -> _Request | None:
         return self._prefilling.get(rid) or super()._lookup(rid)
@@ -226,7 +251,12 @@ class CachedUnifiedEngine(DecodeEngine):
                 return True  # waits for a penalized request to finish, as for a batch slot
             self._queue.pop(r.rid)
             try:
-                self.scheduler.submit(r.rid, r.prompt, max_new_tokens=r.req.sampling.max_new_tokens)
+                self.scheduler.submit(
+                    r.rid,
+                    r.prompt,
+                    max_new_tokens=r.req.sampling.max_new_tokens,
+                    score_from=r.req.prompt_logprobs_from,
+                )
             except CpkvError as e:  # validated in `add`: only a bug gets here; fail it alone
                 logger.error("request %s: the scheduler refused it: %s", r.rid, e)
                 r.finish, r.error = StopResult("error"), str(e)
@@ -253,6 +283,8 @@ class CachedUnifiedEngine(DecodeEngine):
         r.cached_tokens = outcome.cached_tokens
         r.host_cached_tokens = outcome.host_cached_tokens
         self.prefix_cache_hit_tokens += outcome.cached_tokens
+        if outcome.prompt_logprobs is not None:
+            r.prompt_scores = prompt_scores(outcome.prompt_logprobs, r.req.top_logprobs)
         self._running[r.rid] = r
         # A failed token fails this request alone; the logits are one host row.
         self._sample(r, np.asarray(outcome.last_logits)[None], touched)

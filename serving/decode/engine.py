@@ -161,6 +161,8 @@ class _Request:
     # Tokens drawn on the device and not recorded yet (0 or 1: a decode step in flight).
     pending: int = 0
     grammar: RowGrammar | None = None  # structured output: its place in the grammar
+    # `prompt_logprobs_from`: the prompt's scores, sent with the next chunk (then None).
+    prompt_scores: tuple[tuple, tuple] | None = None
 
     @property
     def rid(self) -> str:
@@ -404,6 +406,17 @@ class DecodeEngine:
         self._rejections[kind] += 1
         return InputError(message)
 
+    def _check_prompt_logprobs(self, req: GenerateRequest) -> None:
+        """Prompt log-probs come from the unified server's prefill with its prefix cache
+        (`CachedUnifiedEngine`); this engine's prefill (or the PD prefill server's)
+        keeps only the last position's logits."""
+        raise self._reject(
+            "prompt_logprobs",
+            "prompt log-probs (echo with logprobs, logprob_start_len) are computed by a "
+            "unified server with its radix cache (the default; not with "
+            "--disable-radix-cache, nor in PD mode): send them there",
+        )
+
     def _validate(self, req: GenerateRequest) -> _Request:
         cfg = self.cfg
         rid = req.rid
@@ -423,6 +436,8 @@ class DecodeEngine:
             req.sampling.validate(cfg.vocab_size)
         except InputError as e:
             raise self._reject("bad_sampling", str(e)) from e
+        if req.prompt_logprobs_from is not None:
+            self._check_prompt_logprobs(req)
         max_new = req.sampling.max_new_tokens
         total = n + max_new
         if total > self.context_length:
@@ -940,8 +955,11 @@ class DecodeEngine:
         r.emitted = len(r.out_ids)
         lps = tuple(r.out_lps[new]) if r.req.return_logprob else None
         tops = tuple(r.out_tops[new]) if r.req.return_logprob and r.req.top_logprobs else None
+        prompt_lps = prompt_tops = None
+        if r.prompt_scores is not None:
+            (prompt_lps, prompt_tops), r.prompt_scores = r.prompt_scores, None
         if r.finish is None:
-            return OutputChunk(r.rid, tuple(r.out_ids[new]), lps, tops)
+            return OutputChunk(r.rid, tuple(r.out_ids[new]), lps, tops, prompt_lps, prompt_tops)
         now = self._clock()
         meta: dict[str, float | int] = {
             "prompt_tokens": len(r.prompt),
@@ -962,6 +980,8 @@ class DecodeEngine:
             tuple(r.out_ids[new]),
             lps,
             tops,
+            prompt_lps,
+            prompt_tops,
             finished=True,
             finish_reason=r.finish.reason,
             error=r.error,

@@ -187,6 +187,11 @@ class GenerateRequest:
     # With `return_logprob`: each output token's `top_logprobs` most likely alternatives
     # (0..`cpkv_jax.sampling.TOP_LOGPROBS_MAX`), computed on the device with the token.
     top_logprobs: int = 0
+    # The log-probs of the prompt's tokens from this index on (SGLang's
+    # `logprob_start_len`; OpenAI's `echo` with `logprobs`), each with `top_logprobs`
+    # alternatives; None: none. Computed by the unified server's prefill (its prefix
+    # cache then serves only the tokens before it).
+    prompt_logprobs_from: int | None = None
     # PD only. Decode mode: the transfer room this request's KV arrives in. Prefill mode:
     # the room to send to, at the decode server's transfer receiver `host:port`.
     bootstrap_room: str | None = None
@@ -204,6 +209,9 @@ class OutputChunk:
     next-token distribution (present when the request asked for them); `top_logprobs[i]`
     its position's `GenerateRequest.top_logprobs` most likely (token, log-prob) pairs under
     the same distribution, most likely first (present when the request asked for them).
+    `prompt_logprobs` (the first chunk of a request with `prompt_logprobs_from`) are the
+    log-probs of prompt tokens from that index on, None for token 0 (no context), and
+    `prompt_top_logprobs` their alternatives as `top_logprobs` (empty for token 0).
     `meta` on the final chunk holds `prompt_tokens`, `completion_tokens`, `cached_tokens`,
     `ttft_s`, `e2e_s`. A finished chunk with `finish_reason == "error"` carries `error` (a
     sentence for the client); "abort" means the client or the server (shutdown) cancelled it.
@@ -213,6 +221,8 @@ class OutputChunk:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    prompt_logprobs: tuple[float | None, ...] | None = None
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None

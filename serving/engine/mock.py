@@ -10,7 +10,11 @@ The output is closed-form, so a test recomputes every expected value itself:
 
 - output token `i` is `prompt[i % len(prompt)]` (`echo_ids`), one token per `step`, with
   log-prob `mock_logprob(token, i)` when the request asks for log-probs, and
-  `mock_top_logprobs(token, i, n)` when it asks for `n` top log-probs;
+  `mock_top_logprobs(token, i, n)` when it asks for `n` top log-probs; with
+  `prompt_logprobs_from`, the first chunk scores prompt token `p` from there on with
+  `mock_prompt_logprob(token, p)` (None for token 0) and alternatives
+  `mock_top_logprobs` of the same value's position `-p` (mode "null" only, as the real
+  engines);
 - it finishes with "stop" on a stop token id, on `eos_id` (unless `ignore_eos`; neither
   before `min_new_tokens` output tokens), or once
   the decoded output contains a stop string (the engine-side check the contract asks
@@ -72,6 +76,11 @@ MODES: tuple[ServerMode, ...] = ("null", "prefill", "decode")
 def mock_logprob(token: int, i: int) -> float:
     """The log-prob `MockEngine` reports for output token `token` at position `i`."""
     return -(((token * 7 + i) % 11) / 10.0) - 0.05
+
+
+def mock_prompt_logprob(token: int, p: int) -> float:
+    """The log-prob `MockEngine` reports for prompt token `token` at position `p >= 1`."""
+    return mock_logprob(token, -p)
 
 
 def mock_top_logprobs(token: int, i: int, n: int) -> tuple[tuple[int, float], ...]:
@@ -206,6 +215,12 @@ class MockEngine:
                 f"request {req.rid}: the prompt contains the pad token {self.refuse_id}"
             )
         self._check_pd_fields(req)
+        if req.prompt_logprobs_from is not None and self.mode != "null":
+            raise InputError(f"request {req.rid!r}: prompt log-probs are not computed in PD mode")
+        if req.prompt_logprobs_from is not None and not (
+            0 <= req.prompt_logprobs_from < len(req.input_ids)
+        ):
+            raise InputError(f"request {req.rid!r}: logprob_start_len is outside the prompt")
         if self.queue_full:
             raise QueueFullError(
                 "the mock server's wait queue is full", retry_after_s=MOCK_RETRY_AFTER_S
@@ -305,6 +320,9 @@ class MockEngine:
                 return None
             if isinstance(held, RoomKV):
                 tok, logprob = held.token, held.logprob
+        prompt_lps = prompt_tops = None
+        if not out and req.prompt_logprobs_from is not None:
+            prompt_lps, prompt_tops = self._prompt_scores(req)
         out.append(tok)
         meta["completion_tokens"] = len(out)
         reason = self.finish_reason(req, out)
@@ -323,10 +341,24 @@ class MockEngine:
                 if req.return_logprob and req.top_logprobs
                 else None
             ),
+            prompt_logprobs=prompt_lps,
+            prompt_top_logprobs=prompt_tops,
             finished=reason is not None,
             finish_reason=reason,
             meta=meta if reason else {},
         )
+
+    @staticmethod
+    def _prompt_scores(req: GenerateRequest) -> tuple[tuple, tuple]:
+        start = req.prompt_logprobs_from
+        assert start is not None
+        lps: list[float | None] = []
+        tops: list[tuple[tuple[int, float], ...]] = []
+        for p in range(start, len(req.input_ids)):
+            tok = req.input_ids[p]
+            lps.append(None if p == 0 else mock_prompt_logprob(tok, p))
+            tops.append(() if p == 0 else mock_top_logprobs(tok, -p, req.top_logprobs))
+        return tuple(lps), tuple(tops)
 
     def _room_step(
         self, state: dict[str, Any], i: int, meta: dict[str, float | int]

@@ -164,6 +164,11 @@ class Generation:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     # Per output token, its (token id, log-prob) alternatives (requests with top_logprobs).
     top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
+    # Requests with `prompt_logprobs_from`: the prompt tokens' from there (None for token 0).
+    prompt_logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    prompt_top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(
+        default_factory=list
+    )
     finish_reason: str | None = None
     error: str | None = None
     meta: dict[str, float | int] = dataclasses.field(default_factory=dict)
@@ -182,6 +187,9 @@ class Generation:
             self.logprobs.extend(chunk.logprobs)
         if chunk.top_logprobs is not None:
             self.top_logprobs.extend(chunk.top_logprobs)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(chunk.prompt_logprobs)
+            self.prompt_top_logprobs.extend(chunk.prompt_top_logprobs or ())
         ids = chunk.token_ids
         # The engine names a stop token that ended the output (the chunk's last id).
         stop = chunk.meta.get("matched_stop_token") if chunk.finished else None
@@ -256,15 +264,16 @@ def choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
     return dataclasses.replace(sampling, seed=seed)
 
 
-def batch_usage(gens: Sequence[Generation], n: int) -> dict[str, Any]:
+def batch_usage(gens: Sequence[Generation], n: int, *, scored_only: bool = False) -> dict[str, Any]:
     """OpenAI `usage` of a response whose choices are `gens`, `n` per prompt in prompt
-    order: the prompt tokens once per prompt, the completion tokens of every choice, and
+    order: the prompt tokens once per prompt, the completion tokens of every choice
+    (none with `scored_only`: the token drawn to score a prompt is not returned), and
     per prompt the most cached tokens any of its choices had."""
     prompt = completion = cached = 0
     for i in range(0, len(gens), n):
         group = gens[i : i + n]
         prompt += len(group[0].req.input_ids)
-        completion += sum(len(g.ids) for g in group)
+        completion += 0 if scored_only else sum(len(g.ids) for g in group)
         cached += max(int(g.meta.get("cached_tokens", 0)) for g in group)
     return {
         "prompt_tokens": prompt,
@@ -393,6 +402,7 @@ class ApiCore:
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs: int = 0,
+        prompt_logprobs_from: int | None = None,
         arrival: float,
         bootstrap_room: str | None = None,
         decode_transfer_target: str | None = None,
@@ -430,6 +440,7 @@ class ApiCore:
             sampling=sampling,
             return_logprob=return_logprob,
             top_logprobs=top_logprobs if return_logprob else 0,
+            prompt_logprobs_from=prompt_logprobs_from if return_logprob else None,
             bootstrap_room=bootstrap_room,
             decode_transfer_target=decode_transfer_target,
             bootstrap_cp_size=bootstrap_cp_size,

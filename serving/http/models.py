@@ -208,7 +208,6 @@ GENERATE_NEUTRAL: Mapping[str, Neutral] = {
     "mm_content_hashes": off(),
     "use_audio_in_video": off(False),
     "video_config": off(),
-    "logprob_start_len": off(-1),  # -1: log-probs of the output tokens only
     "token_ids_logprob": off([]),
     "return_sampling_mask": off(False),
     "return_flat_raw_top_logprobs": off(False),
@@ -374,7 +373,10 @@ class GenerateBody(PDFields):
     `model` is not SGLang's (its `/generate` serves its one model) but SGLang's gateway
     `smg` always sends it: the client's, `"unknown"` (`GATEWAY_ANY_MODEL`) when the client
     named none, or null (`sglang-router` 0.3); checked like the OpenAI routes' `model`.
-    `return_text_in_logprobs` puts each token's text in `output_token_logprobs`."""
+    `return_text_in_logprobs` puts each token's text in `output_token_logprobs`.
+    `logprob_start_len` >= 0 (with `return_logprob`) adds `meta_info.input_token_logprobs`
+    (and `input_top_logprobs`) for the prompt tokens from there on, as SGLang; -1, the
+    default, only the output's."""
 
     NEUTRAL: ClassVar[Mapping[str, Neutral]] = GENERATE_NEUTRAL
 
@@ -386,6 +388,7 @@ class GenerateBody(PDFields):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0  # with return_logprob: `meta_info.output_top_logprobs`
+    logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
 
@@ -407,7 +410,18 @@ class GenerateBody(PDFields):
         ):
             raise ValueError("rid: a list of ids goes with a batch of as many prompts")
         _check_top_logprobs("top_logprobs_num", self.top_logprobs_num)
+        if self.logprob_start_len < -1:
+            raise ValueError(
+                f"logprob_start_len must be -1 (output log-probs only) or a prompt index, got "
+                f"{self.logprob_start_len}"
+            )
         return self
+
+    def prompt_logprobs_from(self) -> int | None:
+        """The engine's `prompt_logprobs_from` (None: no prompt log-probs)."""
+        if not self.return_logprob or self.logprob_start_len < 0:
+            return None
+        return self.logprob_start_len
 
     def batched(self) -> bool:
         if isinstance(self.text, list):
@@ -700,8 +714,9 @@ class CompletionBody(_OpenAICommon):
 
     `logprobs: N` returns each token's log-prob and its N most likely alternatives
     (0..`TOP_LOGPROBS_LIMIT`). `echo` puts each prompt's text before its choices' text;
-    with `logprobs` it would need the prompt tokens' log-probs, which the engine does not
-    compute (refused).
+    with `logprobs`, the prompt's tokens and their log-probs come first in `logprobs`
+    (computed by a unified server's prefill), and `max_tokens: 0` returns only those
+    (lm-evaluation-harness's log-likelihood requests).
     """
 
     NEUTRAL: ClassVar[Mapping[str, Neutral]] = COMPLETIONS_NEUTRAL
@@ -727,11 +742,6 @@ class CompletionBody(_OpenAICommon):
             )
         if self.logprobs is not None:
             _check_top_logprobs("logprobs", self.logprobs)
-        if self.echo and self.logprobs is not None:
-            raise ValueError(
-                "echo with logprobs needs the prompt tokens' log-probs, which this server "
-                "does not compute: send echo=false or omit logprobs"
-            )
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens=0 is only allowed with echo=true (it generates nothing)")
         return self

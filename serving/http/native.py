@@ -56,6 +56,7 @@ class NativeRoutes:
             rid=core.request_id(request, body.rid),
             return_logprob=body.return_logprob,
             top_logprobs=body.top_logprobs_num,
+            prompt_logprobs_from=body.prompt_logprobs_from(),
             arrival=arrival,
             **pd,
         )
@@ -104,6 +105,7 @@ class NativeRoutes:
                         rid=rids[i],
                         return_logprob=body.return_logprob,
                         top_logprobs=body.top_logprobs_num,
+                        prompt_logprobs_from=body.prompt_logprobs_from(),
                         arrival=arrival,
                     )
                 )
@@ -140,6 +142,18 @@ class NativeRoutes:
                 meta["output_top_logprobs"] = [
                     [[lp, t, token_text(t)] for t, lp in alts] for alts in gen.top_logprobs
                 ]
+            start = gen.req.prompt_logprobs_from
+            if start is not None:  # SGLang's: token 0 has no log-prob (None) nor alternatives
+                prompt = gen.req.input_ids[start:]
+                meta["input_token_logprobs"] = [
+                    [lp, t, token_text(t)]
+                    for lp, t in zip(gen.prompt_logprobs, prompt, strict=False)
+                ]
+                if gen.req.top_logprobs:
+                    meta["input_top_logprobs"] = [
+                        [[lp, t, token_text(t)] for t, lp in alts] if alts else None
+                        for alts in gen.prompt_top_logprobs
+                    ]
         out: dict[str, Any] = {"output_ids": list(gen.ids), "meta_info": meta}
         if self.core.tokenizer is not None:
             out = {"text": gen.out.text, **out}

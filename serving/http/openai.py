@@ -21,13 +21,14 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from cpkv_jax.errors import InputError
+from cpkv_jax.tokenizer import Tokenizer
 from serving.engine.api import GenerateRequest, OutputChunk
 from serving.http import chat_output
 from serving.http.errors import ApiError
 from serving.http.generation import ApiCore, Generation, batch_usage, choice_sampling
 from serving.http.models import ChatCompletionBody, CompletionBody
 from serving.http.streaming import SSE_DONE, sse_event, sse_response
-from serving.http.text import REPLACEMENT_CHAR
+from serving.http.text import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 
 def _alternatives(gen: Generation, start: int, end: int) -> list[tuple[tuple[int, float], ...]]:
@@ -57,6 +58,47 @@ def completion_logprobs(gen: Generation, start: int, end: int) -> dict[str, Any]
         "top_logprobs": tops,
         "text_offset": detok.offsets[start:end],
     }
+
+
+def prompt_logprobs(gen: Generation, tokenizer: Tokenizer) -> tuple[dict[str, Any], int]:
+    """OpenAI legacy `logprobs` of an echoed prompt's tokens (`echo` with `logprobs`) and
+    the length of the prompt's text their `text_offset`s index: the first token has
+    no log-prob and no alternatives (None, as OpenAI and vLLM give it)."""
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    ids = list(gen.req.input_ids)
+    detok.add(ids)
+    detok.flush()
+    tokens = [detok.token_text(t) for t in ids]
+    tops: list[dict[str, float] | None] = []
+    for text, v, alts in zip(tokens, gen.prompt_logprobs, gen.prompt_top_logprobs, strict=True):
+        if v is None:
+            tops.append(None)
+            continue
+        top: dict[str, float] = {}
+        for t, lp in alts or ((None, v),):
+            top.setdefault(text if t is None else detok.token_text(t), lp)
+        tops.append(top)
+    out = {
+        "tokens": tokens,
+        "token_logprobs": list(gen.prompt_logprobs),
+        "top_logprobs": tops,
+        "text_offset": list(detok.offsets),
+    }
+    return out, len(detok.text)
+
+
+def echoed_logprobs(
+    gen: Generation, tokenizer: Tokenizer, start: int, end: int, *, echo: bool
+) -> dict[str, Any]:
+    """`completion_logprobs` of output tokens `[start, end)`, after the prompt's own
+    (`prompt_logprobs`) when `echo` puts the prompt first; the output's offsets then
+    count from the prompt's text."""
+    out = completion_logprobs(gen, start, end)
+    if not echo:
+        return out
+    prompt, shift = prompt_logprobs(gen, tokenizer)
+    out["text_offset"] = [shift + o for o in out["text_offset"]]
+    return {k: prompt[k] + out[k] for k in out}
 
 
 def _token_entry(text: str, logprob: float) -> dict[str, Any]:
@@ -122,10 +164,14 @@ class OpenAIRoutes:
         if body.echo and core.tokenizer is None:
             raise ApiError(400, "echo needs a tokenizer, and this server has none: send echo=false")
         want_logprobs = body.logprobs is not None
-        # max_tokens=0 (allowed with echo only) generates nothing: no engine request; the
-        # prompts are validated as for one new token.
-        generate = body.max_new_tokens() != 0
-        sampling = body.to_engine(body.max_new_tokens() if generate else 1)
+        # echo with logprobs: the prompt's log-probs too (lm-evaluation-harness's
+        # log-likelihood requests). max_tokens=0 then still runs the prompt, for one token
+        # that is not returned (`scored_only`); without logprobs it generates nothing: no
+        # engine request, the prompts validated as for one new token.
+        scored = body.echo and want_logprobs
+        scored_only = scored and body.max_new_tokens() == 0
+        generate = body.max_new_tokens() != 0 or scored
+        sampling = body.to_engine(body.max_new_tokens() or 1)
         pd = await core.pd_fields(body)
         base, rids = core.request_ids(request, count)  # X-Request-Id, when given
         reqs, echoes = [], []
@@ -144,6 +190,7 @@ class OpenAIRoutes:
                             rid=rids[i * n + j],
                             return_logprob=want_logprobs,
                             top_logprobs=body.logprobs or 0,
+                            prompt_logprobs_from=0 if scored else None,
                             arrival=arrival,
                             **pd,
                         )
@@ -160,19 +207,36 @@ class OpenAIRoutes:
 
         if not generate:
             return self._echo_only(body, reqs, echoes, envelope)
+        tokenizer = core.tokenizer
+
+        def logprobs_of(g: Generation, start: int, end: int, first: bool) -> dict[str, Any] | None:
+            if not want_logprobs:
+                return None
+            if scored_only:  # the prompt's alone: the drawn token is not returned
+                assert tokenizer is not None
+                return prompt_logprobs(g, tokenizer)[0]
+            if not (scored and first):
+                return completion_logprobs(g, start, end)
+            assert tokenizer is not None
+            return echoed_logprobs(g, tokenizer, start, end, echo=True)
+
+        def usage(gens: list[Generation]) -> dict[str, Any]:
+            return batch_usage(gens, n, scored_only=scored_only)
+
         if not body.stream:
             gens = await core.run_all(reqs, request, arrival)  # gone: 499 (errors.py)
             choices = [
                 {
                     "index": g.index,
-                    "text": (echoes[g.index // n] if body.echo else "") + g.out.text,
-                    "logprobs": completion_logprobs(g, 0, len(g.ids)) if want_logprobs else None,
-                    "finish_reason": g.finish_reason,
-                    "token_ids": list(g.ids),  # extension: the ids behind `text`
+                    "text": (echoes[g.index // n] if body.echo else "")
+                    + ("" if scored_only else g.out.text),
+                    "logprobs": logprobs_of(g, 0, len(g.ids), True),
+                    "finish_reason": "length" if scored_only else g.finish_reason,
+                    "token_ids": [] if scored_only else list(g.ids),  # extension: `text`'s ids
                 }
                 for g in gens
             ]
-            return JSONResponse({**envelope(choices), "usage": batch_usage(gens, n)})
+            return JSONResponse({**envelope(choices), "usage": usage(gens)})
         items, disconnect = await core.open_streams(reqs, request, arrival)
         echo_pending = set(range(count)) if body.echo else set()
 
@@ -184,7 +248,12 @@ class OpenAIRoutes:
             # `token_ids` then add up to `usage.completion_tokens`, and token timing
             # (TTFT, inter-token latency) is what a client measures. The echoed prompt
             # opens a choice's first chunk.
-            if g.index in echo_pending:
+            first = g.index in echo_pending
+            if scored_only:  # once, at the end: the echoed prompt and its log-probs
+                if not chunk.finished:
+                    return []
+                delta, chunk = "", OutputChunk(chunk.rid, finished=True)
+            if first:
                 echo_pending.discard(g.index)
                 delta = echoes[g.index // n] + delta
             if not (delta or chunk.finished or chunk.token_ids):
@@ -192,14 +261,16 @@ class OpenAIRoutes:
             choice = {
                 "index": g.index,
                 "text": delta,
-                "logprobs": completion_logprobs(g, before, len(g.ids)) if want_logprobs else None,
-                "finish_reason": g.finish_reason if chunk.finished else None,
+                "logprobs": logprobs_of(g, before, len(g.ids), first),
+                "finish_reason": ("length" if scored_only else g.finish_reason)
+                if chunk.finished
+                else None,
                 "token_ids": list(chunk.token_ids),
             }
             return [envelope([choice])]
 
         def tail(gens: list[Generation]) -> list[dict[str, Any]]:
-            return [{**envelope([]), "usage": batch_usage(gens, n)}] if body.include_usage else []
+            return [{**envelope([]), "usage": usage(gens)}] if body.include_usage else []
 
         return core.stream_many(items, disconnect, render, tail)
 

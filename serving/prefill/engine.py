@@ -279,6 +279,12 @@ class PrefillModeEngine:
                 "request through the PD router, or to a unified server"
             )
         assert req.bootstrap_room is not None and req.decode_transfer_target is not None
+        if req.prompt_logprobs_from is not None:
+            raise InputError(
+                f"request {req.rid!r}: prompt log-probs (echo with logprobs, "
+                "logprob_start_len) are not computed in PD mode; send the request to a "
+                "unified server"
+            )
         parse_target(req.decode_transfer_target)
         if req.bootstrap_cp_size is not None and req.bootstrap_cp_size != self.cp_size:
             raise InputError(

@@ -50,6 +50,7 @@ from cpkv_jax.cache.radix import (
 from cpkv_jax.errors import CacheCapacityError, CpkvError, InputError
 from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.paging import owner_of_page, pages_for_tokens
+from cpkv_jax.scores import TOP_SCORES, PromptLogprobs, TokenScores
 from serving.prefill.adder import (
     AddResult,
     Admitted,
@@ -81,6 +82,16 @@ class PrefillExecutor(Protocol):
     def execute(self, rows: Sequence[StepRow]) -> np.ndarray: ...
 
 
+@runtime_checkable
+class ScoringExecutor(PrefillExecutor, Protocol):
+    """A `PrefillExecutor` that also scores prompt tokens (prompt log-probs)."""
+
+    def score(self, rows: Sequence[StepRow]) -> tuple[np.ndarray, list[TokenScores]]:
+        """`execute` that also scores each row's prompt tokens of the step
+        (`CPPrefillRunner.run_score_step`)."""
+        ...
+
+
 @dataclasses.dataclass
 class PrefillRequest:
     rid: str
@@ -93,6 +104,39 @@ class PrefillRequest:
     cached_tokens: int = 0  # prefix reused from the cache at admission
     host_cached_tokens: int = 0  # of which loaded back from the host cache
     done: int = 0  # tokens whose KV is written (cached prefix included)
+    # Prompt log-probs from this token on (None: not asked). Its prefix match stops
+    # before it: a cached token's hidden state, which predicts the next, is gone.
+    score_from: int | None = None
+    scores: PromptLogprobs | None = None  # filled chunk by chunk (positions 0..n-1)
+
+    def match_key(self) -> np.ndarray:
+        """The tokens the prefix cache may serve: all but the last (>= 1 to compute),
+        and none at or past the token before `score_from`."""
+        end = self.input_ids.size - 1
+        if self.score_from is not None:
+            end = min(end, max(self.score_from - 1, 0))
+        return self.input_ids[:end]
+
+    def record(self, scores: TokenScores) -> None:
+        if self.scores is None:
+            n = self.input_ids.size
+            self.scores = PromptLogprobs(
+                0,
+                np.full(n, np.nan, np.float32),
+                np.zeros((n, TOP_SCORES), np.int32),
+                np.full((n, TOP_SCORES), np.nan, np.float32),
+            )
+        at = slice(scores.first, scores.first + len(scores.logprobs))
+        k = scores.top_ids.shape[-1]
+        self.scores.logprobs[at] = scores.logprobs
+        self.scores.top_ids[at, :k] = scores.top_ids
+        self.scores.top_logprobs[at, :k] = scores.top_logprobs
+
+    def prompt_logprobs(self) -> PromptLogprobs | None:
+        if self.score_from is None or self.scores is None:
+            return None
+        s, at = self.scores, slice(self.score_from, None)
+        return PromptLogprobs(self.score_from, s.logprobs[at], s.top_ids[at], s.top_logprobs[at])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +150,7 @@ class PrefillOutcome:
     # `hold_finished` only: the finished request's page table, valid (pages allocated,
     # KV intact) until `PrefillScheduler.release_held(rid)`.
     table: RequestPageTable | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # a request submitted with `score_from`
 
 
 class PrefillStepError(CpkvError):
@@ -178,12 +223,21 @@ class PrefillScheduler:
         input_ids: Sequence[int] | np.ndarray,
         max_new_tokens: int = 1,
         timeout: float | None = None,
+        score_from: int | None = None,
     ) -> None:
+        """Queue a prompt; with `score_from`, its prompt tokens from there on are scored
+        (`PrefillOutcome.prompt_logprobs`)."""
         ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
         self.check_submit(rid, ids.size, max_new_tokens)
+        if score_from is not None and not isinstance(self.executor, ScoringExecutor):
+            raise InputError("this prefill executor does not score prompt tokens")
+        if score_from is not None and not 0 <= score_from < ids.size:
+            raise InputError(f"score_from {score_from} is outside the prompt [0, {ids.size})")
         timeout = self.request_timeout if timeout is None else timeout
         deadline = None if timeout is None else self.clock() + timeout
-        self.waiting.append(PrefillRequest(rid, ids, max_new_tokens, deadline, next(self._seq)))
+        req = PrefillRequest(rid, ids, max_new_tokens, deadline, next(self._seq))
+        req.score_from = score_from
+        self.waiting.append(req)
         self._ids.add(rid)
 
     def max_batch_rows(self, max_waiting: int | None = None) -> int:
@@ -293,7 +347,7 @@ class PrefillScheduler:
                 requests.append(req)
                 self.waiting.remove(req)
                 continue
-            match = self.cache.match_prefix(req.input_ids[:-1])  # keep >= 1 token to compute
+            match = self.cache.match_prefix(req.match_key())
             result = adder.add(self._candidate(req, match.num_tokens))
             if result is not AddResult.CONTINUE:
                 self.rejections[result.value] += 1
@@ -331,7 +385,14 @@ class PrefillScheduler:
         if batch is None:
             return outcomes
         try:
-            logits = self.executor.execute(batch.rows)
+            if any(r.score_from is not None for r in batch.requests):
+                assert isinstance(self.executor, ScoringExecutor)  # checked by `submit`
+                logits, scores = self.executor.score(batch.rows)
+                for req, row_scores in zip(batch.requests, scores, strict=True):
+                    if req.score_from is not None:
+                        req.record(row_scores)
+            else:
+                logits = self.executor.execute(batch.rows)
         except Exception as e:
             reason = f"the prefill step failed: {type(e).__name__}: {e}"
             failed = self._drop_batch(batch, reason)
@@ -366,6 +427,7 @@ class PrefillScheduler:
                         req.cached_tokens,
                         table=req.table,
                         host_cached_tokens=req.host_cached_tokens,
+                        prompt_logprobs=req.prompt_logprobs(),
                     )
                 )
                 continue
@@ -378,6 +440,7 @@ class PrefillScheduler:
                     np.asarray(out),
                     req.cached_tokens,
                     host_cached_tokens=req.host_cached_tokens,
+                    prompt_logprobs=req.prompt_logprobs(),
                 )
             )
         self._submit_backups()
@@ -450,7 +513,7 @@ class PrefillScheduler:
         adding to this batch."""
         io = self.host_io
         assert io is not None
-        match = self.cache.match_prefix(req.input_ids[:-1])  # keep >= 1 token to compute
+        match = self.cache.match_prefix(req.match_key())
         self.cache.inc_lock_ref(match.node)
         plan = self.cache.plan_load_back(match)
         skipped = match.host_node is not None and not plan.load
@@ -521,7 +584,7 @@ class PrefillScheduler:
         return sorted(self.waiting, key=lambda r: (-matched[r.rid], r.seq))
 
     def _matched_tokens(self, req: PrefillRequest) -> int:
-        match = self.cache.match_prefix(req.input_ids[:-1])
+        match = self.cache.match_prefix(req.match_key())
         if self.host_io is None:
             return match.num_tokens
         return match.num_tokens + match.host_num_tokens
@@ -592,3 +655,11 @@ class CPRunnerExecutor:
             [r.length for r in rows],
         )
         return self.runner.run_step(plan)[: len(rows)]
+
+    def score(self, rows: Sequence[StepRow]) -> tuple[np.ndarray, list[TokenScores]]:
+        prompts = [r.prompt for r in rows]
+        plan = self.runner.plan_step(
+            prompts, [r.table for r in rows], [r.start for r in rows], [r.length for r in rows]
+        )
+        logits, scores = self.runner.run_score_step(plan, prompts)
+        return logits[: len(rows)], scores

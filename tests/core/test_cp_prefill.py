@@ -27,9 +27,12 @@ from support.cp_reference import INDEX_K, P, reference
 from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for, zigzag_order
 from cpkv_jax.errors import ConfigError, InputError
+from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
+from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.scores import TOP_SCORES
 from cpkv_jax.shared_kv_debug import SharedKVInvariantError
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
@@ -367,3 +370,52 @@ def test_pallas_gather_path_equals_xla_path(setup):
         runner.full_view(got.tables[0]), runners[True].full_view(want.tables[0])
     )
     runners[True].release(want.tables[0])
+
+
+def test_scoring_step_gives_the_teacher_forced_prompt_logprobs(setup):
+    """Prompt log-probs (`run_score_step`, for `echo` + `logprobs` and SGLang's
+    `logprob_start_len`): two ragged prompts prefilled in chunks of 40 on the CP=8
+    shared-KV runner; every prompt token past the first gets its log-prob and top
+    alternatives, equal to the single-device reference's float64 log-softmax within 1e-4
+    (the logits differ by <= 5e-6, module docstring), and the step's last logits are the
+    plain step's."""
+    cfg, model, runners = setup
+    runner = runners[True]
+    ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype=INDEX_K)
+    prompts = [_prompt(7 * P + 3, 31), _prompt(P + 1, 32)]
+    plain = runner.prefill(prompts, CHUNK)
+    for table in plain.tables:
+        runner.release(table)
+    tables = [RequestPageTable(runner.layout.lanes) for _ in prompts]
+    got: list[dict[int, tuple]] = [{} for _ in prompts]
+    done = [0] * len(prompts)
+    while any(d < len(a) for d, a in zip(done, prompts, strict=True)):
+        active = [i for i, a in enumerate(prompts) if done[i] < len(a)]
+        lengths = [min(CHUNK, len(prompts[i]) - done[i]) for i in active]
+        plan = runner.plan_step(
+            [prompts[i] for i in active], [tables[i] for i in active],
+            [done[i] for i in active], lengths,
+        )  # fmt: skip
+        logits, scores = runner.run_score_step(plan, [prompts[i] for i in active])
+        for row, i in enumerate(active):
+            sc = scores[row]
+            for j in range(len(sc.logprobs)):
+                got[i][sc.first + j] = (sc.logprobs[j], sc.top_ids[j], sc.top_logprobs[j])
+            done[i] += lengths[row]
+            if done[i] == len(prompts[i]):
+                np.testing.assert_allclose(logits[row], plain.last_logits[i], rtol=1e-5)
+    for table in tables:
+        runner.release(table)
+    for i, prompt in enumerate(prompts):
+        want, tops = ref.prompt_logprobs(prompt.tolist(), top_n=TOP_SCORES)
+        assert sorted(got[i]) == list(range(1, len(prompt)))
+        lps = np.array([got[i][p][0] for p in range(1, len(prompt))])
+        np.testing.assert_allclose(lps, want, atol=1e-4)
+        for p, top in zip(range(1, len(prompt)), tops, strict=True):
+            _, ids, values = got[i][p]
+            np.testing.assert_allclose(values, [v for _, v in top], atol=1e-4)
+            assert np.all(np.diff(values) <= 0), "most likely first"
+            # The ids agree wherever the reference's values are not within the tolerance.
+            gaps = np.diff([v for _, v in top])
+            clear = np.concatenate([[True], gaps < -2e-4]) & np.concatenate([gaps < -2e-4, [True]])
+            assert [t for (t, _), c in zip(top, clear, strict=True) if c] == ids[clear].tolist()

@@ -199,11 +199,14 @@ def test_top_logprobs_list_only_finite_alternatives():
 
 def test_the_api_limit_is_the_samplers():
     """The HTTP layer refuses more alternatives, or more logit-bias tokens, than the
-    sampler holds (its limits live in the JAX-free `serving.engine.api`)."""
+    sampler holds (its limits live in the JAX-free `serving.engine.api`), and prompt
+    scores keep as many."""
     from cpkv_jax.sampling import LOGIT_BIAS_MAX
+    from cpkv_jax.scores import TOP_SCORES
     from serving.engine.api import LOGIT_BIAS_LIMIT, TOP_LOGPROBS_LIMIT
 
-    assert TOP_LOGPROBS_LIMIT == TOP_LOGPROBS_MAX and LOGIT_BIAS_LIMIT == LOGIT_BIAS_MAX
+    assert TOP_LOGPROBS_LIMIT == TOP_LOGPROBS_MAX == TOP_SCORES
+    assert LOGIT_BIAS_LIMIT == LOGIT_BIAS_MAX
 
 
 def test_penalties_shift_the_draw_by_the_device_counts_and_count_the_drawn_tokens():

@@ -335,14 +335,15 @@ def test_tables_and_model_fields_do_not_overlap() -> None:
         assert model.NEUTRAL is table
         assert not set(table) & set(model.model_fields), model.__name__
     # What the issue's clients sent is in the tables.
-    assert {"lora_path", "return_routed_experts", "logprob_start_len"} <= set(GENERATE_NEUTRAL)
+    assert {"lora_path", "return_routed_experts"} <= set(GENERATE_NEUTRAL)
+    assert "logprob_start_len" in GenerateBody.model_fields  # implemented (issue 37)
     assert "best_of" in COMPLETIONS_NEUTRAL and "best_of" in CHAT_NEUTRAL
 
 
 REFUSED = [
     ("/generate", {"lora_path": "my-adapter"}, "lora_path"),
     ("/generate", {"return_routed_experts": True}, "return_routed_experts"),
-    ("/generate", {"logprob_start_len": 0}, "logprob_start_len"),
+    ("/generate", {"logprob_start_len": -2}, "logprob_start_len must be"),
     ("/generate", {"image_data": "http://x/cat.png"}, "image_data"),
     ("/generate", {"sampling_params": {"max_new_tokens": N, "n": 2}}, "sampling_params: n=2"),
     ("/generate", {"sampling_params": {"stop_regex": ["a+"]}}, "stop_regex"),

@@ -210,6 +210,12 @@ def test_refusals_allocate_nothing(tiny):
         (GenerateRequest("oov", (5, 320), SamplingParams()), r"\[320\] outside the vocabulary"),
         (GenerateRequest("topp", (5,), SamplingParams(top_p=0.0)), "top_p must be in"),
         (GenerateRequest("stop", (5,), SamplingParams(stop=("x",))), "need a tokenizer"),
+        # Its prefill keeps the last position's logits only (issue 37: the unified
+        # server's default, radix-cached engine scores prompts).
+        (
+            GenerateRequest("echo", (5, 6), SamplingParams(), prompt_logprobs_from=0),
+            "unified server with its radix cache",
+        ),
     ]
     for req, match in cases:
         with pytest.raises(InputError, match=match):

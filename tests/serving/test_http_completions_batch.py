@@ -8,7 +8,7 @@ import pytest
 from support.http_client import FAIL_ID, sse
 
 from serving.decode.sampling import request_seed
-from serving.engine.mock import echo_ids
+from serving.engine.mock import echo_ids, mock_logprob, mock_prompt_logprob, mock_top_logprobs
 
 N = 3
 
@@ -170,7 +170,7 @@ def test_echo_with_zero_max_tokens_answers_without_the_engine(srv, tok):
 @pytest.mark.parametrize(
     ("body", "words"),
     [
-        ({"prompt": "hi", "echo": True, "logprobs": 0}, ["echo", "logprobs"]),
+        ({"prompt": "hi", "logprobs": 21}, ["logprobs"]),
         ({"prompt": "hi", "max_tokens": 0}, ["max_tokens=0", "echo"]),
         ({"prompt": "hi", "n": 0}, ["n must be"]),
         ({"prompt": "hi", "n": 129}, ["n must be"]),
@@ -238,3 +238,87 @@ def test_chat_n_behind_the_pd_router_is_400(srv):
     r = _chat(srv, n=2, bootstrap_room="room-1", decode_transfer_target="127.0.0.1:1")
     assert r.status_code == 400, r.text
     assert "n > 1" in r.json()["error"]["message"]
+
+
+def _prompt_part(tok, ids: list[int], top: int) -> dict:
+    """What `logprobs` holds for an echoed prompt under the mock's closed form."""
+    texts = [tok.decode([t], skip_special_tokens=False) for t in ids]
+    offsets = [len(tok.decode(ids[:i], skip_special_tokens=False)) for i in range(len(ids))]
+    tops: list = [None]
+    for p in range(1, len(ids)):
+        alts = mock_top_logprobs(ids[p], -p, top) or ((ids[p], mock_prompt_logprob(ids[p], p)),)
+        entry: dict = {}
+        for t, lp in alts:
+            entry.setdefault(tok.decode([t], skip_special_tokens=False), lp)
+        tops.append(entry)
+    return {
+        "tokens": texts,
+        "token_logprobs": [None] + [mock_prompt_logprob(ids[p], p) for p in range(1, len(ids))],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+@pytest.mark.parametrize("top", [0, 2])
+def test_echo_with_logprobs_puts_the_prompts_logprobs_first(srv, tok, top):
+    """Issue 37: `echo` + `logprobs` (lm-evaluation-harness's log-likelihood requests):
+    `logprobs` lists the prompt's tokens first (token 0 without a log-prob), then the
+    output's, whose offsets count from the prompt's text; `max_tokens: 0` returns the
+    prompt's alone and no output, streamed or not."""
+    text = "hello there"
+    ids = tok.encode(text)
+    want_prompt = _prompt_part(tok, ids, top)
+    out_ids = echo_ids(ids, N)
+    r = _post(srv, prompt=text, echo=True, logprobs=top, temperature=0)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    lp = choice["logprobs"]
+    assert choice["text"] == text + tok.decode(out_ids)
+    assert {k: v[: len(ids)] for k, v in lp.items()} == want_prompt
+    assert lp["token_logprobs"][len(ids) :] == [mock_logprob(t, i) for i, t in enumerate(out_ids)]
+    shift = len(tok.decode(ids, skip_special_tokens=False))
+    assert lp["text_offset"][len(ids)] == shift
+    assert srv.engine.requests[list(srv.engine.requests)[-1]].prompt_logprobs_from == 0
+
+    for stream in (False, True):
+        r = _post(srv, prompt=ids, echo=True, logprobs=top, max_tokens=0, stream=stream,
+                  stream_options={"include_usage": True} if stream else None)  # fmt: skip
+        assert r.status_code == 200, r.text
+        if stream:
+            *events, usage = sse(r)
+            (choice,) = [e["choices"][0] for e in events]  # one event: the prompt
+            usage = usage["usage"]
+        else:
+            (choice,) = r.json()["choices"]
+            usage = r.json()["usage"]
+        assert choice["text"] == tok.decode(ids)
+        assert choice["logprobs"] == want_prompt
+        assert choice["token_ids"] == [] and choice["finish_reason"] == "length"
+        assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(ids)
+
+
+def test_generate_logprob_start_len_gives_input_token_logprobs(bare):
+    """SGLang's `logprob_start_len`: `meta_info.input_token_logprobs` from that prompt
+    index (token 0's log-prob None), `input_top_logprobs` with `top_logprobs_num`."""
+    ids = [10, 11, 12, 13]
+    for start in (0, 2):
+        body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": start,
+                "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 2}}  # fmt: skip
+        r = bare.http.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        want = [
+            [None if p == 0 else mock_prompt_logprob(ids[p], p), ids[p], None]
+            for p in range(start, len(ids))
+        ]
+        assert meta["input_token_logprobs"] == want
+        assert meta["input_top_logprobs"] == [
+            None if p == 0 else [[lp, t, None] for t, lp in mock_top_logprobs(ids[p], -p, 2)]
+            for p in range(start, len(ids))
+        ]
+    plain = bare.http.post("/generate", json={"input_ids": ids, "return_logprob": True})
+    assert "input_token_logprobs" not in plain.json()["meta_info"]
+    for bad in (-2, len(ids)):
+        body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": bad}
+        r = bare.http.post("/generate", json=body)
+        assert r.status_code == 400 and "logprob_start_len" in r.text, r.text

@@ -74,7 +74,6 @@ def _bad_requests(rng: np.random.Generator) -> list[tuple[str, str, Any, int]]:
         ("POST", "/v1/completions", {"prompt": [5], "max_tokens": neg}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "max_tokens": 10**12}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "n": 0}, 400),
-        ("POST", "/v1/completions", {"prompt": [5], "echo": True, "logprobs": 0}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "logprobs": 21}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "logprobs": -1}, 400),
         ("POST", "/v1/completions", {"prompt": [5], "best_of": 2}, 400),

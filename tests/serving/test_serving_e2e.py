@@ -264,6 +264,50 @@ def test_unified_top_logprobs_are_the_references(ckpt, unified):
     assert_pages_back(server)
 
 
+def test_unified_prompt_logprobs_are_the_teacher_forced_reference(ckpt, unified):
+    """Prompt log-probs on the real tiny model (issue 37): `echo` + `logprobs: 5` with
+    `max_tokens: 0` (lm-evaluation-harness's log-likelihood request) and `/generate` with
+    `logprob_start_len` give every prompt token's log-prob (token 0: None) and its five
+    best alternatives, equal to the single-device reference's teacher-forced float64
+    log-softmax within 1e-4 (float32 logits of another program). The prompt is cached by
+    an earlier request first: a scored request must not take its cached prefix (its
+    hidden states are gone), and still gets every position; the prefix past the start
+    stays served from the cache for `logprob_start_len`."""
+    _, cfg, ref = ckpt
+    server, served = unified
+    ids = prompts(cfg, seed=9)[2]  # 5 pages + 3 tokens
+    want, want_top = ref.prompt_logprobs(ids, top_n=TOP)
+    plain = {"model": "tiny", "prompt": ids, "max_tokens": 2, "temperature": 0.0}
+    r = httpx.post(served.url + "/v1/completions", json=plain, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    body = {**plain, "max_tokens": 0, "echo": True, "logprobs": TOP}
+    r = httpx.post(served.url + "/v1/completions", json=body, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    lp = choice["logprobs"]
+    assert choice["token_ids"] == [] and len(lp["token_logprobs"]) == len(ids)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    np.testing.assert_allclose(lp["token_logprobs"][1:], want, rtol=0, atol=1e-4)
+    for p, (got, alts) in enumerate(zip(lp["top_logprobs"][1:], want_top, strict=True)):
+        # Keyed by token text: the tiny byte tokenizer gives several ids one text ("\ufffd"),
+        # which keep their likelier entry; the best is the reference's best.
+        vals = [v for _, v in alts]
+        assert 1 <= len(got) <= TOP, p
+        assert max(got.values()) == pytest.approx(vals[0], abs=1e-4), p
+        assert all(min(abs(v - w) for w in vals) <= 1e-4 for v in got.values()), p
+    start = 3 * P + 1
+    gen = {**top_logprobs_body(ids), "logprob_start_len": start}
+    r = httpx.post(served.url + "/generate", json=gen, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[start:]
+    got = [v for v, _, _ in meta["input_token_logprobs"]]
+    np.testing.assert_allclose(got, want[start - 1 :], rtol=0, atol=1e-4)
+    assert_top_logprobs_match(meta["input_top_logprobs"], want_top[start - 1 :], 1e-4)
+    assert meta["cached_tokens"] == 3 * P  # whole pages before the token before `start`
+    assert_pages_back(server)
+
+
 # The tiny model's greedy outputs repeat no token in NEW steps, so a positive frequency,
 # presence or repetition penalty shows only once a negative one has made a token repeat;
 # a repetition penalty below 1 favours the prompt's tokens from the first token on.
