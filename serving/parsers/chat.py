@@ -3,10 +3,11 @@
 Text deltas go through the reasoning parser first (when the server has one and the
 request keeps `separate_reasoning`), its content through the tool-call parser (when the
 server has one and the request asked for tools). `feed` / `finish` give a `ChatDelta`:
-reasoning text, content text and the OpenAI stream deltas of the tool calls parsed (each
-call as two: `id`, `type` and `function.name` with empty arguments, then its arguments).
-The whole output is kept too (`reasoning`, `content`, `tool_calls`), for a non-streaming
-response.
+reasoning text, content text and the OpenAI stream deltas of the tool calls: a call's
+`id`, `type` and `function.name` with empty arguments as soon as its name is parsed, then
+`function.arguments` fragments as they are parsed (one delta per call and step; their
+concatenation is the arguments' JSON text). The whole output is kept too (`reasoning`,
+`content`, `tool_calls` with each call's whole arguments), for a non-streaming response.
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from serving.parsers.reasoning import ReasoningParser, reasoning_parser
-from serving.parsers.tool_calls import ToolCall, ToolCallParser, tool_call_parser
+from serving.parsers.tool_calls import (
+    Event,
+    ToolCall,
+    ToolCallArgs,
+    ToolCallParser,
+    ToolCallStart,
+    tool_call_parser,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +106,7 @@ class ChatOutputParser:
         self.reasoning = ""
         self.content = ""
         self.tool_calls: list[dict[str, Any]] = []  # the OpenAI `message.tool_calls`
+        self._open: int | None = None  # the index of the call whose arguments stream
 
     @property
     def has_reasoning(self) -> bool:
@@ -122,33 +131,62 @@ class ChatOutputParser:
         if self.tools is None:
             delta.content = content
         else:
-            items = self.tools.feed(content)
-            if final:
-                items += self.tools.finish()
             parts = []
-            for item in items:
-                if isinstance(item, ToolCall):
-                    delta.tool_calls.extend(self._call(item))
+            for event in self._events(content, final):
+                if isinstance(event, ToolCallStart):
+                    self._start(event.name, delta.tool_calls)
+                elif isinstance(event, ToolCallArgs):
+                    self._arguments(event, delta.tool_calls)
                 else:
-                    parts.append(item)
+                    parts.append(event)
             delta.content = "".join(parts)
         self.reasoning += delta.reasoning
         self.content += delta.content
         return delta
 
-    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+    def _events(self, text: str, final: bool) -> list[Event]:
+        if isinstance(self.tools, ToolCallParser):
+            events = self.tools.feed_events(text)
+            return events + self.tools.finish_events() if final else events
+        assert self.tools is not None
+        items = self.tools.feed(text) + (self.tools.finish() if final else [])
+        out: list[Event] = []
+        for item in items:  # JsonToolCalls: each call whole
+            if isinstance(item, ToolCall):
+                out += [ToolCallStart(item.name), ToolCallArgs(item.arguments, end=True)]
+            else:
+                out.append(item)
+        return out
+
+    def _start(self, name: str, deltas: list[dict[str, Any]]) -> None:
         if self.tool_calls and not self.parallel_tool_calls:
-            return []  # parallel_tool_calls=false: the first call only
-        index = len(self.tool_calls)
+            self._open = None  # parallel_tool_calls=false: the first call only
+            return
+        self._open = len(self.tool_calls)
         call_id = f"call_{uuid.uuid4().hex[:24]}"
-        function = {"name": call.name, "arguments": call.arguments}
-        self.tool_calls.append({"id": call_id, "type": "function", "function": function})
-        return [
+        self.tool_calls.append(
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+        )
+        deltas.append(
             {
-                "index": index,
+                "index": self._open,
                 "id": call_id,
                 "type": "function",
-                "function": {"name": call.name, "arguments": ""},
-            },
-            {"index": index, "function": {"arguments": call.arguments}},
-        ]
+                "function": {"name": name, "arguments": ""},
+            }
+        )
+
+    def _arguments(self, event: ToolCallArgs, deltas: list[dict[str, Any]]) -> None:
+        index = self._open
+        if index is None:
+            return
+        if event.end:
+            self._open = None
+        if not event.text:
+            return
+        self.tool_calls[index]["function"]["arguments"] += event.text
+        last = deltas[-1] if deltas else None
+        if last is not None and last["index"] == index and "id" not in last:
+            last["function"]["arguments"] += event.text  # one delta per call and step
+        else:
+            deltas.append({"index": index, "function": {"arguments": event.text}})
