@@ -1,4 +1,4 @@
-"""`--warmup-all-shapes` alone vs with `--warmup-background` (issue 25): time to healthy,
+"""`--warmup all` alone vs with `--warmup-background` (issue 25): time to healthy,
 then at once the first request of each length vs another of the same length, and how
 long the background compile runs on.
 
@@ -31,8 +31,8 @@ from benchmarks.bench_restart import model_path_or_tiny, running_server
 from benchmarks.report import emit, environment
 
 VARIANTS = {
-    "all_shapes": ["--warmup-all-shapes"],
-    "background": ["--warmup-all-shapes", "--warmup-background"],
+    "all_shapes": ["--warmup", "all"],
+    "background": ["--warmup", "all", "--warmup-background"],
 }
 
 

@@ -1,7 +1,7 @@
 """`make demo`: CP=8 shared-KV prefill -> KV transfer -> decode, behind the PD router.
 
     python -m serving.demo [--model-dir .demo/tiny-glm5-fp8] [--transfer-backend grpc|mooncake]
-        [--max-new-tokens 16] [--enable-batch-invariant] [--warmup-all-shapes]
+        [--max-new-tokens 16] [--enable-batch-invariant] [--warmup auto|all|common]
         [--router cpkv|smg] [--keep-running]
 
 The model is the tiny GLM-5-architecture checkpoint in the official FP8 format
@@ -148,7 +148,7 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
         "--log-level",
         args.server_log_level,
         *(["--enable-batch-invariant"] if args.enable_batch_invariant else []),
-        *(["--warmup-all-shapes"] if args.warmup_all_shapes else []),
+        *("--warmup", args.warmup),
     ]
     procs: list[Proc] = []
     try:
@@ -214,9 +214,7 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]
         t0 = time.monotonic()
         for name in ("decode", "prefill"):
             # Compiling every shape on 2 cores takes minutes more on a cold cache.
-            wait_healthy(
-                urls[name], procs, STARTUP_TIMEOUT_S * (4 if args.warmup_all_shapes else 1)
-            )
+            wait_healthy(urls[name], procs, STARTUP_TIMEOUT_S * (4 if args.warmup == "all" else 1))
             print(f"  {name} healthy after {time.monotonic() - t0:.0f}s (compiles warmed up)")
         if args.router == "smg":
             procs.append(start_smg(urls, ports, log_dir, base_env))
@@ -314,10 +312,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bit for bit (default: tokens equal, log-prob difference reported)",
     )
     ap.add_argument(
-        "--warmup-all-shapes",
-        action="store_true",
-        help="both servers compile every reachable shape before turning healthy (a slower "
-        "first start; the compilation cache keeps them for the next)",
+        "--warmup",
+        choices=["auto", "all", "common"],
+        default=os.environ.get("CPKV_WARMUP", "auto"),
+        help="the servers' --warmup: all compiles every reachable shape before turning "
+        "healthy (the compilation cache keeps them for the next start), common only the "
+        "common ones (the rest on first use), auto (their default) all on GPU and TPU, "
+        "common on CPU (default: $CPKV_WARMUP if set, else auto)",
     )
     ap.add_argument(
         "--router",
@@ -386,9 +387,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{ttft if ttft is not None else float('nan'):>9.2f}{r['client_e2e_s']:>8.2f}  "
                 f"{out[:6]}{' ...' if len(out) > 6 else ''}"
             )
+        compiles = sum(
+            info["xla_compiles"]["serving"]["compiles"] for info in (prefill_info, decode_info)
+        )
         print(
-            f"(TTFT and e2e include first-use compiles of new shapes; the prefill server's "
-            f"prefix cache reused {prefill_info.get('prefix_cache_hit_tokens', 0)} prompt tokens)"
+            f"({compiles} XLA programs compiled while serving"
+            + (": TTFT and e2e include first-use compiles" if compiles else "")
+            + f"; the prefill server's prefix cache reused "
+            f"{prefill_info.get('prefix_cache_hit_tokens', 0)} prompt tokens)"
         )
 
         # Per-rank KV bytes: the prefill server's page-owned pools vs a replicated pool of the

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -221,19 +222,35 @@ def from_cli(
     environ: Mapping[str, str] | None = None,
 ) -> T:
     """Parse `argv` with `parser` (built by `add_dataclass_args` for `cls`) into a `cls`;
-    an omitted tuple flag gets its field's default, a flag with an `env` variable left at
-    its default takes the variable's value when it is set in `environ` (default:
-    `os.environ`), even empty (for the caller's validation to refuse). No validation
-    beyond the parser's."""
+    an omitted tuple flag gets its field's default, an omitted flag with an `env` variable
+    takes the variable's value when it is set in `environ` (default: `os.environ`), even
+    empty (for the caller's validation to refuse), else its default; a flag given on the
+    command line wins. No validation beyond the parser's."""
     environ = os.environ if environ is None else environ
+    argv = list(sys.argv[1:] if argv is None else argv)
     ns = vars(parser.parse_args(argv))
+    # "Not given" must differ from "given its default": an explicit `--warmup all` beats
+    # $CPKV_WARMUP (argparse also takes a flag's unambiguous abbreviation).
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+
+    def on_command_line(flag: str) -> bool:
+        return any(flag.startswith(a) for a in given)
+
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if typing.get_origin(hints[f.name]) is tuple:
+        hint = hints[f.name]
+        if typing.get_origin(hint) is tuple:
             ns[f.name] = f.default if ns[f.name] is None else tuple(ns[f.name])
         env = f.metadata.get("env")
-        if env and ns[f.name] == f.default and env in environ:
-            ns[f.name] = environ[env]
+        if env and not on_command_line(flag_name(f.name)) and env in environ:
+            value = environ[env]
+            choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
+            if choices is not None and value not in choices:
+                parser.error(
+                    f"${env}={value!r} is not a choice of {flag_name(f.name)} "
+                    f"({', '.join(map(str, choices))})"
+                )
+            ns[f.name] = value
     return cls(**ns)
 
 

@@ -55,7 +55,7 @@ from cpkv_jax.config import ModelConfig
 from cpkv_jax.decode_mesh import DPPoolLayout, init_dp_pool
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.mesh import make_dp_mesh
-from cpkv_jax.model.kv_cache import DTYPES, init_pool
+from cpkv_jax.model.kv_cache import DTYPES, PagedKVIO, init_pool
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
@@ -359,6 +359,8 @@ def _model_flags(args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> dict[st
         "batch_invariant": args.enable_batch_invariant,
         "block_bytes": args.transient_block_size,
         "overlap": not args.disable_overlap_schedule,
+        # The sparse decode's row gather: XLA's or the Pallas kernel (`--kernel-impl`).
+        "kv_io": PagedKVIO(gather_impl=args.kernel_impl),
     }
 
 
@@ -397,14 +399,17 @@ def warm_up(
     buckets of short prompts and the decode batch buckets 1, 2, 4, 8 compile (fewer,
     shorter requests where the pool holds less). Decode servers, which never prefill, run
     those decode buckets alone on trash-page tables: no prefill program compiles there.
-    Longer contexts (wider page tables) compile on first use, unless
-    `--warmup-all-shapes`: then every reachable step shape compiles here (CP steps
+    With `--warmup all` (the default `auto` on GPU and TPU) every reachable step shape then
+    compiles here (CP steps
     `buckets.reachable_step_shapes`, decode steps `decode.steps.reachable_shapes`), with
     a prefill server's transfer gathers, a decode server's commit scatters and the host
     cache's copies; with `--warmup-background` those still compile here and the step
-    shapes become background jobs (on abstract inputs: they never touch the pool).
+    shapes become background jobs (on abstract inputs: they never touch the pool). With
+    `--warmup common` (`auto` on CPU) longer contexts (wider page tables) compile on
+    first use.
     """
-    background = args.warmup_all_shapes and args.warmup_background
+    all_shapes = args.warms_all_shapes(jax.default_backend())
+    background = all_shapes and args.warmup_background
     jobs: list[CompileJob] = []
     t0 = time.perf_counter()
     vocab = cfg.vocab_size - 3
@@ -428,7 +433,7 @@ def warm_up(
         for n in [*lengths, chunk]:
             result = runner.prefill([prompt(n)], args.chunked_prefill_size)
             runner.release(result.tables[0])
-        jobs += _warm_prefill_steps(engine, args.warmup_all_shapes, background)
+        jobs += _warm_prefill_steps(engine, all_shapes, background)
         if isinstance(engine, PrefillModeEngine):
             return time.perf_counter() - t0, jobs
     # The decode batch buckets (a unified cached engine: on its runner's pool).
@@ -455,7 +460,7 @@ def warm_up(
         engine.warm_feeds(warmed)  # the probe's steps fed only the pairs it met
     reachable = engine.reachable_shapes()
     _log_compile_work("decode step", len(reachable), *engine.compile_estimate())
-    if args.warmup_all_shapes:
+    if all_shapes:
         t = time.perf_counter()
         if background:
             decode_jobs = engine.compile_jobs()
@@ -480,7 +485,7 @@ def warm_up(
         left = len(reachable - warmed)
         logger.info(
             "warm-up: %d of %d reachable step shapes compiled; %d compile on first use "
-            "(--warmup-all-shapes compiles them all)",
+            "(--warmup all compiles them all)",
             len(reachable) - left,
             len(reachable),
             left,
@@ -572,7 +577,7 @@ def _warm_prefill_steps(
         left = len(reachable - runner.step_shapes)
         logger.info(
             "warm-up: %d of %d reachable CP step shapes compiled; %d compile on first use "
-            "(--warmup-all-shapes compiles them all)",
+            "(--warmup all compiles them all)",
             len(reachable) - left,
             len(reachable),
             left,

@@ -597,7 +597,10 @@ class ServerArgs:
 
     # kernels
     kernel_impl: GatherImpl = _arg(  # noqa: RUF009
-        "xla", help="paged gather for full-view materialization", group="kernel"
+        "xla",
+        help="paged gather: the CP prefill's full-view materialization and the sparse "
+        "decode's top-k row gather (xla, or the Pallas kernel)",
+        group="kernel",
     )
 
     # server
@@ -654,16 +657,21 @@ class ServerArgs:
     request_timeout: float | None = _arg(
         None, help="seconds before an unfinished request fails; none = no limit", group="server"
     )
-    warmup_all_shapes: bool = _arg(
-        False,
-        help="compile every step shape the requests can reach (and, on PD servers, every "
-        "transfer gather and commit scatter) before turning healthy: none compiles while "
-        "serving; slower start, cached by --compilation-cache-dir",
+    warmup: Literal["auto", "all", "common"] = _arg(
+        "auto",
+        help="what compiles before the server turns healthy: all = every step shape the "
+        "requests can reach (and, on PD servers, every transfer gather and commit scatter): "
+        "none compiles while serving, cached by --compilation-cache-dir for the next start; "
+        "common = the short prompts' prefill buckets and decode batches 1-8 only, the rest "
+        "compiling on first use in that request's time (a fast start for development); "
+        "auto = all on GPU and TPU, common on CPU (XLA:CPU maps each program's code into "
+        "the process: a unified server's ~400 programs exceed Linux's vm.max_map_count)",
         group="server",
+        env="CPKV_WARMUP",
     )
     warmup_background: bool = _arg(
         False,
-        help="with --warmup-all-shapes: turn healthy after the short prompts' prefill "
+        help="with --warmup all: turn healthy after the short prompts' prefill "
         "buckets, decode batches 1-8, transfer and host-cache copies, and compile the other "
         "step shapes on a background thread while serving (a request that needs a shape "
         "still compiling waits for that compile); progress in /server_info",
@@ -730,6 +738,10 @@ class ServerArgs:
             reasoning=None if self.reasoning_parser == "none" else self.reasoning_parser,
             tool_call=None if self.tool_call_parser == "none" else self.tool_call_parser,
         )
+
+    def warms_all_shapes(self, backend: str) -> bool:
+        """Whether the warm-up compiles every reachable shape on `backend` (`--warmup`)."""
+        return self.warmup == "all" or (self.warmup == "auto" and backend != "cpu")
 
     def served_model_names(self) -> tuple[str, ...]:
         """The names the OpenAI API accepts for the model, the served one (that answers
@@ -841,10 +853,10 @@ class ServerArgs:
                 "--enable-cp-shared-kv-prefill-bs-gt1 has no effect without "
                 "--enable-cp-shared-kv (ordinary CP prefill batches are unchanged, SPEC S5.1)"
             )
-        if self.warmup_background and not self.warmup_all_shapes:
+        if self.warmup_background and self.warmup == "common":
             warnings.append(
-                "--warmup-background has no effect without --warmup-all-shapes (the shapes "
-                "the warm-up leaves out compile on first use)"
+                "--warmup-background has no effect with --warmup common (the shapes the "
+                "warm-up leaves out compile on first use)"
             )
         self._check_requires()
         for w in warnings:

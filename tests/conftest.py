@@ -86,6 +86,13 @@ from serving.compilation_cache import enable_compilation_cache  # noqa: E402
 # `serving.compile_events`, so the zero-compile checks mean the same with it on).
 enable_compilation_cache("auto")
 
+# Servers started by the tests (in-process, and the subprocesses that inherit this
+# environment) compile only the common shapes before healthy (`--warmup common`, what
+# the default `auto` does on CPU; on an accelerator it would compile every reachable
+# shape, tens of seconds per fixture). The warm-up tests and the PD e2e / host-cache
+# fixtures ask for `--warmup all` themselves.
+os.environ["CPKV_WARMUP"] = "common"
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():

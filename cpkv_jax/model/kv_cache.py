@@ -31,6 +31,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.pallas.paged_gather import GatherImpl, paged_gather
 
 IndexKDtype = Literal["fp8_e4m3", "bfloat16", "float32"]
 # Activation / weight / MLA latent KV dtypes by their flag names (`--dtype`).
@@ -126,13 +127,22 @@ def take_view_rows(view: Array, positions: Int[Array, "b t k"]) -> Array:
     return jax.vmap(lambda v, i: jnp.take(v, i, axis=0))(view, positions)
 
 
-def take_paged_rows(pool: Array, page_table: Int[Array, "b pages"], positions: Array) -> Array:
+def take_paged_rows(
+    pool: Array, page_table: Int[Array, "b pages"], positions: Array, impl: GatherImpl = "xla"
+) -> Array:
     """The rows at logical `positions` `[b, t, k]` (>= 0) of each request, read from the
     pool by (page, offset) through its page-table row: `[b, t, k, ...]`. Only these rows
-    are read - no view of the request's other tokens."""
+    are read - no view of the request's other tokens. `impl="pallas"`: the paged-gather
+    kernel over the pool seen as one-row pages (`[pages * page_size, 1, ...]`, a free
+    reshape) gathers the rows by flat slot, bit for bit the XLA gather."""
     p = pool.shape[1]
     pages = jax.vmap(lambda row, i: jnp.take(row, i // p, axis=0))(page_table, positions)
-    return pool[pages, positions % p]
+    if impl == "xla":
+        return pool[pages, positions % p]
+    rows = pool.reshape((pool.shape[0] * p, 1, *pool.shape[2:]))
+    slots = (pages * p + positions % p).reshape(-1)
+    out = paged_gather(rows, slots.astype(jnp.int32), impl=impl)
+    return out.reshape((*positions.shape, *pool.shape[2:]))
 
 
 @runtime_checkable
@@ -157,10 +167,12 @@ class PagedKVIO:
     `sparse` (default): `rows` reads only the selected rows from the pool by (page,
     offset). False: through the request's full view (`view`), the dense path the sparse
     one is checked against (`tests/core/test_sparse_decode.py`) and benchmarked beside
-    (`benchmarks/bench_decode.py`).
+    (`benchmarks/bench_decode.py`). `gather_impl` (`--kernel-impl`): the sparse row
+    gather's XLA gather or the Pallas paged-gather kernel (`take_paged_rows`).
     """
 
     sparse: bool = True
+    gather_impl: GatherImpl = "xla"
 
     def write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
         n, p = pool.shape[:2]
@@ -178,7 +190,8 @@ class PagedKVIO:
     def rows(self, pool: Array, page_table: Int[Array, "b pages"]) -> tuple[Array, RowGather]:
         if not self.sparse:
             return self.view(pool, page_table), take_view_rows
-        return page_table, lambda table, positions: take_paged_rows(pool, table, positions)
+        impl = self.gather_impl
+        return page_table, lambda table, positions: take_paged_rows(pool, table, positions, impl)
 
 
 # Stateless and hashable: the default `kv_io` static argument of the model step.

@@ -275,3 +275,28 @@ def test_empty_id_list():
     pool = _pool(np.random.default_rng(9), jnp.float32, (128,))
     got = paged_gather_pallas(pool, jnp.zeros((0,), jnp.int32))
     chex.assert_shape(got, (0, PAGE, 128))
+
+
+def test_the_sparse_decode_row_gather_lowers_to_triton_at_glm5_dims(monkeypatch):
+    """The sparse decode's top-k row gather (`take_paged_rows(..., "pallas")`, issue 35)
+    at GLM-5's dims: batch 8, index top-k 2,048 rows of the 576-wide bf16 latent from a
+    pool of 64-token pages, seen as one-row pages. It lowers to one Triton call whose
+    grid walks 8-row blocks and 64-element column chunks. The serving path picks compiled
+    (not interpret) mode from the backend; CPU stands in for a GPU here."""
+    from cpkv_jax.model.kv_cache import take_paged_rows
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    rows = jax.jit(lambda pool, table, pos: take_paged_rows(pool, table, pos, "pallas"))
+    exported = jax.export.export(
+        rows,
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON_CALL)],
+    )(
+        jax.ShapeDtypeStruct((4096, 64, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8, 512), jnp.int32),
+        jax.ShapeDtypeStruct((8, 1, 2048), jnp.int32),
+    )
+    module = exported.mlir_module()
+    assert module.count(_TRITON_CALL) == 1
+    assert f"grid_x = {8 * 2048 // 8} : i32, grid_y = 9 : i32" in module
+    assert exported.out_avals[0].shape == (8, 1, 2048, 576)

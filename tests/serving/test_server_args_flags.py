@@ -75,7 +75,8 @@ def test_flag_names_cover_the_brief():
         assert flag in flags
 
 
-def test_defaults_round_trip():
+def test_defaults_round_trip(monkeypatch):
+    monkeypatch.delenv("CPKV_WARMUP")  # tests/conftest.py sets it for the suite's servers
     assert ServerArgs.from_cli(["--model-path", "m"]) == ServerArgs(model_path="m")
     assert ServerArgs.from_cli(to_argv(ServerArgs(model_path="m"))) == ServerArgs(model_path="m")
     hints = typing.get_type_hints(ServerArgs)
@@ -85,6 +86,27 @@ def test_defaults_round_trip():
         # A Literal default must be one of the flag's choices.
         if typing.get_origin(hints[f.name]) is typing.Literal:
             assert f.default in typing.get_args(hints[f.name]), f.name
+
+
+def test_warmup_defaults_to_all_shapes_on_accelerators(monkeypatch):
+    """Issue 35 item 7: no compile on the request path by default: `--warmup auto`
+    compiles every reachable shape on GPU and TPU, the common ones on CPU (XLA:CPU's
+    per-program memory maps); `all` / `common` (or `$CPKV_WARMUP`) choose. The flag wins
+    over the variable, and a bad variable is refused naming both."""
+    monkeypatch.delenv("CPKV_WARMUP")
+    args = ServerArgs.from_cli(["--model-path", "m"])
+    assert args.warmup == "auto"
+    assert [args.warms_all_shapes(b) for b in ("gpu", "tpu", "cpu")] == [True, True, False]
+    common = ServerArgs.from_cli(["--model-path", "m", "--warmup", "common"])
+    assert not common.warms_all_shapes("gpu")
+    assert ServerArgs.from_cli(["--model-path", "m", "--warmup", "all"]).warms_all_shapes("cpu")
+    monkeypatch.setenv("CPKV_WARMUP", "common")
+    assert ServerArgs.from_cli(["--model-path", "m"]).warmup == "common"
+    assert ServerArgs.from_cli(["--model-path", "m", "--warmup", "all"]).warmup == "all"
+    assert ServerArgs.from_cli(["--model-path", "m", "--warmup=auto"]).warmup == "auto"
+    monkeypatch.setenv("CPKV_WARMUP", "some")
+    with pytest.raises(ServerArgsError, match=r"\$CPKV_WARMUP='some' is not a choice of --warmup"):
+        ServerArgs.from_cli(["--model-path", "m"])
 
 
 def test_non_default_values_round_trip_through_the_command_line():

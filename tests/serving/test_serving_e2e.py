@@ -652,7 +652,7 @@ def pd(request, ckpt) -> Iterator[dict[str, Any]]:
     # Over gRPC both servers compile every reachable shape before healthy: the PD
     # requests then compile nothing on either side (issue 25; checked in the first test).
     # Once is enough (the suite's time): the Mooncake pair warms the common shapes only.
-    warm = ("--warmup-all-shapes", "--max-running-requests", "2") if backend == "grpc" else ()
+    warm = ("--warmup", "all", "--max-running-requests", "2") if backend == "grpc" else ()
     # The Mooncake pair's decode server runs data-parallel over 4 devices (issue 36):
     # each request's pages land in one rank's shard of its pool, by global page id.
     dp = ("--dp-size", str(DECODE_DP)) if backend == "mooncake" else ()
@@ -722,7 +722,7 @@ def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):
     assert_penalized_outputs(router, ref, penalized)
     # Grammars: the prefill server draws token 0 under the mask, the decode server the rest.
     assert_structured_outputs(router, grammar_ids, wants_grammar)
-    if pd["backend"] == "grpc":  # --warmup-all-shapes on both servers (issue 25)
+    if pd["backend"] == "grpc":  # --warmup all on both servers (issue 25)
         assert COMPILES.total.compiles == compiles
     info = httpx.get(pd["served"]["decode"].url + "/server_info", timeout=10).json()
     assert info["transfer_bytes"] > 0 and info["transfer_failures"] == 0

@@ -21,7 +21,13 @@ from support.decode_model import INDEX_K, P, two_layer_config
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.forward_batch import abstract_batch
-from cpkv_jax.model.kv_cache import DENSE_VIEW_KV_IO, SINGLE_DEVICE_KV_IO, pool_shapes
+from cpkv_jax.model.kv_cache import (
+    DENSE_VIEW_KV_IO,
+    SINGLE_DEVICE_KV_IO,
+    PagedKVIO,
+    pool_shapes,
+    take_paged_rows,
+)
 from cpkv_jax.model.transformer import CausalLM, forward_step
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.tools.tiny_config import tiny_config_dict
@@ -118,11 +124,15 @@ def test_sparse_decode_gives_the_dense_paths_tokens(models, which):
 
 
 def test_sparse_decode_is_bitwise_the_dense_path_when_batch_invariant(models):
-    """The GLM case: batch-invariant numerics make the comparison exact."""
+    """The GLM case: batch-invariant numerics make the comparison exact. The sparse row
+    gather through the Pallas kernel (`--kernel-impl pallas`, interpret mode here) gives
+    the same bits too."""
     cfg, model = models["glm"]()
     sparse = _run(cfg, model, SINGLE_DEVICE_KV_IO, batch_invariant=True)[:2]
     dense = _run(cfg, model, DENSE_VIEW_KV_IO, batch_invariant=True)[:2]
     assert sparse == dense
+    pallas = _run(cfg, model, PagedKVIO(gather_impl="pallas"), batch_invariant=True)[:2]
+    assert pallas == sparse
 
 
 def _shapes_in(jaxpr) -> set[tuple[int, ...]]:
@@ -172,3 +182,26 @@ def test_a_sparse_decode_step_never_builds_the_latent_view(batch_invariant):
     assert latent_view in dense and index_view in dense  # the check can see a view
     assert latent_view not in sparse
     assert index_view in sparse
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
+def test_the_pallas_row_gather_is_the_xla_gather_bit_for_bit(dtype):
+    """`--kernel-impl pallas` (issue 35): the sparse decode's top-k row gather through
+    the paged-gather kernel (interpret mode here) moves the XLA gather's bits, for a
+    latent-like row (576 = 9 x 64 elements), any dtype, a shuffled page table and
+    positions that repeat (top-k ties) and sit on page edges."""
+    rng = np.random.default_rng(3)
+    pages, page, dim = 12, 4, 576
+    pool = jnp.asarray(rng.standard_normal((pages, page, dim)), jnp.float32).astype(dtype)
+    table = jnp.asarray(np.stack([rng.permutation(np.arange(1, pages))[:5] for _ in range(2)]))
+    positions = rng.integers(0, 5 * page, (2, 3, 7))
+    positions[0, 0, :3] = [0, page - 1, page]  # page edges
+    positions[1, 2, 4:] = positions[1, 2, 3]  # a tie: one row taken four times
+    positions = jnp.asarray(positions, jnp.int32)
+    xla = take_paged_rows(pool, table, positions)
+    pallas = jax.jit(lambda p, t, i: take_paged_rows(p, t, i, "pallas"))(pool, table, positions)
+    assert pallas.shape == (2, 3, 7, dim) and pallas.dtype == pool.dtype
+    np.testing.assert_array_equal(
+        np.asarray(jax.lax.bitcast_convert_type(pallas, jnp.uint8)),
+        np.asarray(jax.lax.bitcast_convert_type(xla, jnp.uint8)),
+    )

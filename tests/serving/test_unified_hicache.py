@@ -48,7 +48,7 @@ def _args(path, *extra: str) -> ServerArgs:
         "--enable-hierarchical-cache",
         "--hicache-ratio",
         "4",
-        "--warmup-all-shapes",  # every step and host copy compiles before healthy (issue 25)
+        *("--warmup", "all"),  # every step and host copy compiles before healthy (issue 25)
         "--max-running-requests",  # bounds the batch buckets the warm-up compiles
         "2",
         *extra,

@@ -1,4 +1,4 @@
-"""`--warmup-all-shapes` (issue 25): a unified server (the plain engine,
+"""`--warmup all` (issue 25; the default since issue 35): a unified server (the plain engine,
 `--disable-radix-cache`) that compiled every reachable step shape before turning healthy
 compiles nothing while serving a mixed workload (prompt lengths from 1 token to what the
 pool holds, 1-8 requests at once), counted by JAX's compile events; every shape it
@@ -48,7 +48,7 @@ WAIT_S = 120.0
 def warmed(tiny_checkpoint):
     path, cfg, _ = tiny_checkpoint
     running = ("--max-running-requests", str(RUNNING), *ENGINE)
-    with serving(unified_args(path, cfg, POOL_PAGES, *running, "--warmup-all-shapes")) as s:
+    with serving(unified_args(path, cfg, POOL_PAGES, *running, "--warmup", "all")) as s:
         yield s
 
 
@@ -103,7 +103,7 @@ def _background_compiles() -> int:
 def background(tiny_checkpoint):
     path, cfg, _ = tiny_checkpoint
     running = ("--max-running-requests", str(RUNNING), *ENGINE)
-    warm = ("--warmup-all-shapes", "--warmup-background")
+    warm = ("--warmup", "all", "--warmup-background")
     # The all-shapes server above left these shapes' executables in this process: drop
     # them, so this server compiles its own (read back from the run's persistent cache,
     # which still counts as a compile) and its background jobs have work to do.
