@@ -171,7 +171,8 @@ class CPPrefillRunner:
         self._shardings = (NamedSharding(mesh, P(None, CP_AXIS)), NamedSharding(mesh, P()))
         self.batch_invariant = batch_invariant
         self.block_bytes = block_bytes
-        self._step = _build_step(
+        build = functools.partial(
+            _build_step,
             graphdef,
             mesh,
             self.layout,
@@ -183,21 +184,10 @@ class CPPrefillRunner:
             param_specs(state, ep_axis),
             expert_parallel,
         )
+        self._step = build()
         # The same step that also scores every prompt token (prompt log-probs, `score`):
         # compiled only for the shapes such requests reach.
-        self._score_step = _build_step(
-            graphdef,
-            mesh,
-            self.layout,
-            self.kv_io,
-            index_k_dtype,
-            attn_form,
-            batch_invariant,
-            block_bytes,
-            param_specs(state, ep_axis),
-            expert_parallel,
-            score=True,
-        )
+        self._score_step = build(score=True)
         self._score_steps: ShapeCache[StepShape] = ShapeCache("CP prefill scoring step")
         self._view = _build_view(mesh, self.layout, self.kv_io)
         # Steps dispatch through ahead-of-time executables, one per shape, compiled on

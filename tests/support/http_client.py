@@ -29,6 +29,7 @@ from serving.api_keys import ApiKeys
 from serving.engine.mock import MOCK_EOS_ID, MOCK_FAIL_ID, MOCK_PAGES, MOCK_REFUSE_ID, MockEngine
 from serving.engine.wait_queue import QueueStats
 from serving.http.app import build_app
+from serving.http.keepalive import HTTP_KEEPALIVE_S
 from serving.http.metrics import ServerMetrics
 
 VOCAB = 320  # the tiny config's vocab_size (the byte tokenizer uses ids < 259)
@@ -58,6 +59,10 @@ class Served:
             log_level="warning",
             lifespan=lifespan,
             timeout_graceful_shutdown=1,
+            # As `cpkv-serve` and `cpkv-router` (serving.http.keepalive): longer than the
+            # router's pooled connections live, else a request can go out on a connection
+            # the server is closing (uvicorn's 5 s: a ReadError, then a 503, under load).
+            timeout_keep_alive=HTTP_KEEPALIVE_S,
             # No uvicorn handlers: they would keep the stderr of the test that made them.
             log_config=None,
         )
