@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 
 from serving.api_keys import API_KEY_ENV, KEY_ENVS
-from serving.demo import SSE_DONE, Proc, free_port, sse_event, wait_healthy
+from serving.demo import SSE_DONE, Proc, dead, free_port, sse_event, wait_healthy
 from serving.smg import pd_workers, smg_argv, smg_binary, wait_ready
 
 CP = 8
@@ -197,14 +197,10 @@ class PDCluster:
         if self.config.router == "cpkv":
             wait_healthy(self.urls["router"], list(self.procs.values()), timeout_s)
             return
-        proc = self.procs["router"]
-
-        def exited() -> str | None:
-            if proc.alive():
-                return None
-            return f"smg exited with {proc.popen.returncode}:\n{proc.tail()}"
-
-        wait_ready(self.urls["router"], 2, timeout_s, headers=self.headers(), alive=exited)
+        gateway = [self.procs["router"]]
+        wait_ready(
+            self.urls["router"], 2, timeout_s, headers=self.headers(), alive=lambda: dead(gateway)
+        )
 
     def headers(self) -> dict[str, str]:
         """What a client of these servers sends: the API key, if there is one."""

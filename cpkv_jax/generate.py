@@ -259,16 +259,7 @@ class ReferenceGenerator:
         table = padded_page_table(PageAllocator(width + 1).alloc(n_pages), width)
         pool = init_pool(self.cfg, width + 1, p, self.dtype, self.index_k_dtype)
         batch = prefill_batch(prompt, table, p)
-        logits, _ = forward_step(
-            self.graphdef,
-            self.state,
-            batch,
-            pool,
-            index_k_dtype=self.index_k_dtype,
-            form=self.prefill_form,
-            all_logits=True,
-            invariant=self.batch_invariant,
-        )
+        logits, _ = self._forward(batch, pool, self.prefill_form, all_logits=True)
         z = np.asarray(logits[0, : len(prompt) - 1], np.float64)
         z = z - z.max(axis=-1, keepdims=True)
         lp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
@@ -331,7 +322,7 @@ class ReferenceGenerator:
         )
         return self._forward(batch, pool, form)
 
-    def _forward(self, batch: ForwardBatch, pool: KVPool, form: str):
+    def _forward(self, batch: ForwardBatch, pool: KVPool, form: str, *, all_logits: bool = False):
         return forward_step(
             self.graphdef,
             self.state,
@@ -339,6 +330,7 @@ class ReferenceGenerator:
             pool,
             index_k_dtype=self.index_k_dtype,
             form=form,
+            all_logits=all_logits,
             invariant=self.batch_invariant,
         )
 

@@ -665,7 +665,8 @@ class ServerArgs:
         "common = the short prompts' prefill buckets and decode batches 1-8 only, the rest "
         "compiling on first use in that request's time (a fast start for development); "
         "auto = all on GPU and TPU, common on CPU (XLA:CPU maps each program's code into "
-        "the process: a unified server's ~400 programs exceed Linux's vm.max_map_count)",
+        "the process: a unified server's 297 prefill step shapes alone exhaust Linux's "
+        "vm.max_map_count)",
         group="server",
         env="CPKV_WARMUP",
     )

@@ -87,15 +87,10 @@ def prompt_logprobs(gen: Generation, tokenizer: Tokenizer) -> tuple[dict[str, An
     return out, len(detok.text)
 
 
-def echoed_logprobs(
-    gen: Generation, tokenizer: Tokenizer, start: int, end: int, *, echo: bool
-) -> dict[str, Any]:
-    """`completion_logprobs` of output tokens `[start, end)`, after the prompt's own
-    (`prompt_logprobs`) when `echo` puts the prompt first; the output's offsets then
-    count from the prompt's text."""
+def echoed_logprobs(gen: Generation, tokenizer: Tokenizer, start: int, end: int) -> dict[str, Any]:
+    """`completion_logprobs` of output tokens `[start, end)` after the echoed prompt's own
+    (`prompt_logprobs`); the output's offsets then count from the prompt's text."""
     out = completion_logprobs(gen, start, end)
-    if not echo:
-        return out
     prompt, shift = prompt_logprobs(gen, tokenizer)
     out["text_offset"] = [shift + o for o in out["text_offset"]]
     return {k: prompt[k] + out[k] for k in out}
@@ -218,7 +213,7 @@ class OpenAIRoutes:
             if not (scored and first):
                 return completion_logprobs(g, start, end)
             assert tokenizer is not None
-            return echoed_logprobs(g, tokenizer, start, end, echo=True)
+            return echoed_logprobs(g, tokenizer, start, end)
 
         def usage(gens: list[Generation]) -> dict[str, Any]:
             return batch_usage(gens, n, scored_only=scored_only)
