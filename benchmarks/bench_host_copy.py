@@ -36,7 +36,6 @@ round trip is not bitwise.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -50,10 +49,10 @@ from benchmarks.report import emit, environment
 from cpkv_jax.host_cache import (
     HostPool,
     backup_layer,
-    leaf_specs,
     load_layer,
     token_indices_of_pages,
 )
+from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.kv_pool import PoolLayout
 from cpkv_jax.model.kv_cache import KVPool
 from cpkv_jax.pallas import lpf_copy
@@ -104,12 +103,10 @@ class Case:
         pages = 2 * n + 1  # page 0 reserved; N sources + N load targets on the device
         self.pool, index_layers = _make_pool(rng, args, pages, device)
         self.layout = PoolLayout(1, False, pages, args.page_size)
-        specs = leaf_specs(self.pool, index_layers)
+        kv = KVLayout.of_pool(self.pool, index_layers)
+        specs = kv.by_kind()
         self.kinds = tuple(specs)
-        self.hosts = {
-            layout: HostPool(specs, layout, pages, args.page_size)
-            for layout in (*LIBRARY_LAYOUTS, LPF)
-        }
+        self.hosts = {layout: HostPool(kv, layout, pages) for layout in (*LIBRARY_LAYOUTS, LPF)}
         usable = rng.permutation(np.arange(1, pages, dtype=np.int64))
         self.src, self.dst = usable[:n], usable[n : 2 * n]
         self.host_pages = rng.permutation(np.arange(1, pages, dtype=np.int64))[:n]
@@ -123,10 +120,7 @@ class Case:
             want = bits.copy()
             want[self.dst] = bits[self.src]
             self.expect[k] = want
-        self.bytes_by_kind = {
-            k: n * args.page_size * math.prod(s.feature) * s.dtype.itemsize
-            for k, s in specs.items()
-        }
+        self.bytes_by_kind = {k: n * args.page_size * s.token_bytes for k, s in specs.items()}
         self.nbytes = sum(self.bytes_by_kind.values())
         # Baseline buffers of the same byte count.
         self.mem_src = rng.integers(0, 256, self.nbytes, dtype=np.uint8)

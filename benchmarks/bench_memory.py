@@ -118,6 +118,7 @@ from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import CPConfig, ModelConfig, parse_override_args
 from cpkv_jax.errors import ConfigError, CpkvError, name_flags
+from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.kv_pool import PoolLayout, init_cp_pool, per_rank_pool_bytes
 from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
 from cpkv_jax.model.expert_parallel import (
@@ -127,7 +128,7 @@ from cpkv_jax.model.expert_parallel import (
     param_shardings,
 )
 from cpkv_jax.model.fp8 import DEFAULT_BLOCK, SCALE_SUFFIX
-from cpkv_jax.model.kv_cache import DTYPES, INDEX_K_DTYPES, IndexKDtype, KVPool, pool_shapes
+from cpkv_jax.model.kv_cache import DTYPES, INDEX_K_DTYPES, IndexKDtype, KVPool
 from cpkv_jax.model.weights import abstract_model, load_model
 from cpkv_jax.model_configs import CONFIGS_DIR, config_dir
 from cpkv_jax.paging import pages_for_tokens
@@ -287,29 +288,22 @@ def full_view_bytes(
     index_k_dtype: IndexKDtype,
 ) -> int:
     """Bytes of the largest one-layer full view of `n_pages` pages (see module docstring)."""
-    shapes = pool_shapes(cfg, n_pages, page_size, dtype, index_k_dtype)
-    slot = {layer: j for j, layer in enumerate(cfg.full_indexer_layers)}
-    per_layer = []
-    for layer, latent in enumerate(shapes.latent):
-        j = slot.get(layer)
-        one = KVPool(
-            (latent,),
-            () if j is None else (shapes.index_k[j],),
-            () if j is None or not shapes.index_scale else (shapes.index_scale[j],),
-        )
-        per_layer.append(one.nbytes())
-    return max(per_layer)
+    kv = KVLayout.from_model(cfg, page_size, dtype, index_k_dtype)
+    return max(
+        sum(kv.page_bytes(kind, layer) for kind in kv.kinds_at(layer)) * n_pages
+        for layer in range(kv.num_layers)
+    )
 
 
 def per_token_bytes(
     cfg: ModelConfig, dtype: DTypeLike, index_k_dtype: IndexKDtype
 ) -> dict[str, int]:
     """Bytes per token of one layer's latent and of one full layer's index K (+ scale)."""
-    one = pool_shapes(cfg, 1, 1, dtype, index_k_dtype)
-    index = KVPool((), one.index_k[:1], one.index_scale[:1]).nbytes()
+    kv = KVLayout.from_model(cfg, 1, dtype, index_k_dtype)
+    index = [b.token_bytes for b in kv.buffers if b.kind != "latent"]
     return {
-        "latent_bytes_per_token_layer": KVPool(one.latent[:1], (), ()).nbytes(),
-        "index_k_bytes_per_token_full_layer": index,
+        "latent_bytes_per_token_layer": kv.by_kind()["latent"].token_bytes,
+        "index_k_bytes_per_token_full_layer": sum(index),
     }
 
 

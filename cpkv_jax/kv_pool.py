@@ -11,8 +11,8 @@ A *global slot* addresses one token row of the whole pool:
 replicated mode. Host planners build global slots; the CP `write` turns them into
 rank-local slots (`materialize.py`).
 
-Sizes come from `kv_cache.pool_shapes`, the same function the single-device pool and the
-memory benchmark use.
+What a pool stores comes from the model's `kv_layout.KVLayout`, as for the single-device
+pool, the transfer and the host cache.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from jax.typing import DTypeLike
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError
+from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.mesh import CP_AXIS
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool, pool_shapes
 
@@ -79,11 +80,8 @@ def per_rank_pool_bytes(
     cfg: ModelConfig, layout: PoolLayout, dtype: DTypeLike, index_k_dtype: IndexKDtype
 ) -> int:
     """Persistent KV bytes one rank holds (both modes hold `pages_per_rank` pages)."""
-    shapes = pool_shapes(cfg, layout.pages_per_rank, layout.page_size, dtype, index_k_dtype)
-    return sum(
-        int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
-        for s in jax.tree_util.tree_leaves(shapes)
-    )
+    kv = KVLayout.from_model(cfg, layout.page_size, dtype, index_k_dtype)
+    return kv.pool_bytes(layout.pages_per_rank)
 
 
 def pool_shardings(mesh: Mesh, layout: PoolLayout, pool: KVPool) -> KVPool:

@@ -21,6 +21,7 @@ from jax.typing import DTypeLike
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError
+from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool, init_pool
 from cpkv_jax.paging import PageAllocator
 
@@ -148,21 +149,12 @@ class KVSink:
         pool = self._pool
         if pool is None:
             return
-        want = (layout.num_layers, len(layout.full_indexer_layers), len(layout.full_indexer_layers))
-        have = (len(pool.latent), len(pool.index_k), len(pool.index_scale))
-        if not layout.has_index_scale:
-            want = (*want[:2], 0)
-        if have != want:
+        try:
+            have = KVLayout.of_pool(pool, layout.full_indexer_layers)
+        except ConfigError as e:
+            raise ValueError(f"decode pool does not match the transfer layout: {e}") from e
+        diff = have.mismatches(layout.kv_layout)
+        if diff:
             raise ValueError(
-                f"decode pool has (latent, index_k, index_scale) leaves {have} but the layout "
-                f"describes {want}"
+                "decode pool differs from the transfer layout (pool != layout): " + "; ".join(diff)
             )
-        for kind, layer in layout.buffers():
-            nbytes = layout.page_bytes(kind, layer)
-            leaf = getattr(pool, kind)[layout.leaf_index(kind, layer)]
-            got = int(np.prod(leaf.shape[1:])) * leaf.dtype.itemsize
-            if got != nbytes or leaf.shape[1] != layout.page_size:
-                raise ValueError(
-                    f"decode pool leaf {kind}[{layer}] {leaf.shape} {leaf.dtype} has "
-                    f"{got} B pages; the layout says {nbytes} B of page_size {layout.page_size}"
-                )

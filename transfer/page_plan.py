@@ -23,16 +23,17 @@ Host-side numpy only (no JAX, no device), so the plan is cheap and unit-testable
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers "bfloat16", "float8_e4m3fn" as numpy dtype names)
 import numpy as np
 import numpy.typing as npt
 from jaxtyping import Int, UInt64
 
 from cpkv_jax.config import ModelConfig
-from cpkv_jax.errors import CpkvError
+from cpkv_jax.errors import ConfigError, CpkvError
+from cpkv_jax.kv_layout import BUFFER_KINDS, BufferKind, KVLayout, numpy_dtype
 from cpkv_jax.paging import TRASH_PAGE, owned_pages, owner_of_page, pages_for_tokens
 
 try:
@@ -44,15 +45,6 @@ except ImportError:  # surfaced by page_digest, never replaced by a slower diges
 # format of page data. 2: PageChunk carries PageSections of several buffers.
 PROTOCOL_VERSION = 2
 
-BufferKind = Literal["latent", "index_k", "index_scale"]
-BUFFER_KINDS: tuple[BufferKind, ...] = ("latent", "index_k", "index_scale")
-
-# `cpkv_jax.model.kv_cache.IndexKDtype` names -> numpy dtype names. Kept here because
-# kv_cache imports JAX, which this host-side module must not.
-_INDEX_K_DTYPE_NAMES = {"fp8_e4m3": "float8_e4m3fn", "bfloat16": "bfloat16", "float32": "float32"}
-# The fp8 index-K scale is one float32 per token (kv_cache.pool_shapes).
-_INDEX_SCALE_DTYPE = np.dtype(np.float32)
-
 
 class PagePlanError(CpkvError, ValueError):
     """A page plan or layout query got inconsistent input (lengths, pages, kinds)."""
@@ -63,14 +55,12 @@ class LayoutMismatchError(CpkvError):
 
 
 def _dtype_name(dtype: Any, what: str) -> str:
-    """Canonical numpy name of a dtype given by name, numpy/ml_dtypes type or dtype."""
+    """Canonical numpy name of a dtype given by name, numpy/ml_dtypes type or dtype (or an
+    index-K flag name such as "fp8_e4m3")."""
     try:
-        return np.dtype(dtype).name
-    except TypeError as e:
-        raise PagePlanError(
-            f"{what} {dtype!r} is not a numpy / ml_dtypes dtype; use e.g. 'float32', "
-            "'bfloat16' or 'float8_e4m3fn'"
-        ) from e
+        return numpy_dtype(dtype).name
+    except ConfigError as e:
+        raise PagePlanError(f"{what} {e}") from e
 
 
 # --- layout descriptor --------------------------------------------------------------------
@@ -114,24 +104,41 @@ class LayoutDescriptor:
     def from_model(
         cls, cfg: ModelConfig, page_size: int, dtype_name: Any, index_k_dtype: str
     ) -> LayoutDescriptor:
-        """The layout of `kv_cache.pool_shapes(cfg, _, page_size, dtype_name, index_k_dtype)`.
+        """The descriptor of `KVLayout.from_model(cfg, page_size, dtype_name, index_k_dtype)`,
+        the layout of the pools the servers build.
 
         `dtype_name` is the latent dtype ("bfloat16", `jnp.float32`, ...); `index_k_dtype`
         is a `kv_cache.IndexKDtype` ("fp8_e4m3", "bfloat16", "float32") or a numpy name.
         """
-        k_name = _INDEX_K_DTYPE_NAMES.get(index_k_dtype) or _dtype_name(
-            index_k_dtype, "index_k_dtype"
-        )
+        return cls.of(KVLayout.from_model(cfg, page_size, dtype_name, index_k_dtype))
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> LayoutDescriptor:
+        """The wire form of a `KVLayout`."""
+        kinds = layout.by_kind()
+        index_k = kinds.get("index_k")
         return cls(
             protocol_version=PROTOCOL_VERSION,
-            page_size=page_size,
-            num_layers=cfg.num_hidden_layers,
-            full_indexer_layers=cfg.full_indexer_layers,
-            kv_cache_dim=cfg.kv_cache_dim,
-            latent_dtype=_dtype_name(dtype_name, "latent dtype"),
-            index_head_dim=cfg.index_head_dim,
-            index_k_dtype=k_name,
-            has_index_scale=k_name == "float8_e4m3fn",
+            page_size=layout.page_size,
+            num_layers=layout.num_layers,
+            full_indexer_layers=() if index_k is None else index_k.layers,
+            kv_cache_dim=kinds["latent"].feature[0],
+            latent_dtype=kinds["latent"].dtype.name,
+            index_head_dim=0 if index_k is None else index_k.feature[0],
+            index_k_dtype="float32" if index_k is None else index_k.dtype.name,
+            has_index_scale="index_scale" in kinds,
+        )
+
+    @functools.cached_property
+    def kv_layout(self) -> KVLayout:
+        """The `KVLayout` this descriptor names (buffers, leaves and bytes come from it)."""
+        return KVLayout.mla(
+            self.page_size,
+            self.num_layers,
+            self.full_indexer_layers,
+            latent=(self.kv_cache_dim, self.latent_dtype),
+            index_k=(self.index_head_dim, self.index_k_dtype),
+            index_scale=self.has_index_scale,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -180,34 +187,22 @@ class LayoutDescriptor:
         `latent` for every layer; `index_k` (and `index_scale` when present) only for
         full indexer layers. Layer-major, so a layer-wise sender can stream in this order.
         """
-        full = set(self.full_indexer_layers)
-        out: list[tuple[BufferKind, int]] = []
-        for layer in range(self.num_layers):
-            out.append(("latent", layer))
-            if layer in full:
-                out.append(("index_k", layer))
-                if self.has_index_scale:
-                    out.append(("index_scale", layer))
-        return tuple(out)
+        return self.kv_layout.layer_buffers()
 
     def leaf_index(self, kind: BufferKind, layer: int) -> int:
         """Index of the (kind, layer) buffer in its `KVPool` tuple (`index_k[j]`: j-th full)."""
         self._check(kind, layer)
-        return layer if kind == "latent" else self.full_indexer_layers.index(layer)
+        return self.kv_layout.leaf_index(kind, layer)
 
     def page_bytes(self, kind: str, layer: int) -> int:
         """Bytes of one page of the (kind, layer) buffer; `kind` is a `BufferKind` (it
         may come off the wire: anything else raises `PagePlanError`)."""
         self._check(kind, layer)
-        if kind == "latent":
-            return self.page_size * self.kv_cache_dim * np.dtype(self.latent_dtype).itemsize
-        if kind == "index_k":
-            return self.page_size * self.index_head_dim * np.dtype(self.index_k_dtype).itemsize
-        return self.page_size * _INDEX_SCALE_DTYPE.itemsize
+        return self.kv_layout.page_bytes(kind, layer)
 
     def bytes_per_page(self) -> int:
         """Bytes of one logical page over every buffer (what one position costs to send)."""
-        return sum(self.page_bytes(k, layer) for k, layer in self.buffers())
+        return self.kv_layout.bytes_per_page
 
     def _check(self, kind: str, layer: int) -> None:
         if kind not in BUFFER_KINDS:

@@ -2,10 +2,11 @@
 
 A `HostPool` holds host pages of one lane (SPEC S4.5: with CP shared KV each rank backs
 up and loads only its owned pages, into its own lane; replicated pools have one lane).
-It mirrors `KVPool`'s leaves: one buffer per leaf kind, its layer axis over the layers
-that have the leaf (every layer for the MLA latent; the full indexer layers for index K
-and, with fp8 index K, its per-token scale). Per kind, with `Lk` layers, `H` host pages,
-page size `P` and per-token feature shape `F` (`(D,)`, or `()` for the scale):
+It mirrors `KVPool`'s leaves as the model's `kv_layout.KVLayout` defines them: one
+buffer per kind, its layer axis over the layers that have the leaf (every layer for the
+MLA latent; the full indexer layers for index K and, with fp8 index K, its per-token
+scale). Per kind, with `Lk` layers, `H` host pages, page size `P` and per-token feature
+shape `F` (`(D,)`, or `()` for the scale):
 
 - `layer_first`        `[Lk, H * P, *F]`   (token-major per layer)
 - `page_first`         `[H, Lk, P, *F]`
@@ -21,22 +22,20 @@ Pure numpy; no device work.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 import numpy as np
 from jaxtyping import Int
 
 from cpkv_jax.errors import CacheCapacityError, ConfigError, CpkvError, quote
+from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.kv_pool import PoolLayout
 from cpkv_jax.model.kv_cache import KVPool
 from cpkv_jax.paging import TRASH_PAGE
 
 HostLayout = Literal["layer_first", "page_first", "page_first_direct", "layer_page_first"]
 HOST_LAYOUTS: tuple[str, ...] = get_args(HostLayout)
-LeafKind = Literal["latent", "index_k", "index_scale"]
-LEAF_KINDS: tuple[str, ...] = get_args(LeafKind)
 HOST_TRASH_PAGE = TRASH_PAGE
 
 
@@ -122,48 +121,6 @@ class HostPageAllocator:
         self._top += pages.size
 
 
-@dataclasses.dataclass(frozen=True)
-class HostLeafSpec:
-    """One leaf kind of the device pool: the model layers that have it, and per-token
-    feature shape and dtype."""
-
-    layers: tuple[int, ...]
-    feature: tuple[int, ...]
-    dtype: Any  # numpy dtype (ml_dtypes for bfloat16 / fp8)
-
-
-def leaf_specs(template: KVPool, index_layers: Sequence[int]) -> dict[str, HostLeafSpec]:
-    """Leaf kinds of a device pool (arrays or `ShapeDtypeStruct`s), e.g. `pool_shapes`.
-
-    `index_layers` are the model layers whose index K is stored (the full indexer layers,
-    `ModelConfig.full_indexer_layers`), in the order of `template.index_k`.
-    """
-    index_layers = tuple(int(i) for i in index_layers)
-    specs: dict[str, HostLeafSpec] = {}
-    for kind, layers in (
-        ("latent", tuple(range(len(template.latent)))),
-        ("index_k", index_layers),
-        ("index_scale", index_layers),
-    ):
-        leaves = getattr(template, kind)
-        if not leaves:
-            continue
-        if len(leaves) != len(layers):
-            raise ConfigError(
-                f"the device pool has {len(leaves)} {kind} leaves but {len(layers)} layers "
-                f"{list(layers)} were named for them; pass the full indexer layers"
-            )
-        specs[kind] = HostLeafSpec(layers, tuple(leaves[0].shape[2:]), np.dtype(leaves[0].dtype))
-    return specs
-
-
-def bytes_per_page(specs: dict[str, HostLeafSpec], page_size: int) -> int:
-    """Host bytes of one page over every layer and leaf kind (equal to the device's)."""
-    return sum(
-        len(s.layers) * page_size * math.prod(s.feature) * s.dtype.itemsize for s in specs.values()
-    )
-
-
 def host_pages_for(
     page_bytes: int, device_pages_per_rank: int, *, size_bytes: int = 0, ratio: float = 2.0
 ) -> int:
@@ -207,21 +164,18 @@ class HostPool:
     whole pages of one layer in caller order. Index checks live in `host_cache.copy`.
     """
 
-    def __init__(self, specs: dict[str, HostLeafSpec], layout: str, num_pages: int, page_size: int):
+    def __init__(self, kv: KVLayout, layout: str, num_pages: int):
         if layout not in HOST_LAYOUTS:
             raise ConfigError(f"unknown host layout {layout!r}; use one of {HOST_LAYOUTS}")
-        if page_size < 1:
-            raise ConfigError(f"page_size must be >= 1, got {page_size}")
-        if "latent" not in specs:
-            raise ConfigError("a host pool needs the MLA latent leaf")
         self.layout: HostLayout = layout
+        self.kv = kv
         self.num_pages = num_pages
-        self.page_size = page_size
-        self.specs = dict(specs)
+        self.page_size = kv.page_size
+        self.specs = kv.by_kind()
         self.allocator = HostPageAllocator(num_pages)
         self.buffers: dict[str, np.ndarray] = {
             kind: np.zeros(
-                _buffer_shape(layout, len(s.layers), num_pages, page_size, s.feature), s.dtype
+                _buffer_shape(layout, len(s.layers), num_pages, kv.page_size, s.feature), s.dtype
             )
             for kind, s in self.specs.items()
         }
@@ -239,15 +193,11 @@ class HostPool:
     ) -> HostPool:
         """A host pool for one lane of `template` (a device pool or its shapes), sized by
         `size_bytes` per rank or `ratio` x `device_pages_per_rank` (`host_pages_for`)."""
-        specs = leaf_specs(template, index_layers)
-        page_size = int(template.latent[0].shape[1])
+        kv = KVLayout.of_pool(template, index_layers)
         pages = host_pages_for(
-            bytes_per_page(specs, page_size),
-            device_pages_per_rank,
-            size_bytes=size_bytes,
-            ratio=ratio,
+            kv.bytes_per_page, device_pages_per_rank, size_bytes=size_bytes, ratio=ratio
         )
-        return cls(specs, layout, pages, page_size)
+        return cls(kv, layout, pages)
 
     @property
     def kinds(self) -> tuple[str, ...]:

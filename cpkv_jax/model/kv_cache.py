@@ -31,6 +31,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.kv_layout import BUFFER_KINDS, KVLayout
 from cpkv_jax.pallas.paged_gather import GatherImpl, paged_gather
 
 IndexKDtype = Literal["fp8_e4m3", "bfloat16", "float32"]
@@ -69,22 +70,19 @@ class KVPool:
 def pool_shapes(
     cfg: ModelConfig, num_pages: int, page_size: int, dtype: DTypeLike, index_k_dtype: IndexKDtype
 ) -> KVPool:
-    """`jax.ShapeDtypeStruct`s of a pool: the one place pool sizes are computed."""
-    n_full = len(cfg.full_indexer_layers)
-    kdt = INDEX_K_DTYPES[index_k_dtype]
+    """`jax.ShapeDtypeStruct`s of a pool, from the model's `KVLayout` (the one place what
+    the pool stores is defined)."""
+    return layout_shapes(KVLayout.from_model(cfg, page_size, dtype, index_k_dtype), num_pages)
+
+
+def layout_shapes(layout: KVLayout, num_pages: int) -> KVPool:
+    """`jax.ShapeDtypeStruct`s of a `num_pages`-page pool of `layout`."""
+    leaves = layout.leaf_shapes(num_pages)
     return KVPool(
-        latent=tuple(
-            jax.ShapeDtypeStruct((num_pages, page_size, cfg.kv_cache_dim), dtype)
-            for _ in range(cfg.num_hidden_layers)
-        ),
-        index_k=tuple(
-            jax.ShapeDtypeStruct((num_pages, page_size, cfg.index_head_dim), kdt)
-            for _ in range(n_full)
-        ),
-        index_scale=tuple(
-            jax.ShapeDtypeStruct((num_pages, page_size), jnp.float32)
-            for _ in range(n_full if index_k_dtype == "fp8_e4m3" else 0)
-        ),
+        **{
+            kind: tuple(jax.ShapeDtypeStruct(shape, dt) for shape, dt in leaves[kind])
+            for kind in BUFFER_KINDS
+        }
     )
 
 

@@ -35,8 +35,8 @@ from cpkv_jax.cache.radix import RadixCache
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, chunk_tokens, pages_per_rank_for
 from cpkv_jax.errors import ConfigError
-from cpkv_jax.host_cache import bytes_per_page, leaf_specs
 from cpkv_jax.host_cache.pool import host_pages_for
+from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.mesh import CP_AXIS, DP_AXIS, make_cp_mesh, make_dp_mesh
 from cpkv_jax.model.expert_parallel import EPSpec
@@ -374,9 +374,7 @@ def prefix_cache(
     if not args.enable_hierarchical_cache:
         return None, RadixCache(runner.allocator, args.page_size)
     args.refuse_unbuilt()  # prefill or null mode, no storage tier: what is built
-    page_bytes = bytes_per_page(
-        leaf_specs(runner.pool, runner.cfg.full_indexer_layers), args.page_size
-    )
+    page_bytes = KVLayout.of_pool(runner.pool, runner.cfg.full_indexer_layers).bytes_per_page
     host_pages = host_pages_for(
         page_bytes,
         runner.layout.pages_per_rank,

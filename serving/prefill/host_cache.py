@@ -38,7 +38,7 @@ from cpkv_jax.host_cache.copy import (
     load_all_layers,
     warm_copies,
 )
-from cpkv_jax.host_cache.pool import HostPageAllocator, HostPools, bytes_per_page
+from cpkv_jax.host_cache.pool import HostPageAllocator, HostPools
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class HostCacheIO:
         self.runner = runner
         self.pools = pools
         self.page_size = runner.layout.page_size
-        self.page_bytes = bytes_per_page(pools[0].specs, self.page_size)
+        self.page_bytes = pools[0].kv.bytes_per_page
         self.impl = impl
         self.interpret = interpret
         self.stats = HostCacheStats()

@@ -30,14 +30,13 @@ from cpkv_jax.host_cache import (
     LPFKernelUnavailableError,
     backup_all_layers,
     backup_layer,
-    bytes_per_page,
     host_pages_for,
-    leaf_specs,
     load_all_layers,
     load_layer,
     token_indices_of_pages,
 )
 from cpkv_jax.host_cache.copy import copy_buckets, warm_copies
+from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.kv_pool import PoolLayout, cp_pool_shapes, per_rank_pool_bytes
 from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.paging import PageAlignmentError, owned_pages, pages_for_tokens
@@ -149,7 +148,7 @@ def test_sizing_by_bytes_and_ratio():
     cfg = _cfg()
     pool_layout = _layout(True)
     shapes = cp_pool_shapes(cfg, pool_layout, jnp.bfloat16, "fp8_e4m3")
-    page_bytes = bytes_per_page(leaf_specs(shapes, cfg.full_indexer_layers), P)
+    page_bytes = KVLayout.of_pool(shapes, cfg.full_indexer_layers).bytes_per_page
     # Host pages cost what device pages cost.
     assert page_bytes * PAGES_PER_RANK == per_rank_pool_bytes(
         cfg, pool_layout, jnp.bfloat16, "fp8_e4m3"
@@ -167,7 +166,7 @@ def test_sizing_by_bytes_and_ratio():
         with pytest.raises(ConfigError, match="host cache"):
             host_pages_for(page_bytes, PAGES_PER_RANK, **bad)
     with pytest.raises(ConfigError, match="unknown host layout"):
-        HostPool(leaf_specs(shapes, cfg.full_indexer_layers), "page_major", 4, P)
+        HostPool(KVLayout.of_pool(shapes, cfg.full_indexer_layers), "page_major", 4)
 
 
 # ---- host page allocator ------------------------------------------------------------
