@@ -38,11 +38,11 @@ from flax import nnx
 from benchmarks.report import emit
 from cpkv_jax import sampling
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.kv_store import PagedKVStore
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving.decode.engine import DecodeEngine
 from serving.engine.api import GenerateRequest, SamplingParams
-from transfer.kv_sink import KVSink
 
 PAGE = 16
 INDEX_K = "fp8_e4m3"
@@ -57,7 +57,7 @@ def detokenize(ids: list[int]) -> str:
 def build(cfg: ModelConfig, model: CausalLM, batch: int, steps: int, overlap: bool):
     new = 4 * steps + 8  # room for the warm-up and every timing
     pages = batch * (-(-(PROMPT + new) // PAGE)) + 2
-    kv = KVSink.create(cfg, pages, PAGE, jnp.float32, INDEX_K)
+    kv = PagedKVStore.create(cfg, pages, PAGE, jnp.float32, INDEX_K)
     engine = DecodeEngine(
         cfg=cfg,
         model=model,

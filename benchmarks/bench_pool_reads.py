@@ -5,7 +5,7 @@
 
 A PD prefill server's transfers read a finished request's held pages while the engine
 runs the next prefill steps, and every step donates the pool. The choice made
-(`CPPrefillRunner.pool_lock`, `transfer.page_source.CPPoolPageSource`): a read dispatches
+(`CPPrefillRunner.kv.lock`, `transfer.page_source.CPPoolPageSource`): a read dispatches
 its gather under the lock the step swaps the pool under, so it always reads a live pool;
 the copy to host and the step's compute run outside the lock. What that costs is
 measured here on the tiny model (float32, CP=8 shared KV on 8 virtual CPU devices):
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = CPPrefillRunner(
         cfg, model, make_cp_mesh(CP), cp, pages_per_rank=256, index_k_dtype=INDEX_K
     )
-    timed = _TimedLock(runner.pool_lock)
-    runner.pool_lock = timed  # type: ignore[assignment]
+    timed = _TimedLock(runner.kv.lock)
+    runner.kv.lock = timed  # type: ignore[assignment]
     layout = LayoutDescriptor.from_model(cfg, PAGE, "float32", INDEX_K)
     sources = [CPPoolPageSource(lambda: runner.pool, layout, r, lock=timed) for r in range(CP)]
     rng = np.random.default_rng(0)

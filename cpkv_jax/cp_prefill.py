@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import logging
 import os
-import threading
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -34,6 +33,7 @@ from cpkv_jax.buckets import StepShape, page_table_width, step_shape
 from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.errors import InputError
 from cpkv_jax.kv_pool import PoolLayout, init_cp_pool
+from cpkv_jax.kv_store import DevicePool
 from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
 from cpkv_jax.materialize import CPKVIO, GatherImpl
 from cpkv_jax.mesh import CP_AXIS
@@ -163,11 +163,11 @@ class CPPrefillRunner:
         # Routed experts split over the ranks under EP, the rest replicated; a model the
         # loader placed this way already moves nothing here.
         self.state = jax.device_put(state, param_shardings(state, mesh, ep_axis))
-        self.pool = init_cp_pool(cfg, self.layout, mesh, model.dtype, index_k_dtype)
-        # Held while a step swaps the pool (it donates the old one). A reader on another
-        # thread (a KV transfer) holds it while its gather runs, so a step never donates
-        # a pool being read; the step's compute and the reads' host copies run outside.
-        self.pool_lock = threading.Lock()
+        # Its lock is held while a step swaps the pool (it donates the old one). A reader
+        # on another thread (a KV transfer, a host-cache backup) holds it while its gather
+        # runs, so a step never donates a pool being read; the step's compute and the
+        # reads' host copies run outside.
+        self.kv = DevicePool(init_cp_pool(cfg, self.layout, mesh, model.dtype, index_k_dtype))
         self._shardings = (NamedSharding(mesh, P(None, CP_AXIS)), NamedSharding(mesh, P()))
         self.batch_invariant = batch_invariant
         self.block_bytes = block_bytes
@@ -370,14 +370,20 @@ class CPPrefillRunner:
             _global(plan.last_index, rep),
         )
 
+    @property
+    def pool(self) -> KVPool:
+        """The current pool (`kv.current`); from another thread than the scheduler's,
+        read it under `kv.lock`."""
+        return self.kv.current
+
     def run_step(self, plan: StepPlan) -> np.ndarray:
-        """Dispatch one step (the pool swap under `pool_lock`) and wait for its logits."""
+        """Dispatch one step (the pool swap under the pool's lock) and wait for its
+        logits."""
         state, tokens, table, kv_lens, last = self._step_args(plan)
         shape = self.shape_of(plan)
         step = self.compiled_step(shape)  # outside the pool lock: it may compile or wait
         self.step_shapes.add(shape)
-        with self.pool_lock:
-            logits, self.pool = step(state, tokens, table, kv_lens, self.pool, last)
+        logits = self.kv.update(lambda pool: step(state, tokens, table, kv_lens, pool, last))
         out = np.asarray(logits)
         if self._shadow is not None:  # SPEC S1.7: every step, served requests included
             check_step(self, self._shadow, plan, out)
@@ -395,10 +401,12 @@ class CPPrefillRunner:
         shape = self.shape_of(plan)
         step = self.compiled_score_step(shape)
         self.step_shapes.add(shape)
-        with self.pool_lock:
-            logits, self.pool, chosen, top_ids, top_lps = step(
-                state, tokens, table, kv_lens, self.pool, last, targets
-            )
+
+        def scored(pool: KVPool):
+            logits, pool, *scores = step(state, tokens, table, kv_lens, pool, last, targets)
+            return (logits, *scores), pool
+
+        logits, chosen, top_ids, top_lps = self.kv.update(scored)
         out = np.asarray(logits)
         if self._shadow is not None:  # the shadow's pool follows every step (SPEC S1.7)
             check_step(self, self._shadow, plan, out)

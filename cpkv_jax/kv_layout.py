@@ -53,7 +53,8 @@ def numpy_dtype(dtype: Any) -> np.dtype:
         return np.dtype(dtype)
     except TypeError as e:
         raise ConfigError(
-            f"{dtype!r} is not a numpy / ml_dtypes dtype; use e.g. 'float32', 'bfloat16' or 'float8_e4m3fn'"
+            f"{dtype!r} is not a numpy / ml_dtypes dtype; use e.g. 'float32', 'bfloat16' "
+            "or 'float8_e4m3fn'"
         ) from e
 
 

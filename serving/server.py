@@ -7,7 +7,7 @@ Modes (`--disaggregation-mode`):
 - `null`: `CachedUnifiedEngine` on one device (the prefill scheduler with its radix
   cache, and the host cache with `--enable-hierarchical-cache`, feeding the decode batch
   on one pool); with `--disable-radix-cache` the plain `DecodeEngine(mode="null")` over
-  a `KVSink`, each prompt prefilled whole;
+  a `PagedKVStore`, each prompt prefilled whole;
 - `decode`: a `transfer.receiver.Receiver` owns the pool and allocator (page-addressed
   writes from the prefill ranks land in it), served over gRPC on `--transfer-port` (plus
   a Mooncake receiver endpoint with `--transfer-backend mooncake`), and
@@ -54,6 +54,7 @@ from cpkv_jax.buckets import min_block
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.decode_mesh import DPPoolLayout, init_dp_pool
 from cpkv_jax.errors import ConfigError
+from cpkv_jax.kv_store import PagedKVStore
 from cpkv_jax.mesh import make_dp_mesh
 from cpkv_jax.model.kv_cache import DTYPES, PagedKVIO, init_pool
 from cpkv_jax.model.transformer import CausalLM
@@ -84,7 +85,6 @@ from transfer.bootstrap import (
     BootstrapServer,
     layout_json,
 )
-from transfer.kv_sink import KVSink
 from transfer.page_plan import LayoutDescriptor
 from transfer.receiver import staging_region_bytes
 from transfer.staging_arena import DEFAULT_ALIGNMENT
@@ -236,7 +236,7 @@ def _build_decode_side(
         )
     closers: list[Callable[[], None]] = []
     if args.disaggregation_mode == "null":
-        kv: Any = KVSink(pool, PageAllocator(dp * pages, ranks=dp))
+        kv: Any = PagedKVStore(pool, PageAllocator(dp * pages, ranks=dp))
     else:
         from transfer.page_plan import LayoutDescriptor
         from transfer.protocol import TransferTimeouts

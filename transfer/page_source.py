@@ -55,7 +55,7 @@ class CPPoolPageSource:
 
     `pool` may be a callable returning the current pool, since a runner replaces its
     pool (donation) on every step. Then pass the lock the runner swaps the pool under
-    (`CPPrefillRunner.pool_lock`) as `lock`: a read looks the pool up, dispatches its
+    (`CPPrefillRunner.kv.lock`) as `lock`: a read looks the pool up, dispatches its
     gather and waits for it to run under the lock, so a step never donates a pool that
     a read still reads (whatever the runtime does with pending reads of a donated
     buffer); the gather's result is a new array, copied to host outside the lock. A

@@ -6,8 +6,9 @@ server's machinery on one device instead of its own whole-prompt prefill: a
 one-device mesh, its radix or `HiRadixCache`, the `PrefillScheduler` with chunked
 prefill, the admission gates and, with `--enable-hierarchical-cache`, the
 `HostCacheIO` load-backs and backups). The decode batch reads and donates the runner's
-pool (`RunnerStore`), so prefill and decode share one pool, one page allocator and one
-lock, and the backup worker reads the pool between steps as it does on a prefill server.
+pool (`cpkv_jax.kv_store.CachedLaneStore`), so prefill and decode share one pool, one
+page allocator and one lock, and the backup worker reads the pool between steps as it
+does on a prefill server.
 
 One request:
 1. `add` validates it (as every unified request) and queues it (bounded FIFO);
@@ -34,15 +35,13 @@ batch goes on (`StepEngine`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
 
-from cpkv_jax.cache.radix import CacheCapacityError, alloc_with_evict
+from cpkv_jax.cache.radix import CacheCapacityError
 from cpkv_jax.errors import CpkvError
-from cpkv_jax.lane_allocator import RequestPageTable
-from cpkv_jax.model.kv_cache import KVPool
+from cpkv_jax.kv_store import CachedLaneStore
 from cpkv_jax.scores import PromptLogprobs
 from serving.decode.engine import DecodeEngine, _Request
 from serving.decode.sampling import StopResult
@@ -71,56 +70,6 @@ def prompt_scores(scores: PromptLogprobs, top_n: int) -> tuple[tuple, tuple]:
     return tuple(lps), tuple(tops)
 
 
-class RunnerStore:
-    """A `transfer.kv_sink.KVStore` over a one-lane `CPPrefillRunner`'s pool and cache:
-    the pool swap under the runner's `pool_lock` (the backup worker's lock too);
-    pages from lane 0, evicting unlocked cached pages when the free ones run short."""
-
-    def __init__(self, prefill: PrefillEngine):
-        runner = prefill.runner
-        if runner.layout.lanes != 1:
-            raise ValueError(f"RunnerStore needs a one-lane pool, got {runner.layout.lanes}")
-        self._runner = runner
-        self._cache = prefill.cache
-        self.page_size = runner.layout.page_size
-
-    @property
-    def pool(self) -> KVPool:
-        return self._runner.pool
-
-    @property
-    def num_free_pages(self) -> int:
-        return int(self._runner.allocator.num_free(0))
-
-    @property
-    def num_free_pages_per_rank(self) -> tuple[int, ...]:
-        return (self.num_free_pages,)
-
-    @property
-    def num_available_pages(self) -> int:
-        """Free plus evictable (cached, unlocked) pages."""
-        return self.num_free_pages + int(self._cache.evictable_pages_per_lane()[0])
-
-    def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T:
-        with self._runner.pool_lock:
-            out, self._runner.pool = step(self._runner.pool)
-        return out
-
-    def allocate_pages(self, n: int, rank: int = 0) -> np.ndarray:
-        """`n` pages, evicting cached ones as needed; `CacheCapacityError` (nothing
-        evicted) when free + evictable cannot cover them. One rank only (`rank` 0)."""
-        if rank != 0:
-            raise ValueError(f"the cached unified engine has one pool shard, not rank {rank}")
-        table = RequestPageTable(1)
-        alloc_with_evict(self._cache, table, n * self.page_size)
-        return table.detach().astype(np.int64)
-
-    def free_pages(self, pages: np.ndarray) -> None:
-        pages = np.asarray(pages, dtype=np.int64)
-        if pages.size:
-            self._runner.allocator.free(np.zeros_like(pages), pages)
-
-
 class CachedUnifiedEngine(DecodeEngine):
     """Unified serving with a prefix cache (see the module docstring)."""
 
@@ -128,7 +77,10 @@ class CachedUnifiedEngine(DecodeEngine):
         if not prefill.scheduler.hold_finished:
             raise ValueError("the unified cached engine needs a scheduler with hold_finished")
         self.prefill = prefill
-        self.store = RunnerStore(prefill)
+        runner = prefill.runner
+        self.store = CachedLaneStore(
+            runner.kv, runner.allocator, prefill.cache, runner.layout.page_size
+        )
         super().__init__(kv=self.store, mode="null", **kw)
         self._prefilling: dict[str, _Request] = {}  # handed to the scheduler, not finished
         self._reserved = 0  # pages the prefilling requests may still take

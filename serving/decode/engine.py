@@ -73,6 +73,7 @@ from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.decode_mesh import choose_rank
 from cpkv_jax.errors import ConfigError, CpkvError, InputError
+from cpkv_jax.kv_store import KVStore
 from cpkv_jax.model.expert_parallel import EPDispatch
 from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM, log_probs
@@ -103,7 +104,6 @@ from serving.engine.api import (
 from serving.engine.step_failures import check_pool_after, step_failure
 from serving.engine.wait_queue import WaitQueue
 from serving.grammar import GrammarBackend, RowGrammar, row_grammar_for, token_mask
-from transfer.kv_sink import KVStore
 
 # The unified-mode store is the transfer receiver's KV sink: one object for both.
 

@@ -32,12 +32,12 @@ from cpkv_jax import sampling
 from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import MIN_PREFILL_BUCKET, pow2_at_least, prefill_bucket
 from cpkv_jax.decode_mesh import DPDecodeSteps, DPPoolLayout, DPRow, build_batch
+from cpkv_jax.kv_store import KVStore
 from cpkv_jax.model.expert_parallel import EPDispatch
 from cpkv_jax.model.forward_batch import abstract_batch, batch_from_host, feed_ids, prefill_batch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
 from cpkv_jax.paging import TRASH_PAGE, padded_page_table, pages_for_tokens, slots_for_positions
-from transfer.kv_sink import KVStore
 
 # One decode row: (token fed now, its position, the request's pages, pages reserved).
 DecodeRow = tuple[int, int, np.ndarray, int]

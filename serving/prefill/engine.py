@@ -49,7 +49,7 @@ transfer receiver (`decode_transfer_target`, "host:port"). A request's life here
 
 Sender threads never touch the scheduler or the cache: they only signal; every page
 release happens on the engine thread, in `step`. A prefill step donates the pool:
-senders run their page gathers under `CPPrefillRunner.pool_lock`, which a step holds
+senders run their page gathers under `CPPrefillRunner.kv.lock`, which a step holds
 only while it swaps the pool, so a read never meets a donated pool; a step waits at
 most for one gather, a read at most for the step on the device (`CPPoolPageSource`;
 figures in docs/results.md, "Transfer reads beside prefill steps").
@@ -218,7 +218,7 @@ class PrefillModeEngine:
         # pages it reads are held until the transfer ends.
         runner = self.runner
         self._sources = [
-            CPPoolPageSource(lambda: runner.pool, self.layout, r, lock=runner.pool_lock)
+            CPPoolPageSource(lambda: runner.pool, self.layout, r, lock=runner.kv.lock)
             for r in range(self.cp_size)
         ]
         self._requests: dict[str, _Request] = {}

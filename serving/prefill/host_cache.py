@@ -4,15 +4,16 @@
 
 - load-back (host -> device) runs on the scheduler thread, before the request's step
   allocates: `load(job)` copies every lane of a `LoadBackJob` into `runner.pool` with
-  `load_all_layers` under `runner.pool_lock` (the copy donates the pool, so it is
-  replaced leaf by leaf as each scatter lands) and says whether it worked; the
+  `load_all_layers` under the runner's pool lock `runner.kv.lock` (the copy donates the
+  pool, so it is replaced leaf by leaf as each scatter lands) and says whether it worked;
+  the
   scheduler then acknowledges the job. A copy that raised part-way leaves valid
   arrays in `runner.pool` (the request recomputes); one that lost a donated buffer
   raises `DevicePoolLostError` (fatal: the pool cannot be used again);
 - backups (device -> host) run off the critical path, in one background worker thread
   fed by a bounded queue. `submit_backups(cache, jobs)` never blocks: a job the queue
   cannot take is dropped, acknowledged as failed at once (`backup_failed`) and counted.
-  The worker gathers one lane at a time under `runner.pool_lock` (no step donates the
+  The worker gathers one lane at a time under `runner.kv.lock` (no step donates the
   pool mid-read), and posts its result to a completion queue; `drain(cache)` applies
   the acknowledgements (`backup_done` / `backup_failed`) on the scheduler thread (the
   cache is not thread-safe), which the scheduler does at the start of every batch.
@@ -108,7 +109,7 @@ class HostCacheIO:
     ) -> HostCacheIO:
         """Host pools for every lane of `runner`'s pool (`HostPools.create`), and the IO."""
         pools = HostPools.create(
-            runner.pool,
+            runner.kv.current,
             runner.cfg.full_indexer_layers,
             runner.layout,
             layout,
@@ -142,15 +143,19 @@ class HostCacheIO:
     def warm(self) -> int:
         """Compile every copy program a backup or load-back can dispatch (`warm_copies`,
         on page 0 of each lane's device, under the pool lock); returns how many ran."""
-        with self.runner.pool_lock:
-            self.runner.pool, count = warm_copies(
-                self.runner.pool,
+        kv = self.runner.kv
+
+        def warm(pool):
+            pool, count = warm_copies(
+                pool,
                 self.pools[0],
                 pool_layout=self.runner.layout,
                 impl=self.impl,
                 interpret=self.interpret,
             )
-        return count
+            return count, pool
+
+        return kv.update(warm)
 
     # ---- load-back (scheduler thread) ------------------------------------------------
     def load(self, job: LoadBackJob) -> bool:
@@ -163,15 +168,16 @@ class HostCacheIO:
         failed, the others their undonated arrays. `DevicePoolLostError` if a leaf lost
         its buffer anyway (the failing kernel consumed it): that is not recoverable."""
         t0 = time.perf_counter()
+        kv = self.runner.kv
 
         def commit(pool) -> None:
-            self.runner.pool = pool  # under `pool_lock`, held by the caller below
+            kv.replace_locked(pool)  # under the pool's lock, held by the caller below
 
         try:
             for lane, dev, host in job.token_indices(self.page_size):
-                with self.runner.pool_lock:
-                    self.runner.pool = load_all_layers(
-                        self.runner.pool,
+                with kv.lock:
+                    pool = load_all_layers(
+                        kv.current,
                         self.pools[lane],
                         host_indices=host,
                         device_indices=dev,
@@ -181,8 +187,9 @@ class HostCacheIO:
                         interpret=self.interpret,
                         commit=commit,
                     )
+                    kv.replace_locked(pool)
         except Exception as e:
-            lost = deleted_leaves(self.runner.pool)
+            lost = deleted_leaves(kv.current)
             if lost:
                 raise DevicePoolLostError(
                     f"host cache load-back of {job.num_pages} pages failed ({type(e).__name__}: "
@@ -271,9 +278,9 @@ class HostCacheIO:
         t0 = time.perf_counter()
         try:
             for lane, dev, host in job.token_indices(self.page_size):
-                with self.runner.pool_lock:  # a step must not donate the pool mid-read
+                with self.runner.kv.lock:  # a step must not donate the pool mid-read
                     backup_all_layers(
-                        self.runner.pool,
+                        self.runner.kv.current,
                         self.pools[lane],
                         device_indices=dev,
                         host_indices=host,

@@ -26,6 +26,7 @@ from support.decode_model import INDEX_K, POOL_PAGES, P, two_layer_model
 from cpkv_jax.buckets import pow2_at_least, prefill_bucket
 from cpkv_jax.errors import InputError
 from cpkv_jax.generate import ReferenceGenerator, prefill_batch
+from cpkv_jax.kv_store import KVStore, PagedKVStore
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.transformer import forward_step
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
@@ -34,7 +35,6 @@ from serving.decode.engine import DecodeEngine
 from serving.engine.api import EngineStats, GenerateRequest, SamplingParams, StepEngine
 from serving.engine.wait_queue import QueueFullError
 from serving.http.errors import error_body
-from transfer.kv_sink import KVSink, KVStore
 from transfer.page_plan import LayoutDescriptor, page_digests
 from transfer.protocol import Aux, RoomState, UnknownRoomError
 from transfer.receiver import Receiver, staging_region_bytes
@@ -58,9 +58,9 @@ def tiny():
     return two_layer_model()
 
 
-def make_engine(tiny, num_pages=POOL_PAGES, **kw) -> tuple[DecodeEngine, KVSink]:
+def make_engine(tiny, num_pages=POOL_PAGES, **kw) -> tuple[DecodeEngine, PagedKVStore]:
     cfg, model, _ = tiny
-    kv = KVSink.create(cfg, num_pages, P, jnp.float32, INDEX_K)
+    kv = PagedKVStore.create(cfg, num_pages, P, jnp.float32, INDEX_K)
     opts = dict(max_running_requests=8) | kw
     engine = DecodeEngine(
         cfg=cfg, model=model, kv=kv, page_size=P, index_k_dtype=INDEX_K, mode="null", **opts

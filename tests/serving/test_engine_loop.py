@@ -23,10 +23,10 @@ import pytest
 from support.decode_model import INDEX_K, POOL_PAGES, P, two_layer_model
 
 from cpkv_jax.errors import InputError
+from cpkv_jax.kv_store import PagedKVStore
 from serving.decode.engine import DecodeEngine
 from serving.engine.api import EngineClient, GenerateRequest, OutputChunk, SamplingParams
 from serving.engine.loop import EngineFailedError, EngineLoop, ServerShuttingDownError
-from transfer.kv_sink import KVSink
 
 WAIT_S = 30.0  # upper bound on any wait here; never reached when green
 
@@ -36,9 +36,9 @@ def tiny():
     return two_layer_model()
 
 
-def make_loop(tiny, engine_wrapper=None) -> tuple[EngineLoop, KVSink]:
+def make_loop(tiny, engine_wrapper=None) -> tuple[EngineLoop, PagedKVStore]:
     cfg, model, _ = tiny
-    kv = KVSink.create(cfg, POOL_PAGES, P, jnp.float32, INDEX_K)
+    kv = PagedKVStore.create(cfg, POOL_PAGES, P, jnp.float32, INDEX_K)
     engine = DecodeEngine(
         cfg=cfg,
         model=model,

@@ -31,6 +31,7 @@ from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner
 from cpkv_jax.host_cache import DevicePoolLostError, HostPool, HostPools
 from cpkv_jax.kv_pool import PoolLayout, cp_pool_shapes, init_cp_pool
+from cpkv_jax.kv_store import DevicePool
 from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
 from cpkv_jax.mesh import make_cp_mesh
 from cpkv_jax.model.transformer import CausalLM
@@ -314,9 +315,7 @@ def test_load_back_that_loses_a_donated_buffer_is_fatal(monkeypatch):
     cp = 2
     layout = PoolLayout(cp, True, 4, PAGE)
     pool = init_cp_pool(cfg, layout, make_cp_mesh(cp), jnp.float32, "float32")
-    fake_runner = types.SimpleNamespace(
-        cfg=cfg, layout=layout, pool=pool, pool_lock=threading.Lock()
-    )
+    fake_runner = types.SimpleNamespace(cfg=cfg, layout=layout, kv=DevicePool(pool))
     io = HostCacheIO.create(fake_runner, "layer_first", ratio=2.0)
     cache = HiRadixCache(
         OwnerLaneAllocator(cp, 4), PAGE, io.host_allocators, write_policy="write_through"
@@ -353,7 +352,7 @@ def test_full_backup_queue_drops_and_counts_without_blocking():
         layout,
         "layer_page_first",
     )
-    fake_runner = types.SimpleNamespace(layout=layout, pool=None, pool_lock=threading.Lock())
+    fake_runner = types.SimpleNamespace(layout=layout, kv=DevicePool(None))
     io = HostCacheIO(fake_runner, pools, queue_size=1, start=False)
     alloc = OwnerLaneAllocator(cp, pages)
     cache = HiRadixCache(alloc, page, io.host_allocators, write_policy="write_through")

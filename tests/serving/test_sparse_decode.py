@@ -20,6 +20,7 @@ from flax import nnx
 from support.decode_model import INDEX_K, P, two_layer_config
 
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.kv_store import PagedKVStore
 from cpkv_jax.model.forward_batch import abstract_batch
 from cpkv_jax.model.kv_cache import (
     DENSE_VIEW_KV_IO,
@@ -33,7 +34,6 @@ from cpkv_jax.model.weights import load_model
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving.decode.engine import DecodeEngine
 from serving.engine.api import GenerateRequest, SamplingParams
-from transfer.kv_sink import KVSink
 
 # Among the longer files of the suite: scheduled early, longest first (tests/conftest.py).
 pytestmark = pytest.mark.slow(seconds=43)  # on 2 workers, 2026-12-05
@@ -71,7 +71,7 @@ def models(tiny_checkpoints):
 
 
 def _run(cfg, model, kv_io, *, batch_invariant=False):
-    kv = KVSink.create(cfg, POOL_PAGES, P, jnp.float32, INDEX_K)
+    kv = PagedKVStore.create(cfg, POOL_PAGES, P, jnp.float32, INDEX_K)
     engine = DecodeEngine(
         cfg=cfg,
         model=model,

@@ -57,7 +57,7 @@ gRPC servicer (`servicer`), or called directly in tests - drive the room's statu
 Locking: each room has its own lock (concurrent streams of one room serialize on it);
 the room table's lock guards the room table, the tombstones and the quarantined regions
 and is only ever taken *inside* a room lock or alone, never the other way round. The KV
-sink's pool and allocator locks are innermost (`transfer.kv_sink`).
+sink's pool and allocator locks are innermost (`cpkv_jax.kv_store`).
 
 Modules, one job each: `rooms` (rooms and their status machine, the room table),
 `staging` (staging by position), `commit` (exact-coverage commit, the scatter into the
@@ -66,11 +66,11 @@ KV sink), `onesided` (the Mooncake plane: refusals, digest-at-commit, quarantine
 face: `KVTransferServicer` / `serve`, service `cpkv.transfer.v1.KVTransfer` plus
 `grpc.health.v1`; requests are parsed by the handlers, so malformed bytes, unknown
 rooms, another protocol version or an oversized chunk come back as a gRPC status with
-the reason, and the server keeps serving). The KV sink (`transfer.kv_sink.KVSink`) and
-the `PageChunk` wire format (`transfer.wire`) live beside the package.
+the reason, and the server keeps serving). The KV store (`cpkv_jax.kv_store.PagedKVStore`)
+and the `PageChunk` wire format (`transfer.wire`) live beside the package.
 """
 
-from transfer.kv_sink import KVSink, KVStore
+from cpkv_jax.kv_store import KVStore, PagedKVStore
 from transfer.receiver.commit import HostSink, pow2_pieces
 from transfer.receiver.core import HandshakeResult, Receiver, WriteResult
 from transfer.receiver.onesided import RegionInfo, StagingEndpoint
@@ -81,9 +81,9 @@ __all__ = [
     "COMMIT_WAIT_S",
     "HandshakeResult",
     "HostSink",
-    "KVSink",
     "KVStore",
     "KVTransferServicer",
+    "PagedKVStore",
     "Receiver",
     "RegionInfo",
     "StagingEndpoint",

@@ -19,8 +19,8 @@ import jax
 import numpy as np
 
 from cpkv_jax.errors import quote
+from cpkv_jax.kv_store import PagedKVStore
 from cpkv_jax.model.kv_cache import KVPool
-from transfer.kv_sink import KVSink
 from transfer.page_plan import BufferKind, LayoutDescriptor
 from transfer.protocol import Aux, RoomSnapshot, RoomState
 from transfer.receiver.rooms import RoomTable, _Room
@@ -53,7 +53,7 @@ class Committer:
     def __init__(
         self,
         layout: LayoutDescriptor,
-        kv: KVSink,
+        kv: PagedKVStore,
         rooms: RoomTable,
         clock: Callable[[], float],
         host_sink: HostSink | None,
@@ -153,7 +153,7 @@ class Committer:
     def _scatter(
         self, r: _Room, dst_rows: np.ndarray, pool: KVPool
     ) -> tuple[Exception | None, KVPool]:
-        """Scatter `r`'s staging rows to decode pages `dst_rows` (a `KVSink.update_pool`
+        """Scatter `r`'s staging rows to decode pages `dst_rows` (a `PagedKVStore.update_pool`
         step). A failed piece is returned, not raised, with the pool the pieces before it
         made: each piece donated its input, so the sink must keep the newest pool."""
         pages, lo = dst_rows.astype(np.int32), 0

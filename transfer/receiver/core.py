@@ -17,9 +17,9 @@ from typing import TypeVar
 
 import numpy as np
 
+from cpkv_jax.kv_store import PagedKVStore
 from cpkv_jax.model.kv_cache import KVPool
 from cpkv_jax.paging import PageAllocator
-from transfer.kv_sink import KVSink
 from transfer.page_plan import PROTOCOL_VERSION, BufferKind, LayoutDescriptor, row_digests
 from transfer.protocol import (
     MAX_CHUNK_BYTES,
@@ -76,7 +76,7 @@ def _shape_mismatches(
 class Receiver:
     """Decode-side room registry and page receiver (see `transfer.receiver`).
 
-    `kv` is the `KVSink` rooms commit into: the decode `KVPool` (single device,
+    `kv` is the `PagedKVStore` rooms commit into: the decode `KVPool` (single device,
     `init_pool` layout) described by `layout`, and the allocator of its pages. Passing
     `(pool, allocator)` instead wraps them in a new sink (`receiver.kv`). Allocate decode
     pages through the sink or `allocate_pages` / `free_pages`, and read the pool through
@@ -91,7 +91,7 @@ class Receiver:
     def __init__(
         self,
         layout: LayoutDescriptor,
-        kv: KVSink | KVPool | None,
+        kv: PagedKVStore | KVPool | None,
         allocator: PageAllocator | None = None,
         *,
         timeouts: TransferTimeouts | None = None,
@@ -104,16 +104,18 @@ class Receiver:
     ):
         if mooncake is not None and staging_arena not in (None, mooncake.arena):
             raise ValueError("a Mooncake endpoint brings its own staging arena; pass one, not two")
-        if isinstance(kv, KVSink):
+        if isinstance(kv, PagedKVStore):
             if allocator is not None:
-                raise TypeError("pass a KVSink, or a pool and its allocator, not both")
+                raise TypeError("pass a PagedKVStore, or a pool and its allocator, not both")
         elif allocator is None:
-            raise TypeError("a Receiver needs a KVSink, or a pool (None: host-only) and allocator")
+            raise TypeError(
+                "a Receiver needs a PagedKVStore, or a pool (None: host-only) and allocator"
+            )
         else:
-            kv = KVSink(kv, allocator)
+            kv = PagedKVStore(kv, allocator)
         if host_sink is not None and not kv.host_only:
             raise ValueError("host_sink is for a host-only receiver (pool=None)")
-        kv.check_layout(layout)
+        kv.check_layout(layout.kv_layout)
         self.kv = kv
         self.layout = layout
         self.timeouts = timeouts if timeouts is not None else TransferTimeouts()
@@ -141,7 +143,7 @@ class Receiver:
         return self.kv.pool
 
     def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T:
-        """`KVSink.update_pool`: decode steps that donate the pool run here, so no commit
+        """`PagedKVStore.update_pool`: decode steps that donate the pool run here, so no commit
         scatter runs in between and the receiver never holds a donated pool."""
         return self.kv.update_pool(step)
 

@@ -1,0 +1,244 @@
+"""The device KV store: a donated pool behind its lock, and the page allocators over it.
+
+Every server path holds its KV through these, so the rule "a step that donates the pool
+runs under its lock, and nobody keeps a donated pool" is written once:
+
+- `DevicePool`: one pool (a `KVPool` of device arrays) and the lock its swaps run under.
+  `update(step)` runs `step(pool) -> (result, new_pool)` under the lock and keeps the
+  new pool. The CP prefill runner's pool is one (`CPPrefillRunner.kv`); its transfer
+  reads and host-cache copies take the same lock.
+- `KVStore`: what a decode engine needs (the pool, `update_pool`, pages to allocate and
+  free, free counts per DP rank). Three implementations:
+  - `PagedKVStore`: a `DevicePool` and a `PageAllocator` (one shard per DP rank), the
+    decode and plain unified servers'; the transfer receiver commits into it too;
+  - `transfer.receiver.Receiver`, which delegates to its `PagedKVStore`;
+  - `CachedLaneStore`: the one-lane CP runner's pool and allocator with its radix cache
+    (the unified server's default engine), evicting cached pages when free ones run out.
+
+The pool and the allocator have a lock each, so a commit scatter (under the pool lock)
+never holds up page allocation or a failed room's page release.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+from jax.typing import DTypeLike
+
+from cpkv_jax.cache.radix import RadixCache, alloc_with_evict
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.errors import ConfigError
+from cpkv_jax.kv_layout import KVLayout
+from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
+from cpkv_jax.model.kv_cache import IndexKDtype, KVPool, init_pool
+from cpkv_jax.paging import PageAllocator
+
+T = TypeVar("T")
+
+_HOST_ONLY = "this is a host-only store (pool=None): it has no device pool"
+
+
+class DevicePool:
+    """A device KV pool and the lock its swaps run under (see the module docstring).
+
+    `pool=None` is a host-only holder (a benchmark receiver's): `pool` and `update`
+    raise `ValueError`."""
+
+    def __init__(self, pool: KVPool | None):
+        self._pool = pool
+        self.lock = threading.Lock()
+
+    @property
+    def host_only(self) -> bool:
+        return self._pool is None
+
+    @property
+    def pool(self) -> KVPool:
+        """The current pool, read under the lock (so never one an `update` is donating);
+        replaced by every `update`: read it again after one."""
+        with self.lock:
+            return self._locked_pool()
+
+    @property
+    def current(self) -> KVPool:
+        """The current pool without taking the lock: for a caller that holds `lock`, or
+        one on the thread that runs every `update` (the CP runner's scheduler thread)."""
+        return self._locked_pool()
+
+    def update(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T:
+        """Run `step(pool) -> (result, new_pool)` under the lock and keep `new_pool`: for
+        steps that donate the pool, so no other update runs in between and this holder
+        never keeps a donated (deleted) pool."""
+        with self.lock:
+            result, self._pool = step(self._locked_pool())
+            return result
+
+    def replace_locked(self, pool: KVPool) -> None:
+        """Keep `pool` as the current one; the caller holds `lock` (a copy that hands
+        each leaf over as it lands, `host_cache.copy`)."""
+        self._pool = pool
+
+    def _locked_pool(self) -> KVPool:
+        if self._pool is None:
+            raise ValueError(_HOST_ONLY)
+        return self._pool
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """The pool and the page allocator a decode engine uses, shared with whoever else
+    writes the pool (the transfer receiver, the prefill scheduler). The total page count
+    is `pool.num_pages`; page 0, the trash page, is never handed out."""
+
+    @property
+    def pool(self) -> KVPool: ...
+
+    @property
+    def num_free_pages(self) -> int: ...
+
+    def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T: ...
+
+    @property
+    def num_free_pages_per_rank(self) -> tuple[int, ...]: ...
+
+    def allocate_pages(self, n: int, rank: int = 0) -> np.ndarray: ...
+
+    def free_pages(self, pages: np.ndarray) -> None: ...
+
+
+class PagedKVStore:
+    """A `KVStore` over one `DevicePool` and one `PageAllocator` (one free list per DP
+    rank's shard). `pool=None`: host-only (it hands out pages, holds no pool)."""
+
+    def __init__(self, pool: KVPool | None, allocator: PageAllocator):
+        if pool is not None and allocator.num_pages != pool.num_pages:
+            raise ConfigError(
+                f"allocator manages {allocator.num_pages} pages but the pool has "
+                f"{pool.num_pages}; build both with the same page count"
+            )
+        self.device = DevicePool(pool)
+        self._allocator = allocator
+        self._alloc_lock = threading.Lock()
+
+    @classmethod
+    def create(
+        cls,
+        cfg: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        dtype: DTypeLike,
+        index_k_dtype: IndexKDtype,
+    ) -> PagedKVStore:
+        """A zeroed pool of `num_pages` pages (page 0 = trash) and its allocator."""
+        allocator = PageAllocator(num_pages)  # validates num_pages >= 2
+        return cls(init_pool(cfg, num_pages, page_size, dtype, index_k_dtype), allocator)
+
+    @property
+    def host_only(self) -> bool:
+        """True without a pool (`pool=None`)."""
+        return self.device.host_only
+
+    @property
+    def num_pages(self) -> int:
+        """Pages the allocator manages, the trash page included."""
+        return self._allocator.num_pages
+
+    @property
+    def pool(self) -> KVPool:
+        return self.device.pool
+
+    def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T:
+        """`DevicePool.update`: decode steps and commit scatters that donate the pool."""
+        return self.device.update(step)
+
+    @property
+    def num_free_pages(self) -> int:
+        with self._alloc_lock:
+            return self._allocator.num_free
+
+    @property
+    def num_free_pages_per_rank(self) -> tuple[int, ...]:
+        """Free pages of each DP rank's shard (one entry for a single-device pool)."""
+        with self._alloc_lock:
+            return self._allocator.num_free_per_rank
+
+    def allocate_pages(self, n: int, rank: int = 0) -> np.ndarray:
+        """`n` pages from the allocator (under its lock), all from DP rank `rank`'s shard."""
+        with self._alloc_lock:
+            return self._allocator.alloc(n, rank)
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        """Give pages back (a finished request's, or a failed room's)."""
+        with self._alloc_lock:
+            self._allocator.free(pages)
+
+    def check_layout(self, want: KVLayout) -> None:
+        """Raise `ValueError` unless the pool stores what `want` describes (every kind,
+        layer, feature and dtype, and the page size). A host-only store has nothing to
+        check."""
+        if self.host_only:
+            return
+        index = want.buffer("index_k")
+        try:
+            have = KVLayout.of_pool(self.pool, () if index is None else index.layers)
+        except ConfigError as e:
+            raise ValueError(f"the pool does not match the KV layout: {e}") from e
+        diff = have.mismatches(want)
+        if diff:
+            raise ValueError(
+                "the pool differs from the KV layout (pool != layout): " + "; ".join(diff)
+            )
+
+
+class CachedLaneStore:
+    """A `KVStore` over a one-lane CP runner's pool (its `DevicePool`: the pool swap
+    under the runner's lock, which the host-cache backup worker takes too) and lane 0 of
+    its allocator, with the radix cache on it: pages come from the free list, evicting
+    unlocked cached pages when the free ones run short."""
+
+    def __init__(
+        self, device: DevicePool, allocator: OwnerLaneAllocator, cache: RadixCache, page_size: int
+    ):
+        if allocator.cp_size != 1:
+            raise ValueError(f"CachedLaneStore needs a one-lane pool, got {allocator.cp_size}")
+        self.device = device
+        self._allocator = allocator
+        self._cache = cache
+        self.page_size = page_size
+
+    @property
+    def pool(self) -> KVPool:
+        return self.device.pool
+
+    def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T:
+        return self.device.update(step)
+
+    @property
+    def num_free_pages(self) -> int:
+        return int(self._allocator.num_free(0))
+
+    @property
+    def num_free_pages_per_rank(self) -> tuple[int, ...]:
+        return (self.num_free_pages,)
+
+    @property
+    def num_available_pages(self) -> int:
+        """Free plus evictable (cached, unlocked) pages."""
+        return self.num_free_pages + int(self._cache.evictable_pages_per_lane()[0])
+
+    def allocate_pages(self, n: int, rank: int = 0) -> np.ndarray:
+        """`n` pages, evicting cached ones as needed; `CacheCapacityError` (nothing
+        evicted) when free + evictable cannot cover them. One rank only (`rank` 0)."""
+        if rank != 0:
+            raise ValueError(f"a one-lane store has one pool shard, not rank {rank}")
+        table = RequestPageTable(1)
+        alloc_with_evict(self._cache, table, n * self.page_size)
+        return table.detach().astype(np.int64)
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.size:
+            self._allocator.free(np.zeros_like(pages), pages)
