@@ -97,8 +97,8 @@ def time_engine(engine: DecodeEngine, steps: int) -> float:
 def time_device(engine: DecodeEngine, steps: int) -> float:
     """The engine's own step program and sampler on its running rows, `steps` times,
     the tokens fed back on the device, one fetch at the end."""
-    rows = [r for r in engine._running.values()]
-    dsteps = engine._steps
+    rows = [r for r in engine.running.values()]
+    dsteps = engine.steps
     t0 = time.perf_counter()
     prev = None
     for k in range(steps):

@@ -35,7 +35,8 @@ batch goes on (`StepEngine`).
 from __future__ import annotations
 
 import logging
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -43,16 +44,15 @@ from cpkv_jax.cache.radix import CacheCapacityError
 from cpkv_jax.errors import CpkvError
 from cpkv_jax.kv_store import CachedLaneStore
 from cpkv_jax.scores import PromptLogprobs
-from serving.decode.engine import DecodeEngine, _Request
-from serving.decode.sampling import StopResult
-from serving.engine.api import EngineStats, GenerateRequest
+from serving.decode.engine import DecodeEngine, Touched
+from serving.decode.request import DecodeRequest
+from serving.engine.api import EngineStats, GenerateRequest, ServerMode
 from serving.engine.step_failures import check_pool_after, step_failure
+from serving.engine.stopping import StopResult
 from serving.prefill.build import PrefillEngine
 from serving.prefill.scheduler import PrefillOutcome, PrefillStepError
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 def prompt_scores(scores: PromptLogprobs, top_n: int) -> tuple[tuple, tuple]:
@@ -70,71 +70,77 @@ def prompt_scores(scores: PromptLogprobs, top_n: int) -> tuple[tuple, tuple]:
     return tuple(lps), tuple(tops)
 
 
-class CachedUnifiedEngine(DecodeEngine):
-    """Unified serving with a prefix cache (see the module docstring)."""
+class CachedPrefill:
+    """The `Intake` of a unified server with a prefix cache (see the module docstring):
+    queued requests go to the CP prefill scheduler at cp 1, and a finished (held)
+    prefill joins the decode batch with its decode pages and first token."""
 
-    def __init__(self, *, prefill: PrefillEngine, **kw: Any):
+    mode: ServerMode = "null"
+    prefills_with_engine_steps = False  # the runner prefills: its shapes are the CP step's
+    first_token_on_host = True  # the scheduler hands the last position's logits over
+    failures = 0
+    bytes_received = 0
+
+    def __init__(self, prefill: PrefillEngine):
         if not prefill.scheduler.hold_finished:
             raise ValueError("the unified cached engine needs a scheduler with hold_finished")
         self.prefill = prefill
+        self.scheduler = prefill.scheduler
         runner = prefill.runner
         self.store = CachedLaneStore(
             runner.kv, runner.allocator, prefill.cache, runner.layout.page_size
         )
-        super().__init__(kv=self.store, mode="null", **kw)
-        self._prefilling: dict[str, _Request] = {}  # handed to the scheduler, not finished
-        self._reserved = 0  # pages the prefilling requests may still take
-        self._decode_pages: dict[str, np.ndarray] = {}
+        self.prefilling: dict[str, DecodeRequest] = {}  # handed to the scheduler, not done
+        self.reserved = 0  # pages the prefilling requests may still take
+        self.decode_pages: dict[str, np.ndarray] = {}
         self.prefix_cache_hit_tokens = 0
 
-    @property
-    def scheduler(self):
-        return self.prefill.scheduler
+    def bind(self, engine: DecodeEngine) -> None:
+        self.engine = engine
 
-    # ---- StepEngine ----------------------------------------------------------------------
-    def has_work(self) -> bool:
-        return bool(self._prefilling) or super().has_work()
+    def counts(self) -> tuple[int, int]:
+        return 0, len(self.prefilling)  # prefilling requests count as running
 
-    @property
-    def _prefills_itself(self) -> bool:
-        return False  # the runner prefills (its shapes are the CP step's buckets)
-
-    def _validate(self, req: GenerateRequest) -> _Request:
-        if req.rid in self._prefilling:
-            raise self._reject("duplicate_rid", f"request id {req.rid!r} is already in flight")
-        return super()._validate(req)
-
-    def _check_prompt_logprobs(self, req: GenerateRequest) -> None:
+    def validate(self, req: GenerateRequest) -> None:
         start = req.prompt_logprobs_from
         if start is not None and not 0 <= start < len(req.input_ids):
-            raise self._reject(
+            raise self.engine.reject(
                 "prompt_logprobs",
                 f"logprob_start_len {start} is outside the prompt's {len(req.input_ids)} "
                 f"tokens [0, {len(req.input_ids)})",
             )
 
-    def _lookup(self, rid: str) -> _Request | None:
-        return self._prefilling.get(rid) or super()._lookup(rid)
+    def add(self, r: DecodeRequest) -> bool:
+        return False
 
-    def _discard(self, r: _Request, why: str) -> None:
-        if self._prefilling.pop(r.rid, None) is None:
-            super()._discard(r, why)
-            return
-        self._reserved -= r.n_pages
+    def lookup(self, rid: str) -> DecodeRequest | None:
+        return self.prefilling.get(rid)
+
+    def in_flight(self) -> Iterable[DecodeRequest]:
+        return self.prefilling.values()
+
+    def discard(self, r: DecodeRequest, why: str) -> bool:
+        if self.prefilling.pop(r.rid, None) is None:
+            return False
+        self.reserved -= r.n_pages
         # Frees what its prefill allocated and unlocks its prefix.
         if self.scheduler.abort(r.rid) is None:
             logger.error("request %s: the scheduler no longer has it to abort", r.rid)
+        return True
 
-    def _in_flight(self) -> list[_Request]:
-        return [*self._prefilling.values(), *super()._in_flight()]
+    def release(self, r: DecodeRequest) -> None:
+        if r.pages is None:
+            return
+        self.store.free_pages(self.decode_pages.pop(r.rid))
+        self.scheduler.release_held(r.rid)  # whole prompt pages stay cached, tail freed
+        r.pages = None
 
-    def stats(self) -> EngineStats:
-        base = super().stats()
+    def stats(self, base: EngineStats) -> EngineStats:
         cache = self.prefill.cache
         return EngineStats(
             mode=base.mode,
             waiting=base.waiting,
-            running=base.running + len(self._prefilling),
+            running=base.running,
             kv_pages_total=base.kv_pages_total,
             kv_pages_free=(self.store.num_free_pages,),
             kv_pages_cached=(int(cache.total_pages_per_lane()[0]),),
@@ -144,17 +150,12 @@ class CachedUnifiedEngine(DecodeEngine):
             queue=base.queue,
         )
 
-    def hicache_info(self) -> dict[str, Any] | None:
-        return self.prefill.hicache_info()
-
-    def close(self) -> None:
-        self.prefill.close()
-
     # ---- prefill through the scheduler -------------------------------------------------
-    def _admit_and_prefill(self, touched: dict[str, _Request]) -> None:
+    def advance(self, touched: Touched, idle: bool) -> None:
+        e = self.engine
         # Pages a backup is reading stay protected until its acknowledgement is applied.
         self.scheduler.sync_host_cache()
-        if not self._hand_over() and not self._running and not self._prefilling:
+        if not self._hand_over() and not e.running and not self.prefilling:
             # The head waits for pages only in-flight backups hold: wait for them (the
             # worker is bounded by its queue), not spin.
             self.scheduler.sync_host_cache(wait=True)
@@ -163,45 +164,46 @@ class CachedUnifiedEngine(DecodeEngine):
             return
         try:
             outcomes = self.scheduler.step()
-        except PrefillStepError as e:  # its requests were dropped: they fail, the rest go on
-            outcomes = e.outcomes
+        except PrefillStepError as exc:  # its requests were dropped: they fail, the rest go on
+            outcomes = exc.outcomes
             failed = [o.rid for o in outcomes if o.status == "failed"]
-            check_pool_after(e, str(e), self.store.pool, failed)
+            check_pool_after(exc, str(exc), self.store.pool, failed)
         for outcome in outcomes:
-            r = self._prefilling.pop(outcome.rid)
-            self._reserved -= r.n_pages
+            r = self.prefilling.pop(outcome.rid)
+            self.reserved -= r.n_pages
             if outcome.status == "failed":
-                self._end(r, outcome.reason, touched)  # logged with the step's traceback
+                e.end(r, outcome.reason, touched)  # logged with the step's traceback
             elif outcome.status != "finished":
-                self._fail(r, f"prefill {outcome.status}: {outcome.reason}", touched)
+                e.fail(r, f"prefill {outcome.status}: {outcome.reason}", touched)
             else:
                 self._start_decoding_safely(r, outcome, touched)
 
     def _start_decoding_safely(
-        self, r: _Request, outcome: PrefillOutcome, touched: dict[str, _Request]
+        self, r: DecodeRequest, outcome: PrefillOutcome, touched: Touched
     ) -> None:
         """`_start_decoding`, but a failure there fails this request alone."""
         try:
             self._start_decoding(r, outcome, touched)
-        except Exception as e:
+        except Exception as exc:
             logger.exception("request %s: starting its decode failed", r.rid)
             if r.pages is None:  # its decode pages were never added: only the hold to end
                 self.scheduler.release_held(r.rid)
-            self._discard(r, "its decode could not start")
-            self._end(r, step_failure("starting this request's decode", e), touched)
+            self.engine.discard(r, "its decode could not start")
+            self.engine.end(r, step_failure("starting this request's decode", exc), touched)
 
     def _hand_over(self) -> bool:
         """Queue heads to the scheduler while a slot and their worst-case pages are free;
         False when the head must wait for pages."""
-        while (r := self._queue.head()) is not None:
-            active = len(self._running) + len(self._prefilling)
-            if active >= self.max_running_requests:
+        e = self.engine
+        while (r := e.queue.head()) is not None:
+            active = len(e.running) + len(self.prefilling)
+            if active >= e.max_running_requests:
                 return True
-            if self.store.num_available_pages - self._reserved < r.n_pages:
+            if self.store.num_available_pages - self.reserved < r.n_pages:
                 return False  # FIFO: nobody overtakes the head of the queue
-            if not self._penalty_slot_free(r):
+            if not e.penalty_slot_free(r):
                 return True  # waits for a penalized request to finish, as for a batch slot
-            self._queue.pop(r.rid)
+            e.queue.pop(r.rid)
             try:
                 self.scheduler.submit(
                     r.rid,
@@ -209,41 +211,60 @@ class CachedUnifiedEngine(DecodeEngine):
                     max_new_tokens=r.req.sampling.max_new_tokens,
                     score_from=r.req.prompt_logprobs_from,
                 )
-            except CpkvError as e:  # validated in `add`: only a bug gets here; fail it alone
-                logger.error("request %s: the scheduler refused it: %s", r.rid, e)
-                r.finish, r.error = StopResult("error"), str(e)
-                self._finals.append(self._chunk(r))
+            except CpkvError as exc:  # validated in `add`: only a bug gets here; fail it alone
+                logger.error("request %s: the scheduler refused it: %s", r.rid, exc)
+                r.finish, r.error = StopResult("error"), str(exc)
+                e.finals.append(e.chunk(r))
                 continue
-            self._prefilling[r.rid] = r
-            self._reserve_penalty_slot(r)
-            self._reserved += r.n_pages
+            self.prefilling[r.rid] = r
+            e.sampler.reserve(r)
+            self.reserved += r.n_pages
         return True
 
-    def _start_decoding(self, r: _Request, outcome, touched: dict[str, _Request]) -> None:
+    def _start_decoding(self, r: DecodeRequest, outcome, touched: Touched) -> None:
+        e = self.engine
         assert outcome.table is not None and outcome.last_logits is not None
         prompt_pages = outcome.table.local_pages().astype(np.int64)
         extra = r.n_pages - prompt_pages.size
         try:
             decode_pages = self.store.allocate_pages(extra)
-        except CacheCapacityError as e:  # the reservation rules this out: a bug, not load
-            logger.error("request %s: reserved decode pages missing: %s", r.rid, e)
+        except CacheCapacityError as exc:  # the reservation rules this out: a bug, not load
+            logger.error("request %s: reserved decode pages missing: %s", r.rid, exc)
             self.scheduler.release_held(r.rid)
-            self._fail(r, f"internal error: no KV pages for the output ({e})", touched)
+            e.fail(r, f"internal error: no KV pages for the output ({exc})", touched)
             return
-        self._decode_pages[r.rid] = decode_pages
+        self.decode_pages[r.rid] = decode_pages
         r.pages = np.concatenate([prompt_pages, decode_pages])
         r.cached_tokens = outcome.cached_tokens
         r.host_cached_tokens = outcome.host_cached_tokens
         self.prefix_cache_hit_tokens += outcome.cached_tokens
         if outcome.prompt_logprobs is not None:
             r.prompt_scores = prompt_scores(outcome.prompt_logprobs, r.req.top_logprobs)
-        self._running[r.rid] = r
+        e.start(r)
         # A failed token fails this request alone; the logits are one host row.
-        self._sample(r, np.asarray(outcome.last_logits)[None], touched)
+        e.sample(r, np.asarray(outcome.last_logits)[None], touched)
 
-    def _release(self, r: _Request) -> None:
-        if r.pages is None:
-            return
-        self.store.free_pages(self._decode_pages.pop(r.rid))
-        self.scheduler.release_held(r.rid)  # whole prompt pages stay cached, tail freed
-        r.pages = None
+
+class CachedUnifiedEngine(DecodeEngine):
+    """A `DecodeEngine` whose intake is `CachedPrefill` over `prefill` (the unified
+    server's default), with the prefill engine's cache, host-cache info and close."""
+
+    def __init__(self, *, prefill: PrefillEngine, **kw: Any):
+        intake = CachedPrefill(prefill)
+        super().__init__(kv=intake.store, intake=intake, **kw)
+        self.prefill = prefill
+        self.cached = intake
+
+    @property
+    def scheduler(self):
+        return self.prefill.scheduler
+
+    @property
+    def prefix_cache_hit_tokens(self) -> int:
+        return self.cached.prefix_cache_hit_tokens
+
+    def hicache_info(self) -> dict[str, Any] | None:
+        return self.prefill.hicache_info()
+
+    def close(self) -> None:
+        self.prefill.close()

@@ -252,7 +252,7 @@ def choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
     seeded request gets a seed derived from `(seed, j)` (BLAKE2b, as `request_seed`
     derives one from a request id), so sampled choices differ and the same request gives
     the same choices again; an unseeded choice keeps no seed, and the engine derives one
-    from its own request id (`serving.decode.sampling.request_seed`). Greedy choices do
+    from its own request id (`serving.engine.stopping.request_seed`). Greedy choices do
     not depend on the seed: they are identical.
     """
     if j == 0 or sampling.seed is None:

@@ -79,7 +79,6 @@ from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import pages_for_tokens
 from cpkv_jax.sampling import RowSampling, TopLogprobs, first_token_penalties, sample
-from serving.decode.sampling import request_seed
 from serving.engine.api import (
     EngineStateLostError,
     EngineStats,
@@ -89,6 +88,7 @@ from serving.engine.api import (
     stop_token_bias,
 )
 from serving.engine.step_failures import check_pool_after, step_failure
+from serving.engine.stopping import request_seed
 from serving.engine.wait_queue import WaitQueue
 from serving.grammar import GrammarBackend, RowGrammar, row_grammar_for, token_mask
 from serving.prefill.build import (

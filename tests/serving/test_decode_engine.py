@@ -484,16 +484,16 @@ def test_a_failed_prefill_compile_fails_that_request_alone(tiny, monkeypatch, ca
     engine, kv = make_engine(tiny)
     free0 = kv.num_free_pages
     a, b, c = wave_requests(1, "f", ignore_eos=True)[:3]
-    real = engine._steps.compiled
+    real = engine.steps.compiled
     fail = {"prefill": 0}
 
     def compiled(shape):
-        if shape[0] == engine._steps.prefill_form and shape[2] > 1 and fail["prefill"]:
+        if shape[0] == engine.steps.prefill_form and shape[2] > 1 and fail["prefill"]:
             fail["prefill"] -= 1
             raise RuntimeError("XLA compile failed")
         return real(shape)
 
-    monkeypatch.setattr(engine._steps, "compiled", compiled)
+    monkeypatch.setattr(engine.steps, "compiled", compiled)
     toks: dict[str, list[int]] = {}
     lps: dict[str, list[float]] = {}
     final: dict = {}
@@ -507,7 +507,7 @@ def test_a_failed_prefill_compile_fails_that_request_alone(tiny, monkeypatch, ca
     assert "the prefill step failed: RuntimeError: XLA compile failed" in got[c.rid].error
     assert got[a.rid].token_ids and got[b.rid].token_ids  # decoded in the same step
     assert not got[a.rid].finished and not got[b.rid].finished
-    assert c.rid not in engine._running and kv.num_free_pages == free0 - 4  # a's and b's
+    assert c.rid not in engine.running and kv.num_free_pages == free0 - 4  # a's and b's
     logged = [r for r in caplog.records if r.exc_info and "XLA compile" in str(r.exc_info[1])]
     assert len(logged) == 1 and c.rid in logged[0].getMessage()
     del final[c.rid]
@@ -528,19 +528,19 @@ def test_a_broken_log_prob_row_fails_only_its_request(tiny, monkeypatch):
     hot = dataclasses.replace(
         first, sampling=SamplingParams(8, temperature=0.8, seed=3, ignore_eos=True)
     )
-    real = engine._steps.decode
+    real = engine.steps.decode
     broken = {"on": False}
 
     def decode(rows, prev=None):
         out = real(rows, prev)
         if broken["on"]:
             broken["on"] = False
-            pages = engine._running[hot.rid].pages
+            pages = engine.running[hot.rid].pages
             out = np.array(out)
             out[next(i for i, row in enumerate(rows) if row[2] is pages)] = np.nan
         return out
 
-    monkeypatch.setattr(engine._steps, "decode", decode)
+    monkeypatch.setattr(engine.steps, "decode", decode)
     toks: dict[str, list[int]] = {}
     lps: dict[str, list[float]] = {}
     final: dict = {}
@@ -557,7 +557,7 @@ def test_a_broken_log_prob_row_fails_only_its_request(tiny, monkeypatch):
     assert "ValueError: log-probs have no finite maximum" in got[hot.rid].error
     assert got[hot.rid].meta["completion_tokens"] == len(toks[hot.rid]) == 3
     assert got[cold.rid].token_ids and not got[cold.rid].finished
-    assert hot.rid not in engine._running
+    assert hot.rid not in engine.running
     while engine.has_work():
         take(engine.step(), toks, lps, final)
     del final[hot.rid]
@@ -645,12 +645,12 @@ def _fetch_order(engine, monkeypatch) -> list[tuple[int, int]]:
     """Per fetched decode draw: (the decode step it drew for, decode steps dispatched by
     the time it was fetched)."""
     from cpkv_jax.sampling import PendingSample
-    from serving.decode import engine as engine_mod
+    from serving.decode import sampler as sampler_mod
 
     dispatched = [0]
     drew_for: dict[int, int] = {}
     seen: list[tuple[int, int]] = []
-    real_decode, real_async, real_fetch = engine._steps.decode, engine_mod.sample_async, None
+    real_decode, real_async, real_fetch = engine.steps.decode, sampler_mod.sample_async, None
     real_fetch = PendingSample.fetch
 
     def decode(rows, prev=None):
@@ -667,8 +667,8 @@ def _fetch_order(engine, monkeypatch) -> list[tuple[int, int]]:
             seen.append((drew_for[id(self)], dispatched[0]))
         return real_fetch(self)
 
-    monkeypatch.setattr(engine._steps, "decode", decode)
-    monkeypatch.setattr(engine_mod, "sample_async", sample_async)
+    monkeypatch.setattr(engine.steps, "decode", decode)
+    monkeypatch.setattr(sampler_mod, "sample_async", sample_async)
     monkeypatch.setattr(PendingSample, "fetch", fetch)
     return seen
 
@@ -749,7 +749,7 @@ def test_a_step_failing_when_its_tokens_are_fetched_fails_its_rows_alone(tiny, m
     for r in (a, b):
         assert got[r.rid].finish_reason == "error"
         assert "the decode step failed: RuntimeError: device step failed" in got[r.rid].error
-    assert not engine._running and engine.has_work()  # the in-flight step, not fetched
+    assert not engine.running and engine.has_work()  # the in-flight step, not fetched
     take(engine.step(), toks, lps, final)
     assert not engine.has_work() and kv.num_free_pages == free0
     toks.clear(), lps.clear(), final.clear()

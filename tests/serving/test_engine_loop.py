@@ -281,7 +281,7 @@ def test_a_request_cancelled_while_its_add_is_queued_leaves_the_loop_running(tin
     assert healthy and why is None
     assert got[-1].finish_reason == after[-1].finish_reason == "length"
     assert kv.num_free_pages == POOL_PAGES - 1
-    assert "victim" not in {r.rid for r in engine.engine._running.values()}
+    assert "victim" not in {r.rid for r in engine.engine.running.values()}
 
 
 class BrokenLoopEngine(WrappedEngine):
@@ -343,7 +343,7 @@ def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(tiny, caplog):
     next request as the reference does. (Before, every such failure ended the server.)"""
     _, _, ref = tiny
     loop, kv = make_loop(tiny)
-    steps = loop._engine._steps
+    steps = loop._engine.steps
     real = steps.compiled
     failed: list = []
 
@@ -379,7 +379,7 @@ def test_a_step_that_loses_the_pool_still_ends_the_loop(tiny):
     served any more, so the loop fails the request, turns unhealthy and says why (the
     server exits on it)."""
     loop, _ = make_loop(tiny)
-    steps = loop._engine._steps
+    steps = loop._engine.steps
     real = steps.compiled
 
     def compiled(shape):

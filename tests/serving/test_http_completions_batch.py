@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from support.http_client import FAIL_ID, sse
 
-from serving.decode.sampling import request_seed
 from serving.engine.mock import echo_ids, mock_logprob, mock_prompt_logprob, mock_top_logprobs
+from serving.engine.stopping import request_seed
 
 N = 3
 

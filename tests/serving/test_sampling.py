@@ -1,4 +1,4 @@
-"""Stop conditions (`serving.decode.sampling.StopChecker`); the
+"""Stop conditions (`serving.engine.stopping.StopChecker`); the
 token draws themselves are `cpkv_jax.sampling` (tests/core/test_device_sampling.py)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from cpkv_jax.errors import InputError
-from serving.decode.sampling import StopChecker
 from serving.engine.api import SamplingParams, stop_token_bias
+from serving.engine.stopping import StopChecker
 
 # ---- stop conditions ---------------------------------------------------------------------
 

@@ -259,7 +259,7 @@ def test_the_unified_prefix_cache_engine_fails_a_step_or_a_row_alone(tiny_checkp
         out[:, 7] = 0.0
         return out
 
-    engine._steps.decode = decode
+    engine.steps.decode = decode
     total = engine.stats().kv_pages_total[0]
     rng = np.random.default_rng(4)
     a, b = (rng.integers(8, VOCAB, n).astype(np.int32) for n in (30, 19))
@@ -272,10 +272,10 @@ def test_the_unified_prefix_cache_engine_fails_a_step_or_a_row_alone(tiny_checkp
     def settled() -> None:
         # A decode step dispatched before the last rows' final tokens were seen (the
         # overlap) is still in flight: it yields nothing more.
-        assert engine.step() == [] and not engine.has_work() and engine._reserved == 0
-        assert engine.scheduler.num_held == 0 and not engine._decode_pages
+        assert engine.step() == [] and not engine.has_work() and engine.cached.reserved == 0
+        assert engine.scheduler.num_held == 0 and not engine.cached.decode_pages
         cache = engine.prefill.cache
-        assert engine.store.num_free_pages + int(cache.evictable_pages_per_lane()[0]) == total
+        assert engine.kv.num_free_pages + int(cache.evictable_pages_per_lane()[0]) == total
         cache.check_invariants()
 
     engine.add(req("a", a))
@@ -292,7 +292,7 @@ def test_the_unified_prefix_cache_engine_fails_a_step_or_a_row_alone(tiny_checkp
     assert "output token 0 of this request failed: ValueError" in got["broken"].error
     settled()
     engine.add(req("long", rng.integers(8, VOCAB, 70).astype(np.int32)))
-    assert engine.step() == [] and "long" in engine._prefilling  # one chunk of three
+    assert engine.step() == [] and "long" in engine.cached.prefilling  # one chunk of three
     engine.abort("long")  # aborted between its chunks: what it took comes back
     assert [(c.rid, c.finish_reason) for c in engine.step()] == [("long", "abort")]
     settled()

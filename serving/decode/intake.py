@@ -1,0 +1,338 @@
+"""How a request's prompt KV gets into the decode engine's pool: the engine's intakes.
+
+`DecodeEngine` runs the batch (decode steps, draws, stop checks, chunks) the same way
+whatever the server mode; what differs is how an admitted request gets its prompt's KV
+and its first token, and that is an `Intake`:
+
+- `LocalPrefill` (a unified server with `--disable-radix-cache`): the engine admits the
+  head of the wait queue, its pages are allocated, and the whole prompt is prefilled in
+  one step (on a DP mesh, one request per rank in one step);
+- `TransferIntake` (a PD decode server): an admitted request's pages are registered as
+  a transfer room with the receiver, which the prefill server's ranks write into; the
+  room's success carries the first token, its failure fails the request;
+- `serving.decode.cached.CachedPrefill` (the unified server's default): the CP prefill
+  scheduler at cp 1 with the radix prefix cache (and the host cache) prefills.
+
+An intake drives its engine through the engine's admission and production methods
+(`queue`, `fits_now` / `rank_for`, `admit`, `start`, `produce` / `sample`, `fail` /
+`end`, `step_failed`, `free_pages`), and the engine asks it only what `Intake` lists;
+neither branches on the other's kind.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from cpkv_jax.errors import CpkvError
+from cpkv_jax.paging import pages_for_tokens
+from serving.decode.request import DecodeRequest
+from serving.decode.steps import MeshDecodeSteps
+from serving.engine.api import EngineStats, GenerateRequest, ServerMode
+from serving.engine.step_failures import step_failure
+
+if TYPE_CHECKING:
+    from serving.decode.engine import DecodeEngine, Touched
+
+logger = logging.getLogger(__name__)
+
+# Room states as `transfer.protocol.RoomState` names them: compared by name so this
+# module needs neither the transfer receiver nor its generated protobuf code.
+_ROOM_SUCCESS = "SUCCESS"
+_ROOM_FAILED = "FAILED"
+
+PROMPT_LOGPROBS_ELSEWHERE = (
+    "prompt log-probs (echo with logprobs, logprob_start_len) are computed by a "
+    "unified server with its radix cache (the default; not with "
+    "--disable-radix-cache, nor in PD mode): send them there"
+)
+
+
+@runtime_checkable
+class Intake(Protocol):
+    """What the engine asks of an intake (see the module docstring)."""
+
+    mode: ServerMode
+    # Whether the engine's own steps prefill (their prefill shapes are reachable).
+    prefills_with_engine_steps: bool
+    # Whether a first token is drawn from a host logit row (its sampler program is warmed).
+    first_token_on_host: bool
+
+    # PD transfer counters (0 without transfers): failed rooms, KV bytes received.
+    failures: int
+    bytes_received: int
+
+    def bind(self, engine: DecodeEngine) -> None: ...
+
+    def counts(self) -> tuple[int, int]:
+        """Requests this intake holds as (waiting, running) in the engine's stats."""
+        ...
+
+    def validate(self, req: GenerateRequest) -> None:
+        """Refuse (`InputError` via `engine.reject`) what this intake cannot serve."""
+        ...
+
+    def add(self, r: DecodeRequest) -> bool:
+        """Take `r` at once (nobody waits before it and it fits); False: the engine queues
+        it. An error here is the caller's (nothing held)."""
+        ...
+
+    def advance(self, touched: Touched, idle: bool) -> None:
+        """Before the decode step: move queued requests on and bring in the KV of
+        admitted ones (`idle`: nothing else happens this step, so it may wait a little)."""
+        ...
+
+    def lookup(self, rid: str) -> DecodeRequest | None: ...
+
+    def in_flight(self) -> Iterable[DecodeRequest]:
+        """Requests admitted and not decoding yet."""
+        ...
+
+    def discard(self, r: DecodeRequest, why: str) -> bool:
+        """Stop bringing `r` in and free what it holds; False when it was not here."""
+        ...
+
+    def release(self, r: DecodeRequest) -> None:
+        """Free a decoding (or finished) request's pages."""
+        ...
+
+    def stats(self, base: EngineStats) -> EngineStats: ...
+
+
+class LocalPrefill:
+    """Whole-prompt prefill by the engine's own steps (see the module docstring)."""
+
+    mode: ServerMode = "null"
+    prefills_with_engine_steps = True
+    first_token_on_host = True  # a unified server warms the one-row draw as before
+    failures = 0
+    bytes_received = 0
+
+    def bind(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+
+    def counts(self) -> tuple[int, int]:
+        return 0, 0
+
+    def validate(self, req: GenerateRequest) -> None:
+        if req.prompt_logprobs_from is not None:
+            raise self.engine.reject("prompt_logprobs", PROMPT_LOGPROBS_ELSEWHERE)
+
+    def add(self, r: DecodeRequest) -> bool:
+        return False
+
+    def advance(self, touched: Touched, idle: bool) -> None:
+        """Admit the head of the queue and prefill it; on a DP mesh, keep admitting in
+        order while the next one fits on a rank not prefilling yet, and prefill them
+        all in one step (each rank its own request)."""
+        e = self.engine
+        batch: list[DecodeRequest] = []
+        while (r := e.queue.head()) is not None and len(batch) < e.dp_size:
+            rank = e.rank_for(r)
+            if rank is None or any(q.rank == rank for q in batch):
+                break  # FIFO: nobody overtakes the head (nor shares a rank's prefill)
+            if not e.penalty_slot_free(r):
+                break
+            e.admit(r, rank)
+            e.queue.pop(r.rid)
+            e.start(r)
+            batch.append(r)
+        if not batch:
+            return
+        try:
+            if len(batch) == 1:
+                logits = e.steps.prefill(batch[0].prompt, batch[0].pages, batch[0].width)
+            else:  # one per DP rank
+                assert isinstance(e.steps, MeshDecodeSteps)
+                logits = e.steps.prefill_many([(q.prompt, q.pages, q.width) for q in batch])
+            drawn = e.sampler.draw(batch, logits)
+        except Exception as exc:
+            e.step_failed("the prefill step", exc, batch, touched)
+            return
+        for i, q in enumerate(batch):  # a failed draw fails that request alone
+            e.produce(q, touched, functools.partial(drawn.pick, i))
+
+    def lookup(self, rid: str) -> DecodeRequest | None:
+        return None
+
+    def in_flight(self) -> Iterable[DecodeRequest]:
+        return ()
+
+    def discard(self, r: DecodeRequest, why: str) -> bool:
+        return False
+
+    def release(self, r: DecodeRequest) -> None:
+        self.engine.free_pages(r)
+
+    def stats(self, base: EngineStats) -> EngineStats:
+        return base
+
+
+@runtime_checkable
+class TransferRooms(Protocol):
+    """The receiver side of PD transfer the decode mode needs (`Receiver` has it)."""
+
+    def register_room(self, room: str, dst_pages: Any, num_tokens: int, cp_size: int) -> Any: ...
+
+    def status(self, room: str) -> Any: ...
+
+    def abort(self, room: str, reason: str, sender_rank: int | None = None) -> Any: ...
+
+    def staging_refusal(self, n_pages: int) -> str | None: ...
+
+    def wait_for_change(self, timeout: float) -> None: ...
+
+
+class TransferIntake:
+    """Prompt KV through PD transfer rooms (see the module docstring).
+
+    A request waits in the engine's bounded FIFO queue until its pages and a batch slot
+    are free, then its pages are allocated and its room registered with the receiver (at
+    once in `add` when it fits; else by a later step, in arrival order). The prefill
+    side's handshake waits for the room, and the prefill server prefills a request only
+    once every rank's handshake is accepted, so a request queued here holds no prefill
+    pages. Each step polls the rooms without blocking (with nothing else to do, it waits
+    up to `idle_wait_s` for a room to change)."""
+
+    mode: ServerMode = "decode"
+    prefills_with_engine_steps = False
+    first_token_on_host = False
+
+    def __init__(self, rooms: TransferRooms, idle_wait_s: float):
+        self.rooms = rooms
+        self.idle_wait_s = idle_wait_s
+        self._transferring: dict[str, DecodeRequest] = {}  # admitted, waiting for KV
+        self.failures = 0
+        self.bytes_received = 0  # KV pages of successful rooms
+
+    def bind(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+
+    def counts(self) -> tuple[int, int]:
+        return len(self._transferring), 0  # admitted, still waiting for their KV
+
+    def validate(self, req: GenerateRequest) -> None:
+        e = self.engine
+        if req.prompt_logprobs_from is not None:
+            raise e.reject("prompt_logprobs", PROMPT_LOGPROBS_ELSEWHERE)
+        if not req.bootstrap_room or req.bootstrap_cp_size is None or req.bootstrap_cp_size < 1:
+            raise e.reject(
+                "no_room",
+                f"request {req.rid!r}: a decode server needs bootstrap_room and "
+                f"bootstrap_cp_size >= 1 (got {req.bootstrap_room!r}, "
+                f"{req.bootstrap_cp_size!r}); send it through the router",
+            )
+        # The prompt's pages stage whole on the way in.
+        why = self.rooms.staging_refusal(pages_for_tokens(len(req.input_ids), e.page_size))
+        if why is not None:
+            raise e.reject("staging_capacity", f"request {req.rid!r}: {why}")
+
+    def add(self, r: DecodeRequest) -> bool:
+        e = self.engine
+        if e.queue or not e.fits_now(r):
+            return False
+        self._register(r)  # its errors are the caller's (400)
+        return True
+
+    def advance(self, touched: Touched, idle: bool) -> None:
+        self._register_queued(touched)
+        self._poll(touched)
+        if idle and not touched:
+            # Only transfers in flight: sleep until a room changes, not spin.
+            self.rooms.wait_for_change(self.idle_wait_s)
+            self._poll(touched)
+
+    def _register_queued(self, touched: Touched) -> None:
+        """Register the rooms of queued requests, in arrival order, while they fit."""
+        e = self.engine
+        while (r := e.queue.head()) is not None and e.fits_now(r):
+            e.queue.pop(r.rid)
+            try:
+                self._register(r)
+            except CpkvError as exc:  # e.g. the room id is taken: this request fails alone
+                e.fail(r, str(exc), touched)
+            except Exception as exc:  # a bug: still this request's alone (its pages are back)
+                logger.exception(
+                    "request %s: registering room %s failed", r.rid, r.req.bootstrap_room
+                )
+                e.end(r, step_failure("registering its transfer room", exc), touched)
+
+    def _register(self, r: DecodeRequest) -> None:
+        e = self.engine
+        rank = e.rank_for(r)
+        assert rank is not None, "register only what fits now"
+        e.admit(r, rank)
+        try:
+            self.rooms.register_room(
+                r.req.bootstrap_room, r.pages, len(r.prompt), r.req.bootstrap_cp_size
+            )
+        except CpkvError as exc:
+            e.free_pages(r)
+            raise e.reject("bad_room", f"request {r.rid!r}: {exc}") from exc
+        except BaseException:
+            e.free_pages(r)
+            raise
+        self._transferring[r.rid] = r
+
+    def _poll(self, touched: Touched) -> None:
+        e = self.engine
+        for rid, r in list(self._transferring.items()):
+            room = r.req.bootstrap_room
+            try:
+                snap = self.rooms.status(room)
+            except CpkvError as exc:  # the room is gone: nobody can say who owns its pages
+                self._transferring.pop(rid)
+                logger.error("request %s: room %s status failed: %s", rid, room, exc)
+                r.pages = None
+                self.failures += 1
+                e.fail(r, f"KV transfer state lost: {exc}", touched)
+                continue
+            state = snap.state.name
+            if state == _ROOM_FAILED:
+                self._transferring.pop(rid)
+                r.pages = None  # the receiver freed the failed room's pages (`_retire`)
+                self.failures += 1
+                e.fail(r, f"KV transfer failed: {snap.reason}", touched)
+            elif state == _ROOM_SUCCESS:
+                self._transferring.pop(rid)
+                aux = snap.aux
+                if aux is None:
+                    e.free_pages(r)
+                    e.fail(r, "KV transfer succeeded without the first token", touched)
+                    continue
+                e.start(r)
+                r.cached_tokens, r.host_cached_tokens = aux.cached_tokens, aux.host_cached_tokens
+                n_prompt_pages = pages_for_tokens(len(r.prompt), e.page_size)
+                self.bytes_received += n_prompt_pages * e.bytes_per_page
+                e.produce(r, touched, lambda aux=aux: (int(aux.first_token), aux.logprob, aux.top))
+
+    def lookup(self, rid: str) -> DecodeRequest | None:
+        return self._transferring.get(rid)
+
+    def in_flight(self) -> Iterable[DecodeRequest]:
+        return self._transferring.values()
+
+    def discard(self, r: DecodeRequest, why: str) -> bool:
+        """Abort `r`'s room; the receiver frees its pages unless its KV already arrived."""
+        if self._transferring.pop(r.rid, None) is None:
+            return False
+        assert r.pages is not None
+        try:
+            snap = self.rooms.abort(r.req.bootstrap_room, why)
+        except CpkvError as exc:  # the room is gone: who owns its pages is unknown
+            logger.error(
+                "request %s: abort of room %s failed: %s", r.rid, r.req.bootstrap_room, exc
+            )
+        else:
+            if snap.state.name == _ROOM_SUCCESS:
+                self.engine.kv.free_pages(r.pages)  # KV arrived before the abort: ours to free
+        r.pages = None  # a failed room's pages went back with the room
+        return True
+
+    def release(self, r: DecodeRequest) -> None:
+        self.engine.free_pages(r)
+
+    def stats(self, base: EngineStats) -> EngineStats:
+        return base
