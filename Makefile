@@ -25,10 +25,12 @@ lint: $(STAMP)
 
 # Two workers (the dev machine's cores), whole test files per worker so module fixtures
 # (servers, checkpoints) are built once; the ten slowest tests are printed at the end.
+# Files go out in the order tests/conftest.py sorts them (the longest slow files first);
+# xdist's default reorders them by test count, which started the long PD load files last.
 TEST_WORKERS ?= 2
 
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
