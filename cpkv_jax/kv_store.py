@@ -87,6 +87,20 @@ class DevicePool:
         return self._pool
 
 
+class _OnDevice:
+    """The pool half of a `KVStore`: reads and donating updates through a `DevicePool`."""
+
+    device: DevicePool
+
+    @property
+    def pool(self) -> KVPool:
+        return self.device.pool
+
+    def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T:
+        """`DevicePool.update`: decode steps and commit scatters that donate the pool."""
+        return self.device.update(step)
+
+
 @runtime_checkable
 class KVStore(Protocol):
     """The pool and the page allocator a decode engine uses, shared with whoever else
@@ -109,7 +123,7 @@ class KVStore(Protocol):
     def free_pages(self, pages: np.ndarray) -> None: ...
 
 
-class PagedKVStore:
+class PagedKVStore(_OnDevice):
     """A `KVStore` over one `DevicePool` and one `PageAllocator` (one free list per DP
     rank's shard). `pool=None`: host-only (it hands out pages, holds no pool)."""
 
@@ -145,14 +159,6 @@ class PagedKVStore:
     def num_pages(self) -> int:
         """Pages the allocator manages, the trash page included."""
         return self._allocator.num_pages
-
-    @property
-    def pool(self) -> KVPool:
-        return self.device.pool
-
-    def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T:
-        """`DevicePool.update`: decode steps and commit scatters that donate the pool."""
-        return self.device.update(step)
 
     @property
     def num_free_pages(self) -> int:
@@ -193,7 +199,7 @@ class PagedKVStore:
             )
 
 
-class CachedLaneStore:
+class CachedLaneStore(_OnDevice):
     """A `KVStore` over a one-lane CP runner's pool (its `DevicePool`: the pool swap
     under the runner's lock, which the host-cache backup worker takes too) and lane 0 of
     its allocator, with the radix cache on it: pages come from the free list, evicting
@@ -208,13 +214,6 @@ class CachedLaneStore:
         self._allocator = allocator
         self._cache = cache
         self.page_size = page_size
-
-    @property
-    def pool(self) -> KVPool:
-        return self.device.pool
-
-    def update_pool(self, step: Callable[[KVPool], tuple[T, KVPool]]) -> T:
-        return self.device.update(step)
 
     @property
     def num_free_pages(self) -> int:

@@ -95,12 +95,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import ml_dtypes
-import numpy as np
-
 from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES, StepShape, block_rows, step_shape
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError, InputError
+from cpkv_jax.kv_layout import INDEX_K_NUMPY, KVLayout
 
 # Breakdown keys (one per buffer kind of SPEC S9.1).
 KINDS = (
@@ -116,11 +114,6 @@ LAYER_TYPES = ("full", "shared")
 # One owned-page transfer descriptor: int32 (row, logical page, local page, tokens).
 DESCRIPTOR_BYTES = 16
 
-_INDEX_K_DTYPES = {
-    "fp8_e4m3": ml_dtypes.float8_e4m3fn,
-    "bfloat16": ml_dtypes.bfloat16,
-    "float32": np.float32,
-}
 _F32 = 4
 _I32 = 4
 
@@ -232,13 +225,15 @@ class BufferEstimator:
     ):
         if cp_size < 1 or page_size < 1:
             raise ConfigError(f"cp_size and page_size must be >= 1, got {cp_size}, {page_size}")
-        if index_k_dtype not in _INDEX_K_DTYPES:
+        if index_k_dtype not in INDEX_K_NUMPY:
             raise ConfigError(
-                f"index_k_dtype {index_k_dtype!r} is not one of {sorted(_INDEX_K_DTYPES)}"
+                f"index_k_dtype {index_k_dtype!r} is not one of {sorted(INDEX_K_NUMPY)}"
             )
-        fp8 = index_k_dtype == "fp8_e4m3"
-        latent_dtype = _dtype(dtype)
-        index_dtype = np.dtype(_INDEX_K_DTYPES[index_k_dtype])
+        # What a token stores comes from the model's KV layout, as for the pools.
+        kv = KVLayout.from_model(cfg, page_size, dtype, index_k_dtype)
+        latent = kv.by_kind()["latent"]
+        latent_dtype, index_dtype = latent.dtype, INDEX_K_NUMPY[index_k_dtype]
+        scale = kv.buffer("index_scale")
         if block_bytes <= 0:
             raise ConfigError(f"block_bytes must be > 0, got {block_bytes}")
         self.cfg, self.cp_size, self.page_size = cfg, cp_size, page_size
@@ -250,10 +245,10 @@ class BufferEstimator:
         # Per-token bytes of each stream: as stored, and as the backend moves it.
         lat_moved = profile.in_flight_itemsize(latent_dtype.name, latent_dtype.itemsize)
         k_moved = profile.in_flight_itemsize(index_dtype.name, index_dtype.itemsize)
-        self.latent_token = cfg.kv_cache_dim * latent_dtype.itemsize
-        self.latent_moved = cfg.kv_cache_dim * lat_moved
+        self.latent_token = latent.token_bytes
+        self.latent_moved = latent.feature[0] * lat_moved
         self.index_k_moved = cfg.index_head_dim * k_moved
-        self.scale_token = _F32 if fp8 else 0
+        self.scale_token = 0 if scale is None else scale.token_bytes
         self.dequant_token = cfg.index_head_dim * _F32
         self.logits_token = cfg.index_n_heads * _F32  # per (query token, key token)
         self.sparse_row = cfg.kv_cache_dim * _F32  # per (query token, selected token)
@@ -454,16 +449,6 @@ class BufferEstimator:
             terms=terms,
             shape=shape,
         )
-
-
-def _dtype(dtype: Any) -> np.dtype:
-    """A dtype given as a name, numpy/ml_dtypes type or JAX dtype, as a numpy dtype."""
-    if isinstance(dtype, str):
-        dtype = getattr(ml_dtypes, dtype, dtype)
-    try:
-        return np.dtype(dtype)
-    except TypeError as e:
-        raise ConfigError(f"unknown compute dtype {dtype!r}: {e}") from e
 
 
 # ---- SPEC S9.4 --------------------------------------------------------------------------
