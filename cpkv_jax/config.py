@@ -110,6 +110,9 @@ class ModelConfig:
     indexer_rope_interleave: bool
     # FP8 block-quantized checkpoints (`quantization_config.weight_block_size`).
     weight_block_size: tuple[int, int] | None = None
+    # Multi-token-prediction layers stored after the trunk (`model.layers.{N}`): GLM-5
+    # and DeepSeek-V3.2 ship one (`cpkv_jax.model.mtp`).
+    num_nextn_predict_layers: int = 0
 
     # ---- derived sizes -------------------------------------------------------------
     @property
@@ -344,6 +347,10 @@ def _build(raw: Mapping[str, Any]) -> ModelConfig:
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
+    nextn = raw.get("num_nextn_predict_layers") or 0
+    if isinstance(nextn, bool) or not isinstance(nextn, int) or nextn < 0:
+        raise ConfigError(f"num_nextn_predict_layers must be an integer >= 0, got {nextn!r}")
+
     block = None
     quant = raw.get("quantization_config")
     if isinstance(quant, Mapping) and quant.get("weight_block_size"):
@@ -369,6 +376,7 @@ def _build(raw: Mapping[str, Any]) -> ModelConfig:
         mlp_layer_types=mlp_types,  # type: ignore[arg-type]
         indexer_rope_interleave=indexer_interleave,
         weight_block_size=block,
+        num_nextn_predict_layers=nextn,
     )
 
 

@@ -310,8 +310,9 @@ def causal_lm(
     `dense=True` attends causally to everything (the indexer still runs, for inspection).
     A shared layer reuses the top-k of the nearest preceding full layer, or of
     `topk_source[layer]` when given (to check that the choice matters). Returns logits
-    `[T, V]`, per-layer latents `[T, c+r]`, and per full layer its indexer keys, scores,
-    per-head logits and top-k.
+    `[T, V]`, the final normed hidden states `hidden` `[T, H]` (what the LM head reads),
+    per-layer latents `[T, c+r]`, and per full layer its indexer keys, scores, per-head
+    logits and top-k.
     """
     t = ids.shape[0]
     pos = np.arange(t)
@@ -320,30 +321,55 @@ def causal_lm(
     x = m["embed_tokens"]["weight"][ids]
     out: dict[str, Any] = {"latent": [], "index": {}}
     for i in range(cfg.num_hidden_layers):
-        lp = m["layers"][i]
-        a = lp["self_attn"]
-        h = rms_norm(x, lp["input_layernorm"]["weight"], cfg.rms_norm_eps)
-        q_nope, q_pe, latent, qr = mla_project(a, cfg, h, cos, sin)
-        out["latent"].append(latent)
-        if cfg.indexer_types[i] == "full":
-            q, k, w = indexer_qkw(a["indexer"], cfg, h, qr, cos, sin)
-            scores, logits = indexer_scores(q, w, k, pos)
-            sel = topk(scores, pos, cfg.index_topk, min(cfg.index_topk, t))
-            out["index"][i] = {"k": k, "scores": scores, "logits": logits, "topk": sel}
-            src = i
-        else:
-            src = max(j for j in out["index"] if j < i)
-            src = (topk_source or {}).get(i, src)
-        selected = causal_mask(pos, t) if dense else selection_mask(out["index"][src]["topk"], t)
-        w_kv_b = a["kv_b_proj"]["weight"]
-        o = mla_attend(q_nope, q_pe, latent, selected, w_kv_b, softmax_scale(cfg))
-        x = x + linear(o.reshape(t, -1), a["o_proj"]["weight"])
-        h = rms_norm(x, lp["post_attention_layernorm"]["weight"], cfg.rms_norm_eps)
-        x = x + (mlp(lp["mlp"], h) if cfg.mlp_layer_types[i] == "dense" else moe(lp["mlp"], cfg, h))
+        x = decoder_layer(
+            m["layers"][i], cfg, i, x, pos, cos, sin, out, dense=dense, topk_source=topk_source
+        )
     x = rms_norm(x, m["norm"]["weight"], cfg.rms_norm_eps)
-    head = m["embed_tokens"]["weight"] if cfg.tie_word_embeddings else params["lm_head"]["weight"]
-    out["logits"] = linear(x, head)
+    out["hidden"] = x
+    out["logits"] = linear(x, lm_head(params, cfg))
     return out
+
+
+def lm_head(params: dict, cfg: ModelConfig) -> np.ndarray:
+    m = params["model"]
+    return m["embed_tokens"]["weight"] if cfg.tie_word_embeddings else params["lm_head"]["weight"]
+
+
+def decoder_layer(
+    lp: dict,
+    cfg: ModelConfig,
+    i: int,
+    x: np.ndarray,
+    pos: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    out: dict,
+    *,
+    dense: bool,
+    topk_source: dict[int, int] | None = None,
+) -> np.ndarray:
+    """Layer `i` (params `lp`) on `x` `[T, H]` at positions `pos`; appends its latent to
+    `out["latent"]` and, for a full indexer layer, its indexer state to `out["index"]`."""
+    t = x.shape[0]
+    a = lp["self_attn"]
+    h = rms_norm(x, lp["input_layernorm"]["weight"], cfg.rms_norm_eps)
+    q_nope, q_pe, latent, qr = mla_project(a, cfg, h, cos, sin)
+    out["latent"].append(latent)
+    if cfg.indexer_types[i] == "full":
+        q, k, w = indexer_qkw(a["indexer"], cfg, h, qr, cos, sin)
+        scores, logits = indexer_scores(q, w, k, pos)
+        sel = topk(scores, pos, cfg.index_topk, min(cfg.index_topk, t))
+        out["index"][i] = {"k": k, "scores": scores, "logits": logits, "topk": sel}
+        src = i
+    else:
+        src = max(j for j in out["index"] if j < i)
+        src = (topk_source or {}).get(i, src)
+    selected = causal_mask(pos, t) if dense else selection_mask(out["index"][src]["topk"], t)
+    w_kv_b = a["kv_b_proj"]["weight"]
+    o = mla_attend(q_nope, q_pe, latent, selected, w_kv_b, softmax_scale(cfg))
+    x = x + linear(o.reshape(t, -1), a["o_proj"]["weight"])
+    h = rms_norm(x, lp["post_attention_layernorm"]["weight"], cfg.rms_norm_eps)
+    return x + (mlp(lp["mlp"], h) if cfg.mlp_layer_types[i] == "dense" else moe(lp["mlp"], cfg, h))
 
 
 # ---- harness ------------------------------------------------------------------------
