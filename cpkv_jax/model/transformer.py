@@ -58,18 +58,22 @@ class DecoderLayer(nnx.Module):
 
 
 class Backbone(nnx.Module):
-    """HF `model.*`: embeddings, decoder layers, final norm."""
+    """HF `model.*`: embeddings, decoder layers, final norm; with `mtp`, the MTP layer
+    after the trunk's layers (`model.layers.{num_hidden_layers}`, as checkpoints store it)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype, mtp: bool):
+        from cpkv_jax.model.mtp import MTPLayer  # it builds on DecoderLayer, defined here
+
         self.embed_tokens = Embedding(
             cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype
         )
-        self.layers = nnx.List(
-            [
-                DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-                for i in range(cfg.num_hidden_layers)
-            ]
-        )
+        layers = [
+            DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+            for i in range(cfg.num_hidden_layers)
+        ]
+        if mtp:
+            layers.append(MTPLayer(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype))
+        self.layers = nnx.List(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -81,10 +85,14 @@ class CausalLM(nnx.Module):
         rngs: nnx.Rngs,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        mtp: bool = False,
     ):
+        """`mtp`: also build the checkpoint's MTP layer (`cpkv_jax.model.mtp`, which
+        needs `cfg.num_nextn_predict_layers >= 1`); its KV needs a pool of
+        `mtp_config(cfg)`'s layout."""
         self.cfg = cfg
         self.dtype = dtype
-        self.model = Backbone(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.model = Backbone(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, mtp=mtp)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -107,11 +115,19 @@ class CausalLM(nnx.Module):
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope)
         topk = None
-        for layer in self.model.layers:
-            x, pool, topk = layer(
+        for i in range(cfg.num_hidden_layers):  # the trunk: an MTP layer runs on its own
+            x, pool, topk = self.model.layers[i](
                 x, batch, pool, cos, sin, topk, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form
             )
         return self.model.norm(x), pool
+
+    @property
+    def mtp(self):
+        """The MTP layer (`cpkv_jax.model.mtp.MTPLayer`), or None when not built."""
+        layers = self.model.layers
+        return (
+            layers[self.cfg.num_hidden_layers] if len(layers) > self.cfg.num_hidden_layers else None
+        )
 
     def logits(self, hidden: Float[Array, "... h"]) -> Float[Array, "... v"]:
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -9,7 +9,9 @@ Loading (`load_hf_weights`) reads the checkpoint's headers first and validates e
 (missing tensors, shapes, FP8 scale pairs) before reading any data, then reads tensor by
 tensor. Tensors the model does not expect are handled as:
 - `model.layers.{i}.*` with `i >= num_hidden_layers` (MTP / next-token-prediction
-  layers): skipped, one INFO line;
+  layers): loaded into the MTP layer when the model has one (`mtp=True`; its copies of
+  the embedding and the LM head are not: the trunk's are used), else skipped, one INFO
+  line;
 - known harmless extras (`*.rotary_emb.inv_freq`, `lm_head.weight` of a tied model):
   skipped, DEBUG line;
 - anything else: a WARNING naming them (the load still succeeds, since every expected
@@ -163,16 +165,19 @@ def fast_tracer_probes() -> Iterator[None]:
         cls._origin_msg = original
 
 
-def _abstract_model(cfg: ModelConfig, dtype: DTypeLike, param_dtype: DTypeLike) -> CausalLM:
+def _abstract_model(
+    cfg: ModelConfig, dtype: DTypeLike, param_dtype: DTypeLike, mtp: bool = False
+) -> CausalLM:
     with fast_tracer_probes():
         return nnx.eval_shape(
-            lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
+            lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, mtp=mtp)
         )
 
 
-def hf_tensor_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name `CausalLM(cfg)` expects, with its shape (natural name order)."""
-    state = nnx.state(_abstract_model(cfg, jnp.float32, jnp.float32))
+def hf_tensor_names(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name `CausalLM(cfg, mtp=mtp)` expects, with its shape (natural
+    name order)."""
+    state = nnx.state(_abstract_model(cfg, jnp.float32, jnp.float32, mtp))
     return {name: slot.shape for name, slot in _layout(state).items()}
 
 
@@ -348,12 +353,14 @@ def _plan(
     plan = _Plan({}, {}, [], [])
     for name in sorted(tensors, key=_natural_key):
         m = _LAYER_RE.match(name)
-        if m and int(m.group(1)) >= cfg.num_hidden_layers:
-            plan.skipped_mtp.append(name)
-        elif name in slots:
+        if name in slots:  # an MTP layer's tensors too, when the model has it
             plan.load[name] = tensors[name]
         elif name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in slots:
             pass  # checked with its weight below
+        elif m and int(m.group(1)) >= cfg.num_hidden_layers:
+            # The MTP layer when not built, and its copies of the embedding and the LM
+            # head (`embed_tokens`, `shared_head.head`: the trunk's are used).
+            plan.skipped_mtp.append(name)
         elif name.endswith("rotary_emb.inv_freq") or (
             name == "lm_head.weight" and cfg.tie_word_embeddings
         ):
@@ -458,10 +465,11 @@ def abstract_model(
     param_dtype: DTypeLike = jnp.float32,
     *,
     fp8_block: tuple[int, int] | None = None,
+    mtp: bool = False,
 ) -> CausalLM:
     """The model's structure, no data. `fp8_block`: FP8 where the official checkpoints
     are (`fp8_weight_names`), for sizing a model without its files (`bench_memory`)."""
-    model = _abstract_model(cfg, dtype, param_dtype)
+    model = _abstract_model(cfg, dtype, param_dtype, mtp)
     if fp8_block is not None:
         apply_fp8(model, fp8_block, fp8_weight_names(model))
     return model
@@ -500,15 +508,17 @@ def checkpoint_model(
     dtype: DTypeLike = jnp.float32,
     param_dtype: DTypeLike = jnp.float32,
     fp8: Fp8Mode = "keep",
+    mtp: bool = False,
 ) -> CausalLM:
     """The ABSTRACT model laid out as `load_hf_weights(cfg, model_path, dtype=...,
-    param_dtype=..., fp8=...)` will load it, from the checkpoint's headers alone (no
-    tensor data read): FP8 + block scales where the checkpoint has F8_E4M3 weights and
-    `fp8="keep"`, else `param_dtype`. For sizing a load before it happens
+    param_dtype=..., fp8=..., mtp=...)` will load it, from the checkpoint's headers alone
+    (no tensor data read): FP8 + block scales where the checkpoint has F8_E4M3 weights
+    and `fp8="keep"`, else `param_dtype`. For sizing a load before it happens
     (`serving.prefill.memory_plan`)."""
     _check_fp8_mode(fp8)
     tensors = _checkpoint_tensors(Path(model_path))
-    return _checkpoint_layout(_abstract_model(cfg, dtype, param_dtype), cfg, tensors, fp8)
+    model = _abstract_model(cfg, dtype, param_dtype, mtp)
+    return _checkpoint_layout(model, cfg, tensors, fp8)
 
 
 def _check_fp8_mode(fp8: str) -> None:
@@ -538,8 +548,12 @@ def load_hf_weights(
     mesh: Mesh | None = None,
     expert_axis: str | None = None,
     stats: LoadStats | None = None,
+    mtp: bool = False,
 ) -> CausalLM:
     """Load a HF safetensors checkpoint (`model.safetensors` or sharded + index json).
+
+    `mtp`: with a `ModelConfig`, build and load the checkpoint's MTP layer too
+    (`CausalLM(mtp=True)`; its tensors are skipped otherwise).
 
     Given a `ModelConfig`, builds the model (`dtype` compute, `param_dtype` weights; norms
     and the router stay float32 as `CausalLM` defines them) without a random init. Given a
@@ -565,7 +579,7 @@ def load_hf_weights(
     model_path = Path(model_path)
     tensors = _checkpoint_tensors(model_path)
     if isinstance(model_or_cfg, ModelConfig):
-        cfg, model = model_or_cfg, _abstract_model(model_or_cfg, dtype, param_dtype)
+        cfg, model = model_or_cfg, _abstract_model(model_or_cfg, dtype, param_dtype, mtp)
     else:
         cfg, model = model_or_cfg.cfg, model_or_cfg
     # The layout `checkpoint_model` predicts: FP8 layers where the checkpoint has them.
@@ -630,6 +644,7 @@ def load_model(
     mesh: Mesh | None = None,
     expert_axis: str | None = None,
     stats: LoadStats | None = None,
+    mtp: bool = False,
 ) -> tuple[ModelConfig, CausalLM]:
     """`config.json` (+ overrides) and its weights from a HF model dir, in one call.
 
@@ -648,6 +663,7 @@ def load_model(
         mesh=mesh,
         expert_axis=expert_axis,
         stats=stats,
+        mtp=mtp,
     )
     return cfg, model
 
@@ -769,7 +785,8 @@ def save_hf_weights(
     max_shard_bytes: int | None = None,
     fp8_block: tuple[int, int] | None = None,
 ) -> list[Path]:
-    """Write the model's parameters as HF-named safetensors in their own dtypes.
+    """Write the model's parameters as HF-named safetensors in their own dtypes (with an
+    MTP layer, also its copies of the embedding and the LM head, as released checkpoints).
 
     One `model.safetensors`, or with `max_shard_bytes` shards `model-0000k-of-0000n`
     (a tensor larger than the limit gets a shard of its own) plus `model.safetensors.index.json`.
@@ -787,6 +804,13 @@ def save_hf_weights(
     ]:
         stale.unlink(missing_ok=True)
     tensors = hf_state_dict(model)
+    if model.mtp is not None:
+        # The released checkpoints repeat the embedding and the LM head inside the MTP
+        # layer (`load_hf_weights` skips them: the trunk's are used); so do we.
+        mtp = f"model.layers.{model.cfg.num_hidden_layers}"
+        head = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+        tensors[f"{mtp}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].copy()
+        tensors[f"{mtp}.shared_head.head.weight"] = tensors[head].copy()
     if fp8_block is not None:
         for name in fp8_weight_names(model):
             if tensors[name].dtype in _FP8_DTYPES:

@@ -30,6 +30,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.kv_cache import DTYPES
+from cpkv_jax.model.mtp import MTPLayer
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.model.weights import save_hf_weights
 from cpkv_jax.tokenizer import TOKENIZER_FILE
@@ -116,13 +117,24 @@ def write_tokenizer_files(out_dir: str | Path, *, model_max_length: int) -> Path
 
 
 def random_tiny_model(
-    cfg: ModelConfig, *, seed: int = 0, param_dtype: DTypeLike = jnp.float32
+    cfg: ModelConfig, *, seed: int = 0, param_dtype: DTypeLike = jnp.float32, mtp: bool = False
 ) -> CausalLM:
-    """`CausalLM(cfg)` with seeded weights and perturbed norms/biases (see module doc)."""
+    """`CausalLM(cfg)` with seeded weights and perturbed norms/biases (see module doc);
+    `mtp`: with its MTP layer, drawn from its own seed after the trunk, so the trunk's
+    weights are the same with or without it."""
     model = CausalLM(cfg, rngs=nnx.Rngs(seed), param_dtype=param_dtype)
-    rng = np.random.default_rng(seed)
+    _perturb(model, np.random.default_rng(seed))
+    if mtp:
+        layer = MTPLayer(cfg, rngs=nnx.Rngs(seed + 1), dtype=jnp.float32, param_dtype=param_dtype)
+        _perturb(layer, np.random.default_rng(seed + 1))
+        model.model.layers.append(layer)  # `model.layers.{N}`, as checkpoints store it
+    return model
+
+
+def _perturb(module: nnx.Module, rng: np.random.Generator) -> None:
+    """Norm weights to `1 + 0.1 * randn`, biases to `0.1 * randn`."""
     updates = []
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
         leaf = str(path[-1])
         owner = str(path[-2]) if len(path) > 1 else ""
         if leaf == "weight" and "norm" in owner:
@@ -132,8 +144,7 @@ def random_tiny_model(
         else:
             continue
         updates.append((path, var.replace(jnp.asarray(new, dtype=var.dtype))))
-    nnx.update(model, nnx.from_flat_state(updates))
-    return model
+    nnx.update(module, nnx.from_flat_state(updates))
 
 
 def make_tiny_checkpoint(
@@ -173,7 +184,9 @@ def make_tiny_checkpoint(
     cfg = ModelConfig.from_dict(raw)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
 
-    model = random_tiny_model(cfg, seed=seed, param_dtype=DTYPES[dtype])
+    # The MTP layer the config declares, as GLM-5's and DeepSeek-V3.2's checkpoints ship it.
+    mtp = cfg.num_nextn_predict_layers > 0
+    model = random_tiny_model(cfg, seed=seed, param_dtype=DTYPES[dtype], mtp=mtp)
     if fp8:
         save_hf_weights(model, out, max_shard_bytes=TINY_FP8_SHARD_BYTES, fp8_block=TINY_FP8_BLOCK)
     else:

@@ -67,6 +67,9 @@ def tiny_config_dict(arch: str = "glm_moe_dsa", *, num_layers: int = 3) -> dict[
         "tie_word_embeddings": False,
         "vocab_size": 320,
         "initializer_range": 0.02,
+        # One MTP layer after the trunk, as GLM-5 and DeepSeek-V3.2 ship
+        # (`make_tiny_checkpoint` writes it; servers load it only to draft with it).
+        "num_nextn_predict_layers": 1,
     }
     if arch == "glm_moe_dsa":
         # Newer config style: rope_parameters and explicit per-layer lists.

@@ -31,7 +31,9 @@ from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, init_pool
 from cpkv_jax.model.mtp import MTPLayer, mtp_config
 from cpkv_jax.model.rope import rope_cos_sin
 from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.model.weights import load_model
 from cpkv_jax.model_configs import config_dir
+from cpkv_jax.tools.make_tiny_checkpoint import random_tiny_model
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 PAGE = 16
@@ -166,3 +168,42 @@ def test_mtp_config_appends_a_full_moe_layer_and_its_kv():
         mtp_config(ModelConfig.from_dict(tiny_config_dict(), {"num_nextn_predict_layers": 2}))
     with pytest.raises(ConfigError, match="num_nextn_predict_layers"):
         ModelConfig.from_dict(tiny_config_dict(), {"num_nextn_predict_layers": -1})
+
+
+def test_the_tiny_checkpoint_ships_an_mtp_layer_the_loader_reads_on_request(tiny_checkpoints):
+    """Item 1: the tiny checkpoints carry an MTP layer (with the embedding and LM head
+    copies the released checkpoints repeat in it); a load skips it unless asked, and
+    `mtp=True` loads exactly the weights written, leaving the trunk's unchanged."""
+    from safetensors import safe_open
+
+    path = tiny_checkpoints()
+    with safe_open(str(path / "model.safetensors"), "numpy") as f:
+        names = set(f.keys())
+    cfg, trunk = load_model(path)
+    n = cfg.num_hidden_layers
+    assert cfg.num_nextn_predict_layers == 1 and trunk.mtp is None
+    assert {
+        f"model.layers.{n}.{x}" for x in ("eh_proj.weight", "enorm.weight", "hnorm.weight")
+    } <= names
+    assert f"model.layers.{n}.shared_head.head.weight" in names
+    assert f"model.layers.{n}.embed_tokens.weight" in names
+    _, model = load_model(path, mtp=True)
+    want = random_tiny_model(cfg, seed=0, mtp=True)  # what make_tiny_checkpoint wrote
+    chex.assert_trees_all_equal(
+        nnx.to_pure_dict(nnx.state(model.mtp)), nnx.to_pure_dict(nnx.state(want.mtp))
+    )
+    # The trunk is the same with or without the MTP layer.
+    chex.assert_trees_all_equal(
+        nnx.to_pure_dict(nnx.state(model.model.layers[0])),
+        nnx.to_pure_dict(nnx.state(trunk.model.layers[0])),
+    )
+    chex.assert_trees_all_equal(model.lm_head.weight[...], trunk.lm_head.weight[...])
+
+
+def test_the_fp8_checkpoints_mtp_layer_stays_fp8(tiny_checkpoints):
+    """The FP8 checkpoint's MTP layer loads as FP8 + block scales like the trunk's layers
+    (`fp8="keep"`), the routed experts included."""
+    _, model = load_model(tiny_checkpoints(fp8=True), mtp=True)
+    experts = model.mtp.mlp.experts
+    assert experts.gate_proj.dtype == jnp.float8_e4m3fn
+    assert model.mtp.self_attn.q_a_proj.weight.dtype == jnp.float8_e4m3fn
