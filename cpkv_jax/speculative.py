@@ -39,7 +39,7 @@ from flax import nnx
 
 from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.errors import InputError
-from cpkv_jax.model.forward_batch import ForwardBatch, batch_from_host, prefill_batch
+from cpkv_jax.model.forward_batch import ForwardBatch, prefill_batch, span_batch
 from cpkv_jax.model.kv_cache import (
     INDEX_K_DTYPES,
     SINGLE_DEVICE_KV_IO,
@@ -51,7 +51,7 @@ from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.numerics import batch_invariant
 from cpkv_jax.model.rope import rope_cos_sin
 from cpkv_jax.model.transformer import CausalLM, log_probs
-from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens, slots_for_positions
+from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
 
 
 @dataclasses.dataclass
@@ -150,7 +150,7 @@ class MTPSpeculator:
         draft_logits, draft_hidden, pool = _mtp(
             self.graphdef,
             self.state,
-            self._span(ahead, 0, table, len(batch.input_ids[0])),
+            span_batch(ahead, 0, table, p, len(batch.input_ids[0])),
             hidden,
             pool,
             **self._kw,
@@ -164,7 +164,7 @@ class MTPSpeculator:
             )
             verify = np.asarray([x, *drafts], np.int32)
             logits, hidden, pool = _trunk(
-                self.graphdef, self.state, self._span(verify, pos, table), pool, **self._kw
+                self.graphdef, self.state, span_batch(verify, pos, table, p), pool, **self._kw
             )
             greedy = [_greedy(row) for row in logits[0]]
             a = 0
@@ -177,7 +177,7 @@ class MTPSpeculator:
             draft_logits, draft_hidden, pool = _mtp(
                 self.graphdef,
                 self.state,
-                self._span(np.asarray(greedy[: a + 1], np.int32), pos, table),
+                span_batch(np.asarray(greedy[: a + 1], np.int32), pos, table, p),
                 hidden[:, : a + 1],
                 pool,
                 **self._kw,
@@ -192,32 +192,11 @@ class MTPSpeculator:
         drafts = [_greedy(logits[0])]
         hidden = hidden[:, None]
         for j in range(1, self.k):
-            batch = self._span(np.asarray([drafts[-1]], np.int32), pos + j - 1, table)
+            last = np.asarray([drafts[-1]], np.int32)
+            batch = span_batch(last, pos + j - 1, table, self.page_size)
             lg, hidden, pool = _mtp(self.graphdef, self.state, batch, hidden, pool, **self._kw)
             drafts.append(_greedy(lg[0, 0]))
         return drafts, pool
-
-    def _span(
-        self, ids: np.ndarray, start: int, table: np.ndarray, length: int | None = None
-    ) -> ForwardBatch:
-        """`ids` at positions `start..`, padded to `length` tokens (padding writes the trash
-        page); the sequence's KV then ends after the last of them."""
-        t = len(ids)
-        length = t if length is None else length
-        tokens = np.zeros((1, length), np.int32)
-        tokens[0, :t] = ids
-        positions = np.zeros((1, length), np.int32)
-        positions[0, :t] = np.arange(start, start + t)
-        valid = np.arange(length)[None] < t
-        slots = np.where(valid, slots_for_positions(table, positions[0], self.page_size)[None], 0)
-        return batch_from_host(
-            tokens,
-            positions,
-            valid,
-            slots,
-            np.asarray(table, np.int32)[None],
-            np.asarray([start + t]),
-        )
 
 
 def _greedy(logits_row: jax.Array) -> int:

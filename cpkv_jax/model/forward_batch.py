@@ -100,14 +100,23 @@ def prefill_batch(prompt: np.ndarray, table: np.ndarray, page_size: int) -> Forw
 
     `table` is the request's page-table row (logical page -> pool page); padding tokens
     write to slot 0 (the trash page)."""
-    n = len(prompt)
-    t_len = prefill_bucket(n)
-    ids = np.zeros((1, t_len), np.int32)
-    ids[0, :n] = prompt
+    return span_batch(prompt, 0, table, page_size, prefill_bucket(len(prompt)))
+
+
+def span_batch(
+    ids: np.ndarray, start: int, table: np.ndarray, page_size: int, length: int | None = None
+) -> ForwardBatch:
+    """One request's tokens `ids` at positions `start, start + 1, ..`, padded to `length`
+    tokens (padding writes slot 0, the trash page); its KV then ends after the last of
+    them (`kv_lens = start + len(ids)`)."""
+    n = len(ids)
+    t_len = n if length is None else length
+    tokens = np.zeros((1, t_len), np.int32)
+    tokens[0, :n] = ids
     positions = np.zeros((1, t_len), np.int32)
-    positions[0, :n] = np.arange(n)
+    positions[0, :n] = np.arange(start, start + n)
     valid = np.arange(t_len)[None] < n
     slots = np.where(valid, slots_for_positions(table, positions[0], page_size)[None], 0)
     return batch_from_host(
-        ids, positions, valid, slots, np.asarray(table, np.int32)[None], np.asarray([n])
+        tokens, positions, valid, slots, np.asarray(table, np.int32)[None], np.asarray([start + n])
     )
