@@ -207,3 +207,28 @@ def test_the_fp8_checkpoints_mtp_layer_stays_fp8(tiny_checkpoints):
     experts = model.mtp.mlp.experts
     assert experts.gate_proj.dtype == jnp.float8_e4m3fn
     assert model.mtp.self_attn.q_a_proj.weight.dtype == jnp.float8_e4m3fn
+
+
+def test_glm5_fp8_mtp_layer_splits_its_experts_like_the_trunk():
+    """At real size: GLM-5-FP8's MTP layer adds one MoE layer's weights, its routed experts
+    split over an EP8 mesh like the trunk's (1/8 per device), the rest replicated."""
+    from jax.sharding import AbstractMesh
+
+    from cpkv_jax.mesh import CP_AXIS
+    from cpkv_jax.model.expert_parallel import bytes_per_device, param_shardings
+    from cpkv_jax.model.weights import abstract_model
+
+    cfg = ModelConfig.from_pretrained(config_dir("glm-5"), {"num_nextn_predict_layers": 1})
+    mesh = AbstractMesh((8,), (CP_AXIS,))
+    per_device = {}
+    for mtp in (False, True):
+        state = nnx.state(
+            abstract_model(cfg, jnp.bfloat16, jnp.bfloat16, fp8_block=(128, 128), mtp=mtp)
+        )
+        per_device[mtp] = bytes_per_device(state, param_shardings(state, mesh, CP_AXIS))
+    extra = {k: per_device[True][k] - per_device[False][k] for k in per_device[True]}
+    # One MoE layer of the trunk's 75: its experts' share per device.
+    moe_layers = cfg.mlp_layer_types.count("sparse")
+    assert extra["routed_experts"] * moe_layers == per_device[False]["routed_experts"]
+    # The rest (attention, indexer, shared expert, norms, eh_proj) is replicated: under 2 GB.
+    assert 0 < extra["other"] < 2e9
