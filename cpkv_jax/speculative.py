@@ -24,7 +24,8 @@ runs over the prompt (positions `0..n-1`, tokens `prompt[1:] + [first token]`).
 Greedy acceptance keeps exactly the tokens the trunk would emit one at a time; with
 batch-invariant numerics (`batch_invariant=True`) each token's logits are bitwise those
 of plain decoding, so the outputs are equal token for token (`tests/core/
-test_speculative.py`). Temperature > 0 (rejection sampling) is not built yet.
+test_speculative.py`). For temperature > 0, `accept_drafts` is the accept / reject rule
+on the device (checked on synthetic distributions); `MTPSpeculator` does not sample yet.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ import functools
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxtyping import Array, Float, Int
 
 from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.errors import InputError
@@ -197,6 +200,39 @@ class MTPSpeculator:
             lg, hidden, pool = _mtp(self.graphdef, self.state, batch, hidden, pool, **self._kw)
             drafts.append(_greedy(lg[0, 0]))
         return drafts, pool
+
+
+@jax.jit
+def accept_drafts(
+    target: Float[Array, "k1 v"],
+    draft: Float[Array, "k v"],
+    drafts: Int[Array, " k"],
+    uniforms: Float[Array, " k1"],
+) -> tuple[Int[Array, ""], Int[Array, ""]]:
+    """Speculative sampling's accept / reject rule on the device, for one row's chain.
+
+    `target[i]` is the target's distribution at draft position `i` (row `k`: after the
+    last draft), `draft[i]` the drafter's, `drafts[i]` the token it drew from it, and
+    `uniforms` `k + 1` draws from U[0, 1). Draft `i` is accepted with probability
+    `min(1, p_i(d_i) / q_i(d_i))`, in order, until the first rejection; returns how many
+    were accepted (`a`) and the token after them: drawn from `max(p_a - q_a, 0)`
+    (normalized) at a rejection, or from `p_k` when every draft was accepted (the bonus
+    token). The emitted tokens `d_0..d_{a-1}, token` are then distributed as if drawn from
+    the target one at a time (Leviathan et al. 2023, Chen et al. 2023). With one-hot
+    distributions (greedy) this is the longest matching prefix and the target's argmax."""
+    k = drafts.shape[0]
+    p_d = jnp.take_along_axis(target[:k], drafts[:, None], axis=1)[:, 0]
+    q_d = jnp.take_along_axis(draft, drafts[:, None], axis=1)[:, 0]
+    ok = uniforms[:k] * q_d < p_d  # u < p / q, without dividing by q
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
+    # q after the last draft is 0: there the residual is p_k itself (the bonus token).
+    q_next = jnp.concatenate([draft, jnp.zeros_like(target[:1])])[accepted]
+    resid = jnp.maximum(target[accepted] - q_next, 0.0)
+    # p == q at a rejected position has probability 0 of rejecting; keep the draw defined.
+    resid = jnp.where(resid.sum() > 0, resid, target[accepted])
+    cdf = jnp.cumsum(resid)
+    token = jnp.searchsorted(cdf, uniforms[k] * cdf[-1], side="right")
+    return accepted, jnp.minimum(token, target.shape[1] - 1).astype(jnp.int32)
 
 
 def _greedy(logits_row: jax.Array) -> int:
