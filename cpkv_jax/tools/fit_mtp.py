@@ -67,7 +67,7 @@ def greedy_sequences(
     ).astype(np.int32)
 
 
-def _paged(seqs: np.ndarray, offset: int = 0):
+def _paged(seqs: np.ndarray):
     """A `[B, T]` batch of the rows of `seqs` at positions 0..T-1 (each row its own pages),
     and the page count of a pool that holds them."""
     b, t = seqs.shape
@@ -75,9 +75,7 @@ def _paged(seqs: np.ndarray, offset: int = 0):
     table = 1 + np.arange(b * per_row, dtype=np.int32).reshape(b, per_row)
     pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
     slots = np.take_along_axis(table, pos // PAGE, axis=1) * PAGE + pos % PAGE
-    batch = batch_from_host(
-        seqs, pos.copy(), np.ones((b, t), bool), slots, table, np.full((b,), t + offset)
-    )
+    batch = batch_from_host(seqs, pos.copy(), np.ones((b, t), bool), slots, table, np.full((b,), t))
     return batch, 1 + b * per_row
 
 
@@ -91,7 +89,7 @@ def fit_mtp(
     trunk_pool = init_pool(mcfg, pages, PAGE, jnp.float32, "float32")
     hidden, _ = jax.jit(lambda b, p: model(b, p, index_k_dtype="float32"))(batch, trunk_pool)
     # Position i sees token i + 1 and the trunk's hidden state at i; it predicts i + 2.
-    inputs, _ = _paged(seqs[:, 1:-1])
+    inputs, pages = _paged(seqs[:, 1:-1])
     hidden = hidden[:, :-2]
     targets = jnp.asarray(seqs[:, 2:])
     weight = (np.arange(seqs.shape[1] - 2) >= prompt_len - 1).astype(np.float32)
@@ -104,7 +102,6 @@ def fit_mtp(
         else model.model.embed_tokens.weight[...]
     )
     graphdef, params = nnx.split(model.mtp, nnx.Param)
-    _, pages = _paged(seqs[:, 1:-1])
 
     def loss_fn(params):
         layer = nnx.merge(graphdef, params)
