@@ -49,7 +49,7 @@ from cpkv_jax.model.expert_parallel import (
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool
 from cpkv_jax.model.mla import AttnForm
-from cpkv_jax.model.numerics import batch_invariant, token_block_bytes
+from cpkv_jax.model.numerics import batch_invariant, is_batch_invariant, token_block_bytes
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import pages_for_tokens
 from cpkv_jax.scores import TOP_SCORES, TokenScores
@@ -508,7 +508,7 @@ def score_tokens(model: CausalLM, hidden: jax.Array, targets: jax.Array):
 
     def one(args):
         rows, tgt = args
-        lp = log_probs(model.logits(rows))
+        lp = log_probs(model.logits(rows), is_batch_invariant())
         top_lps, top_ids = jax.lax.top_k(lp, k)
         return jnp.take_along_axis(lp, tgt[:, None], axis=1)[:, 0], top_ids, top_lps
 

@@ -173,7 +173,7 @@ class ReferenceGenerator:
             logits, pool = self._prefill_single_device(prompt, table, pool)
         else:
             logits, pool = self._prefill_cp(prompt, pages, pool, cp_prefill)
-        logprobs = np.asarray(log_probs(jnp.asarray(logits)))
+        logprobs = np.asarray(log_probs(jnp.asarray(logits), self.batch_invariant))
         raw = np.asarray(logits, np.float64).reshape(-1)
         prefill_s = time.perf_counter() - t0
         logger.info("prefill: %d tokens in %.3fs", len(prompt), prefill_s)
@@ -234,7 +234,7 @@ class ReferenceGenerator:
                 pool,
                 "absorbed",
             )
-            logprobs = np.asarray(log_probs(logits[0]))
+            logprobs = np.asarray(log_probs(logits[0], self.batch_invariant))
             raw = np.asarray(logits[0], np.float64)
         decode_s = time.perf_counter() - t1
         logger.info(

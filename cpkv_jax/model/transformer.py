@@ -19,7 +19,7 @@ from cpkv_jax.model.kv_cache import KVIO, SINGLE_DEVICE_KV_IO, KVPool
 from cpkv_jax.model.layers import Embedding, Linear, RMSNorm
 from cpkv_jax.model.mla import AttnForm, MLAttention
 from cpkv_jax.model.moe import DenseMLP, MoE
-from cpkv_jax.model.numerics import batch_invariant, rowwise, token_block_bytes
+from cpkv_jax.model.numerics import batch_invariant, rowwise, token_block_bytes, tokenwise
 from cpkv_jax.model.rope import rope_cos_sin
 
 
@@ -179,9 +179,18 @@ def forward_step(
         return model.logits(hidden), pool
 
 
-@jax.jit
-def log_probs(logits: Float[Array, "... v"]) -> Float[Array, "... v"]:
+@functools.partial(jax.jit, static_argnames=("invariant",))
+def log_probs(logits: Float[Array, "... v"], invariant: bool = False) -> Float[Array, "... v"]:
     """Log-probabilities from logits: the one log-softmax every path uses (reference
     generator, decode engine, the prefill server's first token), so equal logits give
-    equal log-probs wherever they are computed."""
-    return jax.nn.log_softmax(logits, axis=-1)
+    equal log-probs wherever they are computed.
+
+    `invariant` (batch-invariant numerics): the rows go through in tiles of `TILE`, one
+    tile after another, so a row's log-probs do not depend on how many rows came with it
+    (XLA:CPU reduces 16 or more rows of one program in another order than fewer)."""
+    if not invariant:
+        return jax.nn.log_softmax(logits, axis=-1)
+    rows = logits.reshape(-1, logits.shape[-1])
+    with batch_invariant(True):
+        out = tokenwise(lambda x: jax.nn.log_softmax(x, axis=-1), rows)
+    return out.reshape(logits.shape)

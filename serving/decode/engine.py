@@ -218,6 +218,7 @@ class DecodeEngine:
             slots if penalty_slots is None else penalty_slots,
             self.steps.logits_sharding,
             grammar,
+            batch_invariant,
         )
         intake.bind(self)
 

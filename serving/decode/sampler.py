@@ -53,8 +53,10 @@ class RowSampler:
         slots: int,
         logits_sharding: Any,
         grammar: GrammarBackend | None = None,
+        batch_invariant: bool = False,
     ):
         self.vocab_size = cfg.vocab_size
+        self.invariant = batch_invariant  # the log-softmax's tiles (`log_probs`)
         self.eos_token_ids = cfg.eos_token_ids
         self.grammar = grammar
         self._logits_sharding = logits_sharding
@@ -142,13 +144,13 @@ class RowSampler:
         """The next token of each of `rows` from a step's logit rows (on the device, or
         one host row), fetched; penalties read from and counted on the device."""
         params, kw = self._args(rows, logits)
-        return sample(log_probs(logits), params, self.penalties, **kw)
+        return sample(log_probs(logits, self.invariant), params, self.penalties, **kw)
 
     def draw_async(self, rows: Sequence[DecodeRequest], logits: Any) -> PendingSample:
         """`draw`, dispatched and not fetched: its tokens stay on the device (the next
         step's ids) until `fetch`."""
         params, kw = self._args(rows, logits)
-        return sample_async(log_probs(logits), params, self.penalties, **kw)
+        return sample_async(log_probs(logits, self.invariant), params, self.penalties, **kw)
 
     def warm(self, row_counts: set[int], host_row: bool) -> None:
         """Compile the penalized sampler for steps of `row_counts` logit rows (and, with

@@ -218,7 +218,7 @@ class DecodeSteps:
             logits = jax.device_put(
                 np.zeros((r, self.vocab_size), np.float32), self.logits_sharding
             )
-            sampling.sample(log_probs(logits), [sampling.GREEDY])
+            sampling.sample(log_probs(logits, self.batch_invariant), [sampling.GREEDY])
 
     def compiled(self, shape: Shape) -> jax.stages.Compiled:
         """The executable of step `shape`, compiled on abstract inputs the first time (a
@@ -272,7 +272,7 @@ def _warm(steps: DecodeSteps | MeshDecodeSteps, shapes: Sequence[Shape], desc: s
             logits = steps.prefill(np.full((tokens,), 3, np.int32), trash, width)
         else:
             logits = steps.decode([(3, 0, trash, width)] * rows)
-        sampling.sample(log_probs(logits), [sampling.GREEDY])
+        sampling.sample(log_probs(logits, steps.batch_invariant), [sampling.GREEDY])
 
 
 _feed_ids = jax.jit(feed_ids)
@@ -311,6 +311,7 @@ class MeshDecodeSteps:
         self.layout = DPPoolLayout(dp, pool.num_pages // dp, page_size)
         self.kv = kv
         self.vocab_size = model.cfg.vocab_size
+        self.batch_invariant = batch_invariant
         self.prefill_form = "absorbed"
         self.shapes: set[Shape] = set()
         key = (
@@ -408,7 +409,7 @@ class MeshDecodeSteps:
             logits = jax.device_put(
                 np.zeros((n, self.vocab_size), np.float32), self.logits_sharding
             )
-            sampling.sample(log_probs(logits), [sampling.GREEDY])
+            sampling.sample(log_probs(logits, self.batch_invariant), [sampling.GREEDY])
 
     def compiled(self, shape: Shape) -> jax.stages.Compiled:
         return self._dp.compiled(shape)

@@ -159,7 +159,7 @@ class PrefillEngine:
     def _warm_first_token(self) -> None:
         """Each finished prefill's log-softmax and its first token's draw (host row), with
         and without a repetition penalty."""
-        log_probs(np.zeros((1, self.cfg.vocab_size), np.float32))
+        log_probs(np.zeros((1, self.cfg.vocab_size), np.float32), self.runner.batch_invariant)
         sampling.warm(self.cfg.vocab_size, [1], None, masked=True)  # masked: a grammar's
         sampling.first_token_penalties(self.cfg.vocab_size).warm(set(), {1})
 

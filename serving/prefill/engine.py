@@ -664,7 +664,8 @@ class PrefillModeEngine:
             slot=slot,
         )
         mask = token_mask([entry.grammar], 1, self.cfg.vocab_size)
-        drawn = sample(log_probs(logits), [row], self._penalties, logits=logits, token_mask=mask)
+        lps = log_probs(logits, self.runner.batch_invariant)
+        drawn = sample(lps, [row], self._penalties, logits=logits, token_mask=mask)
         token, entry.logprob, entry.top = drawn.pick(0)
         entry.first_token = token
         entry.cached_tokens = outcome.cached_tokens

@@ -15,7 +15,7 @@ from flax import nnx
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.layers import Linear
 from cpkv_jax.model.numerics import TILE, batch_invariant, is_batch_invariant, tokenwise
-from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 # Among the longer files of the suite: scheduled early, longest first (tests/conftest.py).
@@ -55,6 +55,19 @@ def test_projection_is_row_count_invariant_only_in_the_mode():
     assert _row_mismatches(run(False), x), "control: plain dot was row invariant here"
     assert _row_mismatches(run(True), x) == []
     chex.assert_trees_all_close(run(True)(x), run(False)(x), rtol=1e-6, atol=1e-6)
+
+
+def test_log_probs_are_row_count_invariant_in_the_mode():
+    """XLA:CPU reduces 16 or more rows of one program in another order than fewer, so
+    the default log-softmax of a row can change with the batch; the invariant one (what
+    every path passes under `--enable-batch-invariant`, the engine's draws included)
+    must not, whatever the leading axes."""
+    x = np.random.default_rng(0).normal(size=(600, 320)).astype(np.float32) * 3
+    assert _row_mismatches(lambda rows: log_probs(rows, True), x) == []
+    full = np.asarray(log_probs(x, True))
+    np.testing.assert_array_equal(
+        np.asarray(log_probs(x.reshape(40, 15, 320), True)), full.reshape(40, 15, 320)
+    )
 
 
 def test_decoder_layers_are_row_count_invariant():

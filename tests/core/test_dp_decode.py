@@ -120,7 +120,7 @@ def _serve(cfg, model, dp: int, reqs: list[_Req], *, invariant: bool, max_rows: 
                 prefill=True,
             )
             logits, pool = steps.run(shape, order, host, pool)
-            _take(prefills, logits)
+            _take(prefills, logits, invariant)
             running += prefills
         decoding = [r for r in running if r not in prefills and len(r.out) < r.new]
         if decoding:
@@ -136,7 +136,7 @@ def _serve(cfg, model, dp: int, reqs: list[_Req], *, invariant: bool, max_rows: 
             ]
             shape, order, host = build_batch(layout, rows, prefill=False)
             logits, pool = steps.run(shape, order, host, pool)
-            _take(decoding, logits)
+            _take(decoding, logits, invariant)
         for r in [r for r in running if len(r.out) >= r.new]:
             running.remove(r)
             free[r.rank] += r.pages.tolist()
@@ -145,8 +145,8 @@ def _serve(cfg, model, dp: int, reqs: list[_Req], *, invariant: bool, max_rows: 
     return steps
 
 
-def _take(reqs, logits) -> None:
-    lp = np.asarray(log_probs(logits))
+def _take(reqs, logits, invariant: bool) -> None:
+    lp = np.asarray(log_probs(logits, invariant))
     for i, r in enumerate(reqs):  # row i is reqs[i]'s (the step's `order`)
         tok = int(np.argmax(lp[i]))
         r.out.append(tok)
