@@ -1,31 +1,51 @@
-"""Greedy speculative decoding with the model's own MTP layer, one request on one device:
-the algorithm the serving engine's draft-and-verify steps follow, and its exactness
-oracle (issue 39 item 2, library level).
+"""Speculative decoding with the model's own MTP layer (issue 39 item 2): draft and verify
+for a batch of rows as one jitted device step, greedy or sampled.
 
-State between steps: the last verified token `x` at position `p` (its KV not written
-yet) and `k` drafts `d1..dk` for positions `p+1..p+k`.
+State between steps, per row: the last verified token `x` at position `p` (its KV not
+written yet), `k` drafts `d1..dk` for positions `p+1..p+k` and the distributions `q` they
+were drawn from. One step:
 
-1. Verify: the trunk runs `[x, d1, .., dk]` at positions `p..p+k` in one forward (each
-   token attends causally, with its own indexer top-k), writing their KV, and its greedy
-   tokens `g0..gk` come back. The drafts accepted are the longest prefix with
-   `d_{j+1} == g_j`, say `a` of them; the tokens emitted are `g0..ga` (the accepted
-   drafts and the bonus token). The KV of positions `p..p+a` is kept; that of rejected
-   drafts lies beyond the sequence's length and is overwritten by the next step.
-2. The MTP pass over the accepted tokens: the MTP layer runs at positions `p..p+a` on the
-   tokens `g0..ga` (each position's next token) with the trunk's hidden states there,
-   writing its own KV; its output at `p+a` predicts the token after `ga`: the first
-   draft of the next step.
-3. Drafting: `k - 1` more MTP steps, each on its previous draft with the MTP's own output
-   hidden state (as SGLang's and vLLM's MTP drafters chain), one position further.
+    verify  [x, d1..dk] at p..p+k (the trunk, B x (k+1) tokens, each causal with its own
+            indexer top-k, writing their KV): target distributions p_0..p_k
+    accept  `accept_drafts`: draft i kept with min(1, p_i(d_i) / q_i(d_i)), in order; at
+            the first rejection, a, the next token is drawn from max(p_a - q_a, 0), or
+            from p_k when all were kept (the bonus token). The row emits d_1..d_a and
+            that token, t, and the next step verifies x' = t at p' = p + a + 1
+    MTP     the MTP layer at p..p+k on the emitted tokens (each position's next token)
+            with the trunk's hidden states there, writing its own KV; its output at p + a
+            gives the first draft d'_1 and its distribution
+    chain   k - 1 more MTP steps, each on its previous draft with the MTP's own output
+            hidden state (as SGLang's and vLLM's MTP drafters chain), one position on
 
-The next step verifies `x = ga` at `p + a + 1`. After the prompt's prefill, the MTP pass
-runs over the prompt (positions `0..n-1`, tokens `prompt[1:] + [first token]`).
+Greedy is the special case: a row at temperature 0 has one-hot p and q (the argmax of the
+log-probs, as the reference generator picks it), so `accept_drafts` keeps the longest
+prefix of drafts equal to the trunk's greedy tokens and emits the trunk's greedy token
+after it (a batch whose rows are all greedy runs a variant that compares argmaxes and
+keeps no distributions); at temperature T > 0, p and q are `softmax(logits / T)` and
+the emitted tokens are distributed as if drawn from the target one at a time
+(`tests/core/test_speculative.py` checks both on the tiny model). A row's draws come from its seed:
+draft j of the chain starting at position p from stream j at p, the accept / reject
+draws of the step verifying at p from stream `ACCEPT_STREAM` at p.
 
-Greedy acceptance keeps exactly the tokens the trunk would emit one at a time; with
-batch-invariant numerics (`batch_invariant=True`) each token's logits are bitwise those
-of plain decoding, so the outputs are equal token for token (`tests/core/
-test_speculative.py`). For temperature > 0, `accept_drafts` is the accept / reject rule
-on the device (checked on synthetic distributions); `MTPSpeculator` does not sample yet.
+After a prompt's prefill the MTP pass runs over the prompt (positions 0..n-1, tokens
+`prompt[1:] + [first token]`) and the chain gives the first drafts (`first_drafts`).
+
+`DraftState` is the step's input and output and never leaves the device; the host reads
+back the `k + 1` emitted-token slots, the accepted count and the tokens' log-probs
+(untempered, the target's). Rows may be dead (`live` False: padding, or a finished
+request): they write only the trash page.
+
+The KV of positions past `p + a` (rejected drafts in the trunk, tokens the row did not
+emit in the MTP layer) lies beyond the row's new length; the next step writes every such
+position before any query reads it (a query at position q reads KV at positions <= q,
+and the next verify, MTP pass and chain write p'..p'+k in order). A row's page table
+must cover `p + 2k` (the chain's last write) before each step.
+
+Under batch-invariant numerics each greedy token's logits and log-probs are bitwise
+those of plain decoding. `num_steps=0` is plain decoding through the same driver (no
+MTP layer needed): the baseline of the speed figure (`benchmarks/bench_speculative.py`).
+Not yet: top-p / top-k / min-p and penalties with speculation (the engine's sampler
+applies them to one token per step).
 """
 
 from __future__ import annotations
@@ -38,11 +58,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from cpkv_jax.buckets import pow2_at_least
+from cpkv_jax.buckets import pow2_at_least, prefill_bucket
 from cpkv_jax.errors import InputError
-from cpkv_jax.model.forward_batch import ForwardBatch, prefill_batch, span_batch
+from cpkv_jax.model.forward_batch import ForwardBatch, batch_from_host
 from cpkv_jax.model.kv_cache import (
     INDEX_K_DTYPES,
     SINGLE_DEVICE_KV_IO,
@@ -51,16 +71,305 @@ from cpkv_jax.model.kv_cache import (
     init_pool,
 )
 from cpkv_jax.model.mtp import mtp_config
-from cpkv_jax.model.numerics import batch_invariant
+from cpkv_jax.model.numerics import batch_invariant, is_batch_invariant
 from cpkv_jax.model.rope import rope_cos_sin
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
 
 
 @dataclasses.dataclass
+class DraftState:
+    """Per row: the last verified token (its KV not written yet), its position, the
+    drafts for the positions after it and the distributions they were drawn from, and
+    the row's sampling temperature (0: greedy) and seed. `q` is `[b, k, 0]` in the greedy
+    variant of the step, which keeps no distributions."""
+
+    token: Int[Array, " b"]
+    pos: Int[Array, " b"]
+    drafts: Int[Array, "b k"]
+    q: Float[Array, "b k v"]
+    temperature: Float[Array, " b"]
+    seed: Int[Array, " b"]
+
+
+jax.tree_util.register_dataclass(
+    DraftState,
+    data_fields=["token", "pos", "drafts", "q", "temperature", "seed"],
+    meta_fields=[],
+)
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one step gives the host: per row the tokens emitted (the first
+    `accepted + 1`: the accepted drafts, then the token drawn after them; the rest is
+    padding) and their log-probs under the target model (untempered)."""
+
+    tokens: Int[Array, "b k1"]
+    accepted: Int[Array, " b"]
+    logprobs: Float[Array, "b k1"]
+
+
+jax.tree_util.register_dataclass(
+    StepOutput, data_fields=["tokens", "accepted", "logprobs"], meta_fields=[]
+)
+
+# Fold-in tags of a row's random streams at a position: draft j of the chain that starts
+# there uses tag j; the accept / reject draws of the step verifying there use this one.
+ACCEPT_STREAM = 1 << 20
+
+
+def span_on_device(
+    ids: Int[Array, "b t"],
+    start: Int[Array, " b"],
+    table: Int[Array, "b w"],
+    live: Bool[Array, " b"],
+    page_size: int,
+) -> ForwardBatch:
+    """Row `b`'s tokens `ids[b]` at positions `start[b], start[b] + 1, ..` (the device
+    twin of `span_batch`). A dead row sits at position 0 and writes the trash page."""
+    t = ids.shape[1]
+    start = jnp.where(live, start, 0)
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    page = jnp.minimum(positions // page_size, table.shape[1] - 1)
+    slots = jnp.take_along_axis(table, page, axis=1) * page_size + positions % page_size
+    valid = jnp.broadcast_to(live[:, None], ids.shape)
+    return ForwardBatch(
+        input_ids=ids,
+        positions=positions,
+        valid=valid,
+        write_slots=jnp.where(valid, slots, 0),
+        page_table=table,
+        kv_lens=start + t,
+    )
+
+
+def _uniforms(seed: Int[Array, " b"], pos: Int[Array, " b"], tag: int, n: int) -> Array:
+    """`[b, n]` U[0, 1) draws of each row's stream `tag` at position `pos`."""
+
+    def row(s, p):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(s), p), tag)
+        return jax.random.uniform(key, (n,))
+
+    return jax.vmap(row)(seed, pos)
+
+
+def _target(
+    logits: Float[Array, "b *t v"], temperature: Float[Array, " b"]
+) -> tuple[Float[Array, "b *t v"], Float[Array, "b *t v"]]:
+    """(log-probs, the distribution to draw from): `softmax(logits / T)` for a row with
+    T > 0, the one-hot of the greedy token (argmax of the log-probs, as the reference
+    generator picks it) for T = 0, so the greedy rule is the sampling rule's special case
+    (`accept_drafts`)."""
+    lp = log_probs(logits, is_batch_invariant())
+    t = temperature.reshape(temperature.shape + (1,) * (logits.ndim - 1))
+    onehot = jax.nn.one_hot(jnp.argmax(lp, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    tempered = jax.nn.softmax(logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0), axis=-1)
+    return lp, jnp.where(t > 0, tempered, onehot)
+
+
+def _draw(probs: Float[Array, "b v"], u: Float[Array, " b"]) -> Int[Array, " b"]:
+    """Inverse-CDF draws, one per row (a one-hot row gives its token for any u)."""
+    cdf = jnp.cumsum(probs, axis=-1)
+    token = jax.vmap(lambda c, x: jnp.searchsorted(c, x, side="right"))(cdf, u * cdf[:, -1])
+    return jnp.minimum(token, probs.shape[-1] - 1).astype(jnp.int32)
+
+
+def _pick(logits, temperature, seed, pos, tag: int, greedy: bool):
+    """(log-probs, the distribution drawn from - None when `greedy` -, the token) of
+    each row's next token: the argmax of the log-probs when `greedy` (every row at
+    temperature 0: no draws, no distributions), else a draw from `_target`'s
+    distribution with the row's stream `tag` at `pos`."""
+    if greedy:
+        lp = log_probs(logits, is_batch_invariant())
+        return lp, None, jnp.argmax(lp, axis=-1).astype(jnp.int32)
+    lp, p = _target(logits, temperature)
+    return lp, p, _draw(p, _uniforms(seed, pos, tag, 1)[:, 0])
+
+
+def _mtp(model: CausalLM, batch: ForwardBatch, hidden, pool: KVPool, index_k_dtype: str):
+    """The MTP layer over `batch` (tokens one position ahead) fed `hidden`: its output
+    hidden states and the pool."""
+    cfg = model.cfg
+    cos, sin = rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope)
+    embeds = model.model.embed_tokens(batch.input_ids)
+    return model.mtp.predict(
+        embeds,
+        hidden,
+        batch,
+        pool,
+        cos,
+        sin,
+        kv_io=SINGLE_DEVICE_KV_IO,
+        index_k_dtype=index_k_dtype,
+    )
+
+
+def _chain(model, first: Float[Array, "b h"], pos, temperature, seed, table, live, pool, **kw):
+    """`k` drafts for positions `pos+1..pos+k` and their distributions (`[b, k, 0]` when
+    greedy), from the MTP output `first` at `pos - 1`: the first from its logits, each
+    next one from an MTP step on the previous draft at the previous position with the
+    MTP's own output hidden state; draft j drawn with the row's stream j at `pos`."""
+    k, page_size, kdt, greedy = kw["k"], kw["page_size"], kw["index_k_dtype"], kw["greedy"]
+    hidden, drafts, dists = first[:, None], [], []
+    for j in range(k):
+        if j:
+            batch = span_on_device(drafts[-1][:, None], pos + j - 1, table, live, page_size)
+            hidden, pool = _mtp(model, batch, hidden, pool, kdt)
+        _, q, draft = _pick(model.logits(hidden[:, 0]), temperature, seed, pos, j, greedy)
+        drafts.append(draft)
+        dists.append(jnp.zeros((len(draft), 0), jnp.float32) if greedy else q)
+    return jnp.stack(drafts, axis=1), jnp.stack(dists, axis=1), pool
+
+
+def spec_step(
+    graphdef,
+    state,
+    ds: DraftState,
+    table: Int[Array, "b w"],
+    live: Bool[Array, " b"],
+    pool: KVPool,
+    *,
+    page_size: int,
+    index_k_dtype: str,
+    invariant: bool,
+    greedy: bool,
+) -> tuple[StepOutput, DraftState, KVPool]:
+    """One verify-and-draft step for every row (see the module docstring); `greedy`
+    when every row is at temperature 0 (then `ds.q` is `[b, k, 0]`: no distributions
+    are kept). Jit it with the keyword arguments and `graphdef` bound (`MTPSpeculator`
+    does), the pool donated: as a static argument the graph definition would be hashed
+    on every call (about 1 ms for the tiny model, as long as its whole step)."""
+    with batch_invariant(invariant):
+        model = nnx.merge(graphdef, state)
+        b, k = ds.drafts.shape
+        ids = jnp.concatenate([ds.token[:, None], ds.drafts], axis=1)
+        batch = span_on_device(ids, ds.pos, table, live, page_size)
+        hidden, pool = model(batch, pool, kv_io=SINGLE_DEVICE_KV_IO, index_k_dtype=index_k_dtype)
+        if greedy:  # the sampling rule with one-hot distributions, without the draws
+            lp = log_probs(model.logits(hidden), is_batch_invariant())
+            tokens = jnp.argmax(lp, axis=-1).astype(jnp.int32)
+            accepted = jnp.sum(jnp.cumprod(ds.drafts == tokens[:, :k], axis=1), axis=1)
+            accepted = accepted.astype(jnp.int32)
+            token = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
+        else:
+            lp, p = _target(model.logits(hidden), ds.temperature)
+            u = _uniforms(ds.seed, ds.pos, ACCEPT_STREAM, k + 1)
+            accepted, token = jax.vmap(accept_drafts)(p, ds.q, ds.drafts, u)
+            i = jnp.arange(k + 1)[None]
+            drafts = jnp.concatenate([ds.drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+            tokens = jnp.where(i < accepted[:, None], drafts, 0)
+            tokens = jnp.where(i == accepted[:, None], token[:, None], tokens)
+        out = StepOutput(tokens, accepted, jnp.take_along_axis(lp, tokens[..., None], -1)[..., 0])
+        pos = ds.pos + accepted + 1
+        nxt = dataclasses.replace(ds, token=token, pos=pos)
+        if k == 0:
+            return out, nxt, pool
+        # The MTP pass: position p + i sees the emitted token at p + i + 1.
+        mbatch = span_on_device(tokens, ds.pos, table, live, page_size)
+        mhidden, pool = _mtp(model, mbatch, hidden, pool, index_k_dtype)
+        first = jnp.take_along_axis(mhidden, accepted[:, None, None], axis=1)[:, 0]
+        drafts, q, pool = _chain(
+            model,
+            first,
+            pos,
+            ds.temperature,
+            ds.seed,
+            table,
+            live,
+            pool,
+            k=k,
+            page_size=page_size,
+            index_k_dtype=index_k_dtype,
+            greedy=greedy,
+        )
+        return out, dataclasses.replace(nxt, drafts=drafts, q=q), pool
+
+
+def first_drafts(
+    graphdef,
+    state,
+    ahead: ForwardBatch,
+    hidden: Float[Array, "b t h"],
+    temperature: Float[Array, " b"],
+    seed: Int[Array, " b"],
+    live: Bool[Array, " b"],
+    pool: KVPool,
+    *,
+    k: int,
+    page_size: int,
+    index_k_dtype: str,
+    invariant: bool,
+    greedy: bool,
+) -> tuple[Int[Array, "b k"], Float[Array, "b k v"], KVPool]:
+    """After the prompts' prefill: the MTP pass over each prompt (`ahead`: position i sees
+    the token at i + 1, the last one the first generated token) and the first `k` drafts
+    with their distributions, chained from its output at the prompt's last position."""
+    with batch_invariant(invariant):
+        model = nnx.merge(graphdef, state)
+        mhidden, pool = _mtp(model, ahead, hidden, pool, index_k_dtype)
+        n = ahead.kv_lens  # prompt lengths
+        first = jnp.take_along_axis(mhidden, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]
+        return _chain(
+            model,
+            first,
+            n,
+            temperature,
+            seed,
+            ahead.page_table,
+            live,
+            pool,
+            k=k,
+            page_size=page_size,
+            index_k_dtype=index_k_dtype,
+            greedy=greedy,
+        )
+
+
+def _prefill(
+    graphdef,
+    state,
+    batch: ForwardBatch,
+    temperature,
+    seed,
+    pool: KVPool,
+    *,
+    index_k_dtype,
+    invariant,
+    greedy,
+):
+    """The trunk over the prompts: their final hidden states, each row's first token
+    (drawn with the row's accept stream at its prompt's last position) and its log-prob."""
+    with batch_invariant(invariant):
+        model = nnx.merge(graphdef, state)
+        hidden, pool = model(batch, pool, kv_io=SINGLE_DEVICE_KV_IO, index_k_dtype=index_k_dtype)
+        last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
+        logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0])
+        lp, _, token = _pick(logits, temperature, seed, last, ACCEPT_STREAM, greedy)
+        return hidden, token, jnp.take_along_axis(lp, token[:, None], -1)[:, 0], pool
+
+
+def rows_batch(
+    rows: Sequence[np.ndarray], tables: np.ndarray, page_size: int, length: int
+) -> ForwardBatch:
+    """Row i's tokens `rows[i]` at positions 0.. (padded to `length`), the rest of the
+    `tables` rows padding (nothing valid, writes to the trash page)."""
+    b = len(tables)
+    ids, valid = np.zeros((b, length), np.int32), np.zeros((b, length), bool)
+    lens = np.zeros(b, np.int32)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], valid[i, : len(r)], lens[i] = r, True, len(r)
+    pos = np.broadcast_to(np.arange(length, dtype=np.int32), (b, length))
+    page = np.minimum(pos // page_size, tables.shape[1] - 1)
+    slots = np.where(valid, np.take_along_axis(tables, page, 1) * page_size + pos % page_size, 0)
+    return batch_from_host(ids, pos.copy(), valid, slots, tables, lens)
+
+
+@dataclasses.dataclass
 class SpeculativeResult:
     output_ids: list[int]
-    # Per verify step: drafts accepted (0..k); the step emitted one more token than that.
+    logprobs: list[float]
+    # Per step: drafts accepted (0..k); the step emitted one more token than that.
     accepted: list[int]
 
     @property
@@ -69,44 +378,10 @@ class SpeculativeResult:
         return 1.0 + float(np.mean(self.accepted)) if self.accepted else 0.0
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "index_k_dtype", "invariant"), donate_argnames=("pool",)
-)
-def _trunk(graphdef, state, batch: ForwardBatch, pool: KVPool, *, index_k_dtype, invariant):
-    """The trunk over `batch`: every token's logits and final (normed) hidden state."""
-    with batch_invariant(invariant):
-        model = nnx.merge(graphdef, state)
-        hidden, pool = model(batch, pool, kv_io=SINGLE_DEVICE_KV_IO, index_k_dtype=index_k_dtype)
-        return model.logits(hidden), hidden, pool
-
-
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "index_k_dtype", "invariant"), donate_argnames=("pool",)
-)
-def _mtp(graphdef, state, batch: ForwardBatch, hidden, pool: KVPool, *, index_k_dtype, invariant):
-    """The MTP layer over `batch` (tokens one position ahead of `batch.positions`), fed
-    the hidden states `hidden` at those positions: logits and its output hidden states."""
-    with batch_invariant(invariant):
-        model = nnx.merge(graphdef, state)
-        cfg = model.cfg
-        cos, sin = rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope)
-        embeds = model.model.embed_tokens(batch.input_ids)
-        out, pool = model.mtp.predict(
-            embeds,
-            hidden,
-            batch,
-            pool,
-            cos,
-            sin,
-            kv_io=SINGLE_DEVICE_KV_IO,
-            index_k_dtype=index_k_dtype,
-        )
-        return model.logits(out), out, pool
-
-
 class MTPSpeculator:
-    """Greedy draft-and-verify generation for one request (see the module docstring).
-    `model` must have its MTP layer (`CausalLM(..., mtp=True)`, `load_model(mtp=True)`)."""
+    """Generation for a batch of requests with `spec_step` (`num_steps` drafts per
+    step; 0: plain decoding, one token per step). `model` needs its MTP layer when
+    `num_steps > 0` (`CausalLM(..., mtp=True)`, `load_model(mtp=True)`)."""
 
     def __init__(
         self,
@@ -117,89 +392,109 @@ class MTPSpeculator:
         index_k_dtype: IndexKDtype = "fp8_e4m3",
         batch_invariant: bool = False,
     ):
-        if model.mtp is None:
+        if num_steps < 0:
+            raise InputError(f"num_steps must be >= 0, got {num_steps}")
+        if num_steps and model.mtp is None:
             raise InputError("speculative decoding needs the model's MTP layer (mtp=True)")
-        if num_steps < 1:
-            raise InputError(f"num_steps must be >= 1, got {num_steps}")
         if index_k_dtype not in INDEX_K_DTYPES:
             raise InputError(
                 f"index K dtype {index_k_dtype!r} is not one of {sorted(INDEX_K_DTYPES)}"
             )
         self.cfg, self.k, self.page_size = model.cfg, num_steps, page_size
         self.dtype = model.dtype
-        self.graphdef, self.state = nnx.split(model)
-        self._kw = {"index_k_dtype": index_k_dtype, "invariant": batch_invariant}
+        graphdef, self.state = nnx.split(model)
+        kw = {"index_k_dtype": index_k_dtype, "invariant": batch_invariant}
+
+        def jit(fn, **static):
+            return {  # greedy (every row at temperature 0) and sampled variants
+                greedy: jax.jit(
+                    functools.partial(fn, graphdef, greedy=greedy, **static),
+                    donate_argnames=("pool",),
+                )
+                for greedy in (True, False)
+            }
+
+        self._prefill = jit(_prefill, **kw)
+        self._first_drafts = jit(first_drafts, k=num_steps, page_size=page_size, **kw)
+        self._step = jit(spec_step, page_size=page_size, **kw)
         self.index_k_dtype = index_k_dtype
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> SpeculativeResult:
-        """`max_new_tokens` greedy tokens (EOS does not stop it: an exactness oracle)."""
-        cfg, k, p = self.cfg, self.k, self.page_size
-        prompt = np.asarray(prompt_ids, np.int32)
-        n = len(prompt)
-        if n == 0 or max_new_tokens < 1:
-            raise InputError("give a non-empty prompt and max_new_tokens >= 1")
-        # Room for the last verify's drafts beyond the output.
-        n_pages = pages_for_tokens(n + max_new_tokens + k, p)
-        width = pow2_at_least(n_pages)
-        table = padded_page_table(PageAllocator(width + 1).alloc(n_pages), width)
-        pool = init_pool(mtp_config(cfg), width + 1, p, self.dtype, self.index_k_dtype)
+    def override_drafts(self, ds: DraftState, pos: np.ndarray, step: int) -> DraftState:
+        """The drafts the next step verifies (tests replace them with oracle drafts)."""
+        return ds
 
-        batch = prefill_batch(prompt, table, p)
-        logits, hidden, pool = _trunk(self.graphdef, self.state, batch, pool, **self._kw)
-        x = _greedy(logits[0, n - 1])
-        out = [x]
-        # The MTP pass over the prompt: position i sees the token at i + 1.
-        ahead = np.append(prompt[1:], x)
-        draft_logits, draft_hidden, pool = _mtp(
-            self.graphdef,
-            self.state,
-            span_batch(ahead, 0, table, p, len(batch.input_ids[0])),
-            hidden,
-            pool,
-            **self._kw,
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        seeds: Sequence[int] | None = None,
+    ) -> list[SpeculativeResult]:
+        """`max_new_tokens` tokens per prompt, all rows in one batch (EOS does not stop a
+        row: the exactness oracle's contract): greedy, or drawn at `temperature` with
+        speculative sampling (row i's random streams from `seeds[i]`, default i)."""
+        k, p = self.k, self.page_size
+        prompts = [np.asarray(x, np.int32) for x in prompts]
+        if not prompts or any(len(x) == 0 for x in prompts) or max_new_tokens < 1:
+            raise InputError("give non-empty prompts and max_new_tokens >= 1")
+        if temperature < 0:
+            raise InputError(f"temperature must be >= 0, got {temperature}")
+        seeds = range(len(prompts)) if seeds is None else seeds
+        if len(seeds) != len(prompts):
+            raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        rows = pow2_at_least(len(prompts))
+        # Room for the last step's verify and chain beyond the output (the module docstring).
+        need = [pages_for_tokens(len(x) + max_new_tokens + 2 * k + 1, p) for x in prompts]
+        width = pow2_at_least(max(need))
+        alloc = PageAllocator(sum(need) + 1)
+        tables = np.zeros((rows, width), np.int32)
+        for i, n in enumerate(need):
+            tables[i] = padded_page_table(alloc.alloc(n), width)
+        pool_cfg = mtp_config(self.cfg) if k else self.cfg
+        pool = init_pool(pool_cfg, sum(need) + 1, p, self.dtype, self.index_k_dtype)
+
+        temps = np.full(rows, temperature, np.float32)
+        seed = np.zeros(rows, np.int32)
+        seed[: len(prompts)] = seeds
+        live = np.arange(rows) < len(prompts)
+        # Every prompt in one prefill (and one MTP pass), padded to the longest's bucket.
+        length = prefill_bucket(max(len(x) for x in prompts))
+        batch = rows_batch(prompts, tables, p, length)
+        greedy = temperature == 0
+        hidden, token, lp, pool = self._prefill[greedy](self.state, batch, temps, seed, pool)
+        drafts = jnp.zeros((rows, k), jnp.int32)
+        q = jnp.zeros((rows, k, 0 if greedy else self.cfg.vocab_size), jnp.float32)
+        if k:
+            ahead = [np.append(x[1:], t) for x, t in zip(prompts, np.asarray(token), strict=False)]
+            drafts, q, pool = self._first_drafts[greedy](
+                self.state, rows_batch(ahead, tables, p, length), hidden, temps, seed, live, pool
+            )
+        first, lp = jax.device_get((token, lp))
+        outs = [SpeculativeResult([int(first[i])], [float(lp[i])], []) for i in range(len(prompts))]
+        pos = np.zeros(rows, np.int32)
+        pos[: len(prompts)] = [len(x) for x in prompts]
+        live &= np.asarray([max_new_tokens > 1] * len(prompts) + [False] * (rows - len(prompts)))
+        ds = DraftState(
+            token, jax.device_put(pos), drafts, q, jax.device_put(temps), jax.device_put(seed)
         )
-        last = n - 1
-        accepted: list[int] = []
-        pos = n  # x's position
-        while len(out) < max_new_tokens:
-            drafts, pool = self._draft(
-                draft_logits[:, last], draft_hidden[:, last], pos, table, pool
-            )
-            verify = np.asarray([x, *drafts], np.int32)
-            logits, hidden, pool = _trunk(
-                self.graphdef, self.state, span_batch(verify, pos, table, p), pool, **self._kw
-            )
-            greedy = [_greedy(row) for row in logits[0]]
-            a = 0
-            while a < k and drafts[a] == greedy[a]:
-                a += 1
-            accepted.append(a)
-            out.extend(greedy[: a + 1])
-            x = greedy[a]
-            # The MTP pass over the accepted positions pos..pos+a: each sees its next token.
-            draft_logits, draft_hidden, pool = _mtp(
-                self.graphdef,
-                self.state,
-                span_batch(np.asarray(greedy[: a + 1], np.int32), pos, table, p),
-                hidden[:, : a + 1],
-                pool,
-                **self._kw,
-            )
-            last = a
-            pos += a + 1
-        return SpeculativeResult(out[:max_new_tokens], accepted)
-
-    def _draft(self, logits, hidden, pos: int, table: np.ndarray, pool: KVPool):
-        """`k` drafts for positions `pos+1..pos+k`: the first from the MTP pass's output at
-        `pos - 1`, the rest chained on the MTP's own output hidden states."""
-        drafts = [_greedy(logits[0])]
-        hidden = hidden[:, None]
-        for j in range(1, self.k):
-            last = np.asarray([drafts[-1]], np.int32)
-            batch = span_batch(last, pos + j - 1, table, self.page_size)
-            lg, hidden, pool = _mtp(self.graphdef, self.state, batch, hidden, pool, **self._kw)
-            drafts.append(_greedy(lg[0, 0]))
-        return drafts, pool
+        table = jax.device_put(tables)
+        step = 0
+        while live.any():
+            ds = self.override_drafts(ds, pos, step)
+            out, ds, pool = self._step[greedy](self.state, ds, table, jax.device_put(live), pool)
+            tokens, accepted, lps = jax.device_get((out.tokens, out.accepted, out.logprobs))
+            for i in np.flatnonzero(live):
+                a = int(accepted[i])
+                o = outs[i]
+                room = max_new_tokens - len(o.output_ids)
+                o.output_ids.extend(tokens[i, : a + 1][:room].tolist())
+                o.logprobs.extend(lps[i, : a + 1][:room].tolist())
+                o.accepted.append(a)
+                pos[i] += a + 1
+                live[i] = len(o.output_ids) < max_new_tokens
+            step += 1
+        return outs
 
 
 @jax.jit
@@ -233,8 +528,3 @@ def accept_drafts(
     cdf = jnp.cumsum(resid)
     token = jnp.searchsorted(cdf, uniforms[k] * cdf[-1], side="right")
     return accepted, jnp.minimum(token, target.shape[1] - 1).astype(jnp.int32)
-
-
-def _greedy(logits_row: jax.Array) -> int:
-    """The greedy token as the reference generator picks it (argmax of the log-probs)."""
-    return int(np.argmax(np.asarray(log_probs(logits_row))))

@@ -12,9 +12,10 @@ sequences, and a cross-entropy on the MTP layer's prediction of token `i + 2` fr
 default 200 steps take about 80 s on 2 CPU cores for the tiny model. OUT_DIR gets the
 checkpoint with the fitted MTP layer (and MODEL_DIR's config and tokenizer files). It
 prints the loss and, for greedy draft-and-verify with `--num-steps` drafts
-(`cpkv_jax.speculative.MTPSpeculator`), the mean acceptance length and tokens/s against
-plain decoding, on some of the fitting prompts and on held-out ones. The prompts are
-seeded (`--seed`). The output is written by whoever needs it (a test writes a short
+(`cpkv_jax.speculative.MTPSpeculator`, the fused device step), the mean acceptance length
+and tokens/s against plain decoding, on some of the fitting prompts and on held-out ones
+(`benchmarks/bench_speculative.py` gives the same figures for several `k` with repeats).
+The prompts are seeded (`--seed`). The output is written by whoever needs it (a test writes a short
 fit), not committed: the checkpoint is generated, like the tiny one it starts from.
 """
 
@@ -24,6 +25,7 @@ import argparse
 import json
 import logging
 import shutil
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -140,25 +142,27 @@ def fit_mtp(
 
 
 def acceptance_length(
-    model: CausalLM, prompts: np.ndarray, new_tokens: int, k: int
+    model: CausalLM, prompts: np.ndarray, new_tokens: int, k: int, repeats: int = 1
 ) -> tuple[float, float, float]:
-    """Greedy draft-and-verify over `prompts`: mean tokens per verify step, and tokens/s
-    with it and without it (`ReferenceGenerator`), each timed after a first untimed run
-    (compiles) over the same prompts, one request at a time."""
-    spec = MTPSpeculator(model, k, page_size=PAGE, index_k_dtype="fp8_e4m3")
-    plain = ReferenceGenerator(model.cfg, model, page_size=PAGE, index_k_dtype="fp8_e4m3")
-    accepted: list[int] = []
-    times = {}
-    for name, run in (
-        ("mtp", lambda p: accepted.extend(spec.generate(p, new_tokens).accepted)),
-        ("plain", lambda p: plain.generate(p, new_tokens, ignore_eos=True)),
-    ):
-        run(prompts[0].tolist())  # compiles
-        t0 = time.perf_counter()
-        for p in prompts:
-            run(p.tolist())
-        times[name] = len(prompts) * new_tokens / (time.perf_counter() - t0)
-    return 1.0 + float(np.mean(accepted)), times["mtp"], times["plain"]
+    """Greedy draft-and-verify over `prompts`, one request at a time, with the fused
+    device step (`cpkv_jax.speculative.MTPSpeculator`): mean tokens per verify step, and
+    the median tokens/s over `repeats` passes with `k` drafts and without (`k = 0`, the
+    same driver), each after a first untimed request (compiles)."""
+    accepted: list[float] = []
+    rates = {}
+    for steps in (k, 0):
+        dec = MTPSpeculator(model, steps, page_size=PAGE, index_k_dtype="fp8_e4m3")
+        dec.generate([prompts[0].tolist()], new_tokens)  # compiles
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for p in prompts:
+                out = dec.generate([p.tolist()], new_tokens)[0]
+                if steps:
+                    accepted.extend(out.accepted)
+            times.append(time.perf_counter() - t0)
+        rates[steps] = len(prompts) * new_tokens / statistics.median(times)
+    return 1.0 + float(np.mean(accepted)), rates[k], rates[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
