@@ -11,23 +11,30 @@ one read-back per step), one request at a time over 4 of the fitting prompts and
 held-out prompts: the mean acceptance length (tokens per verify step) and the median
 tokens/s over `--repeats` rounds (after an untimed first request that compiles; in each
 round every `k` makes one pass, in turn), and the ratio to `k = 0` on the same prompts.
+`step_ms_one_row`: one greedy step on one row timed alone (median of `--step-repeats`), the device
+cost without the driver's host work.
 Timed end to end per request: prefill, first drafts and `--new-tokens` tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 import numpy as np
+from flax import nnx
 
 from benchmarks.report import emit, environment
+from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.weights import load_model, save_hf_weights
-from cpkv_jax.speculative import MTPSpeculator
+from cpkv_jax.speculative import DraftState, MTPSpeculator, spec_step
 from cpkv_jax.tools import fit_mtp
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 
@@ -48,6 +55,37 @@ def fitted_checkpoint(out: Path) -> Path:
             (dst / name).write_bytes((src / name).read_bytes())
     save_hf_weights(model, dst)
     return dst
+
+
+def step_ms(model, k: int, repeats: int = 300) -> float:
+    """Median milliseconds of one greedy `spec_step` on one row (40 tokens of context),
+    to the step's outputs on the host side of `block_until_ready`: the device cost of a
+    step without the driver's host work."""
+    graphdef, state = nnx.split(model)
+    step = jax.jit(
+        functools.partial(
+            spec_step,
+            graphdef,
+            page_size=PAGE,
+            index_k_dtype="fp8_e4m3",
+            invariant=False,
+            greedy=True,
+        ),
+        donate_argnames=("pool",),
+    )
+    pool = init_pool(mtp_config(model.cfg), 9, PAGE, model.dtype, "fp8_e4m3")
+    table = jax.device_put(np.arange(1, 9, dtype=np.int32)[None])
+    host = [[5], [40], np.full((1, k), 7), np.zeros((1, k, 0)), [0.0], [0]]
+    dtypes = [np.int32, np.int32, np.int32, np.float32, np.float32, np.int32]
+    ds = DraftState(*jax.device_put([np.asarray(x, d) for x, d in zip(host, dtypes, strict=True)]))
+    live = jax.device_put(np.ones(1, bool))
+    times = []
+    for _ in range(repeats + 1):  # the first compiles
+        t0 = time.perf_counter()
+        out, _, pool = step(state, ds, table, live, pool)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[1:])
 
 
 def measure(
@@ -83,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--num-steps", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--step-repeats", type=int, default=300, help="timed single steps per k")
     ap.add_argument("--json", help="also write the report here")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, prompts in sets.items():
         rows = measure(decoders, prompts, args.new_tokens, args.repeats)
         report["runs"][name] = {f"k={k}": row for k, row in rows.items()}
+    report["step_ms_one_row"] = {f"k={k}": step_ms(model, k, args.step_repeats) for k in decoders}
     emit(report, args.json)
     return 0
 

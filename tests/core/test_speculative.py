@@ -30,7 +30,7 @@ from cpkv_jax.model.transformer import forward_step
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.speculative import DraftState, MTPSpeculator
 
-pytestmark = pytest.mark.slow(seconds=60)  # on 2 workers, 2026-12-05
+pytestmark = pytest.mark.slow(seconds=110)  # on 2 workers, 2026-12-05
 
 PAGE = 16
 LENGTHS = (40, 35, 57)  # > index_topk (16), one prefill bucket (64)
