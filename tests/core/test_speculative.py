@@ -1,10 +1,12 @@
-"""Greedy speculative decoding with the MTP layer (issue 39 item 2, `cpkv_jax.speculative`):
-the fused draft-and-verify step must emit exactly the plain greedy tokens.
+"""Speculative decoding with the MTP layer (issue 39 item 2, `cpkv_jax.speculative`): the
+fused draft-and-verify step must emit exactly the plain greedy tokens, and at temperature
+> 0 draw from the target's distribution.
 
 Under batch-invariant numerics each verified token's logits and log-probs are bitwise
 those of one-token decoding, so the comparison with `ReferenceGenerator` is exact, tokens
-and log-probs. Three prompts of different lengths (all past `index_topk`, so the
-indexers really select) decode in one batch of 4 rows (one padding row). The tiny
+and log-probs, for both architectures and the FP8 checkpoint. Three prompts of different
+lengths (all past `index_topk`, so the indexers really select) decode in one batch of 4
+rows (one padding row). The tiny
 checkpoint's MTP layer is random and its drafts are almost never accepted, which tests
 the one-token path; the oracle hook replaces the drafts (after the MTP layer ran and
 wrote its KV) with the true continuation, corrupted at a different place for each row
@@ -37,45 +39,52 @@ LENGTHS = (40, 35, 57)  # > index_topk (16), one prefill bucket (64)
 NEW = 14
 
 
-# (architecture, k): every k from 0 (plain, the speed baseline) to 3 on one architecture
-# or the other; each case compiles its own steps.
-CASES = [("glm_moe_dsa", 0), ("glm_moe_dsa", 1), ("glm_moe_dsa", 3), ("deepseek_v32", 2)]
+# Checkpoints: the two architectures, and GLM-5's FP8 one (its MTP layer is FP8 too).
+CHECKPOINTS = {
+    "glm": ("glm_moe_dsa", {}),
+    "glm-fp8": ("glm_moe_dsa", {"fp8": True}),
+    "dsv32": ("deepseek_v32", {}),
+}
+# (checkpoint, k): every k from 0 (plain, the speed baseline) to 3 on one checkpoint or
+# another; each case compiles its own steps.
+CASES = [("glm", 0), ("glm-fp8", 1), ("glm", 3), ("dsv32", 2)]
 
 
 @pytest.fixture(scope="module")
 def case(tiny_checkpoints):
-    """`case(arch, k)`: (cfg, prompts, the reference's outputs, the speculator), built
-    once per architecture and k."""
-    archs: dict = {}
+    """`case(checkpoint, k)`: (cfg, prompts, the reference's outputs, the speculator),
+    built once per checkpoint and k."""
+    loaded: dict = {}
     speculators: dict = {}
 
-    def get(arch: str, k: int):
-        if arch not in archs:
-            cfg, model = load_model(tiny_checkpoints(arch), mtp=True)
+    def get(ckpt: str, k: int):
+        if ckpt not in loaded:
+            name, kw = CHECKPOINTS[ckpt]
+            cfg, model = load_model(tiny_checkpoints(name, **kw), mtp=True)
             ref = ReferenceGenerator(
                 cfg, model, page_size=PAGE, index_k_dtype="fp8_e4m3", batch_invariant=True
             )
             rng = np.random.default_rng(3)
             prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in LENGTHS]
-            archs[arch] = (
+            loaded[ckpt] = (
                 cfg,
                 model,
                 prompts,
                 [ref.generate(p, NEW, ignore_eos=True) for p in prompts],
             )
-        cfg, model, prompts, want = archs[arch]
-        if (arch, k) not in speculators:
-            speculators[arch, k] = MTPSpeculator(
+        cfg, model, prompts, want = loaded[ckpt]
+        if (ckpt, k) not in speculators:
+            speculators[ckpt, k] = MTPSpeculator(
                 model, k, page_size=PAGE, index_k_dtype="fp8_e4m3", batch_invariant=True
             )
-        return cfg, prompts, want, speculators[arch, k]
+        return cfg, prompts, want, speculators[ckpt, k]
 
     return get
 
 
-@pytest.mark.parametrize(("arch", "k"), CASES)
-def test_greedy_mtp_emits_the_plain_greedy_tokens_and_log_probs(case, arch, k):
-    _, prompts, want, spec = case(arch, k)
+@pytest.mark.parametrize(("ckpt", "k"), CASES)
+def test_greedy_mtp_emits_the_plain_greedy_tokens_and_log_probs(case, ckpt, k):
+    _, prompts, want, spec = case(ckpt, k)
     got = spec.generate(prompts, NEW)
     for g, w in zip(got, want, strict=True):
         assert g.output_ids == w.output_ids
@@ -83,9 +92,9 @@ def test_greedy_mtp_emits_the_plain_greedy_tokens_and_log_probs(case, arch, k):
         assert len(g.accepted) >= 1 and all(0 <= a <= k for a in g.accepted)
 
 
-@pytest.mark.parametrize(("arch", "k"), [c for c in CASES if c[1] > 0])
-def test_accepted_drafts_of_every_count_keep_the_tokens_exact(case, arch, k):
-    cfg, prompts, want, spec = case(arch, k)
+@pytest.mark.parametrize(("ckpt", "k"), [c for c in CASES if c[1] > 0])
+def test_accepted_drafts_of_every_count_keep_the_tokens_exact(case, ckpt, k):
+    cfg, prompts, want, spec = case(ckpt, k)
     truth = [np.asarray(w.output_ids) for w in want]
 
     def oracle(ds: DraftState, pos: np.ndarray, step: int) -> DraftState:
@@ -115,7 +124,7 @@ def test_accepted_drafts_of_every_count_keep_the_tokens_exact(case, arch, k):
 
 
 def test_refusals(case, tiny_checkpoints):
-    _, prompts, _, spec = case("glm_moe_dsa", 1)
+    _, prompts, _, spec = case("glm", 3)
     _, trunk_only = load_model(tiny_checkpoints())
     with pytest.raises(InputError, match="num_steps"):
         MTPSpeculator(trunk_only, -1)
