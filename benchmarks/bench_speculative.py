@@ -13,7 +13,8 @@ tokens/s over `--repeats` rounds (after an untimed first request that compiles; 
 round every `k` makes one pass, in turn), and the ratio to `k = 0` on the same prompts.
 `step_ms_one_row`: one greedy step on one row timed alone (median of `--step-repeats`), the device
 cost without the driver's host work.
-Timed end to end per request: prefill, first drafts and `--new-tokens` tokens.
+Timed end to end per request: prefill, first drafts and `--new-tokens` tokens, the
+steps overlapped (`MTPSpeculator.generate`'s default).
 """
 
 from __future__ import annotations

@@ -164,6 +164,15 @@ def _hl_estimator(r: dict[str, Any]) -> str:
     return text
 
 
+def _hl_speculative(r: dict[str, Any]) -> str:
+    rows = r["runs"]["fitting"]
+    return ", ".join(
+        f"{k} acceptance {v['acceptance_length']:.2f} {v['speedup']:.2f}x"
+        for k, v in rows.items()
+        if k != "k=0"
+    )
+
+
 # ---- steps ------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Step:
@@ -296,6 +305,16 @@ STEPS: tuple[Step, ...] = (
             "TTFT host-cache hit vs recompute vs device hit, CP1 (no --gpu flag: default backend)"
         ),
         headline=_hl_hicache,
+    ),
+    Step(
+        "bench_speculative",
+        "benchmarks.bench_speculative",
+        limit_s=200,
+        min_s=90,
+        gpu_args=("--repeats", "5"),
+        cpu_args=None,  # the fit takes minutes on CPU; its CPU figures are committed
+        what="MTP draft-and-verify vs plain decoding on the fitted tiny checkpoint, k = 1..3",
+        headline=_hl_speculative,
     ),
     Step(
         "bench_restart",

@@ -419,8 +419,10 @@ class MTPSpeculator:
         self._step = jit(spec_step, page_size=page_size, **kw)
         self.index_k_dtype = index_k_dtype
 
-    def override_drafts(self, ds: DraftState, pos: np.ndarray, step: int) -> DraftState:
-        """The drafts the next step verifies (tests replace them with oracle drafts)."""
+    def override_drafts(self, ds: DraftState, pos: np.ndarray | None, step: int) -> DraftState:
+        """The drafts the next step verifies (tests replace them with oracle drafts, or
+        record them), given each row's position on the host: None when the steps overlap
+        and the positions of the steps in flight are not known yet."""
         return ds
 
     def generate(
@@ -430,10 +432,17 @@ class MTPSpeculator:
         *,
         temperature: float = 0.0,
         seeds: Sequence[int] | None = None,
+        overlap: bool = True,
     ) -> list[SpeculativeResult]:
         """`max_new_tokens` tokens per prompt, all rows in one batch (EOS does not stop a
         row: the exactness oracle's contract): greedy, or drawn at `temperature` with
-        speculative sampling (row i's random streams from `seeds[i]`, default i)."""
+        speculative sampling (row i's random streams from `seeds[i]`, default i).
+
+        `overlap`: step n + 1 is dispatched before the host fetches step n's tokens (its
+        inputs are step n's device outputs), so the host's work hides behind the device's;
+        a row that finished at step n also ran step n + 1, whose tokens it drops, and
+        whose writes land in the `k + 1` extra tokens of room its pages keep for that.
+        With overlap, `override_drafts` gets no positions after the first step."""
         k, p = self.k, self.page_size
         prompts = [np.asarray(x, np.int32) for x in prompts]
         if not prompts or any(len(x) == 0 for x in prompts) or max_new_tokens < 1:
@@ -444,8 +453,10 @@ class MTPSpeculator:
         if len(seeds) != len(prompts):
             raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         rows = pow2_at_least(len(prompts))
-        # Room for the last step's verify and chain beyond the output (the module docstring).
-        need = [pages_for_tokens(len(x) + max_new_tokens + 2 * k + 1, p) for x in prompts]
+        # Room for the last step's verify and chain beyond the output (the module
+        # docstring), and for one more step after it when steps overlap.
+        room = 2 * k + 1 + (k + 1 if overlap else 0)
+        need = [pages_for_tokens(len(x) + max_new_tokens + room, p) for x in prompts]
         width = pow2_at_least(max(need))
         alloc = PageAllocator(sum(need) + 1)
         tables = np.zeros((rows, width), np.int32)
@@ -479,22 +490,42 @@ class MTPSpeculator:
             token, jax.device_put(pos), drafts, q, jax.device_put(temps), jax.device_put(seed)
         )
         table = jax.device_put(tables)
-        step = 0
-        while live.any():
-            ds = self.override_drafts(ds, pos, step)
-            out, ds, pool = self._step[greedy](self.state, ds, table, jax.device_put(live), pool)
-            tokens, accepted, lps = jax.device_get((out.tokens, out.accepted, out.logprobs))
-            for i in np.flatnonzero(live):
-                a = int(accepted[i])
-                o = outs[i]
-                room = max_new_tokens - len(o.output_ids)
-                o.output_ids.extend(tokens[i, : a + 1][:room].tolist())
-                o.logprobs.extend(lps[i, : a + 1][:room].tolist())
-                o.accepted.append(a)
-                pos[i] += a + 1
-                live[i] = len(o.output_ids) < max_new_tokens
-            step += 1
+        step, pending = 0, None
+        while live.any() or pending is not None:
+            launched = None
+            if live.any():
+                # The host's positions are current before the first step, or without overlap.
+                ds = self.override_drafts(ds, pos if step == 0 or not overlap else None, step)
+                out, ds, pool = self._step[greedy](
+                    self.state, ds, table, jax.device_put(live), pool
+                )
+                launched, step = (out, live.copy()), step + 1
+            if overlap and pending is not None:
+                self._record(pending, outs, pos, live, max_new_tokens)
+                pending = launched
+            elif overlap:
+                pending = launched
+            else:
+                self._record(launched, outs, pos, live, max_new_tokens)
         return outs
+
+    @staticmethod
+    def _record(launched, outs, pos, live, max_new_tokens) -> None:
+        """Fetch one step's tokens and append those of the rows it ran that still want
+        them (a row that finished since keeps nothing of it)."""
+        out, ran = launched
+        tokens, accepted, lps = jax.device_get((out.tokens, out.accepted, out.logprobs))
+        for i in np.flatnonzero(ran):
+            o = outs[i]
+            room = max_new_tokens - len(o.output_ids)
+            if room <= 0:
+                continue
+            a = int(accepted[i])
+            o.output_ids.extend(tokens[i, : a + 1][:room].tolist())
+            o.logprobs.extend(lps[i, : a + 1][:room].tolist())
+            o.accepted.append(a)
+            pos[i] += a + 1
+            live[i] = len(o.output_ids) < max_new_tokens
 
 
 @jax.jit

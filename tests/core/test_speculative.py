@@ -12,7 +12,10 @@ the one-token path; the oracle hook replaces the drafts (after the MTP layer ran
 wrote its KV) with the true continuation, corrupted at a different place for each row
 and step, so rows of one step accept different counts, every count from 0 to k occurs,
 and the rejected positions' KV must be overwritten correctly for the outputs to stay
-equal.
+equal. The exactness and sampling tests run the steps overlapped (step n + 1 dispatched
+before step n's tokens are read: a finished row runs one more step and drops its tokens;
+in the sampling test rows finish at different steps); the oracle test does not, as it
+needs the host's positions before each step.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ def test_accepted_drafts_of_every_count_keep_the_tokens_exact(case, ckpt, k):
     cfg, prompts, want, spec = case(ckpt, k)
     truth = [np.asarray(w.output_ids) for w in want]
 
-    def oracle(ds: DraftState, pos: np.ndarray, step: int) -> DraftState:
+    def oracle(ds: DraftState, pos: np.ndarray | None, step: int) -> DraftState:
         drafts = np.asarray(ds.drafts).copy()
         for i, prompt in enumerate(prompts):
             start = pos[i] + 1 - len(prompt)  # output index of the token at pos + 1
@@ -111,7 +114,7 @@ def test_accepted_drafts_of_every_count_keep_the_tokens_exact(case, ckpt, k):
 
     spec.override_drafts = oracle
     try:
-        got = spec.generate(prompts, NEW)
+        got = spec.generate(prompts, NEW, overlap=False)
     finally:
         del spec.override_drafts
     for g, w in zip(got, want, strict=True):
@@ -186,7 +189,7 @@ def test_speculative_sampling_draws_from_the_target_distribution(tiny_checkpoint
     spec = MTPSpeculator(model, k, page_size=PAGE)
     first_drafts = []
 
-    def record(ds: DraftState, pos: np.ndarray, step: int) -> DraftState:
+    def record(ds: DraftState, pos: np.ndarray | None, step: int) -> DraftState:
         if step == 0:
             first_drafts.append(np.asarray(ds.drafts)[:n, 0])
         return ds
