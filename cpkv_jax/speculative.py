@@ -205,17 +205,30 @@ def _mtp(model: CausalLM, batch: ForwardBatch, hidden, pool: KVPool, index_k_dty
     )
 
 
-def _chain(model, first: Float[Array, "b h"], pos, temperature, seed, table, live, pool, **kw):
+def _chain(
+    model,
+    first: Float[Array, "b h"],
+    pos,
+    temperature,
+    seed,
+    table,
+    live,
+    pool,
+    *,
+    k: int,
+    page_size: int,
+    index_k_dtype: str,
+    greedy: bool,
+):
     """`k` drafts for positions `pos+1..pos+k` and their distributions (`[b, k, 0]` when
     greedy), from the MTP output `first` at `pos - 1`: the first from its logits, each
     next one from an MTP step on the previous draft at the previous position with the
     MTP's own output hidden state; draft j drawn with the row's stream j at `pos`."""
-    k, page_size, kdt, greedy = kw["k"], kw["page_size"], kw["index_k_dtype"], kw["greedy"]
     hidden, drafts, dists = first[:, None], [], []
     for j in range(k):
         if j:
             batch = span_on_device(drafts[-1][:, None], pos + j - 1, table, live, page_size)
-            hidden, pool = _mtp(model, batch, hidden, pool, kdt)
+            hidden, pool = _mtp(model, batch, hidden, pool, index_k_dtype)
         _, q, draft = _pick(model.logits(hidden[:, 0]), temperature, seed, pos, j, greedy)
         drafts.append(draft)
         dists.append(jnp.zeros((len(draft), 0), jnp.float32) if greedy else q)
