@@ -63,16 +63,60 @@ if _OWNS_RUN_DIR:
 _RUN_DIR = os.environ[_RUN_DIR_ENV]
 os.environ["XDG_CACHE_HOME"] = _RUN_DIR  # `--compilation-cache-dir auto` resolves here
 
+import jaxtyping._import_hook as _jaxtyping_hook  # noqa: E402
 from jaxtyping import install_import_hook  # noqa: E402
+
+
+class _BoundaryTransformer(_jaxtyping_hook.JaxtypingTransformer):
+    """jaxtyping's import-hook transformer, minus functions and classes defined inside a
+    function body. jaxtyping decorates a def each time it executes, building two beartype
+    checkers (milliseconds): a closure made per request or per step (the mock engine's
+    per-row helpers, the HTTP handlers' callbacks) cost more than the work around it, and
+    32-client load tests timed out on slower machines. Closures are not module
+    boundaries; the functions, methods and classes they live in stay checked."""
+
+    _depth = 0  # function bodies we are inside
+
+    def visit_FunctionDef(self, node):
+        nested = self._depth > 0
+        self._no_type_check_level += nested
+        self._depth += 1
+        try:
+            return super().visit_FunctionDef(node)
+        finally:
+            self._depth -= 1
+            self._no_type_check_level -= nested
+
+    def visit_AsyncFunctionDef(self, node):  # jaxtyping leaves these unchecked
+        self._depth += 1
+        try:
+            self.generic_visit(node)
+            return node
+        finally:
+            self._depth -= 1
+
+    def visit_ClassDef(self, node):
+        nested = self._depth > 0
+        self._no_type_check_level += nested
+        try:
+            return super().visit_ClassDef(node)
+        finally:
+            self._no_type_check_level -= nested
+
+
+# `_JaxtypingLoader.source_to_code` looks the transformer up in its module at each import.
+_jaxtyping_hook.JaxtypingTransformer = _BoundaryTransformer
 
 # jaxtyping annotations at module boundaries are checked (beartype) while tests run; an
 # int passes for a float (PEP 484's numeric tower), as for any Python type checker.
 # `transfer` is left out: checking every call there made its fault tests ~40% slower
 # (sender and receiver threads race 2 s heartbeats on 2 cores); its annotations were
-# checked this way once (2026-11-30) and fixed.
+# checked this way once (2026-11-30) and fixed. The decorator string keys jaxtyping's
+# bytecode cache (`*.opt-jaxtyping10<md5>.pyc`): `is_debug=False` (the default) is there
+# so that checkouts holding bytecode from the old transformer do not reuse it.
 install_import_hook(
     ["cpkv_jax", "serving"],
-    "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))",
+    "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True, is_debug=False))",
 )
 
 import jax  # noqa: E402

@@ -357,7 +357,12 @@ def test_many_clients_with_keys_through_the_router(keyed_pd, tok) -> None:
         out: list[str | None] = []
         limits = httpx.Limits(max_connections=32)
         async with httpx.AsyncClient(
-            base_url=keyed_pd.router.url, timeout=20.0, limits=limits, trust_env=False
+            # Above the router's 30 s upstream timeout, so a slow upstream shows as the
+            # router's 504 rather than a client timeout.
+            base_url=keyed_pd.router.url,
+            timeout=45.0,
+            limits=limits,
+            trust_env=False,
         ) as client:
 
             async def worker() -> None:
