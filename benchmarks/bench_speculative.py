@@ -15,6 +15,11 @@ round every `k` makes one pass, in turn), and the ratio to `k = 0` on the same p
 cost without the driver's host work.
 Timed end to end per request: prefill, first drafts and `--new-tokens` tokens, the
 steps overlapped (`MTPSpeculator.generate`'s default).
+
+`engine`: the same comparison through the serving engine (`serving.decode.DecodeEngine`
+with `speculative_num_steps=k`, what `cpkv-serve --speculative-algorithm` runs; k = 0 is
+the plain engine with its own sampler), one request at a time on the fitting prompts:
+the driver's host work per step (stop checks, chunks) is in these figures.
 """
 
 from __future__ import annotations
@@ -26,18 +31,23 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import numpy as np
 from flax import nnx
 
 from benchmarks.report import emit, environment
+from cpkv_jax.kv_store import PagedKVStore
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.weights import load_model, save_hf_weights
+from cpkv_jax.paging import PageAllocator
 from cpkv_jax.speculative import DraftState, MTPSpeculator, spec_step
 from cpkv_jax.tools import fit_mtp
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
+from serving.decode.engine import DecodeEngine
+from serving.engine.api import GenerateRequest, SamplingParams
 
 PAGE = fit_mtp.PAGE
 PROMPT_LEN = 16  # fit_mtp's default
@@ -89,9 +99,19 @@ def step_ms(model, k: int, repeats: int = 300) -> float:
     return 1e3 * statistics.median(times[1:])
 
 
-def measure(
-    decoders: dict[int, MTPSpeculator], prompts: np.ndarray, new_tokens: int, repeats: int
-) -> dict[int, dict]:
+class _EngineDriver:
+    """`MTPSpeculator.generate`'s shape over a `DecodeEngine` (one prompt at a time)."""
+
+    def __init__(self, engine: DecodeEngine):
+        self.engine = engine
+
+    def generate(self, prompts, new_tokens):
+        (prompt,) = prompts
+        accepted = engine_generate(self.engine, np.asarray(prompt), new_tokens)
+        return [SimpleNamespace(accepted=accepted)]
+
+
+def measure(decoders: dict, prompts: np.ndarray, new_tokens: int, repeats: int) -> dict[int, dict]:
     """Per `k`: median tokens/s and acceptance length. The decoders take turns, one pass
     over `prompts` each per round, so the machine's drift hits them alike."""
     for dec in decoders.values():
@@ -114,6 +134,36 @@ def measure(
     for row in rows.values():
         row["speedup"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
     return rows
+
+
+def engine_for(cfg, model, k: int, pages: int = 64) -> DecodeEngine:
+    """A unified `DecodeEngine` (whole-prompt prefill) drafting `k` tokens per step."""
+    pool = init_pool(mtp_config(cfg) if k else cfg, pages, PAGE, model.dtype, "fp8_e4m3")
+    return DecodeEngine(
+        cfg=cfg,
+        model=model,
+        kv=PagedKVStore(pool, PageAllocator(pages)),
+        page_size=PAGE,
+        index_k_dtype="fp8_e4m3",
+        mode="null",
+        max_running_requests=4,
+        speculative_num_steps=k,
+    )
+
+
+def engine_generate(engine: DecodeEngine, prompt: np.ndarray, new_tokens: int) -> list[int]:
+    """One greedy request to the end; returns one entry per verify step, each the
+    request's mean accepted drafts (the engine reports the mean, `spec_accept_length`).
+    A plain engine's request counts as one step with none accepted."""
+    rid = f"b{time.perf_counter_ns()}"
+    sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    engine.add(GenerateRequest(rid, tuple(prompt.tolist()), sp))
+    while True:
+        for c in engine.step():
+            if c.finished:
+                steps = int(c.meta.get("spec_verify_ct", 0))
+                length = float(c.meta.get("spec_accept_length", 1.0))
+                return [round(length - 1, 6)] * steps if steps else [0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,6 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, prompts in sets.items():
         rows = measure(decoders, prompts, args.new_tokens, args.repeats)
         report["runs"][name] = {f"k={k}": row for k, row in rows.items()}
+    engines = {k: _EngineDriver(engine_for(cfg, model, k)) for k in decoders}
+    rows = measure(engines, sets["fitting"], args.new_tokens, args.repeats)
+    report["engine"] = {f"k={k}": row for k, row in rows.items()}
     report["step_ms_one_row"] = {f"k={k}": step_ms(model, k, args.step_repeats) for k in decoders}
     emit(report, args.json)
     return 0

@@ -65,13 +65,14 @@ from cpkv_jax.errors import InputError
 from cpkv_jax.model.forward_batch import ForwardBatch, batch_from_host
 from cpkv_jax.model.kv_cache import (
     INDEX_K_DTYPES,
+    KVIO,
     SINGLE_DEVICE_KV_IO,
     IndexKDtype,
     KVPool,
     init_pool,
 )
 from cpkv_jax.model.mtp import mtp_config
-from cpkv_jax.model.numerics import batch_invariant, is_batch_invariant
+from cpkv_jax.model.numerics import batch_invariant, is_batch_invariant, token_block_bytes
 from cpkv_jax.model.rope import rope_cos_sin
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
@@ -92,11 +93,23 @@ class DraftState:
     seed: Int[Array, " b"]
 
 
-jax.tree_util.register_dataclass(
-    DraftState,
-    data_fields=["token", "pos", "drafts", "q", "temperature", "seed"],
-    meta_fields=[],
-)
+def _register(cls) -> None:
+    """`cls` as a pytree whose unflatten skips `__init__`: JAX unflattens around
+    non-array leaves too (`ShapeDtypeStruct`s of an ahead-of-time lowering), which the
+    tests' type checks of the fields would refuse."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+
+    def unflatten(_, children):
+        obj = object.__new__(cls)
+        obj.__dict__.update(zip(names, children, strict=True))
+        return obj
+
+    jax.tree_util.register_pytree_node(
+        cls, lambda o: ([getattr(o, n) for n in names], None), unflatten
+    )
+
+
+_register(DraftState)
 
 
 @dataclasses.dataclass
@@ -110,9 +123,7 @@ class StepOutput:
     logprobs: Float[Array, "b k1"]
 
 
-jax.tree_util.register_dataclass(
-    StepOutput, data_fields=["tokens", "accepted", "logprobs"], meta_fields=[]
-)
+_register(StepOutput)
 
 # Fold-in tags of a row's random streams at a position: draft j of the chain that starts
 # there uses tag j; the accept / reject draws of the step verifying there use this one.
@@ -187,7 +198,14 @@ def _pick(logits, temperature, seed, pos, tag: int, greedy: bool):
     return lp, p, _draw(p, _uniforms(seed, pos, tag, 1)[:, 0])
 
 
-def _mtp(model: CausalLM, batch: ForwardBatch, hidden, pool: KVPool, index_k_dtype: str):
+def _mtp(
+    model: CausalLM,
+    batch: ForwardBatch,
+    hidden,
+    pool: KVPool,
+    index_k_dtype: str,
+    kv_io: KVIO = SINGLE_DEVICE_KV_IO,
+):
     """The MTP layer over `batch` (tokens one position ahead) fed `hidden`: its output
     hidden states and the pool."""
     cfg = model.cfg
@@ -200,7 +218,7 @@ def _mtp(model: CausalLM, batch: ForwardBatch, hidden, pool: KVPool, index_k_dty
         pool,
         cos,
         sin,
-        kv_io=SINGLE_DEVICE_KV_IO,
+        kv_io=kv_io,
         index_k_dtype=index_k_dtype,
     )
 
@@ -219,6 +237,7 @@ def _chain(
     page_size: int,
     index_k_dtype: str,
     greedy: bool,
+    kv_io: KVIO = SINGLE_DEVICE_KV_IO,
 ):
     """`k` drafts for positions `pos+1..pos+k` and their distributions (`[b, k, 0]` when
     greedy), from the MTP output `first` at `pos - 1`: the first from its logits, each
@@ -228,7 +247,7 @@ def _chain(
     for j in range(k):
         if j:
             batch = span_on_device(drafts[-1][:, None], pos + j - 1, table, live, page_size)
-            hidden, pool = _mtp(model, batch, hidden, pool, index_k_dtype)
+            hidden, pool = _mtp(model, batch, hidden, pool, index_k_dtype, kv_io)
         _, q, draft = _pick(model.logits(hidden[:, 0]), temperature, seed, pos, j, greedy)
         drafts.append(draft)
         dists.append(jnp.zeros((len(draft), 0), jnp.float32) if greedy else q)
@@ -247,18 +266,21 @@ def spec_step(
     index_k_dtype: str,
     invariant: bool,
     greedy: bool,
+    kv_io: KVIO = SINGLE_DEVICE_KV_IO,
+    block_bytes: int | None = None,
 ) -> tuple[StepOutput, DraftState, KVPool]:
     """One verify-and-draft step for every row (see the module docstring); `greedy`
     when every row is at temperature 0 (then `ds.q` is `[b, k, 0]`: no distributions
     are kept). Jit it with the keyword arguments and `graphdef` bound (`MTPSpeculator`
     does), the pool donated: as a static argument the graph definition would be hashed
-    on every call (about 1 ms for the tiny model, as long as its whole step)."""
-    with batch_invariant(invariant):
+    on every call (about 1 ms for the tiny model, as long as its whole step). `kv_io` and
+    `block_bytes` as for `forward_step`."""
+    with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
         b, k = ds.drafts.shape
         ids = jnp.concatenate([ds.token[:, None], ds.drafts], axis=1)
         batch = span_on_device(ids, ds.pos, table, live, page_size)
-        hidden, pool = model(batch, pool, kv_io=SINGLE_DEVICE_KV_IO, index_k_dtype=index_k_dtype)
+        hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype)
         if greedy:  # the sampling rule with one-hot distributions, without the draws
             lp = log_probs(model.logits(hidden), is_batch_invariant())
             tokens = jnp.argmax(lp, axis=-1).astype(jnp.int32)
@@ -280,7 +302,7 @@ def spec_step(
             return out, nxt, pool
         # The MTP pass: position p + i sees the emitted token at p + i + 1.
         mbatch = span_on_device(tokens, ds.pos, table, live, page_size)
-        mhidden, pool = _mtp(model, mbatch, hidden, pool, index_k_dtype)
+        mhidden, pool = _mtp(model, mbatch, hidden, pool, index_k_dtype, kv_io)
         first = jnp.take_along_axis(mhidden, accepted[:, None, None], axis=1)[:, 0]
         drafts, q, pool = _chain(
             model,
@@ -295,6 +317,7 @@ def spec_step(
             page_size=page_size,
             index_k_dtype=index_k_dtype,
             greedy=greedy,
+            kv_io=kv_io,
         )
         return out, dataclasses.replace(nxt, drafts=drafts, q=q), pool
 
@@ -314,13 +337,15 @@ def first_drafts(
     index_k_dtype: str,
     invariant: bool,
     greedy: bool,
+    kv_io: KVIO = SINGLE_DEVICE_KV_IO,
+    block_bytes: int | None = None,
 ) -> tuple[Int[Array, "b k"], Float[Array, "b k v"], KVPool]:
     """After the prompts' prefill: the MTP pass over each prompt (`ahead`: position i sees
     the token at i + 1, the last one the first generated token) and the first `k` drafts
     with their distributions, chained from its output at the prompt's last position."""
-    with batch_invariant(invariant):
+    with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
-        mhidden, pool = _mtp(model, ahead, hidden, pool, index_k_dtype)
+        mhidden, pool = _mtp(model, ahead, hidden, pool, index_k_dtype, kv_io)
         n = ahead.kv_lens  # prompt lengths
         first = jnp.take_along_axis(mhidden, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]
         return _chain(
@@ -336,6 +361,7 @@ def first_drafts(
             page_size=page_size,
             index_k_dtype=index_k_dtype,
             greedy=greedy,
+            kv_io=kv_io,
         )
 
 
@@ -350,16 +376,141 @@ def _prefill(
     index_k_dtype,
     invariant,
     greedy,
+    kv_io: KVIO = SINGLE_DEVICE_KV_IO,
+    block_bytes: int | None = None,
 ):
     """The trunk over the prompts: their final hidden states, each row's first token
     (drawn with the row's accept stream at its prompt's last position) and its log-prob."""
-    with batch_invariant(invariant):
+    with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
-        hidden, pool = model(batch, pool, kv_io=SINGLE_DEVICE_KV_IO, index_k_dtype=index_k_dtype)
+        hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype)
         last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
         logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0])
         lp, _, token = _pick(logits, temperature, seed, last, ACCEPT_STREAM, greedy)
         return hidden, token, jnp.take_along_axis(lp, token[:, None], -1)[:, 0], pool
+
+
+# ---- the serving engine's draft state, by request slot ----------------------------------
+
+
+def init_slab(slots: int, k: int, vocab: int) -> DraftState:
+    """The draft state of `slots` request slots and a spare one (index `slots`, which
+    padding rows read and write): a decode engine's `DraftState` between its steps.
+    `q` keeps the sampled rows' draft distributions, `k x vocab` float32 per slot (1.9 MB
+    at GLM-5's 154,880-token vocabulary and k = 3); a greedy row's is the one-hot of its
+    drafts, made when a sampled step needs it (`slab_step`)."""
+    n = slots + 1
+    return DraftState(
+        token=jnp.zeros((n,), jnp.int32),
+        pos=jnp.zeros((n,), jnp.int32),
+        drafts=jnp.zeros((n, k), jnp.int32),
+        q=jnp.zeros((n, k, vocab), jnp.float32),
+        temperature=jnp.zeros((n,), jnp.float32),
+        seed=jnp.zeros((n,), jnp.int32),
+    )
+
+
+def _gather(slab: DraftState, slots: Int[Array, " b"], greedy: bool) -> DraftState:
+    """The rows `slots` of `slab` as a step's `DraftState` (`q` as `spec_step` wants it)."""
+
+    def take(a):
+        return jnp.take(a, slots, axis=0)
+
+    drafts, temperature = take(slab.drafts), take(slab.temperature)
+    if greedy:
+        q = jnp.zeros((*drafts.shape, 0), jnp.float32)
+    else:
+        onehot = jax.nn.one_hot(drafts, slab.q.shape[-1], dtype=jnp.float32)
+        q = jnp.where((temperature > 0)[:, None, None], take(slab.q), onehot)
+    return DraftState(take(slab.token), take(slab.pos), drafts, q, temperature, take(slab.seed))
+
+
+def _scatter(
+    slab: DraftState, slots: Int[Array, " b"], live: Bool[Array, " b"], ds: DraftState, greedy: bool
+) -> DraftState:
+    """`slab` with the live rows of `ds` written at their `slots` (dead rows go to the
+    spare slot; a greedy step leaves `q` alone: its rows' distributions are one-hot)."""
+    at = jnp.where(live, slots, slab.token.shape[0] - 1)
+
+    def put(a, v):
+        return a.at[at].set(v)
+
+    return DraftState(
+        token=put(slab.token, ds.token),
+        pos=put(slab.pos, ds.pos),
+        drafts=put(slab.drafts, ds.drafts),
+        q=slab.q if greedy else put(slab.q, ds.q),
+        temperature=put(slab.temperature, ds.temperature),
+        seed=put(slab.seed, ds.seed),
+    )
+
+
+def slab_step(
+    graphdef,
+    state,
+    slab: DraftState,
+    slots: Int[Array, " b"],
+    table: Int[Array, "b w"],
+    live: Bool[Array, " b"],
+    pool: KVPool,
+    **static,
+) -> tuple[StepOutput, DraftState, KVPool]:
+    """`spec_step` (its keyword arguments in `static`) for the rows of `slab` at `slots`,
+    their new state written back there: a serving engine's decode step, rows joining and
+    leaving between steps while their state stays on the device."""
+    greedy = static["greedy"]
+    ds = _gather(slab, slots, greedy)
+    out, ds, pool = spec_step(graphdef, state, ds, table, live, pool, **static)
+    return out, _scatter(slab, slots, live, ds, greedy), pool
+
+
+def slab_admit(
+    graphdef,
+    state,
+    slab: DraftState,
+    slots: Int[Array, " b"],
+    batch: ForwardBatch,
+    temperature: Float[Array, " b"],
+    seed: Int[Array, " b"],
+    pool: KVPool,
+    *,
+    k: int,
+    page_size: int,
+    index_k_dtype: str,
+    invariant: bool,
+    greedy: bool,
+    kv_io: KVIO = SINGLE_DEVICE_KV_IO,
+    block_bytes: int | None = None,
+) -> tuple[Int[Array, " b"], Float[Array, " b"], DraftState, KVPool]:
+    """A serving engine's prefill of newly admitted requests, one per row of `batch`
+    (each prompt from position 0; rows with no valid token are padding): the trunk over
+    the prompts, each row's first token and its log-prob, then the MTP pass over each
+    prompt and the first `k` drafts, written into `slab` at `slots` with the row's
+    temperature and seed. Returns (first tokens, their log-probs, slab, pool)."""
+    live = batch.valid[:, 0]
+    kw = {"index_k_dtype": index_k_dtype, "invariant": invariant, "greedy": greedy}
+    kw |= {"kv_io": kv_io, "block_bytes": block_bytes}
+    hidden, token, lp, pool = _prefill(graphdef, state, batch, temperature, seed, pool, **kw)
+    # Position i of the MTP pass sees token i + 1: the prompt shifted, then the first token.
+    n = batch.kv_lens
+    ids = jnp.roll(batch.input_ids, -1, axis=1)
+    ids = jnp.where(jnp.arange(ids.shape[1])[None] == (n - 1)[:, None], token[:, None], ids)
+    ahead = dataclasses.replace(batch, input_ids=ids)
+    drafts, q, pool = first_drafts(
+        graphdef,
+        state,
+        ahead,
+        hidden,
+        temperature,
+        seed,
+        live,
+        pool,
+        k=k,
+        page_size=page_size,
+        **kw,
+    )
+    ds = DraftState(token, n, drafts, q, temperature, seed)
+    return token, lp, _scatter(slab, slots, live, ds, greedy), pool
 
 
 def rows_batch(

@@ -57,6 +57,7 @@ from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_store import PagedKVStore
 from cpkv_jax.mesh import make_dp_mesh
 from cpkv_jax.model.kv_cache import DTYPES, PagedKVIO, init_pool
+from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
@@ -215,11 +216,13 @@ def _build_decode_side(
     if args.uses_prefix_cache():
         return _build_cached_unified(args, cfg, model, tokenizer, devices, grammar)
     dtype = DTYPES[args.dtype]
-    pages = pool_pages_per_rank(args, cfg)  # cp_size 1 here: one lane, one trash page
+    # Speculative decoding keeps the MTP layer's KV in the same pages (one more layer).
+    pool_cfg = mtp_config(cfg) if args.speculative_steps() else cfg
+    pages = pool_pages_per_rank(args, pool_cfg)  # cp_size 1 here: one lane, one trash page
     dp = args.dp_size
     mesh = make_dp_mesh(dp, devices) if dp > 1 else None
     if mesh is None:
-        pool = init_pool(cfg, pages, args.page_size, dtype, args.index_k_dtype)
+        pool = init_pool(pool_cfg, pages, args.page_size, dtype, args.index_k_dtype)
     else:  # one shard of `pages` per DP rank, each with its trash page
         dp_layout = DPPoolLayout(dp, pages, args.page_size)
         pool = init_dp_pool(cfg, dp_layout, mesh, dtype, args.index_k_dtype)
@@ -280,6 +283,23 @@ def _build_decode_side(
         grammar=grammar,
         **_dp_flags(args),
     )
+    if engine.spec is not None:
+        info["speculative"] = {
+            "algorithm": args.speculative_algorithm,
+            "num_steps": engine.spec.k,
+            "num_draft_tokens": engine.spec.k + 1,
+            "eagle_topk": 1,
+        }
+        logger.info(
+            "speculative decoding: %s, %d draft tokens per step from the MTP layer, verified "
+            "in the same step; %d draft-state slots (%.1f MiB); each request reserves %d "
+            "tokens of pages beyond prompt + max_new_tokens",
+            args.speculative_algorithm,
+            engine.spec.k,
+            engine.spec.num_slots,
+            engine.spec.slab_bytes / 2**20,
+            engine.room,
+        )
     return engine, info, closers
 
 
@@ -351,7 +371,9 @@ def _prefill_bootstrap(
 def _model_flags(args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> dict[str, Any]:
     """A decode engine's model-facing arguments from `args` (the served engine and the
     warm-up probe must compile the same shapes)."""
+    spec = {"speculative_num_steps": k} if (k := args.speculative_steps()) else {}
     return {
+        **spec,
         "cfg": cfg,
         "model": model,
         "page_size": args.page_size,
@@ -515,6 +537,8 @@ def _run_warmup_requests(
         max_running_requests=k,
         mesh=engine.mesh,
         **_dp_flags(args),
+        # The served engine's slot count: the draft state is part of the compiled shapes.
+        **({"speculative_slots": engine.spec.num_slots} if engine.spec is not None else {}),
     )
     for i in range(k):
         n = long_prompt if i % 2 == 0 else min(5, long_prompt)

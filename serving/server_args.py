@@ -119,6 +119,11 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 # `serving.parsers.TOOL_CALL_PARSERS` / `REASONING_PARSERS` (SGLang's names), or none.
 ToolCallParserName = Literal["none", "glm45", "glm47", "deepseekv32"]
 ReasoningParserName = Literal["none", "glm45", "deepseek-v3"]
+# Drafting with the checkpoint's own MTP layer, under SGLang's names for it (its GLM-5
+# recipe passes EAGLE; NEXTN is the DeepSeek name SGLang maps to EAGLE).
+SpeculativeAlgorithm = Literal["none", "EAGLE", "NEXTN", "MTP"]
+DEFAULT_SPECULATIVE_STEPS = 3  # SGLang's GLM-5 recipe: 3 steps, 4 draft tokens
+MAX_SPECULATIVE_STEPS = 8
 
 # Help groups, in the order `--help` shows them.
 GROUPS: dict[str, str] = {
@@ -127,6 +132,7 @@ GROUPS: dict[str, str] = {
     "cp": "context-parallel prefill and shared KV (SPEC S1)",
     "ep": "expert parallelism over the CP ranks of a prefill server",
     "dp": "data-parallel decode with expert parallelism (decode and unified servers)",
+    "speculative": "speculative decoding with the model's MTP layer (issue 39)",
     "scheduler": "scheduler and memory",
     "bs_gt1": "CP shared-KV prefill batches of more than one request (SPEC S5-S9)",
     "hicache": "host KV cache, HiCache (SPEC S4)",
@@ -335,6 +341,37 @@ class ServerArgs:
         "exact); none = --ep-size (never drops)",
         group="ep",
         requires="ep_all_to_all",
+    )
+
+    # speculative decoding
+    speculative_algorithm: SpeculativeAlgorithm = _arg(  # noqa: RUF009
+        "none",
+        help="draft tokens with the checkpoint's own MTP layer and verify them with the "
+        "model in the same decode step (greedy: exactly the tokens of plain decoding; "
+        "temperature > 0: speculative sampling). Unified server with --disable-radix-cache "
+        "for now; requests asking for top-p/top-k/min-p, penalties, logit bias, "
+        "min_new_tokens, grammars or top log-probs are refused with 400",
+        group="speculative",
+    )
+    speculative_num_steps: int | None = _arg(
+        None,
+        help=f"draft tokens per step (K): each step verifies K drafts and emits 1 to K + 1 "
+        f"tokens; none = {DEFAULT_SPECULATIVE_STEPS}",
+        group="speculative",
+        requires="speculative_enabled",
+    )
+    speculative_eagle_topk: int | None = _arg(
+        None,
+        help="SGLang's draft-tree width: only 1 (a chain of drafts) is built",
+        group="speculative",
+        requires="speculative_enabled",
+    )
+    speculative_num_draft_tokens: int | None = _arg(
+        None,
+        help="SGLang's tokens verified per step, the current one and the drafts: must be "
+        "--speculative-num-steps + 1 when given",
+        group="speculative",
+        requires="speculative_enabled",
     )
 
     # data-parallel decode
@@ -847,6 +884,7 @@ class ServerArgs:
         self._check_data_parallel(model_config, device_count, warnings)
         self._check_hicache(warnings)
         self._check_radix_cache()
+        self._check_speculative(model_config)
         self._check_api_keys(warnings)
         warnings += self._hicache_unbuilt()
         if self.enable_cp_shared_kv_prefill_bs_gt1 and not self.enable_cp_shared_kv:
@@ -1088,6 +1126,57 @@ class ServerArgs:
                 "--disable-radix-cache (or the host cache)"
             )
 
+    def speculative_enabled(self) -> bool:
+        return self.speculative_algorithm != "none"
+
+    def speculative_steps(self) -> int:
+        """Draft tokens per decode step; 0 without speculative decoding."""
+        if not self.speculative_enabled():
+            return 0
+        steps = self.speculative_num_steps
+        return DEFAULT_SPECULATIVE_STEPS if steps is None else steps
+
+    def _check_speculative(self, model_config: ModelConfig | None) -> None:
+        """`--speculative-algorithm`: a unified server without the prefix cache on one
+        device (the other paths do not run the MTP layer over prompts yet), a chain of
+        1..MAX_SPECULATIVE_STEPS drafts, a checkpoint with an MTP layer."""
+        if not self.speculative_enabled():
+            return
+        k = self.speculative_steps()
+        if not 1 <= k <= MAX_SPECULATIVE_STEPS:
+            raise ServerArgsError(
+                f"--speculative-num-steps must be in [1, {MAX_SPECULATIVE_STEPS}], got {k}"
+            )
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ServerArgsError(
+                f"--speculative-eagle-topk {self.speculative_eagle_topk}: only a chain of "
+                "drafts (1) is built; drop the flag or use 1"
+            )
+        if self.speculative_num_draft_tokens not in (None, k + 1):
+            raise ServerArgsError(
+                f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens} must be "
+                f"--speculative-num-steps + 1 = {k + 1} (one chain: the current token and "
+                "its drafts)"
+            )
+        if self.disaggregation_mode != "null" or not self.disable_radix_cache:
+            raise ServerArgsError(
+                f"--speculative-algorithm {self.speculative_algorithm} runs on the unified "
+                "server with --disable-radix-cache for now: the prefix-cache and PD paths do "
+                "not run the MTP layer over prompts yet (issue 39 item 3); add "
+                "--disable-radix-cache, or drop --speculative-algorithm"
+            )
+        if self.dp_size > 1:
+            raise ServerArgsError(
+                f"--speculative-algorithm with --dp-size {self.dp_size}: speculative decoding "
+                "runs on one device for now; use --dp-size 1"
+            )
+        if model_config is not None and model_config.num_nextn_predict_layers < 1:
+            raise ServerArgsError(
+                f"--speculative-algorithm {self.speculative_algorithm} drafts with the "
+                "checkpoint's MTP layer, and its config.json says num_nextn_predict_layers "
+                "= 0; drop --speculative-algorithm"
+            )
+
     def uses_prefix_cache(self) -> bool:
         """Whether a unified server serves through the prefill scheduler and its radix
         cache (`CachedUnifiedEngine`) rather than whole-prompt prefill."""
@@ -1147,6 +1236,7 @@ class ServerArgs:
             "disaggregated": "--disaggregation-mode prefill|decode",
             "ep_enabled": "--ep-size N (N > 1), or --dp-size N (N > 1) on a decode server",
             "ep_all_to_all": "--ep-dispatch all_to_all (with expert parallelism)",
+            "speculative_enabled": "--speculative-algorithm",
         }
         for f in dataclasses.fields(self):
             predicate = f.metadata["requires"]

@@ -64,6 +64,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -81,6 +82,12 @@ from cpkv_jax.sampling import PendingSample, TopLogprobs
 from serving.decode.intake import Intake, LocalPrefill, TransferIntake, TransferRooms
 from serving.decode.request import DecodeRequest
 from serving.decode.sampler import PENALTY_SLOTS_MAX, RowSampler
+from serving.decode.speculative import (
+    SpecInFlight,
+    SpeculativeSteps,
+    refusal,
+    speculative_room,
+)
 from serving.decode.steps import DecodeSteps, MeshDecodeSteps, reachable_shapes
 from serving.engine.api import (
     EngineStateLostError,
@@ -143,6 +150,8 @@ class DecodeEngine:
         penalty_slots: int | None = None,
         overlap: bool = True,
         grammar: GrammarBackend | None = None,
+        speculative_num_steps: int = 0,
+        speculative_slots: int | None = None,
     ):
         intake = self._intake_for(mode, intake, kv, idle_wait_s)
         if index_k_dtype not in INDEX_K_DTYPES:
@@ -179,8 +188,36 @@ class DecodeEngine:
         # each with its trash page; a request's pages and rows stay on one rank.
         self.mesh = mesh
         self.dp_size = 1 if mesh is None else mesh.size
-        self.steps: DecodeSteps | MeshDecodeSteps
-        if self.dp_size > 1:
+        self.steps: DecodeSteps | MeshDecodeSteps | SpeculativeSteps
+        # Speculative decoding (`--speculative-num-steps`): drafts from the MTP layer,
+        # verified by the trunk, in one step executor (`serving.decode.speculative`).
+        self.spec: SpeculativeSteps | None = None
+        self.room = 0  # tokens of pages a request reserves beyond prompt + max_new_tokens
+        if speculative_num_steps:
+            if self.dp_size > 1 or not isinstance(intake, LocalPrefill):
+                raise ConfigError(
+                    "speculative decoding runs on a unified server with "
+                    "--disable-radix-cache and --dp-size 1 for now: the prefix-cache, PD "
+                    "and data-parallel paths do not run the MTP layer over prompts yet"
+                )
+            slots = max_running_requests if speculative_slots is None else speculative_slots
+            if slots < max_running_requests:
+                raise ConfigError(
+                    f"{slots} draft-state slots for {max_running_requests} running requests"
+                )
+            self.spec = self.steps = SpeculativeSteps(
+                model,
+                kv,
+                num_steps=speculative_num_steps,
+                slots=slots,
+                page_size=page_size,
+                index_k_dtype=index_k_dtype,
+                batch_invariant=batch_invariant,
+                block_bytes=block_bytes,
+                kv_io=kv_io,
+            )
+            self.room = speculative_room(speculative_num_steps, overlap)
+        elif self.dp_size > 1:
             assert mesh is not None
             self.steps = MeshDecodeSteps(
                 model,
@@ -344,6 +381,8 @@ class DecodeEngine:
             req.sampling.validate(cfg.vocab_size)
         except InputError as e:
             raise self.reject("bad_sampling", str(e)) from e
+        if self.spec is not None and (why := refusal(req)) is not None:
+            raise self.reject("speculative_sampling", why)
         max_new = req.sampling.max_new_tokens
         total = n + max_new
         if total > self.context_length:
@@ -353,11 +392,12 @@ class DecodeEngine:
                 f"context length {self.context_length}; shorten the prompt or ask for fewer "
                 "tokens",
             )
-        n_pages = pages_for_tokens(total, self.page_size)
+        n_pages = pages_for_tokens(total + self.room, self.page_size)
         if n_pages > self._usable_pages:
+            room = f" (+ {self.room} of speculative room)" if self.room else ""
             raise self.reject(
                 "pool_capacity",
-                f"prompt + max_new_tokens = {total} tokens need {n_pages} KV pages of "
+                f"prompt + max_new_tokens = {total} tokens{room} need {n_pages} KV pages of "
                 f"{self.page_size} but the whole pool has {self._usable_pages}; ask for fewer "
                 "tokens or start the server with a larger KV pool",
             )
@@ -404,6 +444,8 @@ class DecodeEngine:
     def admit(self, r: DecodeRequest, rank: int) -> None:
         """Allocate `r`'s pages on `rank` and reserve its penalty slot (`fits_now`)."""
         r.pages = self.kv.allocate_pages(r.n_pages, rank)
+        if self.spec is not None:
+            r.slot = self.spec.take_slot()
         self.sampler.reserve(r)
         r.rank = rank
         self.admitted_per_rank[rank] += 1
@@ -423,7 +465,11 @@ class DecodeEngine:
         know yet): its extra token is dropped, and its KV write landed inside its own
         reservation (`prompt + max_new_tokens` tokens) before its pages were reused
         (every later pool use is dispatched after this step)."""
+        if self.spec is not None:
+            self._spec_decode_step(self.spec, touched)
+            return
         prev, self._in_step = self._in_step, None
+        assert not isinstance(prev, SpecInFlight)
         if prev is not None and any(r.grammar for r in self.running.values()):
             # A grammar row's mask needs the token before it: this step waits for them.
             self._collect(prev, touched)
@@ -476,6 +522,53 @@ class DecodeEngine:
         for i in live:
             self.produce(step.rows[i], touched, functools.partial(drawn.pick, i))
 
+    def _spec_decode_step(self, spec: SpeculativeSteps, touched: Touched) -> None:
+        """`_decode_step` with draft and verify: each row emits 1..K+1 tokens per step;
+        the overlap and a finished row's extra step as there (its writes land in the
+        `speculative_room` its pages keep)."""
+        prev, self._in_step = self._in_step, None
+        rows = [r for r in self.running.values() if r.finish is None]
+        if rows:
+            greedy = all(r.req.sampling.temperature == 0 for r in rows)
+            try:
+                assert all(r.slot is not None and r.pages is not None for r in rows)
+                out = spec.step([(r.slot, r.pages, r.n_pages) for r in rows], greedy)
+                self._in_step = SpecInFlight(rows, out)
+            except Exception as e:
+                self.step_failed("the speculative decode step", e, rows, touched)
+        if prev is not None:
+            self._spec_collect(prev, touched)
+        if not self.overlap and self._in_step is not None:
+            step, self._in_step = self._in_step, None
+            self._spec_collect(step, touched)
+
+    def _spec_collect(self, step: _InFlight | SpecInFlight, touched: Touched) -> None:
+        """Fetch a speculative step's tokens and record, for each row still running, its
+        accepted drafts and the token after them, up to where the row stops."""
+        assert isinstance(step, SpecInFlight)
+        live = [
+            i for i, r in enumerate(step.rows) if r.finish is None and self.running.get(r.rid) is r
+        ]
+        if not live:
+            return
+        out = step.out
+        try:
+            tokens, accepted, lps = jax.device_get((out.tokens, out.accepted, out.logprobs))
+        except Exception as e:
+            self.step_failed(
+                "the speculative decode step", e, [step.rows[i] for i in live], touched
+            )
+            return
+        for i in live:
+            r = step.rows[i]
+            a = int(accepted[i])
+            r.spec_verify_ct += 1
+            r.spec_emitted += a + 1
+            for j in range(a + 1):
+                self.produce(r, touched, functools.partial(_emitted, tokens[i, j], lps[i, j]))
+                if r.finish is not None:
+                    break
+
     # ---- compiles ------------------------------------------------------------------------
     @property
     def step_shapes(self) -> set[tuple[str, int, int, int]]:
@@ -513,14 +606,16 @@ class DecodeEngine:
         """Every shape this engine's requests can reach (`steps.reachable_shapes`); its own
         prefills only when its intake prefills with them (a decode server's prompts arrive
         as KV, the cached unified engine's through the CP runner)."""
-        return reachable_shapes(
-            prefill_form=self.steps.prefill_form,
+        plain = reachable_shapes(
+            prefill_form="absorbed",
             page_size=self.page_size,
             context_length=self.context_length,
             usable_pages=self._usable_pages,
             max_running_requests=self._max_rows_per_rank,  # rows per rank
             prefill=self.intake.prefills_with_engine_steps,
+            room=self.room,
         )
+        return plain if self.spec is None else self.spec.shapes_for(plain)
 
     def warm_shapes(self, shapes: set[tuple[str, int, int, int]]) -> int:
         """Compile (run once, on the trash page) those of `shapes` this engine can reach
@@ -551,6 +646,8 @@ class DecodeEngine:
             )
 
     def _warm_sampler(self, shapes: set[tuple[str, int, int, int]]) -> None:
+        if self.spec is not None:
+            return  # the speculative steps draw inside their own programs
         self.sampler.warm(
             {self.steps.logit_rows(n) for _, n, _, _ in shapes}, self.intake.first_token_on_host
         )
@@ -648,10 +745,14 @@ class DecodeEngine:
         touched[r.rid] = r
 
     def free_pages(self, r: DecodeRequest) -> None:
-        """Give `r`'s pages back to the store (once)."""
+        """Give `r`'s pages (and its draft-state slot) back (once)."""
         if r.pages is not None:
             self.kv.free_pages(r.pages)
             r.pages = None
+        if r.slot is not None:
+            assert self.spec is not None
+            self.spec.give_back(r.slot)
+            r.slot = None
 
     # ---- chunks and stats ----------------------------------------------------------------
     def chunk(self, r: DecodeRequest) -> OutputChunk:
@@ -680,6 +781,9 @@ class DecodeEngine:
             meta["stop_text_end"] = int(r.finish.text_end or 0)
         if r.finish.matched_token is not None:
             meta["matched_stop_token"] = r.finish.matched_token
+        if r.spec_verify_ct:  # SGLang's name; tokens per verify step beside it
+            meta["spec_verify_ct"] = r.spec_verify_ct
+            meta["spec_accept_length"] = r.spec_emitted / r.spec_verify_ct
         return OutputChunk(
             r.rid,
             tuple(r.out_ids[new]),
@@ -707,8 +811,36 @@ class DecodeEngine:
             self._rows_per_rank() if self.dp_size > 1 else (),
         )
 
+    def first_tokens(
+        self, batch: list[DecodeRequest]
+    ) -> list[Callable[[], tuple[int, float, TopLogprobs]]]:
+        """Prefill the admitted requests of `batch` (one per DP rank) and draw their first
+        tokens: one `produce` pick per request."""
+        if self.spec is not None:
+            assert len(batch) == 1 and batch[0].slot is not None and batch[0].pages is not None
+            r = batch[0]
+            sp = r.req.sampling
+            first = self.spec.prefill(r.prompt, r.pages, r.width, r.slot, sp.temperature, r.seed)
+            token, lp = jax.device_get(first)
+            return [functools.partial(_emitted, token[0], lp[0])]
+        if len(batch) == 1:
+            logits = self.steps.prefill(batch[0].prompt, batch[0].pages, batch[0].width)
+        else:  # one per DP rank
+            assert isinstance(self.steps, MeshDecodeSteps)
+            logits = self.steps.prefill_many([(q.prompt, q.pages, q.width) for q in batch])
+        drawn = self.sampler.draw(batch, logits)
+        return [functools.partial(drawn.pick, i) for i in range(len(batch))]
+
     def _rows_per_rank(self) -> tuple[int, ...]:
         rows = [0] * self.dp_size
         for q in (*self.intake.in_flight(), *self.running.values()):
             rows[q.rank] += 1
         return tuple(rows)
+
+
+def _emitted(token: Any, logprob: Any) -> tuple[int, float, TopLogprobs]:
+    """A speculative step's token as `produce` records it; `ValueError` for a broken
+    log-prob (the engines fail that request alone, as `Sampled.pick` does)."""
+    if not np.isfinite(logprob):
+        raise ValueError("the token's log-prob is not finite; the logits are broken")
+    return int(token), float(logprob), ()

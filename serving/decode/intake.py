@@ -21,7 +21,6 @@ neither branches on the other's kind.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -29,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from cpkv_jax.errors import CpkvError
 from cpkv_jax.paging import pages_for_tokens
 from serving.decode.request import DecodeRequest
-from serving.decode.steps import MeshDecodeSteps
 from serving.engine.api import EngineStats, GenerateRequest, ServerMode
 from serving.engine.step_failures import step_failure
 
@@ -142,17 +140,12 @@ class LocalPrefill:
         if not batch:
             return
         try:
-            if len(batch) == 1:
-                logits = e.steps.prefill(batch[0].prompt, batch[0].pages, batch[0].width)
-            else:  # one per DP rank
-                assert isinstance(e.steps, MeshDecodeSteps)
-                logits = e.steps.prefill_many([(q.prompt, q.pages, q.width) for q in batch])
-            drawn = e.sampler.draw(batch, logits)
+            picks = e.first_tokens(batch)
         except Exception as exc:
             e.step_failed("the prefill step", exc, batch, touched)
             return
-        for i, q in enumerate(batch):  # a failed draw fails that request alone
-            e.produce(q, touched, functools.partial(drawn.pick, i))
+        for q, pick in zip(batch, picks, strict=True):  # a failed draw fails that request alone
+            e.produce(q, touched, pick)
 
     def lookup(self, rid: str) -> DecodeRequest | None:
         return None

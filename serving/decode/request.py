@@ -37,6 +37,11 @@ class DecodeRequest:
     grammar: RowGrammar | None = None  # structured output: its place in the grammar
     # `prompt_logprobs_from`: the prompt's scores, sent with the next chunk (then None).
     prompt_scores: tuple[tuple, tuple] | None = None
+    # Speculative decoding: its draft-state slot while admitted, its verify steps and the
+    # tokens they emitted (accepted drafts + one each).
+    slot: int | None = None
+    spec_verify_ct: int = 0
+    spec_emitted: int = 0
 
     @property
     def rid(self) -> str:

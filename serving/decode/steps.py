@@ -57,6 +57,7 @@ def reachable_shapes(
     usable_pages: int,
     max_running_requests: int,
     prefill: bool = True,
+    room: int = 0,
 ) -> set[Shape]:
     """Every step shape a `DecodeEngine` with these limits can dispatch.
 
@@ -64,18 +65,23 @@ def reachable_shapes(
     context_length` and `pages(n + m) <= usable_pages` (`DecodeEngine._validate`). Its
     prefill is `(form, 1, prefill_bucket(n), pow2(pages(n + m)))`. A decode step of `k <=
     max_running_requests` running requests is `("absorbed", pow2(k), 1, pow2(max pages))`,
-    and the running requests' reservations fit the pool together.
+    and the running requests' reservations fit the pool together. `room`: tokens each
+    request reserves beyond `n + m` (a speculative engine's draft room).
     """
-    longest = min(context_length, usable_pages * page_size)  # tokens one request can hold
+    # prompt + new tokens one request can hold
+    longest = min(context_length, usable_pages * page_size - room)
     out: set[Shape] = set()
-    max_pages = pages_for_tokens(longest, page_size)
+    if longest < 2:
+        return out  # no request fits (one prompt token and one new one at least)
+    max_pages = pages_for_tokens(longest + room, page_size)
+    min_pages = pages_for_tokens(2 + room, page_size)  # the smallest reservation
     if prefill:
         bucket = MIN_PREFILL_BUCKET
         # Bucket `bucket` holds prompts of n in [lo, bucket]; with m >= 1 a request's
         # pages run over every integer in [pages(lo + 1), max_pages], so its widths are
         # every power of two from pow2(pages(lo + 1)) to pow2(max_pages).
         while (lo := 1 if bucket == MIN_PREFILL_BUCKET else bucket // 2 + 1) < longest:
-            w = pow2_at_least(pages_for_tokens(lo + 1, page_size))
+            w = pow2_at_least(pages_for_tokens(lo + 1 + room, page_size))
             while w <= pow2_at_least(max_pages):
                 out.add((prefill_form, 1, prefill_bucket(lo), w))
                 w *= 2
@@ -83,11 +89,13 @@ def reachable_shapes(
     rows = 1
     while rows <= pow2_at_least(max_running_requests):
         k_min = 1 if rows == 1 else rows // 2 + 1  # fewest requests that pad to `rows`
-        if k_min <= min(max_running_requests, usable_pages):
+        if k_min <= min(max_running_requests, usable_pages // min_pages):
             w = 1
             while w <= pow2_at_least(max_pages):
-                widest_min = 1 if w == 1 else w // 2 + 1  # the widest request's fewest pages
-                if widest_min <= max_pages and widest_min + (k_min - 1) <= usable_pages:
+                # the widest request's fewest pages; the others hold min_pages at least
+                widest_min = max(min_pages, 1 if w == 1 else w // 2 + 1)
+                fits = widest_min + (k_min - 1) * min_pages <= usable_pages
+                if widest_min <= min(w, max_pages) and fits:
                     out.add(("absorbed", rows, 1, w))
                 w *= 2
         rows *= 2

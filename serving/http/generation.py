@@ -200,7 +200,11 @@ class Generation:
             self.finish_reason = chunk.finish_reason or "stop"
             self.error = chunk.error
             self.meta = dict(chunk.meta)
-            self.e2e = self.timer.finish(self.finish_reason, len(self.req.input_ids))
+            self.e2e = self.timer.finish(
+                self.finish_reason,
+                len(self.req.input_ids),
+                spec_accept_length=self.meta.get("spec_accept_length"),
+            )
         return delta
 
     def abandon(self) -> None:

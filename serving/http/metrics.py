@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Tokens per verify step: 1 (nothing accepted) to K + 1 (K <= MAX_SPECULATIVE_STEPS = 8).
+SPEC_ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 9.0)
 
 
 class _EngineStatsCollector(Collector):
@@ -253,6 +255,13 @@ class ServerMetrics:
             buckets=E2E_BUCKETS,
             registry=reg,
         )
+        self.spec_accept_length = Histogram(
+            "cpkv_spec_accept_length",
+            "Speculative decoding: tokens each verify step of a finished request emitted, "
+            "on average (accepted drafts + 1; --speculative-algorithm).",
+            buckets=SPEC_ACCEPT_BUCKETS,
+            registry=reg,
+        )
         self.requests = Counter(
             "cpkv_requests",
             "Finished requests by finish reason (stop, length, abort, error).",
@@ -334,13 +343,21 @@ class RequestTimer:
             self._m.itl.observe(gap / max(remaining, 1))
         self._last_token_at = now
 
-    def finish(self, finish_reason: str, prompt_tokens: int, now: float | None = None) -> float:
+    def finish(
+        self,
+        finish_reason: str,
+        prompt_tokens: int,
+        now: float | None = None,
+        spec_accept_length: float | None = None,
+    ) -> float:
         """Record the request's end once; returns its end-to-end latency in seconds."""
         now = time.monotonic() if now is None else now
         e2e = now - self.arrival
         if not self._finished:
             self._finished = True
             self._m.e2e.observe(e2e)
+            if spec_accept_length is not None:
+                self._m.spec_accept_length.observe(spec_accept_length)
             self._m.requests.labels(finish_reason=finish_reason).inc()
             self._m.prompt_tokens.inc(prompt_tokens)
         return e2e

@@ -133,6 +133,9 @@ class NativeRoutes:
             "e2e_latency": gen.e2e,
             "ttft": gen.timer.ttft,
         }
+        if "spec_verify_ct" in gen.meta:  # speculative decoding (SGLang's field)
+            meta["spec_verify_ct"] = int(gen.meta["spec_verify_ct"])
+            meta["spec_accept_length"] = float(gen.meta["spec_accept_length"])
         if gen.req.return_logprob:
             token_text = gen.out.detok.token_text if texts else lambda t: None
             meta["output_token_logprobs"] = [

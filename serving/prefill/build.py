@@ -263,6 +263,7 @@ def load_serving_model(
         mesh=mesh,
         expert_axis=axis,
         stats=stats,
+        mtp=args.speculative_steps() > 0,  # the MTP layer drafts (issue 39)
     )
     logger.info(
         "weights: read %.3f GB (%d tensors, planned %.3f GB) in %.1f s, %.2f GB/s; "

@@ -17,15 +17,15 @@ from cpkv_jax.paging import pages_for_tokens
 from serving.decode.steps import reachable_shapes
 
 
-def brute(page: int, context: int, usable: int, running: int) -> set:
+def brute(page: int, context: int, usable: int, running: int, room: int = 0) -> set:
     out = set()
+    sizes = set()  # pages of one reservation
     for n in range(1, context):
         for total in range(n + 1, context + 1):
-            pages = pages_for_tokens(total, page)
+            pages = pages_for_tokens(total + room, page)
             if pages <= usable:
+                sizes.add(pages)
                 out.add(("absorbed", 1, prefill_bucket(n), pow2_at_least(pages)))
-    longest = min(context, usable * page)
-    sizes = range(1, pages_for_tokens(longest, page) + 1)  # pages of one reservation
     for k in range(1, running + 1):
         for combo in itertools.combinations_with_replacement(sizes, k):
             if sum(combo) <= usable:
@@ -35,19 +35,24 @@ def brute(page: int, context: int, usable: int, running: int) -> set:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_enumeration_equals_brute_force(seed):
+    """Half the cases with a speculative engine's page room beyond prompt + new tokens
+    (`speculative_room`: 2K + 1, + K + 1 with overlap)."""
     rng = np.random.default_rng(seed)
     page = int(rng.choice([4, 8, 16]))
     context = int(rng.integers(2, 90))
     usable = int(rng.integers(1, 12))
     running = int(rng.integers(1, 6))
+    room = 0 if seed % 2 else int(rng.integers(3, 30))
     got = reachable_shapes(
         prefill_form="absorbed",
         page_size=page,
         context_length=context,
         usable_pages=usable,
         max_running_requests=running,
+        room=room,
     )
-    assert got == brute(page, context, usable, running), (page, context, usable, running)
+    case = (page, context, usable, running, room)
+    assert got == brute(page, context, usable, running, room), case
 
 
 def cp_brute(cp, page, max_extend, longest, max_rows, pool) -> set:

@@ -1,0 +1,308 @@
+"""Speculative decoding in the decode engine: draft with the model's MTP layer, verify
+with the trunk, one device program per step (issue 39; `cpkv_jax.speculative`).
+
+`cpkv-serve --speculative-algorithm NEXTN --speculative-num-steps K` (SGLang's flags)
+gives the unified server with `--disable-radix-cache` a `SpeculativeSteps` in place of
+the plain `DecodeSteps`:
+
+- admission (`prefill`): the trunk over the prompt, its first token drawn on the device,
+  the MTP layer's pass over the prompt and the first K drafts, in one program;
+- each decode step (`step`): every running row verifies its K drafts and emits 1..K+1
+  tokens, then the MTP layer drafts the next K, in one program. The host reads back only
+  the emitted tokens, the accepted counts and the tokens' log-probs.
+
+Each running request holds a slot of the draft state (`cpkv_jax.speculative.init_slab`:
+its last verified token and position, its drafts and their distributions, its
+temperature and seed), which stays on the device between steps; padding rows use the
+spare slot. A request reserves `speculative_room(K, overlap)` tokens of pages beyond
+`prompt + max_new_tokens`: the last verify and draft chain write up to 2K + 1 positions
+past the row's length, and with overlap one more step (K + 1) runs before the host sees
+the row finished.
+
+What a speculative step cannot apply is refused when the request arrives
+(`refusal`: HTTP 400 naming the parameter): the draft-and-verify rule samples from
+`softmax(logits / T)`, so top-p, top-k, min-p, penalties, logit bias, min_new_tokens,
+grammars and top log-probs need a server without `--speculative-algorithm`.
+
+Step shapes (the `DecodeSteps` interface, so the engine's warm-up and compile accounting
+are unchanged): `("spec" | "spec_greedy", rows, K + 1, width)` for decode steps and
+`("spec_prefill" | "spec_prefill_greedy", 1, prefill bucket, width)` for admissions; the
+greedy variants run when every row is at temperature 0 and keep no distributions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from cpkv_jax.aot import ShapeCache, abstract
+from cpkv_jax.buckets import pow2_at_least
+from cpkv_jax.errors import ConfigError
+from cpkv_jax.kv_store import KVStore
+from cpkv_jax.model.forward_batch import abstract_batch, prefill_batch
+from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
+from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.paging import TRASH_PAGE, padded_page_table
+from cpkv_jax.speculative import StepOutput, init_slab, slab_admit, slab_step
+from serving.decode.steps import _CACHES, _CACHES_LOCK, Shape
+from serving.engine.api import GenerateRequest
+
+# SGLang's names for drafting with the checkpoint's own MTP layer ("EAGLE" is what its
+# GLM-5 recipe passes; "NEXTN" is the DeepSeek name it maps to EAGLE).
+SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE", "MTP")
+SPEC_FORMS = ("spec", "spec_greedy")
+SPEC_PREFILL_FORMS = ("spec_prefill", "spec_prefill_greedy")
+
+
+def speculative_room(num_steps: int, overlap: bool) -> int:
+    """Tokens a request reserves beyond `prompt + max_new_tokens` (the module docstring)."""
+    return 2 * num_steps + 1 + (num_steps + 1 if overlap else 0)
+
+
+def refusal(req: GenerateRequest) -> str | None:
+    """Why a speculative engine cannot serve `req` as asked, or None."""
+    sp = req.sampling
+    asked = [
+        name
+        for name, on in (
+            ("top_p", sp.top_p < 1.0),
+            ("top_k", sp.top_k > 0),
+            ("min_p", sp.min_p > 0.0),
+            ("frequency_penalty", sp.frequency_penalty != 0.0),
+            ("presence_penalty", sp.presence_penalty != 0.0),
+            ("repetition_penalty", sp.repetition_penalty != 1.0),
+            ("logit_bias", bool(sp.logit_bias)),
+            ("min_new_tokens", sp.min_new_tokens > 0),
+            ("a grammar (structured output)", sp.grammar is not None),
+            ("top_logprobs", req.return_logprob and req.top_logprobs > 0),
+        )
+        if on
+    ]
+    if not asked:
+        return None
+    return (
+        f"this server decodes speculatively (--speculative-algorithm), which samples from "
+        f"softmax(logits / temperature) only; {', '.join(asked)} "
+        f"{'needs' if len(asked) == 1 else 'need'} a server without speculative decoding"
+    )
+
+
+class SpeculativeSteps:
+    """Draft-and-verify steps of one model (with its MTP layer) over one `KVStore`, and
+    the draft-state slots of the rows (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: KVStore,
+        *,
+        num_steps: int,
+        slots: int,
+        page_size: int,
+        index_k_dtype: IndexKDtype,
+        batch_invariant: bool,
+        block_bytes: int | None,
+        kv_io: PagedKVIO = SINGLE_DEVICE_KV_IO,
+    ):
+        if num_steps < 1:
+            raise ConfigError(f"--speculative-num-steps must be >= 1, got {num_steps}")
+        if model.mtp is None:
+            raise ConfigError(
+                "speculative decoding drafts with the checkpoint's MTP layer, and this model "
+                "was loaded without it"
+            )
+        self.k = num_steps
+        self.kv = kv
+        self.page_size = page_size
+        self.vocab_size = model.cfg.vocab_size
+        self.batch_invariant = batch_invariant
+        self.prefill_form = SPEC_PREFILL_FORMS[0]
+        self.shapes: set[Shape] = set()
+        self.num_slots = slots
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._graphdef, self._state = nnx.split(model)
+        self.slab = jax.device_put(
+            init_slab(slots, num_steps, self.vocab_size), self.logits_sharding
+        )
+        static = {
+            "page_size": page_size,
+            "index_k_dtype": index_k_dtype,
+            "invariant": batch_invariant,
+            "kv_io": kv_io,
+            "block_bytes": block_bytes,
+        }
+        self._fns = {}
+        for greedy in (False, True):
+            step = functools.partial(slab_step, self._graphdef, greedy=greedy, **static)
+            admit = functools.partial(
+                slab_admit, self._graphdef, k=num_steps, greedy=greedy, **static
+            )
+            donate = ("slab", "pool")
+            self._fns[SPEC_FORMS[greedy]] = jax.jit(step, donate_argnames=donate)
+            self._fns[SPEC_PREFILL_FORMS[greedy]] = jax.jit(admit, donate_argnames=donate)
+        self._abstract = (abstract(self._state), abstract(self.slab), abstract(kv.pool))
+        leaves, tree = jax.tree.flatten(self._abstract)
+        context = ("speculative", num_steps, self._graphdef, tree, *leaves, *static.items())
+        with _CACHES_LOCK:
+            caches = _CACHES.setdefault(model, {})
+            self._compiled = caches.setdefault(context, ShapeCache("speculative step"))
+
+    @property
+    def slab_bytes(self) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves(self.slab))
+
+    # ---- slots ---------------------------------------------------------------------------
+    def take_slot(self) -> int:
+        """A free draft-state slot (the engine admits at most `num_slots` rows)."""
+        return self._free.pop()
+
+    def give_back(self, slot: int) -> None:
+        self._free.append(slot)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    # ---- steps ---------------------------------------------------------------------------
+    def prefill(
+        self,
+        prompt: np.ndarray,
+        pages: np.ndarray,
+        width: int,
+        slot: int,
+        temperature: float,
+        seed: int,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Admit one request: its prompt's KV (trunk and MTP layer) into `pages`, its first
+        K drafts into `slot`; returns its first token and that token's log-prob, on the
+        device (`[1]` each)."""
+        batch = prefill_batch(prompt, padded_page_table(pages, width), self.page_size)
+        greedy = temperature == 0
+        shape = (SPEC_PREFILL_FORMS[greedy], 1, batch.input_ids.shape[1], width)
+        run = self.compiled(shape)
+        self.shapes.add(shape)
+        temps = np.asarray([temperature], np.float32)
+        seeds = np.asarray([seed % 2**31], np.int32)
+        slots = np.asarray([slot], np.int32)
+
+        def go(pool):
+            token, lp, self.slab, pool = run(
+                self._state, self.slab, slots, batch, temps, seeds, pool
+            )
+            return (token, lp), pool
+
+        with jax.named_scope("decode_engine.spec_prefill"):
+            return self.kv.update_pool(go)
+
+    def step(self, rows: Sequence[tuple[int, np.ndarray, int]], greedy: bool) -> StepOutput:
+        """One draft-and-verify step for `rows` (slot, pages, pages reserved), padded to a
+        power of two (padding rows write the trash page and the spare slot); `greedy` when
+        every row is at temperature 0. The output stays on the device."""
+        rows_p = pow2_at_least(len(rows))
+        width = pow2_at_least(max(n for *_, n in rows))
+        slots = np.full((rows_p,), self.num_slots, np.int32)
+        tables = np.full((rows_p, width), TRASH_PAGE, np.int32)
+        live = np.zeros((rows_p,), bool)
+        for i, (slot, pages, _) in enumerate(rows):
+            slots[i], live[i] = slot, True
+            tables[i] = padded_page_table(pages, width)
+        shape = (SPEC_FORMS[greedy], rows_p, self.k + 1, width)
+        run = self.compiled(shape)
+        self.shapes.add(shape)
+
+        def go(pool):
+            out, self.slab, pool = run(self._state, self.slab, slots, tables, live, pool)
+            return out, pool
+
+        with jax.named_scope("decode_engine.spec_step"):
+            return self.kv.update_pool(go)
+
+    # ---- shapes and compiles (the `DecodeSteps` interface) --------------------------------
+    def shapes_for(self, plain: set[Shape]) -> set[Shape]:
+        """The speculative twins of plain step shapes (`steps.reachable_shapes` computed
+        with this engine's page room): both variants of each."""
+        out: set[Shape] = set()
+        for form, rows, tokens, width in plain:
+            forms = SPEC_FORMS if tokens == 1 and form == "absorbed" else SPEC_PREFILL_FORMS
+            n = self.k + 1 if forms is SPEC_FORMS else tokens
+            out |= {(f, rows, n, width) for f in forms}
+        return out
+
+    def warm(self, shapes: Sequence[Shape]) -> None:
+        """Run each shape once with the trash page's table and the spare slot: every write
+        lands where no request reads."""
+        trash = np.zeros((1,), np.int32)
+        spare = self.num_slots
+        for form, rows, tokens, width in tqdm(
+            shapes, desc="compiling speculative steps", unit="shape", disable=None
+        ):
+            greedy = form.endswith("_greedy")
+            if form in SPEC_PREFILL_FORMS:
+                out = self.prefill(
+                    np.full((tokens,), 3, np.int32), trash, width, spare, 0.0 if greedy else 1.0, 0
+                )
+            else:
+                out = self.step([(spare, trash, width)] * rows, greedy)
+            jax.block_until_ready(out)
+
+    @property
+    def logits_sharding(self) -> jax.sharding.Sharding:
+        return jax.tree.leaves(self.kv.pool)[0].sharding
+
+    @staticmethod
+    def logit_rows(rows: int) -> int:
+        return rows
+
+    def warm_feeds(self, rows: set[int]) -> None:
+        """Nothing to feed: a step's next tokens never leave the device state."""
+
+    def warm_log_probs(self, rows: set[int]) -> None:
+        """Nothing around the steps: the draws and log-probs are inside them."""
+
+    def compiled(self, shape: Shape) -> jax.stages.Compiled:
+        return self._compiled.get(shape, lambda: self._lower(shape))
+
+    def compile_estimate(self, shapes: set[Shape]) -> tuple[int, float]:
+        return self._compiled.estimate(shapes)
+
+    @property
+    def compile_count(self) -> int:
+        return self._compiled.compiles
+
+    @property
+    def compiled_shapes(self) -> set[Shape]:
+        return self._compiled.compiled_keys()
+
+    def _lower(self, shape: Shape) -> jax.stages.Lowered:
+        """Lower `shape` on abstract weights, slab and pool (nothing live is touched)."""
+        form, rows, tokens, width = shape
+        state, slab, pool = self._abstract
+        i32 = np.int32
+
+        def arg(shape_, dtype):
+            return jax.ShapeDtypeStruct(shape_, dtype)
+
+        if form in SPEC_PREFILL_FORMS:
+            batch = abstract_batch(rows, tokens, width)
+            f32 = np.float32
+            return self._fns[form].lower(
+                state, slab, arg((rows,), i32), batch, arg((rows,), f32), arg((rows,), i32), pool
+            )
+        return self._fns[form].lower(
+            state, slab, arg((rows,), i32), arg((rows, width), i32), arg((rows,), bool), pool
+        )
+
+
+@dataclasses.dataclass
+class SpecInFlight:
+    """A dispatched speculative step whose tokens are not fetched yet: its rows in the
+    step's row order and its output (on the device)."""
+
+    rows: list
+    out: StepOutput

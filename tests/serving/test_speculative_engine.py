@@ -1,0 +1,248 @@
+"""Speculative decoding in the decode engine (issue 39; `serving.decode.speculative`): the
+unified engine with `--disable-radix-cache` drafting with the MTP layer must emit exactly
+what the plain engine emits, tokens and log-probs (bitwise under batch-invariant
+numerics), for both architectures and the FP8 checkpoint, with requests joining and
+leaving the batch, stopping inside a step's accepted drafts, and being aborted mid-step;
+every page and draft-state slot comes back.
+
+The tiny checkpoints' MTP layers are random, so their drafts are almost never accepted.
+The oracle wraps the engine's step: before each step it replaces the drafts in the
+device state with the plain engine's continuation, corrupted at a place that moves with
+the step and the row, so steps accept every count from 0 to K and rows of one step accept
+different counts (the positions come from the device state itself, so the overlap stays
+on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from cpkv_jax.errors import ConfigError, InputError
+from cpkv_jax.kv_store import PagedKVStore
+from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.model.mtp import mtp_config
+from cpkv_jax.model.weights import load_model
+from cpkv_jax.paging import PageAllocator
+from serving.decode.engine import DecodeEngine
+from serving.decode.speculative import SPEC_FORMS
+from serving.engine.api import GenerateRequest, SamplingParams
+
+pytestmark = pytest.mark.slow(seconds=110)  # one worker, 2026-12-05
+
+P = 16
+PAGES = 64
+ROWS = 4
+# Five requests for four rows (one waits for a slot), all in one prefill bucket (64) and,
+# with the speculative room, one page-table width (8 pages): few shapes to compile.
+LENGTHS = (50, 53, 57, 51, 60)
+CHECKPOINTS = {
+    "glm": ("glm_moe_dsa", {}),
+    "glm-fp8": ("glm_moe_dsa", {"fp8": True}),
+    "dsv32": ("deepseek_v32", {}),
+}
+CASES = [("glm", 3), ("glm-fp8", 1), ("dsv32", 2)]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoints):
+    """`get(checkpoint) -> (cfg, model)` with its MTP layer, loaded once."""
+    out: dict = {}
+
+    def get(ckpt: str):
+        if ckpt not in out:
+            arch, kw = CHECKPOINTS[ckpt]
+            out[ckpt] = load_model(tiny_checkpoints(arch, **kw), mtp=True)
+        return out[ckpt]
+
+    return get
+
+
+def make_engine(cfg, model, k: int, **kw) -> DecodeEngine:
+    pool = init_pool(mtp_config(cfg) if k else cfg, PAGES, P, np.float32, "fp8_e4m3")
+    return DecodeEngine(
+        cfg=cfg,
+        model=model,
+        kv=PagedKVStore(pool, PageAllocator(PAGES)),
+        page_size=P,
+        index_k_dtype="fp8_e4m3",
+        mode="null",
+        max_running_requests=ROWS,
+        batch_invariant=True,
+        speculative_num_steps=k,
+        **kw,
+    )
+
+
+def requests(cfg, seed: int = 3, **sampling) -> list[GenerateRequest]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(LENGTHS):
+        ids = tuple(rng.integers(3, cfg.vocab_size, n).tolist())
+        sp = SamplingParams(max_new_tokens=10 + 2 * i, ignore_eos=True, **sampling)
+        out.append(GenerateRequest(f"r{i}", ids, sp, return_logprob=True))
+    return out
+
+
+def run(engine: DecodeEngine, reqs, abort_after: dict[str, int] | None = None) -> dict:
+    """rid -> (tokens, log-probs, finish reason, meta); `abort_after`: rid -> the engine
+    step after which that request is aborted."""
+    for r in reqs:
+        engine.add(r)
+    out: dict = {r.rid: [[], [], None, None] for r in reqs}
+    for n in range(400):
+        for c in engine.step():
+            o = out[c.rid]
+            o[0] += c.token_ids
+            o[1] += c.logprobs or ()
+            if c.finished:
+                o[2], o[3] = c.finish_reason, c.meta
+        for rid, at in (abort_after or {}).items():
+            if at == n:
+                engine.abort(rid)
+        if all(o[2] is not None for o in out.values()) and not engine.has_work():
+            return out
+    raise AssertionError(f"requests did not finish: {out}")
+
+
+def with_stop_tokens(reqs, plain: dict) -> list[GenerateRequest]:
+    """The same requests, two of them stopping at a token of their plain continuation
+    (inside a step's accepted drafts once the oracle makes them accepted)."""
+    out = []
+    for i, r in enumerate(reqs):
+        sp = r.sampling
+        if i in (0, 2):
+            stop = plain[r.rid][0][5 + i]
+            sp = dataclasses.replace(sp, stop_token_ids=(stop,), ignore_eos=False)
+        out.append(dataclasses.replace(r, sampling=sp))
+    return out
+
+
+def install_oracle(engine: DecodeEngine, truth: dict[str, list[int]], k: int) -> list[int]:
+    """Replace each step's drafts by the plain continuation, corrupted at `(step + row)
+    mod (k + 1)` (k: none corrupted); returns the list the accepted counts go to."""
+    spec = engine.spec
+    assert spec is not None
+    step_fn, steps = spec.step, [0]
+    accepted: list[int] = []
+
+    def step(rows, greedy):
+        by_slot = {r.slot: r for r in engine.running.values()}
+        slab = spec.slab
+        pos, drafts = (np.array(a) for a in jax.device_get((slab.pos, slab.drafts)))
+        for i, (slot, _, _) in enumerate(rows):
+            r = by_slot[slot]
+            start = int(pos[slot]) + 1 - len(r.prompt)  # output index of position pos + 1
+            true = truth[r.rid][start : start + k]
+            if len(true) == k:
+                drafts[slot] = true
+                bad = (steps[0] + i) % (k + 1)
+                if bad < k:
+                    drafts[slot, bad] = (drafts[slot, bad] + 1) % engine.cfg.vocab_size
+        spec.slab = dataclasses.replace(slab, drafts=jax.device_put(drafts, slab.drafts.sharding))
+        steps[0] += 1
+        out = step_fn(rows, greedy)
+        accepted.extend(np.asarray(out.accepted)[: len(rows)].tolist())
+        return out
+
+    spec.step = step
+    return accepted
+
+
+@pytest.fixture(scope="module")
+def plain(loaded):
+    """`get(checkpoint, stop: bool)` -> the plain engine's outputs of `requests`."""
+    out: dict = {}
+
+    def get(ckpt: str, stop: bool = False):
+        if (ckpt, stop) not in out:
+            cfg, model = loaded(ckpt)
+            reqs = requests(cfg)
+            if stop:
+                reqs = with_stop_tokens(reqs, get(ckpt))
+            out[ckpt, stop] = run(make_engine(cfg, model, 0), reqs)
+        return out[ckpt, stop]
+
+    return get
+
+
+def assert_same(got: dict, want: dict) -> None:
+    for rid, w in want.items():
+        g = got[rid]
+        assert g[0] == w[0], rid
+        np.testing.assert_array_equal(g[1], w[1], err_msg=rid)  # bitwise
+        assert g[2] == w[2], rid
+
+
+@pytest.mark.parametrize(("ckpt", "k"), CASES)
+def test_speculative_engine_emits_the_plain_engines_tokens_and_log_probs(loaded, plain, ckpt, k):
+    cfg, model = loaded(ckpt)
+    engine = make_engine(cfg, model, k)
+    free0 = engine.kv.num_free_pages
+    # Random drafts: (almost) every step accepts nothing.
+    assert_same(run(engine, requests(cfg)), plain(ckpt))
+    # Oracle drafts, two requests stopping at a stop token: multi-token steps.
+    want = plain(ckpt, stop=True)
+    accepted = install_oracle(engine, {rid: o[0] for rid, o in plain(ckpt).items()}, k)
+    got = run(engine, with_stop_tokens(requests(cfg), plain(ckpt)))
+    assert_same(got, want)
+    assert set(accepted) == set(range(k + 1)), accepted
+    for rid, (tokens, _, _, meta) in got.items():
+        assert meta["spec_verify_ct"] >= 1, rid
+        assert meta["spec_accept_length"] >= len(tokens) / (meta["spec_verify_ct"] + 1), rid
+    assert engine.kv.num_free_pages == free0 and engine.spec.free_slots == ROWS
+    assert {s[0] for s in engine.step_shapes} <= {*SPEC_FORMS, "spec_prefill_greedy"}
+
+
+def test_sampled_rows_depend_on_their_seed_alone_and_greedy_rows_stay_exact(loaded, plain):
+    """A batch with a sampled row runs the sampled variant, in which the greedy rows'
+    distributions are one-hot: they must still emit the plain greedy tokens; a sampled
+    request's tokens depend on its seed, not on its batch."""
+    cfg, model = loaded("glm")
+    engine = make_engine(cfg, model, 2)
+    reqs = requests(cfg)
+    sampled = dataclasses.replace(
+        reqs[1],
+        rid="s",
+        sampling=dataclasses.replace(reqs[1].sampling, temperature=0.8, seed=11),
+    )
+    mixed = run(engine, [reqs[0], sampled, reqs[2]])
+    assert_same(
+        {k: v for k, v in mixed.items() if k != "s"}, {k: plain("glm")[k] for k in ("r0", "r2")}
+    )
+    alone = run(engine, [dataclasses.replace(sampled, rid="s")])
+    assert alone["s"][0] == mixed["s"][0]
+    assert alone["s"][1] == mixed["s"][1]
+    assert len(mixed["s"][0]) == sampled.sampling.max_new_tokens
+    assert alone["s"][0] != plain("glm")["r1"][0][: len(alone["s"][0])]  # it did sample
+
+
+def test_aborts_mid_step_and_refusals_leave_nothing_held(loaded):
+    cfg, model = loaded("glm")
+    engine = make_engine(cfg, model, 3)
+    free0 = engine.kv.num_free_pages
+    reqs = requests(cfg, seed=5)
+    out = run(engine, reqs, abort_after={"r0": 2, "r3": 0, "r4": 1})
+    assert out["r0"][2] == out["r3"][2] == out["r4"][2] == "abort"
+    assert out["r1"][2] == out["r2"][2] == "length"
+    assert engine.kv.num_free_pages == free0 and engine.spec.free_slots == ROWS
+    r = requests(cfg)[0]
+    for field, value in (("top_p", 0.9), ("top_k", 5), ("presence_penalty", 0.5)):
+        bad = dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, **{field: value}))
+        with pytest.raises(InputError, match=field):
+            engine.add(bad)
+    with pytest.raises(InputError, match="top_logprobs"):
+        engine.add(dataclasses.replace(r, top_logprobs=2))
+    assert not engine.has_work() and engine.kv.num_free_pages == free0
+
+
+def test_speculative_engine_refuses_what_it_cannot_run(loaded, tiny_checkpoints):
+    cfg, model = loaded("glm")
+    with pytest.raises(ConfigError, match="slots"):
+        make_engine(cfg, model, 1, speculative_slots=ROWS - 1)
+    _, trunk_only = load_model(tiny_checkpoints("glm_moe_dsa"))
+    with pytest.raises(ConfigError, match="MTP layer"):
+        make_engine(cfg, trunk_only, 1)

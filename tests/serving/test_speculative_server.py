@@ -1,0 +1,212 @@
+"""`cpkv-serve --speculative-algorithm EAGLE --speculative-num-steps 2
+--disable-radix-cache` (issue 39): the unified server drafting with the MTP layer answers
+with the plain reference's greedy tokens and log-probs (bitwise under
+`--enable-batch-invariant`), reports its speculative configuration and per-request
+acceptance (`meta_info`, `/metrics`), refuses what a speculative step cannot apply with a
+400 that names it, and under many clients, some disconnecting mid-stream, returns every
+page and draft-state slot (SPEC-less: issue 39's load acceptance point). Flag
+combinations it cannot serve are refused at startup with the fix."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import numpy as np
+import pytest
+from support.prefill_server import P
+from support.unified_server import serving, unified_args
+
+from cpkv_jax.generate import ReferenceGenerator
+from cpkv_jax.model.weights import load_model
+from serving.decode.engine import DecodeEngine
+from serving.server_args import ServerArgs, ServerArgsError
+
+pytestmark = pytest.mark.slow(seconds=65)  # one worker, 2026-12-05
+
+POOL_PAGES = 96
+STEPS = 2
+FLAGS = (
+    "--disable-radix-cache",
+    "--speculative-algorithm",
+    "EAGLE",
+    "--speculative-num-steps",
+    str(STEPS),
+    "--enable-batch-invariant",
+    "--max-running-requests",
+    "8",
+)
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_checkpoints):
+    path = tiny_checkpoints("glm_moe_dsa")
+    cfg, model = load_model(path, mtp=True)
+    with serving(unified_args(path, cfg, POOL_PAGES, *FLAGS)) as (server, served):
+        ref = ReferenceGenerator(
+            cfg, model, page_size=P, index_k_dtype="float32", batch_invariant=True
+        )
+        yield server, served, ref, cfg
+
+
+def generate(url: str, ids: list[int], new: int, **sampling) -> httpx.Response:
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": new, "ignore_eos": True, **sampling},
+    }
+    return httpx.post(url + "/generate", json=body, timeout=120.0)
+
+
+def test_greedy_answers_are_the_references_with_acceptance_reported(spec_server):
+    server, served, ref, cfg = spec_server
+    rng = np.random.default_rng(7)
+    for n, new in ((37, 12), (20, 5)):
+        ids = rng.integers(3, cfg.vocab_size, n).tolist()
+        r = generate(served.url, ids, new, temperature=0.0)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        want = ref.generate(ids, new, ignore_eos=True)
+        assert body["output_ids"] == want.output_ids
+        lps = [lp for lp, _, _ in body["meta_info"]["output_token_logprobs"]]
+        np.testing.assert_array_equal(lps, want.output_logprobs)  # bitwise
+        meta = body["meta_info"]
+        assert meta["spec_verify_ct"] >= 1 and 1.0 <= meta["spec_accept_length"] <= STEPS + 1
+    info = httpx.get(served.url + "/server_info").json()
+    assert info["speculative"] == {
+        "algorithm": "EAGLE",
+        "num_steps": STEPS,
+        "num_draft_tokens": STEPS + 1,
+        "eagle_topk": 1,
+    }
+    metrics = httpx.get(served.url + "/metrics").text
+    assert "cpkv_spec_accept_length_count 2.0" in metrics
+
+
+def test_what_a_speculative_step_cannot_apply_is_refused_with_400(spec_server):
+    _, served, _, _ = spec_server
+    r = generate(served.url, [5, 6, 7], 4, temperature=0.7, top_p=0.5)
+    assert r.status_code == 400, r.text
+    assert "top_p" in r.json()["error"]["message"]
+    assert "speculative" in r.json()["error"]["message"]
+    body = {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 2}
+    r = httpx.post(served.url + "/generate", json=body, timeout=30.0)
+    assert r.status_code == 400 and "top_logprobs" in r.text
+
+
+def test_many_clients_with_disconnects_leave_every_page_and_slot(spec_server):
+    """24 clients, sampled and greedy, a third of them streaming and leaving after their
+    first event: every finished answer has its length, and when all is done every page
+    and draft-state slot is free again."""
+    server, served, _, cfg = spec_server
+    engine = server.engine
+    assert isinstance(engine, DecodeEngine) and engine.spec is not None
+    free0 = engine.kv.num_free_pages
+    rng = np.random.default_rng(11)
+    jobs = [
+        # prompts of one prefill bucket (33..64 tokens): fewer shapes to compile
+        (rng.integers(3, cfg.vocab_size, int(rng.integers(33, 60))).tolist(), i)
+        for i in range(24)
+    ]
+
+    async def one(client: httpx.AsyncClient, ids: list[int], i: int) -> str | None:
+        sampling = {"max_new_tokens": 6 + i % 7, "ignore_eos": True}
+        sampling["temperature"] = 0.0 if i % 2 else 0.9
+        body = {"input_ids": ids, "sampling_params": sampling, "stream": i % 3 == 0}
+        async with client.stream("POST", "/generate", json=body) as r:
+            if r.status_code != 200:
+                return f"{i}: {r.status_code} {await r.aread()!r}"
+            if body["stream"]:
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        return None  # leave mid-stream: the server aborts the request
+                return f"{i}: no event"
+            got = json.loads(await r.aread())
+            n = len(got["output_ids"])
+            return None if n == sampling["max_new_tokens"] else f"{i}: {n} tokens"
+
+    async def run() -> list[str | None]:
+        async with httpx.AsyncClient(base_url=served.url, timeout=90.0) as client:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(client, ids, i) for ids, i in jobs)), 180
+            )
+
+    problems = [p for p in asyncio.run(run()) if p is not None]
+    assert not problems, problems
+
+    async def settle() -> None:
+        for _ in range(200):
+            if not engine.has_work() and engine.kv.num_free_pages == free0:
+                return
+            await asyncio.sleep(0.05)
+
+    asyncio.run(settle())
+    assert engine.kv.num_free_pages == free0
+    assert engine.spec.free_slots == engine.spec.num_slots
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (("--speculative-num-steps", "2"), "has no effect without --speculative-algorithm"),
+        (("--speculative-algorithm", "NEXTN"), "--disable-radix-cache"),
+        (
+            (
+                "--speculative-algorithm",
+                "NEXTN",
+                "--disable-radix-cache",
+                "--speculative-eagle-topk",
+                "4",
+            ),
+            "only a chain",
+        ),
+        (
+            (
+                "--speculative-algorithm",
+                "NEXTN",
+                "--disable-radix-cache",
+                "--speculative-num-steps",
+                "3",
+                "--speculative-num-draft-tokens",
+                "3",
+            ),
+            "must be --speculative-num-steps \\+ 1 = 4",
+        ),
+        (
+            (
+                "--speculative-algorithm",
+                "MTP",
+                "--disable-radix-cache",
+                "--speculative-num-steps",
+                "9",
+            ),
+            "in \\[1, 8\\]",
+        ),
+    ],
+)
+def test_speculative_flag_combinations(extra, match):
+    args = ServerArgs.from_cli(["--model-path", "m", *extra])
+    with pytest.raises(ServerArgsError, match=match):
+        args.validate()
+
+
+def test_speculative_flags_accepted_as_sglang_spells_them():
+    args = ServerArgs.from_cli(
+        [
+            "--model-path",
+            "m",
+            "--disable-radix-cache",
+            "--speculative-algorithm",
+            "EAGLE",
+            "--speculative-num-steps",
+            "3",
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "4",
+        ]
+    )
+    args.validate()
+    assert args.speculative_steps() == 3
+    assert ServerArgs.from_cli(["--model-path", "m"]).speculative_steps() == 0
