@@ -177,7 +177,9 @@ def longest_prompt_tokens(engine: StepEngine) -> int:
         return engine.engine.longest_prompt_tokens
     assert isinstance(engine, DecodeEngine)
     usable = engine.stats().kv_pages_total[0]
-    return max(0, min(engine.context_length, usable * engine.page_size) - 1)
+    # A speculative engine's requests also reserve its draft room.
+    held = min(engine.context_length, usable * engine.page_size - engine.room)
+    return max(0, held - 1)
 
 
 def log_longest_prompt(engine: StepEngine, args: ServerArgs, cfg: ModelConfig) -> int:

@@ -83,6 +83,7 @@ from serving.decode.intake import Intake, LocalPrefill, TransferIntake, Transfer
 from serving.decode.request import DecodeRequest
 from serving.decode.sampler import PENALTY_SLOTS_MAX, RowSampler
 from serving.decode.speculative import (
+    SPEC_SLOTS_MAX,
     SpecInFlight,
     SpeculativeSteps,
     refusal,
@@ -200,11 +201,9 @@ class DecodeEngine:
                     "--disable-radix-cache and --dp-size 1 for now: the prefix-cache, PD "
                     "and data-parallel paths do not run the MTP layer over prompts yet"
                 )
-            slots = max_running_requests if speculative_slots is None else speculative_slots
-            if slots < max_running_requests:
-                raise ConfigError(
-                    f"{slots} draft-state slots for {max_running_requests} running requests"
-                )
+            # At most SPEC_SLOTS_MAX slots (`max_running_requests` may be the pool's
+            # pages); requests beyond them wait to be admitted, as for penalty slots.
+            slots = speculative_slots or min(max_running_requests, SPEC_SLOTS_MAX)
             self.spec = self.steps = SpeculativeSteps(
                 model,
                 kv,
@@ -248,8 +247,9 @@ class DecodeEngine:
         self.finals: list[OutputChunk] = []  # chunks due on the next step (aborts, refusals)
         self._rejections: collections.Counter[str] = collections.Counter()
         self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, (), self.queue.stats(), ())
-        # At most PENALTY_SLOTS_MAX slots: `max_running_requests` may be the pool's pages.
-        slots = min(max_running_requests, PENALTY_SLOTS_MAX)
+        # At most PENALTY_SLOTS_MAX slots: `max_running_requests` may be the pool's pages
+        # (a speculative engine refuses penalties: one slot).
+        slots = 1 if self.spec else min(max_running_requests, PENALTY_SLOTS_MAX)
         self.sampler = RowSampler(
             cfg,
             slots if penalty_slots is None else penalty_slots,
@@ -425,7 +425,7 @@ class DecodeEngine:
 
     def fits_now(self, r: DecodeRequest) -> bool:
         """A batch slot and the request's pages are free (requests the intake holds
-        count), and a penalty slot if it needs one."""
+        count), and a penalty slot if it needs one (a draft-state slot when speculative)."""
         return self.rank_for(r) is not None and self.penalty_slot_free(r)
 
     def rank_for(self, r: DecodeRequest) -> int | None:
@@ -439,6 +439,8 @@ class DecodeEngine:
         return choose_rank(free, rows, r.n_pages, self._max_rows_per_rank, self._next_rank)
 
     def penalty_slot_free(self, r: DecodeRequest) -> bool:
+        if self.spec is not None:  # no penalties (`refusal`); a draft-state slot instead
+            return self.spec.free_slots > 0
         return self.sampler.slot_free(r, {q.rid for q in self._in_flight()})
 
     def admit(self, r: DecodeRequest, rank: int) -> None:

@@ -57,6 +57,9 @@ from serving.engine.api import GenerateRequest
 # GLM-5 recipe passes; "NEXTN" is the DeepSeek name it maps to EAGLE).
 SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE", "MTP")
 SPEC_FORMS = ("spec", "spec_greedy")
+# Draft-state slots at most: each keeps K x vocab float32 draft distributions (GLM-5, K =
+# 3: 1.9 MB a slot, 475 MB at 256); requests beyond them wait to be admitted.
+SPEC_SLOTS_MAX = 256
 SPEC_PREFILL_FORMS = ("spec_prefill", "spec_prefill_greedy")
 
 

@@ -239,10 +239,23 @@ def test_aborts_mid_step_and_refusals_leave_nothing_held(loaded):
     assert not engine.has_work() and engine.kv.num_free_pages == free0
 
 
-def test_speculative_engine_refuses_what_it_cannot_run(loaded, tiny_checkpoints):
+def test_requests_beyond_the_draft_state_slots_wait_for_one(loaded, plain):
     cfg, model = loaded("glm")
-    with pytest.raises(ConfigError, match="slots"):
-        make_engine(cfg, model, 1, speculative_slots=ROWS - 1)
+    engine = make_engine(cfg, model, 1, speculative_slots=2)
+    running = []
+    step = engine.step
+
+    def counted():
+        running.append(len(engine.running))
+        return step()
+
+    engine.step = counted
+    assert_same(run(engine, requests(cfg)), plain("glm"))
+    assert max(running) == 2 and engine.spec.free_slots == 2
+
+
+def test_speculative_engine_refuses_a_model_without_its_mtp_layer(loaded, tiny_checkpoints):
+    cfg, _ = loaded("glm")
     _, trunk_only = load_model(tiny_checkpoints("glm_moe_dsa"))
     with pytest.raises(ConfigError, match="MTP layer"):
         make_engine(cfg, trunk_only, 1)
