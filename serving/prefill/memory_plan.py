@@ -341,6 +341,19 @@ def resolve_kv_pool_size(
 # ---- the plan -----------------------------------------------------------------------------
 
 
+def speculative_state_bytes(args: ServerArgs, cfg: ModelConfig) -> int:
+    """The draft state a speculative server keeps on its device
+    (`serving.decode.speculative.SpeculativeSteps`): per slot, K draft distributions over
+    the vocabulary (float32) and a few int32 / float32 scalars, for at most
+    `SPEC_SLOTS_MAX` slots (or `--max-running-requests`, if fewer) and the spare one."""
+    from serving.decode.speculative import SPEC_SLOTS_MAX
+
+    k = args.speculative_steps()
+    running = args.max_running_requests
+    slots = SPEC_SLOTS_MAX if running is None else min(running, SPEC_SLOTS_MAX)
+    return (slots + 1) * (k * cfg.vocab_size * 4 + (4 + k) * 4)
+
+
 def plan_device_memory(
     args: ServerArgs, cfg: ModelConfig, devices: Sequence[Any] | None = None
 ) -> MemoryPlan:
@@ -352,8 +365,9 @@ def plan_device_memory(
     prefill = args.disaggregation_mode == "prefill"
     dtype = DTYPES[args.dtype]
     # What the loader will build (`load_model` keeps `param_dtype = dtype`).
+    spec = args.speculative_steps()
     model = checkpoint_model(
-        cfg, args.model_path, dtype=dtype, param_dtype=dtype, fp8=args.fp8_weights
+        cfg, args.model_path, dtype=dtype, param_dtype=dtype, fp8=args.fp8_weights, mtp=spec > 0
     )
     state = nnx.state(model)
     mesh = make_cp_mesh(args.cp_size if prefill else 1, devices)
@@ -371,6 +385,10 @@ def plan_device_memory(
     args = dataclasses.replace(args, kv_pool_size=pool_size)
     if prefill:
         transient, source = transient_bytes_per_rank(args, cfg, platform)
+    elif spec:
+        transient, source = speculative_state_bytes(args, cfg), (
+            "the speculative draft state; the decode step's own buffers are not estimated"
+        )
     else:
         transient, source = 0, "not estimated on a single-device server"
     budget, budget_source = device_budget(args, used)

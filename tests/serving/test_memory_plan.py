@@ -408,3 +408,23 @@ def test_kv_pool_none_at_glm5_dims(monkeypatch, chunk):
     with pytest.raises(ServerArgsError, match="does not hold 2 KV pages") as e:
         resolve_kv_pool_size(args, cfg, [Gpu()] * 8, room + fixed - page, "gpu")
     assert "--kv-pool-size" in str(e.value) and str(page) in str(e.value)
+
+
+def test_a_speculative_servers_plan_counts_its_mtp_layer_and_draft_state(fp8_ckpt):
+    """`--speculative-algorithm`: the plan's weights include the MTP layer (what
+    `load_model(mtp=True)` builds) and its transient bytes the draft state the engine
+    allocates (`init_slab`, at most SPEC_SLOTS_MAX slots and the spare)."""
+    from cpkv_jax.speculative import init_slab
+
+    base = [
+        "--model-path", str(fp8_ckpt), "--dtype", "float32", "--page-size", "16",
+        "--kv-pool-size", "1MiB", "--disable-radix-cache", "--max-running-requests", "6",
+    ]  # fmt: skip
+    spec = [*base, "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"]
+    plain, drafting = plan_for(ServerArgs.from_cli(base)), plan_for(ServerArgs.from_cli(spec))
+    cfg, model = load_model(fp8_ckpt, dtype=np.float32, mtp=True)
+    mtp = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.mtp)))
+    assert drafting.weight_bytes - plain.weight_bytes == mtp > 0
+    slab = jax.eval_shape(lambda: init_slab(6, 2, cfg.vocab_size))
+    assert drafting.transient_bytes == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(slab))
+    assert "speculative draft state" in drafting.transient_source
