@@ -50,7 +50,7 @@ from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import TRASH_PAGE, padded_page_table
 from cpkv_jax.speculative import StepOutput, init_slab, slab_admit, slab_step
-from serving.decode.steps import _CACHES, _CACHES_LOCK, Shape
+from serving.decode.steps import _CACHES, _CACHES_LOCK, CompiledShapes, Shape
 from serving.engine.api import GenerateRequest
 
 # SGLang's names for drafting with the checkpoint's own MTP layer ("EAGLE" is what its
@@ -96,7 +96,7 @@ def refusal(req: GenerateRequest) -> str | None:
     )
 
 
-class SpeculativeSteps:
+class SpeculativeSteps(CompiledShapes):
     """Draft-and-verify steps of one model (with its MTP layer) over one `KVStore`, and
     the draft-state slots of the rows (see the module docstring)."""
 
@@ -267,20 +267,6 @@ class SpeculativeSteps:
 
     def warm_log_probs(self, rows: set[int]) -> None:
         """Nothing around the steps: the draws and log-probs are inside them."""
-
-    def compiled(self, shape: Shape) -> jax.stages.Compiled:
-        return self._compiled.get(shape, lambda: self._lower(shape))
-
-    def compile_estimate(self, shapes: set[Shape]) -> tuple[int, float]:
-        return self._compiled.estimate(shapes)
-
-    @property
-    def compile_count(self) -> int:
-        return self._compiled.compiles
-
-    @property
-    def compiled_shapes(self) -> set[Shape]:
-        return self._compiled.compiled_keys()
 
     def _lower(self, shape: Shape) -> jax.stages.Lowered:
         """Lower `shape` on abstract weights, slab and pool (nothing live is touched)."""

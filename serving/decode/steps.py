@@ -108,7 +108,35 @@ _CACHES: weakref.WeakKeyDictionary[CausalLM, dict[tuple, ShapeCache[Shape]]] = (
 _CACHES_LOCK = threading.Lock()
 
 
-class DecodeSteps:
+class CompiledShapes:
+    """The compile side of a step executor whose executables live in a `ShapeCache`
+    (`self._compiled`), lowered by `self._lower(shape)`."""
+
+    _compiled: ShapeCache[Shape]
+
+    def _lower(self, shape: Shape) -> jax.stages.Lowered:
+        raise NotImplementedError
+
+    def compiled(self, shape: Shape) -> jax.stages.Compiled:
+        """The executable of step `shape`, compiled on abstract inputs the first time (a
+        caller that needs a shape another thread is compiling waits for it)."""
+        return self._compiled.get(shape, lambda: self._lower(shape))
+
+    def compile_estimate(self, shapes: set[Shape]) -> tuple[int, float]:
+        """Shapes of `shapes` not compiled yet and their estimated compile seconds."""
+        return self._compiled.estimate(shapes)
+
+    @property
+    def compile_count(self) -> int:
+        """Step compiles run (one per shape: a shape being compiled is waited for)."""
+        return self._compiled.compiles
+
+    @property
+    def compiled_shapes(self) -> set[Shape]:
+        return self._compiled.compiled_keys()
+
+
+class DecodeSteps(CompiledShapes):
     """The compiled steps of one model over one `KVStore` (see the module docstring)."""
 
     def __init__(
@@ -227,24 +255,6 @@ class DecodeSteps:
                 np.zeros((r, self.vocab_size), np.float32), self.logits_sharding
             )
             sampling.sample(log_probs(logits, self.batch_invariant), [sampling.GREEDY])
-
-    def compiled(self, shape: Shape) -> jax.stages.Compiled:
-        """The executable of step `shape`, compiled on abstract inputs the first time (a
-        caller that needs a shape another thread is compiling waits for it)."""
-        return self._compiled.get(shape, lambda: self._lower(shape))
-
-    def compile_estimate(self, shapes: set[Shape]) -> tuple[int, float]:
-        """Shapes of `shapes` not compiled yet and their estimated compile seconds."""
-        return self._compiled.estimate(shapes)
-
-    @property
-    def compile_count(self) -> int:
-        """Step compiles run (one per shape: a shape being compiled is waited for)."""
-        return self._compiled.compiles
-
-    @property
-    def compiled_shapes(self) -> set[Shape]:
-        return self._compiled.compiled_keys()
 
     def _lower(self, shape: Shape) -> jax.stages.Lowered:
         """Lower step `shape` on the abstract weights, pool and batch: the live pool is

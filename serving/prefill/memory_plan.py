@@ -386,8 +386,9 @@ def plan_device_memory(
     if prefill:
         transient, source = transient_bytes_per_rank(args, cfg, platform)
     elif spec:
-        transient, source = speculative_state_bytes(args, cfg), (
-            "the speculative draft state; the decode step's own buffers are not estimated"
+        transient, source = (
+            speculative_state_bytes(args, cfg),
+            ("the speculative draft state; the decode step's own buffers are not estimated"),
         )
     else:
         transient, source = 0, "not estimated on a single-device server"
