@@ -49,7 +49,9 @@ from cpkv_jax.model.expert_parallel import (
 from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool
 from cpkv_jax.model.mla import AttnForm
+from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.numerics import batch_invariant, is_batch_invariant, token_block_bytes
+from cpkv_jax.model.rope import rope_cos_sin
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import pages_for_tokens
 from cpkv_jax.scores import TOP_SCORES, TokenScores
@@ -109,6 +111,9 @@ class StepPlan:
     page_table: np.ndarray  # [B, width]: local page of logical page p on lane p % lanes
     kv_lens: np.ndarray  # [B]
     last_index: np.ndarray  # [B] slot of each row's last new token in the zigzag layout
+    # A drafting runner's (`mtp=True`): each slot's next prompt token, -1 where there is
+    # none (padding, the prompt's last position), for the MTP layer's pass.
+    next_ids: np.ndarray | None = None
 
 
 class CPPrefillRunner:
@@ -135,8 +140,11 @@ class CPPrefillRunner:
         batch_invariant: bool = False,
         block_bytes: int | None = None,
         expert_parallel: EPSpec | None = None,
+        mtp: bool = False,
     ):
         cp.validate(cfg, device_count=len(mesh.devices.reshape(-1)))
+        if mtp and model.mtp is None:
+            raise InputError("a drafting runner (mtp=True) needs the model's MTP layer")
         if expert_parallel is not None:
             if (expert_parallel.axis, expert_parallel.size) != (CP_AXIS, cp.cp_size):
                 raise InputError(
@@ -167,7 +175,12 @@ class CPPrefillRunner:
         # on another thread (a KV transfer, a host-cache backup) holds it while its gather
         # runs, so a step never donates a pool being read; the step's compute and the
         # reads' host copies run outside.
-        self.kv = DevicePool(init_cp_pool(cfg, self.layout, mesh, model.dtype, index_k_dtype))
+        # `mtp`: each step also runs the MTP layer over its tokens (speculative decoding
+        # drafts from its KV, issue 39), its KV one more layer of the same pages.
+        self.mtp = mtp
+        self.last_hidden: np.ndarray | None = None  # `mtp`: see `run_step`
+        pool_cfg = mtp_config(cfg) if mtp else cfg
+        self.kv = DevicePool(init_cp_pool(pool_cfg, self.layout, mesh, model.dtype, index_k_dtype))
         self._shardings = (NamedSharding(mesh, P(None, CP_AXIS)), NamedSharding(mesh, P()))
         self.batch_invariant = batch_invariant
         self.block_bytes = block_bytes
@@ -183,6 +196,7 @@ class CPPrefillRunner:
             block_bytes,
             param_specs(state, ep_axis),
             expert_parallel,
+            mtp=mtp,
         )
         self._step = build()
         # The same step that also scores every prompt token (prompt log-probs, `score`):
@@ -215,6 +229,7 @@ class CPPrefillRunner:
                 batch_invariant=batch_invariant,
                 block_bytes=block_bytes,
                 expert_parallel=expert_parallel,
+                mtp=mtp,
             )
 
     @property
@@ -254,9 +269,8 @@ class CPPrefillRunner:
         def spec(dims: tuple[int, ...], dtype, sharding) -> jax.ShapeDtypeStruct:
             return jax.ShapeDtypeStruct(dims, dtype, sharding=sharding)
 
-        token_fields = tuple(
-            spec((rows, tokens), dtype, split) for dtype in (np.int32, np.int32, bool, np.int32)
-        )
+        dtypes = (np.int32, np.int32, bool, np.int32) + ((np.int32,) if self.mtp else ())
+        token_fields = tuple(spec((rows, tokens), dtype, split) for dtype in dtypes)
         return (
             self._abstract_state,
             token_fields,
@@ -307,7 +321,11 @@ class CPPrefillRunner:
             page_table[b] = table.as_row(width)
             kv_lens[b] = start + n
             last_index[b] = int(np.flatnonzero(order == n - 1)[0])
-        return StepPlan(ids, positions, valid, slots, page_table, kv_lens, last_index)
+        plan = StepPlan(ids, positions, valid, slots, page_table, kv_lens, last_index)
+        if self.mtp:
+            nxt = np.where(_has_next(plan, prompts), plan_targets(plan, prompts), -1)
+            plan = dataclasses.replace(plan, next_ids=nxt)
+        return plan
 
     # ---- device steps -----------------------------------------------------------------
     def prefill(
@@ -358,10 +376,11 @@ class CPPrefillRunner:
     def _step_args(self, plan: StepPlan) -> tuple:
         """The step's arguments but the pool (the caller reads that under the lock)."""
         split, rep = self._shardings
-        tokens = tuple(
-            _global(x, split)
-            for x in (plan.input_ids, plan.positions, plan.valid, plan.write_slots)
-        )
+        fields = [plan.input_ids, plan.positions, plan.valid, plan.write_slots]
+        if self.mtp:
+            assert plan.next_ids is not None, "a drafting runner's plans carry next_ids"
+            fields.append(plan.next_ids)
+        tokens = tuple(_global(x, split) for x in fields)
         return (
             self.state,
             tokens,
@@ -378,12 +397,20 @@ class CPPrefillRunner:
 
     def run_step(self, plan: StepPlan) -> np.ndarray:
         """Dispatch one step (the pool swap under the pool's lock) and wait for its
-        logits."""
+        logits. A drafting runner (`mtp`) also keeps each row's final hidden state at its
+        last new token in `last_hidden` (the MTP layer's input at the prompt's last
+        position, which needs the first output token)."""
         state, tokens, table, kv_lens, last = self._step_args(plan)
         shape = self.shape_of(plan)
         step = self.compiled_step(shape)  # outside the pool lock: it may compile or wait
         self.step_shapes.add(shape)
-        logits = self.kv.update(lambda pool: step(state, tokens, table, kv_lens, pool, last))
+
+        def run(pool):
+            logits, pool, *hidden = step(state, tokens, table, kv_lens, pool, last)
+            return (logits, *hidden), pool
+
+        logits, *hidden = self.kv.update(run)
+        self.last_hidden = np.asarray(hidden[0]) if hidden else None
         out = np.asarray(logits)
         if self._shadow is not None:  # SPEC S1.7: every step, served requests included
             check_step(self, self._shadow, plan, out)
@@ -406,7 +433,8 @@ class CPPrefillRunner:
             logits, pool, *scores = step(state, tokens, table, kv_lens, pool, last, targets)
             return (logits, *scores), pool
 
-        logits, chosen, top_ids, top_lps = self.kv.update(scored)
+        logits, chosen, top_ids, top_lps, *hidden = self.kv.update(scored)
+        self.last_hidden = np.asarray(hidden[0]) if hidden else None
         out = np.asarray(logits)
         if self._shadow is not None:  # the shadow's pool follows every step (SPEC S1.7)
             check_step(self, self._shadow, plan, out)
@@ -539,16 +567,22 @@ def _build_step(
     ep: EPSpec | None,
     *,
     score: bool = False,
+    mtp: bool = False,
 ):
     """The jitted CP step; with `score`, it also takes each slot's next prompt token and
-    returns their scores (`score_tokens`) after the logits and the pool."""
+    returns their scores (`score_tokens`) after the logits and the pool. With `mtp` the
+    token fields end with each slot's next prompt token (-1: none) and, after the trunk,
+    the MTP layer runs over the slots that have one, writing its KV; the step then also
+    returns the trunk's final hidden state at each row's last new token (last)."""
 
     def per_rank(state, tokens, page_table, kv_lens, pool):
-        input_ids, positions, valid, write_slots = tokens
+        input_ids, positions, valid, write_slots = tokens[:4]
         batch = ForwardBatch(input_ids, positions, valid, write_slots, page_table, kv_lens)
         model = nnx.merge(graphdef, state)
         with batch_invariant(invariant), token_block_bytes(block_bytes), ep_context(ep):
             hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form)
+            if mtp:
+                pool = _mtp_pass(model, batch, tokens[4], hidden, pool, kv_io, index_k_dtype)
         return hidden, pool
 
     # Token fields split over cp (each rank: its two zigzag blocks); tables replicated;
@@ -565,24 +599,57 @@ def _build_step(
 
     replicated = NamedSharding(mesh, P())
 
-    @functools.partial(jax.jit, donate_argnums=(4,), out_shardings=(replicated, None))
+    extra = (replicated,) if mtp else ()
+
+    @functools.partial(jax.jit, donate_argnums=(4,), out_shardings=(replicated, None, *extra))
     def step(state, tokens, page_table, kv_lens, pool, last_index):
         hidden, pool = sharded(state, tokens, page_table, kv_lens, pool)
         last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]
         with batch_invariant(invariant):
-            return nnx.merge(graphdef, state).logits(last), pool
+            return nnx.merge(graphdef, state).logits(last), pool, *((last,) if mtp else ())
 
     @functools.partial(
-        jax.jit, donate_argnums=(4,), out_shardings=(replicated, None) + (replicated,) * 3
+        jax.jit,
+        donate_argnums=(4,),
+        out_shardings=(replicated, None) + (replicated,) * 3 + extra,
     )
     def score_step(state, tokens, page_table, kv_lens, pool, last_index, targets):
         hidden, pool = sharded(state, tokens, page_table, kv_lens, pool)
         last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]
         model = nnx.merge(graphdef, state)
         with batch_invariant(invariant):
-            return (model.logits(last), pool, *score_tokens(model, hidden, targets))
+            scores = score_tokens(model, hidden, targets)
+            return (model.logits(last), pool, *scores, *((last,) if mtp else ()))
 
     return score_step if score else step
+
+
+def _mtp_pass(model: CausalLM, batch: ForwardBatch, next_ids, hidden, pool, kv_io, index_k_dtype):
+    """The MTP layer over a step's tokens: position p sees the prompt's token at p + 1
+    (`next_ids`) and the trunk's final hidden state at p, and writes its KV there; slots
+    without a next token (padding, the prompt's last position: its next token is the
+    first output token, drawn after the prefill) write nothing."""
+    has = batch.valid & (next_ids >= 0)
+    ids = jnp.maximum(next_ids, 0)
+    mbatch = dataclasses.replace(
+        batch, input_ids=ids, valid=has, write_slots=jnp.where(has, batch.write_slots, 0)
+    )
+    cfg = model.cfg
+    cos, sin = rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope)
+    embeds = model.model.embed_tokens(ids)
+    _, pool = model.mtp.predict(
+        embeds, hidden, mbatch, pool, cos, sin, kv_io=kv_io, index_k_dtype=index_k_dtype
+    )
+    return pool
+
+
+def _has_next(plan: StepPlan, prompts: Sequence[np.ndarray]) -> np.ndarray:
+    """Slots whose position has a next prompt token (`plan_targets` writes 0 for both a
+    token 0 and none)."""
+    out = np.zeros_like(plan.valid)
+    for b, prompt in enumerate(prompts):
+        out[b] = plan.valid[b] & (plan.positions[b] + 1 < len(prompt))
+    return out
 
 
 def _build_view(mesh: Mesh, layout: PoolLayout, kv_io: CPKVIO):

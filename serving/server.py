@@ -285,23 +285,7 @@ def _build_decode_side(
         grammar=grammar,
         **_dp_flags(args),
     )
-    if engine.spec is not None:
-        info["speculative"] = {
-            "algorithm": args.speculative_algorithm,
-            "num_steps": engine.spec.k,
-            "num_draft_tokens": engine.spec.k + 1,
-            "eagle_topk": 1,
-        }
-        logger.info(
-            "speculative decoding: %s, %d draft tokens per step from the MTP layer, verified "
-            "in the same step; %d draft-state slots (%.1f MiB); each request reserves %d "
-            "tokens of pages beyond prompt + max_new_tokens",
-            args.speculative_algorithm,
-            engine.spec.k,
-            engine.spec.num_slots,
-            engine.spec.slab_bytes / 2**20,
-            engine.room,
-        )
+    info.update(_speculative_info(args, engine))
     return engine, info, closers
 
 
@@ -330,7 +314,32 @@ def _build_cached_unified(
     except BaseException:
         prefill.close()
         raise
-    return engine, {"max_running_requests": running}, [prefill.close]
+    info = {"max_running_requests": running, **_speculative_info(args, engine)}
+    return engine, info, [prefill.close]
+
+
+def _speculative_info(args: ServerArgs, engine: DecodeEngine) -> dict[str, Any]:
+    """`/server_info`'s `speculative` entry (none without it), logged at startup."""
+    if engine.spec is None:
+        return {}
+    logger.info(
+        "speculative decoding: %s, %d draft tokens per step from the MTP layer, verified "
+        "in the same step; %d draft-state slots (%.1f MiB); each request reserves %d "
+        "tokens of pages beyond prompt + max_new_tokens",
+        args.speculative_algorithm,
+        engine.spec.k,
+        engine.spec.num_slots,
+        engine.spec.slab_bytes / 2**20,
+        engine.room,
+    )
+    return {
+        "speculative": {
+            "algorithm": args.speculative_algorithm,
+            "num_steps": engine.spec.k,
+            "num_draft_tokens": engine.spec.k + 1,
+            "eagle_topk": 1,
+        }
+    }
 
 
 # A decode server's calls to a prefill server's bootstrap endpoint (info, registration).

@@ -348,9 +348,9 @@ class ServerArgs:
         "none",
         help="draft tokens with the checkpoint's own MTP layer and verify them with the "
         "model in the same decode step (greedy: exactly the tokens of plain decoding; "
-        "temperature > 0: speculative sampling). Unified server with --disable-radix-cache "
-        "for now; requests asking for top-p/top-k/min-p, penalties, logit bias, "
-        "min_new_tokens, grammars or top log-probs are refused with 400",
+        "temperature > 0: speculative sampling). Unified server for now (not with "
+        "--enable-hierarchical-cache); requests asking for top-p/top-k/min-p, penalties, "
+        "logit bias, min_new_tokens, grammars or top log-probs are refused with 400",
         group="speculative",
     )
     speculative_num_steps: int | None = _arg(
@@ -1158,12 +1158,18 @@ class ServerArgs:
                 f"--speculative-num-steps + 1 = {k + 1} (one chain: the current token and "
                 "its drafts)"
             )
-        if self.disaggregation_mode != "null" or not self.disable_radix_cache:
+        if self.disaggregation_mode != "null":
             raise ServerArgsError(
                 f"--speculative-algorithm {self.speculative_algorithm} runs on the unified "
-                "server with --disable-radix-cache for now: the prefix-cache and PD paths do "
-                "not run the MTP layer over prompts yet (issue 39 item 3); add "
-                "--disable-radix-cache, or drop --speculative-algorithm"
+                f"server (--disaggregation-mode null) for now: a {self.disaggregation_mode} "
+                "server's prompts would need the prefill side's MTP pass and its KV in the "
+                "transfer (issue 39 item 3); drop --speculative-algorithm"
+            )
+        if self.enable_hierarchical_cache:
+            raise ServerArgsError(
+                f"--speculative-algorithm {self.speculative_algorithm} with "
+                "--enable-hierarchical-cache: the host cache does not carry the MTP layer's "
+                "KV yet; drop one of them"
             )
         if self.dp_size > 1:
             raise ServerArgsError(

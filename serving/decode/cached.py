@@ -123,12 +123,14 @@ class CachedPrefill:
         if self.prefilling.pop(r.rid, None) is None:
             return False
         self.reserved -= r.n_pages
+        self.engine.give_back_slot(r)
         # Frees what its prefill allocated and unlocks its prefix.
         if self.scheduler.abort(r.rid) is None:
             logger.error("request %s: the scheduler no longer has it to abort", r.rid)
         return True
 
     def release(self, r: DecodeRequest) -> None:
+        self.engine.give_back_slot(r)
         if r.pages is None:
             return
         self.store.free_pages(self.decode_pages.pop(r.rid))
@@ -217,7 +219,7 @@ class CachedPrefill:
                 e.finals.append(e.chunk(r))
                 continue
             self.prefilling[r.rid] = r
-            e.sampler.reserve(r)
+            e.take_slots(r)
             self.reserved += r.n_pages
         return True
 
@@ -241,6 +243,10 @@ class CachedPrefill:
         if outcome.prompt_logprobs is not None:
             r.prompt_scores = prompt_scores(outcome.prompt_logprobs, r.req.top_logprobs)
         e.start(r)
+        if e.spec is not None:  # its drafts start from the prefill's last hidden state
+            assert outcome.last_hidden is not None, "a speculative engine's runner drafts"
+            e.start_drafting(r, outcome.last_logits, outcome.last_hidden, touched)
+            return
         # A failed token fails this request alone; the logits are one host row.
         e.sample(r, np.asarray(outcome.last_logits)[None], touched)
 

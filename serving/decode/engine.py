@@ -97,7 +97,7 @@ from serving.engine.api import (
     OutputChunk,
     ServerMode,
 )
-from serving.engine.step_failures import check_pool_after, step_failure
+from serving.engine.step_failures import check_pool_after, pool_damage, step_failure
 from serving.engine.stopping import Detokenize, StopChecker, StopResult, request_seed
 from serving.engine.wait_queue import WaitQueue
 from serving.grammar import GrammarBackend, row_grammar_for
@@ -195,11 +195,11 @@ class DecodeEngine:
         self.spec: SpeculativeSteps | None = None
         self.room = 0  # tokens of pages a request reserves beyond prompt + max_new_tokens
         if speculative_num_steps:
-            if self.dp_size > 1 or not isinstance(intake, LocalPrefill):
+            if self.dp_size > 1 or intake.mode != "null":
                 raise ConfigError(
-                    "speculative decoding runs on a unified server with "
-                    "--disable-radix-cache and --dp-size 1 for now: the prefix-cache, PD "
-                    "and data-parallel paths do not run the MTP layer over prompts yet"
+                    "speculative decoding runs on a unified server with --dp-size 1 for "
+                    "now: the PD and data-parallel paths do not run the MTP layer over "
+                    "prompts yet"
                 )
             # At most SPEC_SLOTS_MAX slots (`max_running_requests` may be the pool's
             # pages); requests beyond them wait to be admitted, as for penalty slots.
@@ -446,12 +446,24 @@ class DecodeEngine:
     def admit(self, r: DecodeRequest, rank: int) -> None:
         """Allocate `r`'s pages on `rank` and reserve its penalty slot (`fits_now`)."""
         r.pages = self.kv.allocate_pages(r.n_pages, rank)
-        if self.spec is not None:
-            r.slot = self.spec.take_slot()
-        self.sampler.reserve(r)
+        self.take_slots(r)
         r.rank = rank
         self.admitted_per_rank[rank] += 1
         self._next_rank = (rank + 1) % self.dp_size
+
+    def take_slots(self, r: DecodeRequest) -> None:
+        """Reserve `r`'s penalty slot (if it needs one) and its draft-state slot (a
+        speculative engine); `fits_now` / `penalty_slot_free` said they are free."""
+        self.sampler.reserve(r)
+        if self.spec is not None:
+            r.slot = self.spec.take_slot()
+
+    def give_back_slot(self, r: DecodeRequest) -> None:
+        """`r`'s draft-state slot back (once)."""
+        if r.slot is not None:
+            assert self.spec is not None
+            self.spec.give_back(r.slot)
+            r.slot = None
 
     def start(self, r: DecodeRequest) -> None:
         """`r` joins the decode batch (its first token comes from its intake)."""
@@ -617,7 +629,9 @@ class DecodeEngine:
             prefill=self.intake.prefills_with_engine_steps,
             room=self.room,
         )
-        return plain if self.spec is None else self.spec.shapes_for(plain)
+        if self.spec is None:
+            return plain
+        return self.spec.shapes_for(plain, admit=not self.intake.prefills_with_engine_steps)
 
     def warm_shapes(self, shapes: set[tuple[str, int, int, int]]) -> int:
         """Compile (run once, on the trash page) those of `shapes` this engine can reach
@@ -711,6 +725,9 @@ class DecodeEngine:
         the traceback. `EngineStateLostError` when the pool is lost (the loop logs it)."""
         message = step_failure(what, exc)
         check_pool_after(exc, message, self.kv.pool, [r.rid for r in served])
+        # The speculative draft state is donated to each step as the pool is.
+        if self.spec is not None and (damage := pool_damage(self.spec.slab)) is not None:
+            raise EngineStateLostError(f"{message}; the draft state: {damage}") from exc
         for r in served:
             self.discard(r, message)
             self.end(r, message, touched)
@@ -751,10 +768,7 @@ class DecodeEngine:
         if r.pages is not None:
             self.kv.free_pages(r.pages)
             r.pages = None
-        if r.slot is not None:
-            assert self.spec is not None
-            self.spec.give_back(r.slot)
-            r.slot = None
+        self.give_back_slot(r)
 
     # ---- chunks and stats ----------------------------------------------------------------
     def chunk(self, r: DecodeRequest) -> OutputChunk:
@@ -812,6 +826,26 @@ class DecodeEngine:
             self.queue.stats(),
             self._rows_per_rank() if self.dp_size > 1 else (),
         )
+
+    def start_drafting(
+        self, r: DecodeRequest, logits: np.ndarray, hidden: np.ndarray, touched: Touched
+    ) -> None:
+        """A speculative engine's request prefilled elsewhere (the prefix-cache intake's
+        CP runner, which ran the MTP layer over all but the prompt's last position):
+        its first token from the prefill's last logits, then its first drafts
+        (`SpeculativeSteps.admit_after_prefill`); the token is recorded as `sample`
+        records one."""
+        assert self.spec is not None and r.slot is not None and r.pages is not None
+        sp = r.req.sampling
+        first = self.spec.admit_after_prefill(
+            logits, hidden, len(r.prompt), r.pages, r.width, r.slot, sp.temperature, r.seed
+        )
+
+        def pick() -> tuple[int, float, TopLogprobs]:
+            token, lp = jax.device_get(first)
+            return _emitted(token[0], lp[0])
+
+        self.produce(r, touched, pick)
 
     def first_tokens(
         self, batch: list[DecodeRequest]

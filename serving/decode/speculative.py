@@ -2,11 +2,15 @@
 with the trunk, one device program per step (issue 39; `cpkv_jax.speculative`).
 
 `cpkv-serve --speculative-algorithm NEXTN --speculative-num-steps K` (SGLang's flags)
-gives the unified server with `--disable-radix-cache` a `SpeculativeSteps` in place of
-the plain `DecodeSteps`:
+gives the unified server's engine a `SpeculativeSteps` in place of the plain
+`DecodeSteps`:
 
-- admission (`prefill`): the trunk over the prompt, its first token drawn on the device,
-  the MTP layer's pass over the prompt and the first K drafts, in one program;
+- admission with `--disable-radix-cache` (`prefill`): the trunk over the prompt, its
+  first token drawn on the device, the MTP layer's pass over the prompt and the first K
+  drafts, in one program; on the default prefix-cache engine the CP runner prefills and
+  runs the MTP layer over all but the prompt's last position, and `admit_after_prefill`
+  draws the first token from its last logits, runs the MTP layer at the last position
+  with the trunk's hidden state there and chains the first K drafts;
 - each decode step (`step`): every running row verifies its K drafts and emits 1..K+1
   tokens, then the MTP layer drafts the next K, in one program. The host reads back only
   the emitted tokens, the accepted counts and the tokens' log-probs.
@@ -25,8 +29,9 @@ What a speculative step cannot apply is refused when the request arrives
 grammars and top log-probs need a server without `--speculative-algorithm`.
 
 Step shapes (the `DecodeSteps` interface, so the engine's warm-up and compile accounting
-are unchanged): `("spec" | "spec_greedy", rows, K + 1, width)` for decode steps and
-`("spec_prefill" | "spec_prefill_greedy", 1, prefill bucket, width)` for admissions; the
+are unchanged): `("spec" | "spec_greedy", rows, K + 1, width)` for decode steps,
+`("spec_prefill" | "spec_prefill_greedy", 1, prefill bucket, width)` and
+`("spec_admit" | "spec_admit_greedy", 1, 1, width)` for the two kinds of admission; the
 greedy variants run when every row is at temperature 0 and keep no distributions.
 """
 
@@ -49,7 +54,13 @@ from cpkv_jax.model.forward_batch import abstract_batch, prefill_batch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import TRASH_PAGE, padded_page_table
-from cpkv_jax.speculative import StepOutput, init_slab, slab_admit, slab_step
+from cpkv_jax.speculative import (
+    StepOutput,
+    init_slab,
+    slab_admit,
+    slab_admit_from_hidden,
+    slab_step,
+)
 from serving.decode.steps import _CACHES, _CACHES_LOCK, CompiledShapes, Shape
 from serving.engine.api import GenerateRequest
 
@@ -61,6 +72,9 @@ SPEC_FORMS = ("spec", "spec_greedy")
 # 3: 1.9 MB a slot, 475 MB at 256); requests beyond them wait to be admitted.
 SPEC_SLOTS_MAX = 256
 SPEC_PREFILL_FORMS = ("spec_prefill", "spec_prefill_greedy")
+# After a prefill elsewhere (the prefix-cache engine's CP runner): the first token, the
+# MTP layer at the prompt's last position and the first drafts, `(form, 1, 1, width)`.
+SPEC_ADMIT_FORMS = ("spec_admit", "spec_admit_greedy")
 
 
 def speculative_room(num_steps: int, overlap: bool) -> int:
@@ -146,9 +160,14 @@ class SpeculativeSteps(CompiledShapes):
             admit = functools.partial(
                 slab_admit, self._graphdef, k=num_steps, greedy=greedy, **static
             )
+            after = functools.partial(
+                slab_admit_from_hidden, self._graphdef, k=num_steps, greedy=greedy, **static
+            )
             donate = ("slab", "pool")
             self._fns[SPEC_FORMS[greedy]] = jax.jit(step, donate_argnames=donate)
             self._fns[SPEC_PREFILL_FORMS[greedy]] = jax.jit(admit, donate_argnames=donate)
+            self._fns[SPEC_ADMIT_FORMS[greedy]] = jax.jit(after, donate_argnames=donate)
+        self.hidden_size = model.cfg.hidden_size
         self._abstract = (abstract(self._state), abstract(self.slab), abstract(kv.pool))
         leaves, tree = jax.tree.flatten(self._abstract)
         context = ("speculative", num_steps, self._graphdef, tree, *leaves, *static.items())
@@ -203,6 +222,42 @@ class SpeculativeSteps(CompiledShapes):
         with jax.named_scope("decode_engine.spec_prefill"):
             return self.kv.update_pool(go)
 
+    def admit_after_prefill(
+        self,
+        logits: np.ndarray,
+        hidden: np.ndarray,
+        n: int,
+        pages: np.ndarray,
+        width: int,
+        slot: int,
+        temperature: float,
+        seed: int,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Admit one request whose prompt (`n` tokens) was prefilled elsewhere with the
+        MTP layer's pass over all but its last position: from that prefill's last logits
+        and hidden state, its first token and drafts (`slab_admit_from_hidden`); returns
+        the token and its log-prob, on the device (`[1]` each)."""
+        greedy = temperature == 0
+        shape = (SPEC_ADMIT_FORMS[greedy], 1, 1, width)
+        run = self.compiled(shape)
+        self.shapes.add(shape)
+        args = (
+            np.asarray(logits, np.float32).reshape(1, -1),
+            np.asarray(hidden, np.float32).reshape(1, -1),
+            np.asarray([n], np.int32),
+            padded_page_table(pages, width)[None],
+            np.asarray([temperature], np.float32),
+            np.asarray([seed % 2**31], np.int32),
+        )
+        slots = np.asarray([slot], np.int32)
+
+        def go(pool):
+            token, lp, self.slab, pool = run(self._state, self.slab, slots, *args, pool)
+            return (token, lp), pool
+
+        with jax.named_scope("decode_engine.spec_admit"):
+            return self.kv.update_pool(go)
+
     def step(self, rows: Sequence[tuple[int, np.ndarray, int]], greedy: bool) -> StepOutput:
         """One draft-and-verify step for `rows` (slot, pages, pages reserved), padded to a
         power of two (padding rows write the trash page and the spare slot); `greedy` when
@@ -227,14 +282,17 @@ class SpeculativeSteps(CompiledShapes):
             return self.kv.update_pool(go)
 
     # ---- shapes and compiles (the `DecodeSteps` interface) --------------------------------
-    def shapes_for(self, plain: set[Shape]) -> set[Shape]:
+    def shapes_for(self, plain: set[Shape], admit: bool = False) -> set[Shape]:
         """The speculative twins of plain step shapes (`steps.reachable_shapes` computed
-        with this engine's page room): both variants of each."""
+        with this engine's page room): both variants of each; with `admit` (prompts
+        prefilled elsewhere), the admission of one request at every decode width."""
         out: set[Shape] = set()
         for form, rows, tokens, width in plain:
             forms = SPEC_FORMS if tokens == 1 and form == "absorbed" else SPEC_PREFILL_FORMS
             n = self.k + 1 if forms is SPEC_FORMS else tokens
             out |= {(f, rows, n, width) for f in forms}
+            if admit and forms is SPEC_FORMS:
+                out |= {(f, 1, 1, width) for f in SPEC_ADMIT_FORMS}
         return out
 
     def warm(self, shapes: Sequence[Shape]) -> None:
@@ -246,9 +304,16 @@ class SpeculativeSteps(CompiledShapes):
             shapes, desc="compiling speculative steps", unit="shape", disable=None
         ):
             greedy = form.endswith("_greedy")
+            temperature = 0.0 if greedy else 1.0
             if form in SPEC_PREFILL_FORMS:
                 out = self.prefill(
-                    np.full((tokens,), 3, np.int32), trash, width, spare, 0.0 if greedy else 1.0, 0
+                    np.full((tokens,), 3, np.int32), trash, width, spare, temperature, 0
+                )
+            elif form in SPEC_ADMIT_FORMS:
+                logits = np.zeros((self.vocab_size,), np.float32)
+                hidden = np.zeros((self.hidden_size,), np.float32)
+                out = self.admit_after_prefill(
+                    logits, hidden, 1, trash, width, spare, temperature, 0
                 )
             else:
                 out = self.step([(spare, trash, width)] * rows, greedy)
@@ -277,11 +342,24 @@ class SpeculativeSteps(CompiledShapes):
         def arg(shape_, dtype):
             return jax.ShapeDtypeStruct(shape_, dtype)
 
+        f32 = np.float32
         if form in SPEC_PREFILL_FORMS:
             batch = abstract_batch(rows, tokens, width)
-            f32 = np.float32
             return self._fns[form].lower(
                 state, slab, arg((rows,), i32), batch, arg((rows,), f32), arg((rows,), i32), pool
+            )
+        if form in SPEC_ADMIT_FORMS:
+            return self._fns[form].lower(
+                state,
+                slab,
+                arg((rows,), i32),
+                arg((rows, self.vocab_size), f32),
+                arg((rows, self.hidden_size), f32),
+                arg((rows,), i32),
+                arg((rows, width), i32),
+                arg((rows,), f32),
+                arg((rows,), i32),
+                pool,
             )
         return self._fns[form].lower(
             state, slab, arg((rows,), i32), arg((rows, width), i32), arg((rows,), bool), pool

@@ -41,6 +41,7 @@ from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.mesh import CP_AXIS, DP_AXIS, make_cp_mesh, make_dp_mesh
 from cpkv_jax.model.expert_parallel import EPSpec
 from cpkv_jax.model.kv_cache import DTYPES
+from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.model.weights import LoadStats, load_model
 from serving.prefill.adder import CPSharedKVLimits
@@ -305,7 +306,9 @@ def build_prefill_engine(
     if model is None:
         cfg, model, _ = load_serving_model(args, devices)
     mesh = make_cp_mesh(args.cp_size, devices)
-    pages = pool_pages_per_rank(args, cfg)
+    # A speculative unified server's runner also runs the MTP layer over the prompts.
+    drafting = args.speculative_steps() > 0
+    pages = pool_pages_per_rank(args, mtp_config(cfg) if drafting else cfg)
     runner = CPPrefillRunner(
         cfg,
         model,
@@ -317,6 +320,7 @@ def build_prefill_engine(
         batch_invariant=args.enable_batch_invariant,
         block_bytes=args.transient_block_size,
         expert_parallel=ep_spec(args),
+        mtp=drafting,
     )
     if args.cp_shared_kv_prefill_max_buffer_size is not None:
         # SPEC S9.4: the buffer limit must fit beside the weights and pools, so allocate it

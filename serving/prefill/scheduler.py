@@ -151,6 +151,9 @@ class PrefillOutcome:
     # KV intact) until `PrefillScheduler.release_held(rid)`.
     table: RequestPageTable | None = None
     prompt_logprobs: PromptLogprobs | None = None  # a request submitted with `score_from`
+    # A drafting runner's (speculative decoding): the trunk's final hidden state at the
+    # prompt's last position, the MTP layer's input there with the first output token.
+    last_hidden: np.ndarray | None = None
 
 
 class PrefillStepError(CpkvError):
@@ -397,7 +400,8 @@ class PrefillScheduler:
             reason = f"the prefill step failed: {type(e).__name__}: {e}"
             failed = self._drop_batch(batch, reason)
             raise PrefillStepError(reason, outcomes + failed) from e
-        return outcomes + self.finish_batch(batch, logits)
+        hidden = getattr(self.executor, "last_hidden", None)
+        return outcomes + self.finish_batch(batch, logits, hidden)
 
     def _drop_batch(self, batch: ScheduledBatch, reason: str) -> list[PrefillOutcome]:
         """Drop every request of a batch whose step raised, as `abort` would (a chunked
@@ -408,10 +412,13 @@ class PrefillScheduler:
         self._submit_backups()
         return [PrefillOutcome(req.rid, "failed", reason=reason) for req in batch.requests]
 
-    def finish_batch(self, batch: ScheduledBatch, logits: np.ndarray) -> list[PrefillOutcome]:
-        """Record a step's results: chunked requests continue, finished ones are cached."""
+    def finish_batch(
+        self, batch: ScheduledBatch, logits: np.ndarray, hidden: np.ndarray | None = None
+    ) -> list[PrefillOutcome]:
+        """Record a step's results: chunked requests continue, finished ones are cached
+        (`hidden`: a drafting runner's last hidden states, by row)."""
         outcomes: list[PrefillOutcome] = []
-        for row, req, out in zip(batch.rows, batch.requests, logits, strict=True):
+        for i, (row, req, out) in enumerate(zip(batch.rows, batch.requests, logits, strict=True)):
             req.done = row.start + row.length
             if req.done < req.input_ids.size:
                 self.chunked = req
@@ -428,6 +435,7 @@ class PrefillScheduler:
                         table=req.table,
                         host_cached_tokens=req.host_cached_tokens,
                         prompt_logprobs=req.prompt_logprobs(),
+                        last_hidden=None if hidden is None else hidden[i],
                     )
                 )
                 continue
@@ -642,10 +650,13 @@ class PrefillScheduler:
 
 
 class CPRunnerExecutor:
-    """`PrefillExecutor` over a `CPPrefillRunner` (the real CP prefill step)."""
+    """`PrefillExecutor` over a `CPPrefillRunner` (the real CP prefill step). After each
+    step `last_hidden` holds a drafting runner's last hidden states of the step's rows
+    (None otherwise), which the scheduler hands to the finished requests' outcomes."""
 
     def __init__(self, runner):
         self.runner = runner
+        self.last_hidden: np.ndarray | None = None
 
     def execute(self, rows: Sequence[StepRow]) -> np.ndarray:
         plan = self.runner.plan_step(
@@ -654,7 +665,13 @@ class CPRunnerExecutor:
             [r.start for r in rows],
             [r.length for r in rows],
         )
-        return self.runner.run_step(plan)[: len(rows)]
+        logits = self.runner.run_step(plan)[: len(rows)]
+        self._keep_hidden(len(rows))
+        return logits
+
+    def _keep_hidden(self, rows: int) -> None:
+        hidden = self.runner.last_hidden
+        self.last_hidden = None if hidden is None else hidden[:rows]
 
     def score(self, rows: Sequence[StepRow]) -> tuple[np.ndarray, list[TokenScores]]:
         prompts = [r.prompt for r in rows]
@@ -662,4 +679,5 @@ class CPRunnerExecutor:
             prompts, [r.table for r in rows], [r.start for r in rows], [r.length for r in rows]
         )
         logits, scores = self.runner.run_score_step(plan, prompts)
+        self._keep_hidden(len(rows))
         return logits[: len(rows)], scores

@@ -22,14 +22,18 @@ import numpy as np
 import pytest
 
 from cpkv_jax.errors import ConfigError, InputError
+from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.kv_store import PagedKVStore
-from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.paging import PageAllocator
+from serving.decode.cached import CachedUnifiedEngine
 from serving.decode.engine import DecodeEngine
 from serving.decode.speculative import SPEC_FORMS
-from serving.engine.api import GenerateRequest, SamplingParams
+from serving.engine.api import EngineStateLostError, GenerateRequest, SamplingParams
+from serving.prefill.build import build_prefill_engine
+from serving.server_args import ServerArgs
 
 pytestmark = pytest.mark.slow(seconds=110)  # one worker, 2026-12-05
 
@@ -259,3 +263,102 @@ def test_speculative_engine_refuses_a_model_without_its_mtp_layer(loaded, tiny_c
     _, trunk_only = load_model(tiny_checkpoints("glm_moe_dsa"))
     with pytest.raises(ConfigError, match="MTP layer"):
         make_engine(cfg, trunk_only, 1)
+
+
+def cached_engine(cfg, model, k: int) -> DecodeEngine:
+    """The unified server's default engine (prefix cache, chunked CP prefill at cp 1)
+    drafting `k` tokens per step: its CP runner runs the MTP layer over the prompts."""
+    args = ServerArgs.from_cli(
+        [
+            "--model-path", "unused", "--page-size", str(P), "--index-k-dtype", "fp8_e4m3",
+            "--dtype", "float32", "--chunked-prefill-size", "32",
+            "--kv-pool-size", str(PAGES * pool_page_bytes_for(cfg)),
+            "--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(k),
+            "--enable-batch-invariant",
+        ]
+    )  # fmt: skip
+    prefill = build_prefill_engine(args, model=model, devices=jax.devices()[:1], hold_finished=True)
+    return CachedUnifiedEngine(
+        prefill=prefill, cfg=cfg, model=model, page_size=P, index_k_dtype="fp8_e4m3",
+        max_running_requests=ROWS, batch_invariant=True, speculative_num_steps=k,
+    )  # fmt: skip
+
+
+def pool_page_bytes_for(cfg) -> int:
+    layout = PoolLayout(1, False, 2, P)
+    return per_rank_pool_bytes(mtp_config(cfg), layout, DTYPES["float32"], "fp8_e4m3") // 2
+
+
+def record_first_drafts(engine: DecodeEngine, method: str) -> dict[int, list[int]]:
+    """Prompt length -> the drafts an admission (`SpeculativeSteps.<method>`) wrote."""
+    spec = engine.spec
+    assert spec is not None
+    admit, seen = getattr(spec, method), {}
+
+    def recorded(*args):
+        out = admit(*args)
+        slot = args[5] if method == "admit_after_prefill" else args[3]
+        n = args[2] if method == "admit_after_prefill" else len(args[0])
+        seen[n] = np.asarray(spec.slab.drafts)[slot].tolist()
+        return out
+
+    setattr(spec, method, recorded)
+    return seen
+
+
+def test_the_prefix_cache_engine_drafts_and_decodes_as_the_whole_prompt_engine(loaded, plain):
+    """The default unified engine's CP runner writes the MTP layer's KV while it
+    prefills (chunks of 32 tokens here): its first drafts equal those of the engine that
+    prefills whole prompts, its outputs the plain engine's; a prompt sharing a cached
+    prefix decodes exactly too (its drafts may differ: the MTP KV at the prefix's last
+    position was computed with the earlier prompt's next token, which only costs
+    acceptance)."""
+    cfg, model = loaded("glm")
+    whole, cached = make_engine(cfg, model, 2), cached_engine(cfg, model, 2)
+    want_drafts = record_first_drafts(whole, "prefill")
+    got_drafts = record_first_drafts(cached, "admit_after_prefill")
+    assert_same(run(whole, requests(cfg)), plain("glm"))
+    free0 = cached.kv.num_free_pages
+    assert_same(run(cached, requests(cfg)), plain("glm"))
+    assert got_drafts == want_drafts and len(got_drafts) == len(LENGTHS)
+    r0 = requests(cfg)[0]
+    hit = dataclasses.replace(r0, rid="hit", input_ids=(*r0.input_ids[:48], 7, 8, 9))
+    got = run(cached, [hit])
+    want = run(make_engine(cfg, model, 0), [hit])
+    assert_same(got, want)
+    assert got["hit"][3]["cached_tokens"] == 48
+    cached.cached.scheduler.cache.reset()
+    assert cached.kv.num_free_pages >= free0 and cached.spec.free_slots == ROWS
+
+
+def test_a_failed_step_fails_its_requests_and_a_lost_draft_state_stops_the_engine(loaded):
+    """A speculative step that raises before donating anything fails the requests it
+    served, frees their pages and slots, and the engine serves on; one that lost the
+    donated draft state raises `EngineStateLostError` (the server exits for a restart)."""
+    cfg, model = loaded("glm")
+    engine = make_engine(cfg, model, 1)
+    free0 = engine.kv.num_free_pages
+    step = engine.spec.step
+    fail = {"on": True}
+
+    def flaky(rows, greedy):
+        if fail["on"]:
+            raise RuntimeError("injected")
+        return step(rows, greedy)
+
+    engine.spec.step = flaky
+    out = run(engine, requests(cfg)[:2])
+    assert {o[2] for o in out.values()} == {"error"}
+    assert engine.kv.num_free_pages == free0 and engine.spec.free_slots == ROWS
+    fail["on"] = False
+    assert {o[2] for o in run(engine, requests(cfg)[:2]).values()} == {"length"}
+
+    def lossy(rows, greedy):
+        engine.spec.slab.token.delete()  # as if donated to a step that never returned
+        raise RuntimeError("injected after donation")
+
+    engine.spec.step = lossy
+    engine.add(requests(cfg)[0])
+    with pytest.raises(EngineStateLostError, match="draft state"):
+        for _ in range(10):
+            engine.step()
