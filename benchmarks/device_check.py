@@ -166,11 +166,14 @@ def _hl_estimator(r: dict[str, Any]) -> str:
 
 def _hl_speculative(r: dict[str, Any]) -> str:
     rows = r["runs"]["fitting"]
-    return ", ".join(
+    text = ", ".join(
         f"{k} acceptance {v['acceptance_length']:.2f} {v['speedup']:.2f}x"
         for k, v in rows.items()
         if k != "k=0"
     )
+    engine = r.get("engine", {})  # the serving engine against the plain engine
+    speedups = [f"{k} {v['speedup']:.2f}x" for k, v in engine.items() if k != "k=0"]
+    return text + (f"; serving engine {', '.join(speedups)}" if speedups else "")
 
 
 # ---- steps ------------------------------------------------------------------------------

@@ -247,7 +247,11 @@ def test_device_slug():
         ("bench_moe_ep", "bench_moe_ep_cpu_2026-12-02.json", "tokens"),
         ("bench_hicache_ttft", "bench_hicache_ttft_cpu_2026-12-02.json", "x recompute"),
         ("bench_decode", "bench_decode_cpu_2026-12-04.json", "sparse_b8_32768_over_2048 3.94x"),
-        ("bench_speculative", "speculative_cpu_2026-12-05.json", "k=3 acceptance 2.30 1.22x"),
+        (
+            "bench_speculative",
+            "speculative_cpu_2026-12-05.json",
+            "k=3 acceptance 2.30 1.23x; serving engine k=1 1.99x",
+        ),
     ],
 )
 def test_headlines_of_committed_results(name, path, expect):
