@@ -35,7 +35,7 @@ from serving.engine.api import EngineStateLostError, GenerateRequest, SamplingPa
 from serving.prefill.build import build_prefill_engine
 from serving.server_args import ServerArgs
 
-pytestmark = pytest.mark.slow(seconds=110)  # one worker, 2026-12-05
+pytestmark = pytest.mark.slow(seconds=150)  # one worker, 2026-12-05
 
 P = 16
 PAGES = 64

@@ -24,7 +24,7 @@ from cpkv_jax.model.weights import load_model
 from serving.decode.engine import DecodeEngine
 from serving.server_args import ServerArgs, ServerArgsError
 
-pytestmark = pytest.mark.slow(seconds=65)  # one worker, 2026-12-05
+pytestmark = pytest.mark.slow(seconds=130)  # one worker, both engines, 2026-12-05
 
 POOL_PAGES = 96
 STEPS = 2
