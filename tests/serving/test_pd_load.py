@@ -68,10 +68,13 @@ OK_KINDS = {"ok", "cancelled", "bad_request_ok", "queue_full"}
 
 
 def _explicit(o: Outcome) -> bool:
-    """Ended by the servers with a stated reason (not a timeout or a dropped socket)."""
+    """Ended by the servers with a stated reason (not a timeout or a dropped socket). A
+    502 is SGLang's gateway (`smg`) saying its upstream failed, with the transport error
+    (seen when the decode server dies while the gateway sends it a request)."""
     if o.kind in OK_KINDS | {"unavailable"}:
         return True
-    return o.status in (200, 500, 503, 504) and bool(o.detail) and "no answer" not in o.detail
+    stated = bool(o.detail) and "no answer" not in o.detail
+    return o.status in (200, 500, 502, 503, 504) and stated
 
 
 def _why(c: PDCluster, summary: dict) -> str:
