@@ -199,6 +199,7 @@ def test_speculative_engine_emits_the_plain_engines_tokens_and_log_probs(loaded,
         assert meta["spec_accept_length"] >= len(tokens) / (meta["spec_verify_ct"] + 1), rid
     assert engine.kv.num_free_pages == free0 and engine.spec.free_slots == ROWS
     assert {s[0] for s in engine.step_shapes} <= {*SPEC_FORMS, "spec_prefill_greedy"}
+    assert engine.step_shapes <= engine.reachable_shapes()
 
 
 def test_sampled_rows_depend_on_their_seed_alone_and_greedy_rows_stay_exact(loaded, plain):

@@ -160,6 +160,8 @@ def test_many_clients_with_disconnects_leave_every_page_and_slot(spec_server):
     asyncio.run(settle())
     assert held() == 0
     assert engine.spec.free_slots == engine.spec.num_slots
+    # What ran is what `--warmup all` compiles (`reachable_shapes`, with the draft room).
+    assert engine.step_shapes <= engine.reachable_shapes()
 
 
 @pytest.mark.parametrize(
