@@ -182,7 +182,7 @@ class DecodeEngine:
         # Dispatch step n+1 before fetching step n's tokens (`_decode_step`); False: fetch
         # each step's tokens before the next is built (`--disable-overlap-schedule`).
         self.overlap = overlap
-        self._in_step: _InFlight | None = None
+        self._in_step: _InFlight | SpecInFlight | None = None
         self.grammar = grammar  # None: a request with a grammar is refused
         self._clock = clock
         # Data-parallel decode (`--dp-size`): the pool splits into one shard per rank,
@@ -559,7 +559,7 @@ class DecodeEngine:
     def _spec_collect(self, step: _InFlight | SpecInFlight, touched: Touched) -> None:
         """Fetch a speculative step's tokens and record, for each row still running, its
         accepted drafts and the token after them, up to where the row stops."""
-        assert isinstance(step, SpecInFlight)
+        assert isinstance(step, SpecInFlight)  # a speculative engine dispatches no other
         live = [
             i for i, r in enumerate(step.rows) if r.finish is None and self.running.get(r.rid) is r
         ]

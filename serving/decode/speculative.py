@@ -61,6 +61,7 @@ from cpkv_jax.speculative import (
     slab_admit_from_hidden,
     slab_step,
 )
+from serving.decode.request import DecodeRequest
 from serving.decode.steps import _CACHES, _CACHES_LOCK, CompiledShapes, Shape
 from serving.engine.api import GenerateRequest
 
@@ -211,16 +212,7 @@ class SpeculativeSteps(CompiledShapes):
         self.shapes.add(shape)
         temps = np.asarray([temperature], np.float32)
         seeds = np.asarray([seed % 2**31], np.int32)
-        slots = np.asarray([slot], np.int32)
-
-        def go(pool):
-            token, lp, self.slab, pool = run(
-                self._state, self.slab, slots, batch, temps, seeds, pool
-            )
-            return (token, lp), pool
-
-        with jax.named_scope("decode_engine.spec_prefill"):
-            return self.kv.update_pool(go)
+        return self._admit(run, slot, "spec_prefill", batch, temps, seeds)
 
     def admit_after_prefill(
         self,
@@ -249,13 +241,18 @@ class SpeculativeSteps(CompiledShapes):
             np.asarray([temperature], np.float32),
             np.asarray([seed % 2**31], np.int32),
         )
+        return self._admit(run, slot, "spec_admit", *args)
+
+    def _admit(self, run, slot: int, scope: str, *args) -> tuple[jax.Array, jax.Array]:
+        """Run an admission program `run` for one request into draft-state `slot` (the
+        slab and the pool donated): its first token and log-prob, on the device."""
         slots = np.asarray([slot], np.int32)
 
         def go(pool):
             token, lp, self.slab, pool = run(self._state, self.slab, slots, *args, pool)
             return (token, lp), pool
 
-        with jax.named_scope("decode_engine.spec_admit"):
+        with jax.named_scope(f"decode_engine.{scope}"):
             return self.kv.update_pool(go)
 
     def step(self, rows: Sequence[tuple[int, np.ndarray, int]], greedy: bool) -> StepOutput:
@@ -371,5 +368,5 @@ class SpecInFlight:
     """A dispatched speculative step whose tokens are not fetched yet: its rows in the
     step's row order and its output (on the device)."""
 
-    rows: list
+    rows: list[DecodeRequest]
     out: StepOutput
