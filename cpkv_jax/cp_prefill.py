@@ -179,7 +179,8 @@ class CPPrefillRunner:
         # drafts from its KV, issue 39), its KV one more layer of the same pages.
         self.mtp = mtp
         self.last_hidden: np.ndarray | None = None  # `mtp`: see `run_step`
-        pool_cfg = mtp_config(cfg) if mtp else cfg
+        # The config the pools are laid out for: a drafting runner's has the MTP layer.
+        self.pool_cfg = pool_cfg = mtp_config(cfg) if mtp else cfg
         self.kv = DevicePool(init_cp_pool(pool_cfg, self.layout, mesh, model.dtype, index_k_dtype))
         self._shardings = (NamedSharding(mesh, P(None, CP_AXIS)), NamedSharding(mesh, P()))
         self.batch_invariant = batch_invariant

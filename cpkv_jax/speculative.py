@@ -537,34 +537,97 @@ def slab_admit_from_hidden(
     """`slab_admit` after a prefill that ran elsewhere (a CP runner that also ran the MTP
     layer over every prompt position but the last, whose input is the first output
     token): from each prompt's last logits and the trunk's final hidden state there
-    (position `n - 1`), draw the first token as `_prefill` does, run the MTP layer at
-    `n - 1` on it, chain the first `k` drafts and write them into `slab` at `slots`.
-    Rows with `n == 0` are padding. Returns (first tokens, their log-probs, slab, pool)."""
+    (position `n - 1`), draw the first token as `_prefill` does, then draft as
+    `slab_admit_given` does. Rows with `n == 0` are padding. Returns (first tokens,
+    their log-probs, slab, pool)."""
     with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
-        live = n > 0
         last = jnp.maximum(n - 1, 0)
         lp, _, token = _pick(logits, temperature, seed, last, ACCEPT_STREAM, greedy)
-        batch = span_on_device(token[:, None], last, table, live, page_size)
-        mhidden, pool = _mtp(model, batch, hidden[:, None], pool, index_k_dtype, kv_io)
-        drafts, q, pool = _chain(
-            model,
-            mhidden[:, 0],
-            n,
-            temperature,
-            seed,
-            table,
-            live,
-            pool,
-            k=k,
-            page_size=page_size,
-            index_k_dtype=index_k_dtype,
-            greedy=greedy,
-            kv_io=kv_io,
-        )
-        ds = DraftState(token, n, drafts, q, temperature, seed)
+        slab, pool = _draft_after_prefill(
+            model, slab, slots, token, hidden, n, table, temperature, seed, pool,
+            k=k, page_size=page_size, index_k_dtype=index_k_dtype, greedy=greedy, kv_io=kv_io,
+        )  # fmt: skip
         token_lp = jnp.take_along_axis(lp, token[:, None], -1)[:, 0]
-        return token, token_lp, _scatter(slab, slots, live, ds, greedy), pool
+        return token, token_lp, slab, pool
+
+
+def slab_admit_given(
+    graphdef,
+    state,
+    slab: DraftState,
+    slots: Int[Array, " b"],
+    token: Int[Array, " b"],
+    hidden: Float[Array, "b h"],
+    n: Int[Array, " b"],
+    table: Int[Array, "b w"],
+    temperature: Float[Array, " b"],
+    seed: Int[Array, " b"],
+    pool: KVPool,
+    *,
+    k: int,
+    page_size: int,
+    index_k_dtype: str,
+    invariant: bool,
+    greedy: bool,
+    kv_io: KVIO = SINGLE_DEVICE_KV_IO,
+    block_bytes: int | None = None,
+) -> tuple[DraftState, KVPool]:
+    """Admission after a prefill that ran elsewhere and also drew the first token (a PD
+    prefill server: its CP runner ran the MTP layer over all but the prompt's last
+    position, and the room's aux data carries the first token and the trunk's final
+    hidden state at `n - 1`): the MTP layer at `n - 1` on `token`, the first `k` drafts
+    chained from it, written into `slab` at `slots`. Rows with `n == 0` are padding."""
+    with batch_invariant(invariant), token_block_bytes(block_bytes):
+        model = nnx.merge(graphdef, state)
+        return _draft_after_prefill(
+            model, slab, slots, token, hidden, n, table, temperature, seed, pool,
+            k=k, page_size=page_size, index_k_dtype=index_k_dtype, greedy=greedy, kv_io=kv_io,
+        )  # fmt: skip
+
+
+def _draft_after_prefill(
+    model: CausalLM,
+    slab: DraftState,
+    slots,
+    token,
+    hidden,
+    n,
+    table,
+    temperature,
+    seed,
+    pool: KVPool,
+    *,
+    k: int,
+    page_size: int,
+    index_k_dtype: str,
+    greedy: bool,
+    kv_io: KVIO,
+) -> tuple[DraftState, KVPool]:
+    """The MTP layer at each row's last prompt position `n - 1` on its first output
+    `token` and the trunk's hidden state there, the first `k` drafts chained from it,
+    the row's draft state written into `slab` at `slots` (rows with `n == 0` skipped)."""
+    live = n > 0
+    last = jnp.maximum(n - 1, 0)
+    batch = span_on_device(token[:, None], last, table, live, page_size)
+    mhidden, pool = _mtp(model, batch, hidden[:, None], pool, index_k_dtype, kv_io)
+    drafts, q, pool = _chain(
+        model,
+        mhidden[:, 0],
+        n,
+        temperature,
+        seed,
+        table,
+        live,
+        pool,
+        k=k,
+        page_size=page_size,
+        index_k_dtype=index_k_dtype,
+        greedy=greedy,
+        kv_io=kv_io,
+    )
+    ds = DraftState(token, n, drafts, q, temperature, seed)
+    return _scatter(slab, slots, live, ds, greedy), pool
 
 
 def rows_batch(

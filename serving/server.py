@@ -57,7 +57,6 @@ from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_store import PagedKVStore
 from cpkv_jax.mesh import make_dp_mesh
 from cpkv_jax.model.kv_cache import DTYPES, PagedKVIO, init_pool
-from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from cpkv_jax.tokenizer import Tokenizer, load_tokenizer
@@ -219,8 +218,8 @@ def _build_decode_side(
         return _build_cached_unified(args, cfg, model, tokenizer, devices, grammar)
     dtype = DTYPES[args.dtype]
     # Speculative decoding keeps the MTP layer's KV in the same pages (one more layer).
-    pool_cfg = mtp_config(cfg) if args.speculative_steps() else cfg
-    pages = pool_pages_per_rank(args, pool_cfg)  # cp_size 1 here: one lane, one trash page
+    pool_cfg = args.kv_model_config(cfg)
+    pages = pool_pages_per_rank(args, cfg)  # cp_size 1 here: one lane, one trash page
     dp = args.dp_size
     mesh = make_dp_mesh(dp, devices) if dp > 1 else None
     if mesh is None:
@@ -247,7 +246,7 @@ def _build_decode_side(
         from transfer.protocol import TransferTimeouts
         from transfer.receiver import Receiver, serve
 
-        layout = LayoutDescriptor.from_model(cfg, args.page_size, dtype, args.index_k_dtype)
+        layout = LayoutDescriptor.from_model(pool_cfg, args.page_size, dtype, args.index_k_dtype)
         endpoint = None
         if args.transfer_backend == "mooncake":
             from transfer.backends.mooncake_backend import MooncakeReceiverEndpoint
@@ -487,6 +486,8 @@ def warm_up(
             for rows in _pow2_upto(k)
             for width in _pow2_upto(per_request)
         }
+        if engine.spec is not None:  # their speculative twins; admissions from a given token
+            warmed = engine.spec.shapes_for(warmed, "token")
         engine.warm_shapes(warmed)
     else:
         warmed = _run_warmup_requests(args, cfg, model, engine, k, long_prompt, new_tokens)
@@ -728,7 +729,7 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
         gateway_pd = None
         if args.disaggregation_mode == "decode":  # SGLang's gateway: `transfer.bootstrap`
             layout = LayoutDescriptor.from_model(
-                cfg, args.page_size, DTYPES[args.dtype], args.index_k_dtype
+                args.kv_model_config(cfg), args.page_size, DTYPES[args.dtype], args.index_k_dtype
             )
             gateway_pd = GatewayPD(
                 "decode",

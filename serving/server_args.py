@@ -1136,10 +1136,21 @@ class ServerArgs:
         steps = self.speculative_num_steps
         return DEFAULT_SPECULATIVE_STEPS if steps is None else steps
 
+    def kv_model_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The config this server's KV pools are laid out for (`cfg`, the trunk's): with
+        speculative decoding the MTP layer keeps its KV in the same pages, one more layer
+        (`mtp_config`), on the prefill side (it runs the layer over the prompts and sends
+        that KV) as on the decode side."""
+        from cpkv_jax.model.mtp import mtp_config
+
+        return mtp_config(cfg) if self.speculative_steps() else cfg
+
     def _check_speculative(self, model_config: ModelConfig | None) -> None:
-        """`--speculative-algorithm`: a unified server without the prefix cache on one
-        device (the other paths do not run the MTP layer over prompts yet), a chain of
-        1..MAX_SPECULATIVE_STEPS drafts, a checkpoint with an MTP layer."""
+        """`--speculative-algorithm`: a chain of 1..MAX_SPECULATIVE_STEPS drafts from the
+        checkpoint's MTP layer, on a unified or PD decode server on one device; a PD
+        prefill server given the same flags runs the MTP layer over the prompts and sends
+        its KV and the last hidden state with the room (both sides must, or the layouts
+        differ at the handshake)."""
         if not self.speculative_enabled():
             return
         k = self.speculative_steps()
@@ -1158,20 +1169,13 @@ class ServerArgs:
                 f"--speculative-num-steps + 1 = {k + 1} (one chain: the current token and "
                 "its drafts)"
             )
-        if self.disaggregation_mode != "null":
-            raise ServerArgsError(
-                f"--speculative-algorithm {self.speculative_algorithm} runs on the unified "
-                f"server (--disaggregation-mode null) for now: a {self.disaggregation_mode} "
-                "server's prompts would need the prefill side's MTP pass and its KV in the "
-                "transfer (issue 39 item 3); drop --speculative-algorithm"
-            )
         if self.enable_hierarchical_cache:
             raise ServerArgsError(
                 f"--speculative-algorithm {self.speculative_algorithm} with "
                 "--enable-hierarchical-cache: the host cache does not carry the MTP layer's "
                 "KV yet; drop one of them"
             )
-        if self.dp_size > 1:
+        if self.dp_size > 1 and self.disaggregation_mode != "prefill":
             raise ServerArgsError(
                 f"--speculative-algorithm with --dp-size {self.dp_size}: speculative decoding "
                 "runs on one device for now; use --dp-size 1"

@@ -175,10 +175,16 @@ class LayoutDescriptor:
         """Raise `LayoutMismatchError` listing every differing field (ours != theirs)."""
         diff = self.mismatches(other)
         if diff:
+            # Speculative decoding keeps the MTP layer's KV as one more layer.
+            mtp = (
+                " and the same --speculative-algorithm (the MTP layer's KV is one more layer)"
+                if abs(self.num_layers - other.num_layers) == 1
+                else ""
+            )
             raise LayoutMismatchError(
                 "prefill and decode KV layouts differ (ours != peer's): "
                 + "; ".join(diff)
-                + "; start both servers with the same model, page size and KV dtypes"
+                + f"; start both servers with the same model, page size and KV dtypes{mtp}"
             )
 
     def buffers(self) -> tuple[tuple[BufferKind, int], ...]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -154,6 +154,24 @@ class Aux:
     # The first token's most likely alternatives, (token id, log-prob) most likely first,
     # when the request asked for top log-probs (the decode server streams them).
     top: tuple[tuple[int, float], ...] = ()
+    # A drafting prefill's (`--speculative-algorithm`): the trunk's final hidden state at
+    # the prompt's last position, float32 little-endian (`hidden_state`), from which the
+    # decode server's MTP layer drafts; empty otherwise.
+    hidden: bytes = b""
+
+    def __post_init__(self) -> None:
+        if len(self.hidden) % 4:
+            raise ValueError(f"aux hidden state of {len(self.hidden)} bytes is not float32s")
+
+    @classmethod
+    def with_hidden(cls, hidden: np.ndarray | None, **fields: Any) -> Aux:
+        """An `Aux` of `fields` carrying `hidden` (any float array of one row), or none."""
+        raw = b"" if hidden is None else np.asarray(hidden, "<f4").reshape(-1).tobytes()
+        return cls(**fields, hidden=raw)
+
+    def hidden_state(self) -> np.ndarray | None:
+        """The hidden state as a float32 vector, or None when none was sent."""
+        return np.frombuffer(self.hidden, "<f4") if self.hidden else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,6 +316,7 @@ def aux_to_pb(aux: Aux) -> pb.Aux:
         host_cached_tokens=aux.host_cached_tokens,
         top_ids=[t for t, _ in aux.top],
         top_logprobs=[v for _, v in aux.top],
+        hidden=aux.hidden,
     )
 
 
@@ -306,8 +325,12 @@ def aux_from_pb(msg: pb.Aux) -> Aux:
         raise BadRequestError(
             f"aux has {len(msg.top_ids)} top token ids but {len(msg.top_logprobs)} log-probs"
         )
+    if len(msg.hidden) % 4:
+        raise BadRequestError(f"aux hidden state of {len(msg.hidden)} bytes is not float32s")
     top = tuple(zip(msg.top_ids, msg.top_logprobs, strict=True))
-    return Aux(msg.first_token, msg.logprob, msg.cached_tokens, msg.host_cached_tokens, top)
+    return Aux(
+        msg.first_token, msg.logprob, msg.cached_tokens, msg.host_cached_tokens, top, msg.hidden
+    )
 
 
 def snapshot_to_pb(s: RoomSnapshot) -> pb.RoomStatus:

@@ -195,11 +195,10 @@ class DecodeEngine:
         self.spec: SpeculativeSteps | None = None
         self.room = 0  # tokens of pages a request reserves beyond prompt + max_new_tokens
         if speculative_num_steps:
-            if self.dp_size > 1 or intake.mode != "null":
+            if self.dp_size > 1:
                 raise ConfigError(
-                    "speculative decoding runs on a unified server with --dp-size 1 for "
-                    "now: the PD and data-parallel paths do not run the MTP layer over "
-                    "prompts yet"
+                    "speculative decoding runs with --dp-size 1 for now: the data-parallel "
+                    "step has no draft-and-verify form yet"
                 )
             # At most SPEC_SLOTS_MAX slots (`max_running_requests` may be the pool's
             # pages); requests beyond them wait to be admitted, as for penalty slots.
@@ -631,7 +630,10 @@ class DecodeEngine:
         )
         if self.spec is None:
             return plain
-        return self.spec.shapes_for(plain, admit=not self.intake.prefills_with_engine_steps)
+        admission = None
+        if not self.intake.prefills_with_engine_steps:  # prefilled elsewhere: from what?
+            admission = "logits" if self.intake.first_token_on_host else "token"
+        return self.spec.shapes_for(plain, admission)
 
     def warm_shapes(self, shapes: set[tuple[str, int, int, int]]) -> int:
         """Compile (run once, on the trash page) those of `shapes` this engine can reach
@@ -846,6 +848,30 @@ class DecodeEngine:
             return _emitted(token[0], lp[0])
 
         self.produce(r, touched, pick)
+
+    def draft_from_token(
+        self,
+        r: DecodeRequest,
+        first: tuple[int, float, TopLogprobs],
+        hidden: np.ndarray,
+        touched: Touched,
+    ) -> None:
+        """A speculative engine's request prefilled by a PD prefill server, which drew its
+        first token and ran the MTP layer over all but the prompt's last position: its
+        first drafts from that token and the trunk's hidden state there
+        (`SpeculativeSteps.admit_given`); `first` is recorded as `produce` records a
+        token. A failed admission program fails the request alone (its pages and slot
+        come back)."""
+        assert self.spec is not None and r.slot is not None and r.pages is not None
+        sp = r.req.sampling
+        try:
+            self.spec.admit_given(
+                first[0], hidden, len(r.prompt), r.pages, r.width, r.slot, sp.temperature, r.seed
+            )
+        except Exception as exc:
+            self.step_failed("the drafting of its first tokens", exc, [r], touched)
+            return
+        self.produce(r, touched, lambda: first)
 
     def first_tokens(
         self, batch: list[DecodeRequest]

@@ -25,6 +25,9 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import numpy as np
+
+from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import CpkvError
 from cpkv_jax.paging import pages_for_tokens
 from serving.decode.request import DecodeRequest
@@ -299,7 +302,14 @@ class TransferIntake:
                 r.cached_tokens, r.host_cached_tokens = aux.cached_tokens, aux.host_cached_tokens
                 n_prompt_pages = pages_for_tokens(len(r.prompt), e.page_size)
                 self.bytes_received += n_prompt_pages * e.bytes_per_page
-                e.produce(r, touched, lambda aux=aux: (int(aux.first_token), aux.logprob, aux.top))
+                first = (int(aux.first_token), aux.logprob, aux.top)
+                if e.spec is None:
+                    e.produce(r, touched, lambda first=first: first)
+                elif (why := _hidden_refusal(hidden := aux.hidden_state(), e.cfg)) is not None:
+                    e.discard(r, why)
+                    e.fail(r, why, touched)
+                else:  # its drafts start from the prefill's last hidden state
+                    e.draft_from_token(r, first, hidden, touched)
 
     def lookup(self, rid: str) -> DecodeRequest | None:
         return self._transferring.get(rid)
@@ -329,3 +339,20 @@ class TransferIntake:
 
     def stats(self, base: EngineStats) -> EngineStats:
         return base
+
+
+def _hidden_refusal(hidden: np.ndarray | None, cfg: ModelConfig) -> str | None:
+    """Why a speculative decode server cannot draft from a room's aux hidden state (the
+    trunk's final hidden state at the prompt's last position), or None."""
+    if hidden is None:
+        return (
+            "this decode server drafts with the MTP layer (--speculative-algorithm), and the "
+            "prefill server sent no hidden state to draft from: start it with the same "
+            "--speculative-algorithm flags"
+        )
+    if hidden.shape != (cfg.hidden_size,):
+        return (
+            f"the prefill server's hidden state has {hidden.size} values, not hidden_size="
+            f"{cfg.hidden_size}: the two servers run different models"
+        )
+    return None

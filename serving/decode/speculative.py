@@ -10,7 +10,10 @@ gives the unified server's engine a `SpeculativeSteps` in place of the plain
   drafts, in one program; on the default prefix-cache engine the CP runner prefills and
   runs the MTP layer over all but the prompt's last position, and `admit_after_prefill`
   draws the first token from its last logits, runs the MTP layer at the last position
-  with the trunk's hidden state there and chains the first K drafts;
+  with the trunk's hidden state there and chains the first K drafts; on a PD decode
+  server the prefill server ran that pass and drew the first token, and
+  `admit_given` runs the MTP layer at the last position on it with the hidden state the
+  room's aux data carried, and chains the first K drafts;
 - each decode step (`step`): every running row verifies its K drafts and emits 1..K+1
   tokens, then the MTP layer drafts the next K, in one program. The host reads back only
   the emitted tokens, the accepted counts and the tokens' log-probs.
@@ -30,9 +33,10 @@ grammars and top log-probs need a server without `--speculative-algorithm`.
 
 Step shapes (the `DecodeSteps` interface, so the engine's warm-up and compile accounting
 are unchanged): `("spec" | "spec_greedy", rows, K + 1, width)` for decode steps,
-`("spec_prefill" | "spec_prefill_greedy", 1, prefill bucket, width)` and
-`("spec_admit" | "spec_admit_greedy", 1, 1, width)` for the two kinds of admission; the
-greedy variants run when every row is at temperature 0 and keep no distributions.
+`("spec_prefill" | "spec_prefill_greedy", 1, prefill bucket, width)`,
+`("spec_admit" | "spec_admit_greedy", 1, 1, width)` and `("spec_given" |
+"spec_given_greedy", 1, 1, width)` for the three kinds of admission; the greedy variants
+run when every row is at temperature 0 and keep no distributions.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from cpkv_jax.speculative import (
     init_slab,
     slab_admit,
     slab_admit_from_hidden,
+    slab_admit_given,
     slab_step,
 )
 from serving.decode.request import DecodeRequest
@@ -76,6 +81,12 @@ SPEC_PREFILL_FORMS = ("spec_prefill", "spec_prefill_greedy")
 # After a prefill elsewhere (the prefix-cache engine's CP runner): the first token, the
 # MTP layer at the prompt's last position and the first drafts, `(form, 1, 1, width)`.
 SPEC_ADMIT_FORMS = ("spec_admit", "spec_admit_greedy")
+# After a PD prefill server's prefill and first token (`admit_given`), `(form, 1, 1, width)`.
+SPEC_GIVEN_FORMS = ("spec_given", "spec_given_greedy")
+# How a request's first drafts are made, by who prefilled it: the engine's own program
+# (None), a prefill that hands over its last logits ("logits"), or one that also drew
+# the first token ("token").
+ADMISSION_FORMS = {"logits": SPEC_ADMIT_FORMS, "token": SPEC_GIVEN_FORMS}
 
 
 def speculative_room(num_steps: int, overlap: bool) -> int:
@@ -164,10 +175,14 @@ class SpeculativeSteps(CompiledShapes):
             after = functools.partial(
                 slab_admit_from_hidden, self._graphdef, k=num_steps, greedy=greedy, **static
             )
+            given = functools.partial(
+                slab_admit_given, self._graphdef, k=num_steps, greedy=greedy, **static
+            )
             donate = ("slab", "pool")
             self._fns[SPEC_FORMS[greedy]] = jax.jit(step, donate_argnames=donate)
             self._fns[SPEC_PREFILL_FORMS[greedy]] = jax.jit(admit, donate_argnames=donate)
             self._fns[SPEC_ADMIT_FORMS[greedy]] = jax.jit(after, donate_argnames=donate)
+            self._fns[SPEC_GIVEN_FORMS[greedy]] = jax.jit(given, donate_argnames=donate)
         self.hidden_size = model.cfg.hidden_size
         self._abstract = (abstract(self._state), abstract(self.slab), abstract(kv.pool))
         leaves, tree = jax.tree.flatten(self._abstract)
@@ -243,14 +258,44 @@ class SpeculativeSteps(CompiledShapes):
         )
         return self._admit(run, slot, "spec_admit", *args)
 
-    def _admit(self, run, slot: int, scope: str, *args) -> tuple[jax.Array, jax.Array]:
+    def admit_given(
+        self,
+        token: int,
+        hidden: np.ndarray,
+        n: int,
+        pages: np.ndarray,
+        width: int,
+        slot: int,
+        temperature: float,
+        seed: int,
+    ) -> None:
+        """Admit one request whose prompt (`n` tokens) was prefilled elsewhere, with the
+        MTP layer's pass over all but its last position, and whose first output `token`
+        was drawn there too (a PD prefill server): its first drafts from `token` and the
+        trunk's hidden state at the last position (`slab_admit_given`)."""
+        greedy = temperature == 0
+        shape = (SPEC_GIVEN_FORMS[greedy], 1, 1, width)
+        run = self.compiled(shape)
+        self.shapes.add(shape)
+        args = (
+            np.asarray([token], np.int32),
+            np.asarray(hidden, np.float32).reshape(1, -1),
+            np.asarray([n], np.int32),
+            padded_page_table(pages, width)[None],
+            np.asarray([temperature], np.float32),
+            np.asarray([seed % 2**31], np.int32),
+        )
+        self._admit(run, slot, "spec_given", *args)
+
+    def _admit(self, run, slot: int, scope: str, *args):
         """Run an admission program `run` for one request into draft-state `slot` (the
-        slab and the pool donated): its first token and log-prob, on the device."""
+        slab and the pool donated); returns what the program returns before the slab and
+        the pool (the first token and its log-prob, on the device, when it drew them)."""
         slots = np.asarray([slot], np.int32)
 
         def go(pool):
-            token, lp, self.slab, pool = run(self._state, self.slab, slots, *args, pool)
-            return (token, lp), pool
+            *out, self.slab, pool = run(self._state, self.slab, slots, *args, pool)
+            return tuple(out), pool
 
         with jax.named_scope(f"decode_engine.{scope}"):
             return self.kv.update_pool(go)
@@ -279,17 +324,19 @@ class SpeculativeSteps(CompiledShapes):
             return self.kv.update_pool(go)
 
     # ---- shapes and compiles (the `DecodeSteps` interface) --------------------------------
-    def shapes_for(self, plain: set[Shape], admit: bool = False) -> set[Shape]:
+    def shapes_for(self, plain: set[Shape], admission: str | None = None) -> set[Shape]:
         """The speculative twins of plain step shapes (`steps.reachable_shapes` computed
-        with this engine's page room): both variants of each; with `admit` (prompts
-        prefilled elsewhere), the admission of one request at every decode width."""
+        with this engine's page room): both variants of each; with an `admission` (prompts
+        prefilled elsewhere, an `ADMISSION_FORMS` key), the admission of one request at
+        every decode width."""
+        admit = ADMISSION_FORMS[admission] if admission is not None else ()
         out: set[Shape] = set()
         for form, rows, tokens, width in plain:
             forms = SPEC_FORMS if tokens == 1 and form == "absorbed" else SPEC_PREFILL_FORMS
             n = self.k + 1 if forms is SPEC_FORMS else tokens
             out |= {(f, rows, n, width) for f in forms}
-            if admit and forms is SPEC_FORMS:
-                out |= {(f, 1, 1, width) for f in SPEC_ADMIT_FORMS}
+            if forms is SPEC_FORMS:
+                out |= {(f, 1, 1, width) for f in admit}
         return out
 
     def warm(self, shapes: Sequence[Shape]) -> None:
@@ -312,6 +359,10 @@ class SpeculativeSteps(CompiledShapes):
                 out = self.admit_after_prefill(
                     logits, hidden, 1, trash, width, spare, temperature, 0
                 )
+            elif form in SPEC_GIVEN_FORMS:
+                hidden = np.zeros((self.hidden_size,), np.float32)
+                self.admit_given(0, hidden, 1, trash, width, spare, temperature, 0)
+                out = self.slab
             else:
                 out = self.step([(spare, trash, width)] * rows, greedy)
             jax.block_until_ready(out)
@@ -345,12 +396,15 @@ class SpeculativeSteps(CompiledShapes):
             return self._fns[form].lower(
                 state, slab, arg((rows,), i32), batch, arg((rows,), f32), arg((rows,), i32), pool
             )
-        if form in SPEC_ADMIT_FORMS:
+        if form in SPEC_ADMIT_FORMS or form in SPEC_GIVEN_FORMS:
+            first = (
+                arg((rows, self.vocab_size), f32) if form in SPEC_ADMIT_FORMS else arg((rows,), i32)
+            )
             return self._fns[form].lower(
                 state,
                 slab,
                 arg((rows,), i32),
-                arg((rows, self.vocab_size), f32),
+                first,
                 arg((rows, self.hidden_size), f32),
                 arg((rows,), i32),
                 arg((rows, width), i32),

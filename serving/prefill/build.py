@@ -41,7 +41,6 @@ from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.mesh import CP_AXIS, DP_AXIS, make_cp_mesh, make_dp_mesh
 from cpkv_jax.model.expert_parallel import EPSpec
 from cpkv_jax.model.kv_cache import DTYPES
-from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.model.weights import LoadStats, load_model
 from serving.prefill.adder import CPSharedKVLimits
@@ -198,7 +197,8 @@ def pool_page_bytes(args: ServerArgs, cfg: ModelConfig) -> int:
     """Bytes of one page of the pool on each rank (pools are linear in their pages)."""
     cp = args.cp_config()
     layout = PoolLayout(cp.cp_size, cp.shared_kv, 2, args.page_size)
-    return per_rank_pool_bytes(cfg, layout, DTYPES[args.dtype], args.index_k_dtype) // 2
+    kv_cfg = args.kv_model_config(cfg)  # with the MTP layer's KV when speculative
+    return per_rank_pool_bytes(kv_cfg, layout, DTYPES[args.dtype], args.index_k_dtype) // 2
 
 
 def pool_pages_per_rank(args: ServerArgs, cfg: ModelConfig) -> int:
@@ -308,7 +308,7 @@ def build_prefill_engine(
     mesh = make_cp_mesh(args.cp_size, devices)
     # A speculative unified server's runner also runs the MTP layer over the prompts.
     drafting = args.speculative_steps() > 0
-    pages = pool_pages_per_rank(args, mtp_config(cfg) if drafting else cfg)
+    pages = pool_pages_per_rank(args, cfg)
     runner = CPPrefillRunner(
         cfg,
         model,

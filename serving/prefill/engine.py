@@ -210,8 +210,9 @@ class PrefillModeEngine:
         self.cp_size = engine.args.cp_size
         self.page_size = engine.args.page_size
         pool = self.runner.pool
+        # A drafting runner's pool holds the MTP layer's KV too: one more layer to send.
         self.layout = LayoutDescriptor.from_model(
-            self.cfg, self.page_size, pool.latent[0].dtype, self.runner.index_k_dtype
+            self.runner.pool_cfg, self.page_size, pool.latent[0].dtype, self.runner.index_k_dtype
         )
         # A prefill step donates the pool: senders gather under the lock the runner swaps
         # the pool under (`CPPoolPageSource`), so a read never meets a donated pool; the
@@ -684,7 +685,14 @@ class PrefillModeEngine:
         entry.state = "transferring"
         if not entry.hold.provide(
             table.local_pages(),
-            Aux(token, entry.logprob, entry.cached_tokens, entry.host_cached_tokens, entry.top),
+            Aux.with_hidden(
+                outcome.last_hidden,  # a drafting runner's: the decode server's MTP layer
+                first_token=token,
+                logprob=entry.logprob,
+                cached_tokens=entry.cached_tokens,
+                host_cached_tokens=entry.host_cached_tokens,
+                top=entry.top,
+            ),
         ):
             # The room failed while the prefill ran: the next poll frees the pages and
             # reports the hold's outcome.
@@ -805,7 +813,7 @@ def mooncake_host_buffer_bytes(args: ServerArgs, cfg: ModelConfig) -> int:
     if args.transfer_host_buffer_size is not None:
         return args.transfer_host_buffer_size
     layout = LayoutDescriptor.from_model(
-        cfg, args.page_size, DTYPES[args.dtype], args.index_k_dtype
+        args.kv_model_config(cfg), args.page_size, DTYPES[args.dtype], args.index_k_dtype
     )
     context_pages = pages_for_tokens(cfg.max_position_embeddings, args.page_size)
     share = min(-(-context_pages // args.cp_size), pool_pages_per_rank(args, cfg))

@@ -160,7 +160,8 @@ def kv_pool_bytes_per_rank(args: ServerArgs, cfg: ModelConfig) -> int:
     """Persistent KV bytes per rank of the pool the server builds."""
     cp = args.cp_config()
     layout = PoolLayout(cp.cp_size, cp.shared_kv, pool_pages_per_rank(args, cfg), cp.page_size)
-    return per_rank_pool_bytes(cfg, layout, DTYPES[args.dtype], args.index_k_dtype)
+    kv_cfg = args.kv_model_config(cfg)  # with the MTP layer's KV when speculative
+    return per_rank_pool_bytes(kv_cfg, layout, DTYPES[args.dtype], args.index_k_dtype)
 
 
 def max_batch_rows(args: ServerArgs, usable_pages: int) -> int:

@@ -18,6 +18,8 @@ Tolerances:
 
 from __future__ import annotations
 
+import chex
+import jax
 import numpy as np
 import pytest
 from support.cp_reference import P, reference
@@ -155,3 +157,47 @@ def test_capacity_below_worst_case_is_not_exact():
     assert ep.EPSpec(CP_AXIS, CP).capacity(64) == 64
     with pytest.raises(ValueError, match="ep_capacity_factor"):
         ep.EPSpec(CP_AXIS, CP, "all_to_all", capacity_factor=0.0)
+
+
+def test_a_drafting_cp8_ep8_runner_writes_the_mtp_kv_of_one_device(tiny_checkpoints):
+    """Issue 39 item 3: a PD prefill server for speculative decoding runs the MTP layer
+    over each chunk it prefills (`CPPrefillRunner(mtp=True)`). On CP8 shared KV with EP8,
+    FP8 kept and chunked, batch-invariant: the MTP layer's KV (latent and index K, one
+    more layer of the pool) at every prompt position but the last, the trunk's KV, the
+    last logits and the last hidden state sent to the decode server are bitwise those of
+    a one-device runner (cp 1, which the unified server uses and the speculative engine
+    tests check against the whole-prompt engine's drafts). The last position's MTP KV is
+    left unwritten: it needs the first output token."""
+    path = tiny_checkpoints("glm_moe_dsa", fp8=True, n_routed_experts=EXPERTS)
+    cfg, single = load_model(path, progress=False, mtp=True)
+    _, placed = load_model(
+        path, progress=False, mesh=make_cp_mesh(CP), expert_axis=CP_AXIS, mtp=True
+    )
+    ids = _prompt(3)
+    n = ids.size
+    got, want = {}, {}
+    for cp, model, out in ((CP, placed, got), (1, single, want)):
+        config = CPConfig(cp_size=cp, shared_kv=cp > 1, page_size=P)
+        runner = CPPrefillRunner(
+            cfg,
+            model,
+            make_cp_mesh(cp),
+            config,
+            pages_per_rank=pages_per_rank_for(PROMPT, P, config),
+            index_k_dtype="fp8_e4m3",
+            batch_invariant=True,
+            expert_parallel=ep.EPSpec(CP_AXIS, cp) if cp > 1 else None,
+            mtp=True,
+        )
+        result = runner.prefill([ids], CHUNK)
+        out["view"] = jax.tree.map(np.asarray, runner.full_view(result.tables[0]))
+        out["logits"], out["hidden"] = result.last_logits[0], runner.last_hidden[0]
+    trunk = cfg.num_hidden_layers
+    assert len(got["view"].latent) == trunk + 1  # the MTP layer's KV: one more layer
+    mtp_latent = got["view"].latent[trunk]
+    assert mtp_latent[: n - 1].any(axis=-1).all()  # written at every position...
+    assert not mtp_latent[n - 1].any()  # ...but the last
+    chex.assert_trees_all_equal(got["view"], want["view"])
+    np.testing.assert_array_equal(got["logits"], want["logits"])
+    np.testing.assert_array_equal(got["hidden"], want["hidden"])
+    assert got["hidden"].shape == (cfg.hidden_size,)

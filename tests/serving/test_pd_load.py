@@ -1,7 +1,9 @@
 """PD serving under concurrent load and a decode server killed (issue: PD under load).
 
 Real processes on 127.0.0.1 (`benchmarks.pd_load.PDCluster`): a decode server (over
-Mooncake, data-parallel on 2 ranks: `--dp-size 2`, issue 36), a CP=8 shared-KV prefill
+Mooncake, data-parallel on 2 ranks: `--dp-size 2`, issue 36; over gRPC, decoding
+speculatively with the MTP layer, both servers with `--speculative-algorithm EAGLE`,
+issue 39), a CP=8 shared-KV prefill
 server (8 virtual CPU devices, `--chunked-prefill-size 256`) and a router in front:
 `cpkv-router` over gRPC, SGLang's gateway `smg` in PD mode over Mooncake (issue 38: the
 same pass rule through the gateway). Small KV pools make requests wait for pages, and
@@ -50,6 +52,7 @@ from benchmarks.pd_load import (
 )
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
+from serving.decode.speculative import speculative_room
 from serving.smg import smg_binary
 from transfer.backends.mooncake_engine import mooncake_available
 
@@ -64,6 +67,8 @@ CONCURRENCY = 16
 REQUEST_TIMEOUT_S = 300.0
 KILL_AFTER_S = 4.0
 SAMPLE = 4  # outputs checked against the single-device reference
+SPEC_STEPS = 2
+SPECULATIVE = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(SPEC_STEPS))
 OK_KINDS = {"ok", "cancelled", "bad_request_ok", "queue_full"}
 
 
@@ -143,6 +148,10 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         # SGLang's gateway in PD mode (issue 38), the gRPC run's to cpkv-router.
         decode_dp=1 if backend == "grpc" else 2,
         router="cpkv" if backend == "grpc" else "smg",
+        # The gRPC pair decodes speculatively with the MTP layer (issue 39): the prefill
+        # server sends the MTP layer's KV and the last hidden state, cancellations land
+        # mid-draft, and the killed decode server's draft state goes with it.
+        extra=SPECULATIVE if backend == "grpc" else (),
     )
     c = PDCluster(config)
     try:
@@ -153,7 +162,9 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         for name in ("router", "prefill", "decode"):
             assert httpx.post(c.urls[name] + "/generate", json=body, timeout=10).status_code == 401
         info = httpx.get(c.urls["decode"] + "/server_info", timeout=10, headers=KEYED).json()
-        near = pool_tokens(DECODE_POOL, info["kv_bytes_per_page"]) - 16 - 1
+        # A speculative request also reserves its draft room of pages.
+        room = speculative_room(SPEC_STEPS, overlap=True) if config.extra else 0
+        near = pool_tokens(DECODE_POOL, info["kv_bytes_per_page"]) - 16 - 1 - room
         mix = LoadMix(vocab_size=info["vocab_size"], max_prompt=600, near_pool_tokens=near,
                       max_new_tokens=16)  # fmt: skip
         # The Mooncake run repeats the checks on a smaller load (suite time).

@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 from support.grammar_ref import BOUNDED_REGEX, BOUNDED_SCHEMA, grammar_reference
 from support.http_client import Served
+from support.pages import assert_pages_back
 from support.smg import gateway as smg_gateway
 from support.smg import smg_binary
 
@@ -43,10 +44,8 @@ from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.tokenizer import load_tokenizer
 from serving.compile_events import COMPILES
-from serving.decode.cached import CachedUnifiedEngine
 from serving.engine.api import Grammar
 from serving.grammar import load_grammar_backend
-from serving.prefill.engine import PrefillModeEngine
 from serving.router import RouterConfig, build_router_app
 from serving.server import Server, build_server
 from serving.server_args import ServerArgs
@@ -135,30 +134,6 @@ def completions(url: str, ids: list[int]) -> list[int]:
     assert out["usage"]["prompt_tokens"] == len(ids)
     assert out["usage"]["completion_tokens"] == NEW
     return out["choices"][0]["token_ids"]
-
-
-def assert_pages_back(server: Server) -> None:
-    """Every page back: free == total (a prefill or unified server's radix cache may keep
-    cached prefixes, evictable and unlocked, which count as back)."""
-    engine = server.engine
-
-    def back() -> bool:
-        if engine.has_work():
-            return False
-        stats = engine.stats()
-        if isinstance(engine, PrefillModeEngine | CachedUnifiedEngine):
-            scheduler = engine.scheduler
-            cache = scheduler.cache
-            if scheduler.num_held or cache.protected_pages_per_lane().any():
-                return False
-            evictable = cache.evictable_pages_per_lane()
-            free = np.asarray(stats.kv_pages_free) + (
-                evictable if evictable.size == len(stats.kv_pages_free) else evictable.sum()
-            )
-            return bool(np.all(free == np.asarray(stats.kv_pages_total)))
-        return stats.kv_pages_free == stats.kv_pages_total
-
-    wait_until(back, f"{server.args.disaggregation_mode} server's pages to come back")
 
 
 # ---- unified ---------------------------------------------------------------------------
