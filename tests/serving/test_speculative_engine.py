@@ -20,6 +20,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from support.transfer import random_pages
 
 from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
@@ -34,6 +35,9 @@ from serving.decode.speculative import SPEC_FORMS
 from serving.engine.api import EngineStateLostError, GenerateRequest, SamplingParams
 from serving.prefill.build import build_prefill_engine
 from serving.server_args import ServerArgs
+from transfer.page_plan import LayoutDescriptor, page_digests
+from transfer.protocol import Aux, RoomState
+from transfer.receiver import Receiver
 
 pytestmark = pytest.mark.slow(seconds=150)  # one worker, 2026-12-05
 
@@ -363,3 +367,45 @@ def test_a_failed_step_fails_its_requests_and_a_lost_draft_state_stops_the_engin
     with pytest.raises(EngineStateLostError, match="draft state"):
         for _ in range(10):
             engine.step()
+
+
+def test_a_decode_server_refuses_to_draft_without_the_prefills_hidden_state(loaded):
+    """A PD decode engine that drafts (issue 39 item 3) needs the trunk's last hidden
+    state in the room's aux data: a room that commits without it, or with one of another
+    model's size, fails that request with the reason (start the prefill server with the
+    same flags), and its pages and draft-state slot come back; the engine serves on."""
+    cfg, model = loaded("glm")
+    layout = LayoutDescriptor.from_model(mtp_config(cfg), P, "float32", "fp8_e4m3")
+    pool = init_pool(mtp_config(cfg), PAGES, P, np.float32, "fp8_e4m3")
+    rx = Receiver(layout, pool, PageAllocator(PAGES))
+    engine = DecodeEngine(
+        cfg=cfg, model=model, kv=rx, page_size=P, index_k_dtype="fp8_e4m3", mode="decode",
+        max_running_requests=ROWS, speculative_num_steps=2,
+    )  # fmt: skip
+    free0 = rx.num_free_pages
+    ids = tuple(range(3, 3 + 2 * P))
+    cases = {"none": None, "short": np.ones(cfg.hidden_size - 1, np.float32)}
+    for rid in cases:
+        sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        engine.add(GenerateRequest(rid, ids, sp, bootstrap_room=rid, bootstrap_cp_size=1))
+    for rid, hidden in cases.items():
+        data = random_pages(layout, 2, seed=1)
+        positions = np.arange(2)
+        assert rx.handshake(rid, 0, 1, len(ids), layout).accepted
+        for b, (kind, layer) in enumerate(layout.buffers()):
+            digests, raw = page_digests(data[b]), data[b].tobytes()
+            rx.write_pages(rid, 0, 0, kind, layer, positions, digests, raw)
+        aux = Aux.with_hidden(hidden, first_token=5, logprob=-1.0)
+        assert rx.commit(rid, 0, 0, positions, aux).state is RoomState.SUCCESS
+    final: dict = {}
+    for _ in range(50):
+        final |= {c.rid: c for c in engine.step() if c.finished}
+        if len(final) == len(cases) and not engine.has_work():
+            break
+    assert final["none"].finish_reason == "error", final
+    assert "sent no hidden state" in final["none"].error
+    assert "same --speculative-algorithm" in final["none"].error
+    assert final["short"].finish_reason == "error"
+    assert "different models" in final["short"].error
+    assert rx.num_free_pages == free0
+    assert engine.spec is not None and engine.spec.free_slots == engine.spec.num_slots

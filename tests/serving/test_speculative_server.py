@@ -6,7 +6,13 @@ with the plain reference's greedy tokens and log-probs (bitwise under
 acceptance (`meta_info`, `/metrics`), refuses what a speculative step cannot apply with a
 400 that names it, and under many clients, some disconnecting mid-stream, returns every
 page and draft-state slot (SPEC-less: issue 39's load acceptance point). Flag
-combinations it cannot serve are refused at startup with the fix."""
+combinations it cannot serve are refused at startup with the fix.
+
+PD (issue 39 item 3): a CP4/EP4 shared-KV prefill server and a decode server, both with
+the speculative flags, behind `cpkv-router`: greedy answers bitwise the reference's, the
+decode server's first drafts bitwise a unified whole-prompt admission's, sampled and
+cancelled requests give every page and slot back, and a pair that differs in the flag
+is refused at the handshake."""
 
 from __future__ import annotations
 

@@ -139,11 +139,14 @@ class Prefill:
 
 
 def make_cp_runner(cfg: ModelConfig) -> tuple[CausalLM, CPPrefillRunner]:
-    """The tiny model (seed 0) and its CP 8 shared-KV prefill runner, 8 pages per rank."""
-    model = CausalLM(cfg, rngs=nnx.Rngs(0))
+    """The tiny model (seed 0) with its MTP layer and its CP 8 shared-KV prefill runner,
+    8 pages per rank, drafting: it runs the MTP layer over the prompts (the MTP layer's
+    KV is one more layer of the pool and the transfer layout) and keeps their last hidden
+    states, as a PD prefill server for speculative decoding does (issue 39)."""
+    model = CausalLM(cfg, rngs=nnx.Rngs(0), mtp=True)
     cp = CPConfig(cp_size=CP, shared_kv=True, page_size=P)
     runner = CPPrefillRunner(
-        cfg, model, make_cp_mesh(CP), cp, pages_per_rank=8, index_k_dtype=INDEX_K
+        cfg, model, make_cp_mesh(CP), cp, pages_per_rank=8, index_k_dtype=INDEX_K, mtp=True
     )
     return model, runner
 
@@ -159,10 +162,12 @@ def prefill_requests(
     result = runner.prefill(prompts)
     runner.release(result.tables[2])  # only fills pages with real KV for the fault tests
     logp = jax.nn.log_softmax(jnp.asarray(result.last_logits), axis=-1)
+    hidden = runner.last_hidden  # one unchunked step: a row per prompt
+    assert hidden is not None and len(hidden) >= len(prompts)
     aux = []
     for i in range(2):
         tok = int(np.argmax(result.last_logits[i]))
-        aux.append(Aux(tok, float(logp[i, tok])))
+        aux.append(Aux.with_hidden(hidden[i], first_token=tok, logprob=float(logp[i, tok])))
     return Prefill(cfg, model, runner, layout, prompts[:2], result.tables[:2], aux)
 
 

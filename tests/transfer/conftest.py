@@ -32,6 +32,7 @@ from cpkv_jax.cp_prefill import CPPrefillRunner
 from cpkv_jax.decode_mesh import DPPoolLayout, init_dp_pool
 from cpkv_jax.mesh import make_dp_mesh
 from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator
 from cpkv_jax.tools.tiny_config import tiny_config_dict
@@ -48,8 +49,16 @@ def cfg() -> ModelConfig:
 
 
 @pytest.fixture(scope="session")
-def layout(cfg) -> LayoutDescriptor:
-    return LayoutDescriptor.from_model(cfg, P, "float32", INDEX_K)
+def pool_cfg(cfg) -> ModelConfig:
+    """The config the pools of both sides are laid out for: a drafting PD pair's
+    (speculative decoding, issue 39), whose MTP layer's KV is one more layer, so every
+    transfer and fault test here moves those buffers too."""
+    return mtp_config(cfg)
+
+
+@pytest.fixture(scope="session")
+def layout(pool_cfg) -> LayoutDescriptor:
+    return LayoutDescriptor.from_model(pool_cfg, P, "float32", INDEX_K)
 
 
 @pytest.fixture(scope="session")
@@ -69,16 +78,16 @@ def prefill(cfg, layout, cp_runner) -> Iterator[Prefill]:
 
 
 @pytest.fixture
-def decode(cfg, layout):
+def decode(pool_cfg, layout):
     """A receiver on loopback; `Decode.server` may be stopped by a test."""
 
     def make(pages: int, dp: int = 1) -> Decode:
         """`dp > 1`: a data-parallel decode pool, `pages` per rank (issue 36)."""
         if dp == 1:
-            pool = init_pool(cfg, pages, P, jnp.float32, INDEX_K)
+            pool = init_pool(pool_cfg, pages, P, jnp.float32, INDEX_K)
         else:
             pool = init_dp_pool(
-                cfg, DPPoolLayout(dp, pages, P), make_dp_mesh(dp), jnp.float32, INDEX_K
+                pool_cfg, DPPoolLayout(dp, pages, P), make_dp_mesh(dp), jnp.float32, INDEX_K
             )
         allocator = PageAllocator(dp * pages, ranks=dp)
         rx = Receiver(layout, pool, allocator, timeouts=TIMEOUTS).start(interval=0.02)
@@ -117,11 +126,11 @@ def sender_engine():
 
 
 @pytest.fixture
-def mooncake_decode(cfg, layout, endpoint):
+def mooncake_decode(pool_cfg, layout, endpoint):
     """A receiver with the session's Mooncake endpoint, served on loopback."""
 
     def make(pages: int) -> MooncakeDecode:
-        pool = init_pool(cfg, pages, P, jnp.float32, INDEX_K)
+        pool = init_pool(pool_cfg, pages, P, jnp.float32, INDEX_K)
         rx = Receiver(
             layout, pool, PageAllocator(pages), timeouts=TIMEOUTS, mooncake=endpoint
         ).start(interval=0.02)

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.transfer import INDEX_K, SENDER, TIMEOUTS, P, section_spans
 
 from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.paging import PageAllocator
 from serving.server_args import ServerArgs, ServerArgsError
 from transfer.backends.grpc_backend import GrpcBackend, _stream_groups, serialize_page_chunk
@@ -196,7 +197,7 @@ def wire(cfg, layout):
     """A receiver (64 KiB chunk limit) served on loopback, with a raw channel."""
     rx = Receiver(
         layout,
-        init_pool(cfg, 8, P, jnp.float32, INDEX_K),
+        init_pool(mtp_config(cfg), 8, P, jnp.float32, INDEX_K),
         PageAllocator(8),
         timeouts=TIMEOUTS,
         max_chunk_bytes=64 * 1024,

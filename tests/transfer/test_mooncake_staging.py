@@ -18,6 +18,7 @@ from support.mooncake import ARENA_BYTES
 from support.transfer import INDEX_K, TIMEOUTS, FakeClock, P, random_pages
 
 from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from serving.server_args import ServerArgs
 from transfer.backends import make_backend
@@ -84,7 +85,7 @@ class FakeEndpoint:
 
 def region_receiver(cfg, layout, clock, pages=16):
     ep = FakeEndpoint(StagingArena(ARENA_BYTES, prefault=False))
-    pool = init_pool(cfg, pages, P, jnp.float32, INDEX_K)
+    pool = init_pool(mtp_config(cfg), pages, P, jnp.float32, INDEX_K)
     rx = Receiver(layout, pool, PageAllocator(pages), timeouts=TIMEOUTS, clock=clock, mooncake=ep)
     return rx, ep
 
@@ -193,7 +194,10 @@ def test_region_refusals(cfg, layout):
     rx.heartbeat("b", 0, writes_done=True)
     # A receiver without an endpoint refuses the Mooncake data plane before data moves.
     plain = Receiver(
-        layout, init_pool(cfg, 4, P, jnp.float32, INDEX_K), PageAllocator(4), timeouts=TIMEOUTS
+        layout,
+        init_pool(mtp_config(cfg), 4, P, jnp.float32, INDEX_K),
+        PageAllocator(4),
+        timeouts=TIMEOUTS,
     )
     plain.register_room("c", plain.allocate_pages(1), P, 1)
     res = plain.handshake("c", 0, 1, P, layout, data_plane="mooncake")
@@ -207,7 +211,7 @@ def test_room_larger_than_the_whole_staging_arena_is_refused_at_once(cfg, layout
     busy stays retryable. `staging_bytes` is what `_ensure_staging` carves: the room's
     pages, buffer after buffer, each 4 KiB-aligned."""
     pages = 16
-    pool = init_pool(cfg, pages, P, jnp.float32, INDEX_K)
+    pool = init_pool(mtp_config(cfg), pages, P, jnp.float32, INDEX_K)
     small = StagingArena(staging_region_bytes(layout, 4, 4096))
     ep = FakeEndpoint(small)
     rx = Receiver(

@@ -10,11 +10,14 @@ import numpy as np
 from support.transfer import INDEX_K, P
 
 from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.model.mtp import mtp_config
 from transfer.page_source import CPPoolPageSource
 
 
 def _random_pool(cfg, pages: int, seed: int):
-    leaves, treedef = jax.tree_util.tree_flatten(init_pool(cfg, pages, P, jnp.float32, INDEX_K))
+    leaves, treedef = jax.tree_util.tree_flatten(
+        init_pool(mtp_config(cfg), pages, P, jnp.float32, INDEX_K)
+    )
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     return jax.tree_util.tree_unflatten(
         treedef,

@@ -16,6 +16,7 @@ import pytest
 from support.transfer import INDEX_K, TIMEOUTS, FakeClock, P, decode_pages, random_pages
 
 from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from transfer.page_plan import page_digests
 from transfer.protocol import (
@@ -35,7 +36,7 @@ from transfer.receiver import Receiver
 
 
 def make_receiver(cfg, layout, pages=16, clock=None, **kw) -> Receiver:
-    pool = init_pool(cfg, pages, P, jnp.float32, INDEX_K)
+    pool = init_pool(mtp_config(cfg), pages, P, jnp.float32, INDEX_K)
     return Receiver(
         layout, pool, PageAllocator(pages), timeouts=TIMEOUTS, clock=clock or FakeClock(), **kw
     )
