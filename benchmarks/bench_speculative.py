@@ -43,7 +43,7 @@ from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.weights import load_model, save_hf_weights
 from cpkv_jax.paging import PageAllocator
-from cpkv_jax.speculative import DraftState, MTPSpeculator, spec_step
+from cpkv_jax.speculative import DraftState, Filters, MTPSpeculator, spec_step
 from cpkv_jax.tools import fit_mtp
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from serving.decode.engine import DecodeEngine
@@ -88,7 +88,8 @@ def step_ms(model, k: int, repeats: int = 300) -> float:
     table = jax.device_put(np.arange(1, 9, dtype=np.int32)[None])
     host = [[5], [40], np.full((1, k), 7), np.zeros((1, k, 0)), [0.0], [0]]
     dtypes = [np.int32, np.int32, np.int32, np.float32, np.float32, np.int32]
-    ds = DraftState(*jax.device_put([np.asarray(x, d) for x, d in zip(host, dtypes, strict=True)]))
+    fields = [np.asarray(x, d) for x, d in zip(host, dtypes, strict=True)]
+    ds = DraftState(*jax.device_put([*fields, Filters.of([0], [1.0], [0.0])]))
     live = jax.device_put(np.ones(1, bool))
     times = []
     for _ in range(repeats + 1):  # the first compiles

@@ -390,6 +390,53 @@ def _sample_penalized(
     return (*out, counts.at[slots, out[0]].add(1, mode="drop"))
 
 
+def _filter_sorted(z, top_k, top_p, min_p):
+    """The filters of the module docstring over rows of tempered logits `z` `[r, v]`:
+    (the token ids most likely first, ties by lower id; their top-k-renormalized
+    probabilities in that order; which of them the filters keep)."""
+    r, v = z.shape
+    ids = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (r, v))
+    # Most likely first, ties by lower id (-z ascending, then id ascending).
+    neg, order = jax.lax.sort((-z, ids), dimension=1, num_keys=2)
+    rank = jnp.arange(v)[None, :]
+    keep = rank < jnp.where(top_k > 0, top_k, v)[:, None]
+    sz = -neg
+    p = jnp.where(keep, jnp.exp(sz - sz[:, :1]), 0.0)
+    p = p / p.sum(axis=-1, keepdims=True)
+    # The mass of the more likely tokens (exclusive cumsum: no p - p rounding).
+    zero = jnp.zeros((r, 1), p.dtype)
+    before = jnp.concatenate([zero, jnp.cumsum(p, axis=-1)[:, :-1]], -1)
+    keep = keep & (before < top_p[:, None])
+    # min-p against the most likely token (rank 0, always kept: p[:, 0] >= min_p p[:, 0]).
+    keep = keep & (p >= min_p[:, None] * p[:, :1])
+    return order, p, keep
+
+
+def filtered_probs(
+    probs: Float[Array, "r v"],
+    z: Float[Array, "r v"],
+    top_k: Array,
+    top_p: Array,
+    min_p: Array,
+) -> Float[Array, "r v"]:
+    """The distribution a row at tempered logits `z` is drawn from by `sample` (its
+    top-k, top-p and min-p filters applied, renormalized), in vocabulary order; `probs`
+    (`softmax(z)`) unchanged where no row filters (`lax.cond`: the whole-vocabulary sort
+    runs only when one does). Speculative decoding's target distribution
+    (`cpkv_jax.speculative`)."""
+    r, v = z.shape
+
+    def filtered():
+        order, p, keep = _filter_sorted(z, top_k, top_p, min_p)
+        kept = jnp.where(keep, p, 0.0)
+        kept = kept / kept.sum(axis=-1, keepdims=True)
+        rows = jnp.arange(r)[:, None]
+        return jnp.zeros((r, v), kept.dtype).at[rows, order].set(kept).astype(probs.dtype)
+
+    any_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
+    return jax.lax.cond(any_filter, filtered, lambda: probs)
+
+
 def _draw(lp, shifted, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p, want_top):
     """Tokens drawn from `shifted` (the log-probs, penalized where asked); the chosen and
     top log-probs reported from `lp`. The whole-vocabulary sort runs only when a row
@@ -401,20 +448,7 @@ def _draw(lp, shifted, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p,
 
     def drawn_tokens():
         z = shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        ids = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (r, v))
-        # Most likely first, ties by lower id (-z ascending, then id ascending).
-        neg, order = jax.lax.sort((-z, ids), dimension=1, num_keys=2)
-        rank = jnp.arange(v)[None, :]
-        keep = rank < jnp.where(top_k > 0, top_k, v)[:, None]
-        sz = -neg
-        p = jnp.where(keep, jnp.exp(sz - sz[:, :1]), 0.0)
-        p = p / p.sum(axis=-1, keepdims=True)
-        # The mass of the more likely tokens (exclusive cumsum: no p - p rounding).
-        zero = jnp.zeros((r, 1), p.dtype)
-        before = jnp.concatenate([zero, jnp.cumsum(p, axis=-1)[:, :-1]], -1)
-        keep = keep & (before < top_p[:, None])
-        # min-p against the most likely token (rank 0, always kept: p[:, 0] >= min_p p[:, 0]).
-        keep = keep & (p >= min_p[:, None] * p[:, :1])
+        order, p, keep = _filter_sorted(z, top_k, top_p, min_p)
         cdf = jnp.cumsum(jnp.where(keep, p, 0.0), axis=-1)
         u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(
             jax.vmap(_row_key)(seed_lo, seed_hi, step)

@@ -76,14 +76,43 @@ from cpkv_jax.model.numerics import batch_invariant, is_batch_invariant, token_b
 from cpkv_jax.model.rope import rope_cos_sin
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
+from cpkv_jax.sampling import filtered_probs
+
+
+@dataclasses.dataclass
+class Filters:
+    """Per row, the filters of the target distribution, as `cpkv_jax.sampling` applies
+    them to one draw: top-k (<= 0: off), top-p (1: off), min-p (0: off)."""
+
+    top_k: Int[Array, " b"]
+    top_p: Float[Array, " b"]
+    min_p: Float[Array, " b"]
+
+    @classmethod
+    def none(cls, rows: int) -> Filters:
+        """Every filter off for `rows` rows."""
+        return cls(
+            jnp.zeros((rows,), jnp.int32),
+            jnp.ones((rows,), jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+        )
+
+    @classmethod
+    def of(cls, top_k, top_p, min_p) -> Filters:
+        """From per-row host values (sequences or arrays)."""
+        return cls(
+            jnp.asarray(top_k, jnp.int32),
+            jnp.asarray(top_p, jnp.float32),
+            jnp.asarray(min_p, jnp.float32),
+        )
 
 
 @dataclasses.dataclass
 class DraftState:
     """Per row: the last verified token (its KV not written yet), its position, the
     drafts for the positions after it and the distributions they were drawn from, and
-    the row's sampling temperature (0: greedy) and seed. `q` is `[b, k, 0]` in the greedy
-    variant of the step, which keeps no distributions."""
+    the row's sampling temperature (0: greedy), seed and target filters. `q` is
+    `[b, k, 0]` in the greedy variant of the step, which keeps no distributions."""
 
     token: Int[Array, " b"]
     pos: Int[Array, " b"]
@@ -91,6 +120,7 @@ class DraftState:
     q: Float[Array, "b k v"]
     temperature: Float[Array, " b"]
     seed: Int[Array, " b"]
+    filters: Filters
 
 
 def _register(cls) -> None:
@@ -109,6 +139,7 @@ def _register(cls) -> None:
     )
 
 
+_register(Filters)
 _register(DraftState)
 
 
@@ -166,16 +197,28 @@ def _uniforms(seed: Int[Array, " b"], pos: Int[Array, " b"], tag: int, n: int) -
 
 
 def _target(
-    logits: Float[Array, "b *t v"], temperature: Float[Array, " b"]
+    logits: Float[Array, "b *t v"],
+    temperature: Float[Array, " b"],
+    filters: Filters | None = None,
 ) -> tuple[Float[Array, "b *t v"], Float[Array, "b *t v"]]:
     """(log-probs, the distribution to draw from): `softmax(logits / T)` for a row with
-    T > 0, the one-hot of the greedy token (argmax of the log-probs, as the reference
-    generator picks it) for T = 0, so the greedy rule is the sampling rule's special case
-    (`accept_drafts`)."""
+    T > 0, with the row's `filters` applied (the target's; a draft's distribution is not
+    filtered: any draft distribution keeps speculative sampling exact), the one-hot of
+    the greedy token (argmax of the log-probs, as the reference generator picks it) for
+    T = 0, so the greedy rule is the sampling rule's special case (`accept_drafts`)."""
     lp = log_probs(logits, is_batch_invariant())
     t = temperature.reshape(temperature.shape + (1,) * (logits.ndim - 1))
     onehot = jax.nn.one_hot(jnp.argmax(lp, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    tempered = jax.nn.softmax(logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0), axis=-1)
+    z = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
+    tempered = jax.nn.softmax(z, axis=-1)
+    if filters is not None:
+        v = logits.shape[-1]
+        per_row = tuple(  # each row's filter at each of its positions
+            jnp.broadcast_to(f.reshape(t.shape[:-1]), logits.shape[:-1]).reshape(-1)
+            for f in (filters.top_k, filters.top_p, filters.min_p)
+        )
+        flat = filtered_probs(tempered.reshape(-1, v), z.reshape(-1, v), *per_row)
+        tempered = flat.reshape(logits.shape)
     return lp, jnp.where(t > 0, tempered, onehot)
 
 
@@ -186,15 +229,16 @@ def _draw(probs: Float[Array, "b v"], u: Float[Array, " b"]) -> Int[Array, " b"]
     return jnp.minimum(token, probs.shape[-1] - 1).astype(jnp.int32)
 
 
-def _pick(logits, temperature, seed, pos, tag: int, greedy: bool):
+def _pick(logits, temperature, seed, pos, tag: int, greedy: bool, filters: Filters | None = None):
     """(log-probs, the distribution drawn from - None when `greedy` -, the token) of
     each row's next token: the argmax of the log-probs when `greedy` (every row at
     temperature 0: no draws, no distributions), else a draw from `_target`'s
-    distribution with the row's stream `tag` at `pos`."""
+    distribution (with `filters`: a target token's) with the row's stream `tag` at
+    `pos`."""
     if greedy:
         lp = log_probs(logits, is_batch_invariant())
         return lp, None, jnp.argmax(lp, axis=-1).astype(jnp.int32)
-    lp, p = _target(logits, temperature)
+    lp, p = _target(logits, temperature, filters)
     return lp, p, _draw(p, _uniforms(seed, pos, tag, 1)[:, 0])
 
 
@@ -288,7 +332,7 @@ def spec_step(
             accepted = accepted.astype(jnp.int32)
             token = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
         else:
-            lp, p = _target(model.logits(hidden), ds.temperature)
+            lp, p = _target(model.logits(hidden), ds.temperature, ds.filters)
             u = _uniforms(ds.seed, ds.pos, ACCEPT_STREAM, k + 1)
             accepted, token = jax.vmap(accept_drafts)(p, ds.q, ds.drafts, u)
             i = jnp.arange(k + 1)[None]
@@ -371,6 +415,7 @@ def _prefill(
     batch: ForwardBatch,
     temperature,
     seed,
+    filters: Filters,
     pool: KVPool,
     *,
     index_k_dtype,
@@ -386,7 +431,7 @@ def _prefill(
         hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype)
         last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
         logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0])
-        lp, _, token = _pick(logits, temperature, seed, last, ACCEPT_STREAM, greedy)
+        lp, _, token = _pick(logits, temperature, seed, last, ACCEPT_STREAM, greedy, filters)
         return hidden, token, jnp.take_along_axis(lp, token[:, None], -1)[:, 0], pool
 
 
@@ -407,6 +452,7 @@ def init_slab(slots: int, k: int, vocab: int) -> DraftState:
         q=jnp.zeros((n, k, vocab), jnp.float32),
         temperature=jnp.zeros((n,), jnp.float32),
         seed=jnp.zeros((n,), jnp.int32),
+        filters=Filters.none(n),
     )
 
 
@@ -422,7 +468,9 @@ def _gather(slab: DraftState, slots: Int[Array, " b"], greedy: bool) -> DraftSta
     else:
         onehot = jax.nn.one_hot(drafts, slab.q.shape[-1], dtype=jnp.float32)
         q = jnp.where((temperature > 0)[:, None, None], take(slab.q), onehot)
-    return DraftState(take(slab.token), take(slab.pos), drafts, q, temperature, take(slab.seed))
+    filters = jax.tree.map(take, slab.filters)
+    seed = take(slab.seed)
+    return DraftState(take(slab.token), take(slab.pos), drafts, q, temperature, seed, filters)
 
 
 def _scatter(
@@ -442,6 +490,7 @@ def _scatter(
         q=slab.q if greedy else put(slab.q, ds.q),
         temperature=put(slab.temperature, ds.temperature),
         seed=put(slab.seed, ds.seed),
+        filters=jax.tree.map(put, slab.filters, ds.filters),
     )
 
 
@@ -472,6 +521,7 @@ def slab_admit(
     batch: ForwardBatch,
     temperature: Float[Array, " b"],
     seed: Int[Array, " b"],
+    filters: Filters,
     pool: KVPool,
     *,
     k: int,
@@ -486,11 +536,13 @@ def slab_admit(
     (each prompt from position 0; rows with no valid token are padding): the trunk over
     the prompts, each row's first token and its log-prob, then the MTP pass over each
     prompt and the first `k` drafts, written into `slab` at `slots` with the row's
-    temperature and seed. Returns (first tokens, their log-probs, slab, pool)."""
+    temperature, seed and filters. Returns (first tokens, their log-probs, slab, pool)."""
     live = batch.valid[:, 0]
     kw = {"index_k_dtype": index_k_dtype, "invariant": invariant, "greedy": greedy}
     kw |= {"kv_io": kv_io, "block_bytes": block_bytes}
-    hidden, token, lp, pool = _prefill(graphdef, state, batch, temperature, seed, pool, **kw)
+    hidden, token, lp, pool = _prefill(
+        graphdef, state, batch, temperature, seed, filters, pool, **kw
+    )
     # Position i of the MTP pass sees token i + 1: the prompt shifted, then the first token.
     n = batch.kv_lens
     ids = jnp.roll(batch.input_ids, -1, axis=1)
@@ -509,7 +561,7 @@ def slab_admit(
         page_size=page_size,
         **kw,
     )
-    ds = DraftState(token, n, drafts, q, temperature, seed)
+    ds = DraftState(token, n, drafts, q, temperature, seed, filters)
     return token, lp, _scatter(slab, slots, live, ds, greedy), pool
 
 
@@ -524,6 +576,7 @@ def slab_admit_from_hidden(
     table: Int[Array, "b w"],
     temperature: Float[Array, " b"],
     seed: Int[Array, " b"],
+    filters: Filters,
     pool: KVPool,
     *,
     k: int,
@@ -543,9 +596,9 @@ def slab_admit_from_hidden(
     with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
         last = jnp.maximum(n - 1, 0)
-        lp, _, token = _pick(logits, temperature, seed, last, ACCEPT_STREAM, greedy)
+        lp, _, token = _pick(logits, temperature, seed, last, ACCEPT_STREAM, greedy, filters)
         slab, pool = _draft_after_prefill(
-            model, slab, slots, token, hidden, n, table, temperature, seed, pool,
+            model, slab, slots, token, hidden, n, table, temperature, seed, filters, pool,
             k=k, page_size=page_size, index_k_dtype=index_k_dtype, greedy=greedy, kv_io=kv_io,
         )  # fmt: skip
         token_lp = jnp.take_along_axis(lp, token[:, None], -1)[:, 0]
@@ -563,6 +616,7 @@ def slab_admit_given(
     table: Int[Array, "b w"],
     temperature: Float[Array, " b"],
     seed: Int[Array, " b"],
+    filters: Filters,
     pool: KVPool,
     *,
     k: int,
@@ -581,7 +635,7 @@ def slab_admit_given(
     with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
         return _draft_after_prefill(
-            model, slab, slots, token, hidden, n, table, temperature, seed, pool,
+            model, slab, slots, token, hidden, n, table, temperature, seed, filters, pool,
             k=k, page_size=page_size, index_k_dtype=index_k_dtype, greedy=greedy, kv_io=kv_io,
         )  # fmt: skip
 
@@ -596,6 +650,7 @@ def _draft_after_prefill(
     table,
     temperature,
     seed,
+    filters: Filters,
     pool: KVPool,
     *,
     k: int,
@@ -626,7 +681,7 @@ def _draft_after_prefill(
         greedy=greedy,
         kv_io=kv_io,
     )
-    ds = DraftState(token, n, drafts, q, temperature, seed)
+    ds = DraftState(token, n, drafts, q, temperature, seed, filters)
     return _scatter(slab, slots, live, ds, greedy), pool
 
 
@@ -714,10 +769,14 @@ class MTPSpeculator:
         temperature: float = 0.0,
         seeds: Sequence[int] | None = None,
         overlap: bool = True,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
     ) -> list[SpeculativeResult]:
         """`max_new_tokens` tokens per prompt, all rows in one batch (EOS does not stop a
         row: the exactness oracle's contract): greedy, or drawn at `temperature` with
-        speculative sampling (row i's random streams from `seeds[i]`, default i).
+        speculative sampling (row i's random streams from `seeds[i]`, default i) from the
+        target filtered by `top_k`, `top_p` and `min_p` as `cpkv_jax.sampling` filters.
 
         `overlap`: step n + 1 is dispatched before the host fetches step n's tokens (its
         inputs are step n's device outputs), so the host's work hides behind the device's;
@@ -749,12 +808,15 @@ class MTPSpeculator:
         temps = np.full(rows, temperature, np.float32)
         seed = np.zeros(rows, np.int32)
         seed[: len(prompts)] = seeds
+        filters = Filters.of([top_k] * rows, [top_p] * rows, [min_p] * rows)
         live = np.arange(rows) < len(prompts)
         # Every prompt in one prefill (and one MTP pass), padded to the longest's bucket.
         length = prefill_bucket(max(len(x) for x in prompts))
         batch = rows_batch(prompts, tables, p, length)
         greedy = temperature == 0
-        hidden, token, lp, pool = self._prefill[greedy](self.state, batch, temps, seed, pool)
+        hidden, token, lp, pool = self._prefill[greedy](
+            self.state, batch, temps, seed, filters, pool
+        )
         drafts = jnp.zeros((rows, k), jnp.int32)
         q = jnp.zeros((rows, k, 0 if greedy else self.cfg.vocab_size), jnp.float32)
         if k:
@@ -768,7 +830,13 @@ class MTPSpeculator:
         pos[: len(prompts)] = [len(x) for x in prompts]
         live &= np.asarray([max_new_tokens > 1] * len(prompts) + [False] * (rows - len(prompts)))
         ds = DraftState(
-            token, jax.device_put(pos), drafts, q, jax.device_put(temps), jax.device_put(seed)
+            token,
+            jax.device_put(pos),
+            drafts,
+            q,
+            jax.device_put(temps),
+            jax.device_put(seed),
+            jax.device_put(filters),
         )
         table = jax.device_put(tables)
         step, pending = 0, None

@@ -95,6 +95,7 @@ from serving.engine.api import (
     EngineStats,
     GenerateRequest,
     OutputChunk,
+    SamplingParams,
     ServerMode,
 )
 from serving.engine.step_failures import check_pool_after, pool_damage, step_failure
@@ -840,8 +841,9 @@ class DecodeEngine:
         assert self.spec is not None and r.slot is not None and r.pages is not None
         sp = r.req.sampling
         first = self.spec.admit_after_prefill(
-            logits, hidden, len(r.prompt), r.pages, r.width, r.slot, sp.temperature, r.seed
-        )
+            logits, hidden, len(r.prompt), r.pages, r.width, r.slot, sp.temperature, r.seed,
+            _filters(sp),
+        )  # fmt: skip
 
         def pick() -> tuple[int, float, TopLogprobs]:
             token, lp = jax.device_get(first)
@@ -866,8 +868,9 @@ class DecodeEngine:
         sp = r.req.sampling
         try:
             self.spec.admit_given(
-                first[0], hidden, len(r.prompt), r.pages, r.width, r.slot, sp.temperature, r.seed
-            )
+                first[0], hidden, len(r.prompt), r.pages, r.width, r.slot, sp.temperature, r.seed,
+                _filters(sp),
+            )  # fmt: skip
         except Exception as exc:
             self.step_failed("the drafting of its first tokens", exc, [r], touched)
             return
@@ -882,7 +885,9 @@ class DecodeEngine:
             assert len(batch) == 1 and batch[0].slot is not None and batch[0].pages is not None
             r = batch[0]
             sp = r.req.sampling
-            first = self.spec.prefill(r.prompt, r.pages, r.width, r.slot, sp.temperature, r.seed)
+            first = self.spec.prefill(
+                r.prompt, r.pages, r.width, r.slot, sp.temperature, r.seed, _filters(sp)
+            )
             token, lp = jax.device_get(first)
             return [functools.partial(_emitted, token[0], lp[0])]
         if len(batch) == 1:
@@ -898,6 +903,11 @@ class DecodeEngine:
         for q in (*self.intake.in_flight(), *self.running.values()):
             rows[q.rank] += 1
         return tuple(rows)
+
+
+def _filters(sp: SamplingParams) -> tuple[int, float, float]:
+    """A speculative row's target filters (`serving.decode.speculative.RowFilters`)."""
+    return sp.top_k, sp.top_p, sp.min_p
 
 
 def _emitted(token: Any, logprob: Any) -> tuple[int, float, TopLogprobs]:

@@ -26,10 +26,13 @@ spare slot. A request reserves `speculative_room(K, overlap)` tokens of pages be
 past the row's length, and with overlap one more step (K + 1) runs before the host sees
 the row finished.
 
-What a speculative step cannot apply is refused when the request arrives
-(`refusal`: HTTP 400 naming the parameter): the draft-and-verify rule samples from
-`softmax(logits / T)`, so top-p, top-k, min-p, penalties, logit bias, min_new_tokens,
-grammars and top log-probs need a server without `--speculative-algorithm`.
+A row's top-k, top-p and min-p filter its target distribution (`softmax(logits / T)`,
+filtered as the sampler filters one draw); its drafts come from the MTP layer's unfiltered
+distribution, which keeps speculative sampling exact for the filtered target. What a
+speculative step cannot apply is refused when the request arrives (`refusal`: HTTP 400
+naming the parameter): penalties, logit bias, min_new_tokens, grammars and top log-probs
+need a server without `--speculative-algorithm` (each depends on the tokens before it
+inside one step's chain, or would need the top-N of every verified position).
 
 Step shapes (the `DecodeSteps` interface, so the engine's warm-up and compile accounting
 are unchanged): `("spec" | "spec_greedy", rows, K + 1, width)` for decode steps,
@@ -59,6 +62,7 @@ from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import TRASH_PAGE, padded_page_table
 from cpkv_jax.speculative import (
+    Filters,
     StepOutput,
     init_slab,
     slab_admit,
@@ -89,6 +93,20 @@ SPEC_GIVEN_FORMS = ("spec_given", "spec_given_greedy")
 ADMISSION_FORMS = {"logits": SPEC_ADMIT_FORMS, "token": SPEC_GIVEN_FORMS}
 
 
+# A row's target filters as the sampler takes them: (top_k, top_p, min_p).
+RowFilters = tuple[int, float, float]
+NO_FILTERS: RowFilters = (0, 1.0, 0.0)
+
+
+def _row(temperature: float, seed: int, filters: RowFilters) -> tuple:
+    """One admitted row's sampling arguments: temperature, seed, `Filters`."""
+    return (
+        np.asarray([temperature], np.float32),
+        np.asarray([seed % 2**31], np.int32),
+        Filters.of(*([f] for f in filters)),
+    )
+
+
 def speculative_room(num_steps: int, overlap: bool) -> int:
     """Tokens a request reserves beyond `prompt + max_new_tokens` (the module docstring)."""
     return 2 * num_steps + 1 + (num_steps + 1 if overlap else 0)
@@ -100,9 +118,6 @@ def refusal(req: GenerateRequest) -> str | None:
     asked = [
         name
         for name, on in (
-            ("top_p", sp.top_p < 1.0),
-            ("top_k", sp.top_k > 0),
-            ("min_p", sp.min_p > 0.0),
             ("frequency_penalty", sp.frequency_penalty != 0.0),
             ("presence_penalty", sp.presence_penalty != 0.0),
             ("repetition_penalty", sp.repetition_penalty != 1.0),
@@ -117,7 +132,7 @@ def refusal(req: GenerateRequest) -> str | None:
         return None
     return (
         f"this server decodes speculatively (--speculative-algorithm), which samples from "
-        f"softmax(logits / temperature) only; {', '.join(asked)} "
+        f"softmax(logits / temperature) with top-k, top-p and min-p only; {', '.join(asked)} "
         f"{'needs' if len(asked) == 1 else 'need'} a server without speculative decoding"
     )
 
@@ -216,6 +231,7 @@ class SpeculativeSteps(CompiledShapes):
         slot: int,
         temperature: float,
         seed: int,
+        filters: RowFilters = NO_FILTERS,
     ) -> tuple[jax.Array, jax.Array]:
         """Admit one request: its prompt's KV (trunk and MTP layer) into `pages`, its first
         K drafts into `slot`; returns its first token and that token's log-prob, on the
@@ -225,9 +241,8 @@ class SpeculativeSteps(CompiledShapes):
         shape = (SPEC_PREFILL_FORMS[greedy], 1, batch.input_ids.shape[1], width)
         run = self.compiled(shape)
         self.shapes.add(shape)
-        temps = np.asarray([temperature], np.float32)
-        seeds = np.asarray([seed % 2**31], np.int32)
-        return self._admit(run, slot, "spec_prefill", batch, temps, seeds)
+        rows = _row(temperature, seed, filters)
+        return self._admit(run, slot, "spec_prefill", batch, *rows)
 
     def admit_after_prefill(
         self,
@@ -239,6 +254,7 @@ class SpeculativeSteps(CompiledShapes):
         slot: int,
         temperature: float,
         seed: int,
+        filters: RowFilters = NO_FILTERS,
     ) -> tuple[jax.Array, jax.Array]:
         """Admit one request whose prompt (`n` tokens) was prefilled elsewhere with the
         MTP layer's pass over all but its last position: from that prefill's last logits
@@ -253,8 +269,7 @@ class SpeculativeSteps(CompiledShapes):
             np.asarray(hidden, np.float32).reshape(1, -1),
             np.asarray([n], np.int32),
             padded_page_table(pages, width)[None],
-            np.asarray([temperature], np.float32),
-            np.asarray([seed % 2**31], np.int32),
+            *_row(temperature, seed, filters),
         )
         return self._admit(run, slot, "spec_admit", *args)
 
@@ -268,6 +283,7 @@ class SpeculativeSteps(CompiledShapes):
         slot: int,
         temperature: float,
         seed: int,
+        filters: RowFilters = NO_FILTERS,
     ) -> None:
         """Admit one request whose prompt (`n` tokens) was prefilled elsewhere, with the
         MTP layer's pass over all but its last position, and whose first output `token`
@@ -282,8 +298,7 @@ class SpeculativeSteps(CompiledShapes):
             np.asarray(hidden, np.float32).reshape(1, -1),
             np.asarray([n], np.int32),
             padded_page_table(pages, width)[None],
-            np.asarray([temperature], np.float32),
-            np.asarray([seed % 2**31], np.int32),
+            *_row(temperature, seed, filters),
         )
         self._admit(run, slot, "spec_given", *args)
 
@@ -391,11 +406,15 @@ class SpeculativeSteps(CompiledShapes):
             return jax.ShapeDtypeStruct(shape_, dtype)
 
         f32 = np.float32
+        # Each admitted row's temperature, seed and target filters.
+        row = (
+            arg((rows,), f32),
+            arg((rows,), i32),
+            jax.tree.map(lambda a: arg((rows,), a.dtype), Filters.none(1)),
+        )
         if form in SPEC_PREFILL_FORMS:
             batch = abstract_batch(rows, tokens, width)
-            return self._fns[form].lower(
-                state, slab, arg((rows,), i32), batch, arg((rows,), f32), arg((rows,), i32), pool
-            )
+            return self._fns[form].lower(state, slab, arg((rows,), i32), batch, *row, pool)
         if form in SPEC_ADMIT_FORMS or form in SPEC_GIVEN_FORMS:
             first = (
                 arg((rows, self.vocab_size), f32) if form in SPEC_ADMIT_FORMS else arg((rows,), i32)
@@ -408,8 +427,7 @@ class SpeculativeSteps(CompiledShapes):
                 arg((rows, self.hidden_size), f32),
                 arg((rows,), i32),
                 arg((rows, width), i32),
-                arg((rows,), f32),
-                arg((rows,), i32),
+                *row,
                 pool,
             )
         return self._fns[form].lower(

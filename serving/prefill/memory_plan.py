@@ -345,14 +345,15 @@ def resolve_kv_pool_size(
 def speculative_state_bytes(args: ServerArgs, cfg: ModelConfig) -> int:
     """The draft state a speculative server keeps on its device
     (`serving.decode.speculative.SpeculativeSteps`): per slot, K draft distributions over
-    the vocabulary (float32) and a few int32 / float32 scalars, for at most
+    the vocabulary (float32), K drafts and seven int32 / float32 scalars (token,
+    position, temperature, seed, top-k, top-p, min-p), for at most
     `SPEC_SLOTS_MAX` slots (or `--max-running-requests`, if fewer) and the spare one."""
     from serving.decode.speculative import SPEC_SLOTS_MAX
 
     k = args.speculative_steps()
     running = args.max_running_requests
     slots = SPEC_SLOTS_MAX if running is None else min(running, SPEC_SLOTS_MAX)
-    return (slots + 1) * (k * cfg.vocab_size * 4 + (4 + k) * 4)
+    return (slots + 1) * (k * cfg.vocab_size * 4 + (7 + k) * 4)
 
 
 def plan_device_memory(

@@ -209,3 +209,60 @@ def test_speculative_sampling_draws_from_the_target_distribution(tiny_checkpoint
     # The first drafts stand where token 1 does; drawn from the MTP layer's distribution.
     d = _pit_ks(first_drafts[0], exact[:, len(prompt)], rng)
     assert d > critical, d
+
+
+def _filter_np(probs: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """`probs` `[n, v]` (float64) filtered as the sampler's module docstring states, an
+    independent NumPy implementation: the top-k most likely (ties by lower id),
+    renormalized; the shortest most-likely-first prefix of mass >= top_p; the tokens at
+    least min_p times the most likely; renormalized, back in vocabulary order."""
+    n, v = probs.shape
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    p = np.take_along_axis(probs, order, axis=-1)
+    keep = np.arange(v)[None] < (top_k if top_k > 0 else v)
+    p = np.where(keep, p, 0.0)
+    p = p / p.sum(-1, keepdims=True)
+    keep = keep & (np.cumsum(p, -1) - p < top_p) & (p >= min_p * p[:, :1])
+    kept = np.where(keep, p, 0.0)
+    out = np.zeros_like(probs)
+    np.put_along_axis(out, order, kept / kept.sum(-1, keepdims=True), axis=-1)
+    return out
+
+
+def test_speculative_sampling_with_top_k_top_p_min_p_draws_from_the_filtered_target(
+    tiny_checkpoints,
+):
+    """The same test with the sampler's filters on (temperature 1, top-k 40, top-p 0.7,
+    min-p 0.05): the target distribution the steps accept against is the filtered one,
+    while the drafts still come from the MTP layer's unfiltered distribution, which keeps
+    speculative sampling exact. Each token must pass the PIT test against the filtered
+    exact distribution (`_filter_np`, independent of `cpkv_jax.sampling`) and fail it
+    against the unfiltered one (the filters matter here), with drafts both kept and
+    rejected. Fixed seeds: deterministic. Measured (dev machine, 2026-12-05): against the
+    filtered target 0.030, 0.020, 0.019; against the unfiltered one 0.198, 0.054, 0.027;
+    critical 0.043."""
+    n, k, temperature = 2048, 2, 1.0
+    filters = {"top_k": 40, "top_p": 0.7, "min_p": 0.05}
+    cfg, model = load_model(tiny_checkpoints(), mtp=True)
+    prompt = np.random.default_rng(6).integers(3, cfg.vocab_size, 20)
+    spec = MTPSpeculator(model, k, page_size=PAGE)
+    got = spec.generate(
+        [prompt.tolist()] * n, 3, temperature=temperature, seeds=range(n), **filters
+    )
+    out = np.asarray([g.output_ids for g in got], np.int32)
+    first_step = np.asarray([g.accepted[0] for g in got])
+    assert 0 < first_step.mean() < k, first_step.mean()  # drafts both kept and rejected
+    seqs = np.concatenate([np.broadcast_to(prompt, (n, len(prompt))), out[:, :2]], axis=1)
+    exact = _exact_next_token_probs(model, seqs.astype(np.int32), temperature)
+    critical = 1.95 / np.sqrt(n)
+    rng = np.random.default_rng(0)
+    filtered, unfiltered = [], []
+    for i in range(3):  # token i is drawn given the prompt and tokens 0..i-1
+        full = exact[:, len(prompt) - 1 + i]
+        filtered.append(_pit_ks(out[:, i], _filter_np(full, **filters), rng))
+        unfiltered.append(_pit_ks(out[:, i], full, rng))
+    assert max(filtered) < critical, (filtered, critical)
+    # Tokens 0 and 1 (the prefill's draw, then the first verify step's) tell the two
+    # distributions apart; token 2's positions are too peaked here for the filters to
+    # move its PIT much.
+    assert min(unfiltered[:2]) > critical, (unfiltered, critical)

@@ -16,6 +16,7 @@ on).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 import numpy as np
@@ -239,7 +240,7 @@ def test_aborts_mid_step_and_refusals_leave_nothing_held(loaded):
     assert out["r1"][2] == out["r2"][2] == "length"
     assert engine.kv.num_free_pages == free0 and engine.spec.free_slots == ROWS
     r = requests(cfg)[0]
-    for field, value in (("top_p", 0.9), ("top_k", 5), ("presence_penalty", 0.5)):
+    for field, value in (("repetition_penalty", 1.2), ("presence_penalty", 0.5)):
         bad = dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, **{field: value}))
         with pytest.raises(InputError, match=field):
             engine.add(bad)
@@ -302,9 +303,9 @@ def record_first_drafts(engine: DecodeEngine, method: str) -> dict[int, list[int
 
     def recorded(*args):
         out = admit(*args)
-        slot = args[5] if method == "admit_after_prefill" else args[3]
-        n = args[2] if method == "admit_after_prefill" else len(args[0])
-        seen[n] = np.asarray(spec.slab.drafts)[slot].tolist()
+        bound = inspect.signature(admit).bind(*args).arguments
+        n = bound["n"] if "n" in bound else len(bound["prompt"])
+        seen[n] = np.asarray(spec.slab.drafts)[bound["slot"]].tolist()
         return out
 
     setattr(spec, method, recorded)

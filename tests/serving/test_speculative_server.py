@@ -17,6 +17,7 @@ is refused at the handshake."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 
 import httpx
@@ -110,9 +111,9 @@ def test_greedy_answers_are_the_references_with_acceptance_reported(spec_server)
 
 def test_what_a_speculative_step_cannot_apply_is_refused_with_400(spec_server):
     _, served, _, _ = spec_server
-    r = generate(served.url, [5, 6, 7], 4, temperature=0.7, top_p=0.5)
+    r = generate(served.url, [5, 6, 7], 4, temperature=0.7, frequency_penalty=0.5)
     assert r.status_code == 400, r.text
-    assert "top_p" in r.json()["error"]["message"]
+    assert "frequency_penalty" in r.json()["error"]["message"]
     assert "speculative" in r.json()["error"]["message"]
     body = {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 2}
     r = httpx.post(served.url + "/generate", json=body, timeout=30.0)
@@ -136,6 +137,8 @@ def test_many_clients_with_disconnects_leave_every_page_and_slot(spec_server):
     async def one(client: httpx.AsyncClient, ids: list[int], i: int) -> str | None:
         sampling = {"max_new_tokens": 6 + i % 7, "ignore_eos": True}
         sampling["temperature"] = 0.0 if i % 2 else 0.9
+        if i % 4 == 2:  # a sampled request whose target is filtered
+            sampling |= {"top_k": 20, "top_p": 0.8, "min_p": 0.05}
         body = {"input_ids": ids, "sampling_params": sampling, "stream": i % 3 == 0}
         async with client.stream("POST", "/generate", json=body) as r:
             if r.status_code != 200:
@@ -329,9 +332,10 @@ def test_pd_speculative_decoding_equals_the_reference_and_drafts_as_unified(spec
     seen: dict[int, list[int]] = {}
     admit = spec.admit_given
 
-    def recorded(token, hidden, n, pages, width, slot, temperature, seed):
-        admit(token, hidden, n, pages, width, slot, temperature, seed)
-        seen[n] = np.asarray(spec.slab.drafts)[slot].tolist()
+    def recorded(*args):
+        admit(*args)
+        bound = inspect.signature(admit).bind(*args).arguments
+        seen[bound["n"]] = np.asarray(spec.slab.drafts)[bound["slot"]].tolist()
 
     spec.admit_given = recorded
     router = spec_pd["served"]["router"].url
