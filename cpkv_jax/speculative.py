@@ -44,8 +44,11 @@ must cover `p + 2k` (the chain's last write) before each step.
 Under batch-invariant numerics each greedy token's logits and log-probs are bitwise
 those of plain decoding. `num_steps=0` is plain decoding through the same driver (no
 MTP layer needed): the baseline of the speed figure (`benchmarks/bench_speculative.py`).
-Not yet: top-p / top-k / min-p and penalties with speculation (the engine's sampler
-applies them to one token per step).
+A row's top-k, top-p and min-p (`Filters`) filter its target distributions p_i as
+`cpkv_jax.sampling` filters one draw (`filtered_probs`); its drafts are still drawn
+from the MTP layer's unfiltered q_i. The accept / reject rule is exact for any q, so the
+emitted tokens are distributed as the filtered target's draws. Not yet: penalties (each
+token's would depend on the tokens before it inside the step).
 """
 
 from __future__ import annotations
