@@ -38,15 +38,13 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.report import emit, environment
-from cpkv_jax.kv_store import PagedKVStore
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.weights import load_model, save_hf_weights
-from cpkv_jax.paging import PageAllocator
 from cpkv_jax.speculative import DraftState, Filters, MTPSpeculator, spec_step
 from cpkv_jax.tools import fit_mtp
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
-from serving.decode.engine import DecodeEngine
+from serving.decode.engine import DecodeEngine, whole_prompt_engine
 from serving.engine.api import GenerateRequest, SamplingParams
 
 PAGE = fit_mtp.PAGE
@@ -139,17 +137,10 @@ def measure(decoders: dict, prompts: np.ndarray, new_tokens: int, repeats: int) 
 
 def engine_for(cfg, model, k: int, pages: int = 64) -> DecodeEngine:
     """A unified `DecodeEngine` (whole-prompt prefill) drafting `k` tokens per step."""
-    pool = init_pool(mtp_config(cfg) if k else cfg, pages, PAGE, model.dtype, "fp8_e4m3")
-    return DecodeEngine(
-        cfg=cfg,
-        model=model,
-        kv=PagedKVStore(pool, PageAllocator(pages)),
-        page_size=PAGE,
-        index_k_dtype="fp8_e4m3",
-        mode="null",
-        max_running_requests=4,
-        speculative_num_steps=k,
-    )
+    return whole_prompt_engine(
+        cfg, model, pages=pages, page_size=PAGE, index_k_dtype="fp8_e4m3",
+        max_running_requests=4, speculative_num_steps=k,
+    )  # fmt: skip
 
 
 def engine_generate(engine: DecodeEngine, prompt: np.ndarray, new_tokens: int) -> list[int]:

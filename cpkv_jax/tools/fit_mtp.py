@@ -38,13 +38,12 @@ from flax import nnx
 
 from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.generate import ReferenceGenerator
-from cpkv_jax.model.forward_batch import batch_from_host
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, init_pool
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.rope import rope_cos_sin
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.model.weights import load_model, save_hf_weights
-from cpkv_jax.speculative import MTPSpeculator
+from cpkv_jax.speculative import MTPSpeculator, rows_batch
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +74,7 @@ def _paged(seqs: np.ndarray):
     b, t = seqs.shape
     per_row = -(-t // PAGE)
     table = 1 + np.arange(b * per_row, dtype=np.int32).reshape(b, per_row)
-    pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-    slots = np.take_along_axis(table, pos // PAGE, axis=1) * PAGE + pos % PAGE
-    batch = batch_from_host(seqs, pos.copy(), np.ones((b, t), bool), slots, table, np.full((b,), t))
-    return batch, 1 + b * per_row
+    return rows_batch(list(seqs), table, PAGE, t), 1 + b * per_row
 
 
 def fit_mtp(

@@ -73,11 +73,18 @@ from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.decode_mesh import choose_rank
 from cpkv_jax.errors import ConfigError, InputError
-from cpkv_jax.kv_store import KVStore
+from cpkv_jax.kv_store import KVStore, PagedKVStore
 from cpkv_jax.model.expert_parallel import EPDispatch
-from cpkv_jax.model.kv_cache import INDEX_K_DTYPES, SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
+from cpkv_jax.model.kv_cache import (
+    INDEX_K_DTYPES,
+    SINGLE_DEVICE_KV_IO,
+    IndexKDtype,
+    PagedKVIO,
+    init_pool,
+)
+from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.transformer import CausalLM
-from cpkv_jax.paging import pages_for_tokens
+from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from cpkv_jax.sampling import PendingSample, TopLogprobs
 from serving.decode.intake import Intake, LocalPrefill, TransferIntake, TransferRooms
 from serving.decode.request import DecodeRequest
@@ -621,7 +628,7 @@ class DecodeEngine:
         prefills only when its intake prefills with them (a decode server's prompts arrive
         as KV, the cached unified engine's through the CP runner)."""
         plain = reachable_shapes(
-            prefill_form="absorbed",
+            prefill_form=self.steps.prefill_form,
             page_size=self.page_size,
             context_length=self.context_length,
             usable_pages=self._usable_pages,
@@ -903,6 +910,33 @@ class DecodeEngine:
         for q in (*self.intake.in_flight(), *self.running.values()):
             rows[q.rank] += 1
         return tuple(rows)
+
+
+def whole_prompt_engine(
+    cfg: ModelConfig,
+    model: CausalLM,
+    *,
+    pages: int,
+    page_size: int,
+    index_k_dtype: IndexKDtype,
+    speculative_num_steps: int = 0,
+    **kw: Any,
+) -> DecodeEngine:
+    """A unified engine that prefills whole prompts (`--disable-radix-cache`) over a fresh
+    pool of `pages` pages in the model's dtype, with the MTP layer's KV when it drafts
+    (`speculative_num_steps`); `kw` as for `DecodeEngine` (benchmarks and tests)."""
+    pool_cfg = mtp_config(cfg) if speculative_num_steps else cfg
+    pool = init_pool(pool_cfg, pages, page_size, model.dtype, index_k_dtype)
+    return DecodeEngine(
+        cfg=cfg,
+        model=model,
+        kv=PagedKVStore(pool, PageAllocator(pages)),
+        page_size=page_size,
+        index_k_dtype=index_k_dtype,
+        mode="null",
+        speculative_num_steps=speculative_num_steps,
+        **kw,
+    )
 
 
 def _filters(sp: SamplingParams) -> tuple[int, float, float]:

@@ -340,14 +340,15 @@ class SpeculativeSteps(CompiledShapes):
 
     # ---- shapes and compiles (the `DecodeSteps` interface) --------------------------------
     def shapes_for(self, plain: set[Shape], admission: str | None = None) -> set[Shape]:
-        """The speculative twins of plain step shapes (`steps.reachable_shapes` computed
-        with this engine's page room): both variants of each; with an `admission` (prompts
+        """The speculative twins of step shapes (`steps.reachable_shapes` computed with
+        this engine's page room and `prefill_form`; decode steps in any other form): both
+        variants of each; with an `admission` (prompts
         prefilled elsewhere, an `ADMISSION_FORMS` key), the admission of one request at
         every decode width."""
         admit = ADMISSION_FORMS[admission] if admission is not None else ()
         out: set[Shape] = set()
         for form, rows, tokens, width in plain:
-            forms = SPEC_FORMS if tokens == 1 and form == "absorbed" else SPEC_PREFILL_FORMS
+            forms = SPEC_PREFILL_FORMS if form == self.prefill_form else SPEC_FORMS
             n = self.k + 1 if forms is SPEC_FORMS else tokens
             out |= {(f, rows, n, width) for f in forms}
             if forms is SPEC_FORMS:

@@ -92,6 +92,15 @@ class ScoringExecutor(PrefillExecutor, Protocol):
         ...
 
 
+@runtime_checkable
+class DraftingExecutor(PrefillExecutor, Protocol):
+    """A `PrefillExecutor` whose steps also run the MTP layer (speculative decoding):
+    after each step, `last_hidden` holds its rows' final hidden states at their last new
+    token (None when its runner does not draft)."""
+
+    last_hidden: np.ndarray | None
+
+
 @dataclasses.dataclass
 class PrefillRequest:
     rid: str
@@ -400,7 +409,8 @@ class PrefillScheduler:
             reason = f"the prefill step failed: {type(e).__name__}: {e}"
             failed = self._drop_batch(batch, reason)
             raise PrefillStepError(reason, outcomes + failed) from e
-        hidden = getattr(self.executor, "last_hidden", None)
+        drafting = isinstance(self.executor, DraftingExecutor)
+        hidden = self.executor.last_hidden if drafting else None
         return outcomes + self.finish_batch(batch, logits, hidden)
 
     def _drop_batch(self, batch: ScheduledBatch, reason: str) -> list[PrefillOutcome]:

@@ -25,13 +25,12 @@ from support.transfer import random_pages
 
 from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
-from cpkv_jax.kv_store import PagedKVStore
 from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.paging import PageAllocator
 from serving.decode.cached import CachedUnifiedEngine
-from serving.decode.engine import DecodeEngine
+from serving.decode.engine import DecodeEngine, whole_prompt_engine
 from serving.decode.speculative import SPEC_FORMS
 from serving.engine.api import EngineStateLostError, GenerateRequest, SamplingParams
 from serving.prefill.build import build_prefill_engine
@@ -71,19 +70,10 @@ def loaded(tiny_checkpoints):
 
 
 def make_engine(cfg, model, k: int, **kw) -> DecodeEngine:
-    pool = init_pool(mtp_config(cfg) if k else cfg, PAGES, P, np.float32, "fp8_e4m3")
-    return DecodeEngine(
-        cfg=cfg,
-        model=model,
-        kv=PagedKVStore(pool, PageAllocator(PAGES)),
-        page_size=P,
-        index_k_dtype="fp8_e4m3",
-        mode="null",
-        max_running_requests=ROWS,
-        batch_invariant=True,
-        speculative_num_steps=k,
-        **kw,
-    )
+    return whole_prompt_engine(
+        cfg, model, pages=PAGES, page_size=P, index_k_dtype="fp8_e4m3",
+        max_running_requests=ROWS, batch_invariant=True, speculative_num_steps=k, **kw,
+    )  # fmt: skip
 
 
 def requests(cfg, seed: int = 3, **sampling) -> list[GenerateRequest]:

@@ -1,0 +1,183 @@
+"""PD speculative decoding (issue 39 item 3): a CP4/EP4 shared-KV prefill server and a
+decode server, both with `--speculative-algorithm EAGLE --speculative-num-steps 2`
+(`--enable-batch-invariant`), behind `cpkv-router`. The prefill server runs the MTP
+layer over the prompts (its KV one more layer of the transfer's layout) and sends the
+trunk's last hidden state with the first token; the decode server drafts from them.
+Greedy answers are bitwise the plain reference's, the decode server's first drafts
+bitwise a unified whole-prompt admission's; sampled and cancelled requests give every
+page and draft-state slot back; a pair that differs in the flag is refused at the
+handshake. (Its own module: `conftest._release_compiled_programs` frees the unified
+speculative servers' programs before these two servers compile theirs.)"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import httpx
+import numpy as np
+import pytest
+from support.http_client import Served
+from support.pages import assert_pages_back
+from support.prefill_server import P, float32_args
+
+from cpkv_jax.buckets import pow2_at_least
+from cpkv_jax.generate import ReferenceGenerator
+from cpkv_jax.kv_store import PagedKVStore
+from cpkv_jax.model.mtp import mtp_config
+from cpkv_jax.model.weights import load_model
+from cpkv_jax.paging import pages_for_tokens
+from serving.decode.speculative import SpeculativeSteps
+from serving.router import RouterConfig, build_router_app
+from serving.server import build_server
+from transfer.page_plan import LayoutDescriptor, LayoutMismatchError
+
+pytestmark = pytest.mark.slow(seconds=100)  # one worker, 2026-12-05
+
+STEPS = 2
+FLAGS = (
+    *("--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(STEPS)),
+    *("--enable-batch-invariant", "--max-running-requests", "8"),
+)
+
+
+def generate(url: str, ids: list[int], new: int, **sampling) -> httpx.Response:
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": new, "ignore_eos": True, **sampling},
+    }
+    return httpx.post(url + "/generate", json=body, timeout=120.0)
+
+
+PD_PREFILL = (
+    *("--disaggregation-mode", "prefill", "--cp-size", "4", "--enable-cp-shared-kv"),
+    *("--ep-size", "4", "--chunked-prefill-size", "32", "--kv-pool-size", "1MiB"),
+)
+
+
+@pytest.fixture(scope="module")
+def spec_pd(tiny_checkpoints):
+    """Issue 39 item 3: both servers with the speculative flags; the prefill server runs
+    the MTP layer over the prompts (its KV is one more layer of the transfer's layout)
+    and sends the last hidden state with the first token; the decode server drafts from
+    them. Behind `cpkv-router`."""
+    path = tiny_checkpoints("glm_moe_dsa")
+    cfg, model = load_model(path, mtp=True)
+    decode = build_server(
+        float32_args(path, "--disaggregation-mode", "decode", "--kv-pool-size", "1MiB", *FLAGS)
+    )
+    try:
+        prefill = build_server(float32_args(path, *PD_PREFILL, *FLAGS))
+    except BaseException:
+        decode.close()
+        raise
+    served = {"decode": Served(decode.app), "prefill": Served(prefill.app)}
+    config = RouterConfig(
+        prefill=(served["prefill"].url,),
+        decode=(served["decode"].url,),
+        request_timeout=120.0,
+        health_interval=0.5,
+        startup_timeout=30.0,
+    ).validate()
+    served["router"] = Served(build_router_app(config))
+    ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32", batch_invariant=True)
+    yield {"decode": decode, "prefill": prefill, "served": served, "ref": ref, "model": model}
+    for s in reversed(list(served.values())):
+        s.stop()
+    for server in (prefill, decode):
+        asyncio.run(server.loop.shutdown(0.0))
+        server.close()
+
+
+def whole_prompt_drafts(model, ids: list[int]) -> list[int]:
+    """The first drafts a unified server's whole-prompt admission writes for `ids`
+    (`SpeculativeSteps.prefill`, one device, the servers' numerics)."""
+    pages = pages_for_tokens(len(ids) + 1, P) + 1
+    kv = PagedKVStore.create(mtp_config(model.cfg), pages, P, np.float32, "float32")
+    spec = SpeculativeSteps(
+        model, kv, num_steps=STEPS, slots=1, page_size=P, index_k_dtype="float32",
+        batch_invariant=True, block_bytes=None,
+    )  # fmt: skip
+    own = kv.allocate_pages(pages - 1)
+    spec.prefill(np.asarray(ids, np.int32), own, pow2_at_least(own.size), 0, 0.0, 0)
+    return np.asarray(spec.slab.drafts)[0].tolist()
+
+
+def test_pd_speculative_decoding_equals_the_reference_and_drafts_as_unified(spec_pd):
+    """Greedy tokens and log-probs through the router are bitwise the plain reference's
+    (token 0 drawn by the prefill server, the rest verified by the decode server), and
+    each request's first drafts - from the MTP KV the CP4 prefill wrote over chunks of
+    32 tokens and the hidden state the room's aux data carried - are bitwise those of a
+    unified server's whole-prompt admission."""
+    decode, ref = spec_pd["decode"], spec_pd["ref"]
+    spec = decode.engine.spec
+    assert spec is not None
+    seen: dict[int, list[int]] = {}
+    admit = spec.admit_given
+
+    def recorded(*args):
+        admit(*args)
+        bound = inspect.signature(admit).bind(*args).arguments
+        seen[bound["n"]] = np.asarray(spec.slab.drafts)[bound["slot"]].tolist()
+
+    spec.admit_given = recorded
+    router = spec_pd["served"]["router"].url
+    rng = np.random.default_rng(5)
+    cases = [rng.integers(3, ref.cfg.vocab_size, n).tolist() for n in (5, 2 * P, 70)]
+    for ids in cases:
+        r = generate(router, ids, 7, temperature=0.0)
+        assert r.status_code == 200, r.text
+        body, want = r.json(), ref.generate(ids, 7, ignore_eos=True)
+        assert body["output_ids"] == want.output_ids, len(ids)
+        lps = [lp for lp, _, _ in body["meta_info"]["output_token_logprobs"]]
+        np.testing.assert_array_equal(lps, want.output_logprobs)  # bitwise
+        assert body["meta_info"]["spec_verify_ct"] >= 1
+    assert seen == {len(ids): whole_prompt_drafts(spec_pd["model"], ids) for ids in cases}
+    info = httpx.get(spec_pd["served"]["decode"].url + "/server_info").json()
+    assert info["speculative"]["num_steps"] == STEPS and info["transfer_failures"] == 0
+    assert_pages_back(decode)
+    assert_pages_back(spec_pd["prefill"])
+
+
+def test_pd_speculative_sampled_and_cancelled_requests_give_everything_back(spec_pd):
+    """Sampled requests (seeded) end with their lengths; streams left after their first
+    event are aborted on both sides: every page of both servers and every draft-state
+    slot comes back."""
+    router = spec_pd["served"]["router"].url
+    rng = np.random.default_rng(9)
+    for i in range(4):
+        ids = rng.integers(3, 300, int(rng.integers(5, 60))).tolist()
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 40, "temperature": 0.8, "ignore_eos": True},
+            "stream": i % 2 == 1,
+        }
+        if not body["stream"]:
+            body["sampling_params"] |= {"max_new_tokens": 6, "sampling_seed": i}
+            r = httpx.post(router + "/generate", json=body, timeout=120.0)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["output_ids"]) == 6
+            continue
+        with httpx.stream("POST", router + "/generate", json=body, timeout=120.0) as r:
+            assert r.status_code == 200
+            assert any(line.startswith("data:") for line in r.iter_lines())  # then leave
+    decode = spec_pd["decode"]
+    assert_pages_back(decode)
+    assert_pages_back(spec_pd["prefill"])
+    spec = decode.engine.spec
+    assert spec is not None and spec.free_slots == spec.num_slots
+
+
+def test_a_plain_prefill_and_a_speculative_decode_server_refuse_each_others_layout(
+    tiny_checkpoints,
+):
+    """The MTP layer's KV is one more layer of the transfer layout: a decode server that
+    drafts refuses a prefill server that does not (and the other way round) at the
+    handshake, naming the flag."""
+    cfg = load_model(tiny_checkpoints("glm_moe_dsa"))[0]
+    plain = LayoutDescriptor.from_model(cfg, P, "float32", "float32")
+    drafting = LayoutDescriptor.from_model(mtp_config(cfg), P, "float32", "float32")
+    for ours, theirs in ((plain, drafting), (drafting, plain)):
+        with pytest.raises(LayoutMismatchError, match="same --speculative-algorithm"):
+            ours.check_compatible(theirs)
