@@ -159,16 +159,17 @@ def test_capacity_below_worst_case_is_not_exact():
         ep.EPSpec(CP_AXIS, CP, "all_to_all", capacity_factor=0.0)
 
 
-def test_a_drafting_cp8_ep8_runner_writes_the_mtp_kv_of_one_device(tiny_checkpoints):
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32"])
+def test_a_drafting_cp8_ep8_runner_writes_the_mtp_kv_of_one_device(tiny_checkpoints, arch):
     """Issue 39 item 3: a PD prefill server for speculative decoding runs the MTP layer
     over each chunk it prefills (`CPPrefillRunner(mtp=True)`). On CP8 shared KV with EP8,
-    FP8 kept and chunked, batch-invariant: the MTP layer's KV (latent and index K, one
+    FP8 kept and chunked, batch-invariant, for both architectures: the MTP layer's KV (latent and index K, one
     more layer of the pool) at every prompt position but the last, the trunk's KV, the
     last logits and the last hidden state sent to the decode server are bitwise those of
     a one-device runner (cp 1, which the unified server uses and the speculative engine
     tests check against the whole-prompt engine's drafts). The last position's MTP KV is
     left unwritten: it needs the first output token."""
-    path = tiny_checkpoints("glm_moe_dsa", fp8=True, n_routed_experts=EXPERTS)
+    path = tiny_checkpoints(arch, fp8=True, n_routed_experts=EXPERTS)
     cfg, single = load_model(path, progress=False, mtp=True)
     _, placed = load_model(
         path, progress=False, mesh=make_cp_mesh(CP), expert_axis=CP_AXIS, mtp=True

@@ -103,10 +103,13 @@ def test_what_a_speculative_step_cannot_apply_is_refused_with_400(spec_server):
     assert r.status_code == 400 and "top_logprobs" in r.text
 
 
+@pytest.mark.parametrize("spec_server", ["prefix-cache"], indirect=True)
 def test_many_clients_with_disconnects_leave_every_page_and_slot(spec_server):
     """24 clients, sampled and greedy, a third of them streaming and leaving after their
     first event: every finished answer has its length, and when all is done every page
-    and draft-state slot is free again."""
+    and draft-state slot is free again. On the default (prefix-cache) engine only: the
+    whole-prompt one differs in its admission, whose aborts and refusals the engine tests
+    cover (the suite's time)."""
     server, served, _, cfg = spec_server
     engine = server.engine
     assert isinstance(engine, DecodeEngine) and engine.spec is not None
