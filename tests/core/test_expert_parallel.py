@@ -163,8 +163,9 @@ def test_capacity_below_worst_case_is_not_exact():
 def test_a_drafting_cp8_ep8_runner_writes_the_mtp_kv_of_one_device(tiny_checkpoints, arch):
     """Issue 39 item 3: a PD prefill server for speculative decoding runs the MTP layer
     over each chunk it prefills (`CPPrefillRunner(mtp=True)`). On CP8 shared KV with EP8,
-    FP8 kept and chunked, batch-invariant, for both architectures: the MTP layer's KV (latent and index K, one
-    more layer of the pool) at every prompt position but the last, the trunk's KV, the
+    FP8 kept and chunked, batch-invariant, for both architectures: the MTP layer's KV
+    (latent and index K, one more layer of the pool) at every prompt position but the
+    last, the trunk's KV, the
     last logits and the last hidden state sent to the decode server are bitwise those of
     a one-device runner (cp 1, which the unified server uses and the speculative engine
     tests check against the whole-prompt engine's drafts). The last position's MTP KV is
