@@ -15,6 +15,8 @@ steps in order of value (correctness first; `--list` prints them with their limi
   must read (`gbps`: the HBM roofline);
 - `gpu_moe_gmm`: the MoE expert matmul, `jax.lax.ragged_dot` (which XLA:GPU expands into
   a dense matmul over every local expert) against JAX's Mosaic GPU grouped matmul;
+- `decode_memory`: XLA's temporaries of the decode step at GLM-5 dims, and how they grow
+  with one more MoE layer (issue 36: the decode step's buffers the memory plan lacks);
 - `buffer_estimator`: the admission gate's `XLA_GPU` profile vs XLA's compiled memory on
   the GPU (this module, `--estimator-check`; see `estimator_check`);
 - `bench_host_copy`: host-cache LF <-> LPF copy kernels compiled on the GPU vs memcpy;
@@ -164,6 +166,15 @@ def _hl_estimator(r: dict[str, Any]) -> str:
     return text
 
 
+def _hl_decode_memory(r: dict[str, Any]) -> str:
+    worst = max(r["growth"], key=lambda g: g["temp_per_moe_layer"])
+    return (
+        f"temp +{worst['temp_per_moe_layer'] / 2**30:.2f} GiB per MoE layer "
+        f"({worst['temp_over_weights']:.2f}x its weights) at {worst['rows']} rows, "
+        f"{worst['context']} tokens"
+    )
+
+
 def _hl_speculative(r: dict[str, Any]) -> str:
     rows = r["runs"]["fitting"]
     text = ", ".join(
@@ -264,6 +275,19 @@ STEPS: tuple[Step, ...] = (
         cpu_args=("--estimator-check",),
         what="buffer estimator's GPU profile vs XLA compiled memory (CP=1, tiny + GLM-5 dims)",
         headline=_hl_estimator,
+    ),
+    Step(
+        "decode_memory",
+        "benchmarks.decode_memory",
+        limit_s=150,
+        min_s=40,
+        gpu_args=("--layers", "4", "5", "--rows", "1", "32", "--contexts", "4096", "131072"),
+        cpu_args=(
+            *("--layers", "4", "5", "--rows", "2", "--contexts", "256"),
+            *("--hidden", "256", "--experts", "16", "--intermediate", "128"),
+        ),
+        what="XLA's temporaries of the decode step at GLM-5 dims, growth per MoE layer",
+        headline=_hl_decode_memory,
     ),
     Step(
         "bench_host_copy",

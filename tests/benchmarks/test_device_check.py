@@ -86,6 +86,7 @@ def test_list_prints_every_step_and_its_limit(capsys):
         "bench_decode",
         "gpu_moe_gmm",
         "buffer_estimator",
+        "decode_memory",
         "bench_host_copy",
         "bench_moe_ep",
         "bench_prefill",
@@ -247,6 +248,7 @@ def test_device_slug():
         ("bench_moe_ep", "bench_moe_ep_cpu_2026-12-02.json", "tokens"),
         ("bench_hicache_ttft", "bench_hicache_ttft_cpu_2026-12-02.json", "x recompute"),
         ("bench_decode", "bench_decode_cpu_2026-12-04.json", "sparse_b8_32768_over_2048 3.94x"),
+        ("decode_memory", "decode_memory_cpu_2026-12-05.json", "+37.10 GiB per MoE layer (3.96x"),
         (
             "bench_speculative",
             "speculative_cpu_2026-12-05.json",

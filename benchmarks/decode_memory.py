@@ -1,0 +1,172 @@
+"""What XLA allocates for the decode step at GLM-5 dims: issue 36's missing decode term.
+
+    python -m benchmarks.decode_memory [--layers 4 5] [--rows 1 32] [--contexts 4096 131072]
+        [--hidden H --experts E --intermediate I] [--no-fp8] [--json PATH]
+
+The servers' memory plan counts weights, the KV pool and one layer's FP8 dequantization
+per device, but not the decode step's own buffers (`serving.prefill.memory_plan`: "the
+decode step's own buffers are not estimated"). This compiles the step the decode engine
+runs (`forward_step` with the sparse paged KV I/O, as `serving.decode.steps.DecodeSteps`
+lowers it: one token per row, `rows` rows, page tables of `context / 64` pages) on
+abstract weights and pool, on JAX's default backend, at GLM-5's real dims (its
+config.json; the first `layers` layers, so 3 dense then MoE ones; FP8 weights in 128 x 128
+blocks unless `--no-fp8`; bf16), and reports XLA's `memory_analysis()` for each (layers,
+rows, context): argument, output and temporary bytes. Nothing is allocated but the
+compiler's own memory.
+
+The figure that matters is `growth`: per (rows, context), how the temporaries grow with
+one more MoE layer (`temp_per_moe_layer`) against how its stored weights do
+(`weights_per_moe_layer`, the growth of the step's arguments) and their ratio. A step
+whose buffers are reused layer to layer adds ~0; a compiler that keeps a per-layer copy
+of the weights alive (converted or transposed) adds that copy's bytes for every layer,
+and then no per-device plan of a 78-layer model holds. `--hidden`, `--experts` and
+`--intermediate` shrink the model for a smoke run (tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.model.forward_batch import abstract_batch
+from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, pool_shapes
+from cpkv_jax.model.transformer import forward_step
+from cpkv_jax.model.weights import abstract_model
+from cpkv_jax.model_configs import config_dir
+
+PAGE = 64
+INDEX_K = "fp8_e4m3"
+FP8_BLOCK = (128, 128)
+
+
+def glm5_layers(
+    layers: int,
+    hidden: int | None = None,
+    experts: int | None = None,
+    intermediate: int | None = None,
+) -> ModelConfig:
+    """GLM-5's config cut to its first `layers` layers (optionally narrower: tests)."""
+    cfg = ModelConfig.from_pretrained(config_dir("glm-5"))
+    changes: dict[str, Any] = {
+        "num_hidden_layers": layers,
+        "indexer_types": cfg.indexer_types[:layers],
+        "mlp_layer_types": cfg.mlp_layer_types[:layers],
+    }
+    if hidden is not None:
+        changes["hidden_size"] = hidden
+    if experts is not None:
+        changes["n_routed_experts"] = experts
+        changes["n_group"] = min(cfg.n_group, experts)
+        changes["topk_group"] = min(cfg.topk_group, changes["n_group"])
+    if intermediate is not None:
+        changes["intermediate_size"] = intermediate
+        changes["moe_intermediate_size"] = intermediate
+    return dataclasses.replace(cfg, **changes)
+
+
+def step_memory(cfg: ModelConfig, rows: int, context: int, fp8: bool) -> dict[str, Any]:
+    """XLA's memory analysis of the decode step of `rows` rows at `context` tokens."""
+    width = -(-context // PAGE)
+    bf16 = jnp.bfloat16
+    model = abstract_model(cfg, bf16, bf16, fp8_block=FP8_BLOCK if fp8 else None)
+    graphdef, state = nnx.split(model)
+    pool = pool_shapes(cfg, width + 1, PAGE, bf16, INDEX_K)
+    t0 = time.perf_counter()
+    compiled = forward_step.lower(
+        graphdef,
+        state,
+        abstract_batch(rows, 1, width),
+        pool,
+        kv_io=SINGLE_DEVICE_KV_IO,
+        index_k_dtype=INDEX_K,
+        form="absorbed",
+        invariant=False,
+        block_bytes=None,
+    ).compile()
+    m = compiled.memory_analysis()
+    return {
+        "layers": cfg.num_hidden_layers,
+        "moe_layers": sum(t == "sparse" for t in cfg.mlp_layer_types),
+        "rows": rows,
+        "context": context,
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "output_bytes": int(m.output_size_in_bytes),
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "compile_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, nargs="+", default=[4, 5])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 131072])
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--no-fp8", action="store_true", help="bf16 weights instead of FP8")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if len(args.layers) < 2:
+        p.error("--layers needs two counts at least (the growth per layer)")
+    fp8 = not args.no_fp8
+    shrink = (args.hidden, args.experts, args.intermediate)
+    runs = [
+        step_memory(glm5_layers(n, *shrink), rows, ctx, fp8)
+        for rows in args.rows
+        for ctx in args.contexts
+        for n in sorted(args.layers)
+    ]
+    growth = []
+    for rows in args.rows:
+        for ctx in args.contexts:
+            pts = [r for r in runs if r["rows"] == rows and r["context"] == ctx]
+            lo, hi = pts[0], pts[-1]
+            n = max(1, hi["moe_layers"] - lo["moe_layers"])
+            temp = (hi["temp_bytes"] - lo["temp_bytes"]) // n
+            weights = (hi["argument_bytes"] - lo["argument_bytes"]) // n
+            growth.append(
+                {
+                    "rows": rows,
+                    "context": ctx,
+                    "temp_per_moe_layer": temp,
+                    "weights_per_moe_layer": weights,
+                    "temp_over_weights": round(temp / max(1, weights), 3),
+                }
+            )
+    cfg = glm5_layers(max(args.layers), *shrink)
+    report = {
+        "bench": "decode_memory",
+        "backend": jax.default_backend(),
+        "device_kind": jax.devices()[0].device_kind,
+        "model": {
+            "config": "glm-5",
+            "hidden": cfg.hidden_size,
+            "n_routed_experts": cfg.n_routed_experts,
+            "moe_intermediate": cfg.moe_intermediate_size,
+            "fp8_weights": fp8,
+            "page_size": PAGE,
+            "index_k_dtype": INDEX_K,
+        },
+        "runs": runs,
+        "growth": growth,
+    }
+    text = json.dumps(report, indent=2)
+    if args.json is not None:
+        args.json.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
