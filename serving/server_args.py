@@ -348,9 +348,10 @@ class ServerArgs:
         "none",
         help="draft tokens with the checkpoint's own MTP layer and verify them with the "
         "model in the same decode step (greedy: exactly the tokens of plain decoding; "
-        "temperature > 0: speculative sampling). Unified server for now (not with "
-        "--enable-hierarchical-cache); requests asking for top-p/top-k/min-p, penalties, "
-        "logit bias, min_new_tokens, grammars or top log-probs are refused with 400",
+        "temperature > 0: speculative sampling, with top-k / top-p / min-p). Unified or PD "
+        "(give both servers the flag: the prefill server sends the MTP layer's KV), one "
+        "device (--dp-size 1); requests asking for penalties, logit bias, min_new_tokens, "
+        "grammars or top log-probs are refused with 400",
         group="speculative",
     )
     speculative_num_steps: int | None = _arg(
@@ -1168,12 +1169,6 @@ class ServerArgs:
                 f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens} must be "
                 f"--speculative-num-steps + 1 = {k + 1} (one chain: the current token and "
                 "its drafts)"
-            )
-        if self.enable_hierarchical_cache:
-            raise ServerArgsError(
-                f"--speculative-algorithm {self.speculative_algorithm} with "
-                "--enable-hierarchical-cache: the host cache does not carry the MTP layer's "
-                "KV yet; drop one of them"
             )
         if self.dp_size > 1 and self.disaggregation_mode != "prefill":
             raise ServerArgsError(

@@ -379,7 +379,8 @@ def prefix_cache(
     if not args.enable_hierarchical_cache:
         return None, RadixCache(runner.allocator, args.page_size)
     args.refuse_unbuilt()  # prefill or null mode, no storage tier: what is built
-    page_bytes = KVLayout.of_pool(runner.pool, runner.cfg.full_indexer_layers).bytes_per_page
+    # `pool_cfg`: a drafting runner's pool has the MTP layer's KV, which the host keeps too.
+    page_bytes = KVLayout.of_pool(runner.pool, runner.pool_cfg.full_indexer_layers).bytes_per_page
     host_pages = host_pages_for(
         page_bytes,
         runner.layout.pages_per_rank,

@@ -110,7 +110,7 @@ class HostCacheIO:
         """Host pools for every lane of `runner`'s pool (`HostPools.create`), and the IO."""
         pools = HostPools.create(
             runner.kv.current,
-            runner.cfg.full_indexer_layers,
+            runner.pool_cfg.full_indexer_layers,  # with a drafting runner's MTP layer
             runner.layout,
             layout,
             size_bytes=size_bytes,

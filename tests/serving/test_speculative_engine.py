@@ -261,16 +261,16 @@ def test_speculative_engine_refuses_a_model_without_its_mtp_layer(loaded, tiny_c
         make_engine(cfg, trunk_only, 1)
 
 
-def cached_engine(cfg, model, k: int) -> DecodeEngine:
+def cached_engine(cfg, model, k: int, *extra: str, pages: int = PAGES) -> DecodeEngine:
     """The unified server's default engine (prefix cache, chunked CP prefill at cp 1)
     drafting `k` tokens per step: its CP runner runs the MTP layer over the prompts."""
     args = ServerArgs.from_cli(
         [
             "--model-path", "unused", "--page-size", str(P), "--index-k-dtype", "fp8_e4m3",
             "--dtype", "float32", "--chunked-prefill-size", "32",
-            "--kv-pool-size", str(PAGES * pool_page_bytes_for(cfg)),
+            "--kv-pool-size", str(pages * pool_page_bytes_for(cfg)),
             "--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(k),
-            "--enable-batch-invariant",
+            "--enable-batch-invariant", *extra,
         ]
     )  # fmt: skip
     prefill = build_prefill_engine(args, model=model, devices=jax.devices()[:1], hold_finished=True)
@@ -325,6 +325,40 @@ def test_the_prefix_cache_engine_drafts_and_decodes_as_the_whole_prompt_engine(l
     assert got["hit"][3]["cached_tokens"] == 48
     cached.cached.scheduler.cache.reset()
     assert cached.kv.num_free_pages >= free0 and cached.spec.free_slots == ROWS
+
+
+def test_a_prompt_back_from_the_host_cache_drafts_as_the_whole_prompt_engine(loaded, plain):
+    """`--enable-hierarchical-cache` with speculative decoding: the host cache keeps the
+    MTP layer's KV with the trunk's (one more layer of its pools). A prompt pushed off a
+    small device pool and served again from the host decodes exactly, and its first
+    drafts - read from the MTP KV that came back - equal the whole-prompt engine's."""
+    cfg, model = loaded("glm")
+    host = ("--enable-hierarchical-cache", "--hicache-ratio", "4")
+    cached = cached_engine(cfg, model, 2, *host, pages=16)
+    whole = make_engine(cfg, model, 2)
+    want_drafts = record_first_drafts(whole, "prefill")
+    got_drafts = record_first_drafts(cached, "admit_after_prefill")
+    rng = np.random.default_rng(21)
+
+    def req(rid: str, ids) -> GenerateRequest:
+        sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        return GenerateRequest(rid, tuple(int(t) for t in ids), sp, return_logprob=True)
+
+    long = rng.integers(3, cfg.vocab_size, 6 * P + 3).tolist()
+    first = run(cached, [req("first", long)])
+    cached.scheduler.sync_host_cache(wait=True)
+    for i in range(2):  # push `long` off the 15-page device pool (the host keeps it)
+        run(cached, [req(f"other{i}", rng.integers(3, cfg.vocab_size, 8 * P + 5))])
+        cached.scheduler.sync_host_cache(wait=True)
+    m = cached.prefill.cache.match_prefix(np.asarray(long[:-1], np.int32))
+    assert m.host_num_tokens > 0, cached.prefill.cache.pretty()
+    got_drafts.clear()
+    again = run(cached, [req("again", long)])
+    assert again["again"][3]["cached_tokens_host"] > 0
+    assert again["again"][:3] == first["first"][:3]
+    want = run(whole, [req("want", long)])
+    assert_same({"again": again["again"]}, {"again": want["want"]})
+    assert got_drafts == {len(long): want_drafts[len(long)]}
 
 
 def test_a_failed_step_fails_its_requests_and_a_lost_draft_state_stops_the_engine(loaded):

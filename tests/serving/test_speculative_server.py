@@ -185,10 +185,6 @@ def test_many_clients_with_disconnects_leave_every_page_and_slot(spec_server):
             "runs on one device",
         ),
         (
-            ("--speculative-algorithm", "EAGLE", "--enable-hierarchical-cache"),
-            "host cache does not carry the MTP layer",
-        ),
-        (
             (
                 "--speculative-algorithm",
                 "NEXTN",
