@@ -315,7 +315,7 @@ def test_load_back_that_loses_a_donated_buffer_is_fatal(monkeypatch):
     cp = 2
     layout = PoolLayout(cp, True, 4, PAGE)
     pool = init_cp_pool(cfg, layout, make_cp_mesh(cp), jnp.float32, "float32")
-    fake_runner = types.SimpleNamespace(cfg=cfg, layout=layout, kv=DevicePool(pool))
+    fake_runner = types.SimpleNamespace(pool_cfg=cfg, layout=layout, kv=DevicePool(pool))
     io = HostCacheIO.create(fake_runner, "layer_first", ratio=2.0)
     cache = HiRadixCache(
         OwnerLaneAllocator(cp, 4), PAGE, io.host_allocators, write_policy="write_through"
