@@ -260,18 +260,10 @@ class SpeculativeSteps(CompiledShapes):
         MTP layer's pass over all but its last position: from that prefill's last logits
         and hidden state, its first token and drafts (`slab_admit_from_hidden`); returns
         the token and its log-prob, on the device (`[1]` each)."""
-        greedy = temperature == 0
-        shape = (SPEC_ADMIT_FORMS[greedy], 1, 1, width)
-        run = self.compiled(shape)
-        self.shapes.add(shape)
-        args = (
-            np.asarray(logits, np.float32).reshape(1, -1),
-            np.asarray(hidden, np.float32).reshape(1, -1),
-            np.asarray([n], np.int32),
-            padded_page_table(pages, width)[None],
-            *_row(temperature, seed, filters),
+        first = np.asarray(logits, np.float32).reshape(1, -1)
+        return self._after_prefill(
+            SPEC_ADMIT_FORMS, first, hidden, n, pages, width, slot, temperature, seed, filters
         )
-        return self._admit(run, slot, "spec_admit", *args)
 
     def admit_given(
         self,
@@ -289,18 +281,28 @@ class SpeculativeSteps(CompiledShapes):
         MTP layer's pass over all but its last position, and whose first output `token`
         was drawn there too (a PD prefill server): its first drafts from `token` and the
         trunk's hidden state at the last position (`slab_admit_given`)."""
+        first = np.asarray([token], np.int32)
+        self._after_prefill(
+            SPEC_GIVEN_FORMS, first, hidden, n, pages, width, slot, temperature, seed, filters
+        )
+
+    def _after_prefill(
+        self, forms, first, hidden, n, pages, width, slot, temperature, seed, filters
+    ) -> tuple:
+        """Run one of the two admissions after a prefill elsewhere (`forms`), from
+        `first` (the prefill's last logits, or the first token it drew)."""
         greedy = temperature == 0
-        shape = (SPEC_GIVEN_FORMS[greedy], 1, 1, width)
+        shape = (forms[greedy], 1, 1, width)
         run = self.compiled(shape)
         self.shapes.add(shape)
         args = (
-            np.asarray([token], np.int32),
+            first,
             np.asarray(hidden, np.float32).reshape(1, -1),
             np.asarray([n], np.int32),
             padded_page_table(pages, width)[None],
             *_row(temperature, seed, filters),
         )
-        self._admit(run, slot, "spec_given", *args)
+        return self._admit(run, slot, forms[0], *args)
 
     def _admit(self, run, slot: int, scope: str, *args):
         """Run an admission program `run` for one request into draft-state `slot` (the

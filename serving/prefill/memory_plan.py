@@ -390,10 +390,19 @@ def plan_device_memory(
     elif spec:
         transient, source = (
             speculative_state_bytes(args, cfg),
-            ("the speculative draft state; the decode step's own buffers are not estimated"),
+            (
+                "the speculative draft state; the decode step's own buffers are not "
+                "estimated (benchmarks/decode_memory measures them)"
+            ),
         )
     else:
-        transient, source = 0, "not estimated on a single-device server"
+        transient, source = (
+            0,
+            (
+                "the decode step's buffers are not estimated (benchmarks/decode_memory "
+                "measures them)"
+            ),
+        )
     budget, budget_source = device_budget(args, used)
     plan = MemoryPlan(
         weight_bytes=weights["total"],

@@ -20,6 +20,7 @@ import pytest
 from support.http_client import Served
 from support.pages import assert_pages_back
 from support.prefill_server import P, float32_args
+from support.unified_server import generate_with_logprobs as generate
 
 from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.generate import ReferenceGenerator
@@ -39,15 +40,6 @@ FLAGS = (
     *("--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(STEPS)),
     *("--enable-batch-invariant", "--max-running-requests", "8"),
 )
-
-
-def generate(url: str, ids: list[int], new: int, **sampling) -> httpx.Response:
-    body = {
-        "input_ids": ids,
-        "return_logprob": True,
-        "sampling_params": {"max_new_tokens": new, "ignore_eos": True, **sampling},
-    }
-    return httpx.post(url + "/generate", json=body, timeout=120.0)
 
 
 # CP8 without expert parallelism. Seen 2026-12-05: with `--ep-size 8` (the tiny

@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from support.prefill_server import P
+from support.unified_server import generate_with_logprobs as generate
 from support.unified_server import serving, unified_args
 
 from cpkv_jax.generate import ReferenceGenerator
@@ -56,15 +57,6 @@ def spec_server(request, tiny_checkpoints):
             cfg, model, page_size=P, index_k_dtype="float32", batch_invariant=True
         )
         yield server, served, ref, cfg
-
-
-def generate(url: str, ids: list[int], new: int, **sampling) -> httpx.Response:
-    body = {
-        "input_ids": ids,
-        "return_logprob": True,
-        "sampling_params": {"max_new_tokens": new, "ignore_eos": True, **sampling},
-    }
-    return httpx.post(url + "/generate", json=body, timeout=120.0)
 
 
 def test_greedy_answers_are_the_references_with_acceptance_reported(spec_server):

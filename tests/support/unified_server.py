@@ -47,3 +47,14 @@ def greedy_ids(url: str, ids: list[int], new: int, timeout: float) -> list[int]:
     r = httpx.post(url + "/generate", json=body, timeout=timeout)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
+
+
+def generate_with_logprobs(url: str, ids: list[int], new: int, **sampling) -> httpx.Response:
+    """`/generate` of `new` tokens (EOS ignored) with their log-probs; `sampling` adds
+    sampling parameters. The response as it came (the caller checks the status)."""
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": new, "ignore_eos": True, **sampling},
+    }
+    return httpx.post(url + "/generate", json=body, timeout=120.0)
