@@ -209,32 +209,20 @@ class DPDecodeSteps:
         if tuple(mesh.axis_names) != (DP_AXIS,) or mesh.size != layout.dp_size:
             raise ConfigError(f"DP steps need a ('dp',) mesh of {layout.dp_size} devices")
         cfg = model.cfg
-        check_divisible(cfg.n_routed_experts, layout.dp_size, "dp_size")
         self.mesh = mesh
         self.layout = layout
         self.index_k_dtype = index_k_dtype
         self.vocab_size = cfg.vocab_size
-        graphdef, state = nnx.split(model)
-        self._graphdef = graphdef
-        shardings = param_shardings(state, mesh, DP_AXIS)
-        # Routed experts split over dp; everything else replicated on every rank.
-        self.state = jax.device_put(state, shardings)
-        self._row_sharding = NamedSharding(mesh, P(DP_AXIS))
-        self.replicated = NamedSharding(mesh, P())
+        placed = DPPlacement.of(model, mesh, ep_dispatch, ep_capacity_factor)
+        self.state = placed.state
+        self._row_sharding = placed.rows
+        self.replicated = placed.replicated
         self._abstract = (abstract(self.state), abstract(pool))
-        ep = (
-            EPSpec(DP_AXIS, layout.dp_size, ep_dispatch, ep_capacity_factor)
-            if layout.dp_size > 1
-            else None
-        )
-        state_specs = jax.tree.map(
-            lambda s: s.spec, shardings, is_leaf=lambda x: isinstance(x, NamedSharding)
-        )
         self._step = _build_step(
-            graphdef,
+            placed.graphdef,
             mesh,
-            state_specs,
-            ep,
+            placed.state_specs,
+            placed.ep,
             kv_io,
             index_k_dtype,
             batch_invariant,
@@ -302,6 +290,92 @@ class DPDecodeSteps:
         if form != FORM:
             raise ValueError(f"DP steps run the {FORM!r} form, not {form!r}")
         return self._step.lower(state, batch, pool, order)
+
+
+@dataclasses.dataclass(frozen=True)
+class DPPlacement:
+    """A model's weights on a `("dp",)` mesh: routed experts split over `"dp"`
+    (`expert_parallel` over it when `dp > 1`), everything else replicated; with the
+    shardings a step's rows take (`rows`: split over `"dp"`) and its replicated outputs."""
+
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    state_specs: nnx.State  # the state's PartitionSpecs, shard_map's in_specs for it
+    ep: EPSpec | None
+    rows: NamedSharding
+    replicated: NamedSharding
+
+    @classmethod
+    def of(
+        cls,
+        model: CausalLM,
+        mesh: Mesh,
+        ep_dispatch: EPDispatch = "allgather",
+        ep_capacity_factor: float | None = None,
+    ) -> DPPlacement:
+        dp = mesh.size
+        check_divisible(model.cfg.n_routed_experts, dp, "dp_size")
+        graphdef, state = nnx.split(model)
+        shardings = param_shardings(state, mesh, DP_AXIS)
+        specs = jax.tree.map(
+            lambda s: s.spec, shardings, is_leaf=lambda x: isinstance(x, NamedSharding)
+        )
+        ep = EPSpec(DP_AXIS, dp, ep_dispatch, ep_capacity_factor) if dp > 1 else None
+        return cls(
+            mesh,
+            graphdef,
+            jax.device_put(state, shardings),
+            specs,
+            ep,
+            NamedSharding(mesh, P(DP_AXIS)),
+            NamedSharding(mesh, P()),
+        )
+
+    def put_rows(self, tree):
+        """Host arrays (a pytree of them, leading axis the step's rows) split over `"dp"`
+        (each process fills its own shards from the same host arrays)."""
+        sharding = self.rows
+
+        def put(a):
+            a = np.asarray(a)
+            return jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
+
+        return jax.tree.map(put, tree)
+
+    def put_replicated(self, a: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(a.shape, self.replicated, lambda i: a[i])
+
+
+def dp_slab_program(placed: DPPlacement, fn: Callable, n_rows: int) -> Callable:
+    """`fn(state, slab, *rows, pool) -> (out, slab, pool)` (a speculative program of
+    `cpkv_jax.speculative`, its static arguments bound; `n_rows` row arguments) run on
+    every DP rank over its shards of the draft-state slab, the rows and the pool, with
+    routed experts exchanged over `"dp"`. Jitted as `(state, slab, order, rows, pool) ->
+    (out[order] replicated, slab, pool)`, the slab and the pool donated: the host gets
+    `out`'s row `i` for the `i`-th row it placed (`order`, as in `build_batch`)."""
+    rows = P(DP_AXIS)
+
+    def per_rank(state, slab, *rest):
+        with ep_context(placed.ep):
+            return fn(state, slab, *rest)
+
+    sharded = jax.shard_map(
+        per_rank,
+        mesh=placed.mesh,
+        in_specs=(placed.state_specs, rows, *([rows] * n_rows), rows),
+        out_specs=(rows, rows, rows),
+        check_vma=False,  # as `_build_step`
+    )
+
+    @functools.partial(
+        jax.jit, donate_argnums=(1, 4), out_shardings=(placed.replicated, None, None)
+    )
+    def program(state, slab, order, row_args, pool):
+        out, slab, pool = sharded(state, slab, *row_args, pool)
+        return jax.tree.map(lambda a: a[order], out), slab, pool
+
+    return program
 
 
 def _build_step(

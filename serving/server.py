@@ -226,7 +226,7 @@ def _build_decode_side(
         pool = init_pool(pool_cfg, pages, args.page_size, dtype, args.index_k_dtype)
     else:  # one shard of `pages` per DP rank, each with its trash page
         dp_layout = DPPoolLayout(dp, pages, args.page_size)
-        pool = init_dp_pool(cfg, dp_layout, mesh, dtype, args.index_k_dtype)
+        pool = init_dp_pool(pool_cfg, dp_layout, mesh, dtype, args.index_k_dtype)
     running, why = max_running_requests(args, dp * (pages - 1))
     logger.info("max running requests: %d (%s)", running, why)
     info: dict[str, Any] = {"max_running_requests": running, "dp_size": dp}

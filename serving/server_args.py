@@ -349,9 +349,9 @@ class ServerArgs:
         help="draft tokens with the checkpoint's own MTP layer and verify them with the "
         "model in the same decode step (greedy: exactly the tokens of plain decoding; "
         "temperature > 0: speculative sampling, with top-k / top-p / min-p). Unified or PD "
-        "(give both servers the flag: the prefill server sends the MTP layer's KV), one "
-        "device (--dp-size 1); requests asking for penalties, logit bias, min_new_tokens, "
-        "grammars or top log-probs are refused with 400",
+        "(give both servers the flag: the prefill server sends the MTP layer's KV), on one "
+        "device or a DP mesh (--dp-size); requests asking for penalties, logit bias, "
+        "min_new_tokens, grammars or top log-probs are refused with 400",
         group="speculative",
     )
     speculative_num_steps: int | None = _arg(
@@ -1148,10 +1148,10 @@ class ServerArgs:
 
     def _check_speculative(self, model_config: ModelConfig | None) -> None:
         """`--speculative-algorithm`: a chain of 1..MAX_SPECULATIVE_STEPS drafts from the
-        checkpoint's MTP layer, on a unified or PD decode server on one device; a PD
-        prefill server given the same flags runs the MTP layer over the prompts and sends
-        its KV and the last hidden state with the room (both sides must, or the layouts
-        differ at the handshake)."""
+        checkpoint's MTP layer, on a unified or PD decode server (one device or a DP mesh);
+        a PD prefill server given the same flags runs the MTP layer over the prompts and
+        sends its KV and the last hidden state with the room (both sides must, or the
+        layouts differ at the handshake)."""
         if not self.speculative_enabled():
             return
         k = self.speculative_steps()
@@ -1169,11 +1169,6 @@ class ServerArgs:
                 f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens} must be "
                 f"--speculative-num-steps + 1 = {k + 1} (one chain: the current token and "
                 "its drafts)"
-            )
-        if self.dp_size > 1 and self.disaggregation_mode != "prefill":
-            raise ServerArgsError(
-                f"--speculative-algorithm with --dp-size {self.dp_size}: speculative decoding "
-                "runs on one device for now; use --dp-size 1"
             )
         if model_config is not None and model_config.num_nextn_predict_layers < 1:
             raise ServerArgsError(

@@ -34,6 +34,7 @@ batch goes on (`StepEngine`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -139,17 +140,12 @@ class CachedPrefill:
 
     def stats(self, base: EngineStats) -> EngineStats:
         cache = self.prefill.cache
-        return EngineStats(
-            mode=base.mode,
-            waiting=base.waiting,
-            running=base.running,
-            kv_pages_total=base.kv_pages_total,
+        return dataclasses.replace(
+            base,
             kv_pages_free=(self.store.num_free_pages,),
             kv_pages_cached=(int(cache.total_pages_per_lane()[0]),),
-            kv_bytes_per_page=base.kv_bytes_per_page,
             prefix_cache_hit_tokens=self.prefix_cache_hit_tokens,
             admission_rejections={**base.admission_rejections, **self.scheduler.rejections},
-            queue=base.queue,
         )
 
     # ---- prefill through the scheduler -------------------------------------------------

@@ -127,6 +127,7 @@ class _InFlight:
     rows: list[DecodeRequest]
     drawn: PendingSample
     row_of: dict[str, int]  # rid -> its row in `rows` and the draw
+    dispatched_at: float = 0.0  # the engine's clock when it was dispatched
 
 
 class DecodeEngine:
@@ -203,24 +204,23 @@ class DecodeEngine:
         self.spec: SpeculativeSteps | None = None
         self.room = 0  # tokens of pages a request reserves beyond prompt + max_new_tokens
         if speculative_num_steps:
-            if self.dp_size > 1:
-                raise ConfigError(
-                    "speculative decoding runs with --dp-size 1 for now: the data-parallel "
-                    "step has no draft-and-verify form yet"
-                )
             # At most SPEC_SLOTS_MAX slots (`max_running_requests` may be the pool's
-            # pages); requests beyond them wait to be admitted, as for penalty slots.
+            # pages), split evenly over the DP ranks; requests beyond them wait to be
+            # admitted, as for penalty slots.
             slots = speculative_slots or min(max_running_requests, SPEC_SLOTS_MAX)
             self.spec = self.steps = SpeculativeSteps(
                 model,
                 kv,
                 num_steps=speculative_num_steps,
-                slots=slots,
+                slots=-(-slots // self.dp_size),
                 page_size=page_size,
                 index_k_dtype=index_k_dtype,
                 batch_invariant=batch_invariant,
                 block_bytes=block_bytes,
                 kv_io=kv_io,
+                mesh=mesh if self.dp_size > 1 else None,
+                ep_dispatch=ep_dispatch,
+                ep_capacity_factor=ep_capacity_factor,
             )
             self.room = speculative_room(speculative_num_steps, overlap)
         elif self.dp_size > 1:
@@ -253,7 +253,10 @@ class DecodeEngine:
         self.running: dict[str, DecodeRequest] = {}
         self.finals: list[OutputChunk] = []  # chunks due on the next step (aborts, refusals)
         self._rejections: collections.Counter[str] = collections.Counter()
-        self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, (), self.queue.stats(), ())
+        # Decode steps fetched and their seconds, by kind (`_timed`): `/metrics`.
+        self._step_seconds: dict[str, tuple[int, float]] = {}
+        self._last_fetch: float | None = None
+        self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, (), self.queue.stats(), (), {})
         # At most PENALTY_SLOTS_MAX slots: `max_running_requests` may be the pool's pages
         # (a speculative engine refuses penalties: one slot).
         slots = 1 if self.spec else min(max_running_requests, PENALTY_SLOTS_MAX)
@@ -347,7 +350,7 @@ class DecodeEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot; safe from any thread."""
-        waiting, running, failures, received, rejections, queue, per_rank = self._snapshot
+        waiting, running, failures, received, rejections, queue, per_rank, steps = self._snapshot
         base = EngineStats(
             mode=self.mode,
             waiting=waiting,
@@ -360,6 +363,7 @@ class DecodeEngine:
             admission_rejections=dict(rejections),
             queue=queue,
             running_per_rank=per_rank,
+            decode_step_seconds=steps,
         )
         return self.intake.stats(base)
 
@@ -443,6 +447,8 @@ class DecodeEngine:
             return None
         rows = self._rows_per_rank()
         free = self.kv.num_free_pages_per_rank
+        if self.spec is not None:  # a rank without a free draft-state slot takes no one
+            free = tuple(f if self.spec.free_slots_on(k) else 0 for k, f in enumerate(free))
         return choose_rank(free, rows, r.n_pages, self._max_rows_per_rank, self._next_rank)
 
     def penalty_slot_free(self, r: DecodeRequest) -> bool:
@@ -453,17 +459,17 @@ class DecodeEngine:
     def admit(self, r: DecodeRequest, rank: int) -> None:
         """Allocate `r`'s pages on `rank` and reserve its penalty slot (`fits_now`)."""
         r.pages = self.kv.allocate_pages(r.n_pages, rank)
-        self.take_slots(r)
         r.rank = rank
+        self.take_slots(r)
         self.admitted_per_rank[rank] += 1
         self._next_rank = (rank + 1) % self.dp_size
 
     def take_slots(self, r: DecodeRequest) -> None:
-        """Reserve `r`'s penalty slot (if it needs one) and its draft-state slot (a
-        speculative engine); `fits_now` / `penalty_slot_free` said they are free."""
+        """Reserve `r`'s penalty slot (if it needs one) and its draft-state slot on its
+        rank (a speculative engine); `fits_now` / `penalty_slot_free` said they are free."""
         self.sampler.reserve(r)
         if self.spec is not None:
-            r.slot = self.spec.take_slot()
+            r.slot = self.spec.take_slot(r.rank)
 
     def give_back_slot(self, r: DecodeRequest) -> None:
         """`r`'s draft-state slot back (once)."""
@@ -523,7 +529,8 @@ class DecodeEngine:
         drawn = self.sampler.draw_async(rows, logits)
         for r in rows:
             r.pending += 1
-        return _InFlight(rows, drawn, {r.rid: i for i, r in enumerate(rows)})
+        row_of = {r.rid: i for i, r in enumerate(rows)}
+        return _InFlight(rows, drawn, row_of, self._clock())
 
     def _collect(self, step: _InFlight, touched: Touched) -> None:
         """Fetch `step`'s tokens and record those of rows still running (a row that
@@ -540,6 +547,7 @@ class DecodeEngine:
         except Exception as e:
             self.step_failed("the decode step", e, [step.rows[i] for i in live], touched)
             return
+        self._timed("decode", step.dispatched_at)
         for i in live:
             self.produce(step.rows[i], touched, functools.partial(drawn.pick, i))
 
@@ -554,7 +562,7 @@ class DecodeEngine:
             try:
                 assert all(r.slot is not None and r.pages is not None for r in rows)
                 out = spec.step([(r.slot, r.pages, r.n_pages) for r in rows], greedy)
-                self._in_step = SpecInFlight(rows, out)
+                self._in_step = SpecInFlight(rows, out, self._clock())
             except Exception as e:
                 self.step_failed("the speculative decode step", e, rows, touched)
         if prev is not None:
@@ -580,6 +588,7 @@ class DecodeEngine:
                 "the speculative decode step", e, [step.rows[i] for i in live], touched
             )
             return
+        self._timed("verify_draft", step.dispatched_at)
         for i in live:
             r = step.rows[i]
             a = int(accepted[i])
@@ -589,6 +598,17 @@ class DecodeEngine:
                 self.produce(r, touched, functools.partial(_emitted, tokens[i, j], lps[i, j]))
                 if r.finish is not None:
                     break
+
+    def _timed(self, kind: str, dispatched_at: float) -> None:
+        """Count a decode step of `kind` whose tokens just reached the host, and its time:
+        from its dispatch, or from when the step before it was fetched if that was later
+        (with overlap a step is dispatched while the one before still runs, so this is
+        the device's time on it in a busy batch, not the wait behind the other)."""
+        now = self._clock()
+        start = dispatched_at if self._last_fetch is None else max(dispatched_at, self._last_fetch)
+        n, seconds = self._step_seconds.get(kind, (0, 0.0))
+        self._step_seconds[kind] = (n + 1, seconds + (now - start))
+        self._last_fetch = now
 
     # ---- compiles ------------------------------------------------------------------------
     @property
@@ -835,6 +855,7 @@ class DecodeEngine:
             tuple(self._rejections.items()),
             self.queue.stats(),
             self._rows_per_rank() if self.dp_size > 1 else (),
+            dict(self._step_seconds),
         )
 
     def start_drafting(
@@ -889,14 +910,14 @@ class DecodeEngine:
         """Prefill the admitted requests of `batch` (one per DP rank) and draw their first
         tokens: one `produce` pick per request."""
         if self.spec is not None:
-            assert len(batch) == 1 and batch[0].slot is not None and batch[0].pages is not None
-            r = batch[0]
-            sp = r.req.sampling
-            first = self.spec.prefill(
-                r.prompt, r.pages, r.width, r.slot, sp.temperature, r.seed, _filters(sp)
-            )
-            token, lp = jax.device_get(first)
-            return [functools.partial(_emitted, token[0], lp[0])]
+            admissions = []
+            for r in batch:
+                assert r.slot is not None and r.pages is not None
+                sp = r.req.sampling
+                args = (r.prompt, r.pages, r.width, r.slot, sp.temperature, r.seed, _filters(sp))
+                admissions.append(args)
+            token, lp = jax.device_get(self.spec.prefill_many(admissions))
+            return [functools.partial(_emitted, token[i], lp[i]) for i in range(len(batch))]
         if len(batch) == 1:
             logits = self.steps.prefill(batch[0].prompt, batch[0].pages, batch[0].width)
         else:  # one per DP rank

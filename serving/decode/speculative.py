@@ -45,22 +45,25 @@ run when every row is at temperature 0 and keep no distributions.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from cpkv_jax.aot import ShapeCache, abstract
-from cpkv_jax.buckets import pow2_at_least
+from cpkv_jax.buckets import pow2_at_least, prefill_bucket
+from cpkv_jax.decode_mesh import DPPlacement, DPPoolLayout, dp_slab_program
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_store import KVStore
-from cpkv_jax.model.forward_batch import abstract_batch, prefill_batch
+from cpkv_jax.model.expert_parallel import EPDispatch
+from cpkv_jax.model.forward_batch import ForwardBatch, span_batch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM
-from cpkv_jax.paging import TRASH_PAGE, padded_page_table
+from cpkv_jax.paging import padded_page_table
 from cpkv_jax.speculative import (
     Filters,
     StepOutput,
@@ -96,15 +99,65 @@ ADMISSION_FORMS = {"logits": SPEC_ADMIT_FORMS, "token": SPEC_GIVEN_FORMS}
 # A row's target filters as the sampler takes them: (top_k, top_p, min_p).
 RowFilters = tuple[int, float, float]
 NO_FILTERS: RowFilters = (0, 1.0, 0.0)
+# One admission of `prefill_many`: (prompt, pages, page-table width, draft-state slot,
+# temperature, seed, filters).
+SpecAdmission = tuple[np.ndarray, np.ndarray, int, int, float, int, RowFilters]
+# A program's arguments for one row: a tuple of host arrays, each with a leading axis of 1
+# (`SpeculativeSteps._rows` stacks them into the step's rows).
+Row = tuple[np.ndarray, ...]
 
 
-def _row(temperature: float, seed: int, filters: RowFilters) -> tuple:
-    """One admitted row's sampling arguments: temperature, seed, `Filters`."""
+def _sampling(temperature: float, seed: int, filters: RowFilters) -> Row:
+    """One admitted row's temperature, seed and target filters (top-k, top-p, min-p)."""
+    top_k, top_p, min_p = filters
     return (
         np.asarray([temperature], np.float32),
         np.asarray([seed % 2**31], np.int32),
-        Filters.of(*([f] for f in filters)),
+        np.asarray([top_k], np.int32),
+        np.asarray([top_p], np.float32),
+        np.asarray([min_p], np.float32),
     )
+
+
+def _programs(graphdef, k: int, greedy: bool, static: dict) -> dict[str, Callable]:
+    """The four speculative programs of `cpkv_jax.speculative` over flat row arguments
+    (the `Row`s `SpeculativeSteps` builds, stacked), each returning `(out, slab, pool)`:
+    `out` the step's `StepOutput`, the first tokens and their log-probs of an admission
+    that draws them, or nothing."""
+
+    def step(state, slab, slots, table, live, pool):
+        return slab_step(graphdef, state, slab, slots, table, live, pool, greedy=greedy, **static)
+
+    def prefill(state, slab, slots, *rest):
+        *batch, temperature, seed, top_k, top_p, min_p, pool = rest
+        token, lp, slab, pool = slab_admit(
+            graphdef, state, slab, slots, ForwardBatch(*batch), temperature, seed,
+            Filters(top_k, top_p, min_p), pool, k=k, greedy=greedy, **static,
+        )  # fmt: skip
+        return (token, lp), slab, pool
+
+    def admit(state, slab, slots, logits, hidden, n, table, *rest):
+        *row, top_k, top_p, min_p, pool = rest
+        token, lp, slab, pool = slab_admit_from_hidden(
+            graphdef, state, slab, slots, logits, hidden, n, table, *row,
+            Filters(top_k, top_p, min_p), pool, k=k, greedy=greedy, **static,
+        )  # fmt: skip
+        return (token, lp), slab, pool
+
+    def given(state, slab, slots, token, hidden, n, table, *rest):
+        *row, top_k, top_p, min_p, pool = rest
+        slab, pool = slab_admit_given(
+            graphdef, state, slab, slots, token, hidden, n, table, *row,
+            Filters(top_k, top_p, min_p), pool, k=k, greedy=greedy, **static,
+        )  # fmt: skip
+        return (), slab, pool
+
+    return {
+        SPEC_FORMS[greedy]: step,
+        SPEC_PREFILL_FORMS[greedy]: prefill,
+        SPEC_ADMIT_FORMS[greedy]: admit,
+        SPEC_GIVEN_FORMS[greedy]: given,
+    }
 
 
 def speculative_room(num_steps: int, overlap: bool) -> int:
@@ -137,9 +190,21 @@ def refusal(req: GenerateRequest) -> str | None:
     )
 
 
+# A model's weights placed on a DP mesh, shared by the speculative engines of one model
+# and mesh (the warm-up probe's and the served engine's): one copy of the weights.
+_PLACED: weakref.WeakKeyDictionary[CausalLM, dict[tuple, DPPlacement]] = weakref.WeakKeyDictionary()
+
+
 class SpeculativeSteps(CompiledShapes):
     """Draft-and-verify steps of one model (with its MTP layer) over one `KVStore`, and
-    the draft-state slots of the rows (see the module docstring)."""
+    the draft-state slots of the rows (see the module docstring).
+
+    On a `("dp",)` mesh (`mesh`, issue 36's data-parallel decode) every program runs on
+    each rank over its shard of the pool and of the draft state, with the routed experts
+    split over the ranks (`decode_mesh.dp_slab_program`): a request's rows run on the rank
+    holding its pages, in a draft-state slot of that rank (`slots` per rank; slot ids are
+    global, `rank * (slots + 1) + local`, the local `slots` being the rank's spare), and
+    shape keys count rows per rank as `MeshDecodeSteps`' do."""
 
     def __init__(
         self,
@@ -153,6 +218,9 @@ class SpeculativeSteps(CompiledShapes):
         batch_invariant: bool,
         block_bytes: int | None,
         kv_io: PagedKVIO = SINGLE_DEVICE_KV_IO,
+        mesh: Mesh | None = None,
+        ep_dispatch: EPDispatch = "allgather",
+        ep_capacity_factor: float | None = None,
     ):
         if num_steps < 1:
             raise ConfigError(f"--speculative-num-steps must be >= 1, got {num_steps}")
@@ -165,15 +233,34 @@ class SpeculativeSteps(CompiledShapes):
         self.kv = kv
         self.page_size = page_size
         self.vocab_size = model.cfg.vocab_size
+        self.hidden_size = model.cfg.hidden_size
         self.batch_invariant = batch_invariant
         self.prefill_form = SPEC_PREFILL_FORMS[0]
         self.shapes: set[Shape] = set()
-        self.num_slots = slots
-        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self._graphdef, self._state = nnx.split(model)
-        self.slab = jax.device_put(
-            init_slab(slots, num_steps, self.vocab_size), self.logits_sharding
-        )
+        dp = 1 if mesh is None else mesh.size
+        pool = kv.pool
+        # One rank's pages and slots (a single device: the whole pool, rank 0).
+        self.layout = DPPoolLayout(dp, pool.num_pages // dp, page_size)
+        self.slots_per_rank = slots
+        self.num_slots = dp * slots
+        self._free = [list(range(slots - 1, -1, -1)) for _ in range(dp)]  # pop(): 0 first
+        self.mesh = mesh
+        self._placed: DPPlacement | None = None
+        if mesh is None:
+            graphdef, self._state = nnx.split(model)
+            placement: tuple = ()
+        else:
+            key = (tuple(d.id for d in mesh.devices.reshape(-1)), ep_dispatch, ep_capacity_factor)
+            with _CACHES_LOCK:
+                by_key = _PLACED.setdefault(model, {})
+                if key not in by_key:
+                    by_key[key] = DPPlacement.of(model, mesh, ep_dispatch, ep_capacity_factor)
+                self._placed = by_key[key]
+            graphdef, self._state = self._placed.graphdef, self._placed.state
+            placement = (*key, self.layout)
+        # Every rank's slots and its spare (the last of its `slots + 1`).
+        slab = init_slab(dp * (slots + 1) - 1, num_steps, self.vocab_size)
+        self.slab = jax.device_put(slab, self._slab_sharding(pool))
         static = {
             "page_size": page_size,
             "index_k_dtype": index_k_dtype,
@@ -181,46 +268,114 @@ class SpeculativeSteps(CompiledShapes):
             "kv_io": kv_io,
             "block_bytes": block_bytes,
         }
-        self._fns = {}
+        self._fns: dict[str, Callable] = {}
         for greedy in (False, True):
-            step = functools.partial(slab_step, self._graphdef, greedy=greedy, **static)
-            admit = functools.partial(
-                slab_admit, self._graphdef, k=num_steps, greedy=greedy, **static
-            )
-            after = functools.partial(
-                slab_admit_from_hidden, self._graphdef, k=num_steps, greedy=greedy, **static
-            )
-            given = functools.partial(
-                slab_admit_given, self._graphdef, k=num_steps, greedy=greedy, **static
-            )
-            donate = ("slab", "pool")
-            self._fns[SPEC_FORMS[greedy]] = jax.jit(step, donate_argnames=donate)
-            self._fns[SPEC_PREFILL_FORMS[greedy]] = jax.jit(admit, donate_argnames=donate)
-            self._fns[SPEC_ADMIT_FORMS[greedy]] = jax.jit(after, donate_argnames=donate)
-            self._fns[SPEC_GIVEN_FORMS[greedy]] = jax.jit(given, donate_argnames=donate)
-        self.hidden_size = model.cfg.hidden_size
-        self._abstract = (abstract(self._state), abstract(self.slab), abstract(kv.pool))
+            for form, fn in _programs(graphdef, num_steps, greedy, static).items():
+                n_rows = len(self._pad_row(form, 1, 1))  # (state, slab, *rows, pool)
+                if self._placed is None:
+                    self._fns[form] = jax.jit(fn, donate_argnums=(1, 2 + n_rows))
+                else:
+                    self._fns[form] = dp_slab_program(self._placed, fn, n_rows)
+        self._abstract = (abstract(self._state), abstract(self.slab), abstract(pool))
         leaves, tree = jax.tree.flatten(self._abstract)
-        context = ("speculative", num_steps, self._graphdef, tree, *leaves, *static.items())
+        context = ("speculative", num_steps, graphdef, tree, *leaves, *placement)
+        context += tuple(static.items())
         with _CACHES_LOCK:
             caches = _CACHES.setdefault(model, {})
             self._compiled = caches.setdefault(context, ShapeCache("speculative step"))
+
+    def _slab_sharding(self, pool) -> jax.sharding.Sharding:
+        if self._placed is None:
+            return jax.tree.leaves(pool)[0].sharding
+        return self._placed.rows
 
     @property
     def slab_bytes(self) -> int:
         return sum(a.nbytes for a in jax.tree.leaves(self.slab))
 
     # ---- slots ---------------------------------------------------------------------------
-    def take_slot(self) -> int:
-        """A free draft-state slot (the engine admits at most `num_slots` rows)."""
-        return self._free.pop()
+    def take_slot(self, rank: int = 0) -> int:
+        """A free draft-state slot on `rank` (`free_slots_on(rank)` says one is)."""
+        return rank * (self.slots_per_rank + 1) + self._free[rank].pop()
 
     def give_back(self, slot: int) -> None:
-        self._free.append(slot)
+        rank, local = divmod(slot, self.slots_per_rank + 1)
+        self._free[rank].append(local)
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return sum(len(f) for f in self._free)
+
+    def free_slots_on(self, rank: int) -> int:
+        return len(self._free[rank])
+
+    # ---- rows ----------------------------------------------------------------------------
+    def _local(self, slot: int, pages: np.ndarray) -> tuple[int, int, np.ndarray]:
+        """A row's rank (its pages'), its slot there and its rank-local pages."""
+        pages = np.asarray(pages)
+        rank = self.layout.rank_of(pages[0])
+        slot_rank, local = divmod(slot, self.slots_per_rank + 1)
+        if slot_rank != rank:
+            raise ValueError(f"draft-state slot {slot} is on rank {slot_rank}, not {rank}")
+        return rank, local, self.layout.local(pages, rank)
+
+    def _table(self, pages: np.ndarray, width: int) -> np.ndarray:
+        return padded_page_table(pages, width)[None]
+
+    def _pad_row(self, form: str, tokens: int, width: int) -> Row:
+        """A padding row of program `form`: the rank's spare slot, the trash page, nothing
+        live (also what sizes the program's arguments when it is lowered)."""
+        spare = np.asarray([self.slots_per_rank], np.int32)
+        trash = np.zeros((1,), np.int32)
+        if form in SPEC_FORMS:
+            return (spare, self._table(trash, width), np.zeros((1,), bool))
+        none = _sampling(0.0, 0, NO_FILTERS)
+        if form in SPEC_PREFILL_FORMS:
+            table = padded_page_table(trash, width)
+            batch = span_batch(np.zeros((0,), np.int32), 0, table, self.page_size, tokens)
+            return (spare, *(np.asarray(a) for a in dataclasses.astuple(batch)), *none)
+        first = (
+            np.zeros((1, self.vocab_size), np.float32)
+            if form in SPEC_ADMIT_FORMS
+            else np.zeros((1,), np.int32)
+        )
+        hidden = np.zeros((1, self.hidden_size), np.float32)
+        return (spare, first, hidden, np.zeros((1,), np.int32), self._table(trash, width), *none)
+
+    def _run(self, shape: Shape, rows: Sequence[tuple[int, Row]], scope: str):
+        """Run program `shape` on `rows` (each `(rank, its Row)`), padded per rank to the
+        shape's rows; returns the program's `out`, row `i` that of `rows[i]` (padding
+        after), on the device. The slab and the pool are donated."""
+        form, rows_p, tokens, width = shape
+        run = self.compiled(shape)  # before the pool lock: it may compile or wait
+        self.shapes.add(shape)
+        pad = self._pad_row(form, tokens, width)
+        grid: list[Row] = [pad] * (self.layout.dp_size * rows_p)
+        order = np.zeros((len(grid),), np.int32)
+        used = [0] * self.layout.dp_size
+        for i, (rank, row) in enumerate(rows):
+            if used[rank] == rows_p:
+                raise ValueError(f"more than {rows_p} rows on rank {rank} for {shape}")
+            order[i] = at = rank * rows_p + used[rank]
+            grid[at], used[rank] = row, used[rank] + 1
+        order[len(rows) :] = np.setdiff1d(np.arange(len(grid)), order[: len(rows)])
+        args = tuple(np.concatenate(leaf) for leaf in zip(*grid, strict=True))
+
+        if self._placed is None:  # one rank: row i is the i-th given, no order needed
+
+            def go(pool):
+                out, self.slab, pool = run(self._state, self.slab, *args, pool)
+                return out, pool
+        else:
+            placed = self._placed
+            order_a, args_a = placed.put_replicated(order), placed.put_rows(args)
+
+            def go(pool):
+                out, self.slab, pool = run(self._state, self.slab, order_a, args_a, pool)
+                return out, pool
+
+        with jax.named_scope(f"decode_engine.{scope}"):
+            return self.kv.update_pool(go)
 
     # ---- steps ---------------------------------------------------------------------------
     def prefill(
@@ -235,14 +390,27 @@ class SpeculativeSteps(CompiledShapes):
     ) -> tuple[jax.Array, jax.Array]:
         """Admit one request: its prompt's KV (trunk and MTP layer) into `pages`, its first
         K drafts into `slot`; returns its first token and that token's log-prob, on the
-        device (`[1]` each)."""
-        batch = prefill_batch(prompt, padded_page_table(pages, width), self.page_size)
-        greedy = temperature == 0
-        shape = (SPEC_PREFILL_FORMS[greedy], 1, batch.input_ids.shape[1], width)
-        run = self.compiled(shape)
-        self.shapes.add(shape)
-        rows = _row(temperature, seed, filters)
-        return self._admit(run, slot, "spec_prefill", batch, *rows)
+        device (`[1]` each, or more: row 0 is the request's)."""
+        return self.prefill_many([(prompt, pages, width, slot, temperature, seed, filters)])
+
+    def prefill_many(self, requests: Sequence[SpecAdmission]) -> tuple[jax.Array, jax.Array]:
+        """`prefill` for requests on different DP ranks, in one program (a padding row on
+        every other rank); row `i` of the first tokens and log-probs is `requests[i]`'s."""
+        tokens = prefill_bucket(max(len(req[0]) for req in requests))
+        width = max(req[2] for req in requests)
+        greedy = all(req[4] == 0 for req in requests)
+        rows = []
+        for prompt, pages, _, slot, temperature, seed, filters in requests:
+            rank, local, local_pages = self._local(slot, pages)
+            table = padded_page_table(local_pages, width)
+            batch = span_batch(np.asarray(prompt, np.int32), 0, table, self.page_size, tokens)
+            batch_rows = (np.asarray(a) for a in dataclasses.astuple(batch))
+            slot_row = np.asarray([local], np.int32)
+            rows.append((rank, (slot_row, *batch_rows, *_sampling(temperature, seed, filters))))
+        if len({rank for rank, _ in rows}) != len(rows):
+            raise ValueError("a speculative prefill takes at most one request per rank")
+        shape = (SPEC_PREFILL_FORMS[greedy], 1, tokens, width)
+        return self._run(shape, rows, "spec_prefill")
 
     def admit_after_prefill(
         self,
@@ -259,7 +427,7 @@ class SpeculativeSteps(CompiledShapes):
         """Admit one request whose prompt (`n` tokens) was prefilled elsewhere with the
         MTP layer's pass over all but its last position: from that prefill's last logits
         and hidden state, its first token and drafts (`slab_admit_from_hidden`); returns
-        the token and its log-prob, on the device (`[1]` each)."""
+        the token and its log-prob, on the device (row 0 of each)."""
         first = np.asarray(logits, np.float32).reshape(1, -1)
         return self._after_prefill(
             SPEC_ADMIT_FORMS, first, hidden, n, pages, width, slot, temperature, seed, filters
@@ -291,54 +459,33 @@ class SpeculativeSteps(CompiledShapes):
     ) -> tuple:
         """Run one of the two admissions after a prefill elsewhere (`forms`), from
         `first` (the prefill's last logits, or the first token it drew)."""
-        greedy = temperature == 0
-        shape = (forms[greedy], 1, 1, width)
-        run = self.compiled(shape)
-        self.shapes.add(shape)
-        args = (
+        shape = (forms[temperature == 0], 1, 1, width)
+        rank, local, local_pages = self._local(slot, pages)
+        row = (
+            np.asarray([local], np.int32),
             first,
             np.asarray(hidden, np.float32).reshape(1, -1),
             np.asarray([n], np.int32),
-            padded_page_table(pages, width)[None],
-            *_row(temperature, seed, filters),
+            self._table(local_pages, width),
+            *_sampling(temperature, seed, filters),
         )
-        return self._admit(run, slot, forms[0], *args)
-
-    def _admit(self, run, slot: int, scope: str, *args):
-        """Run an admission program `run` for one request into draft-state `slot` (the
-        slab and the pool donated); returns what the program returns before the slab and
-        the pool (the first token and its log-prob, on the device, when it drew them)."""
-        slots = np.asarray([slot], np.int32)
-
-        def go(pool):
-            *out, self.slab, pool = run(self._state, self.slab, slots, *args, pool)
-            return tuple(out), pool
-
-        with jax.named_scope(f"decode_engine.{scope}"):
-            return self.kv.update_pool(go)
+        return self._run(shape, [(rank, row)], forms[0])
 
     def step(self, rows: Sequence[tuple[int, np.ndarray, int]], greedy: bool) -> StepOutput:
         """One draft-and-verify step for `rows` (slot, pages, pages reserved), padded to a
-        power of two (padding rows write the trash page and the spare slot); `greedy` when
-        every row is at temperature 0. The output stays on the device."""
-        rows_p = pow2_at_least(len(rows))
+        power of two per rank (padding rows write the trash page and the spare slot);
+        `greedy` when every row is at temperature 0. The output stays on the device, row
+        `i` that of `rows[i]`."""
+        placed = [self._local(slot, pages) for slot, pages, _ in rows]
+        per_rank = np.bincount([rank for rank, _, _ in placed], minlength=self.layout.dp_size)
         width = pow2_at_least(max(n for *_, n in rows))
-        slots = np.full((rows_p,), self.num_slots, np.int32)
-        tables = np.full((rows_p, width), TRASH_PAGE, np.int32)
-        live = np.zeros((rows_p,), bool)
-        for i, (slot, pages, _) in enumerate(rows):
-            slots[i], live[i] = slot, True
-            tables[i] = padded_page_table(pages, width)
-        shape = (SPEC_FORMS[greedy], rows_p, self.k + 1, width)
-        run = self.compiled(shape)
-        self.shapes.add(shape)
-
-        def go(pool):
-            out, self.slab, pool = run(self._state, self.slab, slots, tables, live, pool)
-            return out, pool
-
-        with jax.named_scope("decode_engine.spec_step"):
-            return self.kv.update_pool(go)
+        shape = (SPEC_FORMS[greedy], pow2_at_least(int(per_rank.max())), self.k + 1, width)
+        true = np.ones((1,), bool)
+        step_rows = [
+            (rank, (np.asarray([local], np.int32), self._table(pages, width), true))
+            for rank, local, pages in placed
+        ]
+        return self._run(shape, step_rows, "spec_step")
 
     # ---- shapes and compiles (the `DecodeSteps` interface) --------------------------------
     def shapes_for(self, plain: set[Shape], admission: str | None = None) -> set[Shape]:
@@ -361,7 +508,7 @@ class SpeculativeSteps(CompiledShapes):
         """Run each shape once with the trash page's table and the spare slot: every write
         lands where no request reads."""
         trash = np.zeros((1,), np.int32)
-        spare = self.num_slots
+        spare = self.slots_per_rank  # rank 0's, beside its trash page
         for form, rows, tokens, width in tqdm(
             shapes, desc="compiling speculative steps", unit="shape", disable=None
         ):
@@ -387,11 +534,13 @@ class SpeculativeSteps(CompiledShapes):
 
     @property
     def logits_sharding(self) -> jax.sharding.Sharding:
-        return jax.tree.leaves(self.kv.pool)[0].sharding
+        """Where the engine's sampler keeps its state (its one slot: no penalties here)."""
+        if self._placed is None:
+            return jax.tree.leaves(self.kv.pool)[0].sharding
+        return self._placed.replicated
 
-    @staticmethod
-    def logit_rows(rows: int) -> int:
-        return rows
+    def logit_rows(self, rows: int) -> int:
+        return self.layout.dp_size * rows
 
     def warm_feeds(self, rows: set[int]) -> None:
         """Nothing to feed: a step's next tokens never leave the device state."""
@@ -400,42 +549,20 @@ class SpeculativeSteps(CompiledShapes):
         """Nothing around the steps: the draws and log-probs are inside them."""
 
     def _lower(self, shape: Shape) -> jax.stages.Lowered:
-        """Lower `shape` on abstract weights, slab and pool (nothing live is touched)."""
-        form, rows, tokens, width = shape
+        """Lower `shape` on abstract weights, slab and pool (nothing live is touched): its
+        row arguments sized by its padding row."""
+        form, rows_p, tokens, width = shape
         state, slab, pool = self._abstract
-        i32 = np.int32
-
-        def arg(shape_, dtype):
-            return jax.ShapeDtypeStruct(shape_, dtype)
-
-        f32 = np.float32
-        # Each admitted row's temperature, seed and target filters.
-        row = (
-            arg((rows,), f32),
-            arg((rows,), i32),
-            jax.tree.map(lambda a: arg((rows,), a.dtype), Filters.none(1)),
+        n = self.layout.dp_size * rows_p
+        sharding = None if self._placed is None else self._placed.rows
+        args = tuple(
+            jax.ShapeDtypeStruct((n, *a.shape[1:]), a.dtype, sharding=sharding)
+            for a in self._pad_row(form, tokens, width)
         )
-        if form in SPEC_PREFILL_FORMS:
-            batch = abstract_batch(rows, tokens, width)
-            return self._fns[form].lower(state, slab, arg((rows,), i32), batch, *row, pool)
-        if form in SPEC_ADMIT_FORMS or form in SPEC_GIVEN_FORMS:
-            first = (
-                arg((rows, self.vocab_size), f32) if form in SPEC_ADMIT_FORMS else arg((rows,), i32)
-            )
-            return self._fns[form].lower(
-                state,
-                slab,
-                arg((rows,), i32),
-                first,
-                arg((rows, self.hidden_size), f32),
-                arg((rows,), i32),
-                arg((rows, width), i32),
-                *row,
-                pool,
-            )
-        return self._fns[form].lower(
-            state, slab, arg((rows,), i32), arg((rows, width), i32), arg((rows,), bool), pool
-        )
+        if self._placed is None:
+            return self._fns[form].lower(state, slab, *args, pool)
+        order = jax.ShapeDtypeStruct((n,), np.int32, sharding=self._placed.replicated)
+        return self._fns[form].lower(state, slab, order, args, pool)
 
 
 @dataclasses.dataclass
@@ -445,3 +572,4 @@ class SpecInFlight:
 
     rows: list[DecodeRequest]
     out: StepOutput
+    dispatched_at: float = 0.0  # the engine's clock when it was dispatched

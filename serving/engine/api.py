@@ -250,6 +250,10 @@ class EngineStats:
     # Per data-parallel rank (`--dp-size`): requests holding its pages (running, or
     # waiting for their KV); empty for an engine without ranks.
     running_per_rank: tuple[int, ...] = ()
+    # Decode steps whose tokens reached the host, by kind ("decode": plain; "verify_draft":
+    # speculative, the trunk's verify and the MTP layer's drafts in one program), as
+    # (count, seconds); see `DecodeEngine._timed`.
+    decode_step_seconds: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
     queue: QueueStats = QueueStats()  # noqa: RUF009 - frozen; the wait queue (`serving.engine.wait_queue`)
 
 

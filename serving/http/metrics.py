@@ -137,8 +137,16 @@ class _EngineStatsCollector(Collector):
         )
         for gate, n in sorted(stats.admission_rejections.items()):
             rejections.add_metric([gate], n)
+        steps = SummaryMetricFamily(
+            "cpkv_decode_step_seconds",
+            "Decode steps and their device time, by kind: decode (plain) or verify_draft "
+            "(speculative: the verify and the next drafts are one program).",
+            labels=["kind"],
+        )
+        for kind, (n, seconds) in sorted(stats.decode_step_seconds.items()):
+            steps.add_metric([kind], count_value=n, sum_value=seconds)
         yield from (queue, wait, full, limit, running, used, total, cached, rank_running)
-        yield from (t_bytes, t_secs, t_fail, rejections)
+        yield from (t_bytes, t_secs, t_fail, rejections, steps)
 
 
 # `PrefillEngine.hicache_info` counter keys -> (series name, help).

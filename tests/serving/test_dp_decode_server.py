@@ -13,6 +13,7 @@ reports the ranks. Flag checks refuse what DP decode does not do.
 from __future__ import annotations
 
 import concurrent.futures
+import re
 
 import httpx
 import numpy as np
@@ -76,6 +77,8 @@ def test_dp_unified_server_equals_the_reference(dp_server):
     assert len(info["kv_pages_free"]) == DP
     metrics = httpx.get(served.url + "/metrics", timeout=10).text
     assert 'cpkv_rank_running_requests{rank="3"} 0.0' in metrics
+    steps = re.search(r'^cpkv_decode_step_seconds_count{kind="decode"} (\S+)$', metrics, re.M)
+    assert steps is not None and float(steps[1]) >= NEW - 1  # each request's decode steps
 
 
 def test_dp_flags_refuse_what_dp_decode_does_not_do(tiny_checkpoints):

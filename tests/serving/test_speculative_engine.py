@@ -23,8 +23,11 @@ import numpy as np
 import pytest
 from support.transfer import random_pages
 
+from cpkv_jax.decode_mesh import DPPoolLayout, init_dp_pool
 from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
+from cpkv_jax.kv_store import PagedKVStore
+from cpkv_jax.mesh import make_dp_mesh
 from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.weights import load_model
@@ -254,6 +257,53 @@ def test_requests_beyond_the_draft_state_slots_wait_for_one(loaded, plain):
     assert max(running) == 2 and engine.spec.free_slots == 2
 
 
+def dp_engine(cfg, model, k: int, dp: int) -> DecodeEngine:
+    """`make_engine` on a `("dp",)` mesh of `dp` devices (issue 36): the pool and the draft
+    state split over the ranks, routed experts too (the tiny checkpoints' 8: 4 per rank)."""
+    mesh = make_dp_mesh(dp, jax.devices())
+    layout = DPPoolLayout(dp, PAGES // dp, P)
+    pool = init_dp_pool(mtp_config(cfg), layout, mesh, np.float32, "fp8_e4m3")
+    return DecodeEngine(
+        cfg=cfg, model=model, kv=PagedKVStore(pool, PageAllocator(PAGES, ranks=dp)),
+        page_size=P, index_k_dtype="fp8_e4m3", mode="null", max_running_requests=ROWS,
+        batch_invariant=True, speculative_num_steps=k, mesh=mesh,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("ckpt", "k"), [("glm-fp8", 2), ("dsv32", 3)])
+def test_speculative_decoding_on_a_dp_mesh_equals_one_device(loaded, plain, ckpt, k):
+    """Issue 39 on issue 36's DP mesh (2 ranks): every speculative program runs on the
+    rank holding the request's pages, in a draft-state slot of that rank. Greedy tokens
+    and log-probs are bitwise the plain single-device engine's, with random and oracle
+    drafts (every accepted count, stops inside accepted drafts); requests land on both
+    ranks, prefills of two ranks share one program; a sampled row with top-p draws
+    bitwise what it draws on one device (same seed); every page and slot comes back."""
+    cfg, model = loaded(ckpt)
+    engine = dp_engine(cfg, model, k, 2)
+    free0 = engine.kv.num_free_pages
+    prefills = []
+    prefill_many = engine.spec.prefill_many
+    engine.spec.prefill_many = lambda reqs: prefills.append(len(reqs)) or prefill_many(reqs)
+    assert_same(run(engine, requests(cfg)), plain(ckpt))
+    assert all(n > 0 for n in engine.admitted_per_rank) and max(prefills) == 2
+    accepted = install_oracle(engine, {rid: o[0] for rid, o in plain(ckpt).items()}, k)
+    assert_same(run(engine, with_stop_tokens(requests(cfg), plain(ckpt))), plain(ckpt, True))
+    assert set(accepted) == set(range(k + 1)), accepted
+    assert engine.kv.num_free_pages == free0 and engine.spec.free_slots == ROWS
+    assert engine.step_shapes <= engine.reachable_shapes()
+    assert {s[1] for s in engine.step_shapes if s[0] in SPEC_FORMS} == {1, 2}  # rows per rank
+    if ckpt != "dsv32":
+        return
+    reqs = requests(cfg, seed=4)[:3]
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.8, seed=5)
+    reqs[1] = dataclasses.replace(reqs[1], sampling=sp)
+    want = run(make_engine(cfg, model, k), reqs)
+    del engine.spec.step  # the oracle's wrapper: random drafts again
+    got = run(engine, reqs)
+    assert_same(got, want)
+    assert got["r1"][0] != plain(ckpt)["r1"][0][:12]  # it did sample
+
+
 def test_speculative_engine_refuses_a_model_without_its_mtp_layer(loaded, tiny_checkpoints):
     cfg, _ = loaded("glm")
     _, trunk_only = load_model(tiny_checkpoints("glm_moe_dsa"))
@@ -294,8 +344,11 @@ def record_first_drafts(engine: DecodeEngine, method: str) -> dict[int, list[int
     def recorded(*args):
         out = admit(*args)
         bound = inspect.signature(admit).bind(*args).arguments
-        n = bound["n"] if "n" in bound else len(bound["prompt"])
-        seen[n] = np.asarray(spec.slab.drafts)[bound["slot"]].tolist()
+        drafts = np.asarray(spec.slab.drafts)
+        if "requests" in bound:  # `prefill_many`: (prompt, pages, width, slot, ...) each
+            seen.update({len(a[0]): drafts[a[3]].tolist() for a in bound["requests"]})
+        else:
+            seen[bound["n"]] = drafts[bound["slot"]].tolist()
         return out
 
     setattr(spec, method, recorded)
@@ -311,7 +364,7 @@ def test_the_prefix_cache_engine_drafts_and_decodes_as_the_whole_prompt_engine(l
     acceptance)."""
     cfg, model = loaded("glm")
     whole, cached = make_engine(cfg, model, 2), cached_engine(cfg, model, 2)
-    want_drafts = record_first_drafts(whole, "prefill")
+    want_drafts = record_first_drafts(whole, "prefill_many")
     got_drafts = record_first_drafts(cached, "admit_after_prefill")
     assert_same(run(whole, requests(cfg)), plain("glm"))
     free0 = cached.kv.num_free_pages
@@ -336,7 +389,7 @@ def test_a_prompt_back_from_the_host_cache_drafts_as_the_whole_prompt_engine(loa
     host = ("--enable-hierarchical-cache", "--hicache-ratio", "4")
     cached = cached_engine(cfg, model, 2, *host, pages=16)
     whole = make_engine(cfg, model, 2)
-    want_drafts = record_first_drafts(whole, "prefill")
+    want_drafts = record_first_drafts(whole, "prefill_many")
     got_drafts = record_first_drafts(cached, "admit_after_prefill")
     rng = np.random.default_rng(21)
 

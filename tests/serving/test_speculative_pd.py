@@ -1,5 +1,5 @@
 """PD speculative decoding (issue 39 item 3): a CP8 shared-KV prefill server and a
-decode server, both with `--speculative-algorithm EAGLE --speculative-num-steps 2`
+decode server on a DP2 mesh, both with `--speculative-algorithm EAGLE --speculative-num-steps 2`
 (`--enable-batch-invariant`), behind `cpkv-router`. The prefill server runs the MTP
 layer over the prompts (its KV one more layer of the transfer's layout) and sends the
 trunk's last hidden state with the first token; the decode server drafts from them.
@@ -53,6 +53,13 @@ PD_PREFILL = (
 )
 
 
+# The decode server on a DP mesh (issue 36): two ranks, four experts each; every program
+# of `SpeculativeSteps` runs on the rank holding the request's pages. The decode server on
+# one device drafts in tests/serving/test_pd_load.py.
+DP = 2
+PD_DECODE = ("--disaggregation-mode", "decode", "--kv-pool-size", "1MiB", "--dp-size", str(DP))
+
+
 @pytest.fixture(scope="module")
 def spec_pd(tiny_checkpoints):
     """Issue 39 item 3: both servers with the speculative flags; the prefill server runs
@@ -61,9 +68,7 @@ def spec_pd(tiny_checkpoints):
     them. Behind `cpkv-router`."""
     path = tiny_checkpoints("glm_moe_dsa")
     cfg, model = load_model(path, mtp=True)
-    decode = build_server(
-        float32_args(path, "--disaggregation-mode", "decode", "--kv-pool-size", "1MiB", *FLAGS)
-    )
+    decode = build_server(float32_args(path, *PD_DECODE, *FLAGS))
     try:
         prefill = build_server(float32_args(path, *PD_PREFILL, *FLAGS))
     except BaseException:
@@ -133,6 +138,7 @@ def test_pd_speculative_decoding_equals_the_reference_and_drafts_as_unified(spec
     assert seen == {len(ids): whole_prompt_drafts(spec_pd["model"], ids) for ids in cases}
     info = httpx.get(spec_pd["served"]["decode"].url + "/server_info").json()
     assert info["speculative"]["num_steps"] == STEPS and info["transfer_failures"] == 0
+    assert sum(n > 0 for n in decode.engine.admitted_per_rank) == DP  # both ranks drafted
     assert_pages_back(decode)
     assert_pages_back(spec_pd["prefill"])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import numpy as np
@@ -59,9 +60,22 @@ def spec_server(request, tiny_checkpoints):
         yield server, served, ref, cfg
 
 
+def step_metrics(url: str) -> tuple[int, float]:
+    """`/metrics`' speculative decode steps so far and their seconds."""
+    text = httpx.get(url + "/metrics").text
+
+    def value(stat: str) -> float:
+        line = rf'^cpkv_decode_step_seconds_{stat}{{kind="verify_draft"}} (\S+)$'
+        m = re.search(line, text, re.M)
+        return float(m[1]) if m else 0.0
+
+    return int(value("count")), value("sum")
+
+
 def test_greedy_answers_are_the_references_with_acceptance_reported(spec_server):
     server, served, ref, cfg = spec_server
     rng = np.random.default_rng(7)
+    steps0, verified = step_metrics(served.url), 0
     for n, new in ((37, 12), (20, 5)):
         ids = rng.integers(3, cfg.vocab_size, n).tolist()
         r = generate(served.url, ids, new, temperature=0.0)
@@ -73,6 +87,10 @@ def test_greedy_answers_are_the_references_with_acceptance_reported(spec_server)
         np.testing.assert_array_equal(lps, want.output_logprobs)  # bitwise
         meta = body["meta_info"]
         assert meta["spec_verify_ct"] >= 1 and 1.0 <= meta["spec_accept_length"] <= STEPS + 1
+        verified += meta["spec_verify_ct"]
+    # One request at a time: every step the engine fetched verified one request's row.
+    steps1 = step_metrics(served.url)
+    assert steps1[0] - steps0[0] == verified and steps1[1] > steps0[1]
     info = httpx.get(served.url + "/server_info").json()
     assert info["speculative"] == {
         "algorithm": "EAGLE",
@@ -165,17 +183,6 @@ def test_many_clients_with_disconnects_leave_every_page_and_slot(spec_server):
     ("extra", "match"),
     [
         (("--speculative-num-steps", "2"), "has no effect without --speculative-algorithm"),
-        (
-            (
-                "--speculative-algorithm",
-                "NEXTN",
-                "--disaggregation-mode",
-                "decode",
-                "--dp-size",
-                "2",
-            ),
-            "runs on one device",
-        ),
         (
             (
                 "--speculative-algorithm",
