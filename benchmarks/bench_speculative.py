@@ -87,7 +87,7 @@ def step_ms(model, k: int, repeats: int = 300) -> float:
     host = [[5], [40], np.full((1, k), 7), np.zeros((1, k, 0)), [0.0], [0]]
     dtypes = [np.int32, np.int32, np.int32, np.float32, np.float32, np.int32]
     fields = [np.asarray(x, d) for x, d in zip(host, dtypes, strict=True)]
-    ds = DraftState(*jax.device_put([*fields, Filters.of([0], [1.0], [0.0])]))
+    ds = DraftState(*jax.device_put([*fields, Filters.of([0], [1.0], [0.0]), np.zeros(1, bool)]))
     live = jax.device_put(np.ones(1, bool))
     times = []
     for _ in range(repeats + 1):  # the first compiles

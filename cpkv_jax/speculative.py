@@ -79,7 +79,7 @@ from cpkv_jax.model.numerics import batch_invariant, is_batch_invariant, token_b
 from cpkv_jax.model.rope import rope_cos_sin
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
-from cpkv_jax.sampling import filtered_probs
+from cpkv_jax.sampling import TOP_LOGPROBS_MAX, filtered_probs
 
 
 @dataclasses.dataclass
@@ -114,8 +114,9 @@ class Filters:
 class DraftState:
     """Per row: the last verified token (its KV not written yet), its position, the
     drafts for the positions after it and the distributions they were drawn from, and
-    the row's sampling temperature (0: greedy), seed and target filters. `q` is
-    `[b, k, 0]` in the greedy variant of the step, which keeps no distributions."""
+    the row's sampling temperature (0: greedy), seed and target filters, and whether it
+    reports its tokens' top log-probs (`top`). `q` is `[b, k, 0]` in the greedy variant
+    of the step, which keeps no distributions."""
 
     token: Int[Array, " b"]
     pos: Int[Array, " b"]
@@ -124,6 +125,7 @@ class DraftState:
     temperature: Float[Array, " b"]
     seed: Int[Array, " b"]
     filters: Filters
+    top: Bool[Array, " b"]
 
 
 def _register(cls) -> None:
@@ -150,11 +152,15 @@ _register(DraftState)
 class StepOutput:
     """What one step gives the host: per row the tokens emitted (the first
     `accepted + 1`: the accepted drafts, then the token drawn after them; the rest is
-    padding) and their log-probs under the target model (untempered)."""
+    padding) and their log-probs under the target model (untempered); with them, when a
+    row of the step reports them (`DraftState.top`), the `TOP_LOGPROBS_MAX` most likely
+    tokens at each of those positions and their log-probs (zeros otherwise)."""
 
     tokens: Int[Array, "b k1"]
     accepted: Int[Array, " b"]
     logprobs: Float[Array, "b k1"]
+    top_ids: Int[Array, "b k1 n"]
+    top_logprobs: Float[Array, "b k1 n"]
 
 
 _register(StepOutput)
@@ -223,6 +229,28 @@ def _target(
         flat = filtered_probs(tempered.reshape(-1, v), z.reshape(-1, v), *per_row)
         tempered = flat.reshape(logits.shape)
     return lp, jnp.where(t > 0, tempered, onehot)
+
+
+def top_logprobs(lp: Float[Array, "b *t v"], want: Bool[Array, " b"]) -> tuple[Array, Array]:
+    """The `TOP_LOGPROBS_MAX` most likely tokens of each of `lp`'s positions and their
+    log-probs (ties towards the lower id, as `cpkv_jax.sampling` reports them), when a
+    row `want`s them (`lax.cond`: zeros, and no top-k, when none does)."""
+    n = min(TOP_LOGPROBS_MAX, lp.shape[-1])
+
+    def top():
+        values, ids = jax.lax.top_k(lp, n)
+        return ids.astype(jnp.int32), values
+
+    def none():
+        shape = (*lp.shape[:-1], n)
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, lp.dtype)
+
+    return jax.lax.cond(jnp.any(want), top, none)
+
+
+def _chosen(lp: Float[Array, "*bt v"], tokens: Int[Array, "*bt"]) -> Float[Array, "*bt"]:
+    """The log-prob of each of `tokens` under `lp`."""
+    return jnp.take_along_axis(lp, tokens[..., None], -1)[..., 0]
 
 
 def _draw(probs: Float[Array, "b v"], u: Float[Array, " b"]) -> Int[Array, " b"]:
@@ -342,7 +370,7 @@ def spec_step(
             drafts = jnp.concatenate([ds.drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
             tokens = jnp.where(i < accepted[:, None], drafts, 0)
             tokens = jnp.where(i == accepted[:, None], token[:, None], tokens)
-        out = StepOutput(tokens, accepted, jnp.take_along_axis(lp, tokens[..., None], -1)[..., 0])
+        out = StepOutput(tokens, accepted, _chosen(lp, tokens), *top_logprobs(lp, ds.top))
         pos = ds.pos + accepted + 1
         nxt = dataclasses.replace(ds, token=token, pos=pos)
         if k == 0:
@@ -428,14 +456,15 @@ def _prefill(
     block_bytes: int | None = None,
 ):
     """The trunk over the prompts: their final hidden states, each row's first token
-    (drawn with the row's accept stream at its prompt's last position) and its log-prob."""
+    (drawn with the row's accept stream at its prompt's last position) and the
+    log-probs it was drawn from (untempered)."""
     with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
         hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype)
         last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
         logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0])
         lp, _, token = _pick(logits, temperature, seed, last, ACCEPT_STREAM, greedy, filters)
-        return hidden, token, jnp.take_along_axis(lp, token[:, None], -1)[:, 0], pool
+        return hidden, token, lp, pool
 
 
 # ---- the serving engine's draft state, by request slot ----------------------------------
@@ -456,6 +485,7 @@ def init_slab(slots: int, k: int, vocab: int) -> DraftState:
         temperature=jnp.zeros((n,), jnp.float32),
         seed=jnp.zeros((n,), jnp.int32),
         filters=Filters.none(n),
+        top=jnp.zeros((n,), bool),
     )
 
 
@@ -472,8 +502,8 @@ def _gather(slab: DraftState, slots: Int[Array, " b"], greedy: bool) -> DraftSta
         onehot = jax.nn.one_hot(drafts, slab.q.shape[-1], dtype=jnp.float32)
         q = jnp.where((temperature > 0)[:, None, None], take(slab.q), onehot)
     filters = jax.tree.map(take, slab.filters)
-    seed = take(slab.seed)
-    return DraftState(take(slab.token), take(slab.pos), drafts, q, temperature, seed, filters)
+    seed, top = take(slab.seed), take(slab.top)
+    return DraftState(take(slab.token), take(slab.pos), drafts, q, temperature, seed, filters, top)
 
 
 def _scatter(
@@ -494,6 +524,7 @@ def _scatter(
         temperature=put(slab.temperature, ds.temperature),
         seed=put(slab.seed, ds.seed),
         filters=jax.tree.map(put, slab.filters, ds.filters),
+        top=put(slab.top, ds.top),
     )
 
 
@@ -525,6 +556,7 @@ def slab_admit(
     temperature: Float[Array, " b"],
     seed: Int[Array, " b"],
     filters: Filters,
+    top: Bool[Array, " b"],
     pool: KVPool,
     *,
     k: int,
@@ -534,18 +566,20 @@ def slab_admit(
     greedy: bool,
     kv_io: KVIO = SINGLE_DEVICE_KV_IO,
     block_bytes: int | None = None,
-) -> tuple[Int[Array, " b"], Float[Array, " b"], DraftState, KVPool]:
+) -> tuple[Int[Array, " b"], Float[Array, " b"], Array, Array, DraftState, KVPool]:
     """A serving engine's prefill of newly admitted requests, one per row of `batch`
     (each prompt from position 0; rows with no valid token are padding): the trunk over
     the prompts, each row's first token and its log-prob, then the MTP pass over each
     prompt and the first `k` drafts, written into `slab` at `slots` with the row's
-    temperature, seed and filters. Returns (first tokens, their log-probs, slab, pool)."""
+    temperature, seed, filters and `top` (it reports top log-probs). Returns (first
+    tokens, their log-probs, their top ids and log-probs (`top_logprobs`), slab, pool)."""
     live = batch.valid[:, 0]
     kw = {"index_k_dtype": index_k_dtype, "invariant": invariant, "greedy": greedy}
     kw |= {"kv_io": kv_io, "block_bytes": block_bytes}
     hidden, token, lp, pool = _prefill(
         graphdef, state, batch, temperature, seed, filters, pool, **kw
     )
+    tops = top_logprobs(lp, top & live)
     # Position i of the MTP pass sees token i + 1: the prompt shifted, then the first token.
     n = batch.kv_lens
     ids = jnp.roll(batch.input_ids, -1, axis=1)
@@ -564,8 +598,8 @@ def slab_admit(
         page_size=page_size,
         **kw,
     )
-    ds = DraftState(token, n, drafts, q, temperature, seed, filters)
-    return token, lp, _scatter(slab, slots, live, ds, greedy), pool
+    ds = DraftState(token, n, drafts, q, temperature, seed, filters, top)
+    return token, _chosen(lp, token), *tops, _scatter(slab, slots, live, ds, greedy), pool
 
 
 def slab_admit_from_hidden(
@@ -580,6 +614,7 @@ def slab_admit_from_hidden(
     temperature: Float[Array, " b"],
     seed: Int[Array, " b"],
     filters: Filters,
+    top: Bool[Array, " b"],
     pool: KVPool,
     *,
     k: int,
@@ -589,23 +624,22 @@ def slab_admit_from_hidden(
     greedy: bool,
     kv_io: KVIO = SINGLE_DEVICE_KV_IO,
     block_bytes: int | None = None,
-) -> tuple[Int[Array, " b"], Float[Array, " b"], DraftState, KVPool]:
+) -> tuple[Int[Array, " b"], Float[Array, " b"], Array, Array, DraftState, KVPool]:
     """`slab_admit` after a prefill that ran elsewhere (a CP runner that also ran the MTP
     layer over every prompt position but the last, whose input is the first output
     token): from each prompt's last logits and the trunk's final hidden state there
     (position `n - 1`), draw the first token as `_prefill` does, then draft as
-    `slab_admit_given` does. Rows with `n == 0` are padding. Returns (first tokens,
-    their log-probs, slab, pool)."""
+    `slab_admit_given` does. Rows with `n == 0` are padding. Returns what `slab_admit`
+    returns."""
     with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
         last = jnp.maximum(n - 1, 0)
         lp, _, token = _pick(logits, temperature, seed, last, ACCEPT_STREAM, greedy, filters)
         slab, pool = _draft_after_prefill(
-            model, slab, slots, token, hidden, n, table, temperature, seed, filters, pool,
+            model, slab, slots, token, hidden, n, table, temperature, seed, filters, top, pool,
             k=k, page_size=page_size, index_k_dtype=index_k_dtype, greedy=greedy, kv_io=kv_io,
         )  # fmt: skip
-        token_lp = jnp.take_along_axis(lp, token[:, None], -1)[:, 0]
-        return token, token_lp, slab, pool
+        return token, _chosen(lp, token), *top_logprobs(lp, top & (n > 0)), slab, pool
 
 
 def slab_admit_given(
@@ -620,6 +654,7 @@ def slab_admit_given(
     temperature: Float[Array, " b"],
     seed: Int[Array, " b"],
     filters: Filters,
+    top: Bool[Array, " b"],
     pool: KVPool,
     *,
     k: int,
@@ -638,7 +673,7 @@ def slab_admit_given(
     with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
         return _draft_after_prefill(
-            model, slab, slots, token, hidden, n, table, temperature, seed, filters, pool,
+            model, slab, slots, token, hidden, n, table, temperature, seed, filters, top, pool,
             k=k, page_size=page_size, index_k_dtype=index_k_dtype, greedy=greedy, kv_io=kv_io,
         )  # fmt: skip
 
@@ -654,6 +689,7 @@ def _draft_after_prefill(
     temperature,
     seed,
     filters: Filters,
+    top,
     pool: KVPool,
     *,
     k: int,
@@ -684,7 +720,7 @@ def _draft_after_prefill(
         greedy=greedy,
         kv_io=kv_io,
     )
-    ds = DraftState(token, n, drafts, q, temperature, seed, filters)
+    ds = DraftState(token, n, drafts, q, temperature, seed, filters, top)
     return _scatter(slab, slots, live, ds, greedy), pool
 
 
@@ -827,7 +863,8 @@ class MTPSpeculator:
             drafts, q, pool = self._first_drafts[greedy](
                 self.state, rows_batch(ahead, tables, p, length), hidden, temps, seed, live, pool
             )
-        first, lp = jax.device_get((token, lp))
+        first = np.asarray(jax.device_get(token))
+        lp = np.asarray(jax.device_get(lp))[np.arange(rows), first]
         outs = [SpeculativeResult([int(first[i])], [float(lp[i])], []) for i in range(len(prompts))]
         pos = np.zeros(rows, np.int32)
         pos[: len(prompts)] = [len(x) for x in prompts]
@@ -840,6 +877,7 @@ class MTPSpeculator:
             jax.device_put(temps),
             jax.device_put(seed),
             jax.device_put(filters),
+            jax.device_put(np.zeros(rows, bool)),  # no top log-probs
         )
         table = jax.device_put(tables)
         step, pending = 0, None

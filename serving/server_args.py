@@ -351,7 +351,7 @@ class ServerArgs:
         "temperature > 0: speculative sampling, with top-k / top-p / min-p). Unified or PD "
         "(give both servers the flag: the prefill server sends the MTP layer's KV), on one "
         "device or a DP mesh (--dp-size); requests asking for penalties, logit bias, "
-        "min_new_tokens, grammars or top log-probs are refused with 400",
+        "min_new_tokens or grammars are refused with 400",
         group="speculative",
     )
     speculative_num_steps: int | None = _arg(

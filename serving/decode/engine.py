@@ -581,8 +581,12 @@ class DecodeEngine:
         if not live:
             return
         out = step.out
+        # The top log-probs come to the host only when a row of the step asked for them.
+        tops = (out.top_ids, out.top_logprobs) if any(_top_n(r) for r in step.rows) else ()
         try:
-            tokens, accepted, lps = jax.device_get((out.tokens, out.accepted, out.logprobs))
+            tokens, accepted, lps, *top = jax.device_get(
+                (out.tokens, out.accepted, out.logprobs, *tops)
+            )
         except Exception as e:
             self.step_failed(
                 "the speculative decode step", e, [step.rows[i] for i in live], touched
@@ -595,7 +599,9 @@ class DecodeEngine:
             r.spec_verify_ct += 1
             r.spec_emitted += a + 1
             for j in range(a + 1):
-                self.produce(r, touched, functools.partial(_emitted, tokens[i, j], lps[i, j]))
+                at = (i, j)
+                emitted = functools.partial(_emitted, tokens[at], lps[at], _pairs(r, top, at))
+                self.produce(r, touched, emitted)
                 if r.finish is not None:
                     break
 
@@ -870,12 +876,12 @@ class DecodeEngine:
         sp = r.req.sampling
         first = self.spec.admit_after_prefill(
             logits, hidden, len(r.prompt), r.pages, r.width, r.slot, sp.temperature, r.seed,
-            _filters(sp),
+            _filters(sp), _top_n(r) > 0,
         )  # fmt: skip
 
         def pick() -> tuple[int, float, TopLogprobs]:
-            token, lp = jax.device_get(first)
-            return _emitted(token[0], lp[0])
+            token, lp, *top = jax.device_get(first if _top_n(r) else first[:2])
+            return _emitted(token[0], lp[0], _pairs(r, top, 0))
 
         self.produce(r, touched, pick)
 
@@ -897,7 +903,7 @@ class DecodeEngine:
         try:
             self.spec.admit_given(
                 first[0], hidden, len(r.prompt), r.pages, r.width, r.slot, sp.temperature, r.seed,
-                _filters(sp),
+                _filters(sp), _top_n(r) > 0,
             )  # fmt: skip
         except Exception as exc:
             self.step_failed("the drafting of its first tokens", exc, [r], touched)
@@ -915,9 +921,14 @@ class DecodeEngine:
                 assert r.slot is not None and r.pages is not None
                 sp = r.req.sampling
                 args = (r.prompt, r.pages, r.width, r.slot, sp.temperature, r.seed, _filters(sp))
-                admissions.append(args)
-            token, lp = jax.device_get(self.spec.prefill_many(admissions))
-            return [functools.partial(_emitted, token[i], lp[i]) for i in range(len(batch))]
+                admissions.append((*args, _top_n(r) > 0))
+            out = self.spec.prefill_many(admissions)
+            asked = any(_top_n(r) for r in batch)
+            token, lp, *top = jax.device_get(out if asked else out[:2])
+            return [
+                functools.partial(_emitted, token[i], lp[i], _pairs(r, top, i))
+                for i, r in enumerate(batch)
+            ]
         if len(batch) == 1:
             logits = self.steps.prefill(batch[0].prompt, batch[0].pages, batch[0].width)
         else:  # one per DP rank
@@ -965,9 +976,24 @@ def _filters(sp: SamplingParams) -> tuple[int, float, float]:
     return sp.top_k, sp.top_p, sp.min_p
 
 
-def _emitted(token: Any, logprob: Any) -> tuple[int, float, TopLogprobs]:
+def _top_n(r: DecodeRequest) -> int:
+    """The top log-probs `r` reports per token (0: none)."""
+    return r.req.top_logprobs if r.req.return_logprob else 0
+
+
+def _pairs(r: DecodeRequest, top: list[np.ndarray], at: Any) -> TopLogprobs:
+    """`r`'s top log-probs at index `at` of a speculative program's fetched `(top ids,
+    top log-probs)` (`top` empty: not fetched), as `Sampled.top` gives them."""
+    n = _top_n(r)
+    if not n or not top:
+        return ()
+    pairs = zip(top[0][at][:n].tolist(), top[1][at][:n].tolist(), strict=True)
+    return tuple((t, v) for t, v in pairs if np.isfinite(v))
+
+
+def _emitted(token: Any, logprob: Any, top: TopLogprobs = ()) -> tuple[int, float, TopLogprobs]:
     """A speculative step's token as `produce` records it; `ValueError` for a broken
     log-prob (the engines fail that request alone, as `Sampled.pick` does)."""
     if not np.isfinite(logprob):
         raise ValueError("the token's log-prob is not finite; the logits are broken")
-    return int(token), float(logprob), ()
+    return int(token), float(logprob), top

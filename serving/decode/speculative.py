@@ -28,11 +28,13 @@ the row finished.
 
 A row's top-k, top-p and min-p filter its target distribution (`softmax(logits / T)`,
 filtered as the sampler filters one draw); its drafts come from the MTP layer's unfiltered
-distribution, which keeps speculative sampling exact for the filtered target. What a
-speculative step cannot apply is refused when the request arrives (`refusal`: HTTP 400
-naming the parameter): penalties, logit bias, min_new_tokens, grammars and top log-probs
-need a server without `--speculative-algorithm` (each depends on the tokens before it
-inside one step's chain, or would need the top-N of every verified position).
+distribution, which keeps speculative sampling exact for the filtered target. A row that
+asks for top log-probs gets them at every token it emits: the step takes the top-N of
+every verified position when a row of it asks (`cpkv_jax.speculative.top_logprobs`), and
+the host fetches them only then. What a speculative step cannot apply is refused when
+the request arrives (`refusal`: HTTP 400 naming the parameter): penalties, logit bias,
+min_new_tokens and grammars need a server without `--speculative-algorithm` (each
+depends on the tokens before it inside one step's chain).
 
 Step shapes (the `DecodeSteps` interface, so the engine's warm-up and compile accounting
 are unchanged): `("spec" | "spec_greedy", rows, K + 1, width)` for decode steps,
@@ -100,15 +102,16 @@ ADMISSION_FORMS = {"logits": SPEC_ADMIT_FORMS, "token": SPEC_GIVEN_FORMS}
 RowFilters = tuple[int, float, float]
 NO_FILTERS: RowFilters = (0, 1.0, 0.0)
 # One admission of `prefill_many`: (prompt, pages, page-table width, draft-state slot,
-# temperature, seed, filters).
-SpecAdmission = tuple[np.ndarray, np.ndarray, int, int, float, int, RowFilters]
+# temperature, seed, filters, whether it reports top log-probs).
+SpecAdmission = tuple[np.ndarray, np.ndarray, int, int, float, int, RowFilters, bool]
 # A program's arguments for one row: a tuple of host arrays, each with a leading axis of 1
 # (`SpeculativeSteps._rows` stacks them into the step's rows).
 Row = tuple[np.ndarray, ...]
 
 
-def _sampling(temperature: float, seed: int, filters: RowFilters) -> Row:
-    """One admitted row's temperature, seed and target filters (top-k, top-p, min-p)."""
+def _sampling(temperature: float, seed: int, filters: RowFilters, top: bool) -> Row:
+    """One admitted row's temperature, seed, target filters (top-k, top-p, min-p) and
+    whether it reports its tokens' top log-probs."""
     top_k, top_p, min_p = filters
     return (
         np.asarray([temperature], np.float32),
@@ -116,39 +119,40 @@ def _sampling(temperature: float, seed: int, filters: RowFilters) -> Row:
         np.asarray([top_k], np.int32),
         np.asarray([top_p], np.float32),
         np.asarray([min_p], np.float32),
+        np.asarray([top], bool),
     )
 
 
 def _programs(graphdef, k: int, greedy: bool, static: dict) -> dict[str, Callable]:
     """The four speculative programs of `cpkv_jax.speculative` over flat row arguments
     (the `Row`s `SpeculativeSteps` builds, stacked), each returning `(out, slab, pool)`:
-    `out` the step's `StepOutput`, the first tokens and their log-probs of an admission
-    that draws them, or nothing."""
+    `out` the step's `StepOutput`; the first tokens, their log-probs and top log-probs
+    (ids, values) of an admission that draws them; or nothing."""
 
     def step(state, slab, slots, table, live, pool):
         return slab_step(graphdef, state, slab, slots, table, live, pool, greedy=greedy, **static)
 
     def prefill(state, slab, slots, *rest):
-        *batch, temperature, seed, top_k, top_p, min_p, pool = rest
-        token, lp, slab, pool = slab_admit(
+        *batch, temperature, seed, top_k, top_p, min_p, top, pool = rest
+        *out, slab, pool = slab_admit(
             graphdef, state, slab, slots, ForwardBatch(*batch), temperature, seed,
-            Filters(top_k, top_p, min_p), pool, k=k, greedy=greedy, **static,
+            Filters(top_k, top_p, min_p), top, pool, k=k, greedy=greedy, **static,
         )  # fmt: skip
-        return (token, lp), slab, pool
+        return tuple(out), slab, pool
 
     def admit(state, slab, slots, logits, hidden, n, table, *rest):
-        *row, top_k, top_p, min_p, pool = rest
-        token, lp, slab, pool = slab_admit_from_hidden(
+        *row, top_k, top_p, min_p, top, pool = rest
+        *out, slab, pool = slab_admit_from_hidden(
             graphdef, state, slab, slots, logits, hidden, n, table, *row,
-            Filters(top_k, top_p, min_p), pool, k=k, greedy=greedy, **static,
+            Filters(top_k, top_p, min_p), top, pool, k=k, greedy=greedy, **static,
         )  # fmt: skip
-        return (token, lp), slab, pool
+        return tuple(out), slab, pool
 
     def given(state, slab, slots, token, hidden, n, table, *rest):
-        *row, top_k, top_p, min_p, pool = rest
+        *row, top_k, top_p, min_p, top, pool = rest
         slab, pool = slab_admit_given(
             graphdef, state, slab, slots, token, hidden, n, table, *row,
-            Filters(top_k, top_p, min_p), pool, k=k, greedy=greedy, **static,
+            Filters(top_k, top_p, min_p), top, pool, k=k, greedy=greedy, **static,
         )  # fmt: skip
         return (), slab, pool
 
@@ -177,7 +181,6 @@ def refusal(req: GenerateRequest) -> str | None:
             ("logit_bias", bool(sp.logit_bias)),
             ("min_new_tokens", sp.min_new_tokens > 0),
             ("a grammar (structured output)", sp.grammar is not None),
-            ("top_logprobs", req.return_logprob and req.top_logprobs > 0),
         )
         if on
     ]
@@ -329,7 +332,7 @@ class SpeculativeSteps(CompiledShapes):
         trash = np.zeros((1,), np.int32)
         if form in SPEC_FORMS:
             return (spare, self._table(trash, width), np.zeros((1,), bool))
-        none = _sampling(0.0, 0, NO_FILTERS)
+        none = _sampling(0.0, 0, NO_FILTERS, False)
         if form in SPEC_PREFILL_FORMS:
             table = padded_page_table(trash, width)
             batch = span_batch(np.zeros((0,), np.int32), 0, table, self.page_size, tokens)
@@ -387,26 +390,30 @@ class SpeculativeSteps(CompiledShapes):
         temperature: float,
         seed: int,
         filters: RowFilters = NO_FILTERS,
-    ) -> tuple[jax.Array, jax.Array]:
+        top: bool = False,
+    ) -> tuple[jax.Array, ...]:
         """Admit one request: its prompt's KV (trunk and MTP layer) into `pages`, its first
-        K drafts into `slot`; returns its first token and that token's log-prob, on the
-        device (`[1]` each, or more: row 0 is the request's)."""
-        return self.prefill_many([(prompt, pages, width, slot, temperature, seed, filters)])
+        K drafts into `slot`; returns its first token, that token's log-prob and the top
+        log-probs there (ids, values; zeros unless `top`), on the device (row 0 of each is
+        the request's)."""
+        admission = (prompt, pages, width, slot, temperature, seed, filters, top)
+        return self.prefill_many([admission])
 
-    def prefill_many(self, requests: Sequence[SpecAdmission]) -> tuple[jax.Array, jax.Array]:
+    def prefill_many(self, requests: Sequence[SpecAdmission]) -> tuple[jax.Array, ...]:
         """`prefill` for requests on different DP ranks, in one program (a padding row on
-        every other rank); row `i` of the first tokens and log-probs is `requests[i]`'s."""
+        every other rank); row `i` of what it returns is `requests[i]`'s."""
         tokens = prefill_bucket(max(len(req[0]) for req in requests))
         width = max(req[2] for req in requests)
         greedy = all(req[4] == 0 for req in requests)
         rows = []
-        for prompt, pages, _, slot, temperature, seed, filters in requests:
+        for prompt, pages, _, slot, temperature, seed, filters, top in requests:
             rank, local, local_pages = self._local(slot, pages)
             table = padded_page_table(local_pages, width)
             batch = span_batch(np.asarray(prompt, np.int32), 0, table, self.page_size, tokens)
             batch_rows = (np.asarray(a) for a in dataclasses.astuple(batch))
             slot_row = np.asarray([local], np.int32)
-            rows.append((rank, (slot_row, *batch_rows, *_sampling(temperature, seed, filters))))
+            sampling = _sampling(temperature, seed, filters, top)
+            rows.append((rank, (slot_row, *batch_rows, *sampling)))
         if len({rank for rank, _ in rows}) != len(rows):
             raise ValueError("a speculative prefill takes at most one request per rank")
         shape = (SPEC_PREFILL_FORMS[greedy], 1, tokens, width)
@@ -423,15 +430,17 @@ class SpeculativeSteps(CompiledShapes):
         temperature: float,
         seed: int,
         filters: RowFilters = NO_FILTERS,
-    ) -> tuple[jax.Array, jax.Array]:
+        top: bool = False,
+    ) -> tuple[jax.Array, ...]:
         """Admit one request whose prompt (`n` tokens) was prefilled elsewhere with the
         MTP layer's pass over all but its last position: from that prefill's last logits
         and hidden state, its first token and drafts (`slab_admit_from_hidden`); returns
-        the token and its log-prob, on the device (row 0 of each)."""
+        what `prefill` returns."""
         first = np.asarray(logits, np.float32).reshape(1, -1)
         return self._after_prefill(
-            SPEC_ADMIT_FORMS, first, hidden, n, pages, width, slot, temperature, seed, filters
-        )
+            SPEC_ADMIT_FORMS, first, hidden, n, pages, width, slot, temperature, seed,
+            (filters, top),
+        )  # fmt: skip
 
     def admit_given(
         self,
@@ -444,6 +453,7 @@ class SpeculativeSteps(CompiledShapes):
         temperature: float,
         seed: int,
         filters: RowFilters = NO_FILTERS,
+        top: bool = False,
     ) -> None:
         """Admit one request whose prompt (`n` tokens) was prefilled elsewhere, with the
         MTP layer's pass over all but its last position, and whose first output `token`
@@ -451,14 +461,16 @@ class SpeculativeSteps(CompiledShapes):
         trunk's hidden state at the last position (`slab_admit_given`)."""
         first = np.asarray([token], np.int32)
         self._after_prefill(
-            SPEC_GIVEN_FORMS, first, hidden, n, pages, width, slot, temperature, seed, filters
-        )
+            SPEC_GIVEN_FORMS, first, hidden, n, pages, width, slot, temperature, seed,
+            (filters, top),
+        )  # fmt: skip
 
     def _after_prefill(
-        self, forms, first, hidden, n, pages, width, slot, temperature, seed, filters
+        self, forms, first, hidden, n, pages, width, slot, temperature, seed, reports
     ) -> tuple:
         """Run one of the two admissions after a prefill elsewhere (`forms`), from
-        `first` (the prefill's last logits, or the first token it drew)."""
+        `first` (the prefill's last logits, or the first token it drew); `reports`:
+        (filters, top)."""
         shape = (forms[temperature == 0], 1, 1, width)
         rank, local, local_pages = self._local(slot, pages)
         row = (
@@ -467,7 +479,7 @@ class SpeculativeSteps(CompiledShapes):
             np.asarray(hidden, np.float32).reshape(1, -1),
             np.asarray([n], np.int32),
             self._table(local_pages, width),
-            *_sampling(temperature, seed, filters),
+            *_sampling(temperature, seed, *reports),
         )
         return self._run(shape, [(rank, row)], forms[0])
 

@@ -3,14 +3,9 @@ unified engine with `--disable-radix-cache` drafting with the MTP layer must emi
 what the plain engine emits, tokens and log-probs (bitwise under batch-invariant
 numerics), for both architectures and the FP8 checkpoint, with requests joining and
 leaving the batch, stopping inside a step's accepted drafts, and being aborted mid-step;
-every page and draft-state slot comes back.
-
-The tiny checkpoints' MTP layers are random, so their drafts are almost never accepted.
-The oracle wraps the engine's step: before each step it replaces the drafts in the
-device state with the plain engine's continuation, corrupted at a place that moves with
-the step and the row, so steps accept every count from 0 to K and rows of one step accept
-different counts (the positions come from the device state itself, so the overlap stays
-on).
+every page and draft-state slot comes back. The oracle that makes steps accept every
+count of drafts, and the other helpers: `tests/support/speculative_engine.py`; the DP
+mesh: `test_speculative_dp.py`.
 """
 
 from __future__ import annotations
@@ -21,19 +16,29 @@ import inspect
 import jax
 import numpy as np
 import pytest
+from support import speculative_engine as se
+from support.speculative_engine import (
+    LENGTHS,
+    PAGES,
+    ROWS,
+    P,
+    assert_same,
+    install_oracle,
+    make_engine,
+    requests,
+    run,
+    with_stop_tokens,
+)
 from support.transfer import random_pages
 
-from cpkv_jax.decode_mesh import DPPoolLayout, init_dp_pool
 from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
-from cpkv_jax.kv_store import PagedKVStore
-from cpkv_jax.mesh import make_dp_mesh
 from cpkv_jax.model.kv_cache import DTYPES, init_pool
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.paging import PageAllocator
 from serving.decode.cached import CachedUnifiedEngine
-from serving.decode.engine import DecodeEngine, whole_prompt_engine
+from serving.decode.engine import DecodeEngine
 from serving.decode.speculative import SPEC_FORMS
 from serving.engine.api import EngineStateLostError, GenerateRequest, SamplingParams
 from serving.prefill.build import build_prefill_engine
@@ -44,139 +49,9 @@ from transfer.receiver import Receiver
 
 pytestmark = pytest.mark.slow(seconds=150)  # one worker, 2026-12-05
 
-P = 16
-PAGES = 64
-ROWS = 4
-# Five requests for four rows (one waits for a slot), all in one prefill bucket (64) and,
-# with the speculative room, one page-table width (8 pages): few shapes to compile.
-LENGTHS = (50, 53, 57, 51, 60)
-CHECKPOINTS = {
-    "glm": ("glm_moe_dsa", {}),
-    "glm-fp8": ("glm_moe_dsa", {"fp8": True}),
-    "dsv32": ("deepseek_v32", {}),
-}
+loaded, plain = se.loaded, se.plain  # the module-scoped fixtures
+
 CASES = [("glm", 3), ("glm-fp8", 1), ("dsv32", 2)]
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_checkpoints):
-    """`get(checkpoint) -> (cfg, model)` with its MTP layer, loaded once."""
-    out: dict = {}
-
-    def get(ckpt: str):
-        if ckpt not in out:
-            arch, kw = CHECKPOINTS[ckpt]
-            out[ckpt] = load_model(tiny_checkpoints(arch, **kw), mtp=True)
-        return out[ckpt]
-
-    return get
-
-
-def make_engine(cfg, model, k: int, **kw) -> DecodeEngine:
-    return whole_prompt_engine(
-        cfg, model, pages=PAGES, page_size=P, index_k_dtype="fp8_e4m3",
-        max_running_requests=ROWS, batch_invariant=True, speculative_num_steps=k, **kw,
-    )  # fmt: skip
-
-
-def requests(cfg, seed: int = 3, **sampling) -> list[GenerateRequest]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i, n in enumerate(LENGTHS):
-        ids = tuple(rng.integers(3, cfg.vocab_size, n).tolist())
-        sp = SamplingParams(max_new_tokens=10 + 2 * i, ignore_eos=True, **sampling)
-        out.append(GenerateRequest(f"r{i}", ids, sp, return_logprob=True))
-    return out
-
-
-def run(engine: DecodeEngine, reqs, abort_after: dict[str, int] | None = None) -> dict:
-    """rid -> (tokens, log-probs, finish reason, meta); `abort_after`: rid -> the engine
-    step after which that request is aborted."""
-    for r in reqs:
-        engine.add(r)
-    out: dict = {r.rid: [[], [], None, None] for r in reqs}
-    for n in range(400):
-        for c in engine.step():
-            o = out[c.rid]
-            o[0] += c.token_ids
-            o[1] += c.logprobs or ()
-            if c.finished:
-                o[2], o[3] = c.finish_reason, c.meta
-        for rid, at in (abort_after or {}).items():
-            if at == n:
-                engine.abort(rid)
-        if all(o[2] is not None for o in out.values()) and not engine.has_work():
-            return out
-    raise AssertionError(f"requests did not finish: {out}")
-
-
-def with_stop_tokens(reqs, plain: dict) -> list[GenerateRequest]:
-    """The same requests, two of them stopping at a token of their plain continuation
-    (inside a step's accepted drafts once the oracle makes them accepted)."""
-    out = []
-    for i, r in enumerate(reqs):
-        sp = r.sampling
-        if i in (0, 2):
-            stop = plain[r.rid][0][5 + i]
-            sp = dataclasses.replace(sp, stop_token_ids=(stop,), ignore_eos=False)
-        out.append(dataclasses.replace(r, sampling=sp))
-    return out
-
-
-def install_oracle(engine: DecodeEngine, truth: dict[str, list[int]], k: int) -> list[int]:
-    """Replace each step's drafts by the plain continuation, corrupted at `(step + row)
-    mod (k + 1)` (k: none corrupted); returns the list the accepted counts go to."""
-    spec = engine.spec
-    assert spec is not None
-    step_fn, steps = spec.step, [0]
-    accepted: list[int] = []
-
-    def step(rows, greedy):
-        by_slot = {r.slot: r for r in engine.running.values()}
-        slab = spec.slab
-        pos, drafts = (np.array(a) for a in jax.device_get((slab.pos, slab.drafts)))
-        for i, (slot, _, _) in enumerate(rows):
-            r = by_slot[slot]
-            start = int(pos[slot]) + 1 - len(r.prompt)  # output index of position pos + 1
-            true = truth[r.rid][start : start + k]
-            if len(true) == k:
-                drafts[slot] = true
-                bad = (steps[0] + i) % (k + 1)
-                if bad < k:
-                    drafts[slot, bad] = (drafts[slot, bad] + 1) % engine.cfg.vocab_size
-        spec.slab = dataclasses.replace(slab, drafts=jax.device_put(drafts, slab.drafts.sharding))
-        steps[0] += 1
-        out = step_fn(rows, greedy)
-        accepted.extend(np.asarray(out.accepted)[: len(rows)].tolist())
-        return out
-
-    spec.step = step
-    return accepted
-
-
-@pytest.fixture(scope="module")
-def plain(loaded):
-    """`get(checkpoint, stop: bool)` -> the plain engine's outputs of `requests`."""
-    out: dict = {}
-
-    def get(ckpt: str, stop: bool = False):
-        if (ckpt, stop) not in out:
-            cfg, model = loaded(ckpt)
-            reqs = requests(cfg)
-            if stop:
-                reqs = with_stop_tokens(reqs, get(ckpt))
-            out[ckpt, stop] = run(make_engine(cfg, model, 0), reqs)
-        return out[ckpt, stop]
-
-    return get
-
-
-def assert_same(got: dict, want: dict) -> None:
-    for rid, w in want.items():
-        g = got[rid]
-        assert g[0] == w[0], rid
-        np.testing.assert_array_equal(g[1], w[1], err_msg=rid)  # bitwise
-        assert g[2] == w[2], rid
 
 
 @pytest.mark.parametrize(("ckpt", "k"), CASES)
@@ -186,13 +61,14 @@ def test_speculative_engine_emits_the_plain_engines_tokens_and_log_probs(loaded,
     free0 = engine.kv.num_free_pages
     # Random drafts: (almost) every step accepts nothing.
     assert_same(run(engine, requests(cfg)), plain(ckpt))
+    assert len(plain(ckpt)["r1"][4]) == len(plain(ckpt)["r1"][0])  # r1's top 3, each token
     # Oracle drafts, two requests stopping at a stop token: multi-token steps.
     want = plain(ckpt, stop=True)
     accepted = install_oracle(engine, {rid: o[0] for rid, o in plain(ckpt).items()}, k)
     got = run(engine, with_stop_tokens(requests(cfg), plain(ckpt)))
     assert_same(got, want)
     assert set(accepted) == set(range(k + 1)), accepted
-    for rid, (tokens, _, _, meta) in got.items():
+    for rid, (tokens, _, _, meta, _) in got.items():
         assert meta["spec_verify_ct"] >= 1, rid
         assert meta["spec_accept_length"] >= len(tokens) / (meta["spec_verify_ct"] + 1), rid
     assert engine.kv.num_free_pages == free0 and engine.spec.free_slots == ROWS
@@ -237,8 +113,6 @@ def test_aborts_mid_step_and_refusals_leave_nothing_held(loaded):
         bad = dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, **{field: value}))
         with pytest.raises(InputError, match=field):
             engine.add(bad)
-    with pytest.raises(InputError, match="top_logprobs"):
-        engine.add(dataclasses.replace(r, top_logprobs=2))
     assert not engine.has_work() and engine.kv.num_free_pages == free0
 
 
@@ -255,53 +129,6 @@ def test_requests_beyond_the_draft_state_slots_wait_for_one(loaded, plain):
     engine.step = counted
     assert_same(run(engine, requests(cfg)), plain("glm"))
     assert max(running) == 2 and engine.spec.free_slots == 2
-
-
-def dp_engine(cfg, model, k: int, dp: int) -> DecodeEngine:
-    """`make_engine` on a `("dp",)` mesh of `dp` devices (issue 36): the pool and the draft
-    state split over the ranks, routed experts too (the tiny checkpoints' 8: 4 per rank)."""
-    mesh = make_dp_mesh(dp, jax.devices())
-    layout = DPPoolLayout(dp, PAGES // dp, P)
-    pool = init_dp_pool(mtp_config(cfg), layout, mesh, np.float32, "fp8_e4m3")
-    return DecodeEngine(
-        cfg=cfg, model=model, kv=PagedKVStore(pool, PageAllocator(PAGES, ranks=dp)),
-        page_size=P, index_k_dtype="fp8_e4m3", mode="null", max_running_requests=ROWS,
-        batch_invariant=True, speculative_num_steps=k, mesh=mesh,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize(("ckpt", "k"), [("glm-fp8", 2), ("dsv32", 3)])
-def test_speculative_decoding_on_a_dp_mesh_equals_one_device(loaded, plain, ckpt, k):
-    """Issue 39 on issue 36's DP mesh (2 ranks): every speculative program runs on the
-    rank holding the request's pages, in a draft-state slot of that rank. Greedy tokens
-    and log-probs are bitwise the plain single-device engine's, with random and oracle
-    drafts (every accepted count, stops inside accepted drafts); requests land on both
-    ranks, prefills of two ranks share one program; a sampled row with top-p draws
-    bitwise what it draws on one device (same seed); every page and slot comes back."""
-    cfg, model = loaded(ckpt)
-    engine = dp_engine(cfg, model, k, 2)
-    free0 = engine.kv.num_free_pages
-    prefills = []
-    prefill_many = engine.spec.prefill_many
-    engine.spec.prefill_many = lambda reqs: prefills.append(len(reqs)) or prefill_many(reqs)
-    assert_same(run(engine, requests(cfg)), plain(ckpt))
-    assert all(n > 0 for n in engine.admitted_per_rank) and max(prefills) == 2
-    accepted = install_oracle(engine, {rid: o[0] for rid, o in plain(ckpt).items()}, k)
-    assert_same(run(engine, with_stop_tokens(requests(cfg), plain(ckpt))), plain(ckpt, True))
-    assert set(accepted) == set(range(k + 1)), accepted
-    assert engine.kv.num_free_pages == free0 and engine.spec.free_slots == ROWS
-    assert engine.step_shapes <= engine.reachable_shapes()
-    assert {s[1] for s in engine.step_shapes if s[0] in SPEC_FORMS} == {1, 2}  # rows per rank
-    if ckpt != "dsv32":
-        return
-    reqs = requests(cfg, seed=4)[:3]
-    sp = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.8, seed=5)
-    reqs[1] = dataclasses.replace(reqs[1], sampling=sp)
-    want = run(make_engine(cfg, model, k), reqs)
-    del engine.spec.step  # the oracle's wrapper: random drafts again
-    got = run(engine, reqs)
-    assert_same(got, want)
-    assert got["r1"][0] != plain(ckpt)["r1"][0][:12]  # it did sample
 
 
 def test_speculative_engine_refuses_a_model_without_its_mtp_layer(loaded, tiny_checkpoints):

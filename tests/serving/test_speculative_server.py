@@ -108,9 +108,28 @@ def test_what_a_speculative_step_cannot_apply_is_refused_with_400(spec_server):
     assert r.status_code == 400, r.text
     assert "frequency_penalty" in r.json()["error"]["message"]
     assert "speculative" in r.json()["error"]["message"]
-    body = {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 2}
-    r = httpx.post(served.url + "/generate", json=body, timeout=30.0)
-    assert r.status_code == 400 and "top_logprobs" in r.text
+
+
+def test_top_log_probs_come_with_every_speculated_token(spec_server):
+    """Top log-probs with speculative decoding: each emitted token (the first, drawn at
+    admission, and every accepted draft and bonus token) reports its position's top 3,
+    the greedy token first with its own log-prob."""
+    _, served, _, cfg = spec_server
+    ids = np.random.default_rng(3).integers(3, cfg.vocab_size, 21).tolist()
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 9, "temperature": 0.0, "ignore_eos": True},
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+    }
+    r = httpx.post(served.url + "/generate", json=body, timeout=60.0)
+    assert r.status_code == 200, r.text
+    out, meta = r.json()["output_ids"], r.json()["meta_info"]
+    tops = meta["output_top_logprobs"]
+    assert len(tops) == len(out) == 9
+    for token, (lp, _, _), top in zip(out, meta["output_token_logprobs"], tops, strict=True):
+        assert len(top) == 3 and top[0][1] == token and top[0][0] == lp
+        assert top[0][0] >= top[1][0] >= top[2][0]
 
 
 @pytest.mark.parametrize("spec_server", ["prefix-cache"], indirect=True)

@@ -1,0 +1,85 @@
+"""Speculative decoding on the DP mesh (issue 39 with issue 36's data-parallel decode):
+every program of `SpeculativeSteps` runs on the rank holding the request's pages, in a
+draft-state slot of that rank (`decode_mesh.dp_slab_program`). Compared with the plain
+single-device engine, bitwise under batch-invariant numerics. (Its own module: with the
+engine tests' programs in one process, XLA:CPU ran out of memory maps.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from support import speculative_engine as se
+from support.speculative_engine import (
+    PAGES,
+    ROWS,
+    P,
+    assert_same,
+    install_oracle,
+    make_engine,
+    requests,
+    run,
+    with_stop_tokens,
+)
+
+from cpkv_jax.decode_mesh import DPPoolLayout, init_dp_pool
+from cpkv_jax.kv_store import PagedKVStore
+from cpkv_jax.mesh import make_dp_mesh
+from cpkv_jax.model.mtp import mtp_config
+from cpkv_jax.paging import PageAllocator
+from serving.decode.engine import DecodeEngine
+from serving.decode.speculative import SPEC_FORMS
+from serving.engine.api import SamplingParams
+
+pytestmark = pytest.mark.slow(seconds=80)  # one worker, 2026-12-06
+
+loaded, plain = se.loaded, se.plain  # the module-scoped fixtures
+
+
+def dp_engine(cfg, model, k: int, dp: int) -> DecodeEngine:
+    """`make_engine` on a `("dp",)` mesh of `dp` devices (issue 36): the pool and the draft
+    state split over the ranks, routed experts too (the tiny checkpoints' 8: 4 per rank)."""
+    mesh = make_dp_mesh(dp, jax.devices())
+    layout = DPPoolLayout(dp, PAGES // dp, P)
+    pool = init_dp_pool(mtp_config(cfg), layout, mesh, np.float32, "fp8_e4m3")
+    return DecodeEngine(
+        cfg=cfg, model=model, kv=PagedKVStore(pool, PageAllocator(PAGES, ranks=dp)),
+        page_size=P, index_k_dtype="fp8_e4m3", mode="null", max_running_requests=ROWS,
+        batch_invariant=True, speculative_num_steps=k, mesh=mesh,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("ckpt", "k"), [("glm-fp8", 2), ("dsv32", 3)])
+def test_speculative_decoding_on_a_dp_mesh_equals_one_device(loaded, plain, ckpt, k):
+    """Issue 39 on issue 36's DP mesh (2 ranks): every speculative program runs on the
+    rank holding the request's pages, in a draft-state slot of that rank. Greedy tokens
+    and log-probs are bitwise the plain single-device engine's, with random and oracle
+    drafts (every accepted count, stops inside accepted drafts); requests land on both
+    ranks, prefills of two ranks share one program; a sampled row with top-p draws
+    bitwise what it draws on one device (same seed); every page and slot comes back."""
+    cfg, model = loaded(ckpt)
+    engine = dp_engine(cfg, model, k, 2)
+    free0 = engine.kv.num_free_pages
+    prefills = []
+    prefill_many = engine.spec.prefill_many
+    engine.spec.prefill_many = lambda reqs: prefills.append(len(reqs)) or prefill_many(reqs)
+    assert_same(run(engine, requests(cfg)), plain(ckpt))
+    assert all(n > 0 for n in engine.admitted_per_rank) and max(prefills) == 2
+    accepted = install_oracle(engine, {rid: o[0] for rid, o in plain(ckpt).items()}, k)
+    assert_same(run(engine, with_stop_tokens(requests(cfg), plain(ckpt))), plain(ckpt, True))
+    assert set(accepted) == set(range(k + 1)), accepted
+    assert engine.kv.num_free_pages == free0 and engine.spec.free_slots == ROWS
+    assert engine.step_shapes <= engine.reachable_shapes()
+    assert {s[1] for s in engine.step_shapes if s[0] in SPEC_FORMS} == {1, 2}  # rows per rank
+    if ckpt != "dsv32":
+        return
+    reqs = requests(cfg, seed=4)[:3]
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.8, seed=5)
+    reqs[1] = dataclasses.replace(reqs[1], sampling=sp)
+    want = run(make_engine(cfg, model, k), reqs)
+    del engine.spec.step  # the oracle's wrapper: random drafts again
+    got = run(engine, reqs)
+    assert_same(got, want)
+    assert got["r1"][0] != plain(ckpt)["r1"][0][:12]  # it did sample
