@@ -369,25 +369,46 @@ def _sample_penalized(
     logits,
 ):
     lp = lp.astype(jnp.float32)
-    rows, vocab = lp.shape
     at = jnp.minimum(slots, counts.shape[0] - 1)  # rows without a slot read S-1: unused
-    c = counts[at].astype(jnp.float32)  # [R, vocab]
-    seen = prompt[at] | (c > 0)
-    # The logit bias as a dense [R, vocab] row (unused pairs name token `vocab`: dropped);
-    # zero for rows without a slot.
-    own = (slots < counts.shape[0])[:, None]
+    # Zero bias for rows without a slot.
+    bias = jnp.where(
+        (slots < counts.shape[0])[:, None],
+        dense_bias(bias_ids[at], bias_values[at], lp.shape[-1]),
+        0.0,
+    )
+    shifted = penalize(lp, logits, counts[at], prompt[at], bias, freq, pres, rep)
+    out = _draw(lp, shifted, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p, want_top)
+    return (*out, counts.at[slots, out[0]].add(1, mode="drop"))
+
+
+def dense_bias(bias_ids: Array, bias_values: Array, vocab: int) -> Float[Array, "r v"]:
+    """Rows' logit bias pairs (`PenaltyCounts`' layout: unused pairs name token `vocab`,
+    dropped) as dense `[R, vocab]` rows."""
+    rows = bias_ids.shape[0]
     bias = jnp.zeros((rows, vocab), jnp.float32)
-    bias = bias.at[jnp.arange(rows)[:, None], bias_ids[at]].add(bias_values[at], mode="drop")
-    bias = jnp.where(own, bias, 0.0)
+    return bias.at[jnp.arange(rows)[:, None], bias_ids].add(bias_values, mode="drop")
+
+
+def penalize(lp, logits, counts, prompt, bias, freq, pres, rep) -> Array:
+    """The penalized log-probs a row draws from (the module docstring's order: logit bias,
+    repetition, frequency and presence), for `lp` / `logits` / `counts` of shape `[R, *t,
+    vocab]` (`t`: positions of one row, each with its own output counts), `prompt` and
+    `bias` `[R, vocab]` and the penalties `[R]`."""
+    lp = lp.astype(jnp.float32)
+
+    def per_row(x):  # [R, ...] against [R, *t, vocab]
+        return x.reshape(x.shape[:1] + (1,) * (lp.ndim - x.ndim) + x.shape[1:])
+
+    c = counts.astype(jnp.float32)
+    seen = per_row(prompt) | (c > 0)
+    bias = per_row(bias)
     z = logits.astype(jnp.float32) + bias
-    r = rep[:, None]
+    r = per_row(rep[:, None])
     z = jnp.where(seen, jnp.where(z > 0, z / r, z * r), z)
     # Without a repetition penalty the bias is a per-token shift of the log-probs (exact:
     # the log-softmax shifts each row by one constant), kept as they are otherwise.
-    base = jnp.where(rep[:, None] != 1.0, jax.nn.log_softmax(z, axis=-1), lp + bias)
-    shifted = base - freq[:, None] * c - pres[:, None] * (c > 0)
-    out = _draw(lp, shifted, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p, want_top)
-    return (*out, counts.at[slots, out[0]].add(1, mode="drop"))
+    base = jnp.where(r != 1.0, jax.nn.log_softmax(z, axis=-1), lp + bias)
+    return base - per_row(freq[:, None]) * c - per_row(pres[:, None]) * (c > 0)
 
 
 def _filter_sorted(z, top_k, top_p, min_p):

@@ -47,8 +47,13 @@ MTP layer needed): the baseline of the speed figure (`benchmarks/bench_speculati
 A row's top-k, top-p and min-p (`Filters`) filter its target distributions p_i as
 `cpkv_jax.sampling` filters one draw (`filtered_probs`); its drafts are still drawn
 from the MTP layer's unfiltered q_i. The accept / reject rule is exact for any q, so the
-emitted tokens are distributed as the filtered target's draws. Not yet: penalties (each
-token's would depend on the tokens before it inside the step).
+emitted tokens are distributed as the filtered target's draws. A row's penalties and
+logit bias (`Penalties`, applied by `cpkv_jax.sampling.penalize` as to one draw) shape
+its target the same way: position i of a step counts the row's outputs so far and the
+drafts d_1..d_i as emitted, which they are whenever position i's token is read (a
+rejection before i discards it); the emitted tokens are counted after the step. A row's
+top log-probs (`DraftState.top`) are the top-N of every verified position's untempered
+log-probs (`top_logprobs`).
 """
 
 from __future__ import annotations
@@ -79,7 +84,13 @@ from cpkv_jax.model.numerics import batch_invariant, is_batch_invariant, token_b
 from cpkv_jax.model.rope import rope_cos_sin
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
-from cpkv_jax.sampling import TOP_LOGPROBS_MAX, filtered_probs
+from cpkv_jax.sampling import (
+    LOGIT_BIAS_MAX,
+    TOP_LOGPROBS_MAX,
+    dense_bias,
+    filtered_probs,
+    penalize,
+)
 
 
 @dataclasses.dataclass
@@ -111,12 +122,86 @@ class Filters:
 
 
 @dataclasses.dataclass
+class Penalties:
+    """Per row, its penalties as `cpkv_jax.sampling.penalize` applies them to one draw
+    (logit bias, repetition, frequency, presence; a row with none is not penalized) and
+    what they read: its output-token counts so far (the last verified token included)
+    and its prompt's tokens. They shape the target only: drafts stay unpenalized, which
+    keeps the accept / reject rule exact."""
+
+    counts: Int[Array, "b v"]
+    prompt: Bool[Array, "b v"]
+    bias_ids: Int[Array, "b n"]  # `PenaltyCounts`' layout: unused pairs name token v
+    bias_values: Float[Array, "b n"]
+    frequency: Float[Array, " b"]
+    presence: Float[Array, " b"]
+    repetition: Float[Array, " b"]
+
+    @classmethod
+    def none(cls, rows: int, vocab: int) -> Penalties:
+        """No penalty for `rows` rows."""
+        return cls(
+            jnp.zeros((rows, vocab), jnp.int32),
+            jnp.zeros((rows, vocab), bool),
+            jnp.full((rows, LOGIT_BIAS_MAX), vocab, jnp.int32),
+            jnp.zeros((rows, LOGIT_BIAS_MAX), jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+            jnp.ones((rows,), jnp.float32),
+        )
+
+    def on(self) -> Bool[Array, " b"]:
+        """The rows with a penalty or a logit bias."""
+        biased = jnp.any(self.bias_ids < self.counts.shape[-1], axis=-1)
+        return (self.frequency != 0) | (self.presence != 0) | (self.repetition != 1) | biased
+
+    def scores(self, lp: Array, logits: Array, drafts: Array | None = None) -> Array:
+        """The penalized log-probs (`[b, v]`, or `[b, k + 1, v]` at the positions a step
+        verifies after its `drafts` `[b, k]`, each counting the drafts before it as
+        emitted: a position is read only if they were): what a penalized row's greedy
+        token maximizes and its target is tempered from; `lp` itself when no row is
+        penalized (`lax.cond`: no `[b, k + 1, v]` counts are built then)."""
+        v = lp.shape[-1]
+
+        def penalized():
+            counts = self.counts
+            if drafts is not None:
+                before = jnp.cumsum(jax.nn.one_hot(drafts, v, dtype=jnp.int32), axis=1)
+                zero = jnp.zeros((drafts.shape[0], 1, v), jnp.int32)
+                counts = counts[:, None] + jnp.concatenate([zero, before], axis=1)
+            bias = dense_bias(self.bias_ids, self.bias_values, v)
+            return penalize(
+                lp, logits, counts, self.prompt, bias,
+                self.frequency, self.presence, self.repetition,
+            )  # fmt: skip
+
+        return jax.lax.cond(jnp.any(self.on()), penalized, lambda: lp.astype(jnp.float32))
+
+    def first(self, token: Int[Array, " b"]) -> Penalties:
+        """A newly admitted row's: its one output so far is `token`."""
+        counts = jax.nn.one_hot(token, self.counts.shape[-1], dtype=jnp.int32)
+        return dataclasses.replace(self, counts=counts)
+
+    def after(self, tokens: Int[Array, "b t"], emitted: Bool[Array, "b t"]) -> Penalties:
+        """With the `emitted` ones of `tokens` counted (penalized rows only matter; the
+        scatter runs only when a row is)."""
+
+        def add():
+            v = self.counts.shape[-1]
+            hot = jax.nn.one_hot(tokens, v, dtype=jnp.int32) * emitted[..., None]
+            return self.counts + hot.sum(axis=1)
+
+        counts = jax.lax.cond(jnp.any(self.on()), add, lambda: self.counts)
+        return dataclasses.replace(self, counts=counts)
+
+
+@dataclasses.dataclass
 class DraftState:
     """Per row: the last verified token (its KV not written yet), its position, the
     drafts for the positions after it and the distributions they were drawn from, and
     the row's sampling temperature (0: greedy), seed and target filters, and whether it
-    reports its tokens' top log-probs (`top`). `q` is `[b, k, 0]` in the greedy variant
-    of the step, which keeps no distributions."""
+    reports its tokens' top log-probs (`top`), and its penalties. `q` is `[b, k, 0]` in
+    the greedy variant of the step, which keeps no distributions."""
 
     token: Int[Array, " b"]
     pos: Int[Array, " b"]
@@ -126,6 +211,7 @@ class DraftState:
     seed: Int[Array, " b"]
     filters: Filters
     top: Bool[Array, " b"]
+    penalties: Penalties
 
 
 def _register(cls) -> None:
@@ -145,6 +231,7 @@ def _register(cls) -> None:
 
 
 _register(Filters)
+_register(Penalties)
 _register(DraftState)
 
 
@@ -205,20 +292,36 @@ def _uniforms(seed: Int[Array, " b"], pos: Int[Array, " b"], tag: int, n: int) -
     return jax.vmap(row)(seed, pos)
 
 
+def _penalized(lp, logits, penalties: Penalties | None, drafts=None) -> tuple[Array, Array]:
+    """(what each row's greedy token is the argmax of, what its tempered target is
+    drawn from): `lp` and `logits`, or a penalized row's penalized log-probs for both
+    (`Penalties.scores`, after `drafts` when verifying them)."""
+    if penalties is None:
+        return lp, logits.astype(jnp.float32)
+    scores = penalties.scores(lp, logits, drafts)
+    on = penalties.on().reshape((-1,) + (1,) * (lp.ndim - 1))
+    return jnp.where(on, scores, lp), jnp.where(on, scores, logits.astype(jnp.float32))
+
+
 def _target(
     logits: Float[Array, "b *t v"],
     temperature: Float[Array, " b"],
     filters: Filters | None = None,
+    penalties: Penalties | None = None,
+    drafts: Int[Array, "b k"] | None = None,
 ) -> tuple[Float[Array, "b *t v"], Float[Array, "b *t v"]]:
     """(log-probs, the distribution to draw from): `softmax(logits / T)` for a row with
     T > 0, with the row's `filters` applied (the target's; a draft's distribution is not
     filtered: any draft distribution keeps speculative sampling exact), the one-hot of
     the greedy token (argmax of the log-probs, as the reference generator picks it) for
-    T = 0, so the greedy rule is the sampling rule's special case (`accept_drafts`)."""
+    T = 0, so the greedy rule is the sampling rule's special case (`accept_drafts`). A
+    row with `penalties` (verifying `drafts`: `Penalties.scores`) has them applied before
+    both, as `cpkv_jax.sampling` applies them to one draw; the log-probs stay unpenalized."""
     lp = log_probs(logits, is_batch_invariant())
+    greedy_scores, source = _penalized(lp, logits, penalties, drafts)
     t = temperature.reshape(temperature.shape + (1,) * (logits.ndim - 1))
-    onehot = jax.nn.one_hot(jnp.argmax(lp, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    z = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
+    onehot = jax.nn.one_hot(jnp.argmax(greedy_scores, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    z = source / jnp.where(t > 0, t, 1.0)
     tempered = jax.nn.softmax(z, axis=-1)
     if filters is not None:
         v = logits.shape[-1]
@@ -260,16 +363,26 @@ def _draw(probs: Float[Array, "b v"], u: Float[Array, " b"]) -> Int[Array, " b"]
     return jnp.minimum(token, probs.shape[-1] - 1).astype(jnp.int32)
 
 
-def _pick(logits, temperature, seed, pos, tag: int, greedy: bool, filters: Filters | None = None):
+def _pick(
+    logits,
+    temperature,
+    seed,
+    pos,
+    tag: int,
+    greedy: bool,
+    filters: Filters | None = None,
+    penalties: Penalties | None = None,
+):
     """(log-probs, the distribution drawn from - None when `greedy` -, the token) of
     each row's next token: the argmax of the log-probs when `greedy` (every row at
     temperature 0: no draws, no distributions), else a draw from `_target`'s
-    distribution (with `filters`: a target token's) with the row's stream `tag` at
-    `pos`."""
+    distribution (with `filters` and `penalties`: a target token's) with the row's
+    stream `tag` at `pos`."""
     if greedy:
         lp = log_probs(logits, is_batch_invariant())
-        return lp, None, jnp.argmax(lp, axis=-1).astype(jnp.int32)
-    lp, p = _target(logits, temperature, filters)
+        scores, _ = _penalized(lp, logits, penalties)
+        return lp, None, jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    lp, p = _target(logits, temperature, filters, penalties)
     return lp, p, _draw(p, _uniforms(seed, pos, tag, 1)[:, 0])
 
 
@@ -356,14 +469,16 @@ def spec_step(
         ids = jnp.concatenate([ds.token[:, None], ds.drafts], axis=1)
         batch = span_on_device(ids, ds.pos, table, live, page_size)
         hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype)
+        logits = model.logits(hidden)
         if greedy:  # the sampling rule with one-hot distributions, without the draws
-            lp = log_probs(model.logits(hidden), is_batch_invariant())
-            tokens = jnp.argmax(lp, axis=-1).astype(jnp.int32)
+            lp = log_probs(logits, is_batch_invariant())
+            scores, _ = _penalized(lp, logits, ds.penalties, ds.drafts)
+            tokens = jnp.argmax(scores, axis=-1).astype(jnp.int32)
             accepted = jnp.sum(jnp.cumprod(ds.drafts == tokens[:, :k], axis=1), axis=1)
             accepted = accepted.astype(jnp.int32)
             token = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
         else:
-            lp, p = _target(model.logits(hidden), ds.temperature, ds.filters)
+            lp, p = _target(logits, ds.temperature, ds.filters, ds.penalties, ds.drafts)
             u = _uniforms(ds.seed, ds.pos, ACCEPT_STREAM, k + 1)
             accepted, token = jax.vmap(accept_drafts)(p, ds.q, ds.drafts, u)
             i = jnp.arange(k + 1)[None]
@@ -372,7 +487,9 @@ def spec_step(
             tokens = jnp.where(i == accepted[:, None], token[:, None], tokens)
         out = StepOutput(tokens, accepted, _chosen(lp, tokens), *top_logprobs(lp, ds.top))
         pos = ds.pos + accepted + 1
-        nxt = dataclasses.replace(ds, token=token, pos=pos)
+        emitted = jnp.arange(k + 1)[None] <= accepted[:, None]
+        penalties = ds.penalties.after(tokens, emitted)
+        nxt = dataclasses.replace(ds, token=token, pos=pos, penalties=penalties)
         if k == 0:
             return out, nxt, pool
         # The MTP pass: position p + i sees the emitted token at p + i + 1.
@@ -454,20 +571,28 @@ def _prefill(
     greedy,
     kv_io: KVIO = SINGLE_DEVICE_KV_IO,
     block_bytes: int | None = None,
+    penalties: Penalties | None = None,
 ):
     """The trunk over the prompts: their final hidden states, each row's first token
-    (drawn with the row's accept stream at its prompt's last position) and the
-    log-probs it was drawn from (untempered)."""
+    (drawn with the row's accept stream at its prompt's last position; `penalties` as
+    `_pick` takes them) and the log-probs it was drawn from (untempered)."""
     with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
         hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype)
         last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
         logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0])
-        lp, _, token = _pick(logits, temperature, seed, last, ACCEPT_STREAM, greedy, filters)
+        lp, _, token = _pick(
+            logits, temperature, seed, last, ACCEPT_STREAM, greedy, filters, penalties
+        )
         return hidden, token, lp, pool
 
 
 # ---- the serving engine's draft state, by request slot ----------------------------------
+
+
+def _no_outputs(penalties: Penalties) -> Penalties:
+    """`penalties` of rows being admitted: no output counted yet."""
+    return dataclasses.replace(penalties, counts=jnp.zeros_like(penalties.counts))
 
 
 def init_slab(slots: int, k: int, vocab: int) -> DraftState:
@@ -486,6 +611,7 @@ def init_slab(slots: int, k: int, vocab: int) -> DraftState:
         seed=jnp.zeros((n,), jnp.int32),
         filters=Filters.none(n),
         top=jnp.zeros((n,), bool),
+        penalties=Penalties.none(n, vocab),
     )
 
 
@@ -503,7 +629,10 @@ def _gather(slab: DraftState, slots: Int[Array, " b"], greedy: bool) -> DraftSta
         q = jnp.where((temperature > 0)[:, None, None], take(slab.q), onehot)
     filters = jax.tree.map(take, slab.filters)
     seed, top = take(slab.seed), take(slab.top)
-    return DraftState(take(slab.token), take(slab.pos), drafts, q, temperature, seed, filters, top)
+    penalties = jax.tree.map(take, slab.penalties)
+    return DraftState(
+        take(slab.token), take(slab.pos), drafts, q, temperature, seed, filters, top, penalties
+    )
 
 
 def _scatter(
@@ -525,6 +654,7 @@ def _scatter(
         seed=put(slab.seed, ds.seed),
         filters=jax.tree.map(put, slab.filters, ds.filters),
         top=put(slab.top, ds.top),
+        penalties=jax.tree.map(put, slab.penalties, ds.penalties),
     )
 
 
@@ -557,6 +687,7 @@ def slab_admit(
     seed: Int[Array, " b"],
     filters: Filters,
     top: Bool[Array, " b"],
+    penalties: Penalties,
     pool: KVPool,
     *,
     k: int,
@@ -571,13 +702,16 @@ def slab_admit(
     (each prompt from position 0; rows with no valid token are padding): the trunk over
     the prompts, each row's first token and its log-prob, then the MTP pass over each
     prompt and the first `k` drafts, written into `slab` at `slots` with the row's
-    temperature, seed, filters and `top` (it reports top log-probs). Returns (first
-    tokens, their log-probs, their top ids and log-probs (`top_logprobs`), slab, pool)."""
+    temperature, seed, filters, `top` (it reports top log-probs) and `penalties` (their
+    counts are ignored: a prompt has no outputs yet; the first token's penalty is the
+    repetition and logit bias). Returns (first tokens, their log-probs, their top ids
+    and log-probs (`top_logprobs`), slab, pool)."""
     live = batch.valid[:, 0]
     kw = {"index_k_dtype": index_k_dtype, "invariant": invariant, "greedy": greedy}
     kw |= {"kv_io": kv_io, "block_bytes": block_bytes}
+    penalties = _no_outputs(penalties)
     hidden, token, lp, pool = _prefill(
-        graphdef, state, batch, temperature, seed, filters, pool, **kw
+        graphdef, state, batch, temperature, seed, filters, pool, **kw, penalties=penalties
     )
     tops = top_logprobs(lp, top & live)
     # Position i of the MTP pass sees token i + 1: the prompt shifted, then the first token.
@@ -598,7 +732,7 @@ def slab_admit(
         page_size=page_size,
         **kw,
     )
-    ds = DraftState(token, n, drafts, q, temperature, seed, filters, top)
+    ds = DraftState(token, n, drafts, q, temperature, seed, filters, top, penalties.first(token))
     return token, _chosen(lp, token), *tops, _scatter(slab, slots, live, ds, greedy), pool
 
 
@@ -615,6 +749,7 @@ def slab_admit_from_hidden(
     seed: Int[Array, " b"],
     filters: Filters,
     top: Bool[Array, " b"],
+    penalties: Penalties,
     pool: KVPool,
     *,
     k: int,
@@ -634,9 +769,13 @@ def slab_admit_from_hidden(
     with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
         last = jnp.maximum(n - 1, 0)
-        lp, _, token = _pick(logits, temperature, seed, last, ACCEPT_STREAM, greedy, filters)
+        penalties = _no_outputs(penalties)
+        lp, _, token = _pick(
+            logits, temperature, seed, last, ACCEPT_STREAM, greedy, filters, penalties
+        )
         slab, pool = _draft_after_prefill(
-            model, slab, slots, token, hidden, n, table, temperature, seed, filters, top, pool,
+            model, slab, slots, token, hidden, n, table, temperature, seed, filters, top,
+            penalties, pool,
             k=k, page_size=page_size, index_k_dtype=index_k_dtype, greedy=greedy, kv_io=kv_io,
         )  # fmt: skip
         return token, _chosen(lp, token), *top_logprobs(lp, top & (n > 0)), slab, pool
@@ -655,6 +794,7 @@ def slab_admit_given(
     seed: Int[Array, " b"],
     filters: Filters,
     top: Bool[Array, " b"],
+    penalties: Penalties,
     pool: KVPool,
     *,
     k: int,
@@ -673,7 +813,8 @@ def slab_admit_given(
     with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
         return _draft_after_prefill(
-            model, slab, slots, token, hidden, n, table, temperature, seed, filters, top, pool,
+            model, slab, slots, token, hidden, n, table, temperature, seed, filters, top,
+            _no_outputs(penalties), pool,
             k=k, page_size=page_size, index_k_dtype=index_k_dtype, greedy=greedy, kv_io=kv_io,
         )  # fmt: skip
 
@@ -690,6 +831,7 @@ def _draft_after_prefill(
     seed,
     filters: Filters,
     top,
+    penalties: Penalties,
     pool: KVPool,
     *,
     k: int,
@@ -720,7 +862,7 @@ def _draft_after_prefill(
         greedy=greedy,
         kv_io=kv_io,
     )
-    ds = DraftState(token, n, drafts, q, temperature, seed, filters, top)
+    ds = DraftState(token, n, drafts, q, temperature, seed, filters, top, penalties.first(token))
     return _scatter(slab, slots, live, ds, greedy), pool
 
 
@@ -878,6 +1020,7 @@ class MTPSpeculator:
             jax.device_put(seed),
             jax.device_put(filters),
             jax.device_put(np.zeros(rows, bool)),  # no top log-probs
+            Penalties.none(rows, self.cfg.vocab_size),
         )
         table = jax.device_put(tables)
         step, pending = 0, None

@@ -348,9 +348,9 @@ class ServerArgs:
         "none",
         help="draft tokens with the checkpoint's own MTP layer and verify them with the "
         "model in the same decode step (greedy: exactly the tokens of plain decoding; "
-        "temperature > 0: speculative sampling, with top-k / top-p / min-p). Unified or PD "
-        "(give both servers the flag: the prefill server sends the MTP layer's KV), on one "
-        "device or a DP mesh (--dp-size); requests asking for penalties, logit bias, "
+        "temperature > 0: speculative sampling, with top-k / top-p / min-p, penalties and "
+        "logit bias). Unified or PD (give both servers the flag: the prefill server sends "
+        "the MTP layer's KV), on one device or a DP mesh (--dp-size); requests asking for "
         "min_new_tokens or grammars are refused with 400",
         group="speculative",
     )

@@ -91,6 +91,7 @@ from serving.decode.request import DecodeRequest
 from serving.decode.sampler import PENALTY_SLOTS_MAX, RowSampler
 from serving.decode.speculative import (
     SPEC_SLOTS_MAX,
+    RowPenalty,
     SpecInFlight,
     SpeculativeSteps,
     refusal,
@@ -258,7 +259,7 @@ class DecodeEngine:
         self._last_fetch: float | None = None
         self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, (), self.queue.stats(), (), {})
         # At most PENALTY_SLOTS_MAX slots: `max_running_requests` may be the pool's pages
-        # (a speculative engine refuses penalties: one slot).
+        # (a speculative engine keeps its rows' penalties in their draft state: one slot).
         slots = 1 if self.spec else min(max_running_requests, PENALTY_SLOTS_MAX)
         self.sampler = RowSampler(
             cfg,
@@ -452,7 +453,7 @@ class DecodeEngine:
         return choose_rank(free, rows, r.n_pages, self._max_rows_per_rank, self._next_rank)
 
     def penalty_slot_free(self, r: DecodeRequest) -> bool:
-        if self.spec is not None:  # no penalties (`refusal`); a draft-state slot instead
+        if self.spec is not None:  # its penalties live in its draft-state slot
             return self.spec.free_slots > 0
         return self.sampler.slot_free(r, {q.rid for q in self._in_flight()})
 
@@ -467,9 +468,10 @@ class DecodeEngine:
     def take_slots(self, r: DecodeRequest) -> None:
         """Reserve `r`'s penalty slot (if it needs one) and its draft-state slot on its
         rank (a speculative engine); `fits_now` / `penalty_slot_free` said they are free."""
-        self.sampler.reserve(r)
-        if self.spec is not None:
+        if self.spec is not None:  # its penalties live in its draft-state slot
             r.slot = self.spec.take_slot(r.rank)
+        else:
+            self.sampler.reserve(r)
 
     def give_back_slot(self, r: DecodeRequest) -> None:
         """`r`'s draft-state slot back (once)."""
@@ -876,7 +878,7 @@ class DecodeEngine:
         sp = r.req.sampling
         first = self.spec.admit_after_prefill(
             logits, hidden, len(r.prompt), r.pages, r.width, r.slot, sp.temperature, r.seed,
-            _filters(sp), _top_n(r) > 0,
+            _filters(sp), _top_n(r) > 0, _penalty(r),
         )  # fmt: skip
 
         def pick() -> tuple[int, float, TopLogprobs]:
@@ -903,7 +905,7 @@ class DecodeEngine:
         try:
             self.spec.admit_given(
                 first[0], hidden, len(r.prompt), r.pages, r.width, r.slot, sp.temperature, r.seed,
-                _filters(sp), _top_n(r) > 0,
+                _filters(sp), _top_n(r) > 0, _penalty(r),
             )  # fmt: skip
         except Exception as exc:
             self.step_failed("the drafting of its first tokens", exc, [r], touched)
@@ -921,7 +923,7 @@ class DecodeEngine:
                 assert r.slot is not None and r.pages is not None
                 sp = r.req.sampling
                 args = (r.prompt, r.pages, r.width, r.slot, sp.temperature, r.seed, _filters(sp))
-                admissions.append((*args, _top_n(r) > 0))
+                admissions.append((*args, _top_n(r) > 0, _penalty(r)))
             out = self.spec.prefill_many(admissions)
             asked = any(_top_n(r) for r in batch)
             token, lp, *top = jax.device_get(out if asked else out[:2])
@@ -974,6 +976,13 @@ def whole_prompt_engine(
 def _filters(sp: SamplingParams) -> tuple[int, float, float]:
     """A speculative row's target filters (`serving.decode.speculative.RowFilters`)."""
     return sp.top_k, sp.top_p, sp.min_p
+
+
+def _penalty(r: DecodeRequest) -> RowPenalty:
+    """A speculative row's penalties (`serving.decode.speculative.RowPenalty`)."""
+    sp = r.req.sampling
+    pen = (sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty)
+    return (r.prompt, sp.logit_bias, *pen)
 
 
 def _top_n(r: DecodeRequest) -> int:

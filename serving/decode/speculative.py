@@ -31,10 +31,13 @@ filtered as the sampler filters one draw); its drafts come from the MTP layer's 
 distribution, which keeps speculative sampling exact for the filtered target. A row that
 asks for top log-probs gets them at every token it emits: the step takes the top-N of
 every verified position when a row of it asks (`cpkv_jax.speculative.top_logprobs`), and
-the host fetches them only then. What a speculative step cannot apply is refused when
-the request arrives (`refusal`: HTTP 400 naming the parameter): penalties, logit bias,
-min_new_tokens and grammars need a server without `--speculative-algorithm` (each
-depends on the tokens before it inside one step's chain).
+the host fetches them only then. A row's frequency, presence and repetition penalties
+and logit bias shape its target too (`cpkv_jax.speculative.Penalties`, kept in its
+draft-state slot: each verified position counts the drafts before it as emitted), as
+the plain sampler applies them. What a speculative step cannot apply is refused when
+the request arrives (`refusal`: HTTP 400 naming the parameter): min_new_tokens and
+grammars need a server without `--speculative-algorithm` (their bans and masks depend on
+host-side state at each token of the chain).
 
 Step shapes (the `DecodeSteps` interface, so the engine's warm-up and compile accounting
 are unchanged): `("spec" | "spec_greedy", rows, K + 1, width)` for decode steps,
@@ -51,6 +54,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -63,11 +67,13 @@ from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_store import KVStore
 from cpkv_jax.model.expert_parallel import EPDispatch
 from cpkv_jax.model.forward_batch import ForwardBatch, span_batch
-from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
+from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, KVPool, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import padded_page_table
+from cpkv_jax.sampling import LOGIT_BIAS_MAX
 from cpkv_jax.speculative import (
     Filters,
+    Penalties,
     StepOutput,
     init_slab,
     slab_admit,
@@ -101,18 +107,40 @@ ADMISSION_FORMS = {"logits": SPEC_ADMIT_FORMS, "token": SPEC_GIVEN_FORMS}
 # A row's target filters as the sampler takes them: (top_k, top_p, min_p).
 RowFilters = tuple[int, float, float]
 NO_FILTERS: RowFilters = (0, 1.0, 0.0)
+# A row's penalties as the sampler takes them: (its prompt's tokens, its logit bias as
+# (token, value) pairs, frequency, presence and repetition penalties).
+RowPenalty = tuple[np.ndarray | Sequence[int], Sequence[tuple[int, float]], float, float, float]
+NO_PENALTY: RowPenalty = ((), (), 0.0, 0.0, 1.0)
 # One admission of `prefill_many`: (prompt, pages, page-table width, draft-state slot,
-# temperature, seed, filters, whether it reports top log-probs).
-SpecAdmission = tuple[np.ndarray, np.ndarray, int, int, float, int, RowFilters, bool]
+# temperature, seed, filters, whether it reports top log-probs, penalties).
+SpecAdmission = tuple[np.ndarray, np.ndarray, int, int, float, int, RowFilters, bool, RowPenalty]
 # A program's arguments for one row: a tuple of host arrays, each with a leading axis of 1
 # (`SpeculativeSteps._rows` stacks them into the step's rows).
 Row = tuple[np.ndarray, ...]
 
 
-def _sampling(temperature: float, seed: int, filters: RowFilters, top: bool) -> Row:
-    """One admitted row's temperature, seed, target filters (top-k, top-p, min-p) and
-    whether it reports its tokens' top log-probs."""
+def _sampling(
+    vocab: int,
+    temperature: float,
+    seed: int,
+    filters: RowFilters,
+    top: bool,
+    penalty: RowPenalty = NO_PENALTY,
+) -> Row:
+    """One admitted row's temperature, seed, target filters (top-k, top-p, min-p),
+    whether it reports its tokens' top log-probs, and its penalties (`Penalties`' row:
+    the prompt as a `[vocab]` mask, the bias pairs in `PenaltyCounts`' layout)."""
     top_k, top_p, min_p = filters
+    prompt_ids, logit_bias, frequency, presence, repetition = penalty
+    if len(logit_bias) > LOGIT_BIAS_MAX:
+        raise ValueError(f"{len(logit_bias)} logit_bias tokens, over {LOGIT_BIAS_MAX}")
+    prompt = np.zeros((1, vocab), bool)
+    if repetition != 1.0:  # the only penalty that reads the prompt
+        prompt[0, np.asarray(prompt_ids, np.int64)] = True
+    bias_ids = np.full((1, LOGIT_BIAS_MAX), vocab, np.int32)
+    bias_values = np.zeros((1, LOGIT_BIAS_MAX), np.float32)
+    for i, (token, value) in enumerate(logit_bias):
+        bias_ids[0, i], bias_values[0, i] = token, value
     return (
         np.asarray([temperature], np.float32),
         np.asarray([seed % 2**31], np.int32),
@@ -120,7 +148,23 @@ def _sampling(temperature: float, seed: int, filters: RowFilters, top: bool) -> 
         np.asarray([top_p], np.float32),
         np.asarray([min_p], np.float32),
         np.asarray([top], bool),
+        prompt,
+        bias_ids,
+        bias_values,
+        np.asarray([frequency], np.float32),
+        np.asarray([presence], np.float32),
+        np.asarray([repetition], np.float32),
     )
+
+
+def _reports(rest: tuple) -> tuple[tuple, Filters, jax.Array, Penalties, KVPool]:
+    """Split an admission program's trailing arguments (`_sampling`'s row after the
+    temperature and seed, then the pool) off `rest`: (the arguments before them,
+    filters, top, penalties, pool)."""
+    *head, top_k, top_p, min_p, top, prompt, bias_ids, bias_values, freq, pres, rep, pool = rest
+    counts = jnp.zeros(prompt.shape, jnp.int32)  # a prompt has no outputs yet
+    penalties = Penalties(counts, prompt, bias_ids, bias_values, freq, pres, rep)
+    return tuple(head), Filters(top_k, top_p, min_p), top, penalties, pool
 
 
 def _programs(graphdef, k: int, greedy: bool, static: dict) -> dict[str, Callable]:
@@ -133,26 +177,26 @@ def _programs(graphdef, k: int, greedy: bool, static: dict) -> dict[str, Callabl
         return slab_step(graphdef, state, slab, slots, table, live, pool, greedy=greedy, **static)
 
     def prefill(state, slab, slots, *rest):
-        *batch, temperature, seed, top_k, top_p, min_p, top, pool = rest
+        (*batch, temperature, seed), filters, top, penalties, pool = _reports(rest)
         *out, slab, pool = slab_admit(
             graphdef, state, slab, slots, ForwardBatch(*batch), temperature, seed,
-            Filters(top_k, top_p, min_p), top, pool, k=k, greedy=greedy, **static,
+            filters, top, penalties, pool, k=k, greedy=greedy, **static,
         )  # fmt: skip
         return tuple(out), slab, pool
 
     def admit(state, slab, slots, logits, hidden, n, table, *rest):
-        *row, top_k, top_p, min_p, top, pool = rest
+        row, filters, top, penalties, pool = _reports(rest)
         *out, slab, pool = slab_admit_from_hidden(
             graphdef, state, slab, slots, logits, hidden, n, table, *row,
-            Filters(top_k, top_p, min_p), top, pool, k=k, greedy=greedy, **static,
+            filters, top, penalties, pool, k=k, greedy=greedy, **static,
         )  # fmt: skip
         return tuple(out), slab, pool
 
     def given(state, slab, slots, token, hidden, n, table, *rest):
-        *row, top_k, top_p, min_p, top, pool = rest
+        row, filters, top, penalties, pool = _reports(rest)
         slab, pool = slab_admit_given(
             graphdef, state, slab, slots, token, hidden, n, table, *row,
-            Filters(top_k, top_p, min_p), top, pool, k=k, greedy=greedy, **static,
+            filters, top, penalties, pool, k=k, greedy=greedy, **static,
         )  # fmt: skip
         return (), slab, pool
 
@@ -175,10 +219,6 @@ def refusal(req: GenerateRequest) -> str | None:
     asked = [
         name
         for name, on in (
-            ("frequency_penalty", sp.frequency_penalty != 0.0),
-            ("presence_penalty", sp.presence_penalty != 0.0),
-            ("repetition_penalty", sp.repetition_penalty != 1.0),
-            ("logit_bias", bool(sp.logit_bias)),
             ("min_new_tokens", sp.min_new_tokens > 0),
             ("a grammar (structured output)", sp.grammar is not None),
         )
@@ -188,7 +228,8 @@ def refusal(req: GenerateRequest) -> str | None:
         return None
     return (
         f"this server decodes speculatively (--speculative-algorithm), which samples from "
-        f"softmax(logits / temperature) with top-k, top-p and min-p only; {', '.join(asked)} "
+        f"the model's distribution with its penalties, logit bias, top-k, top-p and min-p "
+        f"only; {', '.join(asked)} "
         f"{'needs' if len(asked) == 1 else 'need'} a server without speculative decoding"
     )
 
@@ -332,7 +373,7 @@ class SpeculativeSteps(CompiledShapes):
         trash = np.zeros((1,), np.int32)
         if form in SPEC_FORMS:
             return (spare, self._table(trash, width), np.zeros((1,), bool))
-        none = _sampling(0.0, 0, NO_FILTERS, False)
+        none = _sampling(self.vocab_size, 0.0, 0, NO_FILTERS, False)
         if form in SPEC_PREFILL_FORMS:
             table = padded_page_table(trash, width)
             batch = span_batch(np.zeros((0,), np.int32), 0, table, self.page_size, tokens)
@@ -391,12 +432,13 @@ class SpeculativeSteps(CompiledShapes):
         seed: int,
         filters: RowFilters = NO_FILTERS,
         top: bool = False,
+        penalty: RowPenalty = NO_PENALTY,
     ) -> tuple[jax.Array, ...]:
         """Admit one request: its prompt's KV (trunk and MTP layer) into `pages`, its first
         K drafts into `slot`; returns its first token, that token's log-prob and the top
         log-probs there (ids, values; zeros unless `top`), on the device (row 0 of each is
         the request's)."""
-        admission = (prompt, pages, width, slot, temperature, seed, filters, top)
+        admission = (prompt, pages, width, slot, temperature, seed, filters, top, penalty)
         return self.prefill_many([admission])
 
     def prefill_many(self, requests: Sequence[SpecAdmission]) -> tuple[jax.Array, ...]:
@@ -406,13 +448,13 @@ class SpeculativeSteps(CompiledShapes):
         width = max(req[2] for req in requests)
         greedy = all(req[4] == 0 for req in requests)
         rows = []
-        for prompt, pages, _, slot, temperature, seed, filters, top in requests:
+        for prompt, pages, _, slot, temperature, seed, *reports in requests:
             rank, local, local_pages = self._local(slot, pages)
             table = padded_page_table(local_pages, width)
             batch = span_batch(np.asarray(prompt, np.int32), 0, table, self.page_size, tokens)
             batch_rows = (np.asarray(a) for a in dataclasses.astuple(batch))
             slot_row = np.asarray([local], np.int32)
-            sampling = _sampling(temperature, seed, filters, top)
+            sampling = _sampling(self.vocab_size, temperature, seed, *reports)
             rows.append((rank, (slot_row, *batch_rows, *sampling)))
         if len({rank for rank, _ in rows}) != len(rows):
             raise ValueError("a speculative prefill takes at most one request per rank")
@@ -431,6 +473,7 @@ class SpeculativeSteps(CompiledShapes):
         seed: int,
         filters: RowFilters = NO_FILTERS,
         top: bool = False,
+        penalty: RowPenalty = NO_PENALTY,
     ) -> tuple[jax.Array, ...]:
         """Admit one request whose prompt (`n` tokens) was prefilled elsewhere with the
         MTP layer's pass over all but its last position: from that prefill's last logits
@@ -439,7 +482,7 @@ class SpeculativeSteps(CompiledShapes):
         first = np.asarray(logits, np.float32).reshape(1, -1)
         return self._after_prefill(
             SPEC_ADMIT_FORMS, first, hidden, n, pages, width, slot, temperature, seed,
-            (filters, top),
+            (filters, top, penalty),
         )  # fmt: skip
 
     def admit_given(
@@ -454,6 +497,7 @@ class SpeculativeSteps(CompiledShapes):
         seed: int,
         filters: RowFilters = NO_FILTERS,
         top: bool = False,
+        penalty: RowPenalty = NO_PENALTY,
     ) -> None:
         """Admit one request whose prompt (`n` tokens) was prefilled elsewhere, with the
         MTP layer's pass over all but its last position, and whose first output `token`
@@ -462,7 +506,7 @@ class SpeculativeSteps(CompiledShapes):
         first = np.asarray([token], np.int32)
         self._after_prefill(
             SPEC_GIVEN_FORMS, first, hidden, n, pages, width, slot, temperature, seed,
-            (filters, top),
+            (filters, top, penalty),
         )  # fmt: skip
 
     def _after_prefill(
@@ -470,7 +514,7 @@ class SpeculativeSteps(CompiledShapes):
     ) -> tuple:
         """Run one of the two admissions after a prefill elsewhere (`forms`), from
         `first` (the prefill's last logits, or the first token it drew); `reports`:
-        (filters, top)."""
+        (filters, top, penalty)."""
         shape = (forms[temperature == 0], 1, 1, width)
         rank, local, local_pages = self._local(slot, pages)
         row = (
@@ -479,7 +523,7 @@ class SpeculativeSteps(CompiledShapes):
             np.asarray(hidden, np.float32).reshape(1, -1),
             np.asarray([n], np.int32),
             self._table(local_pages, width),
-            *_sampling(temperature, seed, *reports),
+            *_sampling(self.vocab_size, temperature, seed, *reports),
         )
         return self._run(shape, [(rank, row)], forms[0])
 

@@ -57,8 +57,9 @@ def test_speculative_decoding_on_a_dp_mesh_equals_one_device(loaded, plain, ckpt
     rank holding the request's pages, in a draft-state slot of that rank. Greedy tokens
     and log-probs are bitwise the plain single-device engine's, with random and oracle
     drafts (every accepted count, stops inside accepted drafts); requests land on both
-    ranks, prefills of two ranks share one program; a sampled row with top-p draws
-    bitwise what it draws on one device (same seed); every page and slot comes back."""
+    ranks, prefills of two ranks share one program; sampled rows with top-p (one with
+    penalties) draw bitwise what they draw on one device (same seeds); every page and
+    slot comes back."""
     cfg, model = loaded(ckpt)
     engine = dp_engine(cfg, model, k, 2)
     free0 = engine.kv.num_free_pages
@@ -78,6 +79,8 @@ def test_speculative_decoding_on_a_dp_mesh_equals_one_device(loaded, plain, ckpt
     reqs = requests(cfg, seed=4)[:3]
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.8, seed=5)
     reqs[1] = dataclasses.replace(reqs[1], sampling=sp)
+    penalized = dataclasses.replace(sp, seed=6, frequency_penalty=0.8, logit_bias=((11, 3.0),))
+    reqs[2] = dataclasses.replace(reqs[2], sampling=penalized)
     want = run(make_engine(cfg, model, k), reqs)
     del engine.spec.step  # the oracle's wrapper: random drafts again
     got = run(engine, reqs)

@@ -40,7 +40,7 @@ from cpkv_jax.paging import PageAllocator
 from serving.decode.cached import CachedUnifiedEngine
 from serving.decode.engine import DecodeEngine
 from serving.decode.speculative import SPEC_FORMS
-from serving.engine.api import EngineStateLostError, GenerateRequest, SamplingParams
+from serving.engine.api import EngineStateLostError, GenerateRequest, Grammar, SamplingParams
 from serving.prefill.build import build_prefill_engine
 from serving.server_args import ServerArgs
 from transfer.page_plan import LayoutDescriptor, page_digests
@@ -76,6 +76,21 @@ def test_speculative_engine_emits_the_plain_engines_tokens_and_log_probs(loaded,
     assert engine.step_shapes <= engine.reachable_shapes()
 
 
+def test_penalties_count_the_drafts_a_step_accepts(loaded, plain):
+    """A penalized row's target at each verified position counts the drafts before it as
+    emitted (`Penalties.scores`): with its whole continuation as drafts, r3's first step
+    verifies three more 11s after its first and must count them to stop at the fourth
+    (mutation-checked: counting only the outputs before the step fails here), and r4's
+    repetition penalty and logit bias hold inside multi-token steps."""
+    cfg, model = loaded("glm")
+    engine = make_engine(cfg, model, 3)
+    reqs = requests(cfg)[3:]
+    assert plain("glm")["r3"][0][:5] == [11] * 4 + [28]  # the bias's token, 4 times, then not
+    accepted = install_oracle(engine, {r.rid: plain("glm")[r.rid][0] for r in reqs}, 3, False)
+    assert_same(run(engine, reqs), {r.rid: plain("glm")[r.rid] for r in reqs})
+    assert max(accepted) == 3
+
+
 def test_sampled_rows_depend_on_their_seed_alone_and_greedy_rows_stay_exact(loaded, plain):
     """A batch with a sampled row runs the sampled variant, in which the greedy rows'
     distributions are one-hot: they must still emit the plain greedy tokens; a sampled
@@ -109,7 +124,7 @@ def test_aborts_mid_step_and_refusals_leave_nothing_held(loaded):
     assert out["r1"][2] == out["r2"][2] == "length"
     assert engine.kv.num_free_pages == free0 and engine.spec.free_slots == ROWS
     r = requests(cfg)[0]
-    for field, value in (("repetition_penalty", 1.2), ("presence_penalty", 0.5)):
+    for field, value in (("min_new_tokens", 3), ("grammar", Grammar("regex", "[ab]+"))):
         bad = dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, **{field: value}))
         with pytest.raises(InputError, match=field):
             engine.add(bad)

@@ -62,6 +62,13 @@ def requests(cfg, seed: int = 3, **sampling) -> list[GenerateRequest]:
     for i, n in enumerate(LENGTHS):
         ids = tuple(rng.integers(3, cfg.vocab_size, n).tolist())
         sp = SamplingParams(max_new_tokens=10 + 2 * i, ignore_eos=True, **sampling)
+        # Penalized targets: each verified position counts the drafts before it. r3's bias
+        # makes token 11 the argmax until its count's penalty outweighs it (four times,
+        # then not: the counts decide inside a step); r4 has a repetition penalty.
+        if i == 3:
+            sp = dataclasses.replace(sp, logit_bias=((11, 6.0), (5, -3.0)), frequency_penalty=1.0)
+        if i == 4:
+            sp = dataclasses.replace(sp, repetition_penalty=1.3, logit_bias=((7, 1.0),))
         # r1 reports its top 3 at every token (`cpkv_jax.speculative.top_logprobs`).
         top = 3 if i == 1 else 0
         out.append(GenerateRequest(f"r{i}", ids, sp, return_logprob=True, top_logprobs=top))
@@ -103,9 +110,12 @@ def with_stop_tokens(reqs, plain: dict) -> list[GenerateRequest]:
     return out
 
 
-def install_oracle(engine: DecodeEngine, truth: dict[str, list[int]], k: int) -> list[int]:
+def install_oracle(
+    engine: DecodeEngine, truth: dict[str, list[int]], k: int, corrupt: bool = True
+) -> list[int]:
     """Replace each step's drafts by the plain continuation, corrupted at `(step + row)
-    mod (k + 1)` (k: none corrupted); returns the list the accepted counts go to."""
+    mod (k + 1)` (k: none corrupted; `corrupt` False: never); returns the list the
+    accepted counts go to."""
     spec = engine.spec
     assert spec is not None
     step_fn, steps = spec.step, [0]
@@ -122,7 +132,7 @@ def install_oracle(engine: DecodeEngine, truth: dict[str, list[int]], k: int) ->
             if len(true) == k:
                 drafts[slot] = true
                 bad = (steps[0] + i) % (k + 1)
-                if bad < k:
+                if bad < k and corrupt:
                     drafts[slot, bad] = (drafts[slot, bad] + 1) % engine.cfg.vocab_size
         spec.slab = dataclasses.replace(slab, drafts=jax.device_put(drafts, slab.drafts.sharding))
         steps[0] += 1
