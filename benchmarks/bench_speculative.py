@@ -41,7 +41,7 @@ from benchmarks.report import emit, environment
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.weights import load_model, save_hf_weights
-from cpkv_jax.speculative import DraftState, Filters, MTPSpeculator, spec_step
+from cpkv_jax.speculative import DraftState, Filters, MTPSpeculator, Penalties, spec_step
 from cpkv_jax.tools import fit_mtp
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from serving.decode.engine import DecodeEngine, whole_prompt_engine
@@ -87,7 +87,8 @@ def step_ms(model, k: int, repeats: int = 300) -> float:
     host = [[5], [40], np.full((1, k), 7), np.zeros((1, k, 0)), [0.0], [0]]
     dtypes = [np.int32, np.int32, np.int32, np.float32, np.float32, np.int32]
     fields = [np.asarray(x, d) for x, d in zip(host, dtypes, strict=True)]
-    ds = DraftState(*jax.device_put([*fields, Filters.of([0], [1.0], [0.0]), np.zeros(1, bool)]))
+    extra = [Filters.of([0], [1.0], [0.0]), np.zeros(1, bool)]  # no filters, no top log-probs
+    ds = DraftState(*jax.device_put([*fields, *extra]), Penalties.none(1, model.cfg.vocab_size))
     live = jax.device_put(np.ones(1, bool))
     times = []
     for _ in range(repeats + 1):  # the first compiles

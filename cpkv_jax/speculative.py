@@ -51,9 +51,10 @@ emitted tokens are distributed as the filtered target's draws. A row's penalties
 logit bias (`Penalties`, applied by `cpkv_jax.sampling.penalize` as to one draw) shape
 its target the same way: position i of a step counts the row's outputs so far and the
 drafts d_1..d_i as emitted, which they are whenever position i's token is read (a
-rejection before i discards it); the emitted tokens are counted after the step. A row's
-top log-probs (`DraftState.top`) are the top-N of every verified position's untempered
-log-probs (`top_logprobs`).
+rejection before i discards it); the emitted tokens are counted after the step, and
+`min_new_tokens`' stop-token bans hold at the positions before `Penalties.ban_until`. A
+row's top log-probs (`DraftState.top`) are the top-N of every verified position's
+untempered log-probs (`top_logprobs`).
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ class Penalties:
     (logit bias, repetition, frequency, presence; a row with none is not penalized) and
     what they read: its output-token counts so far (the last verified token included)
     and its prompt's tokens. They shape the target only: drafts stay unpenalized, which
-    keeps the accept / reject rule exact."""
+    keeps the accept / reject rule exact. Bias pairs of value -inf are bans (the stop
+    tokens of `min_new_tokens`, as `serving.engine.api.stop_token_bias` makes them): they
+    hold for the tokens at positions before `ban_until` only."""
 
     counts: Int[Array, "b v"]
     prompt: Bool[Array, "b v"]
@@ -136,6 +139,7 @@ class Penalties:
     frequency: Float[Array, " b"]
     presence: Float[Array, " b"]
     repetition: Float[Array, " b"]
+    ban_until: Int[Array, " b"]  # absolute position; 0: no ban
 
     @classmethod
     def none(cls, rows: int, vocab: int) -> Penalties:
@@ -148,6 +152,7 @@ class Penalties:
             jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows,), jnp.float32),
             jnp.ones((rows,), jnp.float32),
+            jnp.zeros((rows,), jnp.int32),
         )
 
     def on(self) -> Bool[Array, " b"]:
@@ -155,12 +160,15 @@ class Penalties:
         biased = jnp.any(self.bias_ids < self.counts.shape[-1], axis=-1)
         return (self.frequency != 0) | (self.presence != 0) | (self.repetition != 1) | biased
 
-    def scores(self, lp: Array, logits: Array, drafts: Array | None = None) -> Array:
+    def scores(
+        self, lp: Array, logits: Array, positions: Array, drafts: Array | None = None
+    ) -> Array:
         """The penalized log-probs (`[b, v]`, or `[b, k + 1, v]` at the positions a step
         verifies after its `drafts` `[b, k]`, each counting the drafts before it as
-        emitted: a position is read only if they were): what a penalized row's greedy
-        token maximizes and its target is tempered from; `lp` itself when no row is
-        penalized (`lax.cond`: no `[b, k + 1, v]` counts are built then)."""
+        emitted: a position is read only if they were) of the tokens at `positions`
+        (`[b]` or `[b, k + 1]`, for the bans): what a penalized row's greedy token
+        maximizes and its target is tempered from; `lp` itself when no row is penalized
+        (`lax.cond`: no `[b, k + 1, v]` counts are built then)."""
         v = lp.shape[-1]
 
         def penalized():
@@ -169,11 +177,17 @@ class Penalties:
                 before = jnp.cumsum(jax.nn.one_hot(drafts, v, dtype=jnp.int32), axis=1)
                 zero = jnp.zeros((drafts.shape[0], 1, v), jnp.int32)
                 counts = counts[:, None] + jnp.concatenate([zero, before], axis=1)
-            bias = dense_bias(self.bias_ids, self.bias_values, v)
-            return penalize(
+            ban = jnp.isinf(self.bias_values)
+            bias = dense_bias(self.bias_ids, jnp.where(ban, 0.0, self.bias_values), v)
+            banned = dense_bias(self.bias_ids, ban.astype(jnp.float32), v) > 0
+            out = penalize(
                 lp, logits, counts, self.prompt, bias,
                 self.frequency, self.presence, self.repetition,
             )  # fmt: skip
+            extra = (1,) * (lp.ndim - 2)
+            active = positions < self.ban_until.reshape((-1, *extra))
+            banned = banned.reshape(banned.shape[:1] + extra + banned.shape[1:])
+            return jnp.where(banned & active[..., None], -jnp.inf, out)
 
         return jax.lax.cond(jnp.any(self.on()), penalized, lambda: lp.astype(jnp.float32))
 
@@ -292,13 +306,15 @@ def _uniforms(seed: Int[Array, " b"], pos: Int[Array, " b"], tag: int, n: int) -
     return jax.vmap(row)(seed, pos)
 
 
-def _penalized(lp, logits, penalties: Penalties | None, drafts=None) -> tuple[Array, Array]:
+def _penalized(
+    lp, logits, penalties: Penalties | None, positions=None, drafts=None
+) -> tuple[Array, Array]:
     """(what each row's greedy token is the argmax of, what its tempered target is
     drawn from): `lp` and `logits`, or a penalized row's penalized log-probs for both
-    (`Penalties.scores`, after `drafts` when verifying them)."""
+    (`Penalties.scores` at `positions`, after `drafts` when verifying them)."""
     if penalties is None:
         return lp, logits.astype(jnp.float32)
-    scores = penalties.scores(lp, logits, drafts)
+    scores = penalties.scores(lp, logits, positions, drafts)
     on = penalties.on().reshape((-1,) + (1,) * (lp.ndim - 1))
     return jnp.where(on, scores, lp), jnp.where(on, scores, logits.astype(jnp.float32))
 
@@ -308,6 +324,7 @@ def _target(
     temperature: Float[Array, " b"],
     filters: Filters | None = None,
     penalties: Penalties | None = None,
+    positions: Int[Array, "b ..."] | None = None,
     drafts: Int[Array, "b k"] | None = None,
 ) -> tuple[Float[Array, "b *t v"], Float[Array, "b *t v"]]:
     """(log-probs, the distribution to draw from): `softmax(logits / T)` for a row with
@@ -315,10 +332,11 @@ def _target(
     filtered: any draft distribution keeps speculative sampling exact), the one-hot of
     the greedy token (argmax of the log-probs, as the reference generator picks it) for
     T = 0, so the greedy rule is the sampling rule's special case (`accept_drafts`). A
-    row with `penalties` (verifying `drafts`: `Penalties.scores`) has them applied before
+    row with `penalties` (at `positions`, verifying `drafts`: `Penalties.scores`) has them
+    applied before
     both, as `cpkv_jax.sampling` applies them to one draw; the log-probs stay unpenalized."""
     lp = log_probs(logits, is_batch_invariant())
-    greedy_scores, source = _penalized(lp, logits, penalties, drafts)
+    greedy_scores, source = _penalized(lp, logits, penalties, positions, drafts)
     t = temperature.reshape(temperature.shape + (1,) * (logits.ndim - 1))
     onehot = jax.nn.one_hot(jnp.argmax(greedy_scores, axis=-1), logits.shape[-1], dtype=jnp.float32)
     z = source / jnp.where(t > 0, t, 1.0)
@@ -377,12 +395,12 @@ def _pick(
     each row's next token: the argmax of the log-probs when `greedy` (every row at
     temperature 0: no draws, no distributions), else a draw from `_target`'s
     distribution (with `filters` and `penalties`: a target token's) with the row's
-    stream `tag` at `pos`."""
+    stream `tag` at `pos` (the token's position is `pos + 1`)."""
     if greedy:
         lp = log_probs(logits, is_batch_invariant())
-        scores, _ = _penalized(lp, logits, penalties)
+        scores, _ = _penalized(lp, logits, penalties, pos + 1)
         return lp, None, jnp.argmax(scores, axis=-1).astype(jnp.int32)
-    lp, p = _target(logits, temperature, filters, penalties)
+    lp, p = _target(logits, temperature, filters, penalties, pos + 1)
     return lp, p, _draw(p, _uniforms(seed, pos, tag, 1)[:, 0])
 
 
@@ -470,15 +488,16 @@ def spec_step(
         batch = span_on_device(ids, ds.pos, table, live, page_size)
         hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype)
         logits = model.logits(hidden)
+        at = ds.pos[:, None] + 1 + jnp.arange(k + 1)[None]  # the verified tokens' positions
         if greedy:  # the sampling rule with one-hot distributions, without the draws
             lp = log_probs(logits, is_batch_invariant())
-            scores, _ = _penalized(lp, logits, ds.penalties, ds.drafts)
+            scores, _ = _penalized(lp, logits, ds.penalties, at, ds.drafts)
             tokens = jnp.argmax(scores, axis=-1).astype(jnp.int32)
             accepted = jnp.sum(jnp.cumprod(ds.drafts == tokens[:, :k], axis=1), axis=1)
             accepted = accepted.astype(jnp.int32)
             token = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
         else:
-            lp, p = _target(logits, ds.temperature, ds.filters, ds.penalties, ds.drafts)
+            lp, p = _target(logits, ds.temperature, ds.filters, ds.penalties, at, ds.drafts)
             u = _uniforms(ds.seed, ds.pos, ACCEPT_STREAM, k + 1)
             accepted, token = jax.vmap(accept_drafts)(p, ds.q, ds.drafts, u)
             i = jnp.arange(k + 1)[None]
@@ -953,11 +972,16 @@ class MTPSpeculator:
         top_k: int = 0,
         top_p: float = 1.0,
         min_p: float = 0.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Sequence[tuple[int, float]] = (),
     ) -> list[SpeculativeResult]:
         """`max_new_tokens` tokens per prompt, all rows in one batch (EOS does not stop a
         row: the exactness oracle's contract): greedy, or drawn at `temperature` with
         speculative sampling (row i's random streams from `seeds[i]`, default i) from the
-        target filtered by `top_k`, `top_p` and `min_p` as `cpkv_jax.sampling` filters.
+        target filtered by `top_k`, `top_p` and `min_p` as `cpkv_jax.sampling` filters,
+        with every row's penalties and `logit_bias` (`Penalties`) applied first.
 
         `overlap`: step n + 1 is dispatched before the host fetches step n's tokens (its
         inputs are step n's device outputs), so the host's work hides behind the device's;
@@ -990,13 +1014,17 @@ class MTPSpeculator:
         seed = np.zeros(rows, np.int32)
         seed[: len(prompts)] = seeds
         filters = Filters.of([top_k] * rows, [top_p] * rows, [min_p] * rows)
+        penalties = _penalties_for(
+            prompts, rows, self.cfg.vocab_size, logit_bias,
+            (frequency_penalty, presence_penalty, repetition_penalty),
+        )  # fmt: skip
         live = np.arange(rows) < len(prompts)
         # Every prompt in one prefill (and one MTP pass), padded to the longest's bucket.
         length = prefill_bucket(max(len(x) for x in prompts))
         batch = rows_batch(prompts, tables, p, length)
         greedy = temperature == 0
         hidden, token, lp, pool = self._prefill[greedy](
-            self.state, batch, temps, seed, filters, pool
+            self.state, batch, temps, seed, filters, pool, penalties=penalties
         )
         drafts = jnp.zeros((rows, k), jnp.int32)
         q = jnp.zeros((rows, k, 0 if greedy else self.cfg.vocab_size), jnp.float32)
@@ -1020,7 +1048,7 @@ class MTPSpeculator:
             jax.device_put(seed),
             jax.device_put(filters),
             jax.device_put(np.zeros(rows, bool)),  # no top log-probs
-            Penalties.none(rows, self.cfg.vocab_size),
+            penalties.first(token),
         )
         table = jax.device_put(tables)
         step, pending = 0, None
@@ -1059,6 +1087,32 @@ class MTPSpeculator:
             o.accepted.append(a)
             pos[i] += a + 1
             live[i] = len(o.output_ids) < max_new_tokens
+
+
+def _penalties_for(
+    prompts: Sequence[np.ndarray],
+    rows: int,
+    vocab: int,
+    logit_bias: Sequence[tuple[int, float]],
+    values: tuple[float, float, float],
+) -> Penalties:
+    """`MTPSpeculator.generate`'s rows' `Penalties` (padding rows have none): every
+    prompt's tokens, one logit bias and (frequency, presence, repetition) `values`."""
+    if len(logit_bias) > LOGIT_BIAS_MAX:
+        raise InputError(f"{len(logit_bias)} logit_bias tokens, over {LOGIT_BIAS_MAX}")
+    prompt = np.zeros((rows, vocab), bool)
+    bias_ids = np.full((rows, LOGIT_BIAS_MAX), vocab, np.int32)
+    bias_values = np.zeros((rows, LOGIT_BIAS_MAX), np.float32)
+    scalars = np.asarray([[0.0, 0.0, 1.0]] * rows, np.float32)
+    ban_until = np.zeros((rows,), np.int32)  # no min_new_tokens here
+    for i, x in enumerate(prompts):
+        prompt[i, x] = True
+        for j, (token, value) in enumerate(logit_bias):
+            bias_ids[i, j], bias_values[i, j] = token, value
+        scalars[i] = values
+    counts = np.zeros((rows, vocab), np.int32)
+    host = (counts, prompt, bias_ids, bias_values, *scalars.T, ban_until)
+    return Penalties(*(jnp.asarray(a) for a in host))
 
 
 @jax.jit

@@ -348,10 +348,10 @@ class ServerArgs:
         "none",
         help="draft tokens with the checkpoint's own MTP layer and verify them with the "
         "model in the same decode step (greedy: exactly the tokens of plain decoding; "
-        "temperature > 0: speculative sampling, with top-k / top-p / min-p, penalties and "
-        "logit bias). Unified or PD (give both servers the flag: the prefill server sends "
-        "the MTP layer's KV), on one device or a DP mesh (--dp-size); requests asking for "
-        "min_new_tokens or grammars are refused with 400",
+        "temperature > 0: speculative sampling, with top-k / top-p / min-p, penalties, "
+        "logit bias and min_new_tokens). Unified or PD (give both servers the flag: the "
+        "prefill server sends the MTP layer's KV), on one device or a DP mesh (--dp-size); "
+        "requests with a grammar are refused with 400",
         group="speculative",
     )
     speculative_num_steps: int | None = _arg(

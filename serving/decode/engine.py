@@ -105,6 +105,7 @@ from serving.engine.api import (
     OutputChunk,
     SamplingParams,
     ServerMode,
+    stop_token_bias,
 )
 from serving.engine.step_failures import check_pool_after, pool_damage, step_failure
 from serving.engine.stopping import Detokenize, StopChecker, StopResult, request_seed
@@ -878,7 +879,7 @@ class DecodeEngine:
         sp = r.req.sampling
         first = self.spec.admit_after_prefill(
             logits, hidden, len(r.prompt), r.pages, r.width, r.slot, sp.temperature, r.seed,
-            _filters(sp), _top_n(r) > 0, _penalty(r),
+            _filters(sp), _top_n(r) > 0, _penalty(r, self.cfg.eos_token_ids),
         )  # fmt: skip
 
         def pick() -> tuple[int, float, TopLogprobs]:
@@ -905,7 +906,7 @@ class DecodeEngine:
         try:
             self.spec.admit_given(
                 first[0], hidden, len(r.prompt), r.pages, r.width, r.slot, sp.temperature, r.seed,
-                _filters(sp), _top_n(r) > 0, _penalty(r),
+                _filters(sp), _top_n(r) > 0, _penalty(r, self.cfg.eos_token_ids),
             )  # fmt: skip
         except Exception as exc:
             self.step_failed("the drafting of its first tokens", exc, [r], touched)
@@ -923,7 +924,8 @@ class DecodeEngine:
                 assert r.slot is not None and r.pages is not None
                 sp = r.req.sampling
                 args = (r.prompt, r.pages, r.width, r.slot, sp.temperature, r.seed, _filters(sp))
-                admissions.append((*args, _top_n(r) > 0, _penalty(r)))
+                penalty = _penalty(r, self.cfg.eos_token_ids)
+                admissions.append((*args, _top_n(r) > 0, penalty))
             out = self.spec.prefill_many(admissions)
             asked = any(_top_n(r) for r in batch)
             token, lp, *top = jax.device_get(out if asked else out[:2])
@@ -978,11 +980,14 @@ def _filters(sp: SamplingParams) -> tuple[int, float, float]:
     return sp.top_k, sp.top_p, sp.min_p
 
 
-def _penalty(r: DecodeRequest) -> RowPenalty:
-    """A speculative row's penalties (`serving.decode.speculative.RowPenalty`)."""
+def _penalty(r: DecodeRequest, eos_token_ids: Sequence[int]) -> RowPenalty:
+    """A speculative row's penalties (`serving.decode.speculative.RowPenalty`): with
+    `min_new_tokens`, its stop tokens banned up to the position of output token
+    `min_new_tokens` (the plain sampler's bias from output 0 on, `stop_token_bias`)."""
     sp = r.req.sampling
     pen = (sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty)
-    return (r.prompt, sp.logit_bias, *pen)
+    ban_until = len(r.prompt) + sp.min_new_tokens if sp.min_new_tokens else 0
+    return (r.prompt, stop_token_bias(sp, eos_token_ids, 0), *pen, ban_until)
 
 
 def _top_n(r: DecodeRequest) -> int:

@@ -34,10 +34,11 @@ every verified position when a row of it asks (`cpkv_jax.speculative.top_logprob
 the host fetches them only then. A row's frequency, presence and repetition penalties
 and logit bias shape its target too (`cpkv_jax.speculative.Penalties`, kept in its
 draft-state slot: each verified position counts the drafts before it as emitted), as
-the plain sampler applies them. What a speculative step cannot apply is refused when
-the request arrives (`refusal`: HTTP 400 naming the parameter): min_new_tokens and
-grammars need a server without `--speculative-algorithm` (their bans and masks depend on
-host-side state at each token of the chain).
+the plain sampler applies them, and so do `min_new_tokens`' bans of the stop tokens
+(bias pairs of -inf, for the tokens at positions before `Penalties.ban_until`). What a
+speculative step cannot apply is refused when the request arrives (`refusal`: HTTP 400
+naming the parameter): a grammar needs a server without `--speculative-algorithm` (its
+mask at each token of the chain depends on host-side matcher state).
 
 Step shapes (the `DecodeSteps` interface, so the engine's warm-up and compile accounting
 are unchanged): `("spec" | "spec_greedy", rows, K + 1, width)` for decode steps,
@@ -108,9 +109,12 @@ ADMISSION_FORMS = {"logits": SPEC_ADMIT_FORMS, "token": SPEC_GIVEN_FORMS}
 RowFilters = tuple[int, float, float]
 NO_FILTERS: RowFilters = (0, 1.0, 0.0)
 # A row's penalties as the sampler takes them: (its prompt's tokens, its logit bias as
-# (token, value) pairs, frequency, presence and repetition penalties).
-RowPenalty = tuple[np.ndarray | Sequence[int], Sequence[tuple[int, float]], float, float, float]
-NO_PENALTY: RowPenalty = ((), (), 0.0, 0.0, 1.0)
+# (token, value) pairs with its stop tokens' bans (-inf: `stop_token_bias`), frequency,
+# presence and repetition penalties, the position the bans end at (0: none)).
+RowPenalty = tuple[
+    np.ndarray | Sequence[int], Sequence[tuple[int, float]], float, float, float, int
+]
+NO_PENALTY: RowPenalty = ((), (), 0.0, 0.0, 1.0, 0)
 # One admission of `prefill_many`: (prompt, pages, page-table width, draft-state slot,
 # temperature, seed, filters, whether it reports top log-probs, penalties).
 SpecAdmission = tuple[np.ndarray, np.ndarray, int, int, float, int, RowFilters, bool, RowPenalty]
@@ -131,7 +135,7 @@ def _sampling(
     whether it reports its tokens' top log-probs, and its penalties (`Penalties`' row:
     the prompt as a `[vocab]` mask, the bias pairs in `PenaltyCounts`' layout)."""
     top_k, top_p, min_p = filters
-    prompt_ids, logit_bias, frequency, presence, repetition = penalty
+    prompt_ids, logit_bias, frequency, presence, repetition, ban_until = penalty
     if len(logit_bias) > LOGIT_BIAS_MAX:
         raise ValueError(f"{len(logit_bias)} logit_bias tokens, over {LOGIT_BIAS_MAX}")
     prompt = np.zeros((1, vocab), bool)
@@ -154,6 +158,7 @@ def _sampling(
         np.asarray([frequency], np.float32),
         np.asarray([presence], np.float32),
         np.asarray([repetition], np.float32),
+        np.asarray([ban_until], np.int32),
     )
 
 
@@ -161,9 +166,10 @@ def _reports(rest: tuple) -> tuple[tuple, Filters, jax.Array, Penalties, KVPool]
     """Split an admission program's trailing arguments (`_sampling`'s row after the
     temperature and seed, then the pool) off `rest`: (the arguments before them,
     filters, top, penalties, pool)."""
-    *head, top_k, top_p, min_p, top, prompt, bias_ids, bias_values, freq, pres, rep, pool = rest
+    *head, top_k, top_p, min_p, top, prompt, bias_ids, bias_values = rest[:-5]
+    *scalars, pool = rest[-5:]  # frequency, presence, repetition, ban_until; the pool
     counts = jnp.zeros(prompt.shape, jnp.int32)  # a prompt has no outputs yet
-    penalties = Penalties(counts, prompt, bias_ids, bias_values, freq, pres, rep)
+    penalties = Penalties(counts, prompt, bias_ids, bias_values, *scalars)
     return tuple(head), Filters(top_k, top_p, min_p), top, penalties, pool
 
 
@@ -217,19 +223,14 @@ def refusal(req: GenerateRequest) -> str | None:
     """Why a speculative engine cannot serve `req` as asked, or None."""
     sp = req.sampling
     asked = [
-        name
-        for name, on in (
-            ("min_new_tokens", sp.min_new_tokens > 0),
-            ("a grammar (structured output)", sp.grammar is not None),
-        )
-        if on
+        name for name, on in (("a grammar (structured output)", sp.grammar is not None),) if on
     ]
     if not asked:
         return None
     return (
         f"this server decodes speculatively (--speculative-algorithm), which samples from "
-        f"the model's distribution with its penalties, logit bias, top-k, top-p and min-p "
-        f"only; {', '.join(asked)} "
+        f"the model's distribution with its penalties, logit bias, min_new_tokens, top-k, "
+        f"top-p and min-p only; {', '.join(asked)} "
         f"{'needs' if len(asked) == 1 else 'need'} a server without speculative decoding"
     )
 

@@ -348,7 +348,8 @@ def speculative_state_bytes(args: ServerArgs, cfg: ModelConfig) -> int:
     the vocabulary (float32), K drafts, seven int32 / float32 scalars (token, position,
     temperature, seed, top-k, top-p, min-p), a bool (top log-probs) and the penalties'
     state (`cpkv_jax.speculative.Penalties`: output counts, int32, and prompt tokens,
-    bool, over the vocabulary, the logit bias pairs, three penalties), for at most
+    bool, over the vocabulary, the logit bias pairs, three penalties and where its
+    `min_new_tokens` bans end), for at most
     `SPEC_SLOTS_MAX` slots (or `--max-running-requests`, if fewer) and the spare one; on
     a DP mesh each rank keeps its share of the slots and a spare."""
     from cpkv_jax.sampling import LOGIT_BIAS_MAX
@@ -358,7 +359,7 @@ def speculative_state_bytes(args: ServerArgs, cfg: ModelConfig) -> int:
     running = args.max_running_requests
     slots = SPEC_SLOTS_MAX if running is None else min(running, SPEC_SLOTS_MAX)
     per_rank = -(-slots // args.dp_size)
-    penalties = v * 5 + LOGIT_BIAS_MAX * 8 + 3 * 4
+    penalties = v * 5 + LOGIT_BIAS_MAX * 8 + 4 * 4
     return (per_rank + 1) * (k * v * 4 + (7 + k) * 4 + 1 + penalties)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -145,6 +146,12 @@ def test_refusals(case, tiny_checkpoints):
 def _exact_next_token_probs(model, seqs: np.ndarray, temperature: float) -> np.ndarray:
     """`[n, t, vocab]`: the target's next-token distribution at every position of each
     row of `seqs` (one trunk forward, each row in its own pages), at `temperature`."""
+    return np.asarray(jax.nn.softmax(_exact_logits(model, seqs) / temperature, axis=-1))
+
+
+def _exact_logits(model, seqs: np.ndarray) -> np.ndarray:
+    """`[n, t, vocab]` float64: the trunk's logits at every position of each row of
+    `seqs` (one forward, each row in its own pages)."""
     n, t = seqs.shape
     per_row = -(-t // PAGE)
     table = 1 + np.arange(n * per_row, dtype=np.int32).reshape(n, per_row)
@@ -154,7 +161,7 @@ def _exact_next_token_probs(model, seqs: np.ndarray, temperature: float) -> np.n
     pool = init_pool(model.cfg, 1 + n * per_row, PAGE, model.dtype, "fp8_e4m3")
     graphdef, state = nnx.split(model)
     logits, _ = forward_step(graphdef, state, batch, pool, all_logits=True)
-    return np.asarray(jax.nn.softmax(np.asarray(logits, np.float64) / temperature, axis=-1))
+    return np.asarray(logits, np.float64)
 
 
 def _pit_ks(tokens: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> float:
@@ -266,3 +273,89 @@ def test_speculative_sampling_with_top_k_top_p_min_p_draws_from_the_filtered_tar
     # distributions apart; token 2's positions are too peaked here for the filters to
     # move its PIT much.
     assert min(unfiltered[:2]) > critical, (unfiltered, critical)
+
+
+def _penalized_np(
+    logits: np.ndarray, prompt: np.ndarray, before: np.ndarray, temperature: float, **pen
+) -> np.ndarray:
+    """`[n, v]` (float64): the distribution a row at `logits` draws from, with the
+    penalties as the sampler's module docstring states them (an independent NumPy
+    implementation): the logit bias added, then a logit of a token in the prompt or the
+    output so far (`before`, `[n, i]`) divided by the repetition penalty when positive,
+    multiplied when not, then frequency x count and presence x (count > 0) subtracted."""
+    n, v = logits.shape
+    bias = np.zeros(v)
+    for token, value in pen["logit_bias"]:
+        bias[token] += value
+    counts = np.zeros((n, v))
+    np.add.at(counts, (np.repeat(np.arange(n), before.shape[1]), before.reshape(-1)), 1)
+    seen = counts > 0
+    seen[:, prompt] = True
+    z = logits + bias
+    r = pen["repetition_penalty"]
+    z = np.where(seen, np.where(z > 0, z / r, z * r), z)
+    z = z - pen["frequency_penalty"] * counts - pen["presence_penalty"] * (counts > 0)
+    z = z / temperature
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_speculative_sampling_with_penalties_draws_from_the_penalized_target(tiny_checkpoints):
+    """The statistical test with penalties and a logit bias (temperature 1, frequency 2,
+    presence 0.5, repetition 1.5 over the prompt and the outputs, token 11 biased +4): a
+    verified position's target counts the drafts before it as emitted, so token 2 (drawn
+    at the first step's second position whenever its first draft was kept) sees token
+    1's penalty (the first step's drafts are forced to the biased token, which about a
+    tenth of the rows keep). Each token must pass the PIT test against the penalized
+    exact distribution (`_penalized_np`, independent of `cpkv_jax.sampling`), and on the
+    rows that kept the draft, token 2 must pass it and fail it against the distribution
+    that counts only token 0 (the test tells them apart; mutation-checked: a step that
+    ignores its drafts fails the first check). Fixed
+    seeds: deterministic. Measured (dev machine, 2026-12-06): tokens 0.027, 0.021, 0.035
+    against 0.043; the 10% of rows that kept the draft 0.046 against the target and 0.209
+    against the stale one, critical 0.135 (0.184 against the target with the mutation)."""
+    n, k, temperature = 2048, 2, 1.0
+    pen = {
+        "frequency_penalty": 2.0,
+        "presence_penalty": 0.5,
+        "repetition_penalty": 1.5,
+        "logit_bias": ((11, 4.0),),
+    }
+    cfg, model = load_model(tiny_checkpoints(), mtp=True)
+    prompt = np.random.default_rng(7).integers(3, cfg.vocab_size, 20)
+    spec = MTPSpeculator(model, k, page_size=PAGE)
+
+    def biased_drafts(ds: DraftState, pos: np.ndarray | None, step: int) -> DraftState:
+        # The first step's drafts are the biased token, from a one-hot q (the rule is
+        # exact for any q): kept with its target probability, so token 2 is drawn at
+        # the step's second position exactly when token 1 is 11, and must count it.
+        if step:
+            return ds
+        drafts = jnp.full_like(ds.drafts, 11)
+        q = jax.nn.one_hot(drafts, cfg.vocab_size, dtype=jnp.float32)
+        return dataclasses.replace(ds, drafts=drafts, q=q)
+
+    spec.override_drafts = biased_drafts
+    got = spec.generate([prompt.tolist()] * n, 3, temperature=temperature, seeds=range(n), **pen)
+    out = np.asarray([g.output_ids for g in got], np.int32)
+    assert 0 < np.mean([g.accepted[0] for g in got]) < k  # drafts both kept and rejected
+    assert 0.05 < np.mean(out[:, 1] == 11) < 0.9  # the kept drafts
+    seqs = np.concatenate([np.broadcast_to(prompt, (n, len(prompt))), out[:, :2]], axis=1)
+    logits = _exact_logits(model, seqs.astype(np.int32))
+    critical = 1.95 / np.sqrt(n)
+    rng = np.random.default_rng(0)
+    right = []
+    for i in range(3):  # token i is drawn given the prompt and tokens 0..i-1
+        at = logits[:, len(prompt) - 1 + i]
+        right.append(_pit_ks(out[:, i], _penalized_np(at, prompt, out[:, :i], 1.0, **pen), rng))
+    assert max(right) < critical, (right, critical)
+    # The rows that kept the first draft (token 1 is 11; a rejection's residual never
+    # draws it) drew token 2 at the step's second position: against the target there,
+    # and against one that forgot token 1 (what a step ignoring its drafts draws from).
+    kept = out[:, 1] == 11
+    at = logits[kept, len(prompt) + 1]
+    sub_critical = 1.95 / np.sqrt(kept.sum())
+    exact = _penalized_np(at, prompt, out[kept, :2], 1.0, **pen)
+    stale = _penalized_np(at, prompt, out[kept, :1], 1.0, **pen)
+    got = (_pit_ks(out[kept, 2], exact, rng), _pit_ks(out[kept, 2], stale, rng))
+    assert got[0] < sub_critical < got[1], (got, sub_critical)

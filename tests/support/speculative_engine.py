@@ -99,13 +99,17 @@ def run(engine: DecodeEngine, reqs, abort_after: dict[str, int] | None = None) -
 
 def with_stop_tokens(reqs, plain: dict) -> list[GenerateRequest]:
     """The same requests, two of them stopping at a token of their plain continuation
-    (inside a step's accepted drafts once the oracle makes them accepted)."""
+    (inside a step's accepted drafts once the oracle makes them accepted); r0's stop
+    token is banned until its 9th output token (`min_new_tokens`: a step verifying the
+    drafts must reject it at output 5, where the oracle proposes it)."""
     out = []
     for i, r in enumerate(reqs):
         sp = r.sampling
         if i in (0, 2):
             stop = plain[r.rid][0][5 + i]
             sp = dataclasses.replace(sp, stop_token_ids=(stop,), ignore_eos=False)
+        if i == 0:
+            sp = dataclasses.replace(sp, min_new_tokens=8)
         out.append(dataclasses.replace(r, sampling=sp))
     return out
 
