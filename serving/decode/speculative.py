@@ -20,8 +20,13 @@ gives the unified server's engine a `SpeculativeSteps` in place of the plain
 
 Each running request holds a slot of the draft state (`cpkv_jax.speculative.init_slab`:
 its last verified token and position, its drafts and their distributions, its
-temperature and seed), which stays on the device between steps; padding rows use the
-spare slot. A request reserves `speculative_room(K, overlap)` tokens of pages beyond
+temperature, seed, filters and penalties), which stays on the device between steps;
+padding rows use the spare slot. Every program takes flat per-row host arrays (`Row`s,
+one builder per program, a padding row per form that also sizes its lowering); on a DP
+mesh (`--dp-size`) each runs per rank under `shard_map` (`decode_mesh.dp_slab_program`),
+a request's rows on the rank of its pages, in a slot of that rank.
+
+A request reserves `speculative_room(K, overlap)` tokens of pages beyond
 `prompt + max_new_tokens`: the last verify and draft chain write up to 2K + 1 positions
 past the row's length, and with overlap one more step (K + 1) runs before the host sees
 the row finished.
@@ -45,7 +50,8 @@ are unchanged): `("spec" | "spec_greedy", rows, K + 1, width)` for decode steps,
 `("spec_prefill" | "spec_prefill_greedy", 1, prefill bucket, width)`,
 `("spec_admit" | "spec_admit_greedy", 1, 1, width)` and `("spec_given" |
 "spec_given_greedy", 1, 1, width)` for the three kinds of admission; the greedy variants
-run when every row is at temperature 0 and keep no distributions.
+run when every row is at temperature 0 and keep no distributions. On a DP mesh `rows`
+counts the busiest rank's rows, as `MeshDecodeSteps`' keys do.
 """
 
 from __future__ import annotations
