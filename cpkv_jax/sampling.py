@@ -118,9 +118,29 @@ class Sampled:
         if n == 0:
             return ()
         assert self.top_ids is not None and self.top_logprobs is not None
-        pairs = zip(self.top_ids[i, :n].tolist(), self.top_logprobs[i, :n].tolist(), strict=True)
-        # A row with fewer finite entries than `n` (a masked vocabulary) lists only those.
-        return tuple((t, v) for t, v in pairs if np.isfinite(v))
+        return top_pairs(self.top_ids[i], self.top_logprobs[i], n)
+
+
+def top_pairs(ids: np.ndarray, logprobs: np.ndarray, n: int) -> TopLogprobs:
+    """The first `n` of one position's fetched top ids and log-probs as (token, log-prob)
+    pairs; a row with fewer finite entries than `n` (a masked vocabulary) lists only
+    those."""
+    pairs = zip(ids[:n].tolist(), logprobs[:n].tolist(), strict=True)
+    return tuple((t, v) for t, v in pairs if np.isfinite(v))
+
+
+def bias_rows(
+    logit_bias: Sequence[tuple[int, float]], vocab_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """One row's logit bias as `LOGIT_BIAS_MAX` (token, value) pairs, unused ones naming
+    token `vocab_size` (which `dense_bias`' scatter drops)."""
+    if len(logit_bias) > LOGIT_BIAS_MAX:
+        raise ValueError(f"{len(logit_bias)} logit_bias tokens, over {LOGIT_BIAS_MAX}")
+    bias_ids = np.full(LOGIT_BIAS_MAX, vocab_size, np.int32)
+    bias_values = np.zeros(LOGIT_BIAS_MAX, np.float32)
+    for i, (token, value) in enumerate(logit_bias):
+        bias_ids[i], bias_values[i] = token, value
+    return bias_ids, bias_values
 
 
 class PenaltyCounts:
@@ -184,13 +204,7 @@ class PenaltyCounts:
         )
 
     def _bias_rows(self, logit_bias: Sequence[tuple[int, float]]) -> tuple[np.ndarray, ...]:
-        if len(logit_bias) > LOGIT_BIAS_MAX:
-            raise ValueError(f"{len(logit_bias)} logit_bias tokens, over {LOGIT_BIAS_MAX}")
-        bias_ids = np.full(LOGIT_BIAS_MAX, self.vocab_size, np.int32)
-        bias_values = np.zeros(LOGIT_BIAS_MAX, np.float32)
-        for i, (token, value) in enumerate(logit_bias):
-            bias_ids[i], bias_values[i] = token, value
-        return bias_ids, bias_values
+        return bias_rows(logit_bias, self.vocab_size)
 
     def warm(self, row_counts: set[int], host_row_counts: set[int] = frozenset()) -> None:
         """Compile the penalized sampler for log-prob rows of each count, on arrays with
@@ -463,7 +477,7 @@ def _draw(lp, shifted, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p,
     top log-probs reported from `lp`. The whole-vocabulary sort runs only when a row
     samples, the top-k only when a row asked for alternatives (`lax.cond`: a greedy
     step skips what costs ~40 ms per row on a CPU at GLM-5's vocabulary)."""
-    r, v = lp.shape
+    v = lp.shape[-1]
     greedy = jnp.argmax(shifted, axis=-1).astype(jnp.int32)
     finite = jnp.isfinite(jnp.max(lp, axis=-1))  # max propagates NaN
 
@@ -480,18 +494,26 @@ def _draw(lp, shifted, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p,
 
     drawn = jax.lax.cond(jnp.any(temperature > 0), drawn_tokens, lambda: greedy)
     tokens = jnp.where(temperature > 0, drawn, greedy)
-    n = min(TOP_LOGPROBS_MAX, v)
-
-    def top():  # ties: lower id first
-        top_lps, top_ids = jax.lax.top_k(lp, n)
-        return top_ids.astype(jnp.int32), top_lps
-
-    def no_top():
-        return jnp.zeros((r, n), jnp.int32), jnp.zeros((r, n), jnp.float32)
-
-    top_ids, top_lps = jax.lax.cond(want_top, top, no_top)
+    top_ids, top_lps = top_logprobs(lp, want_top)
     chosen = jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0]
     return tokens, chosen, finite, top_ids, top_lps
+
+
+def top_logprobs(lp: Array, want: Array) -> tuple[Array, Array]:
+    """The `TOP_LOGPROBS_MAX` most likely tokens at each of `lp`'s positions (`[..., v]`)
+    and their log-probs, ties towards the lower id (a greedy token that ranks there is
+    first), when `want` (a scalar: `lax.cond`, zeros and no top-k otherwise)."""
+    n = min(TOP_LOGPROBS_MAX, lp.shape[-1])
+
+    def top():
+        values, ids = jax.lax.top_k(lp, n)
+        return ids.astype(jnp.int32), values
+
+    def none():
+        shape = (*lp.shape[:-1], n)
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, lp.dtype)
+
+    return jax.lax.cond(want, top, none)
 
 
 def warm(

@@ -87,11 +87,12 @@ from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
 from cpkv_jax.sampling import (
     LOGIT_BIAS_MAX,
-    TOP_LOGPROBS_MAX,
+    bias_rows,
     dense_bias,
     filtered_probs,
     penalize,
 )
+from cpkv_jax.sampling import top_logprobs as sampling_top_logprobs
 
 
 @dataclasses.dataclass
@@ -353,20 +354,9 @@ def _target(
 
 
 def top_logprobs(lp: Float[Array, "b *t v"], want: Bool[Array, " b"]) -> tuple[Array, Array]:
-    """The `TOP_LOGPROBS_MAX` most likely tokens of each of `lp`'s positions and their
-    log-probs (ties towards the lower id, as `cpkv_jax.sampling` reports them), when a
-    row `want`s them (`lax.cond`: zeros, and no top-k, when none does)."""
-    n = min(TOP_LOGPROBS_MAX, lp.shape[-1])
-
-    def top():
-        values, ids = jax.lax.top_k(lp, n)
-        return ids.astype(jnp.int32), values
-
-    def none():
-        shape = (*lp.shape[:-1], n)
-        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, lp.dtype)
-
-    return jax.lax.cond(jnp.any(want), top, none)
+    """`cpkv_jax.sampling.top_logprobs` of every position of `lp`, when a row `want`s
+    them."""
+    return sampling_top_logprobs(lp, jnp.any(want))
 
 
 def _chosen(lp: Float[Array, "*bt v"], tokens: Int[Array, "*bt"]) -> Float[Array, "*bt"]:
@@ -1098,8 +1088,10 @@ def _penalties_for(
 ) -> Penalties:
     """`MTPSpeculator.generate`'s rows' `Penalties` (padding rows have none): every
     prompt's tokens, one logit bias and (frequency, presence, repetition) `values`."""
-    if len(logit_bias) > LOGIT_BIAS_MAX:
-        raise InputError(f"{len(logit_bias)} logit_bias tokens, over {LOGIT_BIAS_MAX}")
+    try:
+        row_ids, row_values = bias_rows(logit_bias, vocab)
+    except ValueError as e:
+        raise InputError(str(e)) from e
     prompt = np.zeros((rows, vocab), bool)
     bias_ids = np.full((rows, LOGIT_BIAS_MAX), vocab, np.int32)
     bias_values = np.zeros((rows, LOGIT_BIAS_MAX), np.float32)
@@ -1107,8 +1099,7 @@ def _penalties_for(
     ban_until = np.zeros((rows,), np.int32)  # no min_new_tokens here
     for i, x in enumerate(prompts):
         prompt[i, x] = True
-        for j, (token, value) in enumerate(logit_bias):
-            bias_ids[i, j], bias_values[i, j] = token, value
+        bias_ids[i], bias_values[i] = row_ids, row_values
         scalars[i] = values
     counts = np.zeros((rows, vocab), np.int32)
     host = (counts, prompt, bias_ids, bias_values, *scalars.T, ban_until)

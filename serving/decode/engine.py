@@ -85,7 +85,7 @@ from cpkv_jax.model.kv_cache import (
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
-from cpkv_jax.sampling import PendingSample, TopLogprobs
+from cpkv_jax.sampling import PendingSample, TopLogprobs, top_pairs
 from serving.decode.intake import Intake, LocalPrefill, TransferIntake, TransferRooms
 from serving.decode.request import DecodeRequest
 from serving.decode.sampler import PENALTY_SLOTS_MAX, RowSampler
@@ -999,10 +999,7 @@ def _pairs(r: DecodeRequest, top: list[np.ndarray], at: Any) -> TopLogprobs:
     """`r`'s top log-probs at index `at` of a speculative program's fetched `(top ids,
     top log-probs)` (`top` empty: not fetched), as `Sampled.top` gives them."""
     n = _top_n(r)
-    if not n or not top:
-        return ()
-    pairs = zip(top[0][at][:n].tolist(), top[1][at][:n].tolist(), strict=True)
-    return tuple((t, v) for t, v in pairs if np.isfinite(v))
+    return top_pairs(top[0][at], top[1][at], n) if n and top else ()
 
 
 def _emitted(token: Any, logprob: Any, top: TopLogprobs = ()) -> tuple[int, float, TopLogprobs]:

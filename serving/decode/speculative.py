@@ -77,7 +77,7 @@ from cpkv_jax.model.forward_batch import ForwardBatch, span_batch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, KVPool, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import padded_page_table
-from cpkv_jax.sampling import LOGIT_BIAS_MAX
+from cpkv_jax.sampling import bias_rows
 from cpkv_jax.speculative import (
     Filters,
     Penalties,
@@ -142,15 +142,10 @@ def _sampling(
     the prompt as a `[vocab]` mask, the bias pairs in `PenaltyCounts`' layout)."""
     top_k, top_p, min_p = filters
     prompt_ids, logit_bias, frequency, presence, repetition, ban_until = penalty
-    if len(logit_bias) > LOGIT_BIAS_MAX:
-        raise ValueError(f"{len(logit_bias)} logit_bias tokens, over {LOGIT_BIAS_MAX}")
     prompt = np.zeros((1, vocab), bool)
     if repetition != 1.0:  # the only penalty that reads the prompt
         prompt[0, np.asarray(prompt_ids, np.int64)] = True
-    bias_ids = np.full((1, LOGIT_BIAS_MAX), vocab, np.int32)
-    bias_values = np.zeros((1, LOGIT_BIAS_MAX), np.float32)
-    for i, (token, value) in enumerate(logit_bias):
-        bias_ids[0, i], bias_values[0, i] = token, value
+    bias_ids, bias_values = (a[None] for a in bias_rows(logit_bias, vocab))
     return (
         np.asarray([temperature], np.float32),
         np.asarray([seed % 2**31], np.int32),
