@@ -381,6 +381,9 @@ def _build(raw: Mapping[str, Any]) -> ModelConfig:
 
 
 CPSplitMode = Literal["in_seq", "round_robin"]
+# How a CP step's attention reads the KV: every rank through the request's full view, or
+# each rank over the pages it owns (`cpkv_jax.owner_attention`, shared KV only).
+CPAttention = Literal["full-view", "owner"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +391,10 @@ class CPConfig:
     """Context-parallel prefill settings (SPEC S1).
 
     `shared_kv` stores each KV page only on its owner rank (`p % cp_size`); off, every
-    rank keeps the whole (replicated) pool - the baseline (SPEC S1.4).
+    rank keeps the whole (replicated) pool - the baseline (SPEC S1.4). `attention`:
+    `full-view` materializes each request's whole KV on every rank for the indexer and
+    sparse attention; `owner` (shared KV only) scores and attends where the pages live
+    (`cpkv_jax.owner_attention`).
     """
 
     cp_size: int = 1
@@ -396,6 +402,7 @@ class CPConfig:
     split_mode: CPSplitMode = "in_seq"
     page_size: int = 64
     chunked_prefill_size: int | None = None
+    attention: CPAttention = "full-view"
 
     def validate(self, model: ModelConfig | None = None, device_count: int | None = None) -> None:
         """Startup checks (SPEC S1.6); raise `ConfigError` naming the option and the fix."""
@@ -419,6 +426,13 @@ def check_cp_config(
     if device_count is not None and (cp.cp_size > device_count or device_count % cp.cp_size):
         raise ConfigError(
             f"`cp_size` {cp.cp_size} must divide the {device_count} available devices"
+        )
+    if cp.attention not in ("full-view", "owner"):
+        raise ConfigError(f"`attention` must be 'full-view' or 'owner', got {cp.attention!r}")
+    if cp.attention == "owner" and not cp.shared_kv:
+        raise ConfigError(
+            "owner attention needs page-owned KV (`shared_kv`): with replicated pools every "
+            "rank already holds every page; enable shared KV or use full-view attention"
         )
     if cp.shared_kv:
         _check_shared_kv(cp, model)

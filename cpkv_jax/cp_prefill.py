@@ -53,6 +53,7 @@ from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.numerics import batch_invariant, is_batch_invariant, token_block_bytes
 from cpkv_jax.model.rope import rope_cos_sin
 from cpkv_jax.model.transformer import CausalLM, log_probs
+from cpkv_jax.owner_attention import OwnerCPKVIO
 from cpkv_jax.paging import pages_for_tokens
 from cpkv_jax.scores import TOP_SCORES, TokenScores
 from cpkv_jax.shared_kv_debug import (
@@ -163,7 +164,14 @@ class CPPrefillRunner:
         self.index_k_dtype = index_k_dtype
         self.layout = PoolLayout(cp.cp_size, cp.shared_kv, pages_per_rank, cp.page_size)
         self.allocator = OwnerLaneAllocator(self.layout.lanes, pages_per_rank)
-        self.kv_io = CPKVIO(cp.cp_size, cp.shared_kv, gather_impl)
+        if cp.attention == "owner":
+            if debug or (debug is None and os.environ.get(DEBUG_ENV) == "1"):
+                # The replicated shadow attends through full views: its logits equal the
+                # owner path's to rounding only, and the check is bitwise.
+                raise InputError(f"{DEBUG_ENV}=1 checks full-view attention; unset it")
+            self.kv_io: CPKVIO = OwnerCPKVIO(cp.cp_size, cp.shared_kv, gather_impl)
+        else:
+            self.kv_io = CPKVIO(cp.cp_size, cp.shared_kv, gather_impl)
         graphdef, state = nnx.split(model)
         self.graphdef = graphdef
         self.expert_parallel = expert_parallel

@@ -67,7 +67,14 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
 from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES
-from cpkv_jax.config import CPConfig, CPSplitMode, ModelConfig, check_cp_config, parse_override_args
+from cpkv_jax.config import (
+    CPAttention,
+    CPConfig,
+    CPSplitMode,
+    ModelConfig,
+    check_cp_config,
+    parse_override_args,
+)
 from cpkv_jax.errors import ConfigError, name_flags
 from cpkv_jax.model.expert_parallel import EPDispatch, check_divisible
 from cpkv_jax.model.kv_cache import IndexKDtype
@@ -318,6 +325,16 @@ class ServerArgs:
         "in_seq", help="how a prompt's tokens are split over CP ranks", group="cp"
     )
     page_size: int = _arg(64, help="tokens per KV page", group="cp")
+    cp_attention: CPAttention = _arg(  # noqa: RUF009
+        "full-view",
+        help="how a CP prefill step's indexer and sparse attention read the KV: full-view = "
+        "each rank all-gathers every request's whole KV, one layer at a time (transient "
+        "memory grows with the context); owner = each rank scores and attends over the "
+        "pages it owns, and only index scores, top-k candidates, queries and partial "
+        "outputs cross ranks (the latent KV never does)",
+        group="cp",
+        requires="cp_shared_kv_enabled",
+    )
 
     # expert parallelism
     ep_size: int = _arg(
@@ -801,6 +818,9 @@ class ServerArgs:
         """Whether CP shared-KV batches may hold more than one request (SPEC S5.1)."""
         return self.enable_cp_shared_kv_prefill_bs_gt1 and self.enable_cp_shared_kv
 
+    def cp_shared_kv_enabled(self) -> bool:
+        return self.enable_cp_shared_kv
+
     def hicache_enabled(self) -> bool:
         return self.enable_hierarchical_cache
 
@@ -822,6 +842,7 @@ class ServerArgs:
             split_mode=self.cp_split_mode,
             page_size=self.page_size,
             chunked_prefill_size=self.chunked_prefill_size,
+            attention=self.cp_attention,
         )
 
     # ---- model config (SPEC S11) -------------------------------------------------------
@@ -1232,6 +1253,7 @@ class ServerArgs:
         """A parameter of a feature that is off is an error naming the enabling flag."""
         enabling = {
             "bs_gt1_requested": "--enable-cp-shared-kv-prefill-bs-gt1",
+            "cp_shared_kv_enabled": "--enable-cp-shared-kv",
             "hicache_enabled": "--enable-hierarchical-cache",
             "disaggregated": "--disaggregation-mode prefill|decode",
             "ep_enabled": "--ep-size N (N > 1), or --dp-size N (N > 1) on a decode server",
@@ -1253,6 +1275,7 @@ class ServerArgs:
 _PARAMETER_FIELDS = {
     "shared_kv": "enable_cp_shared_kv",
     "split_mode": "cp_split_mode",
+    "attention": "cp_attention",
     "host_buffer_bytes": "transfer_host_buffer_size",
     "staging_bytes": "transfer_staging_size",
 }

@@ -99,8 +99,12 @@ def index_scores(
     kv_lens: Int[Array, " b"],
     *,
     block_bytes: int | None = None,
+    key_positions: Int[Array, " s"] | None = None,
 ) -> Float[Array, "b t s"]:
     """Causal indexer logits; -inf where `s > position` or `s >= kv_len`.
+
+    `key_positions`: the logical position of each key of `k_view` (default `0..s-1`, a
+    full view); a rank's owned pages are a strided subset (`cpkv_jax.owner_attention`).
 
     The per-head logits `[b, t, heads, s]` float32 are the largest transient of a prefill
     step at long context; the query tokens go in blocks whose logits fit `block_bytes`
@@ -108,7 +112,7 @@ def index_scores(
     estimator sizes the same way. None: the traced `numerics.token_block_bytes` budget,
     else `TRANSIENT_BLOCK_BYTES`.
     """
-    s = jnp.arange(k_view.shape[1])
+    s = jnp.arange(k_view.shape[1]) if key_positions is None else key_positions
 
     def sequence(q, w, positions, k_view, kv_lens):
         keys = k_view.astype(jnp.float32)

@@ -158,6 +158,34 @@ class KVIO(Protocol):
         ...
 
 
+@runtime_checkable
+class OwnerAttentionIO(KVIO, Protocol):
+    """A `KVIO` that selects the top-k and attends where the pages live instead of
+    through a full view (`cpkv_jax.owner_attention.OwnerCPKVIO`); MLA calls these in place
+    of `view` / `rows` when its `kv_io` has them."""
+
+    def select_topk(
+        self,
+        q: Array,
+        w: Array,
+        index_k: Array,
+        index_scale: Array | None,
+        batch: Any,
+        index_topk: int,
+    ) -> Int[Array, "b t k"]: ...
+
+    def attend(
+        self,
+        q_nope: Array,
+        q_pe: Array,
+        latent: Array,
+        batch: Any,
+        topk: Array,
+        w_kv_b: Array,
+        **dims: Any,
+    ) -> Array: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedKVIO:
     """Single-device paged I/O: flat-slot scatter, page-table gather.

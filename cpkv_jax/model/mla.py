@@ -27,6 +27,7 @@ from cpkv_jax.model.indexer import Indexer, indexer_topk
 from cpkv_jax.model.kv_cache import (
     KVIO,
     KVPool,
+    OwnerAttentionIO,
     RowGather,
     dequantize_index_k,
     quantize_index_k,
@@ -182,12 +183,18 @@ class MLAttention(nnx.Module):
             with jax.named_scope("indexer"):
                 pool = self._write_index_k(x, batch, pool, cos, sin, kv_io, index_k_dtype)
                 j = self.index_slot
-                k_view = dequantize_index_k(
-                    kv_io.view(pool.index_k[j], batch.page_table),
-                    kv_io.view(pool.index_scale[j], batch.page_table) if pool.index_scale else None,
-                )
+                scale = pool.index_scale[j] if pool.index_scale else None
                 iq, iw = self.indexer.queries(x, qr, cos, sin)
-                topk = indexer_topk(iq, iw, k_view, batch.positions, batch.kv_lens, cfg.index_topk)
+                if isinstance(kv_io, OwnerAttentionIO):
+                    topk = kv_io.select_topk(iq, iw, pool.index_k[j], scale, batch, cfg.index_topk)
+                else:
+                    k_view = dequantize_index_k(
+                        kv_io.view(pool.index_k[j], batch.page_table),
+                        None if scale is None else kv_io.view(scale, batch.page_table),
+                    )
+                    topk = indexer_topk(
+                        iq, iw, k_view, batch.positions, batch.kv_lens, cfg.index_topk
+                    )
         else:
             assert topk_in is not None, (
                 "shared indexer layer needs the preceding full layer's top-k"
@@ -196,6 +203,22 @@ class MLAttention(nnx.Module):
 
         with jax.named_scope("sparse_mla"):
             layer_pool = pool.latent[self.layer_id]
+            if isinstance(kv_io, OwnerAttentionIO):
+                if form != "absorbed":
+                    raise ValueError("owner attention runs the absorbed MLA form only")
+                o = kv_io.attend(
+                    q_nope,
+                    q_pe,
+                    layer_pool,
+                    batch,
+                    topk,
+                    self.kv_b_proj.dense_weight(jnp.float32),
+                    kv_lora_rank=cfg.kv_lora_rank,
+                    v_head_dim=cfg.v_head_dim,
+                    scale=cfg.softmax_scale,
+                )
+                out = self.o_proj(o.reshape(b, t, -1).astype(self.dtype))
+                return out, pool, topk
             source, take = kv_io.rows(layer_pool, batch.page_table)
             o = sparse_attention(
                 q_nope,

@@ -1,0 +1,253 @@
+"""Attention where the pages live: exact NSA top-k and sparse MLA over page-owned KV
+(issue 40 item 1), as a `KVIO` the model plugs in.
+
+`CPKVIO` (`cpkv_jax.materialize`) all-gathers each request's whole KV into a full view on
+every rank, layer by layer, so a CP step's transient memory grows with the context's
+latent and index-K bytes. `OwnerCPKVIO` never builds that view. Inside `shard_map` over
+`cp`, for one block of each rank's query tokens at a time:
+
+1. **Top-k.** The block's indexer queries are all-gathered (every rank now holds the
+   `cp * block` queries of the block index); each rank scores them against the index K of
+   the pages it owns only (logical pages `r, r + cp, ...`, read from its lane), keeps its
+   local top-k candidates (score, logical position), and one all-to-all returns each
+   query's `cp` candidate lists to the query's rank, which picks the global top-k by
+   score descending, then lowest position - the order `lax.top_k` gives over the full
+   view, so the selection (and its order) is the single-device path's whenever the
+   scores are bitwise equal. The global top-k of a query is inside the union of the
+   ranks' local top-k's: a position ahead of it in that order on its own rank is ahead of
+   it globally.
+2. **Sparse MLA.** The block's absorbed queries `[q_lat, q_pe]` and their top-k are
+   all-gathered; each rank attends over the selected positions it owns (rows gathered
+   from its lane by (page, offset)), keeping an unnormalized partial output with its
+   running max and sum; one all-to-all returns the `cp` partials to the query's rank, and
+   they merge by log-sum-exp. Only index-K scores, candidates, queries and partial outputs
+   cross ranks; the latent KV never does.
+
+The rank's owned index K is read as one local view (`S / cp` tokens, not `S`); the rest
+is bounded by the token-block budget (`cpkv_jax.buckets.block_rows`), so nothing else
+grows with the context. The cost is traffic and masked work: every rank scores every
+query of the block against its `S / cp` keys (the same indexer work as the full view in
+total), and gathers `top-k` rows per query of which about `1 / cp` are its own (the
+masked rest is `cp` times the full-view path's sparse-attention work;
+`benchmarks/bench_prefill.py --cp-attention` measures both).
+
+Exactness: top-k positions equal the full-view path's where the index scores are
+bitwise equal (`tests/core/test_owner_attention.py`, with forced ties); the attention
+output differs from a single softmax by float32 rounding of the log-sum-exp merge
+(tolerance, not bits, even under batch-invariant numerics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from cpkv_jax.buckets import block_rows
+from cpkv_jax.materialize import CPKVIO
+from cpkv_jax.mesh import CP_AXIS
+from cpkv_jax.model.indexer import index_scores
+from cpkv_jax.model.kv_cache import TRASH_PAGE, OwnerAttentionIO, dequantize_index_k
+from cpkv_jax.model.numerics import block_budget, per_sequence, tokenwise
+from cpkv_jax.pallas.paged_gather import paged_gather
+
+__all__ = ["OwnerCPKVIO", "merge_partials", "owner_attention", "owner_topk"]
+
+
+def _owned_pages(page_table: Int[Array, "b w"], cp: int) -> tuple[Array, Array]:
+    """This rank's page-table columns `[b, w / cp]` (logical pages `r, r + cp, ...`) and
+    the logical page of each column `[w / cp]`."""
+    b, width = page_table.shape
+    if width % cp:
+        raise ValueError(f"page-table width {width} is not a multiple of cp={cp}")
+    rank = jax.lax.axis_index(CP_AXIS)
+    owned = jnp.take(page_table.reshape(b, width // cp, cp), rank, axis=2)
+    return owned, jnp.arange(width // cp) * cp + rank
+
+
+def _gather(x: Array, cp: int) -> Array:
+    """All-gather the token axis (1) over `cp`: `[b, t, ...] -> [b, cp * t, ...]`, rank
+    order (rank r's tokens at `[r * t, (r + 1) * t)`)."""
+    del cp
+    return jax.lax.all_gather(x, CP_AXIS, axis=1, tiled=True)
+
+
+def _return(x: Array, cp: int) -> Array:
+    """Each query's per-rank results back to the query's rank: `[b, cp * t, ...]`
+    (queries in `_gather` order, computed here) -> `[b, cp, t, ...]` (axis 1: the rank
+    that computed them), one all-to-all."""
+    b, n = x.shape[:2]
+    x = x.reshape(b, cp, n // cp, *x.shape[2:])
+    return jax.lax.all_to_all(x, CP_AXIS, 1, 1, tiled=True)
+
+
+def owner_topk(
+    q: Float[Array, "b t nh d"],
+    w: Float[Array, "b t nh"],
+    index_k: Array,
+    index_scale: Array | None,
+    page_table: Int[Array, "b w"],
+    positions: Int[Array, "b t"],
+    kv_lens: Int[Array, " b"],
+    index_topk: int,
+    *,
+    cp: int,
+    block_bytes: int | None = None,
+) -> Int[Array, "b t k"]:
+    """`select_topk(index_scores(...))` of this rank's query tokens over the whole
+    context, each rank scoring only the pages it owns (module docstring, step 1). Runs
+    inside `shard_map` over `cp`; `index_k` / `index_scale` are this rank's lane."""
+    owned, logical_pages = _owned_pages(page_table, cp)
+    b, wo = owned.shape
+    page = index_k.shape[1]
+    keys = paged_gather(index_k, owned.reshape(-1)).reshape(b, wo * page, -1)
+    scale = None
+    if index_scale is not None:
+        scale = paged_gather(index_scale, owned.reshape(-1)).reshape(b, wo * page)
+    keys = dequantize_index_k(keys, scale)  # [b, S / cp, d] float32: the one local view
+    key_pos = (logical_pages[:, None] * page + jnp.arange(page)).reshape(-1)
+    s_full = page_table.shape[1] * page
+    k_local = min(index_topk, wo * page)
+    k_out = min(index_topk, s_full)
+
+    def block(q, w, positions):
+        q_all, w_all, pos_all = (_gather(x, cp) for x in (q, w, positions))
+        scores = index_scores(q_all, w_all, keys, pos_all, kv_lens, key_positions=key_pos)
+        scores = jnp.where(scores == 0, 0.0, scores)  # signed zeros tie (`select_topk`)
+        vals, idx = jax.lax.top_k(scores, k_local)  # ties: lowest local index = position
+        cand_vals = _return(vals, cp)  # [b, cp, t, k_local]
+        cand_pos = _return(jnp.take(key_pos, idx), cp)
+        t = q.shape[1]
+        cand_vals = jnp.moveaxis(cand_vals, 1, 2).reshape(b, t, cp * k_local)
+        cand_pos = jnp.moveaxis(cand_pos, 1, 2).reshape(b, t, cp * k_local)
+        # Score descending, then lowest position: lax.top_k's order over the full view.
+        _, chosen = jax.lax.sort((-cand_vals, cand_pos), dimension=2, num_keys=2)
+        chosen = chosen[..., :k_out]
+        n_valid = jnp.minimum(positions + 1, index_topk)
+        keep = jnp.arange(k_out)[None, None, :] < n_valid[:, :, None]
+        return jnp.where(keep, chosen, -1).astype(jnp.int32)
+
+    # One local token's share: its cp queries' logits [heads, S / cp] and scores.
+    row_bytes = b * cp * (q.shape[2] + 2) * wo * page * 4
+    return tokenwise(
+        block,
+        q,
+        w,
+        positions,
+        axis=1,
+        block=block_rows(q.shape[1], row_bytes, block_budget(block_bytes)),
+    )
+
+
+def merge_partials(
+    out: Float[Array, "b n t h c"],
+    row_max: Float[Array, "b n t h"],
+    row_sum: Float[Array, "b n t h"],
+) -> Float[Array, "b t h c"]:
+    """Merge `n` softmax partials over disjoint key sets by log-sum-exp: each holds the
+    unnormalized output `sum_k exp(s_k - m) v_k`, its max `m` (-inf: no key) and
+    `sum_k exp(s_k - m)`. A query with no key in any partial gets 0 (as
+    `sparse_attention` gives a padding token)."""
+    top = jnp.max(row_max, axis=1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weight = jnp.where(jnp.isfinite(row_max), jnp.exp(row_max - top), 0.0)
+    total = jnp.sum(weight * row_sum, axis=1)
+    merged = jnp.sum(weight[..., None] * out, axis=1)
+    return jnp.where(
+        total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0.0
+    )
+
+
+def owner_attention(
+    q_nope: Float[Array, "b t h n"],
+    q_pe: Float[Array, "b t h r"],
+    latent: Array,
+    page_table: Int[Array, "b w"],
+    topk: Int[Array, "b t k"],
+    w_kv_b: Float[Array, "hx lora"],
+    *,
+    cp: int,
+    kv_lora_rank: int,
+    v_head_dim: int,
+    scale: float,
+    block_bytes: int | None = None,
+) -> Float[Array, "b t h v"]:
+    """`sparse_attention(..., form="absorbed")` of this rank's query tokens, each rank
+    attending over the selected positions it owns (module docstring, step 2). Runs
+    inside `shard_map` over `cp`; `latent` is this rank's lane of the layer's pool."""
+    n_heads, nope = q_nope.shape[2], q_nope.shape[3]
+    w = w_kv_b.astype(jnp.float32).reshape(n_heads, nope + v_head_dim, kv_lora_rank)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    q_lat = jnp.einsum("bthn,hnc->bthc", q_nope.astype(jnp.float32), w_uk)
+    query = jnp.concatenate([q_lat, q_pe.astype(jnp.float32)], axis=-1)  # [b, t, h, c + r]
+    page = latent.shape[1]
+    rank = jax.lax.axis_index(CP_AXIS)
+
+    def sequence(query, topk, page_table):
+        def block(query, topk):
+            q_all, sel = _gather(query, cp), _gather(topk, cp)
+            pos = jnp.maximum(sel, 0)
+            logical = pos // page
+            mine = (sel >= 0) & (logical % cp == rank)
+            local = jax.vmap(lambda row, i: jnp.take(row, i, axis=0))(page_table, logical)
+            rows = latent[jnp.where(mine, local, TRASH_PAGE), pos % page].astype(jnp.float32)
+            scores = jnp.einsum("bthc,btkc->bthk", q_all, rows) * scale
+            scores = jnp.where(mine[:, :, None, :], scores, -jnp.inf)
+            row_max = jnp.max(scores, axis=-1)
+            safe = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+            probs = jnp.where(mine[:, :, None, :], jnp.exp(scores - safe[..., None]), 0.0)
+            out = jnp.einsum("bthk,btkc->bthc", probs, rows)[..., :kv_lora_rank]
+            parts = (_return(x, cp) for x in (out, row_max, jnp.sum(probs, axis=-1)))
+            return merge_partials(*parts)
+
+        # One local token's share: its cp queries' gathered rows [k, c + r] float32.
+        row_bytes = query.shape[0] * cp * topk.shape[2] * latent.shape[2] * 4
+        blk = block_rows(query.shape[1], row_bytes, block_budget(block_bytes))
+        return tokenwise(block, query, topk, axis=1, block=blk)
+
+    o_row = per_sequence(sequence, query, topk, page_table)
+    return jnp.einsum("bthc,hvc->bthv", o_row, w_uv)
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnerCPKVIO(CPKVIO):
+    """`CPKVIO` whose model reads select top-k and attend where the pages live
+    (`owner_topk`, `owner_attention`); writes are `CPKVIO`'s (owners keep their pages).
+    Shared-KV pools only. `view` / `rows` stay available (full views for checks). The
+    token blocks follow the traced `numerics.token_block_bytes` budget."""
+
+    def __post_init__(self) -> None:
+        if not self.shared:
+            raise ValueError("owner attention needs page-owned (shared) KV pools")
+
+    def select_topk(self, q, w, index_k, index_scale, batch, index_topk: int):
+        with jax.named_scope("owner_topk"):
+            return owner_topk(
+                q,
+                w,
+                index_k,
+                index_scale,
+                batch.page_table,
+                batch.positions,
+                batch.kv_lens,
+                index_topk,
+                cp=self.cp_size,
+            )
+
+    def attend(self, q_nope, q_pe, latent, batch, topk, w_kv_b, **dims):
+        with jax.named_scope("owner_attention"):
+            return owner_attention(
+                q_nope,
+                q_pe,
+                latent,
+                batch.page_table,
+                topk,
+                w_kv_b,
+                cp=self.cp_size,
+                **dims,
+            )
+
+
+assert issubclass(OwnerCPKVIO, OwnerAttentionIO)
