@@ -20,7 +20,12 @@ same prompt (random ids, fixed seed) for every variant; `--warmup` untimed calls
 variant (the first compiles every step shape of that length), then `--repeats` rounds,
 the variants interleaved round by round with the order rotated each round; medians,
 every repeat time, and the ratios `shared_over_replicated`, `replicated_over_cp1`,
-`shared_over_cp1`. `--cp N` changes 8 (the variant names follow: `cpN_...`).
+`shared_over_cp1`. `--cp N` changes 8 (the variant names follow: `cpN_...`). `--owner` adds `cp8_owner`:
+shared KV with owner attention (`--cp-attention owner`, `cpkv_jax.owner_attention`), its
+ratio `owner_over_shared`, and its check against CP1 at the CP tolerance. Per length,
+`step_temp_bytes_per_device` is XLA's own transient (temp) figure of each variant's
+widest compiled step so far (`memory_analysis()`; give the lengths in ascending order),
+and `owner_temp_over_shared` its ratio.
 
 Correctness guard (before timing, on the first warm-up call's last-token logits): shared
 vs replicated must be bitwise equal (they run identical per-rank computations;
@@ -227,6 +232,11 @@ def variant_names(cp: int) -> tuple[str, str, str]:
     return "cp1", f"cp{cp}_replicated", f"cp{cp}_shared"
 
 
+def owner_name(cp: int) -> str:
+    """`--owner`'s variant: shared KV with owner attention (`--cp-attention owner`)."""
+    return f"cp{cp}_owner"
+
+
 def build_model(cfg: ModelConfig, args: argparse.Namespace, device: jax.Device) -> CausalLM:
     """The random-weight model every variant runs (built on `device`)."""
     dtype = DTYPES[args.dtype or "float32"]
@@ -253,6 +263,10 @@ def build_runners(
     wanted = {cp1: CPConfig(1, False, page_size=args.page_size)}
     for name, sh in ((rep, False), (shared, True)):
         wanted[name] = CPConfig(args.cp, sh, page_size=args.page_size)
+    if args.owner:
+        wanted[owner_name(args.cp)] = CPConfig(
+            args.cp, True, page_size=args.page_size, attention="owner"
+        )
     for name, cp in wanted.items():
         if cp.cp_size > len(devices):
             skipped[name] = (
@@ -296,7 +310,7 @@ def check_logits(logits: dict[str, np.ndarray], cp: int, rtol: float, atol: floa
         row["required"] = "bitwise"
         row["ok"] = row["bitwise_equal"]
         checks["shared_vs_replicated"] = row
-    for name in (rep, shared):
+    for name in (rep, shared, owner_name(cp)):
         if name in logits and cp1 in logits:
             row = compare(logits[name], logits[cp1], rtol, atol)
             row["required"] = f"|a-b| <= {atol:g} + {rtol:g}*|cp1|"
@@ -326,6 +340,16 @@ def time_length(
             if i == 0:
                 first_call_s[name], logits[name] = dt, lg
     checks = check_logits(logits, args.cp, rtol, atol)
+    # XLA's own figure for each variant's step program(s) at this length: the transient
+    # (temp) bytes per device of the largest, from the compiled executable.
+    temp_bytes = {
+        name: max(
+            runner.compiled_step(shape).memory_analysis().temp_size_in_bytes
+            for shape in runner.step_shapes
+            if shape.width == max(s.width for s in runner.step_shapes)
+        )
+        for name, runner in runners.items()
+    }
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.repeats):
         k = r % len(names)
@@ -344,12 +368,19 @@ def time_length(
         "min_s": {n: min(t) for n, t in times.items()},
         "times_s": times,
         "first_call_s": first_call_s,
+        "step_temp_bytes_per_device": temp_bytes,
         "per_layer_ms": {n: m / layers * 1e3 for n, m in med.items()},
         "tokens_per_s": {n: prompt.size / m for n, m in med.items()},
         "ratios": {
             "shared_over_replicated": ratio(shared, rep),
             "replicated_over_cp1": ratio(rep, cp1),
             "shared_over_cp1": ratio(shared, cp1),
+            "owner_over_shared": ratio(owner_name(args.cp), shared),
+            "owner_temp_over_shared": (
+                temp_bytes[owner_name(args.cp)] / temp_bytes[shared]
+                if owner_name(args.cp) in temp_bytes and shared in temp_bytes
+                else None
+            ),
         },
         "checks": checks,
         "checks_ok": all(c["ok"] for c in checks.values()),
@@ -384,7 +415,7 @@ def run(
         **environment(),
         "mode": mode,
         "cp": args.cp,
-        "variants": list(variant_names(args.cp)),
+        "variants": list(variant_names(args.cp)) + ([owner_name(args.cp)] if args.owner else []),
         "timed": list(runners),
         "skipped": skipped,
         "devices": [str(d) for d in devices[: args.cp]],
@@ -457,6 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--index-k-dtype", choices=("fp8_e4m3", "bfloat16", "float32"), default="fp8_e4m3"
     )
     ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument(
+        "--owner",
+        action="store_true",
+        help="also time shared KV with owner attention (--cp-attention owner)",
+    )
     ap.add_argument("--block-bytes", type=int, default=None, help="token-block budget")
     ap.add_argument("--rtol", type=float, default=None, help="CP vs CP1 (see DEFAULT_TOL)")
     ap.add_argument("--atol", type=float, default=None)

@@ -25,11 +25,15 @@ latent and index-K bytes. `OwnerCPKVIO` never builds that view. Inside `shard_ma
 
 The rank's owned index K is read as one local view (`S / cp` tokens, not `S`); the rest
 is bounded by the token-block budget (`cpkv_jax.buckets.block_rows`), so nothing else
-grows with the context. The cost is traffic and masked work: every rank scores every
-query of the block against its `S / cp` keys (the same indexer work as the full view in
-total), and gathers `top-k` rows per query of which about `1 / cp` are its own (the
-masked rest is `cp` times the full-view path's sparse-attention work;
-`benchmarks/bench_prefill.py --cp-attention` measures both).
+grows with the context. The cost is traffic and work on gathered queries: every rank
+scores every query of the block against its `S / cp` keys (the full view's indexer work
+in total), merges `cp` candidate lists per query with a two-key sort, and attends each
+query over its own share of the selection, compacted to `ceil(2 * top-k / cp)` columns
+(twice the even share; a block where a query owns more runs over all `top-k`, so the
+result is exact either way). Where this pays: decode, whose few queries meet a long
+context. In prefill a chunk's gathered queries outweigh the view: measured in
+`docs/results.md` (`benchmarks/bench_prefill.py --owner`), and at GLM-5 dims the full
+view is a small term of today's step transient (the indexer's logits blocks lead).
 
 Exactness: top-k positions equal the full-view path's where the index scores are
 bitwise equal (`tests/core/test_owner_attention.py`, with forced ties); the attention
@@ -40,6 +44,7 @@ output differs from a single softmax by float32 rounding of the log-sum-exp merg
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -173,10 +178,16 @@ def owner_attention(
     v_head_dim: int,
     scale: float,
     block_bytes: int | None = None,
+    capacity: int | None = None,
 ) -> Float[Array, "b t h v"]:
     """`sparse_attention(..., form="absorbed")` of this rank's query tokens, each rank
     attending over the selected positions it owns (module docstring, step 2). Runs
-    inside `shard_map` over `cp`; `latent` is this rank's lane of the layer's pool."""
+    inside `shard_map` over `cp`; `latent` is this rank's lane of the layer's pool.
+
+    `capacity`: selected positions per query a rank attends over in its compact pass
+    (default `ceil(2 * k / cp)`, twice the even share); a block where some query owns
+    more on this rank runs over all `k` instead (`lax.cond`), so the result never
+    depends on it. The token blocks are sized for that worst case."""
     n_heads, nope = q_nope.shape[2], q_nope.shape[3]
     w = w_kv_b.astype(jnp.float32).reshape(n_heads, nope + v_head_dim, kv_lora_rank)
     w_uk, w_uv = w[:, :nope], w[:, nope:]
@@ -186,11 +197,9 @@ def owner_attention(
     rank = jax.lax.axis_index(CP_AXIS)
 
     def sequence(query, topk, page_table):
-        def block(query, topk):
-            q_all, sel = _gather(query, cp), _gather(topk, cp)
+        def partial(q_all, sel, mine):
             pos = jnp.maximum(sel, 0)
             logical = pos // page
-            mine = (sel >= 0) & (logical % cp == rank)
             local = jax.vmap(lambda row, i: jnp.take(row, i, axis=0))(page_table, logical)
             rows = latent[jnp.where(mine, local, TRASH_PAGE), pos % page].astype(jnp.float32)
             scores = jnp.einsum("bthc,btkc->bthk", q_all, rows) * scale
@@ -199,8 +208,35 @@ def owner_attention(
             safe = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
             probs = jnp.where(mine[:, :, None, :], jnp.exp(scores - safe[..., None]), 0.0)
             out = jnp.einsum("bthk,btkc->bthc", probs, rows)[..., :kv_lora_rank]
-            parts = (_return(x, cp) for x in (out, row_max, jnp.sum(probs, axis=-1)))
-            return merge_partials(*parts)
+            return out, row_max, jnp.sum(probs, axis=-1)
+
+        def block(query, topk):
+            q_all, sel = _gather(query, cp), _gather(topk, cp)
+            mine = (sel >= 0) & ((jnp.maximum(sel, 0) // page) % cp == rank)
+            k = sel.shape[-1]
+            cap = min(k, capacity if capacity is not None else -(-2 * k // cp))
+
+            def compact(_):
+                # This rank's selected positions first, in selection order (top_k of a
+                # key that is 0 for the others): `cap` columns instead of `k`.
+                key = jnp.where(mine, k - jnp.arange(k), 0)
+                _, cols = jax.lax.top_k(key, cap)
+                take = functools.partial(jnp.take_along_axis, indices=cols, axis=2)
+                return partial(q_all, take(sel), take(mine))
+
+            # Exact either way: when some query owns more than `cap` of its selection
+            # here, the block runs over all `k` columns. No collective inside: each rank
+            # may take its own branch.
+            if cap < k:
+                parts = jax.lax.cond(
+                    jnp.max(jnp.sum(mine, axis=-1)) > cap,
+                    lambda _: partial(q_all, sel, mine),
+                    compact,
+                    None,
+                )
+            else:
+                parts = partial(q_all, sel, mine)
+            return merge_partials(*(_return(x, cp) for x in parts))
 
         # One local token's share: its cp queries' gathered rows [k, c + r] float32.
         row_bytes = query.shape[0] * cp * topk.shape[2] * latent.shape[2] * 4

@@ -177,8 +177,13 @@ def _attention_inputs(rng, lengths, k):
     return table, latent, q_nope, q_pe, w_kv_b, topk, dims
 
 
-@pytest.mark.parametrize("invariant", [False, True])
-def test_owner_attention_equals_sparse_attention_over_the_full_view(invariant):
+@pytest.mark.parametrize(
+    ("invariant", "capacity"), [(False, None), (True, None), (False, 1), (False, 12)]
+)
+def test_owner_attention_equals_sparse_attention_over_the_full_view(invariant, capacity):
+    """Capacity 1: nearly every block runs over all k columns (some query owns two of
+    its 24 positions on the rank); 12: no query owns that many, every block compacts;
+    the default (6) mixes both."""
     rng = np.random.default_rng(11)
     table, latent, q_nope, q_pe, w_kv_b, topk, dims = _attention_inputs(rng, [150, 37], 24)
 
@@ -191,7 +196,9 @@ def test_owner_attention_equals_sparse_attention_over_the_full_view(invariant):
 
     def owner(q_nope, q_pe, latent, table, topk, w_kv_b):
         with batch_invariant(invariant):
-            return owner_attention(q_nope, q_pe, latent, table, topk, w_kv_b, cp=CP, **dims)
+            return owner_attention(
+                q_nope, q_pe, latent, table, topk, w_kv_b, cp=CP, capacity=capacity, **dims
+            )
 
     split = P(None, CP_AXIS)
     specs = (split, split, P(CP_AXIS), P(), split, P())
