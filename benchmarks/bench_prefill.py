@@ -20,9 +20,10 @@ same prompt (random ids, fixed seed) for every variant; `--warmup` untimed calls
 variant (the first compiles every step shape of that length), then `--repeats` rounds,
 the variants interleaved round by round with the order rotated each round; medians,
 every repeat time, and the ratios `shared_over_replicated`, `replicated_over_cp1`,
-`shared_over_cp1`. `--cp N` changes 8 (the variant names follow: `cpN_...`). `--owner` adds `cp8_owner`:
-shared KV with owner attention (`--cp-attention owner`, `cpkv_jax.owner_attention`), its
-ratio `owner_over_shared`, and its check against CP1 at the CP tolerance. Per length,
+`shared_over_cp1`. `--cp N` changes 8 (the variant names follow: `cpN_...`).
+`--owner` adds `cp8_owner`: shared KV with owner attention (`--cp-attention owner`,
+`cpkv_jax.owner_attention`), its ratio `owner_over_shared`, and its check against CP1
+at the CP tolerance. Per length,
 `step_temp_bytes_per_device` is XLA's own transient (temp) figure of each variant's
 widest compiled step so far (`memory_analysis()`; give the lengths in ascending order),
 and `owner_temp_over_shared` its ratio.

@@ -781,7 +781,7 @@ def probe_cp_buffers(
 
 def real_step_memory(runner, batch, page: int):
     """`memory_analysis()` of the runner's compiled step for `batch` (its real arguments)."""
-    from cpkv_jax.cp_prefill import _global
+    from cpkv_jax.cp_prefill import global_array
     from cpkv_jax.lane_allocator import RequestPageTable
 
     tables = [RequestPageTable(runner.layout.lanes) for _ in batch]
@@ -793,16 +793,16 @@ def real_step_memory(runner, batch, page: int):
         step = runner.plan_step(prompts, tables, [c for _, c in batch], [e for e, _ in batch])
         split, rep = runner._shardings
         tokens = tuple(
-            _global(a, split)
+            global_array(a, split)
             for a in (step.input_ids, step.positions, step.valid, step.write_slots)
         )
         lowered = runner._step.lower(
             runner.state,
             tokens,
-            _global(step.page_table, rep),
-            _global(step.kv_lens, rep),
+            global_array(step.page_table, rep),
+            global_array(step.kv_lens, rep),
             runner.pool,
-            _global(step.last_index, rep),
+            global_array(step.last_index, rep),
         )
         return lowered.compile().memory_analysis()
     finally:

@@ -389,13 +389,13 @@ class CPPrefillRunner:
         if self.mtp:
             assert plan.next_ids is not None, "a drafting runner's plans carry next_ids"
             fields.append(plan.next_ids)
-        tokens = tuple(_global(x, split) for x in fields)
+        tokens = tuple(global_array(x, split) for x in fields)
         return (
             self.state,
             tokens,
-            _global(plan.page_table, rep),
-            _global(plan.kv_lens, rep),
-            _global(plan.last_index, rep),
+            global_array(plan.page_table, rep),
+            global_array(plan.kv_lens, rep),
+            global_array(plan.last_index, rep),
         )
 
     @property
@@ -433,7 +433,7 @@ class CPPrefillRunner:
         and the `TOP_SCORES` most likely tokens there (`TokenScores`, in position order;
         the prompt's last position, which predicts the output, is not scored)."""
         state, tokens, table, kv_lens, last = self._step_args(plan)
-        targets = _global(plan_targets(plan, prompts), self._shardings[0])
+        targets = global_array(plan_targets(plan, prompts), self._shardings[0])
         shape = self.shape_of(plan)
         step = self.compiled_score_step(shape)
         self.step_shapes.add(shape)
@@ -502,14 +502,14 @@ class CPPrefillRunner:
     def full_view(self, table: RequestPageTable) -> KVPool:
         """The request's materialized full view: leaves `[num_tokens, ...]` (device sync)."""
         width = page_table_width(table.num_pages, self.cp.cp_size)
-        row = _global(table.as_row(width)[None], self._shardings[1])
+        row = global_array(table.as_row(width)[None], self._shardings[1])
         views = self._view(self.pool, row)
         return jax.tree_util.tree_map(lambda v: v[0, : table.num_tokens], views)
 
     def views(self, page_table: np.ndarray) -> KVPool:
         """Materialized full views of page-table rows `[B, width]`: leaves `[B, tokens,
         ...]` (device sync; rows past a request's length are padding)."""
-        return self._view(self.pool, _global(page_table, self._shardings[1]))
+        return self._view(self.pool, global_array(page_table, self._shardings[1]))
 
     def release(self, table: RequestPageTable) -> None:
         table.release(self.allocator)
@@ -558,7 +558,7 @@ def score_tokens(model: CausalLM, hidden: jax.Array, targets: jax.Array):
     )
 
 
-def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+def global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global array from host data every process holds (works single- and multi-host)."""
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 

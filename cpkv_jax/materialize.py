@@ -37,6 +37,9 @@ class CPKVIO:
     cp_size: int
     shared: bool
     gather_impl: GatherImpl = "xla"
+    # The axis of the new tokens that is split over `cp`: 1, a prefill step's tokens; 0,
+    # a decode step's rows (`cpkv_jax.cp_decode`).
+    query_axis: int = 1
 
     def write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
         with jax.named_scope("kv_write"):
@@ -52,8 +55,9 @@ class CPKVIO:
         return self.view(pool, page_table), take_view_rows
 
     def _write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
-        all_slots = jax.lax.all_gather(slots, CP_AXIS, axis=1, tiled=True)
-        all_values = jax.lax.all_gather(values, CP_AXIS, axis=1, tiled=True)
+        axis = self.query_axis
+        all_slots = jax.lax.all_gather(slots, CP_AXIS, axis=axis, tiled=True)
+        all_values = jax.lax.all_gather(values, CP_AXIS, axis=axis, tiled=True)
         lane_slots = pool.shape[0] * pool.shape[1]
         if self.shared:
             rank = jax.lax.axis_index(CP_AXIS)

@@ -72,20 +72,22 @@ def _owned_pages(page_table: Int[Array, "b w"], cp: int) -> tuple[Array, Array]:
     return owned, jnp.arange(width // cp) * cp + rank
 
 
-def _gather(x: Array, cp: int) -> Array:
-    """All-gather the token axis (1) over `cp`: `[b, t, ...] -> [b, cp * t, ...]`, rank
-    order (rank r's tokens at `[r * t, (r + 1) * t)`)."""
-    del cp
-    return jax.lax.all_gather(x, CP_AXIS, axis=1, tiled=True)
+def _gather(x: Array, axis: int) -> Array:
+    """All-gather the query axis over `cp` (1: tokens `[b, t, ...] -> [b, cp * t, ...]`;
+    0: batch rows), rank order (rank r's queries at `[r * n, (r + 1) * n)`)."""
+    return jax.lax.all_gather(x, CP_AXIS, axis=axis, tiled=True)
 
 
-def _return(x: Array, cp: int) -> Array:
-    """Each query's per-rank results back to the query's rank: `[b, cp * t, ...]`
-    (queries in `_gather` order, computed here) -> `[b, cp, t, ...]` (axis 1: the rank
-    that computed them), one all-to-all."""
-    b, n = x.shape[:2]
-    x = x.reshape(b, cp, n // cp, *x.shape[2:])
-    return jax.lax.all_to_all(x, CP_AXIS, 1, 1, tiled=True)
+def _return(x: Array, cp: int, axis: int) -> Array:
+    """Each query's per-rank results back to the query's rank: `x` holds them for the
+    `_gather`ed queries; the result is `[b, cp, t, ...]` for this rank's queries (axis 1:
+    the rank that computed them), one all-to-all."""
+    if axis == 1:
+        b, n = x.shape[:2]
+        x = x.reshape(b, cp, n // cp, *x.shape[2:])
+        return jax.lax.all_to_all(x, CP_AXIS, 1, 1, tiled=True)
+    x = x.reshape(cp, x.shape[0] // cp, *x.shape[1:])
+    return jnp.moveaxis(jax.lax.all_to_all(x, CP_AXIS, 0, 0, tiled=True), 0, 1)
 
 
 def owner_topk(
@@ -93,17 +95,23 @@ def owner_topk(
     w: Float[Array, "b t nh"],
     index_k: Array,
     index_scale: Array | None,
-    page_table: Int[Array, "b w"],
+    page_table: Int[Array, "rows w"],
     positions: Int[Array, "b t"],
-    kv_lens: Int[Array, " b"],
+    kv_lens: Int[Array, " rows"],
     index_topk: int,
     *,
     cp: int,
+    axis: int = 1,
     block_bytes: int | None = None,
 ) -> Int[Array, "b t k"]:
     """`select_topk(index_scores(...))` of this rank's query tokens over the whole
     context, each rank scoring only the pages it owns (module docstring, step 1). Runs
-    inside `shard_map` over `cp`; `index_k` / `index_scale` are this rank's lane."""
+    inside `shard_map` over `cp`; `index_k` / `index_scale` are this rank's lane.
+
+    `axis`: the query axis split over `cp`. 1 (prefill): each rank holds some tokens of
+    every request, `page_table` / `kv_lens` are the batch's. 0 (decode, `cp_decode`):
+    each rank holds whole rows; `page_table` / `kv_lens` are then every rank's rows
+    (`[cp * b, ...]`, replicated), `q` / `w` / `positions` this rank's."""
     owned, logical_pages = _owned_pages(page_table, cp)
     b, wo = owned.shape
     page = index_k.shape[1]
@@ -118,13 +126,13 @@ def owner_topk(
     k_out = min(index_topk, s_full)
 
     def block(q, w, positions):
-        q_all, w_all, pos_all = (_gather(x, cp) for x in (q, w, positions))
+        q_all, w_all, pos_all = (_gather(x, axis) for x in (q, w, positions))
         scores = index_scores(q_all, w_all, keys, pos_all, kv_lens, key_positions=key_pos)
         scores = jnp.where(scores == 0, 0.0, scores)  # signed zeros tie (`select_topk`)
         vals, idx = jax.lax.top_k(scores, k_local)  # ties: lowest local index = position
-        cand_vals = _return(vals, cp)  # [b, cp, t, k_local]
-        cand_pos = _return(jnp.take(key_pos, idx), cp)
-        t = q.shape[1]
+        cand_vals = _return(vals, cp, axis)  # [b, cp, t, k_local]
+        cand_pos = _return(jnp.take(key_pos, idx), cp, axis)
+        b, t = q.shape[:2]
         cand_vals = jnp.moveaxis(cand_vals, 1, 2).reshape(b, t, cp * k_local)
         cand_pos = jnp.moveaxis(cand_pos, 1, 2).reshape(b, t, cp * k_local)
         # Score descending, then lowest position: lax.top_k's order over the full view.
@@ -134,8 +142,10 @@ def owner_topk(
         keep = jnp.arange(k_out)[None, None, :] < n_valid[:, :, None]
         return jnp.where(keep, chosen, -1).astype(jnp.int32)
 
-    # One local token's share: its cp queries' logits [heads, S / cp] and scores.
-    row_bytes = b * cp * (q.shape[2] + 2) * wo * page * 4
+    # One local token's share: its gathered queries' logits [heads, S / cp] and scores
+    # (`b` rows here are already every rank's when the rows are split, axis 0).
+    gathered = b * cp if axis == 1 else b
+    row_bytes = gathered * (q.shape[2] + 2) * wo * page * 4
     return tokenwise(
         block,
         q,
@@ -169,7 +179,7 @@ def owner_attention(
     q_nope: Float[Array, "b t h n"],
     q_pe: Float[Array, "b t h r"],
     latent: Array,
-    page_table: Int[Array, "b w"],
+    page_table: Int[Array, "rows w"],
     topk: Int[Array, "b t k"],
     w_kv_b: Float[Array, "hx lora"],
     *,
@@ -177,6 +187,7 @@ def owner_attention(
     kv_lora_rank: int,
     v_head_dim: int,
     scale: float,
+    axis: int = 1,
     block_bytes: int | None = None,
     capacity: int | None = None,
 ) -> Float[Array, "b t h v"]:
@@ -187,7 +198,8 @@ def owner_attention(
     `capacity`: selected positions per query a rank attends over in its compact pass
     (default `ceil(2 * k / cp)`, twice the even share); a block where some query owns
     more on this rank runs over all `k` instead (`lax.cond`), so the result never
-    depends on it. The token blocks are sized for that worst case."""
+    depends on it. The token blocks are sized for that worst case. `axis`: as in
+    `owner_topk` (0: `page_table` holds every rank's rows)."""
     n_heads, nope = q_nope.shape[2], q_nope.shape[3]
     w = w_kv_b.astype(jnp.float32).reshape(n_heads, nope + v_head_dim, kv_lora_rank)
     w_uk, w_uv = w[:, :nope], w[:, nope:]
@@ -211,7 +223,7 @@ def owner_attention(
             return out, row_max, jnp.sum(probs, axis=-1)
 
         def block(query, topk):
-            q_all, sel = _gather(query, cp), _gather(topk, cp)
+            q_all, sel = _gather(query, axis), _gather(topk, axis)
             mine = (sel >= 0) & ((jnp.maximum(sel, 0) // page) % cp == rank)
             k = sel.shape[-1]
             cap = min(k, capacity if capacity is not None else -(-2 * k // cp))
@@ -236,14 +248,17 @@ def owner_attention(
                 )
             else:
                 parts = partial(q_all, sel, mine)
-            return merge_partials(*(_return(x, cp) for x in parts))
+            return merge_partials(*(_return(x, cp, axis) for x in parts))
 
         # One local token's share: its cp queries' gathered rows [k, c + r] float32.
         row_bytes = query.shape[0] * cp * topk.shape[2] * latent.shape[2] * 4
         blk = block_rows(query.shape[1], row_bytes, block_budget(block_bytes))
         return tokenwise(block, query, topk, axis=1, block=blk)
 
-    o_row = per_sequence(sequence, query, topk, page_table)
+    if axis == 1:
+        o_row = per_sequence(sequence, query, topk, page_table)
+    else:  # a rank's rows meet every rank's rows in the gather: no per-row split
+        o_row = sequence(query, topk, page_table)
     return jnp.einsum("bthc,hvc->bthv", o_row, w_uv)
 
 
@@ -252,11 +267,17 @@ class OwnerCPKVIO(CPKVIO):
     """`CPKVIO` whose model reads select top-k and attend where the pages live
     (`owner_topk`, `owner_attention`); writes are `CPKVIO`'s (owners keep their pages).
     Shared-KV pools only. `view` / `rows` stay available (full views for checks). The
-    token blocks follow the traced `numerics.token_block_bytes` budget."""
+    token blocks follow the traced `numerics.token_block_bytes` budget. `query_axis`
+    (`CPKVIO`'s): 0 for a decode step whose rows are split over the ranks."""
 
     def __post_init__(self) -> None:
         if not self.shared:
             raise ValueError("owner attention needs page-owned (shared) KV pools")
+
+    def _rows(self, x: Array) -> Array:
+        """A batch field the owner functions need for every gathered query: rows split
+        over the ranks (decode, `query_axis` 0) are all-gathered (a small int32 array)."""
+        return _gather(x, 0) if self.query_axis == 0 else x
 
     def select_topk(self, q, w, index_k, index_scale, batch, index_topk: int):
         with jax.named_scope("owner_topk"):
@@ -265,11 +286,12 @@ class OwnerCPKVIO(CPKVIO):
                 w,
                 index_k,
                 index_scale,
-                batch.page_table,
+                self._rows(batch.page_table),
                 batch.positions,
-                batch.kv_lens,
+                self._rows(batch.kv_lens),
                 index_topk,
                 cp=self.cp_size,
+                axis=self.query_axis,
             )
 
     def attend(self, q_nope, q_pe, latent, batch, topk, w_kv_b, **dims):
@@ -278,10 +300,11 @@ class OwnerCPKVIO(CPKVIO):
                 q_nope,
                 q_pe,
                 latent,
-                batch.page_table,
+                self._rows(batch.page_table),
                 topk,
                 w_kv_b,
                 cp=self.cp_size,
+                axis=self.query_axis,
                 **dims,
             )
 

@@ -55,7 +55,7 @@ from support.buffer_estimator_cases import (
 
 from cpkv_jax.buckets import BLOCK_ROW_MULTIPLE, TRANSIENT_BLOCK_BYTES, block_rows
 from cpkv_jax.config import CPConfig, ModelConfig
-from cpkv_jax.cp_prefill import CPPrefillRunner, _global
+from cpkv_jax.cp_prefill import CPPrefillRunner, global_array
 from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.materialize import CPKVIO
 from cpkv_jax.mesh import CP_AXIS
@@ -495,16 +495,16 @@ def test_real_step_figures(runner, estimator):
         step, tables = plan(runner, batch)
         try:
             tokens = tuple(
-                _global(a, split)
+                global_array(a, split)
                 for a in (step.input_ids, step.positions, step.valid, step.write_slots)
             )
             lowered = runner._step.lower(
                 runner.state,
                 tokens,
-                _global(step.page_table, rep),
-                _global(step.kv_lens, rep),
+                global_array(step.page_table, rep),
+                global_array(step.kv_lens, rep),
                 runner.pool,
-                _global(step.last_index, rep),
+                global_array(step.last_index, rep),
             )
             m = lowered.compile().memory_analysis()
         finally:

@@ -1,0 +1,92 @@
+"""CP decode (issue 40 item 3, `cpkv_jax.cp_decode`): prefill and decode on one CP8 mesh
+from the same page-owned pools, against single-device generation.
+
+The FP8 tiny checkpoints of both architectures, experts split over the 8 ranks (EP8).
+Greedy tokens must equal `ReferenceGenerator`'s exactly; log-probs agree within 1e-5
+(the CP prefill tolerance: rank-sized matmuls round differently in the last bits, and
+owner attention merges partial softmaxes by log-sum-exp).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from support.cp_reference import P
+
+from cpkv_jax.config import CPConfig
+from cpkv_jax.cp_decode import CPDecoder
+from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
+from cpkv_jax.errors import CacheCapacityError, InputError
+from cpkv_jax.generate import ReferenceGenerator
+from cpkv_jax.lane_allocator import RequestPageTable
+from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
+from cpkv_jax.model import expert_parallel as ep
+from cpkv_jax.model.weights import load_model
+
+pytestmark = pytest.mark.slow(seconds=60)
+
+CP = 8
+EXPERTS = 16
+NEW = 6
+LONG = 33 * P + 5  # index_topk 16 of 533+ positions: the selection is sparse
+
+
+def _decoder(cfg, placed, pages_per_rank):
+    cp = CPConfig(cp_size=CP, shared_kv=True, page_size=P, attention="owner")
+    runner = CPPrefillRunner(
+        cfg,
+        placed,
+        make_cp_mesh(CP),
+        cp,
+        pages_per_rank=pages_per_rank,
+        index_k_dtype="float32",
+        expert_parallel=ep.EPSpec(CP_AXIS, CP, "allgather", None),
+    )
+    return CPDecoder(runner)
+
+
+@pytest.fixture(scope="module", params=["glm_moe_dsa", "deepseek_v32"])
+def models(request, tiny_checkpoints):
+    path = tiny_checkpoints(request.param, fp8=True, n_routed_experts=EXPERTS)
+    cfg, single = load_model(path, progress=False)
+    _, placed = load_model(path, progress=False, mesh=make_cp_mesh(CP), expert_axis=CP_AXIS)
+    return cfg, single, placed
+
+
+def test_cp_decode_equals_single_device_generation(models):
+    """Two requests decoded together (one short, one long), chunked prefill, on pools
+    where the long request's pages (36) are far more than one rank holds (6): its KV
+    lives striped over the eight ranks for the whole generation."""
+    cfg, single, placed = models
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 300, n).astype(np.int32) for n in (LONG, P + 1)]
+    pages = pages_per_rank_for(sum(len(p) + NEW for p in prompts), P, CPConfig(CP, True), 2)
+    decoder = _decoder(cfg, placed, pages)
+    long_pages = -(-(LONG + NEW) // P)
+    assert long_pages > pages  # more than one rank's whole pool
+    free = decoder.runner.allocator.num_free_per_lane().copy()
+    tokens, logprobs = decoder.generate(prompts, NEW, chunked_prefill_size=40)
+    ref = ReferenceGenerator(cfg, single, page_size=P, index_k_dtype="float32")
+    for i, ids in enumerate(prompts):
+        want = ref.generate(ids.tolist(), NEW, ignore_eos=True)
+        assert tokens[i] == want.output_ids
+        np.testing.assert_allclose(logprobs[i], want.output_logprobs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(decoder.runner.allocator.num_free_per_lane(), free)
+    assert len(decoder._steps.compiled_keys()) == 1  # one (rows, width) bucket
+
+
+def test_cp_decode_plan_is_all_or_nothing_and_refusals(models):
+    cfg, _, placed = models
+    decoder = _decoder(cfg, placed, 3)  # 2 usable pages per lane
+    runner = decoder.runner
+    table = RequestPageTable(CP)
+    table.extend(runner.allocator, 16 * P, P)  # every lane full
+    with pytest.raises(CacheCapacityError):
+        decoder.plan([table], [5])
+    assert table.num_tokens == 16 * P and table.num_pages == 16
+    table.release(runner.allocator)
+    with pytest.raises(InputError, match="tables for"):
+        decoder.plan([table], [])
+    rep = CPConfig(cp_size=CP, shared_kv=False, page_size=P)
+    with pytest.raises(InputError, match="shared_kv"):
+        CPDecoder(CPPrefillRunner(cfg, placed, make_cp_mesh(CP), rep, pages_per_rank=4))
