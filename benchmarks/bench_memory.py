@@ -70,6 +70,10 @@ seconds and no allocation), `expert_parallel.param_shardings` on an `AbstractMes
 - `decode_dp_rank_on_device`: the same device as one rank of a data-parallel decode
   server (`--dp-size` = `--cp-size`, experts split over it): its own KV pool in tokens
   and the longest request it holds (a request's pages all live on one rank).
+- `decode_cp_group_on_device`: the same devices as one CP decode group (issue 40,
+  `cpkv_jax.cp_decode`): the page-owned pool above on each, so one request's pages stripe
+  over all of them; the tokens one request can have (`single_request_pool_tokens`), the
+  longest request (capped by `max_position_embeddings`) and both against a DP rank's.
 `measured_weights` (with `--measured`): a tiny FP8 checkpoint (`make_tiny_checkpoint(...,
 fp8=True, n_routed_experts=16)`, temp dir) loaded by `weights.load_model` on a
 `jax.device_count()`-rank mesh with experts split over `"cp"`; the bytes each device's
@@ -609,6 +613,29 @@ def decode_rank_kv_on_device(
     }
 
 
+def decode_cp_group_on_device(
+    cfg: ModelConfig, cp_kv: dict[str, Any], dp_rank: dict[str, Any]
+) -> dict[str, Any]:
+    """A CP decode group over `--cp-size` devices (issue 40, `cpkv_jax.cp_decode`): the
+    same page-owned pool per device as the CP prefill's (`kv_tokens_per_rank_on_device`),
+    so one request's pages stripe over every rank of the group (page `p` on rank
+    `p mod cp`), against one data-parallel decode rank, which holds a request whole."""
+    pool_tokens = cp_kv["tokens_per_rank"] * cp_kv["cp_size"]
+    longest = min(pool_tokens, cfg.max_position_embeddings)
+    dp_longest = dp_rank["longest_request_tokens"]
+    return {
+        "cp_size": cp_kv["cp_size"],
+        "kv_tokens_per_rank": cp_kv["tokens_per_rank"],
+        "single_request_pool_tokens": pool_tokens,
+        "longest_request_tokens": longest,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "pool_over_dp_rank": pool_tokens / dp_rank["kv_tokens_per_rank"]
+        if dp_rank["kv_tokens_per_rank"]
+        else None,
+        "longest_over_dp_rank": longest / dp_longest if dp_longest else None,
+    }
+
+
 def weights_model_report(name: str, args: MemoryBenchArgs) -> dict[str, Any]:
     """One model's weights per device at each EP size, FP8 and (EP 8) bf16."""
     config = config_dir(WEIGHT_MODELS[name])
@@ -618,6 +645,10 @@ def weights_model_report(name: str, args: MemoryBenchArgs) -> dict[str, Any]:
         check_divisible(cfg.n_routed_experts, ep)
     per_ep = {str(ep): ep_figures(fp8, ep) for ep in WEIGHT_EP_SIZES}
     at_cp = ep_figures(fp8, args.cp_size)
+    weights = at_cp["weights_bytes_per_device"]["total"]
+    dequant = at_cp["dequant_transient_bytes_per_device"]
+    cp_kv = kv_on_device(cfg, weights, dequant, args)
+    dp_rank = decode_rank_kv_on_device(cfg, weights, dequant, args)
     return {
         "config": str(config.relative_to(CONFIGS_DIR.parents[1])),
         "model_type": cfg.model_type,
@@ -628,18 +659,9 @@ def weights_model_report(name: str, args: MemoryBenchArgs) -> dict[str, Any]:
         "ep": per_ep,
         "bf16_ep": BF16_EP,
         "bf16_weights_bytes_per_device": bytes_per_device(bf16, ep_shardings(bf16, BF16_EP)),
-        "kv_tokens_per_rank_on_device": kv_on_device(
-            cfg,
-            at_cp["weights_bytes_per_device"]["total"],
-            at_cp["dequant_transient_bytes_per_device"],
-            args,
-        ),
-        "decode_dp_rank_on_device": decode_rank_kv_on_device(
-            cfg,
-            at_cp["weights_bytes_per_device"]["total"],
-            at_cp["dequant_transient_bytes_per_device"],
-            args,
-        ),
+        "kv_tokens_per_rank_on_device": cp_kv,
+        "decode_dp_rank_on_device": dp_rank,
+        "decode_cp_group_on_device": decode_cp_group_on_device(cfg, cp_kv, dp_rank),
     }
 
 

@@ -185,6 +185,14 @@ def test_main_default_json_has_all_keys(capsys, tiny_fp8):
         assert decode["weights_bytes"] == model["ep"]["8"]["weights_bytes_per_device"]["total"]
         assert decode["fits"] is True and decode["longest_request_tokens"] > 0
         assert decode["kv_tokens_per_server"] == 8 * decode["kv_tokens_per_rank"]
+        # A CP8 decode group (issue 40): one request stripes over the 8 ranks' pools.
+        group = model["decode_cp_group_on_device"]
+        cp_kv = model["kv_tokens_per_rank_on_device"]
+        assert group["single_request_pool_tokens"] == 8 * cp_kv["tokens_per_rank"]
+        assert group["pool_over_dp_rank"] >= 7
+        assert group["longest_request_tokens"] == min(
+            group["single_request_pool_tokens"], group["max_position_embeddings"]
+        )
     assert report["measured_weights"]["measured_equals_predicted"] is True
 
 

@@ -14,8 +14,14 @@ import pytest
 
 from benchmarks import bench_prefill as bp
 
-VARIANTS = ("cp1", "cp8_replicated", "cp8_shared")
-RATIOS = ("shared_over_replicated", "replicated_over_cp1", "shared_over_cp1")
+VARIANTS = ("cp1", "cp8_replicated", "cp8_shared", "cp8_owner")
+RATIOS = (
+    "shared_over_replicated",
+    "replicated_over_cp1",
+    "shared_over_cp1",
+    "owner_over_shared",
+    "owner_temp_over_shared",
+)
 LENGTHS = (256, 512)
 
 
@@ -23,7 +29,7 @@ LENGTHS = (256, 512)
 def tiny_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_prefill") / "r.json"
     argv = ["--lengths", *map(str, LENGTHS), "--chunk", "256", "--layers", "1", "--scale", "32"]
-    argv += ["--repeats", "1", "--json", str(out)]
+    argv += ["--repeats", "1", "--owner", "--json", str(out)]
     assert bp.main(argv) == 0
     return json.loads(out.read_text())
 
@@ -46,6 +52,10 @@ def test_report_shape(tiny_report):
         assert all(math.isfinite(v) and v > 0 for v in case["ratios"].values())
         med = case["median_s"]
         assert case["ratios"]["shared_over_replicated"] == med["cp8_shared"] / med["cp8_replicated"]
+        assert case["ratios"]["owner_over_shared"] == med["cp8_owner"] / med["cp8_shared"]
+        temp = case["step_temp_bytes_per_device"]  # XLA's own figure, per variant
+        assert set(temp) == set(VARIANTS) and all(v > 0 for v in temp.values())
+        assert case["checks"]["cp8_owner_vs_cp1"]["ok"] is True
     assert r["cases"][1]["steps"] == 2  # 512 tokens in 256-token chunks
 
 
@@ -53,10 +63,11 @@ def test_logits_checks(tiny_report):
     """Shared vs replicated bitwise; CP8 vs CP1 within the project's float32 tolerance."""
     for case in tiny_report["cases"]:
         checks = case["checks"]
-        assert set(checks) == {"shared_vs_replicated", "cp8_replicated_vs_cp1", "cp8_shared_vs_cp1"}
+        vs_cp1 = ("cp8_replicated_vs_cp1", "cp8_shared_vs_cp1", "cp8_owner_vs_cp1")
+        assert set(checks) == {"shared_vs_replicated", *vs_cp1}
         assert checks["shared_vs_replicated"]["bitwise_equal"] is True
         assert checks["shared_vs_replicated"]["max_abs_diff"] == 0.0
-        for name in ("cp8_replicated_vs_cp1", "cp8_shared_vs_cp1"):
+        for name in vs_cp1:
             assert checks[name]["ok"] and checks[name]["max_abs_diff"] <= 1e-4, name
         assert case["checks_ok"] is True
 
