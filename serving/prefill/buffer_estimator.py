@@ -76,6 +76,18 @@ model is of CP shared-KV mode (replicated pools have no all-gathers).
 
 Bytes are live bytes: allocator fragmentation is not modelled.
 
+Owner attention (`--cp-attention owner`, `attention="owner"`): no full view is built, so
+the phases are write -> index_view (the owned index K and its float32 dequantization,
+`S / cp` tokens) -> scores (per block of local tokens: the `cp x` gathered indexer
+queries, their logits, ReLU copy and scores against the owned keys, the local, exchanged
+and sorted top-k candidates, and the step's top-k) -> sparse_rows (per attention block:
+the gathered absorbed queries and their top-k, the selected rows of the exact
+fall-back and of the compact pass, scores and probabilities, the partial outputs before
+and after the all-to-all; the rank's absorbed queries and merged output). An upper-bound
+model of `cpkv_jax.owner_attention`'s dataflow; on XLA:CPU it covers the whole compiled
+owner step (MoE included) at 1.07-1.12x where the CP buffers dominate
+(`test_owner_attention_estimate_bounds_the_compiled_step`).
+
 Calibration: `tests/serving/test_buffer_estimator.py` checks the `XLA_CPU` profile (float32
 compute, fp8 index K, as the tiny model runs) against `compiled.memory_analysis()` per
 buffer kind and for two-layer probes (full + shared, full + full): estimate >= XLA and
@@ -222,7 +234,11 @@ class BufferEstimator:
         profile: LoweringProfile = XLA_GPU,
         pages_per_rank: int | None = None,
         block_bytes: int = TRANSIENT_BLOCK_BYTES,
+        attention: str = "full-view",
     ):
+        if attention not in ("full-view", "owner"):
+            raise ConfigError(f"attention must be 'full-view' or 'owner', got {attention!r}")
+        self.attention = attention
         if cp_size < 1 or page_size < 1:
             raise ConfigError(f"cp_size and page_size must be >= 1, got {cp_size}, {page_size}")
         if index_k_dtype not in INDEX_K_NUMPY:
@@ -416,6 +432,15 @@ class BufferEstimator:
                 ("sparse_rows", lat_full, 0, meta_step, hoist_shared, topk, sparse, desc),
             ),
         }
+        if self.attention == "owner":
+            return self._estimate_owner(
+                shape, terms, meta_step, meta_write, rows_full, rows_shared, desc
+            )
+        return self._assemble(phases, terms, shape)
+
+    def _assemble(self, phases: dict, terms: dict[str, int], shape: StepShape) -> Estimate:
+        """The stream-aware peak over `phases` (per layer type: name, then the live bytes
+        of each kind in `KINDS` order)."""
         layer_bytes = dict.fromkeys(LAYER_TYPES, 0)
         layer_breakdown = {}
         best: tuple = (-1,)
@@ -449,6 +474,88 @@ class BufferEstimator:
             terms=terms,
             shape=shape,
         )
+
+    def _estimate_owner(
+        self,
+        shape: StepShape,
+        terms: dict[str, int],
+        meta_step: int,
+        meta_write: int,
+        rows_full: int,
+        rows_shared: int,
+        desc: int,
+    ) -> Estimate:
+        """Owner attention (`--cp-attention owner`, `cpkv_jax.owner_attention`): no full
+        view. Per rank: the owned index K and its float32 dequantization (`S / cp`
+        tokens); per block of local query tokens, the `cp x` gathered queries, their
+        logits / scores against the owned keys, local and merged candidates; per
+        attention block, the gathered absorbed queries, the selected rows (the exact
+        fall-back's `k` columns and the compact pass's, both counted), scores and
+        probabilities, and the partial outputs before and after the all-to-all. An
+        upper-bound model of the same dataflow, not calibrated against XLA as the
+        full-view phases are (`tests/serving/test_buffer_estimator.py` checks it against
+        the compiled owner step's total); the memory plan takes the larger of the two."""
+        cfg, cp = self.cfg, self.cp_size
+        b, t = shape.rows, shape.tokens_per_rank
+        s = shape.width * self.page_size
+        so = s // cp
+        k, kl = min(self.index_topk, s), min(self.index_topk, so)
+        cap = min(k, -(-2 * k // cp))
+        hi, di = cfg.index_n_heads, cfg.index_head_dim
+        h, row = cfg.num_attention_heads, cfg.kv_cache_dim
+        lora = cfg.kv_lora_rank
+        idx_owned = b * so * (self.index_k_moved + self.scale_token)
+        dequant = b * so * self.dequant_token
+        tb = block_rows(t, b * cp * (hi + 2) * so * _F32, self.block_bytes)
+        gathered_q = b * cp * tb * hi * (di + 1) * _F32
+        logits = b * cp * tb * hi * so * _F32
+        scores = b * cp * tb * so * _F32
+        candidates = 3 * b * cp * tb * kl * 2 * _I32  # local top-k, all-to-all, sorted
+        topk = b * t * k * _I32
+        window = gathered_q + 2 * logits + scores + candidates + topk
+        ta = block_rows(t, b * cp * k * row * _F32, self.block_bytes)
+        query = b * t * h * row * _F32
+        attn = (
+            b
+            * cp
+            * ta
+            * (
+                h * row * _F32  # gathered queries
+                + k * _I32  # their top-k
+                + (k + cap) * row * _F32  # the selected rows: fall-back and compact
+                + 2 * h * k * _F32  # scores, probabilities
+                + 2 * h * (lora + 2) * _F32  # partials before and after the all-to-all
+            )
+        )
+        attn += query + b * t * h * lora * _F32  # the absorbed queries and the merged output
+        terms = {
+            **terms,
+            "latent_owned": 0,
+            "latent_gathered": 0,
+            "latent_full_view": 0,
+            "index_k_gathered": 0,
+            "index_k_owned": idx_owned,
+            "index_k_dequantized": dequant,
+            "logits": logits,
+            "logits_relu": logits,
+            "scores": scores,
+            "indexer_block_scores": gathered_q + candidates,
+            "sparse_rows": attn,
+        }
+        hoist_full, hoist_shared = self.hoisted_upcasts["full"], self.hoisted_upcasts["shared"]
+        phases = {
+            "full": (
+                ("write", 0, 0, meta_write, rows_full, 0, 0, desc),
+                ("index_view", 0, idx_owned + dequant, meta_step, hoist_full, 0, 0, desc),
+                ("scores", 0, dequant, meta_step, hoist_full, window, 0, desc),
+                ("sparse_rows", 0, 0, meta_step, hoist_full, topk, attn, desc),
+            ),
+            "shared": (
+                ("write", 0, 0, meta_write, rows_shared, topk, 0, desc),
+                ("sparse_rows", 0, 0, meta_step, hoist_shared, topk, attn, desc),
+            ),
+        }
+        return self._assemble(phases, terms, shape)
 
 
 # ---- SPEC S9.4 --------------------------------------------------------------------------

@@ -237,6 +237,7 @@ def buffer_estimator(
         profile=profile_for_platform(platform),
         pages_per_rank=pages_per_rank,
         block_bytes=args.transient_block_size,
+        attention=args.cp_attention,
     )
 
 
