@@ -172,6 +172,9 @@ def test_cp_config_is_built_from_the_args():
         32,
         64,
     )
+    assert c.attention == "full-view"
+    owner = make_args(cp_size=4, enable_cp_shared_kv=True, cp_attention="owner").cp_config()
+    assert owner.attention == "owner"
 
 
 # ---- SPEC S2.3: transfer backend capabilities --------------------------------------------
@@ -241,6 +244,10 @@ def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
             "decode side is not context-parallel",
         ),
         ({"transfer_backend": "mooncake"}, "--transfer-backend has no effect without"),
+        (
+            {"disaggregation_mode": "prefill", "cp_size": 8, "cp_attention": "owner"},
+            "owner attention needs page-owned KV (--enable-cp-shared-kv)",
+        ),
         ({"transfer_waiting_timeout": 1.0}, "--transfer-waiting-timeout has no effect"),
         (
             {"disable_transfer_malloc_tuning": True},
