@@ -38,7 +38,9 @@ def bs_gt1_args(path, buffer: str | None, *extra: str) -> ServerArgs:
     return args_for(path, "--enable-cp-shared-kv-prefill-bs-gt1", *limit, *extra)
 
 
-def test_engine_prefills_batches_and_matches_the_reference(tiny):
+@pytest.mark.parametrize("attention", ["full-view", "owner"])
+def test_engine_prefills_batches_and_matches_the_reference(tiny, attention):
+    """Both `--cp-attention` modes (owner: issue 40, its admission estimate included)."""
     path, (cfg, model) = tiny
     args = bs_gt1_args(
         path,
@@ -49,9 +51,13 @@ def test_engine_prefills_batches_and_matches_the_reference(tiny):
         "1MiB",
         "--index-k-dtype",
         "float32",
+        "--cp-attention",
+        attention,
     )
     engine = build_prefill_engine(args, model=model)
     assert engine.runner.layout.shared and engine.runner.layout.pages_per_rank > 2
+    assert engine.runner.cp.attention == attention
+    assert engine.scheduler.estimator.attention == attention
     prompts = {
         f"r{i}": np.random.default_rng(i).integers(3, 300, n).astype(np.int32)
         for i, n in enumerate((40, 75, 9))
