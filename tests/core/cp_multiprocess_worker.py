@@ -59,6 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also decode on a ('dp',) mesh of all devices (issue 36): three requests "
         "with these prompt ids, on ranks 1, 5 and 6, prefilled in one step then decoded",
     )
+    p.add_argument(
+        "--cp-decode-steps",
+        type=int,
+        default=0,
+        help="also prefill and decode the prompt with owner attention on the cp mesh "
+        "(issue 40: `cpkv_jax.cp_decode`), this many greedy tokens",
+    )
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--shared", dest="shared_kv", action="store_true", default=True)
     kv.add_argument("--replicated", dest="shared_kv", action="store_false")
@@ -181,10 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     # read it whole.
     view = runner.full_view(result.tables[0])
     latent0 = np.asarray(view.latent[0], np.float32)
+    cpd = cp_decode(args, runner, prompt) if args.cp_decode_steps else None
     dp = dp_decode(args, jax, np) if args.dp_decode_ids else None
     if jax.process_index() == 0:
         payload = {
             "dp_decode": dp,
+            "cp_decode": cpd,
             "process_count": jax.process_count(),
             "device_count": jax.device_count(),
             "local_device_count": jax.local_device_count(),
@@ -202,6 +211,39 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.cancel_dump_traceback_later()
     stage("done")
     return 0
+
+
+def cp_decode(args, prefill_runner, prompt) -> dict:
+    """Owner attention on the same mesh, model and EP (issue 40): CP prefill of the prompt
+    without a full view, then `--cp-decode-steps` greedy CP decode steps from the same
+    page-owned pools (`cpkv_jax.cp_decode`). Returns the tokens and their log-probs."""
+    import dataclasses
+
+    from cpkv_jax.cp_decode import CPDecoder
+    from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
+
+    base = prefill_runner
+    cp = dataclasses.replace(base.cp, attention="owner")
+    runner = CPPrefillRunner(
+        base.cfg,
+        nnx_merge(base),
+        base.mesh,
+        cp,
+        pages_per_rank=pages_per_rank_for(prompt.size + args.cp_decode_steps, cp.page_size, cp),
+        index_k_dtype=base.index_k_dtype,
+        expert_parallel=base.expert_parallel,
+    )
+    tokens, logprobs = CPDecoder(runner).generate(
+        [prompt], args.cp_decode_steps, args.chunked_prefill_size
+    )
+    return {"tokens": tokens[0], "logprobs": logprobs[0]}
+
+
+def nnx_merge(runner):
+    """The runner's model (its placed state: EP shards stay where they are)."""
+    from flax import nnx
+
+    return nnx.merge(runner.graphdef, runner.state)
 
 
 DP_RANKS = (1, 5, 6)  # with 4 devices per process, ranks 5 and 6 are the second's

@@ -1,5 +1,6 @@
 """Multi-process CP + EP: 2 processes x 4 CPU devices give the same prefill as 1 process x 8
-(and the same data-parallel decode, issue 36).
+(and the same data-parallel decode, issue 36; and the same owner-attention prefill and
+CP decode, issue 40).
 
 The checkpoint is the FP8 tiny one with 16 routed experts (sharded files + index json),
 loaded straight into the mesh with the experts split over the 8 ranks (expert
@@ -48,6 +49,7 @@ CP_SIZE = 8
 PAGE = 16
 CHUNK = 48
 PROMPT_LEN = 5 * PAGE + 3
+CP_DECODE_STEPS = 4
 TIMEOUT_S = 240.0  # whole run, parent side; the workers get a shorter hard limit
 WORKER_TIMEOUT_S = 200.0
 INIT_TIMEOUT_S = 30
@@ -170,6 +172,8 @@ def _run_workers(
                 "--expert-parallel",
                 "--prompt-ids",
                 *map(str, ids),
+                "--cp-decode-steps",  # owner attention: CP prefill + CP decode
+                str(CP_DECODE_STEPS),
                 "--dp-decode-ids",  # the same processes then decode data-parallel
                 *map(str, ids),
             ]
@@ -243,6 +247,12 @@ def test_two_processes_match_one_process(tmp_path: Path, tiny_checkpoints):
     assert np.abs(view_1).sum(axis=1).min() > 0, "a token's latent was never written"
     np.testing.assert_array_equal(logits_2, logits_1)
     np.testing.assert_array_equal(view_2, view_1)
+
+    # Owner attention (issue 40): CP prefill without a full view, then CP decode from the
+    # same page-owned pools, the queries' partials crossing processes; bitwise equal.
+    cp_1, cp_2 = one["cp_decode"], two["cp_decode"]
+    assert len(cp_1["tokens"]) == CP_DECODE_STEPS and cp_1["tokens"][0] == int(logits_1.argmax())
+    assert cp_2 == cp_1
 
     # Data-parallel decode over the same 8 devices (issue 36): three requests on ranks 1,
     # 5 and 6 (5 and 6 in the second process), experts split over all 8, so the MoE
