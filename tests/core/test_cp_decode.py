@@ -1,22 +1,30 @@
-"""CP decode (issue 40 item 3, `cpkv_jax.cp_decode`): prefill and decode on one CP8 mesh
-from the same page-owned pools, against single-device generation.
+"""Owner attention in CP prefill (`--cp-attention owner`, issue 40 item 2) and CP decode
+(item 3, `cpkv_jax.cp_decode`): prefill and decode on one CP8 mesh from the same
+page-owned pools, against single-device generation.
 
 The FP8 tiny checkpoints of both architectures, experts split over the 8 ranks (EP8).
 Greedy tokens must equal `ReferenceGenerator`'s exactly; log-probs agree within 1e-5
 (the CP prefill tolerance: rank-sized matmuls round differently in the last bits, and
-owner attention merges partial softmaxes by log-sum-exp).
+owner attention merges partial softmaxes by log-sum-exp, so not bits even under
+batch-invariant numerics). The generation's prefill is the owner-attention prefill,
+chunked and batched, so its first token and log-prob check it, and every later token
+checks the KV it wrote (`tests/core/test_owner_attention.py` pins the selection down
+exactly).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
-from support.cp_reference import P
+from support.cp_reference import P, reference
 
 from cpkv_jax.config import CPConfig
 from cpkv_jax.cp_decode import CPDecoder
 from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
-from cpkv_jax.errors import CacheCapacityError, InputError
+from cpkv_jax.errors import CacheCapacityError, ConfigError, InputError
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
@@ -31,26 +39,39 @@ NEW = 6
 LONG = 33 * P + 5  # index_topk 16 of 533+ positions: the selection is sparse
 
 
-def _decoder(cfg, placed, pages_per_rank):
+def _runner(cfg, placed, pages_per_rank, *, invariant=False):
     cp = CPConfig(cp_size=CP, shared_kv=True, page_size=P, attention="owner")
-    runner = CPPrefillRunner(
+    return CPPrefillRunner(
         cfg,
         placed,
         make_cp_mesh(CP),
         cp,
         pages_per_rank=pages_per_rank,
         index_k_dtype="float32",
+        batch_invariant=invariant,
         expert_parallel=ep.EPSpec(CP_AXIS, CP, "allgather", None),
     )
-    return CPDecoder(runner)
+
+
+def _decoder(cfg, placed, pages_per_rank):
+    return CPDecoder(_runner(cfg, placed, pages_per_rank))
+
+
+def _load(arch, tiny_checkpoints):
+    path = tiny_checkpoints(arch, fp8=True, n_routed_experts=EXPERTS)
+    cfg, single = load_model(path, progress=False)
+    _, placed = load_model(path, progress=False, mesh=make_cp_mesh(CP), expert_axis=CP_AXIS)
+    return cfg, single, placed
 
 
 @pytest.fixture(scope="module", params=["glm_moe_dsa", "deepseek_v32"])
 def models(request, tiny_checkpoints):
-    path = tiny_checkpoints(request.param, fp8=True, n_routed_experts=EXPERTS)
-    cfg, single = load_model(path, progress=False)
-    _, placed = load_model(path, progress=False, mesh=make_cp_mesh(CP), expert_axis=CP_AXIS)
-    return cfg, single, placed
+    return _load(request.param, tiny_checkpoints)
+
+
+@pytest.fixture(scope="module")
+def glm(tiny_checkpoints):
+    return _load("glm_moe_dsa", tiny_checkpoints)
 
 
 def test_cp_decode_equals_single_device_generation(models):
@@ -75,8 +96,23 @@ def test_cp_decode_equals_single_device_generation(models):
     assert len(decoder._steps.compiled_keys()) == 1  # one (rows, width) bucket
 
 
-def test_cp_decode_plan_is_all_or_nothing_and_refusals(models):
-    cfg, _, placed = models
+def test_owner_prefill_with_batch_invariant_numerics(glm):
+    """Batch-invariant numerics: still a tolerance (the log-sum-exp merge), not bits; the
+    prefill's KV (every layer's full view) too."""
+    cfg, single, placed = glm
+    ids = np.random.default_rng(5).integers(3, 300, 7 * P + 3).astype(np.int32)
+    runner = _runner(cfg, placed, 8, invariant=True)
+    result = runner.prefill([ids])
+    view = runner.full_view(result.tables[0])
+    want, want_view = reference(cfg, single, ids, invariant=True)
+    np.testing.assert_allclose(result.last_logits[0], want, rtol=1e-5, atol=1e-5)
+    assert int(np.argmax(result.last_logits[0])) == int(np.argmax(want))
+    for got_leaf, want_leaf in zip(jax.tree.leaves(view), jax.tree.leaves(want_view), strict=True):
+        np.testing.assert_allclose(np.asarray(got_leaf), np.asarray(want_leaf), atol=1e-5, rtol=0)
+
+
+def test_cp_decode_plan_is_all_or_nothing_and_refusals(glm):
+    cfg, _, placed = glm
     decoder = _decoder(cfg, placed, 3)  # 2 usable pages per lane
     runner = decoder.runner
     table = RequestPageTable(CP)
@@ -90,3 +126,8 @@ def test_cp_decode_plan_is_all_or_nothing_and_refusals(models):
     rep = CPConfig(cp_size=CP, shared_kv=False, page_size=P)
     with pytest.raises(InputError, match="shared_kv"):
         CPDecoder(CPPrefillRunner(cfg, placed, make_cp_mesh(CP), rep, pages_per_rank=4))
+    with pytest.raises(ConfigError, match="shared_kv"):
+        dataclasses.replace(rep, attention="owner").validate()
+    owner = dataclasses.replace(rep, shared_kv=True, attention="owner")
+    with pytest.raises(InputError, match="full-view attention"):  # the bitwise debug shadow
+        CPPrefillRunner(cfg, placed, make_cp_mesh(CP), owner, pages_per_rank=8, debug=True)
