@@ -73,7 +73,9 @@ seconds and no allocation), `expert_parallel.param_shardings` on an `AbstractMes
 - `decode_cp_group_on_device`: the same devices as one CP decode group (issue 40,
   `cpkv_jax.cp_decode`): the page-owned pool above on each, so one request's pages stripe
   over all of them; the tokens one request can have (`single_request_pool_tokens`), the
-  longest request (capped by `max_position_embeddings`) and both against a DP rank's.
+  longest request (capped by `max_position_embeddings`) and both against a DP rank's;
+  `bytes_per_row_step_by_context`: per decode row per step, the KV a rank reads and what
+  it sends, on a DP rank and a CP rank (`cp_decode.decode_bytes_per_rank`).
 `measured_weights` (with `--measured`): a tiny FP8 checkpoint (`make_tiny_checkpoint(...,
 fp8=True, n_routed_experts=16)`, temp dir) loaded by `weights.load_model` on a
 `jax.device_count()`-rank mesh with experts split over `"cp"`; the bytes each device's
@@ -121,6 +123,7 @@ from jax.typing import DTypeLike
 from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.cli_logging import configure_logging
 from cpkv_jax.config import CPConfig, ModelConfig, parse_override_args
+from cpkv_jax.cp_decode import decode_bytes_per_rank
 from cpkv_jax.errors import ConfigError, CpkvError, name_flags
 from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.kv_pool import PoolLayout, init_cp_pool, per_rank_pool_bytes
@@ -623,6 +626,16 @@ def decode_cp_group_on_device(
     pool_tokens = cp_kv["tokens_per_rank"] * cp_kv["cp_size"]
     longest = min(pool_tokens, cfg.max_position_embeddings)
     dp_longest = dp_rank["longest_request_tokens"]
+    kw = dict(page_size=cp_kv["page_size"], dtype=cp_kv["dtype"])
+    kw["index_k_dtype"] = cp_kv["index_k_dtype"]
+    traffic = {
+        str(n): {
+            "dp_rank": decode_bytes_per_rank(cfg, n, 1, **kw),
+            "cp_rank": decode_bytes_per_rank(cfg, n, cp_kv["cp_size"], **kw),
+        }
+        for n in sorted({8192, 32768, 131072, longest})
+        if n <= longest
+    }
     return {
         "cp_size": cp_kv["cp_size"],
         "kv_tokens_per_rank": cp_kv["tokens_per_rank"],
@@ -633,6 +646,8 @@ def decode_cp_group_on_device(
         if dp_rank["kv_tokens_per_rank"]
         else None,
         "longest_over_dp_rank": longest / dp_longest if dp_longest else None,
+        # Per decode row per step, every layer (`cpkv_jax.cp_decode.decode_bytes_per_rank`).
+        "bytes_per_row_step_by_context": traffic,
     }
 
 

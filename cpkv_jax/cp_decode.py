@@ -36,8 +36,10 @@ from jax.sharding import PartitionSpec as P
 
 from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import page_table_width, pow2_at_least
+from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, global_array
 from cpkv_jax.errors import InputError
+from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.mesh import CP_AXIS
 from cpkv_jax.model.expert_parallel import expert_parallel as ep_context
@@ -211,3 +213,56 @@ def _build_decode_step(runner: CPPrefillRunner, kv_io: OwnerCPKVIO):
     )
     replicated = NamedSharding(mesh, P())
     return jax.jit(sharded, donate_argnums=(4,), out_shardings=(replicated, None))
+
+
+def decode_bytes_per_rank(
+    cfg: ModelConfig,
+    context_tokens: int,
+    cp_size: int,
+    *,
+    page_size: int = 64,
+    dtype: str = "bfloat16",
+    index_k_dtype: str = "fp8_e4m3",
+) -> dict[str, int]:
+    """KV bytes one rank reads, and bytes it sends, per decode row per step (every layer),
+    for a request of `context_tokens`: `cp_size` 1 is a data-parallel rank (the whole
+    request on it); above 1 a CP decode group with owner attention (this module). From the
+    model's `KVLayout`, as the pools are sized.
+
+    - `index_k_read`: every full indexer layer scores the whole owned index K (and its
+      fp8 scales): `ceil(context / cp)` tokens per rank;
+    - `latent_read`: the selected rows each rank gathers: on one rank the top-k; on a CP
+      rank its compact pass (`ceil(2 * k / cp)` rows, twice the even share, which the
+      exact fall-back to `k` exceeds only for a query whose selection piles onto one rank);
+    - `sent` (CP only; what leaves the rank for each query, once per layer): its
+      absorbed query `[q_lat, q_pe]` (float32, heads x (kv_lora + rope)) to every other
+      rank, and back from each its partial output (heads x kv_lora) with max and sum;
+      on full layers the indexer query and head weights, `k_local` candidates (score and
+      position) back, the new token's KV row; 0 for a DP rank.
+    """
+    layout = KVLayout.from_model(cfg, page_size, dtype, index_k_dtype)
+    kinds = layout.by_kind()
+    latent = kinds["latent"].token_bytes
+    index = kinds["index_k"].token_bytes if "index_k" in kinds else 0
+    scale = kinds["index_scale"].token_bytes if "index_scale" in kinds else 0
+    full = len(cfg.full_indexer_layers)
+    layers = cfg.num_hidden_layers
+    k = min(cfg.index_topk, context_tokens)
+    owned = -(-context_tokens // cp_size)
+    rows = k if cp_size == 1 else min(k, -(-2 * k // cp_size))
+    out = {
+        "index_k_read": full * owned * (index + scale),
+        "latent_read": layers * rows * latent,
+    }
+    if cp_size == 1:
+        out["sent"] = 0
+    else:
+        peers = cp_size - 1
+        h, row = cfg.num_attention_heads, cfg.kv_cache_dim
+        attn = peers * h * (row + cfg.kv_lora_rank + 2) * 4
+        k_local = min(cfg.index_topk, owned)
+        index_q = cfg.index_n_heads * (cfg.index_head_dim + 1) * 4
+        indexer = peers * (index_q + k_local * 8)
+        out["sent"] = layers * (attn + peers * latent) + full * (indexer + peers * (index + scale))
+    out["total"] = sum(out.values())
+    return out

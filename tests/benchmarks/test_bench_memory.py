@@ -193,7 +193,38 @@ def test_main_default_json_has_all_keys(capsys, tiny_fp8):
         assert group["longest_request_tokens"] == min(
             group["single_request_pool_tokens"], group["max_position_embeddings"]
         )
+        traffic = group["bytes_per_row_step_by_context"][str(131072)]
+        dp, cp = traffic["dp_rank"], traffic["cp_rank"]
+        assert dp["sent"] == 0 and cp["sent"] > 0
+        assert cp["index_k_read"] * 8 == dp["index_k_read"]  # 128K splits evenly
+        assert cp["latent_read"] * 4 == dp["latent_read"]  # 2 x k / 8 rows of k
     assert report["measured_weights"]["measured_equals_predicted"] is True
+
+
+def test_decode_bytes_per_rank_by_hand():
+    """`cp_decode.decode_bytes_per_rank` against a hand count for the tiny config: float32
+    latent (24 floats), fp8 index K (32 B + a 4-B scale) on its full layers."""
+    from cpkv_jax.config import ModelConfig
+    from cpkv_jax.cp_decode import decode_bytes_per_rank
+
+    cfg = ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa"))
+    full, layers = len(cfg.full_indexer_layers), cfg.num_hidden_layers
+    row, idx = cfg.kv_cache_dim * 4, cfg.index_head_dim + 4
+    k = cfg.index_topk
+    one = decode_bytes_per_rank(cfg, 1000, 1, dtype="float32")
+    assert one == {
+        "index_k_read": full * 1000 * idx,
+        "latent_read": layers * k * row,
+        "sent": 0,
+        "total": full * 1000 * idx + layers * k * row,
+    }
+    four = decode_bytes_per_rank(cfg, 1000, 4, dtype="float32")
+    h = cfg.num_attention_heads
+    attn = 3 * h * (cfg.kv_cache_dim + cfg.kv_lora_rank + 2) * 4
+    indexer = 3 * (cfg.index_n_heads * (cfg.index_head_dim + 1) * 4 + k * 8)
+    assert four["index_k_read"] == full * 250 * idx
+    assert four["latent_read"] == layers * 8 * row  # ceil(2 * 16 / 4) rows
+    assert four["sent"] == layers * (attn + 3 * row) + full * (indexer + 3 * idx)
 
 
 def test_main_no_measured_and_bad_flags(tmp_path, capsys):
