@@ -203,36 +203,27 @@ class MLAttention(nnx.Module):
 
         with jax.named_scope("sparse_mla"):
             layer_pool = pool.latent[self.layer_id]
+            w_kv_b = self.kv_b_proj.dense_weight(jnp.float32)
+            dims = dict(
+                kv_lora_rank=cfg.kv_lora_rank, v_head_dim=cfg.v_head_dim, scale=cfg.softmax_scale
+            )
             if isinstance(kv_io, OwnerAttentionIO):
                 if form != "absorbed":
                     raise ValueError("owner attention runs the absorbed MLA form only")
-                o = kv_io.attend(
+                o = kv_io.attend(q_nope, q_pe, layer_pool, batch, topk, w_kv_b, **dims)
+            else:
+                source, take = kv_io.rows(layer_pool, batch.page_table)
+                o = sparse_attention(
                     q_nope,
                     q_pe,
-                    layer_pool,
-                    batch,
+                    source,
                     topk,
-                    self.kv_b_proj.dense_weight(jnp.float32),
-                    kv_lora_rank=cfg.kv_lora_rank,
-                    v_head_dim=cfg.v_head_dim,
-                    scale=cfg.softmax_scale,
+                    w_kv_b,
+                    form=form,
+                    take=take,
+                    row_dim=layer_pool.shape[-1],
+                    **dims,
                 )
-                out = self.o_proj(o.reshape(b, t, -1).astype(self.dtype))
-                return out, pool, topk
-            source, take = kv_io.rows(layer_pool, batch.page_table)
-            o = sparse_attention(
-                q_nope,
-                q_pe,
-                source,
-                topk,
-                self.kv_b_proj.dense_weight(jnp.float32),
-                kv_lora_rank=cfg.kv_lora_rank,
-                v_head_dim=cfg.v_head_dim,
-                scale=cfg.softmax_scale,
-                form=form,
-                take=take,
-                row_dim=layer_pool.shape[-1],
-            )
         out = self.o_proj(o.reshape(b, t, -1).astype(self.dtype))
         return out, pool, topk
 
