@@ -908,6 +908,14 @@ class ServerArgs:
         self._check_radix_cache()
         self._check_speculative(model_config)
         self._check_api_keys(warnings)
+        if self.cp_attention == "owner" and self.enable_batch_invariant:
+            # Owner attention merges partial softmaxes by log-sum-exp, and its blocks mix
+            # the queries of every rank (other requests, other chunks): not bitwise.
+            raise ServerArgsError(
+                "--cp-attention owner is not batch-invariant (a token's attention is merged "
+                "from the ranks' partial softmaxes, computed beside other requests' "
+                "queries); drop --enable-batch-invariant or use --cp-attention full-view"
+            )
         warnings += self._hicache_unbuilt()
         if self.enable_cp_shared_kv_prefill_bs_gt1 and not self.enable_cp_shared_kv:
             warnings.append(

@@ -248,6 +248,11 @@ def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
             {"disaggregation_mode": "prefill", "cp_size": 8, "cp_attention": "owner"},
             "owner attention needs page-owned KV (--enable-cp-shared-kv)",
         ),
+        (
+            {"disaggregation_mode": "prefill", "cp_size": 8, "enable_cp_shared_kv": True}
+            | {"cp_attention": "owner", "enable_batch_invariant": True},
+            "--cp-attention owner is not batch-invariant",
+        ),
         ({"transfer_waiting_timeout": 1.0}, "--transfer-waiting-timeout has no effect"),
         (
             {"disable_transfer_malloc_tuning": True},
