@@ -42,8 +42,11 @@ def byte_tok() -> Tokenizer:
 def test_output_text_streams_whole_characters_and_trims_stops(
     byte_tok, text, cuts, stop_spans, keep
 ):
-    """`keep`: `no_stop_trim`, the first stop string stays (the earliest; at one position
-    the least of the candidates, as `OutputText` picks)."""
+    """The output ends at the first stop string to appear as the text streams in: at the
+    first chunk after which one is complete, the earliest of those found (at one position
+    the least), as `OutputText` picks - the engine stops generating there, so a stop that
+    starts earlier but would complete later never forms. `keep`: `no_stop_trim`, that stop
+    string stays."""
     # Special-token strings encode to special ids, which the output text drops (hypothesis
     # draws string literals from the source, "<|pad|>" among them): not this property.
     assume(not any(special in text for special in SPECIAL_TOKENS))
@@ -53,11 +56,16 @@ def test_output_text_streams_whole_characters_and_trims_stops(
     out = OutputText(byte_tok, stops, no_stop_trim=keep)
     deltas = [out.add(ids[a:b]) for a, b in itertools.pairwise(bounds)]
     deltas.append(out.finish())
-    hits = [(text.find(s), s) for s in stops if s in text]
+    raw = text.encode()
+    assert len(ids) == len(raw)  # the byte tokenizer: one id per byte
     want = text
-    if hits:
-        first, stop = min(hits)
-        want = text[: first + len(stop)] if keep else text[:first]
+    for b in bounds[1:]:
+        seen = raw[:b].decode("utf-8", errors="ignore")  # the whole characters so far
+        hits = [(seen.find(s), s) for s in stops if s in seen]
+        if hits:
+            first, stop = min(hits)
+            want = text[: first + len(stop)] if keep else text[:first]
+            break
     assert "".join(deltas) == want == out.text
     if "\ufffd" not in text:
         assert all("\ufffd" not in d for d in deltas)
@@ -113,3 +121,16 @@ def test_tiny_checkpoint_tokenizer_config_has_the_chat_template(tokenizer_dir):
     assert loaded is not None and loaded.bos_token == SPECIAL_TOKENS[0]
     msgs = [{"role": "user", "content": "hey"}]
     assert loaded.render(msgs) == reference_chat_prompt(msgs)
+
+
+def test_a_stop_that_completes_first_ends_the_output(byte_tok):
+    """Overlapping stops (found by hypothesis): "1000" starts at 4 but completes at 8;
+    "00" completes at 7. Streamed in two chunks, the output ends at "00" (the engine
+    stops there); in one chunk both are complete and the earlier start wins."""
+    text = "01011000000000000000"
+    ids = byte_tok.encode(text)
+    for cuts, want in (([7], "01011"), ([], "0101")):
+        out = OutputText(byte_tok, ["1000", "00"])
+        bounds = [0, *cuts, len(ids)]
+        deltas = [out.add(ids[a:b]) for a, b in itertools.pairwise(bounds)]
+        assert "".join([*deltas, out.finish()]) == want
