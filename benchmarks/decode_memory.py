@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,13 +37,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from cpkv_jax.buckets import page_table_width
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.cp_decode import build_decode_step
+from cpkv_jax.kv_pool import PoolLayout, cp_pool_shapes
+from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
+from cpkv_jax.model.expert_parallel import EPSpec, param_shardings, param_specs
 from cpkv_jax.model.forward_batch import abstract_batch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, pool_shapes
 from cpkv_jax.model.transformer import forward_step
 from cpkv_jax.model.weights import abstract_model
 from cpkv_jax.model_configs import config_dir
+from cpkv_jax.owner_attention import OwnerCPKVIO
 
 PAGE = 64
 INDEX_K = "fp8_e4m3"
@@ -106,6 +115,69 @@ def step_memory(cfg: ModelConfig, rows: int, context: int, fp8: bool) -> dict[st
     }
 
 
+def abstract_placed_state(state: nnx.State, mesh) -> nnx.State:
+    """`state`'s `ShapeDtypeStruct`s with the shardings the CP/EP runner places them with
+    (routed experts split over `"cp"`, the rest replicated)."""
+    shardings = dict(nnx.to_flat_state(param_shardings(state, mesh, CP_AXIS)))
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        sharding = shardings[path]
+        sharding = sharding.get_value() if hasattr(sharding, "get_value") else sharding
+        value = var.get_value()
+        flat.append(
+            (path, var.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)))
+        )
+    return nnx.from_flat_state(flat)
+
+
+def cp_step_memory(cfg: ModelConfig, rows: int, context: int, fp8: bool, cp: int) -> dict[str, Any]:
+    """XLA's memory analysis, per device, of the CP decode step (`cpkv_jax.cp_decode`:
+    rows split over `cp` ranks, owner attention over page-owned pools, EP over the same
+    ranks) lowered by `build_decode_step` on abstract weights placed as the runner places
+    them: `rows` rows at `context` tokens, each rank's pool holding its share."""
+    bf16 = jnp.bfloat16
+    mesh = make_cp_mesh(cp)
+    model = abstract_model(cfg, bf16, bf16, fp8_block=FP8_BLOCK if fp8 else None)
+    graphdef, state = nnx.split(model)
+    width = page_table_width(-(-context // PAGE), cp)
+    layout = PoolLayout(cp, True, width // cp + 1, PAGE)
+    pool_sharding = NamedSharding(mesh, layout.spec)
+    pool = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=pool_sharding),
+        cp_pool_shapes(cfg, layout, bf16, INDEX_K),
+    )
+    split = NamedSharding(mesh, P(CP_AXIS))
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=split)
+
+    tokens = tuple(arg((rows, 1), d) for d in (jnp.int32, jnp.int32, jnp.bool_, jnp.int32))
+    step = build_decode_step(
+        graphdef,
+        mesh,
+        layout.spec,
+        OwnerCPKVIO(cp, True, query_axis=0),
+        param_specs(state, CP_AXIS),
+        ep=EPSpec(CP_AXIS, cp),
+        index_k_dtype=INDEX_K,
+    )
+    t0 = time.perf_counter()
+    args = (abstract_placed_state(state, mesh), tokens, arg((rows, width), jnp.int32))
+    compiled = step.lower(*args, arg((rows,), jnp.int32), pool).compile()
+    m = compiled.memory_analysis()
+    return {
+        "cp": cp,
+        "layers": cfg.num_hidden_layers,
+        "moe_layers": sum(t == "sparse" for t in cfg.mlp_layer_types),
+        "rows": rows,
+        "context": context,
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "output_bytes": int(m.output_size_in_bytes),
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "compile_s": round(time.perf_counter() - t0, 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, nargs="+", default=[4, 5])
@@ -115,14 +187,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=None)
     p.add_argument("--intermediate", type=int, default=None)
     p.add_argument("--no-fp8", action="store_true", help="bf16 weights instead of FP8")
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="N > 1: the CP decode step (cpkv_jax.cp_decode, owner attention, EP N) per "
+        "device of an N-device cp mesh (needs N devices: virtual CPU devices on CPU)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if len(args.layers) < 2:
         p.error("--layers needs two counts at least (the growth per layer)")
     fp8 = not args.no_fp8
     shrink = (args.hidden, args.experts, args.intermediate)
+    if args.cp > len(jax.devices()):
+        p.error(f"--cp {args.cp} needs {args.cp} devices, found {len(jax.devices())}")
+
+    def measure(cfg, rows, ctx):
+        if args.cp > 1:
+            return cp_step_memory(cfg, rows, ctx, fp8, args.cp)
+        return step_memory(cfg, rows, ctx, fp8)
+
     runs = [
-        step_memory(glm5_layers(n, *shrink), rows, ctx, fp8)
+        measure(glm5_layers(n, *shrink), rows, ctx)
         for rows in args.rows
         for ctx in args.contexts
         for n in sorted(args.layers)
@@ -147,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = glm5_layers(max(args.layers), *shrink)
     report = {
         "bench": "decode_memory",
+        "cp": args.cp,
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
         "model": {
@@ -169,4 +257,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "--cp" in sys.argv and "XLA_FLAGS" not in os.environ:  # before JAX starts
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     sys.exit(main())

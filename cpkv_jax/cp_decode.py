@@ -188,12 +188,35 @@ class CPDecoder:
 
 
 def _build_decode_step(runner: CPPrefillRunner, kv_io: OwnerCPKVIO):
+    """The runner's decode step (`build_decode_step` with its settings)."""
+    return build_decode_step(
+        runner.graphdef,
+        runner.mesh,
+        runner.layout.spec,
+        kv_io,
+        param_specs(runner.state, None if runner.expert_parallel is None else CP_AXIS),
+        ep=runner.expert_parallel,
+        invariant=runner.batch_invariant,
+        block_bytes=runner.block_bytes,
+        index_k_dtype=runner.index_k_dtype,
+    )
+
+
+def build_decode_step(
+    graphdef,
+    mesh,
+    pool_spec,
+    kv_io: OwnerCPKVIO,
+    state_specs,
+    *,
+    ep=None,
+    invariant: bool = False,
+    block_bytes: int | None = None,
+    index_k_dtype: str = "fp8_e4m3",
+):
     """The jitted decode step: `(state, tokens, page_table, kv_lens, pool) -> (log-probs
-    [rows, vocab] replicated, pool)`, the pool donated."""
-    graphdef, mesh, layout = runner.graphdef, runner.mesh, runner.layout
-    ep, invariant, block_bytes = runner.expert_parallel, runner.batch_invariant, runner.block_bytes
-    index_k_dtype = runner.index_k_dtype
-    state_specs = param_specs(runner.state, None if ep is None else CP_AXIS)
+    [rows, vocab] replicated, pool)`, the pool donated. Explicit settings, so it lowers on
+    abstract weights too (`benchmarks/decode_memory.py --cp`)."""
 
     def per_rank(state, tokens, page_table, kv_lens, pool):
         batch = ForwardBatch(*tokens, page_table, kv_lens)
@@ -207,8 +230,8 @@ def _build_decode_step(runner: CPPrefillRunner, kv_io: OwnerCPKVIO):
     sharded = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(state_specs, P(CP_AXIS), P(CP_AXIS), P(CP_AXIS), layout.spec),
-        out_specs=(P(CP_AXIS), layout.spec),
+        in_specs=(state_specs, P(CP_AXIS), P(CP_AXIS), P(CP_AXIS), pool_spec),
+        out_specs=(P(CP_AXIS), pool_spec),
         check_vma=False,
     )
     replicated = NamedSharding(mesh, P())

@@ -6,18 +6,26 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import decode_memory as dm
 
+ARGV = ["--layers", "4", "5", "--rows", "8", "--contexts", "256", "2048"]
+SHRINK = ["--hidden", "256", "--experts", "16", "--intermediate", "128"]
 
-def test_report_has_every_run_and_the_growth_per_moe_layer(tmp_path):
-    out = tmp_path / "r.json"
-    argv = ["--layers", "4", "5", "--rows", "2", "--contexts", "256", "512"]
-    shrink = ["--hidden", "256", "--experts", "16", "--intermediate", "128"]
-    assert dm.main([*argv, *shrink, "--json", str(out)]) == 0
-    r = json.loads(out.read_text())
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("decode_memory") / "r.json"
+    assert dm.main([*ARGV, *SHRINK, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_report_has_every_run_and_the_growth_per_moe_layer(single):
+    r = single
     assert r["bench"] == "decode_memory" and r["model"]["fp8_weights"]
     assert {(x["layers"], x["context"]) for x in r["runs"]} == {
-        (n, c) for n in (4, 5) for c in (256, 512)
+        (n, c) for n in (4, 5) for c in (256, 2048)
     }
     # GLM-5's first three layers are dense: layers 4 and 5 hold one and two MoE layers.
     assert {x["layers"]: x["moe_layers"] for x in r["runs"]} == {4: 1, 5: 2}
@@ -27,3 +35,19 @@ def test_report_has_every_run_and_the_growth_per_moe_layer(tmp_path):
         lo, hi = run[4, g["context"]], run[5, g["context"]]
         assert g["temp_per_moe_layer"] == hi["temp_bytes"] - lo["temp_bytes"]
         assert g["weights_per_moe_layer"] == hi["argument_bytes"] - lo["argument_bytes"] > 0
+
+
+def test_cp_mode_lowers_the_cp_decode_step(tmp_path, single):
+    """`--cp 8`: the CP decode step (owner attention, EP 8) per device of the 8 virtual
+    devices; the temp a longer context adds is below one device's."""
+    out = tmp_path / "cp.json"
+    assert dm.main([*ARGV, *SHRINK, "--cp", "8", "--json", str(out)]) == 0
+    cp = json.loads(out.read_text())
+    assert cp["cp"] == 8 and single["cp"] == 1
+    assert all(x["cp"] == 8 and x["temp_bytes"] > 0 for x in cp["runs"])
+
+    def growth(report):  # temp added by the longer context, 5 layers
+        run = {(x["layers"], x["context"]): x["temp_bytes"] for x in report["runs"]}
+        return run[5, 2048] - run[5, 256]
+
+    assert 0 < growth(cp) < growth(single)
