@@ -44,7 +44,6 @@ output differs from a single softmax by float32 rounding of the log-sum-exp merg
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -229,12 +228,14 @@ def owner_attention(
             cap = min(k, capacity if capacity is not None else -(-2 * k // cp))
 
             def compact(_):
-                # This rank's selected positions first, in selection order (top_k of a
-                # key that is 0 for the others): `cap` columns instead of `k`.
-                key = jnp.where(mine, k - jnp.arange(k), 0)
-                _, cols = jax.lax.top_k(key, cap)
-                take = functools.partial(jnp.take_along_axis, indices=cols, axis=2)
-                return partial(q_all, take(sel), take(mine))
+                # This rank's selected positions first, in selection order: an owned
+                # column's count among the owned (a cumulative sum) is its slot of `cap`
+                # (3 ms where a top_k of the same order took 55, XLA:CPU).
+                slot = jnp.where(mine, jnp.cumsum(mine, axis=-1) - 1, cap)  # cap: dropped
+                b, n = sel.shape[:2]
+                at = (jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None], slot)
+                kept = jnp.full((b, n, cap), -1, sel.dtype).at[at].set(sel, mode="drop")
+                return partial(q_all, kept, kept >= 0)
 
             # Exact either way: when some query owns more than `cap` of its selection
             # here, the block runs over all `k` columns. No collective inside: each rank
