@@ -102,6 +102,11 @@ def step_memory(cfg: ModelConfig, rows: int, context: int, fp8: bool) -> dict[st
         invariant=False,
         block_bytes=None,
     ).compile()
+    return _figures(cfg, rows, context, compiled, t0)
+
+
+def _figures(cfg: ModelConfig, rows: int, context: int, compiled, t0: float) -> dict[str, Any]:
+    """One run's record: the shapes and XLA's memory analysis of `compiled`."""
     m = compiled.memory_analysis()
     return {
         "layers": cfg.num_hidden_layers,
@@ -164,18 +169,7 @@ def cp_step_memory(cfg: ModelConfig, rows: int, context: int, fp8: bool, cp: int
     t0 = time.perf_counter()
     args = (abstract_placed_state(state, mesh), tokens, arg((rows, width), jnp.int32))
     compiled = step.lower(*args, arg((rows,), jnp.int32), pool).compile()
-    m = compiled.memory_analysis()
-    return {
-        "cp": cp,
-        "layers": cfg.num_hidden_layers,
-        "moe_layers": sum(t == "sparse" for t in cfg.mlp_layer_types),
-        "rows": rows,
-        "context": context,
-        "argument_bytes": int(m.argument_size_in_bytes),
-        "output_bytes": int(m.output_size_in_bytes),
-        "temp_bytes": int(m.temp_size_in_bytes),
-        "compile_s": round(time.perf_counter() - t0, 2),
-    }
+    return {"cp": cp, **_figures(cfg, rows, context, compiled, t0)}
 
 
 def main(argv: list[str] | None = None) -> int:

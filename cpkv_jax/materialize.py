@@ -30,6 +30,17 @@ from cpkv_jax.model.kv_cache import TRASH_PAGE, RowGather, take_view_rows
 from cpkv_jax.pallas.paged_gather import GatherImpl, paged_gather
 
 
+def owned_pages(page_table: Int[Array, "b w"], cp: int) -> tuple[Array, Array]:
+    """This rank's page-table columns `[b, w / cp]` (logical pages `r, r + cp, ...`, in
+    local order) and the logical page of each column `[w / cp]`; inside `shard_map`."""
+    b, width = page_table.shape
+    if width % cp:
+        raise ValueError(f"page-table width {width} is not a multiple of cp={cp}")
+    rank = jax.lax.axis_index(CP_AXIS)
+    owned = jnp.take(page_table.reshape(b, width // cp, cp), rank, axis=2)
+    return owned, jnp.arange(width // cp) * cp + rank
+
+
 @dataclasses.dataclass(frozen=True)
 class CPKVIO:
     """KV reads/writes of one rank inside `shard_map` over the `cp` mesh axis."""
@@ -77,10 +88,7 @@ class CPKVIO:
         if not self.shared:
             rows = paged_gather(pool, page_table.reshape(-1), impl=self.gather_impl)
             return rows.reshape((b, width * page[0], *page[1:]))
-        if width % self.cp_size:
-            raise ValueError(f"page-table width {width} is not a multiple of cp={self.cp_size}")
-        rank = jax.lax.axis_index(CP_AXIS)
-        owned = jnp.take(page_table.reshape(b, width // self.cp_size, self.cp_size), rank, axis=2)
+        owned, _ = owned_pages(page_table, self.cp_size)  # raises for a width not of cp
         local = paged_gather(pool, owned.reshape(-1), impl=self.gather_impl)
         local = local.reshape((b, width // self.cp_size, *page))
         full = jax.lax.all_gather(local, CP_AXIS, axis=2)  # [b, width/cp, cp, P, ...]

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from cpkv_jax.buckets import block_rows
-from cpkv_jax.materialize import CPKVIO
+from cpkv_jax.materialize import CPKVIO, owned_pages
 from cpkv_jax.mesh import CP_AXIS
 from cpkv_jax.model.indexer import index_scores
 from cpkv_jax.model.kv_cache import TRASH_PAGE, OwnerAttentionIO, dequantize_index_k
@@ -58,17 +58,6 @@ from cpkv_jax.model.numerics import block_budget, per_sequence, tokenwise
 from cpkv_jax.pallas.paged_gather import paged_gather
 
 __all__ = ["OwnerCPKVIO", "merge_partials", "owner_attention", "owner_topk"]
-
-
-def _owned_pages(page_table: Int[Array, "b w"], cp: int) -> tuple[Array, Array]:
-    """This rank's page-table columns `[b, w / cp]` (logical pages `r, r + cp, ...`) and
-    the logical page of each column `[w / cp]`."""
-    b, width = page_table.shape
-    if width % cp:
-        raise ValueError(f"page-table width {width} is not a multiple of cp={cp}")
-    rank = jax.lax.axis_index(CP_AXIS)
-    owned = jnp.take(page_table.reshape(b, width // cp, cp), rank, axis=2)
-    return owned, jnp.arange(width // cp) * cp + rank
 
 
 def _gather(x: Array, axis: int) -> Array:
@@ -111,7 +100,7 @@ def owner_topk(
     every request, `page_table` / `kv_lens` are the batch's. 0 (decode, `cp_decode`):
     each rank holds whole rows; `page_table` / `kv_lens` are then every rank's rows
     (`[cp * b, ...]`, replicated), `q` / `w` / `positions` this rank's."""
-    owned, logical_pages = _owned_pages(page_table, cp)
+    owned, logical_pages = owned_pages(page_table, cp)
     b, wo = owned.shape
     page = index_k.shape[1]
     keys = paged_gather(index_k, owned.reshape(-1)).reshape(b, wo * page, -1)
