@@ -25,6 +25,7 @@ bucketed - rows to `cp` times a power of two, the page table to
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -40,14 +41,16 @@ from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, global_array
 from cpkv_jax.errors import InputError
 from cpkv_jax.kv_layout import KVLayout
+from cpkv_jax.kv_pool import PoolLayout
 from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.mesh import CP_AXIS
 from cpkv_jax.model.expert_parallel import expert_parallel as ep_context
 from cpkv_jax.model.expert_parallel import param_specs
-from cpkv_jax.model.forward_batch import ForwardBatch
+from cpkv_jax.model.forward_batch import ForwardBatch, feed_ids
 from cpkv_jax.model.numerics import batch_invariant, token_block_bytes
 from cpkv_jax.model.transformer import log_probs
 from cpkv_jax.owner_attention import OwnerCPKVIO
+from cpkv_jax.paging import padded_page_table
 
 # (rows, page-table width): one compiled decode step per bucket.
 DecodeShape = tuple[int, int]
@@ -73,6 +76,40 @@ class DecodePlan:
         return self.input_ids.shape[0], self.page_table.shape[1]
 
 
+# One decode row: (token fed, its position, the request's local page by logical page,
+# the pages its table must show: at least those, as many as it reserved).
+CPRow = tuple[int, int, np.ndarray, int]
+
+
+def plan_rows(layout: PoolLayout, rows: Sequence[CPRow]) -> DecodePlan:
+    """The host inputs of one CP decode step (numpy, no device work): row `i` feeds its
+    token at its position, writing it into logical page `pos // page_size` on lane
+    `page % cp` (`PoolLayout.global_slots`). Rows are padded to `cp` times a power of two
+    (`rows / cp` per rank), the page table to `page_table_width` of the widest row."""
+    if not rows:
+        raise InputError("a decode step needs at least one row")
+    cp, page = layout.cp_size, layout.page_size
+    n = len(rows)
+    rows_p = cp * pow2_at_least(-(-n // cp))
+    width = page_table_width(max(r[3] for r in rows), cp)
+    ids = np.zeros((rows_p, 1), np.int32)
+    positions = np.zeros((rows_p, 1), np.int32)
+    valid = np.zeros((rows_p, 1), bool)
+    slots = np.zeros((rows_p, 1), np.int32)  # padding rows: lane 0's trash page
+    table = np.zeros((rows_p, width), np.int32)
+    kv_lens = np.zeros((rows_p,), np.int32)
+    pos = np.asarray([r[1] for r in rows], np.int64)
+    logical = pos // page
+    local = np.asarray([r[2][p] for r, p in zip(rows, logical, strict=True)], np.int64)
+    ids[:n, 0] = [r[0] for r in rows]
+    positions[:n, 0], valid[:n, 0] = pos, True
+    slots[:n, 0] = layout.global_slots(logical % cp, local, pos % page)
+    for i, r in enumerate(rows):
+        table[i] = padded_page_table(r[2], width)
+    kv_lens[:n] = pos + 1
+    return DecodePlan(ids, positions, valid, slots, table, kv_lens, n)
+
+
 class CPDecoder:
     """Decode steps over a shared-KV `CPPrefillRunner`'s pools, allocator and placed
     weights (its mesh, EP and numerics settings too). The runner's pool lock is held
@@ -90,8 +127,11 @@ class CPDecoder:
         cp = runner.cp.cp_size
         self.kv_io = OwnerCPKVIO(cp, True, runner.kv_io.gather_impl, query_axis=0)
         self._step = _build_decode_step(runner, self.kv_io)
-        self._steps: ShapeCache[DecodeShape] = ShapeCache("CP decode step")
+        self.steps: ShapeCache[DecodeShape] = ShapeCache("CP decode step")
         self._split = NamedSharding(runner.mesh, P(CP_AXIS))  # every input: rows over cp
+        self.replicated = NamedSharding(runner.mesh, P())  # the logits
+        self._feed = jax.jit(feed_ids, out_shardings=self._split)
+        self._log_probs = jax.jit(functools.partial(log_probs, invariant=runner.batch_invariant))
 
     # ---- host planning ----------------------------------------------------------------
     def plan(self, tables: Sequence[RequestPageTable], tokens: Sequence[int]) -> DecodePlan:
@@ -99,30 +139,16 @@ class CPDecoder:
         grows its table by that token (pages on the owner lanes; all-or-nothing per row:
         `CacheCapacityError` leaves that row's table unchanged)."""
         runner = self.runner
-        cp, page = runner.cp.cp_size, runner.cp.page_size
         if not tables or len(tables) != len(tokens):
             raise InputError(f"{len(tables)} tables for {len(tokens)} tokens")
         positions = [t.num_tokens for t in tables]
         for table, pos in zip(tables, positions, strict=True):
-            table.extend(runner.allocator, pos + 1, page)
-        rows = cp * pow2_at_least(-(-len(tables) // cp))  # a multiple of cp, then pow2
-        width = page_table_width(max(t.num_pages for t in tables), cp)
-        ids = np.zeros((rows, 1), np.int32)
-        pos_arr = np.zeros((rows, 1), np.int32)
-        valid = np.zeros((rows, 1), bool)
-        slots = np.zeros((rows, 1), np.int32)
-        table_rows = np.zeros((rows, width), np.int32)
-        kv_lens = np.zeros((rows,), np.int32)
-        n = len(tables)
-        pos = np.asarray(positions, np.int64)
-        logical = pos // page
-        local = np.asarray([t.local_pages()[p] for t, p in zip(tables, logical, strict=True)])
-        ids[:n, 0], pos_arr[:n, 0], valid[:n, 0] = tokens, pos, True
-        slots[:n, 0] = runner.layout.global_slots(logical % cp, local, pos % page)
-        for i, table in enumerate(tables):
-            table_rows[i] = table.as_row(width)
-        kv_lens[:n] = pos + 1
-        return DecodePlan(ids, pos_arr, valid, slots, table_rows, kv_lens, n)
+            table.extend(runner.allocator, pos + 1, runner.cp.page_size)
+        rows = [
+            (tok, pos, t.local_pages(), t.num_pages)
+            for t, tok, pos in zip(tables, tokens, positions, strict=True)
+        ]
+        return plan_rows(runner.layout, rows)
 
     # ---- device step ------------------------------------------------------------------
     def compiled_step(self, shape: DecodeShape) -> jax.stages.Compiled:
@@ -141,22 +167,32 @@ class CPDecoder:
             spec((rows,), np.int32, split),
             abstract(self.runner.pool),
         )
-        return self._steps.get(shape, lambda: self._step.lower(*args))
+        return self.steps.get(shape, lambda: self._step.lower(*args))
+
+    def launch(self, plan: DecodePlan, input_ids: jax.Array | None = None) -> jax.Array:
+        """Dispatch one step, fetching nothing: the logits `[rows, vocab]` of every row
+        (real rows first), replicated over the mesh. `input_ids`: the step's ids already
+        on the device (`feed`), instead of the plan's."""
+        split = self._split
+        host = (plan.input_ids, plan.positions, plan.valid, plan.write_slots)
+        tokens = tuple(global_array(x, split) for x in host)
+        if input_ids is not None:
+            tokens = (input_ids, *tokens[1:])
+        table, kv_lens = global_array(plan.page_table, split), global_array(plan.kv_lens, split)
+        step = self.compiled_step(plan.shape)  # before the pool lock: it may compile
+        state = self.runner.state
+        return self.runner.kv.update(lambda pool: step(state, tokens, table, kv_lens, pool))
+
+    def feed(self, prev: jax.Array, src: np.ndarray, host_ids: np.ndarray) -> jax.Array:
+        """A step's `[rows, 1]` input ids on the device, split as its rows: row `i` feeds
+        `prev[src[i]]` (a token the last draw left on the device) where `src[i] >= 0`,
+        `host_ids[i]` otherwise (`forward_batch.feed_ids`)."""
+        return self._feed(prev, src, host_ids)
 
     def step(self, plan: DecodePlan) -> np.ndarray:
         """Run one step; the log-probs `[n, vocab]` of each real row's next token."""
-        split = self._split
-        fields = (plan.input_ids, plan.positions, plan.valid, plan.write_slots)
-        tokens = tuple(global_array(x, split) for x in fields)
-        table, kv_lens = global_array(plan.page_table, split), global_array(plan.kv_lens, split)
-        step = self.compiled_step(plan.shape)
-        state = self.runner.state
-
-        def run(pool):
-            lp, pool = step(state, tokens, table, kv_lens, pool)
-            return lp, pool
-
-        return np.asarray(self.runner.kv.update(run))[: plan.n]
+        lp = self._log_probs(self.launch(plan))
+        return np.asarray(lp)[: plan.n]
 
     def generate(
         self,
@@ -214,7 +250,7 @@ def build_decode_step(
     block_bytes: int | None = None,
     index_k_dtype: str = "fp8_e4m3",
 ):
-    """The jitted decode step: `(state, tokens, page_table, kv_lens, pool) -> (log-probs
+    """The jitted decode step: `(state, tokens, page_table, kv_lens, pool) -> (logits
     [rows, vocab] replicated, pool)`, the pool donated. Explicit settings, so it lowers on
     abstract weights too (`benchmarks/decode_memory.py --cp`)."""
 
@@ -223,7 +259,7 @@ def build_decode_step(
         model = nnx.merge(graphdef, state)
         with batch_invariant(invariant), token_block_bytes(block_bytes), ep_context(ep):
             hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype)
-            return log_probs(model.logits(hidden[:, 0]), invariant), pool
+            return model.logits(hidden[:, 0]), pool
 
     # Rows split over cp, their tables and lengths too (owner attention all-gathers
     # them); routed experts split over cp under EP, as in the prefill step.

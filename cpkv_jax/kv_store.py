@@ -12,8 +12,9 @@ runs under its lock, and nobody keeps a donated pool" is written once:
   - `PagedKVStore`: a `DevicePool` and a `PageAllocator` (one shard per DP rank), the
     decode and plain unified servers'; the transfer receiver commits into it too;
   - `transfer.receiver.Receiver`, which delegates to its `PagedKVStore`;
-  - `CachedLaneStore`: the one-lane CP runner's pool and allocator with its radix cache
-    (the unified server's default engine), evicting cached pages when free ones run out.
+  - `CachedLaneStore`: a CP runner's pool and owner-lane allocator with its radix cache
+    (the unified server's default engine, on one device or a CP mesh), evicting cached
+    pages when free ones run out.
 
 The pool and the allocator have a lock each, so a commit scatter (under the pool lock)
 never holds up page allocation or a failed room's page release.
@@ -200,44 +201,76 @@ class PagedKVStore(_OnDevice):
 
 
 class CachedLaneStore(_OnDevice):
-    """A `KVStore` over a one-lane CP runner's pool (its `DevicePool`: the pool swap
-    under the runner's lock, which the host-cache backup worker takes too) and lane 0 of
-    its allocator, with the radix cache on it: pages come from the free list, evicting
-    unlocked cached pages when the free ones run short."""
+    """A `KVStore` over a CP runner's pool (its `DevicePool`: the pool swap under the
+    runner's lock, which the host-cache backup worker takes too) and its owner-lane
+    allocator, with the radix cache on it: pages come from the free lists, evicting
+    unlocked cached pages when the free ones run short.
+
+    One lane (the unified server on one device) or `cp` of them (a unified server on a CP
+    mesh, `--cp-size N --enable-cp-shared-kv`): a request's logical page `p` lives on lane
+    `p % cp`, so its decode pages are allocated by logical position
+    (`allocate_logical`) and the counts are summed over lanes, with `*_per_lane` for
+    admission by lane."""
 
     def __init__(
         self, device: DevicePool, allocator: OwnerLaneAllocator, cache: RadixCache, page_size: int
     ):
-        if allocator.cp_size != 1:
-            raise ValueError(f"CachedLaneStore needs a one-lane pool, got {allocator.cp_size}")
+        if cache.cp_size != allocator.cp_size:
+            raise ValueError(
+                f"the cache has {cache.cp_size} lanes but the allocator {allocator.cp_size}"
+            )
         self.device = device
         self._allocator = allocator
         self._cache = cache
         self.page_size = page_size
+        self.cp_size = allocator.cp_size
 
     @property
     def num_free_pages(self) -> int:
-        return int(self._allocator.num_free(0))
+        return int(self._allocator.num_free_per_lane().sum())
 
     @property
     def num_free_pages_per_rank(self) -> tuple[int, ...]:
-        return (self.num_free_pages,)
+        return (self.num_free_pages,)  # one DP rank: every lane serves each request
+
+    def available_pages_per_lane(self) -> np.ndarray:
+        """Free plus evictable (cached, unlocked) pages of each lane, `[cp]`."""
+        return self._allocator.num_free_per_lane() + self._cache.evictable_pages_per_lane()
 
     @property
     def num_available_pages(self) -> int:
-        """Free plus evictable (cached, unlocked) pages."""
-        return self.num_free_pages + int(self._cache.evictable_pages_per_lane()[0])
+        """Free plus evictable pages over every lane."""
+        return int(self.available_pages_per_lane().sum())
 
-    def allocate_pages(self, n: int, rank: int = 0) -> np.ndarray:
-        """`n` pages, evicting cached ones as needed; `CacheCapacityError` (nothing
-        evicted) when free + evictable cannot cover them. One rank only (`rank` 0)."""
-        if rank != 0:
-            raise ValueError(f"a one-lane store has one pool shard, not rank {rank}")
-        table = RequestPageTable(1)
-        alloc_with_evict(self._cache, table, n * self.page_size)
-        return table.detach().astype(np.int64)
+    def pages_per_lane(self, first: int, count: int) -> np.ndarray:
+        """Pages each lane gives logical pages `[first, first + count)`, `[cp]`."""
+        return self._allocator.pages_needed_per_lane(np.arange(first, first + count))
 
-    def free_pages(self, pages: np.ndarray) -> None:
+    def allocate_logical(self, first: int, count: int) -> np.ndarray:
+        """Local pages for logical pages `[first, first + count)` of one request, page `p`
+        on lane `p % cp` (`alloc_with_evict`: all-or-nothing, `CacheCapacityError` with
+        nothing evicted when a lane's free plus evictable pages cannot cover it)."""
+        table = RequestPageTable.from_prefix(
+            self.cp_size, np.zeros(first, np.int32), first * self.page_size, self.page_size
+        )
+        new = alloc_with_evict(self._cache, table, (first + count) * self.page_size)
+        return table.local_pages()[new].astype(np.int64)
+
+    def free_logical(self, first: int, pages: np.ndarray) -> None:
+        """Free what `allocate_logical(first, len(pages))` gave."""
         pages = np.asarray(pages, dtype=np.int64)
         if pages.size:
-            self._allocator.free(np.zeros_like(pages), pages)
+            logical = np.arange(first, first + pages.size)
+            self._allocator.free(logical % self.cp_size, pages)
+
+    def allocate_pages(self, n: int, rank: int = 0) -> np.ndarray:
+        """`n` pages of a one-lane store (`allocate_logical` from page 0)."""
+        if rank != 0 or self.cp_size != 1:
+            raise ValueError(
+                f"allocate_pages takes pages of a one-lane store's rank 0 (this store has "
+                f"{self.cp_size} lanes, asked for rank {rank}); use allocate_logical"
+            )
+        return self.allocate_logical(0, n)
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        self.free_logical(0, pages)

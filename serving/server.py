@@ -296,10 +296,21 @@ def _build_cached_unified(
     devices: list,
     grammar: GrammarBackend | None = None,
 ) -> tuple[DecodeEngine, dict[str, Any], list[Callable[[], None]]]:
-    """Unified mode with the host cache: the CP prefill engine on one device (its prefix
-    cache, host cache and scheduler) feeding the decode batch on its pool."""
-    prefill = build_prefill_engine(args, model=model, devices=devices[:1], hold_finished=True)
-    running, why = max_running_requests(args, prefill.scheduler.allocator.capacity_per_lane)
+    """Unified mode with the prefix cache: the CP prefill engine (its radix cache, host
+    cache and scheduler) on one device, or on `--cp-size` devices with page-owned KV
+    (issue 40), feeding the decode batch on its pool."""
+    prefill = build_prefill_engine(
+        args, model=model, devices=devices[: args.cp_size], hold_finished=True
+    )
+    alloc = prefill.scheduler.allocator
+    running, why = max_running_requests(args, alloc.capacity_per_lane * alloc.cp_size)
+    if args.cp_size > 1:
+        logger.info(
+            "unified server on a CP mesh of %d devices: each request's KV pages striped over "
+            "the ranks by owner (%d usable pages per rank), decode attends where they live",
+            args.cp_size,
+            alloc.capacity_per_lane,
+        )
     logger.info("max running requests: %d (%s)", running, why)
     try:
         engine = CachedUnifiedEngine(
@@ -478,9 +489,10 @@ def warm_up(
     new_tokens = min(9, longest + 1 - long_prompt)
     per_request = pages_for_tokens(long_prompt + new_tokens, args.page_size)
     k = max(1, min(8, engine.max_running_requests, free0 // per_request))
-    if engine.mode == "decode":
-        # A decode server never prefills: its batch buckets run on trash-page tables (the
-        # step and the sampler), no request and no prefill program.
+    if engine.mode == "decode" or args.cp_size > 1:
+        # A decode server never prefills, and a CP mesh's prompts were prefilled above by
+        # its runner: the batch buckets run on trash-page tables (the step and the
+        # sampler), no request and no prefill program.
         warmed = {
             ("absorbed", rows, 1, width)
             for rows in _pow2_upto(k)
@@ -488,6 +500,7 @@ def warm_up(
         }
         if engine.spec is not None:  # their speculative twins; admissions from a given token
             warmed = engine.spec.shapes_for(warmed, "token")
+        warmed = engine.as_run(warmed)
         engine.warm_shapes(warmed)
     else:
         warmed = _run_warmup_requests(args, cfg, model, engine, k, long_prompt, new_tokens)

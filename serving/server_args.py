@@ -1029,12 +1029,7 @@ class ServerArgs:
                 "is not context-parallel (SPEC S2.1); use --cp-size 1 on decode servers"
             )
         if self.disaggregation_mode == "null" and self.cp_size > 1:
-            # Refused here, before any weights load: only a PD prefill server runs CP.
-            raise ServerArgsError(
-                f"--cp-size {self.cp_size} needs --disaggregation-mode prefill: a unified "
-                "(null) server prefills and decodes on one device; use --cp-size 1 or run "
-                "a PD pair (SPEC S2.1)"
-            )
+            self._check_unified_cp()
         if self.transfer_host_buffer_size is not None and (
             self.disaggregation_mode != "prefill" or self.transfer_backend != "mooncake"
         ):
@@ -1066,15 +1061,48 @@ class ServerArgs:
                 f"{' or '.join(fit) or '<a backend with both>'}, or drop --enable-cp-shared-kv"
             )
 
+    def _check_unified_cp(self) -> None:
+        """A unified server on a CP mesh (issue 40): prefill and decode over the same
+        page-owned pools, decode with attention where the pages live. Refused here,
+        before any weights load, where that is not what would run."""
+        cp = self.cp_size
+        why = None
+        if not self.enable_cp_shared_kv:
+            why = (
+                "needs --enable-cp-shared-kv: the decode steps attend where each page lives "
+                "(page p on rank p mod cp), with no replicated copy"
+            )
+        elif not self.uses_prefix_cache():
+            why = "runs through the prefix cache's scheduler: drop --disable-radix-cache"
+        elif self.speculative_enabled():
+            why = "does not run speculative decoding (the MTP layer) yet: drop --speculative-*"
+        elif self.dp_size > 1:
+            why = "is one CP group: use --dp-size 1 (DP groups of CP ranks are not built)"
+        elif cp & (cp - 1):
+            why = "needs a power-of-two --cp-size (its step buckets are powers of two)"
+        if why is not None:
+            raise ServerArgsError(
+                f"a unified (null) server with --cp-size {cp} {why}; or use --cp-size 1, "
+                "or run a PD pair (SPEC S2.1)"
+            )
+
+    def runs_on_cp_mesh(self) -> bool:
+        """Whether the model runs on a `("cp",)` mesh: a prefill server, or a unified one
+        with `--cp-size N > 1` (whose decode runs on the same mesh)."""
+        return self.disaggregation_mode == "prefill" or (
+            self.disaggregation_mode == "null" and self.cp_size > 1
+        )
+
     def _check_expert_parallel(self, model_config: ModelConfig | None, warnings: list[str]) -> None:
-        """`--ep-size` is 1 or `--cp-size` on a CP prefill server; experts split evenly."""
+        """`--ep-size` is 1 or `--cp-size` on a CP mesh (a prefill server, or a unified
+        one with `--cp-size N`); experts split evenly."""
         ep = self.ep_size
         if ep == 1:
             return
-        if self.disaggregation_mode != "prefill" or self.cp_size == 1:
+        if not self.runs_on_cp_mesh() or self.cp_size == 1:
             raise ServerArgsError(
                 f"--ep-size {ep} splits the routed experts over the CP ranks: it needs "
-                f"--disaggregation-mode prefill with --cp-size {ep} (got "
+                f"--cp-size {ep} on a prefill or unified server (got "
                 f"--disaggregation-mode {self.disaggregation_mode} --cp-size {self.cp_size});"
                 " use --ep-size 1 here"
             )

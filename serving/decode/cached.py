@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from cpkv_jax.cache.radix import CacheCapacityError
+from cpkv_jax.cp_decode import CPDecoder
 from cpkv_jax.errors import CpkvError
 from cpkv_jax.kv_store import CachedLaneStore
 from cpkv_jax.scores import PromptLogprobs
@@ -92,8 +93,11 @@ class CachedPrefill:
             runner.kv, runner.allocator, prefill.cache, runner.layout.page_size
         )
         self.prefilling: dict[str, DecodeRequest] = {}  # handed to the scheduler, not done
-        self.reserved = 0  # pages the prefilling requests may still take
-        self.decode_pages: dict[str, np.ndarray] = {}
+        # Pages of each lane the prefilling requests may still take (a request's logical
+        # page p is on lane p % cp, so a CP mesh's admission counts by lane).
+        self.reserved = np.zeros(self.store.cp_size, np.int64)
+        # By request: its first decode page's logical index and the decode pages.
+        self.decode_pages: dict[str, tuple[int, np.ndarray]] = {}
         self.prefix_cache_hit_tokens = 0
 
     def bind(self, engine: DecodeEngine) -> None:
@@ -123,7 +127,7 @@ class CachedPrefill:
     def discard(self, r: DecodeRequest, why: str) -> bool:
         if self.prefilling.pop(r.rid, None) is None:
             return False
-        self.reserved -= r.n_pages
+        self.reserved -= self._need(r)
         self.engine.give_back_slot(r)
         # Frees what its prefill allocated and unlocks its prefix.
         if self.scheduler.abort(r.rid) is None:
@@ -134,7 +138,7 @@ class CachedPrefill:
         self.engine.give_back_slot(r)
         if r.pages is None:
             return
-        self.store.free_pages(self.decode_pages.pop(r.rid))
+        self.store.free_logical(*self.decode_pages.pop(r.rid))
         self.scheduler.release_held(r.rid)  # whole prompt pages stay cached, tail freed
         r.pages = None
 
@@ -143,7 +147,7 @@ class CachedPrefill:
         return dataclasses.replace(
             base,
             kv_pages_free=(self.store.num_free_pages,),
-            kv_pages_cached=(int(cache.total_pages_per_lane()[0]),),
+            kv_pages_cached=(int(cache.total_pages_per_lane().sum()),),
             prefix_cache_hit_tokens=self.prefix_cache_hit_tokens,
             admission_rejections={**base.admission_rejections, **self.scheduler.rejections},
         )
@@ -168,7 +172,7 @@ class CachedPrefill:
             check_pool_after(exc, str(exc), self.store.pool, failed)
         for outcome in outcomes:
             r = self.prefilling.pop(outcome.rid)
-            self.reserved -= r.n_pages
+            self.reserved -= self._need(r)
             if outcome.status == "failed":
                 e.end(r, outcome.reason, touched)  # logged with the step's traceback
             elif outcome.status != "finished":
@@ -197,7 +201,7 @@ class CachedPrefill:
             active = len(e.running) + len(self.prefilling)
             if active >= e.max_running_requests:
                 return True
-            if self.store.num_available_pages - self.reserved < r.n_pages:
+            if (self.store.available_pages_per_lane() - self.reserved < self._need(r)).any():
                 return False  # FIFO: nobody overtakes the head of the queue
             if not e.penalty_slot_free(r):
                 return True  # waits for a penalized request to finish, as for a batch slot
@@ -216,8 +220,13 @@ class CachedPrefill:
                 continue
             self.prefilling[r.rid] = r
             e.take_slots(r)
-            self.reserved += r.n_pages
+            self.reserved += self._need(r)
         return True
+
+    def _need(self, r: DecodeRequest) -> np.ndarray:
+        """The most pages of each lane `r` can take: all of its `n_pages` (prefix hits
+        are locked, not free, so this is its worst case)."""
+        return self.store.pages_per_lane(0, r.n_pages)
 
     def _start_decoding(self, r: DecodeRequest, outcome, touched: Touched) -> None:
         e = self.engine
@@ -225,13 +234,14 @@ class CachedPrefill:
         prompt_pages = outcome.table.local_pages().astype(np.int64)
         extra = r.n_pages - prompt_pages.size
         try:
-            decode_pages = self.store.allocate_pages(extra)
+            decode_pages = self.store.allocate_logical(prompt_pages.size, extra)
         except CacheCapacityError as exc:  # the reservation rules this out: a bug, not load
             logger.error("request %s: reserved decode pages missing: %s", r.rid, exc)
             self.scheduler.release_held(r.rid)
             e.fail(r, f"internal error: no KV pages for the output ({exc})", touched)
             return
-        self.decode_pages[r.rid] = decode_pages
+        self.decode_pages[r.rid] = (prompt_pages.size, decode_pages)
+        # Logical page p's local page (on lane p % cp: the CP decode steps' table row).
         r.pages = np.concatenate([prompt_pages, decode_pages])
         r.cached_tokens = outcome.cached_tokens
         r.host_cached_tokens = outcome.host_cached_tokens
@@ -249,10 +259,14 @@ class CachedPrefill:
 
 class CachedUnifiedEngine(DecodeEngine):
     """A `DecodeEngine` whose intake is `CachedPrefill` over `prefill` (the unified
-    server's default), with the prefill engine's cache, host-cache info and close."""
+    server's default), with the prefill engine's cache, host-cache info and close. On a
+    CP mesh (`prefill`'s runner has `cp_size > 1`, page-owned KV) its decode steps are
+    `CPMeshDecodeSteps` over the runner's pools: no request's KV leaves its owners."""
 
     def __init__(self, *, prefill: PrefillEngine, **kw: Any):
         intake = CachedPrefill(prefill)
+        if prefill.runner.cp.cp_size > 1:  # a CP mesh: decode where the pages live too
+            kw["cp_decoder"] = CPDecoder(prefill.runner)
         super().__init__(kv=intake.store, intake=intake, **kw)
         self.prefill = prefill
         self.cached = intake

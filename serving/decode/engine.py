@@ -39,6 +39,11 @@ pages and rows stay there; a unified server prefills up to one admitted request 
 in one step; every step runs all ranks' rows (`MeshDecodeSteps`), rows per rank bounded
 by `ceil(max_running_requests / N)`.
 
+On a CP mesh (`cp_decoder=`, the unified server with `--cp-size N --enable-cp-shared-kv`,
+issue 40) the intake is always `cached.CachedPrefill` on the CP runner and the step
+executor `CPMeshDecodeSteps`: a request's pages are its local page by logical page, page
+`p` on rank `p % N`, and the decode attends where they live.
+
 Shapes (bounded compiles): decode batch rows are padded to a power of two (padding rows
 have `valid=False` and write into the trash page), and the page-table width to a power
 of two of the longest reservation in the batch; prefill pads the prompt to
@@ -71,6 +76,7 @@ from jax.sharding import Mesh
 from cpkv_jax.aot import CompileJob
 from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.cp_decode import CPDecoder
 from cpkv_jax.decode_mesh import choose_rank
 from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.kv_store import KVStore, PagedKVStore
@@ -97,7 +103,12 @@ from serving.decode.speculative import (
     refusal,
     speculative_room,
 )
-from serving.decode.steps import DecodeSteps, MeshDecodeSteps, reachable_shapes
+from serving.decode.steps import (
+    CPMeshDecodeSteps,
+    DecodeSteps,
+    MeshDecodeSteps,
+    reachable_shapes,
+)
 from serving.engine.api import (
     EngineStateLostError,
     EngineStats,
@@ -164,8 +175,11 @@ class DecodeEngine:
         grammar: GrammarBackend | None = None,
         speculative_num_steps: int = 0,
         speculative_slots: int | None = None,
+        cp_decoder: CPDecoder | None = None,
     ):
         intake = self._intake_for(mode, intake, kv, idle_wait_s)
+        if cp_decoder is not None and (speculative_num_steps or mesh is not None):
+            raise ConfigError("decode on a CP mesh runs neither speculative decoding nor a DP mesh")
         if index_k_dtype not in INDEX_K_DTYPES:
             raise ConfigError(
                 f"index K dtype {index_k_dtype!r} is not one of {sorted(INDEX_K_DTYPES)}"
@@ -200,7 +214,7 @@ class DecodeEngine:
         # each with its trash page; a request's pages and rows stay on one rank.
         self.mesh = mesh
         self.dp_size = 1 if mesh is None else mesh.size
-        self.steps: DecodeSteps | MeshDecodeSteps | SpeculativeSteps
+        self.steps: DecodeSteps | MeshDecodeSteps | CPMeshDecodeSteps | SpeculativeSteps
         # Speculative decoding (`--speculative-num-steps`): drafts from the MTP layer,
         # verified by the trunk, in one step executor (`serving.decode.speculative`).
         self.spec: SpeculativeSteps | None = None
@@ -225,6 +239,8 @@ class DecodeEngine:
                 ep_capacity_factor=ep_capacity_factor,
             )
             self.room = speculative_room(speculative_num_steps, overlap)
+        elif cp_decoder is not None:  # a unified server on a CP mesh (issue 40)
+            self.steps = CPMeshDecodeSteps(cp_decoder)
         elif self.dp_size > 1:
             assert mesh is not None
             self.steps = MeshDecodeSteps(
@@ -244,6 +260,8 @@ class DecodeEngine:
                 model, kv, page_size, index_k_dtype, batch_invariant, block_bytes, kv_io
             )
         self._usable_pages = pool.num_pages // self.dp_size - 1  # per rank, less its trash page
+        if isinstance(self.steps, CPMeshDecodeSteps):  # every lane less its trash page
+            self._usable_pages = self.steps.usable_pages
         self._max_rows_per_rank = -(-max_running_requests // self.dp_size)
         self.admitted_per_rank = [0] * self.dp_size  # requests each rank has taken
         self._next_rank = 0  # ties between ranks go round robin from here
@@ -665,6 +683,8 @@ class DecodeEngine:
             prefill=self.intake.prefills_with_engine_steps,
             room=self.room,
         )
+        if isinstance(self.steps, CPMeshDecodeSteps):
+            return self.as_run(plain)
         if self.spec is None:
             return plain
         admission = None
@@ -672,10 +692,17 @@ class DecodeEngine:
             admission = "logits" if self.intake.first_token_on_host else "token"
         return self.spec.shapes_for(plain, admission)
 
+    def as_run(self, shapes: set[tuple[str, int, int, int]]) -> set[tuple[str, int, int, int]]:
+        """The step shapes `shapes` (rows and width powers of two) run as: themselves,
+        or on a CP mesh raised to its rows and width (`CPMeshDecodeSteps.bucket`)."""
+        if isinstance(self.steps, CPMeshDecodeSteps):
+            return {self.steps.bucket(s) for s in shapes}
+        return shapes
+
     def warm_shapes(self, shapes: set[tuple[str, int, int, int]]) -> int:
         """Compile (run once, on the trash page) those of `shapes` this engine can reach
         and has not run; returns how many. Before serving only: it donates the pool."""
-        todo = sorted((shapes & self.reachable_shapes()) - self.steps.shapes)
+        todo = sorted((self.as_run(shapes) & self.reachable_shapes()) - self.steps.shapes)
         self.steps.warm(todo)
         self._warm_sampler(set(todo))
         self.warm_feeds(set(todo))

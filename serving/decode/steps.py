@@ -31,7 +31,9 @@ from tqdm.auto import tqdm
 from cpkv_jax import sampling
 from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import MIN_PREFILL_BUCKET, pow2_at_least, prefill_bucket
+from cpkv_jax.cp_decode import CPDecoder, plan_rows
 from cpkv_jax.decode_mesh import DPDecodeSteps, DPPoolLayout, DPRow, build_batch
+from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_store import KVStore
 from cpkv_jax.model.expert_parallel import EPDispatch
 from cpkv_jax.model.forward_batch import abstract_batch, batch_from_host, feed_ids, prefill_batch
@@ -277,7 +279,9 @@ class DecodeSteps(CompiledShapes):
         )
 
 
-def _warm(steps: DecodeSteps | MeshDecodeSteps, shapes: Sequence[Shape], desc: str) -> None:
+def _warm(
+    steps: DecodeSteps | MeshDecodeSteps | CPMeshDecodeSteps, shapes: Sequence[Shape], desc: str
+) -> None:
     """Run each shape once on tables of the trash page only (every write lands in a
     trash page, which no request reads), through the same code the requests take (the
     step, then the sampler on its rows)."""
@@ -442,3 +446,96 @@ class MeshDecodeSteps:
     @property
     def compiled_shapes(self) -> set[Shape]:
         return self._dp.compiled_shapes
+
+
+class CPMeshDecodeSteps:
+    """`DecodeSteps` on a CP mesh over a shared-KV CP runner's page-owned pools
+    (`cpkv_jax.cp_decode`, issue 40): the unified server with `--cp-size N`, whose
+    prompts the runner prefills (`serving.decode.cached.CachedPrefill`) and whose decode
+    rows run here with a request's KV striped over the ranks by owner.
+
+    A request's `pages` are its local page by logical page (page `p` on lane `p % cp`).
+    Shape keys are the engine's (`("absorbed", R, 1, W)`, powers of two) raised to at
+    least `cp`, which for `cp` a power of two are exactly the CP step's rows and
+    page-table width (`cp_decode.plan_rows`): `bucket` maps the engine's reachable shapes
+    onto them. Decode only (`prefill` raises)."""
+
+    prefill_form = "absorbed"
+
+    def __init__(self, decoder: CPDecoder):
+        cp = decoder.runner.cp.cp_size
+        if cp & (cp - 1):
+            raise ConfigError(f"CP decode steps need a power-of-two cp_size, got {cp}")
+        self.decoder = decoder
+        self.cp = cp
+        self.layout = decoder.runner.layout
+        self.vocab_size = decoder.runner.cfg.vocab_size
+        self.batch_invariant = decoder.runner.batch_invariant
+        # A request's longest reservation: every lane's usable pages (less its trash page).
+        self.usable_pages = cp * decoder.runner.allocator.capacity_per_lane
+        self.shapes: set[Shape] = set()
+
+    def bucket(self, shape: Shape) -> Shape:
+        """The CP step an engine shape runs as: rows and width at least `cp`."""
+        form, rows, tokens, width = shape
+        return form, max(rows, self.cp), tokens, max(width, self.cp)
+
+    def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> jax.Array:
+        raise ValueError("the CP decode steps do not prefill: the CP runner does")
+
+    def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> jax.Array:
+        """Logits of each row's next token, row `i` that of `rows[i]` (padding after),
+        replicated over the mesh; `prev` as `DecodeSteps.decode`."""
+        plan = plan_rows(self.layout, [(t, pos, pages, n) for t, pos, pages, n in rows])
+        rows_p, width = plan.shape
+        self.decoder.compiled_step(plan.shape)  # before the pool lock: it may compile or wait
+        self.shapes.add(("absorbed", rows_p, 1, width))
+        ids = None
+        if prev is not None:
+            src = np.full((rows_p,), -1, np.int32)
+            src[: len(prev[1])] = prev[1]
+            ids = self.decoder.feed(prev[0], src, plan.input_ids)
+        with jax.named_scope("decode_engine.decode"):
+            return self.decoder.launch(plan, ids)
+
+    def warm(self, shapes: Sequence[Shape]) -> None:
+        """Run each shape once on lane 0's trash page, then the sampler on its rows."""
+        _warm(self, shapes, "compiling CP decode steps")
+
+    @property
+    def logits_sharding(self) -> jax.sharding.Sharding:
+        """The steps' logits are replicated over the mesh."""
+        return self.decoder.replicated
+
+    def logit_rows(self, rows: int) -> int:
+        return max(rows, self.cp)
+
+    def warm_feeds(self, rows: set[int]) -> None:
+        """`DecodeSteps.warm_feeds` for the CP steps' row buckets."""
+        for a, b in itertools.product(sorted({self.logit_rows(r) for r in rows}), repeat=2):
+            tokens = jax.device_put(np.zeros((a,), np.int32), self.logits_sharding)
+            self.decoder.feed(tokens, np.full((b,), -1, np.int32), np.zeros((b, 1), np.int32))
+
+    def warm_log_probs(self, rows: set[int]) -> None:
+        """The log-softmax and sampler on the steps' replicated logits for each row
+        bucket (see `DecodeSteps.warm_log_probs`)."""
+        for r in sorted({self.logit_rows(r) for r in rows | {1}}):
+            logits = jax.device_put(
+                np.zeros((r, self.vocab_size), np.float32), self.logits_sharding
+            )
+            sampling.sample(log_probs(logits, self.batch_invariant), [sampling.GREEDY])
+
+    def compiled(self, shape: Shape) -> jax.stages.Compiled:
+        _, rows, _, width = self.bucket(shape)
+        return self.decoder.compiled_step((rows, width))
+
+    def compile_estimate(self, shapes: set[Shape]) -> tuple[int, float]:
+        return self.decoder.steps.estimate({self.bucket(s)[1::2] for s in shapes})
+
+    @property
+    def compile_count(self) -> int:
+        return self.decoder.steps.compiles
+
+    @property
+    def compiled_shapes(self) -> set[Shape]:
+        return {("absorbed", rows, 1, width) for rows, width in self.decoder.steps.compiled_keys()}

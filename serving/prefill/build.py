@@ -249,7 +249,7 @@ def load_serving_model(
     straight into its shards on the `cp` mesh (routed experts split, the rest
     replicated), so each process reads only the experts its devices hold. Logs what was
     read (`LoadStats`)."""
-    ep = args.disaggregation_mode == "prefill" and args.ep_size > 1
+    ep = args.runs_on_cp_mesh() and args.ep_size > 1
     dp = args.disaggregation_mode != "prefill" and args.dp_size > 1
     mesh = make_cp_mesh(args.cp_size, devices) if ep else None
     axis = CP_AXIS if ep else None

@@ -276,10 +276,10 @@ def kv_pool_pages_for(args: ServerArgs, cfg: ModelConfig, room: int, platform: s
     The transient bound grows with the pool (longer steps, more rows), so this is a
     binary search; `ServerArgsError` when not even 2 pages (the trash page + one) fit."""
     one_page = pool_page_bytes(args, cfg)
-    prefill = args.disaggregation_mode == "prefill"
+    cp_steps = args.runs_on_cp_mesh()  # the CP prefill steps' buffers (a unified CP mesh too)
 
     def transient(pages: int) -> int:
-        return transient_bytes_per_rank(args, cfg, platform, pages)[0] if prefill else 0
+        return transient_bytes_per_rank(args, cfg, platform, pages)[0] if cp_steps else 0
 
     def fits(pages: int) -> bool:
         return pages * one_page + transient(pages) <= room
@@ -371,7 +371,7 @@ def plan_device_memory(
     import jax
 
     devices = list(jax.devices()) if devices is None else list(devices)
-    prefill = args.disaggregation_mode == "prefill"
+    prefill = args.runs_on_cp_mesh()  # the CP mesh: a prefill server or a unified CP one
     dtype = DTYPES[args.dtype]
     # What the loader will build (`load_model` keeps `param_dtype = dtype`).
     spec = args.speculative_steps()
@@ -434,7 +434,7 @@ def plan_device_memory(
 def over_budget_message(args: ServerArgs, plan: MemoryPlan) -> str:
     """Every number of `plan` (GiB, then exact bytes) and the flags that change them."""
     assert plan.budget_bytes is not None
-    if args.disaggregation_mode != "prefill":
+    if not args.runs_on_cp_mesh():
         ep = (
             f"split the routed experts over more decode devices with --dp-size (now {args.dp_size})"
         )

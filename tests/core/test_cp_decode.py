@@ -93,7 +93,7 @@ def test_cp_decode_equals_single_device_generation(models):
         assert tokens[i] == want.output_ids
         np.testing.assert_allclose(logprobs[i], want.output_logprobs, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(decoder.runner.allocator.num_free_per_lane(), free)
-    assert len(decoder._steps.compiled_keys()) == 1  # one (rows, width) bucket
+    assert len(decoder.steps.compiled_keys()) == 1  # one (rows, width) bucket
 
 
 def test_owner_prefill_with_batch_invariant_numerics(glm):

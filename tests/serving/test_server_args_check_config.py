@@ -63,7 +63,7 @@ def _one_error_line(err: str) -> str:
         ),
         (("--kv-pool-size", "lots"), ("--kv-pool-size", "byte size")),
         (("--cp-shared-kv-prefill-max-batch-requests", "4"), ("bs-gt1",)),
-        (("--ep-size", "8"), ("--ep-size 8", "--disaggregation-mode prefill")),
+        (("--ep-size", "8"), ("--ep-size 8", "--cp-size 8 on a prefill or unified server")),
         ((*SHARED_KV, "--ep-size", "4"), ("--ep-size 4 must be 1 or equal --cp-size (8)",)),
         (
             (*EP8, "--json-model-override-args", '{"n_routed_experts": 12}'),
@@ -163,11 +163,12 @@ def test_check_config_accepts_ep_and_warns_about_a_small_capacity_factor(serve):
     assert "--ep-capacity-factor 2 < --ep-size 8" in warning and "not exact" in warning
 
 
-def test_check_config_refuses_cp_on_a_unified_server(serve):
-    """Refused by --check-config, before any weights load (it used to fail after)."""
-    rc, out, err = serve("--cp-size", "8", "--enable-cp-shared-kv", check=True)
+def test_check_config_refuses_cp_on_a_unified_server_without_shared_kv(serve):
+    """Refused by --check-config, before any weights load: a unified CP mesh decodes
+    where each page lives, so it needs page-owned KV (issue 40)."""
+    rc, out, err = serve("--cp-size", "8", check=True)
     assert rc == 2 and out == ""
-    assert "--cp-size 8 needs --disaggregation-mode prefill" in _one_error_line(err)
+    assert "--cp-size 8 needs --enable-cp-shared-kv" in _one_error_line(err)
 
 
 def test_check_config_missing_model_dir_is_one_line(serve, tmp_path, capsys):

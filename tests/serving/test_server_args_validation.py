@@ -231,9 +231,29 @@ def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [
+        # A unified server on a CP mesh (issue 40): page-owned KV through the prefix cache.
         (
-            {"disaggregation_mode": "null", "cp_size": 8, "enable_cp_shared_kv": True},
-            "--cp-size 8 needs --disaggregation-mode prefill",
+            {"disaggregation_mode": "null", "cp_size": 8},
+            "unified (null) server with --cp-size 8 needs --enable-cp-shared-kv",
+        ),
+        (
+            {"disaggregation_mode": "null", "cp_size": 8, "enable_cp_shared_kv": True}
+            | {"disable_radix_cache": True},
+            "drop --disable-radix-cache",
+        ),
+        (
+            {"disaggregation_mode": "null", "cp_size": 8, "enable_cp_shared_kv": True}
+            | {"speculative_algorithm": "EAGLE"},
+            "does not run speculative decoding",
+        ),
+        (
+            {"disaggregation_mode": "null", "cp_size": 4, "enable_cp_shared_kv": True}
+            | {"dp_size": 2},
+            "use --dp-size 1",
+        ),
+        (
+            {"disaggregation_mode": "null", "cp_size": 6, "enable_cp_shared_kv": True},
+            "needs a power-of-two --cp-size",
         ),
         (
             {"disaggregation_mode": "prefill", "transfer_backend": "nixl"},
@@ -481,14 +501,14 @@ def test_ep_over_the_cp_ranks_of_a_prefill_server_is_accepted(tiny_config_dir):
 @pytest.mark.parametrize(
     ("kw", "needles"),
     [
-        ({"ep_size": 8}, ("--ep-size 8", "--disaggregation-mode prefill", "--cp-size 8")),
+        ({"ep_size": 8}, ("--ep-size 8", "prefill or unified server", "--cp-size 8")),
         (
             {"ep_size": 2, "disaggregation_mode": "decode"},
             ("--ep-size 2", "--disaggregation-mode decode", "--ep-size 1"),
         ),
         (
             {"ep_size": 2, "disaggregation_mode": "prefill"},
-            ("--ep-size 2", "--disaggregation-mode prefill with --cp-size 2", "--cp-size 1"),
+            ("--ep-size 2", "needs --cp-size 2", "--disaggregation-mode prefill --cp-size 1"),
         ),
         ({"cp_size": 8, "ep_size": 4}, ("--ep-size 4 must be 1 or equal --cp-size (8)",)),
         (
@@ -527,3 +547,13 @@ def test_ep_capacity_factor_below_ep_size_warns_not_exact():
     assert "--ep-capacity-factor 2 < --ep-size 8" in warning
     assert "dropped" in warning and "not exact" in warning
     assert make_args(**EP8, ep_dispatch="all_to_all").validate() == ()
+
+
+def test_a_unified_server_runs_on_a_cp_mesh_with_page_owned_kv():
+    """Issue 40: `--cp-size N --enable-cp-shared-kv` (and experts over the same ranks) on
+    a unified server is valid; its model runs on the CP mesh as a prefill server's does."""
+    args = make_args(disaggregation_mode="null", cp_size=8, enable_cp_shared_kv=True, ep_size=8)
+    assert args.validate() == ()
+    assert args.runs_on_cp_mesh() and args.uses_prefix_cache()
+    assert not make_args().runs_on_cp_mesh()
+    assert not make_args(disaggregation_mode="decode").runs_on_cp_mesh()

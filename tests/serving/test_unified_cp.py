@@ -1,0 +1,110 @@
+"""A unified server on a CP8 mesh (issue 40): `cpkv-serve --cp-size 8
+--enable-cp-shared-kv --ep-size 8` prefills through the prefix cache's CP scheduler and
+decodes on the same page-owned pools (`CPMeshDecodeSteps`, owner attention), so a
+request's KV is striped over the eight ranks from its first token to its last, with no
+transfer and no gathered copy.
+
+The server is built and served here as `cpkv-serve` builds it (the model loaded onto
+the mesh with its experts split, the warm-up, HTTP). Its pool holds 6 usable pages per
+rank; the long prompt needs 35, so one rank could never hold it. Greedy tokens must equal
+`ReferenceGenerator`'s on one device exactly and log-probs within 1e-5 (rank-sized
+matmuls and the log-sum-exp merge of the ranks' partial attention round differently in
+the last bits; `tests/core/test_cp_decode.py` states the same tolerance).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import numpy as np
+import pytest
+from support.prefill_server import P, float32_args
+from support.unified_server import serving
+
+from cpkv_jax.generate import ReferenceGenerator
+from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
+from cpkv_jax.model.kv_cache import DTYPES
+from cpkv_jax.model.weights import load_model
+from serving.decode.cached import CachedUnifiedEngine
+from serving.decode.steps import CPMeshDecodeSteps
+
+pytestmark = pytest.mark.slow(seconds=60)
+
+CP = 8
+PAGES_PER_RANK = 7  # 6 usable and the trash page
+LONG = 33 * P + 5  # 35 pages with its output: more than one rank's 6
+WAIT_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoints):
+    path = tiny_checkpoints("glm_moe_dsa", fp8=True, n_routed_experts=16)
+    cfg, model = load_model(path, progress=False)
+    return path, cfg, ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def unified_cp(checkpoint):
+    path, cfg, _ = checkpoint
+    page = per_rank_pool_bytes(cfg, PoolLayout(CP, True, 2, P), DTYPES["float32"], "float32")
+    args = float32_args(
+        path,
+        *("--cp-size", str(CP), "--enable-cp-shared-kv", "--ep-size", str(CP)),
+        *("--kv-pool-size", str(PAGES_PER_RANK * page // 2), "--chunked-prefill-size", "64"),
+        *("--max-running-requests", "4"),
+    )
+    with serving(args) as s:
+        yield s
+
+
+def _generate(url: str, ids: list[int], new: int) -> dict:
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True},
+    }
+    r = httpx.post(url + "/generate", json=body, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _check(out: dict, ref: ReferenceGenerator, ids: list[int], new: int) -> None:
+    want = ref.generate(ids, new, ignore_eos=True)
+    assert out["output_ids"] == want.output_ids
+    got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    np.testing.assert_allclose(got, want.output_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prompt_longer_than_one_rank_s_pool_decodes_where_its_pages_live(unified_cp, checkpoint):
+    """The long request and two short ones of other lengths at once (rows join and leave
+    the batch as they finish), then the long prompt again: its whole pages come from the
+    prefix cache, striped as before. Every page is back (free or cached) at the end."""
+    _, cfg, ref = checkpoint
+    server, served = unified_cp
+    engine = server.engine
+    assert isinstance(engine, CachedUnifiedEngine)
+    assert isinstance(engine.steps, CPMeshDecodeSteps)
+    info = httpx.get(served.url + "/server_info", timeout=WAIT_S).json()
+    assert info["mode"] == "null" and info["cp_size"] == CP and info["shared_kv"]
+    usable = CP * (PAGES_PER_RANK - 1)
+    assert engine.stats().kv_pages_total == (usable,)
+    rng = np.random.default_rng(7)
+    jobs = [
+        (rng.integers(3, cfg.vocab_size, n).tolist(), new)
+        for n, new in ((LONG, 6), (P + 1, 3), (5, 9))
+    ]
+    assert -(-(LONG + 6) // P) > PAGES_PER_RANK - 1  # one rank could not hold it
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda job: _generate(served.url, *job), jobs))
+    for out, (ids, new) in zip(outs, jobs, strict=True):
+        _check(out, ref, ids, new)
+        assert out["meta_info"]["cached_tokens"] == 0
+    again = _generate(served.url, jobs[0][0], 6)
+    _check(again, ref, *jobs[0])
+    assert again["meta_info"]["cached_tokens"] == (LONG // P) * P  # whole pages only
+    stats = engine.stats()
+    assert stats.running == 0 and stats.waiting == 0
+    assert stats.kv_pages_free[0] + stats.kv_pages_cached[0] == usable
+    # Every decode step ran a shape the engine's warm-up accounting knows.
+    assert engine.step_shapes <= engine.reachable_shapes()
