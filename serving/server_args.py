@@ -1078,6 +1078,14 @@ class ServerArgs:
             why = "does not run speculative decoding (the MTP layer) yet: drop --speculative-*"
         elif self.dp_size > 1:
             why = "is one CP group: use --dp-size 1 (DP groups of CP ranks are not built)"
+        elif self.enable_batch_invariant:
+            # Owner attention merges the ranks' partial softmaxes, and a step's block takes
+            # its exact fall-back when any row's selection piles onto one rank: a row's
+            # numerics depend on its batch.
+            why = (
+                "decodes with owner attention, which is not batch-invariant: drop "
+                "--enable-batch-invariant"
+            )
         elif cp & (cp - 1):
             why = "needs a power-of-two --cp-size (its step buckets are powers of two)"
         if why is not None:

@@ -256,6 +256,11 @@ def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
             "needs a power-of-two --cp-size",
         ),
         (
+            {"disaggregation_mode": "null", "cp_size": 8, "enable_cp_shared_kv": True}
+            | {"enable_batch_invariant": True},
+            "owner attention, which is not batch-invariant",
+        ),
+        (
             {"disaggregation_mode": "prefill", "transfer_backend": "nixl"},
             "--transfer-backend 'nixl' is not registered",
         ),

@@ -14,7 +14,9 @@ the last bits; `tests/core/test_cp_decode.py` states the same tolerance).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import json
 
 import httpx
 import numpy as np
@@ -107,4 +109,65 @@ def test_a_prompt_longer_than_one_rank_s_pool_decodes_where_its_pages_live(unifi
     assert stats.running == 0 and stats.waiting == 0
     assert stats.kv_pages_free[0] + stats.kv_pages_cached[0] == usable
     # Every decode step ran a shape the engine's warm-up accounting knows.
+    assert engine.step_shapes <= engine.reachable_shapes()
+
+
+def test_many_clients_with_disconnects_and_a_refusal_leave_every_page(unified_cp, checkpoint):
+    """16 clients at once on the CP mesh, sampled and greedy, some with long prompts
+    (pages on every rank), a third streaming and leaving after their first event, and
+    one prompt longer than the whole CP pool, refused with a 400 before anything is
+    allocated: every finished answer has its length, and at the end no page is held."""
+    _, cfg, _ = checkpoint
+    server, served = unified_cp
+    engine = server.engine
+    rng = np.random.default_rng(12)
+    # Prompts of two prefill lengths' buckets (fewer CP step shapes to compile here).
+    lengths = [
+        int(rng.integers(20, 40)) if i % 4 else int(rng.integers(200, 260)) for i in range(16)
+    ]
+    jobs = [(rng.integers(3, cfg.vocab_size, n).tolist(), i) for i, n in enumerate(lengths)]
+
+    async def one(client: httpx.AsyncClient, ids: list[int], i: int) -> str | None:
+        sampling = {"max_new_tokens": 3 + i % 5, "ignore_eos": True}
+        sampling["temperature"] = 0.0 if i % 2 else 0.8
+        body = {"input_ids": ids, "sampling_params": sampling, "stream": i % 3 == 0}
+        async with client.stream("POST", "/generate", json=body) as r:
+            if r.status_code != 200:
+                return f"{i}: {r.status_code} {await r.aread()!r}"
+            if body["stream"]:
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        return None  # leave mid-stream: the server aborts the request
+                return f"{i}: no event"
+            got = json.loads(await r.aread())
+            n = len(got["output_ids"])
+            return None if n == sampling["max_new_tokens"] else f"{i}: {n} tokens"
+
+    async def too_long(client: httpx.AsyncClient) -> str | None:
+        ids = rng.integers(3, cfg.vocab_size, CP * (PAGES_PER_RANK - 1) * P).tolist()
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
+        r = await client.post("/generate", json=body)
+        refused = r.status_code == 400 and "whole pool" in r.text  # not the context: 4096
+        return None if refused else f"too long: {r.status_code} {r.text}"
+
+    async def run() -> list[str | None]:
+        async with httpx.AsyncClient(base_url=served.url, timeout=240.0) as client:
+            calls = [one(client, ids, i) for ids, i in jobs] + [too_long(client)]
+            return await asyncio.wait_for(asyncio.gather(*calls), 300)
+
+    problems = [p for p in asyncio.run(run()) if p is not None]
+    assert not problems, problems
+
+    def held() -> int:
+        st = engine.stats()
+        return st.kv_pages_total[0] - st.kv_pages_free[0] - st.kv_pages_cached[0]
+
+    async def settle() -> None:
+        for _ in range(200):
+            if not engine.has_work() and held() == 0:
+                return
+            await asyncio.sleep(0.05)
+
+    asyncio.run(settle())
+    assert held() == 0
     assert engine.step_shapes <= engine.reachable_shapes()
