@@ -128,13 +128,15 @@ class PagedKVStore(_OnDevice):
     """A `KVStore` over one `DevicePool` and one `PageAllocator` (one free list per DP
     rank's shard). `pool=None`: host-only (it hands out pages, holds no pool)."""
 
-    def __init__(self, pool: KVPool | None, allocator: PageAllocator):
-        if pool is not None and allocator.num_pages != pool.num_pages:
+    def __init__(self, pool: KVPool | DevicePool | None, allocator: PageAllocator):
+        # A `DevicePool` is shared with its other holder (a CP decode group's runner).
+        device = pool if isinstance(pool, DevicePool) else DevicePool(pool)
+        if not device.host_only and allocator.num_pages != device.pool.num_pages:
             raise ConfigError(
                 f"allocator manages {allocator.num_pages} pages but the pool has "
-                f"{pool.num_pages}; build both with the same page count"
+                f"{device.pool.num_pages}; build both with the same page count"
             )
-        self.device = DevicePool(pool)
+        self.device = device
         self._allocator = allocator
         self._alloc_lock = threading.Lock()
 
@@ -213,7 +215,12 @@ class CachedLaneStore(_OnDevice):
     admission by lane."""
 
     def __init__(
-        self, device: DevicePool, allocator: OwnerLaneAllocator, cache: RadixCache, page_size: int
+        self,
+        device: DevicePool,
+        allocator: OwnerLaneAllocator,
+        cache: RadixCache,
+        page_size: int,
+        pages_per_rank: int,
     ):
         if cache.cp_size != allocator.cp_size:
             raise ValueError(
@@ -224,6 +231,7 @@ class CachedLaneStore(_OnDevice):
         self._cache = cache
         self.page_size = page_size
         self.cp_size = allocator.cp_size
+        self.pages_per_rank = pages_per_rank  # each lane's shard of the pool, its trash page too
 
     @property
     def num_free_pages(self) -> int:
@@ -262,6 +270,12 @@ class CachedLaneStore(_OnDevice):
         if pages.size:
             logical = np.arange(first, first + pages.size)
             self._allocator.free(logical % self.cp_size, pages)
+
+    def global_ids(self, local: np.ndarray) -> np.ndarray:
+        """A request's local pages by logical page as global page ids: logical page `p`
+        on lane `p % cp` (the pool's global layout, `PoolLayout.global_slots`)."""
+        local = np.asarray(local, np.int64)
+        return local + (np.arange(local.size) % self.cp_size) * self.pages_per_rank
 
     def allocate_pages(self, n: int, rank: int = 0) -> np.ndarray:
         """`n` pages of a one-lane store (`allocate_logical` from page 0)."""

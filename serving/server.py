@@ -52,10 +52,12 @@ from fastapi import FastAPI
 from cpkv_jax.aot import BackgroundCompiler, CompileJob
 from cpkv_jax.buckets import min_block
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.cp_decode import CPDecoder
+from cpkv_jax.cp_prefill import CPPrefillRunner
 from cpkv_jax.decode_mesh import DPPoolLayout, init_dp_pool
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_store import PagedKVStore
-from cpkv_jax.mesh import make_dp_mesh
+from cpkv_jax.mesh import make_cp_mesh, make_dp_mesh
 from cpkv_jax.model.kv_cache import DTYPES, PagedKVIO, init_pool
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
@@ -74,7 +76,12 @@ from serving.http.deepseek_v32_template import builtin_chat_template
 from serving.http.gateway_pd import GatewayPD
 from serving.http.keepalive import HTTP_KEEPALIVE_S
 from serving.http.metrics import ServerMetrics
-from serving.prefill.build import build_prefill_engine, load_serving_model, pool_pages_per_rank
+from serving.prefill.build import (
+    build_prefill_engine,
+    ep_spec,
+    load_serving_model,
+    pool_pages_per_rank,
+)
 from serving.prefill.engine import PrefillModeEngine, backend_from_args
 from serving.prefill.memory_plan import plan_device_memory
 from serving.server_args import ServerArgs
@@ -219,15 +226,29 @@ def _build_decode_side(
     dtype = DTYPES[args.dtype]
     # Speculative decoding keeps the MTP layer's KV in the same pages (one more layer).
     pool_cfg = args.kv_model_config(cfg)
-    pages = pool_pages_per_rank(args, cfg)  # cp_size 1 here: one lane, one trash page
+    pages = pool_pages_per_rank(args, cfg)  # per rank (DP or CP), its trash page included
     dp = args.dp_size
     mesh = make_dp_mesh(dp, devices) if dp > 1 else None
-    if mesh is None:
+    cp_decoder = None
+    if args.cp_size > 1:  # a CP decode group (issue 40): one pool striped by owner
+        runner = _cp_group(args, cfg, model, devices, pages)
+        cp_decoder = CPDecoder(runner)
+        pool: Any = runner.kv  # shared with the runner, whose weights the steps use
+        logger.info(
+            "CP decode group over %d devices: each request's pages striped by owner (%d "
+            "usable pages per rank), attention where they live, routed experts split %d "
+            "per rank",
+            args.cp_size,
+            pages - 1,
+            cfg.n_routed_experts // max(args.ep_size, 1),
+        )
+    elif mesh is None:
         pool = init_pool(pool_cfg, pages, args.page_size, dtype, args.index_k_dtype)
     else:  # one shard of `pages` per DP rank, each with its trash page
         dp_layout = DPPoolLayout(dp, pages, args.page_size)
         pool = init_dp_pool(pool_cfg, dp_layout, mesh, dtype, args.index_k_dtype)
-    running, why = max_running_requests(args, dp * (pages - 1))
+    ranks = max(dp, args.cp_size)  # pool shards: DP ranks, or a CP group's owner lanes
+    running, why = max_running_requests(args, ranks * (pages - 1))
     logger.info("max running requests: %d (%s)", running, why)
     info: dict[str, Any] = {"max_running_requests": running, "dp_size": dp}
     if mesh is not None:
@@ -251,7 +272,9 @@ def _build_decode_side(
         if args.transfer_backend == "mooncake":
             from transfer.backends.mooncake_backend import MooncakeReceiverEndpoint
 
-            arena = mooncake_staging_bytes(args, cfg, layout, pages)
+            # A CP group's request spans every lane: its usable pages and one trash page.
+            longest = pages if args.cp_size == 1 else args.cp_size * (pages - 1) + 1
+            arena = mooncake_staging_bytes(args, cfg, layout, longest)
             logger.info("Mooncake receiver: %d MiB registered staging arena", arena >> 20)
             endpoint = MooncakeReceiverEndpoint(arena, hostname=args.host)
             closers.append(endpoint.close)
@@ -261,9 +284,8 @@ def _build_decode_side(
             heartbeat=max(15.0, 3 * args.transfer_heartbeat_interval),
             heartbeat_interval=args.transfer_heartbeat_interval,
         )
-        receiver = Receiver(
-            layout, pool, PageAllocator(dp * pages, ranks=dp), timeouts=timeouts, mooncake=endpoint
-        )
+        store = PagedKVStore(pool, PageAllocator(ranks * pages, ranks=ranks))
+        receiver = Receiver(layout, store, timeouts=timeouts, mooncake=endpoint)
         receiver.start()
         closers.append(receiver.close)
         grpc_server, port = serve(receiver, host=args.host, port=args.transfer_port)
@@ -282,10 +304,30 @@ def _build_decode_side(
         detokenize=_detokenizer(tokenizer),
         mesh=mesh,
         grammar=grammar,
+        cp_decoder=cp_decoder,
         **_dp_flags(args),
     )
     info.update(_speculative_info(args, engine))
     return engine, info, closers
+
+
+def _cp_group(
+    args: ServerArgs, cfg: ModelConfig, model: CausalLM, devices: list, pages: int
+) -> CPPrefillRunner:
+    """A decode server's CP group: the weights placed on the `cp` mesh (experts split
+    with `--ep-size`) and the page-owned pool, held by a `CPPrefillRunner`, the one
+    owner of both on a CP mesh (its prefill programs are never compiled here)."""
+    return CPPrefillRunner(
+        cfg,
+        model,
+        make_cp_mesh(args.cp_size, devices),
+        args.cp_config(),
+        pages_per_rank=pages,
+        index_k_dtype=args.index_k_dtype,
+        gather_impl=args.kernel_impl,
+        block_bytes=args.transient_block_size,
+        expert_parallel=ep_spec(args),
+    )
 
 
 def _build_cached_unified(

@@ -1023,13 +1023,8 @@ class ServerArgs:
             warnings.append(warning)
 
     def _check_transfer(self, backends: TransferBackendRegistry) -> None:
-        if self.disaggregation_mode == "decode" and self.cp_size > 1:
-            raise ServerArgsError(
-                f"--disaggregation-mode decode with --cp-size {self.cp_size}: the decode side "
-                "is not context-parallel (SPEC S2.1); use --cp-size 1 on decode servers"
-            )
-        if self.disaggregation_mode == "null" and self.cp_size > 1:
-            self._check_unified_cp()
+        if self.disaggregation_mode != "prefill" and self.cp_size > 1:
+            self._check_cp_group()
         if self.transfer_host_buffer_size is not None and (
             self.disaggregation_mode != "prefill" or self.transfer_backend != "mooncake"
         ):
@@ -1061,18 +1056,20 @@ class ServerArgs:
                 f"{' or '.join(fit) or '<a backend with both>'}, or drop --enable-cp-shared-kv"
             )
 
-    def _check_unified_cp(self) -> None:
-        """A unified server on a CP mesh (issue 40): prefill and decode over the same
-        page-owned pools, decode with attention where the pages live. Refused here,
-        before any weights load, where that is not what would run."""
+    def _check_cp_group(self) -> None:
+        """Decode on a CP mesh (issue 40): a unified server prefills and decodes over the
+        same page-owned pools; a decode server receives each page on its owner rank. The
+        decode attends where the pages live. Refused here, before any weights load,
+        where that is not what would run."""
         cp = self.cp_size
+        unified = self.disaggregation_mode == "null"
         why = None
         if not self.enable_cp_shared_kv:
             why = (
                 "needs --enable-cp-shared-kv: the decode steps attend where each page lives "
                 "(page p on rank p mod cp), with no replicated copy"
             )
-        elif not self.uses_prefix_cache():
+        elif unified and not self.uses_prefix_cache():
             why = "runs through the prefix cache's scheduler: drop --disable-radix-cache"
         elif self.speculative_enabled():
             why = "does not run speculative decoding (the MTP layer) yet: drop --speculative-*"
@@ -1089,14 +1086,17 @@ class ServerArgs:
         elif cp & (cp - 1):
             why = "needs a power-of-two --cp-size (its step buckets are powers of two)"
         if why is not None:
-            raise ServerArgsError(
-                f"a unified (null) server with --cp-size {cp} {why}; or use --cp-size 1, "
-                "or run a PD pair (SPEC S2.1)"
-            )
+            server = "a unified (null)" if unified else "a decode"
+            raise ServerArgsError(f"{server} server with --cp-size {cp} {why}; or use --cp-size 1")
 
     def runs_on_cp_mesh(self) -> bool:
-        """Whether the model runs on a `("cp",)` mesh: a prefill server, or a unified one
-        with `--cp-size N > 1` (whose decode runs on the same mesh)."""
+        """Whether the model runs on a `("cp",)` mesh: a prefill server, or a unified or
+        decode one with `--cp-size N > 1` (decode where the pages live)."""
+        return self.disaggregation_mode == "prefill" or self.cp_size > 1
+
+    def runs_cp_prefill(self) -> bool:
+        """Whether the CP prefill steps run here (their transient buffers count): a prefill
+        server, or a unified one on a CP mesh."""
         return self.disaggregation_mode == "prefill" or (
             self.disaggregation_mode == "null" and self.cp_size > 1
         )
@@ -1110,7 +1110,7 @@ class ServerArgs:
         if not self.runs_on_cp_mesh() or self.cp_size == 1:
             raise ServerArgsError(
                 f"--ep-size {ep} splits the routed experts over the CP ranks: it needs "
-                f"--cp-size {ep} on a prefill or unified server (got "
+                f"--cp-size {ep} (got "
                 f"--disaggregation-mode {self.disaggregation_mode} --cp-size {self.cp_size});"
                 " use --ep-size 1 here"
             )

@@ -90,8 +90,9 @@ class CachedPrefill:
         self.scheduler = prefill.scheduler
         runner = prefill.runner
         self.store = CachedLaneStore(
-            runner.kv, runner.allocator, prefill.cache, runner.layout.page_size
-        )
+            runner.kv, runner.allocator, prefill.cache, runner.layout.page_size,
+            runner.layout.pages_per_rank,
+        )  # fmt: skip
         self.prefilling: dict[str, DecodeRequest] = {}  # handed to the scheduler, not done
         # Pages of each lane the prefilling requests may still take (a request's logical
         # page p is on lane p % cp, so a CP mesh's admission counts by lane).
@@ -241,8 +242,8 @@ class CachedPrefill:
             e.fail(r, f"internal error: no KV pages for the output ({exc})", touched)
             return
         self.decode_pages[r.rid] = (prompt_pages.size, decode_pages)
-        # Logical page p's local page (on lane p % cp: the CP decode steps' table row).
-        r.pages = np.concatenate([prompt_pages, decode_pages])
+        # Global page ids, logical page p on lane p % cp (one lane: the local ids).
+        r.pages = self.store.global_ids(np.concatenate([prompt_pages, decode_pages]))
         r.cached_tokens = outcome.cached_tokens
         r.host_cached_tokens = outcome.host_cached_tokens
         self.prefix_cache_hit_tokens += outcome.cached_tokens

@@ -376,7 +376,7 @@ class DecodeEngine:
             waiting=waiting,
             running=running,
             kv_pages_total=(self._usable_pages,) * self.dp_size,
-            kv_pages_free=tuple(self.kv.num_free_pages_per_rank),
+            kv_pages_free=self._free_pages(),
             kv_bytes_per_page=self.bytes_per_page,
             transfer_bytes=received,
             transfer_failures=failures,
@@ -388,6 +388,11 @@ class DecodeEngine:
         return self.intake.stats(base)
 
     # ---- admission -----------------------------------------------------------------------
+    def _free_pages(self) -> tuple[int, ...]:
+        """Free pages per DP rank (a CP group is one: its lanes summed)."""
+        free = tuple(self.kv.num_free_pages_per_rank)
+        return (sum(free),) if isinstance(self.steps, CPMeshDecodeSteps) else free
+
     def reject(self, kind: str, message: str) -> InputError:
         """An `InputError` refusing a request, counted by `kind`."""
         self._rejections[kind] += 1
@@ -465,6 +470,9 @@ class DecodeEngine:
         held = sum(1 for _ in self.intake.in_flight())
         if held + len(self.running) >= self.max_running_requests:
             return None
+        if isinstance(self.steps, CPMeshDecodeSteps):  # one group; its pages on every lane
+            short = np.asarray(self.kv.num_free_pages_per_rank) < self.steps.striped(r.n_pages)
+            return None if short.any() else 0
         rows = self._rows_per_rank()
         free = self.kv.num_free_pages_per_rank
         if self.spec is not None:  # a rank without a free draft-state slot takes no one
@@ -477,12 +485,32 @@ class DecodeEngine:
         return self.sampler.slot_free(r, {q.rid for q in self._in_flight()})
 
     def admit(self, r: DecodeRequest, rank: int) -> None:
-        """Allocate `r`'s pages on `rank` and reserve its penalty slot (`fits_now`)."""
-        r.pages = self.kv.allocate_pages(r.n_pages, rank)
+        """Allocate `r`'s pages on `rank` (a CP group: logical page `p` on lane `p % cp`)
+        and reserve its penalty slot (`fits_now`)."""
+        if isinstance(self.steps, CPMeshDecodeSteps):
+            r.pages = self._allocate_striped(r.n_pages, self.steps)
+        else:
+            r.pages = self.kv.allocate_pages(r.n_pages, rank)
         r.rank = rank
         self.take_slots(r)
         self.admitted_per_rank[rank] += 1
         self._next_rank = (rank + 1) % self.dp_size
+
+    def _allocate_striped(self, n_pages: int, steps: CPMeshDecodeSteps) -> np.ndarray:
+        """Global page ids for logical pages `[0, n_pages)`, page `p` from lane `p % cp`'s
+        shard (the kv store's DP ranks are the CP lanes); all or nothing."""
+        taken: list[np.ndarray] = []
+        try:
+            for lane, n in enumerate(steps.striped(n_pages)):
+                taken.append(self.kv.allocate_pages(int(n), lane))
+        except Exception:
+            for pages in taken:
+                self.kv.free_pages(pages)
+            raise
+        out = np.empty(n_pages, np.int64)
+        for lane, pages in enumerate(taken):
+            out[lane :: steps.cp] = pages
+        return out
 
     def take_slots(self, r: DecodeRequest) -> None:
         """Reserve `r`'s penalty slot (if it needs one) and its draft-state slot on its

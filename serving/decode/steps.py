@@ -454,7 +454,10 @@ class CPMeshDecodeSteps:
     prompts the runner prefills (`serving.decode.cached.CachedPrefill`) and whose decode
     rows run here with a request's KV striped over the ranks by owner.
 
-    A request's `pages` are its local page by logical page (page `p` on lane `p % cp`).
+    A request's `pages` are global page ids (lane `l`'s local page `j` is `l *
+    pages_per_rank + j`, as a DP pool's shards), logical page `p` on lane `p % cp`: the
+    prefix cache's intake allocates them there, and so does a PD decode server's admission
+    (`DecodeEngine.admit`), whose receiver scatters each page by logical position.
     Shape keys are the engine's (`("absorbed", R, 1, W)`, powers of two) raised to at
     least `cp`, which for `cp` a power of two are exactly the CP step's rows and
     page-table width (`cp_decode.plan_rows`): `bucket` maps the engine's reachable shapes
@@ -480,13 +483,22 @@ class CPMeshDecodeSteps:
         form, rows, tokens, width = shape
         return form, max(rows, self.cp), tokens, max(width, self.cp)
 
+    def local(self, pages: np.ndarray) -> np.ndarray:
+        """A request's global page ids as local ones (logical page `p` on lane `p % cp`)."""
+        pages = np.asarray(pages, np.int64)
+        return pages - (np.arange(pages.size) % self.cp) * self.layout.pages_per_rank
+
+    def striped(self, n_pages: int) -> np.ndarray:
+        """Pages each lane gives a request of `n_pages` pages, `[cp]`."""
+        return np.bincount(np.arange(n_pages) % self.cp, minlength=self.cp)
+
     def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> jax.Array:
         raise ValueError("the CP decode steps do not prefill: the CP runner does")
 
     def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> jax.Array:
         """Logits of each row's next token, row `i` that of `rows[i]` (padding after),
         replicated over the mesh; `prev` as `DecodeSteps.decode`."""
-        plan = plan_rows(self.layout, [(t, pos, pages, n) for t, pos, pages, n in rows])
+        plan = plan_rows(self.layout, [(t, pos, self.local(pages), n) for t, pos, pages, n in rows])
         rows_p, width = plan.shape
         self.decoder.compiled_step(plan.shape)  # before the pool lock: it may compile or wait
         self.shapes.add(("absorbed", rows_p, 1, width))

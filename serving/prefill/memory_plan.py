@@ -276,7 +276,7 @@ def kv_pool_pages_for(args: ServerArgs, cfg: ModelConfig, room: int, platform: s
     The transient bound grows with the pool (longer steps, more rows), so this is a
     binary search; `ServerArgsError` when not even 2 pages (the trash page + one) fit."""
     one_page = pool_page_bytes(args, cfg)
-    cp_steps = args.runs_on_cp_mesh()  # the CP prefill steps' buffers (a unified CP mesh too)
+    cp_steps = args.runs_cp_prefill()  # the CP prefill steps' buffers (a unified CP mesh too)
 
     def transient(pages: int) -> int:
         return transient_bytes_per_rank(args, cfg, platform, pages)[0] if cp_steps else 0
@@ -371,7 +371,8 @@ def plan_device_memory(
     import jax
 
     devices = list(jax.devices()) if devices is None else list(devices)
-    prefill = args.runs_on_cp_mesh()  # the CP mesh: a prefill server or a unified CP one
+    prefill = args.runs_cp_prefill()
+    cp_mesh = args.runs_on_cp_mesh()  # a prefill server, or decode where the pages live
     dtype = DTYPES[args.dtype]
     # What the loader will build (`load_model` keeps `param_dtype = dtype`).
     spec = args.speculative_steps()
@@ -379,8 +380,8 @@ def plan_device_memory(
         cfg, args.model_path, dtype=dtype, param_dtype=dtype, fp8=args.fp8_weights, mtp=spec > 0
     )
     state = nnx.state(model)
-    mesh = make_cp_mesh(args.cp_size if prefill else 1, devices)
-    ep_axis = CP_AXIS if prefill and args.ep_size > 1 else None
+    mesh = make_cp_mesh(args.cp_size if cp_mesh else 1, devices)
+    ep_axis = CP_AXIS if cp_mesh and args.ep_size > 1 else None
     if not prefill and args.dp_size > 1:  # data-parallel decode: experts split over dp
         mesh, ep_axis = make_dp_mesh(args.dp_size, devices), DP_AXIS
     shardings = param_shardings(state, mesh, ep_axis)

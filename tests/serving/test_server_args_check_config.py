@@ -63,7 +63,7 @@ def _one_error_line(err: str) -> str:
         ),
         (("--kv-pool-size", "lots"), ("--kv-pool-size", "byte size")),
         (("--cp-shared-kv-prefill-max-batch-requests", "4"), ("bs-gt1",)),
-        (("--ep-size", "8"), ("--ep-size 8", "--cp-size 8 on a prefill or unified server")),
+        (("--ep-size", "8"), ("--ep-size 8", "it needs --cp-size 8")),
         ((*SHARED_KV, "--ep-size", "4"), ("--ep-size 4 must be 1 or equal --cp-size (8)",)),
         (
             (*EP8, "--json-model-override-args", '{"n_routed_experts": 12}'),

@@ -266,7 +266,7 @@ def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
         ),
         (
             {"disaggregation_mode": "decode", "transfer_backend": "grpc", "cp_size": 8},
-            "decode side is not context-parallel",
+            "a decode server with --cp-size 8 needs --enable-cp-shared-kv",
         ),
         ({"transfer_backend": "mooncake"}, "--transfer-backend has no effect without"),
         (
@@ -506,7 +506,7 @@ def test_ep_over_the_cp_ranks_of_a_prefill_server_is_accepted(tiny_config_dir):
 @pytest.mark.parametrize(
     ("kw", "needles"),
     [
-        ({"ep_size": 8}, ("--ep-size 8", "prefill or unified server", "--cp-size 8")),
+        ({"ep_size": 8}, ("--ep-size 8", "it needs --cp-size 8", "--disaggregation-mode null")),
         (
             {"ep_size": 2, "disaggregation_mode": "decode"},
             ("--ep-size 2", "--disaggregation-mode decode", "--ep-size 1"),
@@ -562,3 +562,6 @@ def test_a_unified_server_runs_on_a_cp_mesh_with_page_owned_kv():
     assert args.runs_on_cp_mesh() and args.uses_prefix_cache()
     assert not make_args().runs_on_cp_mesh()
     assert not make_args(disaggregation_mode="decode").runs_on_cp_mesh()
+    # A decode server's CP group (PD into a CP decode group): no prefix cache there.
+    group = make_args(disaggregation_mode="decode", cp_size=8, enable_cp_shared_kv=True)
+    assert group.validate() == () and group.runs_on_cp_mesh() and not group.runs_cp_prefill()
