@@ -69,6 +69,9 @@ class ClusterConfig:
     max_running_requests: int = 16
     extra: tuple[str, ...] = ()
     decode_dp: int = 1  # > 1: the decode server decodes data-parallel (`--dp-size`)
+    # > 1: the decode server is a CP group (`--cp-size N --enable-cp-shared-kv`, issue 40):
+    # each request's pages striped over its N ranks by owner
+    decode_cp: int = 1
     # Given to all three processes as $CPKV_API_KEY (the router sends it upstream too);
     # clients then send it (`PDCluster.headers`). None: no key.
     api_key: str | None = None
@@ -80,7 +83,8 @@ class ClusterConfig:
 
 
 class PDCluster:
-    """Decode (1 device, or `decode_dp` data-parallel ranks), CP=8 shared-KV prefill (8
+    """Decode (1 device, `decode_dp` data-parallel ranks or a `decode_cp` group), CP=8
+    shared-KV prefill (8
     virtual CPU devices) and the router,
     on 127.0.0.1. The decode server can be killed (SIGKILL) and started again on the same
     ports. `close` stops everything and returns each process's exit code."""
@@ -118,18 +122,21 @@ class PDCluster:
         return flags
 
     def _start_decode(self) -> None:
+        c = self.config
         name = "decode" if not self._restarts else f"decode-{self._restarts}"
+        mesh = ["--dp-size", str(c.decode_dp)]
+        if c.decode_cp > 1:
+            mesh += ["--cp-size", str(c.decode_cp), "--enable-cp-shared-kv"]
         self.procs["decode"] = Proc(
             name,
             [
                 sys.executable, "-m", "serving.launch", *self._common(),
-                "--disaggregation-mode", "decode", "--kv-pool-size", self.config.decode_pool,
+                "--disaggregation-mode", "decode", "--kv-pool-size", c.decode_pool,
                 "--port", str(self.ports["decode"]),
-                "--transfer-port", str(self.ports["transfer"]),
-                "--dp-size", str(self.config.decode_dp),
+                "--transfer-port", str(self.ports["transfer"]), *mesh,
             ],
-            self.config.log_dir,
-            self._env if self.config.decode_dp == 1 else self._prefill_env,  # its devices
+            c.log_dir,
+            self._env if max(c.decode_dp, c.decode_cp) == 1 else self._prefill_env,  # devices
         )  # fmt: skip
 
     def start(self) -> PDCluster:

@@ -39,10 +39,12 @@ pages and rows stay there; a unified server prefills up to one admitted request 
 in one step; every step runs all ranks' rows (`MeshDecodeSteps`), rows per rank bounded
 by `ceil(max_running_requests / N)`.
 
-On a CP mesh (`cp_decoder=`, the unified server with `--cp-size N --enable-cp-shared-kv`,
-issue 40) the intake is always `cached.CachedPrefill` on the CP runner and the step
-executor `CPMeshDecodeSteps`: a request's pages are its local page by logical page, page
-`p` on rank `p % N`, and the decode attends where they live.
+On a CP mesh (`cp_decoder=`, `--cp-size N --enable-cp-shared-kv` on a unified or decode
+server, issue 40) the step executor is `CPMeshDecodeSteps` and the mesh is one group: a
+request's pages are global page ids with logical page `p` on rank `p % N` (the unified
+server's `cached.CachedPrefill` allocates them so on the CP runner's pool; a decode
+server's `admit` takes each lane's share from that lane's shard, where the transfer
+receiver then scatters each page by position), and the decode attends where they live.
 
 Shapes (bounded compiles): decode batch rows are padded to a power of two (padding rows
 have `valid=False` and write into the trash page), and the page-table width to a power

@@ -14,7 +14,6 @@ leaving mid-stream aborts its request on both sides, and every page comes back.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 from collections.abc import Iterator
 from typing import Any
@@ -22,17 +21,17 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from support.http_client import Served
 from support.pages import assert_pages_back
+from support.pd_pair import pd_pair
 from support.prefill_server import P, float32_args
+from support.unified_server import (
+    assert_greedy_reference,
+    fp8_moe_checkpoint,
+    generate_with_logprobs,
+    page_bytes,
+)
 
-from cpkv_jax.generate import ReferenceGenerator
-from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
-from cpkv_jax.model.kv_cache import DTYPES
-from cpkv_jax.model.weights import load_model
 from serving.decode.steps import CPMeshDecodeSteps
-from serving.router import RouterConfig, build_router_app
-from serving.server import build_server
 
 pytestmark = pytest.mark.slow(seconds=70)
 
@@ -44,57 +43,27 @@ WAIT_S = 300.0
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_checkpoints):
-    path = tiny_checkpoints("glm_moe_dsa", fp8=True, n_routed_experts=16)
-    cfg, model = load_model(path, progress=False)
-    return path, cfg, ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
+    return fp8_moe_checkpoint(tiny_checkpoints)
 
 
 @pytest.fixture(scope="module")
 def pd(checkpoint) -> Iterator[dict[str, Any]]:
     path, cfg, _ = checkpoint
-    page = per_rank_pool_bytes(cfg, PoolLayout(CP, True, 2, P), DTYPES["float32"], "float32") // 2
+    page = page_bytes(cfg, CP)
     group = ("--cp-size", str(CP), "--enable-cp-shared-kv", "--ep-size", str(CP))
-    decode = build_server(
-        float32_args(
-            path,
-            *("--disaggregation-mode", "decode", *group),
-            *("--kv-pool-size", str(DECODE_PAGES * page), "--max-running-requests", "4"),
-        )
+    decode = float32_args(
+        path,
+        *("--disaggregation-mode", "decode", *group),
+        *("--kv-pool-size", str(DECODE_PAGES * page), "--max-running-requests", "4"),
     )
-    prefill = build_server(
-        float32_args(
-            path,
-            *("--disaggregation-mode", "prefill", *group),
-            *("--kv-pool-size", str(16 * page), "--chunked-prefill-size", "64"),
-            *("--disaggregation-bootstrap-port", "0"),  # not the default another test holds
-        )
+    prefill = float32_args(
+        path,
+        *("--disaggregation-mode", "prefill", *group),
+        *("--kv-pool-size", str(16 * page), "--chunked-prefill-size", "64"),
+        *("--disaggregation-bootstrap-port", "0"),  # not the default another test holds
     )
-    served = {"decode": Served(decode.app), "prefill": Served(prefill.app)}
-    config = RouterConfig(
-        prefill=(served["prefill"].url,),
-        decode=(served["decode"].url,),
-        request_timeout=WAIT_S,
-        health_interval=0.5,
-        startup_timeout=30.0,
-    ).validate()
-    served["router"] = Served(build_router_app(config))
-    yield {"decode": decode, "prefill": prefill, "served": served}
-    for s in reversed(list(served.values())):
-        s.stop()
-    for server in (prefill, decode):
-        asyncio.run(server.loop.shutdown(0.0))
-        server.close()
-
-
-def _generate(url: str, ids: list[int], new: int) -> dict:
-    body = {
-        "input_ids": ids,
-        "return_logprob": True,
-        "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True},
-    }
-    r = httpx.post(url + "/generate", json=body, timeout=WAIT_S)
-    assert r.status_code == 200, r.text
-    return r.json()
+    with pd_pair(decode, prefill, WAIT_S) as pair:
+        yield pair
 
 
 def test_cp_prefill_into_a_cp_decode_group_equals_the_reference(pd, checkpoint):
@@ -110,12 +79,12 @@ def test_cp_prefill_into_a_cp_decode_group_equals_the_reference(pd, checkpoint):
     ]
     router = pd["served"]["router"].url
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        outs = list(pool.map(lambda job: _generate(router, *job), jobs))
+        outs = list(
+            pool.map(lambda job: generate_with_logprobs(router, *job, temperature=0.0), jobs)
+        )
     for out, (ids, new) in zip(outs, jobs, strict=True):
-        want = ref.generate(ids, new, ignore_eos=True)
-        assert out["output_ids"] == want.output_ids
-        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-        np.testing.assert_allclose(got, want.output_logprobs, rtol=1e-5, atol=1e-5)
+        assert out.status_code == 200, out.text
+        assert_greedy_reference(out.json(), ref, ids, new)
     for side in ("decode", "prefill"):
         assert_pages_back(pd[side])
     assert decode.step_shapes <= decode.reachable_shapes()

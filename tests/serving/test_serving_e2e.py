@@ -37,6 +37,7 @@ import pytest
 from support.grammar_ref import BOUNDED_REGEX, BOUNDED_SCHEMA, grammar_reference
 from support.http_client import Served
 from support.pages import assert_pages_back
+from support.pd_pair import pd_pair
 from support.smg import gateway as smg_gateway
 from support.smg import smg_binary
 
@@ -46,7 +47,6 @@ from cpkv_jax.tokenizer import load_tokenizer
 from serving.compile_events import COMPILES
 from serving.engine.api import Grammar
 from serving.grammar import load_grammar_backend
-from serving.router import RouterConfig, build_router_app
 from serving.server import Server, build_server
 from serving.server_args import ServerArgs
 from serving.smg import pd_workers
@@ -631,42 +631,25 @@ def pd(request, ckpt) -> Iterator[dict[str, Any]]:
     # The Mooncake pair's decode server runs data-parallel over 4 devices (issue 36):
     # each request's pages land in one rank's shard of its pool, by global page id.
     dp = ("--dp-size", str(DECODE_DP)) if backend == "mooncake" else ()
-    decode = build_server(server_args(path, "decode", "--transfer-backend", backend, *warm, *dp))
-    prefill = build_server(
-        server_args(
-            path,
-            "prefill",
-            *warm,
-            "--transfer-backend",
-            backend,
-            "--cp-size",
-            str(CP),
-            "--enable-cp-shared-kv",
-            "--chunked-prefill-size",
-            str(4 * P),
-            # SGLang's gateway (issue 38): a free port, not the default 8998 another
-            # test's prefill server may hold.
-            "--disaggregation-bootstrap-port",
-            "0",
-        )
+    decode = server_args(path, "decode", "--transfer-backend", backend, *warm, *dp)
+    prefill = server_args(
+        path,
+        "prefill",
+        *warm,
+        "--transfer-backend",
+        backend,
+        "--cp-size",
+        str(CP),
+        "--enable-cp-shared-kv",
+        "--chunked-prefill-size",
+        str(4 * P),
+        # SGLang's gateway (issue 38): a free port, not the default 8998 another
+        # test's prefill server may hold.
+        "--disaggregation-bootstrap-port",
+        "0",
     )
-    served = {"decode": Served(decode.app), "prefill": Served(prefill.app)}
-    config = RouterConfig(
-        prefill=(served["prefill"].url,),
-        decode=(served["decode"].url,),
-        request_timeout=WAIT_S,
-        health_interval=0.5,
-        startup_timeout=30.0,
-    ).validate()
-    served["router"] = Served(build_router_app(config))
-    yield {"decode": decode, "prefill": prefill, "served": served, "backend": backend}
-    import asyncio
-
-    for s in reversed(list(served.values())):
-        s.stop()
-    for server in (prefill, decode):
-        asyncio.run(server.loop.shutdown(0.0))
-        server.close()
+    with pd_pair(decode, prefill, WAIT_S) as pair:
+        yield {**pair, "backend": backend}
 
 
 def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):

@@ -11,14 +11,13 @@ speculative servers' programs before these two servers compile theirs.)"""
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 
 import httpx
 import numpy as np
 import pytest
-from support.http_client import Served
 from support.pages import assert_pages_back
+from support.pd_pair import pd_pair
 from support.prefill_server import P, float32_args
 from support.unified_server import generate_with_logprobs as generate
 
@@ -29,8 +28,6 @@ from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.paging import pages_for_tokens
 from serving.decode.speculative import SpeculativeSteps
-from serving.router import RouterConfig, build_router_app
-from serving.server import build_server
 from transfer.page_plan import LayoutDescriptor, LayoutMismatchError
 
 pytestmark = pytest.mark.slow(seconds=100)  # one worker, 2026-12-05
@@ -68,28 +65,13 @@ def spec_pd(tiny_checkpoints):
     them. Behind `cpkv-router`."""
     path = tiny_checkpoints("glm_moe_dsa")
     cfg, model = load_model(path, mtp=True)
-    decode = build_server(float32_args(path, *PD_DECODE, *FLAGS))
-    try:
-        prefill = build_server(float32_args(path, *PD_PREFILL, *FLAGS))
-    except BaseException:
-        decode.close()
-        raise
-    served = {"decode": Served(decode.app), "prefill": Served(prefill.app)}
-    config = RouterConfig(
-        prefill=(served["prefill"].url,),
-        decode=(served["decode"].url,),
-        request_timeout=120.0,
-        health_interval=0.5,
-        startup_timeout=30.0,
-    ).validate()
-    served["router"] = Served(build_router_app(config))
     ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32", batch_invariant=True)
-    yield {"decode": decode, "prefill": prefill, "served": served, "ref": ref, "model": model}
-    for s in reversed(list(served.values())):
-        s.stop()
-    for server in (prefill, decode):
-        asyncio.run(server.loop.shutdown(0.0))
-        server.close()
+    decode, prefill = (
+        float32_args(path, *PD_DECODE, *FLAGS),
+        float32_args(path, *PD_PREFILL, *FLAGS),
+    )
+    with pd_pair(decode, prefill, 120.0) as pair:
+        yield {**pair, "ref": ref, "model": model}
 
 
 def whole_prompt_drafts(model, ids: list[int]) -> list[int]:

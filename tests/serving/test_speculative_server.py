@@ -11,15 +11,14 @@ combinations it cannot serve are refused at startup with the fix."""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 
 import httpx
 import numpy as np
 import pytest
 from support.prefill_server import P
+from support.unified_server import generate_or_leave, serving, unified_args
 from support.unified_server import generate_with_logprobs as generate
-from support.unified_server import serving, unified_args
 
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
@@ -154,18 +153,7 @@ def test_many_clients_with_disconnects_leave_every_page_and_slot(spec_server):
         sampling["temperature"] = 0.0 if i % 2 else 0.9
         if i % 4 == 2:  # a sampled request whose target is filtered
             sampling |= {"top_k": 20, "top_p": 0.8, "min_p": 0.05}
-        body = {"input_ids": ids, "sampling_params": sampling, "stream": i % 3 == 0}
-        async with client.stream("POST", "/generate", json=body) as r:
-            if r.status_code != 200:
-                return f"{i}: {r.status_code} {await r.aread()!r}"
-            if body["stream"]:
-                async for line in r.aiter_lines():
-                    if line.startswith("data:"):
-                        return None  # leave mid-stream: the server aborts the request
-                return f"{i}: no event"
-            got = json.loads(await r.aread())
-            n = len(got["output_ids"])
-            return None if n == sampling["max_new_tokens"] else f"{i}: {n} tokens"
+        return await generate_or_leave(client, ids, sampling, i % 3 == 0, str(i))
 
     async def run() -> list[str | None]:
         # Generous: the first sampled rows compile their step shapes on this CPU server

@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 
 import httpx
 import numpy as np
 import pytest
 from support.prefill_server import P, float32_args
-from support.unified_server import serving
+from support.unified_server import (
+    assert_greedy_reference,
+    fp8_moe_checkpoint,
+    generate_or_leave,
+    generate_with_logprobs,
+    page_bytes,
+    serving,
+)
 
-from cpkv_jax.generate import ReferenceGenerator
-from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
-from cpkv_jax.model.kv_cache import DTYPES
-from cpkv_jax.model.weights import load_model
 from serving.decode.cached import CachedUnifiedEngine
 from serving.decode.steps import CPMeshDecodeSteps
 
@@ -41,41 +43,21 @@ WAIT_S = 300.0
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_checkpoints):
-    path = tiny_checkpoints("glm_moe_dsa", fp8=True, n_routed_experts=16)
-    cfg, model = load_model(path, progress=False)
-    return path, cfg, ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
+    return fp8_moe_checkpoint(tiny_checkpoints)
 
 
 @pytest.fixture(scope="module")
 def unified_cp(checkpoint):
     path, cfg, _ = checkpoint
-    page = per_rank_pool_bytes(cfg, PoolLayout(CP, True, 2, P), DTYPES["float32"], "float32")
+    page = page_bytes(cfg, CP)
     args = float32_args(
         path,
         *("--cp-size", str(CP), "--enable-cp-shared-kv", "--ep-size", str(CP)),
-        *("--kv-pool-size", str(PAGES_PER_RANK * page // 2), "--chunked-prefill-size", "64"),
+        *("--kv-pool-size", str(PAGES_PER_RANK * page), "--chunked-prefill-size", "64"),
         *("--max-running-requests", "4"),
     )
     with serving(args) as s:
         yield s
-
-
-def _generate(url: str, ids: list[int], new: int) -> dict:
-    body = {
-        "input_ids": ids,
-        "return_logprob": True,
-        "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True},
-    }
-    r = httpx.post(url + "/generate", json=body, timeout=WAIT_S)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _check(out: dict, ref: ReferenceGenerator, ids: list[int], new: int) -> None:
-    want = ref.generate(ids, new, ignore_eos=True)
-    assert out["output_ids"] == want.output_ids
-    got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-    np.testing.assert_allclose(got, want.output_logprobs, rtol=1e-5, atol=1e-5)
 
 
 def test_a_prompt_longer_than_one_rank_s_pool_decodes_where_its_pages_live(unified_cp, checkpoint):
@@ -98,12 +80,16 @@ def test_a_prompt_longer_than_one_rank_s_pool_decodes_where_its_pages_live(unifi
     ]
     assert -(-(LONG + 6) // P) > PAGES_PER_RANK - 1  # one rank could not hold it
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        outs = list(pool.map(lambda job: _generate(served.url, *job), jobs))
+        outs = list(
+            pool.map(
+                lambda job: generate_with_logprobs(served.url, *job, temperature=0.0).json(), jobs
+            )
+        )
     for out, (ids, new) in zip(outs, jobs, strict=True):
-        _check(out, ref, ids, new)
+        assert_greedy_reference(out, ref, ids, new)
         assert out["meta_info"]["cached_tokens"] == 0
-    again = _generate(served.url, jobs[0][0], 6)
-    _check(again, ref, *jobs[0])
+    again = generate_with_logprobs(served.url, jobs[0][0], 6, temperature=0.0).json()
+    assert_greedy_reference(again, ref, *jobs[0])
     assert again["meta_info"]["cached_tokens"] == (LONG // P) * P  # whole pages only
     stats = engine.stats()
     assert stats.running == 0 and stats.waiting == 0
@@ -130,18 +116,7 @@ def test_many_clients_with_disconnects_and_a_refusal_leave_every_page(unified_cp
     async def one(client: httpx.AsyncClient, ids: list[int], i: int) -> str | None:
         sampling = {"max_new_tokens": 3 + i % 5, "ignore_eos": True}
         sampling["temperature"] = 0.0 if i % 2 else 0.8
-        body = {"input_ids": ids, "sampling_params": sampling, "stream": i % 3 == 0}
-        async with client.stream("POST", "/generate", json=body) as r:
-            if r.status_code != 200:
-                return f"{i}: {r.status_code} {await r.aread()!r}"
-            if body["stream"]:
-                async for line in r.aiter_lines():
-                    if line.startswith("data:"):
-                        return None  # leave mid-stream: the server aborts the request
-                return f"{i}: no event"
-            got = json.loads(await r.aread())
-            n = len(got["output_ids"])
-            return None if n == sampling["max_new_tokens"] else f"{i}: {n} tokens"
+        return await generate_or_leave(client, ids, sampling, i % 3 == 0, str(i))
 
     async def too_long(client: httpx.AsyncClient) -> str | None:
         ids = rng.integers(3, cfg.vocab_size, CP * (PAGES_PER_RANK - 1) * P).tolist()

@@ -6,23 +6,43 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
+import numpy as np
 
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
 from cpkv_jax.model.kv_cache import DTYPES
+from cpkv_jax.model.weights import load_model
 from serving.server import Server, build_server
 from serving.server_args import ServerArgs
 from support.http_client import Served
 from support.prefill_server import P, float32_args
 
 
+def page_bytes(cfg: ModelConfig, cp: int = 1) -> int:
+    """Bytes of one page of a float32 pool (float32 index K) on each rank, `--kv-pool-size`
+    being per rank: `pages * page_bytes(cfg)` holds `pages` pages, the trash page too."""
+    layout = PoolLayout(cp, cp > 1, 2, P)
+    return per_rank_pool_bytes(cfg, layout, DTYPES["float32"], "float32") // 2
+
+
 def unified_args(path, cfg: ModelConfig, pool_pages: int, *extra: str) -> ServerArgs:
     """Float32 unified-server flags with a pool of `pool_pages` pages of `P` tokens."""
-    page = per_rank_pool_bytes(cfg, PoolLayout(1, False, 2, P), DTYPES["float32"], "float32") // 2
-    return float32_args(path, "--kv-pool-size", str(pool_pages * page), *extra)
+    return float32_args(path, "--kv-pool-size", str(pool_pages * page_bytes(cfg)), *extra)
+
+
+def fp8_moe_checkpoint(tiny_checkpoints) -> tuple[Path, ModelConfig, ReferenceGenerator]:
+    """The FP8 GLM tiny checkpoint with 16 routed experts (two per rank under EP8), its
+    config and the single-device reference generator with the servers' float32 index K
+    (the CP mesh servers' tests)."""
+    path = tiny_checkpoints("glm_moe_dsa", fp8=True, n_routed_experts=16)
+    cfg, model = load_model(path, progress=False)
+    return path, cfg, ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
 
 
 @contextlib.contextmanager
@@ -58,3 +78,31 @@ def generate_with_logprobs(url: str, ids: list[int], new: int, **sampling) -> ht
         "sampling_params": {"max_new_tokens": new, "ignore_eos": True, **sampling},
     }
     return httpx.post(url + "/generate", json=body, timeout=120.0)
+
+
+async def generate_or_leave(
+    client: httpx.AsyncClient, ids: list[int], sampling: dict, stream: bool, tag: str
+) -> str | None:
+    """One load-test client: `/generate` of `ids`; streaming, it leaves after the first
+    event (the server aborts the request), else checks it got `max_new_tokens` tokens.
+    None when all went as planned, else what went wrong (prefixed with `tag`)."""
+    body = {"input_ids": ids, "sampling_params": sampling, "stream": stream}
+    async with client.stream("POST", "/generate", json=body) as r:
+        if r.status_code != 200:
+            return f"{tag}: {r.status_code} {await r.aread()!r}"
+        if stream:
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    return None  # leave mid-stream: the server aborts the request
+            return f"{tag}: no event"
+        n = len(json.loads(await r.aread())["output_ids"])
+        return None if n == sampling["max_new_tokens"] else f"{tag}: {n} tokens"
+
+
+def assert_greedy_reference(out: dict, ref: ReferenceGenerator, ids: list[int], new: int) -> None:
+    """A greedy `/generate` answer with log-probs (`generate_with_logprobs`) against
+    `ref`: the same tokens, log-probs within 1e-5 (the CP and mesh tolerance)."""
+    want = ref.generate(ids, new, ignore_eos=True)
+    assert out["output_ids"] == want.output_ids
+    got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    np.testing.assert_allclose(got, want.output_logprobs, rtol=1e-5, atol=1e-5)
