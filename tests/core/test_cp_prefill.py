@@ -403,7 +403,9 @@ def test_scoring_step_gives_the_teacher_forced_prompt_logprobs(setup):
                 got[i][sc.first + j] = (sc.logprobs[j], sc.top_ids[j], sc.top_logprobs[j])
             done[i] += lengths[row]
             if done[i] == len(prompts[i]):
-                np.testing.assert_allclose(logits[row], plain.last_logits[i], rtol=1e-5)
+                # Two programs (the scoring twin fuses the LM head differently): last bits,
+                # so near-zero logits need an absolute floor (9.4e-7 seen on one machine).
+                np.testing.assert_allclose(logits[row], plain.last_logits[i], rtol=1e-5, atol=5e-6)
     for table in tables:
         runner.release(table)
     for i, prompt in enumerate(prompts):
