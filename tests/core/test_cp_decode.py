@@ -2,7 +2,10 @@
 (item 3, `cpkv_jax.cp_decode`): prefill and decode on one CP8 mesh from the same
 page-owned pools, against single-device generation.
 
-The FP8 tiny checkpoints of both architectures, experts split over the 8 ranks (EP8).
+The FP8 tiny checkpoints, experts split over the 8 ranks (EP8): DeepSeek-V3.2's
+generation here, GLM-5's for the batch-invariant prefill and the refusals (its CP decode
+runs end to end behind both servers, tests/serving/test_unified_cp.py and
+test_pd_cp_decode.py).
 Greedy tokens must equal `ReferenceGenerator`'s exactly; log-probs agree within 1e-5
 (the CP prefill tolerance: rank-sized matmuls round differently in the last bits, and
 owner attention merges partial softmaxes by log-sum-exp, so not bits even under
@@ -64,9 +67,11 @@ def _load(arch, tiny_checkpoints):
     return cfg, single, placed
 
 
-@pytest.fixture(scope="module", params=["glm_moe_dsa", "deepseek_v32"])
-def models(request, tiny_checkpoints):
-    return _load(request.param, tiny_checkpoints)
+@pytest.fixture(scope="module")
+def deepseek(tiny_checkpoints):
+    # GLM-5's CP decode runs end to end in tests/serving/test_unified_cp.py and
+    # test_pd_cp_decode.py (FP8, EP8, a request past one rank's pool, the same tolerance).
+    return _load("deepseek_v32", tiny_checkpoints)
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +79,11 @@ def glm(tiny_checkpoints):
     return _load("glm_moe_dsa", tiny_checkpoints)
 
 
-def test_cp_decode_equals_single_device_generation(models):
+def test_cp_decode_equals_single_device_generation(deepseek):
     """Two requests decoded together (one short, one long), chunked prefill, on pools
     where the long request's pages (36) are far more than one rank holds (6): its KV
     lives striped over the eight ranks for the whole generation."""
-    cfg, single, placed = models
+    cfg, single, placed = deepseek
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 300, n).astype(np.int32) for n in (LONG, P + 1)]
     pages = pages_per_rank_for(sum(len(p) + NEW for p in prompts), P, CPConfig(CP, True), 2)
