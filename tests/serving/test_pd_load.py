@@ -3,7 +3,8 @@
 Real processes on 127.0.0.1 (`benchmarks.pd_load.PDCluster`): a decode server (over
 Mooncake, data-parallel on 2 ranks: `--dp-size 2`, issue 36; over gRPC, decoding
 speculatively with the MTP layer, both servers with `--speculative-algorithm EAGLE`,
-issue 39), a CP=8 shared-KV prefill
+issue 39; over gRPC again, a CP8 decode group with each request's pages striped over its
+ranks, issue 40), a CP=8 shared-KV prefill
 server (8 virtual CPU devices, `--chunked-prefill-size 256`) and a router in front:
 `cpkv-router` over gRPC, SGLang's gateway `smg` in PD mode over Mooncake (issue 38: the
 same pass rule through the gateway). Small KV pools make requests wait for pages, and
@@ -129,12 +130,18 @@ BACKENDS = [
             ),
         ],
     ),
+    # A CP8 decode group (issue 40): each request's pages striped over the decode ranks by
+    # owner, the same load, kill and restart over gRPC; smaller waves (the suite's time).
+    "grpc-cp",
 ]
 
 
 @pytest.mark.timeout(1500)  # startup, three waves of up to REQUEST_TIMEOUT_S, a restart
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, reference, tmp_path):
+    cp_group = backend == "grpc-cp"
+    if cp_group:
+        backend = "grpc"
     config = ClusterConfig(
         model_dir=model_dir,
         log_dir=tmp_path / "logs",
@@ -147,11 +154,12 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         # same load, kill and restart with pages in two pool shards; its clients talk to
         # SGLang's gateway in PD mode (issue 38), the gRPC run's to cpkv-router.
         decode_dp=1 if backend == "grpc" else 2,
+        decode_cp=8 if cp_group else 1,
         router="cpkv" if backend == "grpc" else "smg",
         # The gRPC pair decodes speculatively with the MTP layer (issue 39): the prefill
         # server sends the MTP layer's KV and the last hidden state, cancellations land
         # mid-draft, and the killed decode server's draft state goes with it.
-        extra=SPECULATIVE if backend == "grpc" else (),
+        extra=SPECULATIVE if backend == "grpc" and not cp_group else (),
     )
     c = PDCluster(config)
     try:
@@ -162,13 +170,16 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         for name in ("router", "prefill", "decode"):
             assert httpx.post(c.urls[name] + "/generate", json=body, timeout=10).status_code == 401
         info = httpx.get(c.urls["decode"] + "/server_info", timeout=10, headers=KEYED).json()
+        assert (info["cp_size"], info["shared_kv"]) == ((8, True) if cp_group else (1, False))
         # A speculative request also reserves its draft room of pages.
         room = speculative_room(SPEC_STEPS, overlap=True) if config.extra else 0
         near = pool_tokens(DECODE_POOL, info["kv_bytes_per_page"]) - 16 - 1 - room
         mix = LoadMix(vocab_size=info["vocab_size"], max_prompt=600, near_pool_tokens=near,
                       max_new_tokens=16)  # fmt: skip
         # The Mooncake run repeats the checks on a smaller load (suite time).
-        n1, n_kill, n_after = (24, 16, 6) if backend == "grpc" else (12, 10, 4)
+        n1, n_kill, n_after = (
+            (8, 8, 3) if cp_group else (24, 16, 6) if backend == "grpc" else (12, 10, 4)
+        )
 
         # 1. Mixed load: nothing fails.
         wave = mix.make(n1, seed=1)
