@@ -136,14 +136,21 @@ class CPDecoder:
     # ---- host planning ----------------------------------------------------------------
     def plan(self, tables: Sequence[RequestPageTable], tokens: Sequence[int]) -> DecodePlan:
         """One step: row `i` feeds `tokens[i]` at position `tables[i].num_tokens` and
-        grows its table by that token (pages on the owner lanes; all-or-nothing per row:
-        `CacheCapacityError` leaves that row's table unchanged)."""
+        grows its table by that token (pages on the owner lanes). All or nothing: on
+        `CacheCapacityError` every table is as it was and no page is taken."""
         runner = self.runner
         if not tables or len(tables) != len(tokens):
             raise InputError(f"{len(tables)} tables for {len(tokens)} tokens")
         positions = [t.num_tokens for t in tables]
-        for table, pos in zip(tables, positions, strict=True):
-            table.extend(runner.allocator, pos + 1, runner.cp.page_size)
+        grown: list[RequestPageTable] = []
+        try:
+            for table, pos in zip(tables, positions, strict=True):
+                table.extend(runner.allocator, pos + 1, runner.cp.page_size)
+                grown.append(table)
+        except Exception:
+            for table, pos in zip(grown, positions, strict=False):
+                table.truncate(runner.allocator, pos)
+            raise
         rows = [
             (tok, pos, t.local_pages(), t.num_pages)
             for t, tok, pos in zip(tables, tokens, positions, strict=True)

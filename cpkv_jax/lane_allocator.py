@@ -267,6 +267,20 @@ class RequestPageTable:
         self.page_size = page_size
         return new_pages
 
+    def truncate(self, allocator: OwnerLaneAllocator, num_tokens: int) -> None:
+        """Shrink the request back to `num_tokens` tokens (an `extend` undone): the pages
+        past `pages_for_tokens(num_tokens)` go back to their owner lanes."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"truncate to {num_tokens} tokens of {self.num_tokens} held")
+        keep = 0 if num_tokens == 0 else pages_for_tokens(num_tokens, self.page_size or 1)
+        if keep < self.num_pages:
+            gone = np.arange(keep, self.num_pages)
+            allocator.free(owner_of_page(gone, self.cp_size), self._local[keep:])
+            self._local = self._local[:keep].copy()
+        self.num_tokens = num_tokens
+        if num_tokens == 0:
+            self.page_size = None
+
     def owners(self) -> Int[np.ndarray, " pages"]:
         """Owner lane of every logical page, `[num_pages]` int32."""
         return owner_of_page(np.arange(self.num_pages, dtype=np.int32), self.cp_size)

@@ -118,14 +118,24 @@ def test_owner_prefill_with_batch_invariant_numerics(glm):
 
 def test_cp_decode_plan_is_all_or_nothing_and_refusals(glm):
     cfg, _, placed = glm
-    decoder = _decoder(cfg, placed, 3)  # 2 usable pages per lane
+    decoder = _decoder(cfg, placed, 4)  # 3 usable pages per lane
     runner = decoder.runner
+    alloc = runner.allocator
+    first, table = RequestPageTable(CP), RequestPageTable(CP)
+    first.extend(alloc, P, P)  # page 0 (lane 0) full: its next token needs lane 1
+    table.extend(alloc, 9 * P, P)  # pages 0-8 full: its next token needs lane 1 too
+    filler = alloc.allocate(np.asarray([1]))  # lane 1 keeps one free page
+    assert alloc.num_free(1) == 1
+    free = alloc.num_free_per_lane().copy()
+    with pytest.raises(CacheCapacityError):  # `first` takes lane 1's page, `table` finds none
+        decoder.plan([first, table], [5, 6])
+    assert (first.num_tokens, first.num_pages) == (P, 1)  # rolled back
+    assert (table.num_tokens, table.num_pages) == (9 * P, 9)
+    np.testing.assert_array_equal(alloc.num_free_per_lane(), free)
+    alloc.free(np.asarray([1]), filler)
+    for t in (first, table):
+        t.release(alloc)
     table = RequestPageTable(CP)
-    table.extend(runner.allocator, 16 * P, P)  # every lane full
-    with pytest.raises(CacheCapacityError):
-        decoder.plan([table], [5])
-    assert table.num_tokens == 16 * P and table.num_pages == 16
-    table.release(runner.allocator)
     with pytest.raises(InputError, match="tables for"):
         decoder.plan([table], [])
     rep = CPConfig(cp_size=CP, shared_kv=False, page_size=P)
