@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from support.prefill_server import P
-from support.unified_server import generate_or_leave, serving, unified_args
+from support.unified_server import generate_or_leave, serving, settled_held_pages, unified_args
 from support.unified_server import generate_with_logprobs as generate
 
 from cpkv_jax.generate import ReferenceGenerator
@@ -166,21 +166,7 @@ def test_many_clients_with_disconnects_leave_every_page_and_slot(spec_server):
     problems = [p for p in asyncio.run(run()) if p is not None]
     assert not problems, problems
 
-    def held() -> int:
-        """Pages held by requests: neither free nor only cached (the prefix cache's
-        pages stay until evicted; nothing locks them once no request runs)."""
-        st = engine.stats()
-        cached = st.kv_pages_cached[0] if st.kv_pages_cached else 0
-        return st.kv_pages_total[0] - st.kv_pages_free[0] - cached
-
-    async def settle() -> None:
-        for _ in range(200):
-            if not engine.has_work() and held() == 0:
-                return
-            await asyncio.sleep(0.05)
-
-    asyncio.run(settle())
-    assert held() == 0
+    assert settled_held_pages(engine) == 0
     assert engine.spec.free_slots == engine.spec.num_slots
     # What ran is what `--warmup all` compiles (`reachable_shapes`, with the draft room).
     assert engine.step_shapes <= engine.reachable_shapes()

@@ -28,6 +28,7 @@ from support.unified_server import (
     generate_with_logprobs,
     page_bytes,
     serving,
+    settled_held_pages,
 )
 
 from serving.decode.cached import CachedUnifiedEngine
@@ -133,16 +134,5 @@ def test_many_clients_with_disconnects_and_a_refusal_leave_every_page(unified_cp
     problems = [p for p in asyncio.run(run()) if p is not None]
     assert not problems, problems
 
-    def held() -> int:
-        st = engine.stats()
-        return st.kv_pages_total[0] - st.kv_pages_free[0] - st.kv_pages_cached[0]
-
-    async def settle() -> None:
-        for _ in range(200):
-            if not engine.has_work() and held() == 0:
-                return
-            await asyncio.sleep(0.05)
-
-    asyncio.run(settle())
-    assert held() == 0
+    assert settled_held_pages(engine) == 0
     assert engine.step_shapes <= engine.reachable_shapes()

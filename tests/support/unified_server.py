@@ -106,3 +106,23 @@ def assert_greedy_reference(out: dict, ref: ReferenceGenerator, ids: list[int], 
     assert out["output_ids"] == want.output_ids
     got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
     np.testing.assert_allclose(got, want.output_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def settled_held_pages(engine) -> int:
+    """Pages a unified engine's requests still hold once it is idle (waiting up to 10 s):
+    neither free nor only cached (the prefix cache's pages stay until evicted; nothing
+    locks them once no request runs)."""
+
+    def held() -> int:
+        st = engine.stats()
+        cached = st.kv_pages_cached[0] if st.kv_pages_cached else 0
+        return st.kv_pages_total[0] - st.kv_pages_free[0] - cached
+
+    async def settle() -> None:
+        for _ in range(200):
+            if not engine.has_work() and held() == 0:
+                return
+            await asyncio.sleep(0.05)
+
+    asyncio.run(settle())
+    return held()
