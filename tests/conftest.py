@@ -15,6 +15,14 @@ from pathlib import Path
 
 from support.xla_flags import FAST_COMPILE_FLAGS
 
+# Bytecode caching on for the run, whatever the environment says (the dev machines set
+# PYTHONDONTWRITEBYTECODE=1): every xdist worker and server subprocess imports the
+# project through jaxtyping's import hook, which rewrites and compiles each module again
+# without its cached bytecode, 2.5 s more per process (8.5 vs 6.0 s measured 2026-12-06).
+# The caches land in `__pycache__` (git-ignored); children inherit the environment.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()

@@ -88,6 +88,26 @@ def block_budget(nbytes: int | None = None) -> int:
     return TRANSIENT_BLOCK_BYTES if traced is None else traced
 
 
+def _traced_once(fn: Callable[..., Any], *args: Any) -> tuple[Callable[..., Any], Any]:
+    """(`apply`, output shapes): `fn` traced once on `args`' shapes, and a function that
+    applies that trace to other arguments of the same shapes by re-emitting its recorded
+    operations, without running `fn`'s Python again.
+
+    The loops below need `fn`'s output shapes before they trace their body. Tracing `fn`
+    twice (`jax.eval_shape`, then the body) doubled the trace time of every loop, and
+    loops nest (the MoE's tiles inside a sequence's), so a model step traced its inner
+    bodies 2^depth times: that was most of a batch-invariant step's compile on a warm
+    compilation cache. The same operations are emitted either way (same program)."""
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out_tree = jax.tree_util.tree_structure(shapes)
+
+    def apply(*xs: Any) -> Any:
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree_util.tree_leaves(xs))
+        return jax.tree_util.tree_unflatten(out_tree, flat)
+
+    return apply, shapes
+
+
 def _opaque_map(fn: Callable[..., Any], xs: tuple[Array, ...]) -> Any:
     """`fn` on each leading-axis slice of `xs`, one per loop iteration, stacked.
 
@@ -96,11 +116,11 @@ def _opaque_map(fn: Callable[..., Any], xs: tuple[Array, ...]) -> Any:
     (the router's sigmoid) can then round differently than inside a loop.
     """
     count = xs[0].shape[0]
-    shapes = jax.eval_shape(fn, *(x[0] for x in xs))
+    apply, shapes = _traced_once(fn, *(x[0] for x in xs))
     init = jax.tree_util.tree_map(lambda s: jnp.zeros((count, *s.shape), s.dtype), shapes)
 
     def body(i: Array, acc: Any) -> Any:
-        y = fn(*(jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs))
+        y = apply(*(jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs))
         return jax.tree_util.tree_map(
             lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, 0), acc, y
         )
@@ -158,14 +178,14 @@ def _blocked(fn: Callable[..., Any], arrays: tuple[Array, ...], axis: int, block
     def take(x: Array, start: Array | int) -> Array:
         return jax.lax.dynamic_slice_in_dim(x, start, block, axis=axis)
 
-    shapes = jax.eval_shape(fn, *(take(x, 0) for x in arrays))
+    apply, shapes = _traced_once(fn, *(take(x, 0) for x in arrays))
     init = jax.tree_util.tree_map(
         lambda s: jnp.zeros((*s.shape[:axis], n, *s.shape[axis + 1 :]), s.dtype), shapes
     )
 
     def body(i: Array, acc: Any) -> Any:
         start = jnp.minimum(i * block, n - block)
-        y = fn(*(take(x, start) for x in arrays))
+        y = apply(*(take(x, start) for x in arrays))
         return jax.tree_util.tree_map(
             lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, start, axis=axis), acc, y
         )
