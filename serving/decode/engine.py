@@ -17,6 +17,8 @@ One `DecodeEngine` runs the batch for every server mode behind the `StepEngine` 
 - the step executor (`serving.decode.steps.DecodeSteps`, `MeshDecodeSteps` on a DP
   mesh): one compiled program per bucketed shape, attention reading only each row's
   top-k latent rows from the pool;
+- the placement (`serving.decode.placement`): which rank a request is admitted to and
+  where its pages go (one rank's shard, or striped over a CP group's lanes);
 - the sampler (`serving.decode.sampler.RowSampler`): draws on the device with the rows'
   penalties and grammar masks;
 - the batch itself (here): one decode step per engine step for every running row, stop
@@ -79,7 +81,6 @@ from cpkv_jax.aot import CompileJob
 from cpkv_jax.buckets import pow2_at_least
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_decode import CPDecoder
-from cpkv_jax.decode_mesh import choose_rank
 from cpkv_jax.errors import ConfigError, InputError
 from cpkv_jax.kv_store import KVStore, PagedKVStore
 from cpkv_jax.model.expert_parallel import EPDispatch
@@ -95,6 +96,7 @@ from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from cpkv_jax.sampling import PendingSample, TopLogprobs, top_pairs
 from serving.decode.intake import Intake, LocalPrefill, TransferIntake, TransferRooms
+from serving.decode.placement import RankPlacement, StripedPlacement
 from serving.decode.request import DecodeRequest
 from serving.decode.sampler import PENALTY_SLOTS_MAX, RowSampler
 from serving.decode.speculative import (
@@ -221,6 +223,11 @@ class DecodeEngine:
         # verified by the trunk, in one step executor (`serving.decode.speculative`).
         self.spec: SpeculativeSteps | None = None
         self.room = 0  # tokens of pages a request reserves beyond prompt + max_new_tokens
+        # Where a request's pages go and what admission counts (`serving.decode.placement`):
+        # on one rank, or striped over a CP group's lanes.
+        self.placement: RankPlacement | StripedPlacement = RankPlacement(
+            self.dp_size, pool.num_pages
+        )
         if speculative_num_steps:
             # At most SPEC_SLOTS_MAX slots (`max_running_requests` may be the pool's
             # pages), split evenly over the DP ranks; requests beyond them wait to be
@@ -243,6 +250,7 @@ class DecodeEngine:
             self.room = speculative_room(speculative_num_steps, overlap)
         elif cp_decoder is not None:  # a unified server on a CP mesh (issue 40)
             self.steps = CPMeshDecodeSteps(cp_decoder)
+            self.placement = StripedPlacement(self.steps)
         elif self.dp_size > 1:
             assert mesh is not None
             self.steps = MeshDecodeSteps(
@@ -261,9 +269,7 @@ class DecodeEngine:
             self.steps = DecodeSteps(
                 model, kv, page_size, index_k_dtype, batch_invariant, block_bytes, kv_io
             )
-        self._usable_pages = pool.num_pages // self.dp_size - 1  # per rank, less its trash page
-        if isinstance(self.steps, CPMeshDecodeSteps):  # every lane less its trash page
-            self._usable_pages = self.steps.usable_pages
+        self._usable_pages = self.placement.usable_pages  # per rank
         self._max_rows_per_rank = -(-max_running_requests // self.dp_size)
         self.admitted_per_rank = [0] * self.dp_size  # requests each rank has taken
         self._next_rank = 0  # ties between ranks go round robin from here
@@ -392,8 +398,7 @@ class DecodeEngine:
     # ---- admission -----------------------------------------------------------------------
     def _free_pages(self) -> tuple[int, ...]:
         """Free pages per DP rank (a CP group is one: its lanes summed)."""
-        free = tuple(self.kv.num_free_pages_per_rank)
-        return (sum(free),) if isinstance(self.steps, CPMeshDecodeSteps) else free
+        return self.placement.free_pages(self.kv.num_free_pages_per_rank)
 
     def reject(self, kind: str, message: str) -> InputError:
         """An `InputError` refusing a request, counted by `kind`."""
@@ -472,14 +477,12 @@ class DecodeEngine:
         held = sum(1 for _ in self.intake.in_flight())
         if held + len(self.running) >= self.max_running_requests:
             return None
-        if isinstance(self.steps, CPMeshDecodeSteps):  # one group; its pages on every lane
-            short = np.asarray(self.kv.num_free_pages_per_rank) < self.steps.striped(r.n_pages)
-            return None if short.any() else 0
-        rows = self._rows_per_rank()
         free = self.kv.num_free_pages_per_rank
         if self.spec is not None:  # a rank without a free draft-state slot takes no one
             free = tuple(f if self.spec.free_slots_on(k) else 0 for k, f in enumerate(free))
-        return choose_rank(free, rows, r.n_pages, self._max_rows_per_rank, self._next_rank)
+        return self.placement.choose(
+            free, self._rows_per_rank(), r.n_pages, self._max_rows_per_rank, self._next_rank
+        )
 
     def penalty_slot_free(self, r: DecodeRequest) -> bool:
         if self.spec is not None:  # its penalties live in its draft-state slot
@@ -489,30 +492,11 @@ class DecodeEngine:
     def admit(self, r: DecodeRequest, rank: int) -> None:
         """Allocate `r`'s pages on `rank` (a CP group: logical page `p` on lane `p % cp`)
         and reserve its penalty slot (`fits_now`)."""
-        if isinstance(self.steps, CPMeshDecodeSteps):
-            r.pages = self._allocate_striped(r.n_pages, self.steps)
-        else:
-            r.pages = self.kv.allocate_pages(r.n_pages, rank)
+        r.pages = self.placement.allocate(self.kv, r.n_pages, rank)
         r.rank = rank
         self.take_slots(r)
         self.admitted_per_rank[rank] += 1
         self._next_rank = (rank + 1) % self.dp_size
-
-    def _allocate_striped(self, n_pages: int, steps: CPMeshDecodeSteps) -> np.ndarray:
-        """Global page ids for logical pages `[0, n_pages)`, page `p` from lane `p % cp`'s
-        shard (the kv store's DP ranks are the CP lanes); all or nothing."""
-        taken: list[np.ndarray] = []
-        try:
-            for lane, n in enumerate(steps.striped(n_pages)):
-                taken.append(self.kv.allocate_pages(int(n), lane))
-        except Exception:
-            for pages in taken:
-                self.kv.free_pages(pages)
-            raise
-        out = np.empty(n_pages, np.int64)
-        for lane, pages in enumerate(taken):
-            out[lane :: steps.cp] = pages
-        return out
 
     def take_slots(self, r: DecodeRequest) -> None:
         """Reserve `r`'s penalty slot (if it needs one) and its draft-state slot on its
@@ -713,10 +697,8 @@ class DecodeEngine:
             prefill=self.intake.prefills_with_engine_steps,
             room=self.room,
         )
-        if isinstance(self.steps, CPMeshDecodeSteps):
+        if self.spec is None:  # (a CP group is never speculative: `ServerArgs` refuses it)
             return self.as_run(plain)
-        if self.spec is None:
-            return plain
         admission = None
         if not self.intake.prefills_with_engine_steps:  # prefilled elsewhere: from what?
             admission = "logits" if self.intake.first_token_on_host else "token"
@@ -725,9 +707,7 @@ class DecodeEngine:
     def as_run(self, shapes: set[tuple[str, int, int, int]]) -> set[tuple[str, int, int, int]]:
         """The step shapes `shapes` (rows and width powers of two) run as: themselves,
         or on a CP mesh raised to its rows and width (`CPMeshDecodeSteps.bucket`)."""
-        if isinstance(self.steps, CPMeshDecodeSteps):
-            return {self.steps.bucket(s) for s in shapes}
-        return shapes
+        return self.placement.as_run(shapes)
 
     def warm_shapes(self, shapes: set[tuple[str, int, int, int]]) -> int:
         """Compile (run once, on the trash page) those of `shapes` this engine can reach

@@ -1,0 +1,101 @@
+"""Where a decode engine puts a request's pages, and what it may admit: the one seam
+between `DecodeEngine`'s admission and page accounting and the kind of mesh it runs on.
+
+- `RankPlacement` (one device, or a `("dp",)` mesh): all of a request's pages on one
+  rank, chosen by `decode_mesh.choose_rank` (most free pages, then fewest rows, then
+  round robin); free pages and usable pages are per rank; step shapes run as bucketed.
+- `StripedPlacement` (a CP group, issue 40): the group is one rank whose pages are
+  striped by owner, logical page `p` on lane `p % cp` (global page ids, as a DP pool's
+  shards); a request is admitted when every lane has its share, free pages are the
+  lanes' sum, and step shapes run raised to the CP step's rows and width
+  (`CPMeshDecodeSteps.bucket`).
+
+Both are pure host bookkeeping over the engine's `KVStore`: no device work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from cpkv_jax.decode_mesh import choose_rank
+from cpkv_jax.kv_store import KVStore
+from serving.decode.steps import CPMeshDecodeSteps, Shape
+
+
+class RankPlacement:
+    """A request's pages on one of `ranks` pool shards (see the module docstring)."""
+
+    def __init__(self, ranks: int, pool_pages: int):
+        self.ranks = ranks
+        self.usable_pages = pool_pages // ranks - 1  # per rank, less its trash page
+
+    def free_pages(self, free_per_shard: Sequence[int]) -> tuple[int, ...]:
+        """Free pages per admission rank."""
+        return tuple(free_per_shard)
+
+    def choose(
+        self,
+        free_per_shard: Sequence[int],
+        rows_per_rank: Sequence[int],
+        n_pages: int,
+        max_rows_per_rank: int,
+        first: int,
+    ) -> int | None:
+        """The rank a request of `n_pages` pages is admitted to now, or None."""
+        return choose_rank(free_per_shard, rows_per_rank, n_pages, max_rows_per_rank, first)
+
+    def allocate(self, kv: KVStore, n_pages: int, rank: int) -> np.ndarray:
+        """The request's global page ids, in logical order, all or nothing."""
+        return kv.allocate_pages(n_pages, rank)
+
+    def as_run(self, shapes: set[Shape]) -> set[Shape]:
+        """The step shapes `shapes` run as."""
+        return shapes
+
+
+class StripedPlacement:
+    """A CP group's pages, striped by owner over its lanes (see the module docstring)."""
+
+    ranks = 1
+
+    def __init__(self, steps: CPMeshDecodeSteps):
+        self.steps = steps
+        self.cp = steps.cp
+        self.usable_pages = steps.usable_pages  # every lane's, less its trash page
+
+    def free_pages(self, free_per_shard: Sequence[int]) -> tuple[int, ...]:
+        return (sum(free_per_shard),)
+
+    def choose(
+        self,
+        free_per_shard: Sequence[int],
+        rows_per_rank: Sequence[int],
+        n_pages: int,
+        max_rows_per_rank: int,
+        first: int,
+    ) -> int | None:
+        """0 when every lane has its share of `n_pages` free, else None (the batch's row
+        bound is the engine's total, checked before)."""
+        short = np.asarray(free_per_shard) < self.steps.striped(n_pages)
+        return None if short.any() else 0
+
+    def allocate(self, kv: KVStore, n_pages: int, rank: int) -> np.ndarray:
+        """Global page ids for logical pages `[0, n_pages)`, page `p` from lane
+        `p % cp`'s shard; all or nothing."""
+        taken: list[np.ndarray] = []
+        try:
+            for lane, n in enumerate(self.steps.striped(n_pages)):
+                taken.append(kv.allocate_pages(int(n), lane))
+        except Exception:
+            for pages in taken:
+                kv.free_pages(pages)
+            raise
+        out = np.empty(n_pages, np.int64)
+        for lane, pages in enumerate(taken):
+            out[lane :: self.cp] = pages
+        return out
+
+    def as_run(self, shapes: set[Shape]) -> set[Shape]:
+        return {self.steps.bucket(s) for s in shapes}

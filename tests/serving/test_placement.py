@@ -1,0 +1,81 @@
+"""`serving.decode.placement`: where a decode engine puts a request's pages (host
+bookkeeping over a small store; the engines that use it are served in
+`test_unified_cp.py`, `test_pd_cp_decode.py` and the DP decode tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.kv_store import PagedKVStore
+from cpkv_jax.model.kv_cache import init_pool
+from cpkv_jax.paging import CacheCapacityError, PageAllocator
+from cpkv_jax.tools.tiny_config import tiny_config_dict
+from serving.decode.placement import RankPlacement, StripedPlacement
+from serving.decode.steps import CPMeshDecodeSteps
+
+CP, PER_LANE = 4, 6  # 4 lanes of 6 pages: each lane's first is its trash page
+
+
+def striped(cp: int = CP) -> StripedPlacement:
+    """A `StripedPlacement` over `cp` lanes: the CP steps without their decoder (the
+    placement reads only their lane count, usable pages and buckets)."""
+    steps = object.__new__(CPMeshDecodeSteps)
+    steps.cp, steps.usable_pages = cp, cp * (PER_LANE - 1)
+    return StripedPlacement(steps)
+
+
+def store(ranks: int = CP) -> PagedKVStore:
+    """`ranks` shards of `PER_LANE` pages of the tiny model's pool (2 tokens a page)."""
+    cfg = ModelConfig.from_dict(tiny_config_dict("glm_moe_dsa"))
+    pool = init_pool(cfg, ranks * PER_LANE, 2, np.float32, "fp8_e4m3")
+    return PagedKVStore(pool, PageAllocator(ranks * PER_LANE, ranks=ranks))
+
+
+def test_striped_pages_live_on_their_owner_lane():
+    """Logical page p comes from lane p % cp's shard, in logical order; a CP group is one
+    admission rank whose free pages are its lanes' sum."""
+    kv, placement = store(), striped()
+    assert placement.choose(kv.num_free_pages_per_rank, (0,), 9, 8, 0) == 0
+    pages = placement.allocate(kv, 9, 0)
+    assert [int(p) // PER_LANE for p in pages] == [p % CP for p in range(9)]
+    assert len(set(pages.tolist())) == 9 and all(int(p) % PER_LANE for p in pages)  # no trash
+    assert kv.num_free_pages_per_rank == (2, 3, 3, 3)
+    assert placement.free_pages(kv.num_free_pages_per_rank) == (11,)
+
+
+def test_striped_admission_is_all_or_nothing():
+    """A request is admitted only when every lane has its share: a short lane refuses it
+    whatever the other lanes hold, and an allocation that fails on a later lane gives back
+    what the earlier lanes gave (mutation-checked: without the rollback lane 0 leaks)."""
+    kv, placement = store(), striped()
+    kv.allocate_pages(PER_LANE - 2, 1)  # lane 1 keeps 1 free page
+    free = kv.num_free_pages_per_rank
+    assert free == (5, 1, 5, 5) and sum(free) >= 6
+    assert placement.choose(free, (0,), 6, 8, 0) is None  # lane 1 would need 2
+    assert placement.choose(free, (0,), 5, 8, 0) == 0  # (2, 1, 1, 1)
+    with pytest.raises(CacheCapacityError):
+        placement.allocate(kv, 6, 0)
+    assert kv.num_free_pages_per_rank == free
+
+
+def test_striped_shapes_run_at_the_cp_step_s_rows_and_width():
+    shapes = {("absorbed", 1, 1, 2), ("absorbed", 8, 1, 16)}
+    assert striped().as_run(shapes) == {("absorbed", 4, 1, 4), ("absorbed", 8, 1, 16)}
+
+
+def test_rank_placement_keeps_a_request_on_one_rank():
+    """One rank's shard holds all of a request's pages; the rank is the one with the most
+    free pages (then the fewest rows); shapes run as bucketed."""
+    kv, placement = store(2), RankPlacement(2, 2 * PER_LANE)
+    assert placement.usable_pages == PER_LANE - 1
+    kv.allocate_pages(2, 0)
+    rank = placement.choose(kv.num_free_pages_per_rank, (0, 0), 3, 4, 0)
+    assert rank == 1
+    pages = placement.allocate(kv, 3, rank)
+    assert {int(p) // PER_LANE for p in pages} == {1}
+    assert placement.choose(kv.num_free_pages_per_rank, (0, 4), 3, 4, 0) == 0  # rank 1 full
+    assert placement.free_pages(kv.num_free_pages_per_rank) == (3, 2)
+    shapes = {("absorbed", 2, 1, 4)}
+    assert placement.as_run(shapes) == shapes
