@@ -142,6 +142,8 @@ from cpkv_jax.paging import pages_for_tokens
 from cpkv_jax.tools.make_tiny_checkpoint import make_tiny_checkpoint
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 from cpkv_jax.units import GiB
+from serving.prefill.memory_plan import decode_step_bytes_per_device
+from serving.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +214,13 @@ class MemoryBenchArgs:
     mem_fraction_static: float = field(
         default=0.88,
         metadata={"help": "fraction of --device-gb for weights + KV pool (as SGLang's)"},
+    )
+    decode_running_requests: int = field(
+        default=512,
+        metadata={
+            "help": "--max-running-requests of the DP decode server sized (the whole server's; "
+            "its decode step's transient grows with the rows per rank)"
+        },
     )
     log_level: str = field(default="INFO", metadata={"help": "logging level (stderr)"})
 
@@ -583,23 +592,42 @@ def kv_on_device(
 
 
 def decode_rank_kv_on_device(
-    cfg: ModelConfig, weights_bytes: int, dequant_bytes: int, args: MemoryBenchArgs
+    cfg: ModelConfig,
+    weights_bytes: int,
+    dequant_bytes: int,
+    args: MemoryBenchArgs,
+    config: Path,
 ) -> dict[str, Any]:
     """One rank of a data-parallel decode server (`--dp-size` = `--cp-size` devices,
     routed experts split over them, issue 36) on one `--device-gb` device: its own
     (non-CP) KV pool after the weights, and the longest request it can hold (a request's
     pages all live on its rank). Sized through `per_rank_pool_bytes`, as the server's
-    pool is; the decode step's transient buffers are not counted (the server's memory
-    plan does not estimate them yet)."""
+    pool is, beside the transient buffers of the largest decode step the server can then
+    dispatch with `--decode-running-requests` (the server's memory plan's own term,
+    `memory_plan.decode_step_bytes_per_device`, XLA:GPU profile)."""
     page = args.page_size
     dtype = DTYPES[args.dtype]
     ikd: IndexKDtype = args.index_k_dtype  # type: ignore[assignment]
     _, _, kv_budget = kv_budget_on_device(weights_bytes, dequant_bytes, args)
+    server = ServerArgs(  # the decode server sized (`config`: its model directory)
+        model_path=str(config),
+        disaggregation_mode="decode",
+        dp_size=args.cp_size,
+        page_size=page,
+        dtype=args.dtype,
+        index_k_dtype=ikd,
+        max_running_requests=args.decode_running_requests,
+    )
 
     def pool_bytes(usable_pages: int) -> int:  # + the rank's trash page
         return per_rank_pool_bytes(cfg, PoolLayout(1, False, usable_pages + 1, page), dtype, ikd)
 
-    tokens = max_context_tokens(kv_budget, page, pool_bytes)
+    def step_bytes(usable_pages: int) -> tuple[int, str]:
+        return decode_step_bytes_per_device(server, cfg, "gpu", usable_pages + 1)
+
+    tokens = max_context_tokens(kv_budget, page, lambda n: pool_bytes(n) + step_bytes(n)[0])
+    step, step_source = step_bytes(tokens // page) if tokens else (0, "")
+    pool_only = max_context_tokens(kv_budget, page, pool_bytes)
     return {
         "dp_size": args.cp_size,
         "ep_size": args.cp_size,
@@ -609,9 +637,16 @@ def decode_rank_kv_on_device(
         "weights_bytes": weights_bytes,
         "dequant_transient_bytes": dequant_bytes,
         "kv_budget_bytes": kv_budget,
+        "max_running_requests": args.decode_running_requests,
+        "decode_step_bytes": step,
+        "decode_step": step_source,
         "kv_tokens_per_rank": tokens,
         "kv_tokens_per_server": tokens * args.cp_size,
         "longest_request_tokens": min(tokens, cfg.max_position_embeddings),
+        # The pool alone in the same budget: what a CP group (whose decode step is not
+        # estimated) is compared with.
+        "kv_tokens_per_rank_pool_only": pool_only,
+        "longest_request_tokens_pool_only": min(pool_only, cfg.max_position_embeddings),
         "fits": tokens > 0,
     }
 
@@ -622,10 +657,11 @@ def decode_cp_group_on_device(
     """A CP decode group over `--cp-size` devices (issue 40, `cpkv_jax.cp_decode`): the
     same page-owned pool per device as the CP prefill's (`kv_tokens_per_rank_on_device`),
     so one request's pages stripe over every rank of the group (page `p` on rank
-    `p mod cp`), against one data-parallel decode rank, which holds a request whole."""
+    `p mod cp`), against one data-parallel decode rank, which holds a request whole. Both
+    sides count the pool alone (the CP group's owner-attention step is not estimated)."""
     pool_tokens = cp_kv["tokens_per_rank"] * cp_kv["cp_size"]
     longest = min(pool_tokens, cfg.max_position_embeddings)
-    dp_longest = dp_rank["longest_request_tokens"]
+    dp_longest = dp_rank["longest_request_tokens_pool_only"]
     kw = dict(page_size=cp_kv["page_size"], dtype=cp_kv["dtype"])
     kw["index_k_dtype"] = cp_kv["index_k_dtype"]
     traffic = {
@@ -642,8 +678,8 @@ def decode_cp_group_on_device(
         "single_request_pool_tokens": pool_tokens,
         "longest_request_tokens": longest,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "pool_over_dp_rank": pool_tokens / dp_rank["kv_tokens_per_rank"]
-        if dp_rank["kv_tokens_per_rank"]
+        "pool_over_dp_rank": pool_tokens / dp_rank["kv_tokens_per_rank_pool_only"]
+        if dp_rank["kv_tokens_per_rank_pool_only"]
         else None,
         "longest_over_dp_rank": longest / dp_longest if dp_longest else None,
         # Per decode row per step, every layer (`cpkv_jax.cp_decode.decode_bytes_per_rank`).
@@ -663,7 +699,7 @@ def weights_model_report(name: str, args: MemoryBenchArgs) -> dict[str, Any]:
     weights = at_cp["weights_bytes_per_device"]["total"]
     dequant = at_cp["dequant_transient_bytes_per_device"]
     cp_kv = kv_on_device(cfg, weights, dequant, args)
-    dp_rank = decode_rank_kv_on_device(cfg, weights, dequant, args)
+    dp_rank = decode_rank_kv_on_device(cfg, weights, dequant, args, config)
     return {
         "config": str(config.relative_to(CONFIGS_DIR.parents[1])),
         "model_type": cfg.model_type,

@@ -3,9 +3,9 @@
     python -m benchmarks.decode_memory [--layers 4 5] [--rows 1 32] [--contexts 4096 131072]
         [--hidden H --experts E --intermediate I] [--no-fp8] [--json PATH]
 
-The servers' memory plan counts weights, the KV pool and one layer's FP8 dequantization
-per device, but not the decode step's own buffers (`serving.prefill.memory_plan`: "the
-decode step's own buffers are not estimated"). This compiles the step the decode engine
+The servers' memory plan counts weights, the KV pool, one layer's FP8 dequantization and
+the decode step's own buffers (`serving.decode.step_memory`) per device, not a copy of
+every layer's weights kept through the step. This compiles the step the decode engine
 runs (`forward_step` with the sparse paged KV I/O, as `serving.decode.steps.DecodeSteps`
 lowers it: one token per row, `rows` rows, page tables of `context / 64` pages) on
 abstract weights and pool, on JAX's default backend, at GLM-5's real dims (its

@@ -84,7 +84,7 @@ from serving.prefill.build import (
 )
 from serving.prefill.engine import PrefillModeEngine, backend_from_args
 from serving.prefill.memory_plan import plan_device_memory
-from serving.server_args import ServerArgs
+from serving.server_args import ServerArgs, max_running_requests
 from transfer.bootstrap import (
     DEFAULT_BOOTSTRAP_PORT,
     BootstrapClient,
@@ -160,19 +160,6 @@ def mooncake_staging_bytes(
     longest = min(pool_pages - 1, pages_for_tokens(cfg.max_position_embeddings, args.page_size))
     need = staging_region_bytes(layout, longest, DEFAULT_ALIGNMENT)
     return max(MOONCAKE_ARENA_MIN_BYTES, need)
-
-
-def max_running_requests(args: ServerArgs, usable_pages: int) -> tuple[int, str]:
-    """(`--max-running-requests`, why): with `none`, as many requests as the pool holds
-    at once, each at least the pages of the smallest request (a 1-token prompt and one
-    new token)."""
-    if args.max_running_requests is not None:
-        return args.max_running_requests, "--max-running-requests"
-    smallest = pages_for_tokens(2, args.page_size)
-    return max(1, usable_pages // smallest), (
-        f"--max-running-requests none: {usable_pages} usable KV pages / {smallest} page(s) "
-        "of the smallest request (a 1-token prompt and 1 new token)"
-    )
 
 
 def longest_prompt_tokens(engine: StepEngine) -> int:

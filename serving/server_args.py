@@ -78,6 +78,7 @@ from cpkv_jax.config import (
 from cpkv_jax.errors import ConfigError, name_flags
 from cpkv_jax.model.expert_parallel import EPDispatch, check_divisible
 from cpkv_jax.model.kv_cache import IndexKDtype
+from cpkv_jax.paging import pages_for_tokens
 from cpkv_jax.pallas.paged_gather import GatherImpl
 from serving import flags
 from serving.api_keys import ADMIN_API_KEY_ENV, API_KEY_ENV, key_problem, open_bind_warning
@@ -1331,3 +1332,16 @@ def as_flags(message: str) -> str:
     flags = {f.name: flag_name(f.name) for f in dataclasses.fields(ServerArgs)}
     flags |= {param: flag_name(field) for param, field in _PARAMETER_FIELDS.items()}
     return name_flags(message, flags)
+
+
+def max_running_requests(args: ServerArgs, usable_pages: int) -> tuple[int, str]:
+    """(`--max-running-requests`, why): with `none`, as many requests as the pool holds
+    at once, each at least the pages of the smallest request (a 1-token prompt and one
+    new token)."""
+    if args.max_running_requests is not None:
+        return args.max_running_requests, "--max-running-requests"
+    smallest = pages_for_tokens(2, args.page_size)
+    return max(1, usable_pages // smallest), (
+        f"--max-running-requests none: {usable_pages} usable KV pages / {smallest} page(s) "
+        "of the smallest request (a 1-token prompt and 1 new token)"
+    )

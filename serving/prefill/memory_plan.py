@@ -24,8 +24,14 @@ allocation):
   the bound is `max(limit, estimate of a lone request)`: the limit gates only batches
   of several requests; a lone request is admitted whatever its estimate (SPEC S5.3). The
   estimator leaves out activations of projections / MoE / the LM head and fragmentation:
-  that is what `1 - --mem-fraction-static` keeps free. Null / decode servers: not
-  estimated (0);
+  that is what `1 - --mem-fraction-static` keeps free. Null / decode servers: their CP
+  prefill steps on a CP mesh as above, else none;
+- decode steps (null / decode servers): `serving.decode.step_memory.largest_step`, the
+  largest of every step shape the engine can dispatch with this pool and these limits
+  (rows per DP rank, page-table widths the pool holds, a speculative step's draft tokens,
+  the engine's own prefills with `--disable-radix-cache`); a CP group's owner-attention
+  step is not estimated (0, said in the source). The plan adds it to the prefill
+  transient, though the two steps run apart (an upper bound);
 - FP8 dequantization: the step dequantizes one layer at a time, so the largest decoder
   layer's FP8 weights on one device (its shard under EP) in the compute dtype.
 
@@ -57,13 +63,14 @@ from cpkv_jax.mesh import CP_AXIS, DP_AXIS, make_cp_mesh, make_dp_mesh
 from cpkv_jax.model.expert_parallel import bytes_per_device, param_shardings
 from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.weights import checkpoint_model
+from serving.prefill.buffer_estimator import profile_for_platform
 from serving.prefill.build import (
     DEFAULT_POOL_TOKENS,
     buffer_estimator,
     pool_page_bytes,
     pool_pages_per_rank,
 )
-from serving.server_args import ServerArgs, ServerArgsError
+from serving.server_args import ServerArgs, ServerArgsError, max_running_requests
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +104,20 @@ class MemoryPlan:
     budget_bytes: int | None
     routed_expert_bytes: int = 0  # part of weight_bytes
     transient_source: str = ""
+    decode_step_bytes: int = 0
+    decode_step_source: str = ""
     budget_source: str = ""
     kv_pool_source: str = "--kv-pool-size"  # how the pool was sized
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_pool_bytes + self.transient_bytes + self.dequant_bytes
+        return (
+            self.weight_bytes
+            + self.kv_pool_bytes
+            + self.transient_bytes
+            + self.decode_step_bytes
+            + self.dequant_bytes
+        )
 
     @property
     def fits(self) -> bool:
@@ -118,6 +133,7 @@ class MemoryPlan:
             f"weights {_size(self.weight_bytes)} (routed experts "
             f"{_size(self.routed_expert_bytes)}) + KV pool {_size(self.kv_pool_bytes)} + "
             f"transient buffers {_size(self.transient_bytes)} ({self.transient_source}) + "
+            f"decode step {_size(self.decode_step_bytes)} ({self.decode_step_source}) + "
             f"FP8 dequantization {_size(self.dequant_bytes)} (largest layer) = "
             f"{_size(self.total_bytes)} per device; {budget}"
         )
@@ -128,6 +144,7 @@ class MemoryPlan:
             "weight_bytes_per_device": self.weight_bytes,
             "kv_pool_bytes_per_device": self.kv_pool_bytes,
             "transient_bytes_per_device": self.transient_bytes,
+            "decode_step_bytes_per_device": self.decode_step_bytes,
             "fp8_dequant_bytes_per_device": self.dequant_bytes,
             "device_memory_budget_bytes": self.budget_bytes,
             "kv_pool_source": self.kv_pool_source,
@@ -270,16 +287,17 @@ def free_static_bytes(args: ServerArgs, devices: Sequence[Any]) -> tuple[int | N
 
 
 def kv_pool_pages_for(args: ServerArgs, cfg: ModelConfig, room: int, platform: str) -> int:
-    """The most pages per rank `p` whose pool and the transient buffers of the prefill
-    steps it admits fit in `room` bytes: `p * page + transient(p) <= room` (transient 0
-    on a single-device server, as in the plan), at most what int32 token slots address.
+    """The most pages per rank `p` whose pool and the transient buffers of the steps it
+    admits fit in `room` bytes: `p * page + transient(p) <= room` (the CP prefill steps'
+    and the decode steps', as in the plan), at most what int32 token slots address.
     The transient bound grows with the pool (longer steps, more rows), so this is a
     binary search; `ServerArgsError` when not even 2 pages (the trash page + one) fit."""
     one_page = pool_page_bytes(args, cfg)
     cp_steps = args.runs_cp_prefill()  # the CP prefill steps' buffers (a unified CP mesh too)
 
     def transient(pages: int) -> int:
-        return transient_bytes_per_rank(args, cfg, platform, pages)[0] if cp_steps else 0
+        prefill = transient_bytes_per_rank(args, cfg, platform, pages)[0] if cp_steps else 0
+        return prefill + decode_step_bytes_per_device(args, cfg, platform, pages)[0]
 
     def fits(pages: int) -> bool:
         return pages * one_page + transient(pages) <= room
@@ -342,6 +360,53 @@ def resolve_kv_pool_size(
 # ---- the plan -----------------------------------------------------------------------------
 
 
+def decode_step_bytes_per_device(
+    args: ServerArgs, cfg: ModelConfig, platform: str, pages: int | None = None
+) -> tuple[int, str]:
+    """(bytes, how they were bounded) of the largest decode step a null / decode server
+    with `pages` pool pages per rank (default: the pool `args` builds) can dispatch on
+    `platform` (`serving.decode.step_memory`); (0, why) for a prefill server or a CP
+    group."""
+    from serving.decode.speculative import speculative_room
+    from serving.decode.step_memory import largest_step
+
+    if args.disaggregation_mode == "prefill":
+        return 0, "a prefill server runs no decode step"
+    if args.cp_size > 1:
+        return 0, "a CP group's owner-attention decode step is not estimated"
+    pages = pool_pages_per_rank(args, cfg) if pages is None else pages
+    dp = args.dp_size
+    running, _ = max_running_requests(args, dp * (pages - 1))
+    spec = args.speculative_steps()
+    room = speculative_room(spec, not args.disable_overlap_schedule) if spec else 0
+    own_prefill = args.disaggregation_mode == "null" and not args.uses_prefix_cache()
+    step = largest_step(
+        cfg,
+        page_size=args.page_size,
+        context_length=cfg.max_position_embeddings,
+        usable_pages=pages - 1,
+        rows_per_rank=-(-running // dp),
+        prefill=own_prefill,
+        room=room,
+        draft_tokens=spec,
+        batch_invariant=args.enable_batch_invariant,
+        block_bytes=args.transient_block_size,
+        dp=dp,
+        pool_pages=pages,
+        dtype=args.dtype,
+        index_k_dtype=args.index_k_dtype,
+        profile=profile_for_platform(platform),
+    )
+    if step is None:
+        return 0, "no request fits the pool"
+    _, rows, tokens, width = step.shape
+    what = "prefill" if tokens > 1 and not spec else "decode step"
+    return step.total_bytes, (
+        f"estimate of the largest {what}: {rows} row(s){' per DP rank' if dp > 1 else ''} "
+        f"x {tokens} token(s) over {width * args.page_size} KV tokens"
+    )
+
+
 def speculative_state_bytes(args: ServerArgs, cfg: ModelConfig) -> int:
     """The draft state a speculative server keeps on its device
     (`serving.decode.speculative.SpeculativeSteps`): per slot, K draft distributions over
@@ -396,21 +461,10 @@ def plan_device_memory(
     if prefill:
         transient, source = transient_bytes_per_rank(args, cfg, platform)
     elif spec:
-        transient, source = (
-            speculative_state_bytes(args, cfg),
-            (
-                "the speculative draft state; the decode step's own buffers are not "
-                "estimated (benchmarks/decode_memory measures them)"
-            ),
-        )
+        transient, source = speculative_state_bytes(args, cfg), "the speculative draft state"
     else:
-        transient, source = (
-            0,
-            (
-                "the decode step's buffers are not estimated (benchmarks/decode_memory "
-                "measures them)"
-            ),
-        )
+        transient, source = 0, "no CP prefill step"
+    decode_step, decode_source = decode_step_bytes_per_device(args, cfg, platform)
     budget, budget_source = device_budget(args, used)
     plan = MemoryPlan(
         weight_bytes=weights["total"],
@@ -420,6 +474,8 @@ def plan_device_memory(
         budget_bytes=budget,
         routed_expert_bytes=weights["routed_experts"],
         transient_source=source,
+        decode_step_bytes=decode_step,
+        decode_step_source=decode_source,
         budget_source=budget_source,
         kv_pool_source=pool_source,
     )

@@ -185,6 +185,10 @@ def test_main_default_json_has_all_keys(capsys, tiny_fp8):
         assert decode["weights_bytes"] == model["ep"]["8"]["weights_bytes_per_device"]["total"]
         assert decode["fits"] is True and decode["longest_request_tokens"] > 0
         assert decode["kv_tokens_per_server"] == 8 * decode["kv_tokens_per_rank"]
+        # Beside its pool, the largest decode step its 512 running requests can dispatch
+        # (issue 36 item 6, the server's own term): fewer tokens than the pool alone.
+        assert decode["decode_step_bytes"] > 0 and "64 row(s) per DP rank" in decode["decode_step"]
+        assert 0 < decode["kv_tokens_per_rank"] < decode["kv_tokens_per_rank_pool_only"]
         # A CP8 decode group (issue 40): one request stripes over the 8 ranks' pools.
         group = model["decode_cp_group_on_device"]
         cp_kv = model["kv_tokens_per_rank_on_device"]

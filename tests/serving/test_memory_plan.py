@@ -225,6 +225,39 @@ def test_dp_decode_plan_splits_the_routed_experts(fp8_ckpt):
     assert dp4.weight_bytes - dp4.routed_expert_bytes == one.weight_bytes - one.routed_expert_bytes
 
 
+def test_decode_and_unified_plans_count_their_largest_decode_step(fp8_ckpt):
+    """Issue 36 item 6: a unified or decode server's plan adds the largest decode step
+    its engine can dispatch (`serving.decode.step_memory`, from the engine's reachable
+    shapes: rows per DP rank, widths the pool holds), in the total, the description and
+    `/server_info`; more running requests raise it. A prefill server runs none; a CP
+    group's owner-attention step is not estimated (said, not hidden)."""
+    base = [
+        "--model-path", str(fp8_ckpt), "--dtype", "float32", "--page-size", "16",
+        "--kv-pool-size", "1MiB", "--disaggregation-mode", "decode",
+        "--transfer-backend", "grpc",
+    ]  # fmt: skip
+    few = plan_for(ServerArgs.from_cli([*base, "--max-running-requests", "2"]))
+    many = plan_for(ServerArgs.from_cli([*base, "--max-running-requests", "64"]))
+    assert 0 < few.decode_step_bytes < many.decode_step_bytes
+    assert many.total_bytes - many.decode_step_bytes == few.total_bytes - few.decode_step_bytes
+    assert "decode step" in many.describe() and "row(s)" in many.decode_step_source
+    assert many.server_info()["decode_step_bytes_per_device"] == many.decode_step_bytes
+    dp = plan_for(ServerArgs.from_cli([*base, "--max-running-requests", "64", "--dp-size", "4"]))
+    assert "per DP rank" in dp.decode_step_source and dp.decode_step_bytes > 0
+    assert plan_for(prefill_args(fp8_ckpt)).decode_step_bytes == 0
+    # A unified server that prefills with its own steps: its largest is a whole prompt.
+    unified = ["--disable-radix-cache" if a == "decode" else a for a in base]
+    own = plan_for(ServerArgs.from_cli([x for x in unified if x != "--disaggregation-mode"]))
+    assert "largest prefill: 1 row(s)" in own.decode_step_source
+    assert own.decode_step_bytes > many.decode_step_bytes
+    cp = ServerArgs.from_cli(
+        ["--model-path", str(fp8_ckpt), "--dtype", "float32", "--page-size", "16",
+         "--kv-pool-size", "1MiB", "--cp-size", "8", "--enable-cp-shared-kv", "--ep-size", "8"]
+    )  # fmt: skip
+    cp_plan = plan_for(cp)
+    assert cp_plan.decode_step_bytes == 0 and "not estimated" in cp_plan.decode_step_source
+
+
 def test_build_server_refuses_before_reading_any_weight(fp8_ckpt, monkeypatch):
     def no_load(*a, **k):
         raise AssertionError("weights were read before the memory check")

@@ -1,0 +1,178 @@
+"""Transient device bytes of a decode engine's steps (issue 36 item 6): the term the
+startup memory plan (`serving.prefill.memory_plan`) adds on decode and unified servers
+for the step's own buffers, on top of weights, the KV pool and FP8 dequantization.
+
+Integer arithmetic on the step's bucketed shapes, no JAX (like the prefill
+`BufferEstimator`). One step of `B` rows (per DP rank) of `T` tokens each over page tables
+of `W` pages, `S = W * page_size` tokens; `Di` / `Hi` the indexer's head dim / heads, `K =
+min(index_topk, S)`, `c + r` the stored latent row, `V` the vocabulary. `Bs` is `B`, or 1
+under batch-invariant numerics (the indexer and sparse attention then run one sequence at
+a time). Bytes, per device:
+
+- `index_view` `4*Bs*S*Di`: the float32 dequantized view of the rows' index K (its fp8
+  gather fuses into the conversion);
+- `indexer_logits` `Bs*Tb*S*(8*Hi + 4)`: the per-head logits, their ReLU (not updated in
+  place) and the head-weighted scores, for `Tb` query tokens per block
+  (`buckets.block_rows` under the token-block budget, as `indexer.index_scores` splits
+  them; all `T` at decode);
+- `sparse_rows` `4*Bs*Ts*K*(c + r)`: the float32 latent rows sparse attention gathers from
+  the pool for `Ts` tokens per block (absorbed form; decode reads only these rows);
+- `topk` `4*B*T*K`: the selection, live from a full indexer layer through the shared
+  layers after it;
+- `moe_dispatch` (a DP mesh of `dp` ranks, all-gather dispatch) `8*dp*B*T*hidden`: the
+  gathered tokens and their combined expert outputs before the reduce-scatter;
+- `head` `20*B*V` (`T*` that for a step scoring every token): the LM head's float32
+  logits, their log-softmax and the sampler's sorted copy with its indices;
+- `pool_upcast` (where the backend moves a pool's dtype wider, `LoweringProfile`: XLA:CPU
+  moves bf16 as f32 and fp8 as f16; 0 on XLA:GPU): the step's scatters go through an
+  upcast copy of the whole pool, every layer's latent and every full layer's index K,
+  which XLA hoists to the start of the step (as in the prefill `BufferEstimator`).
+
+Phases: the attention of a layer (`index_view + indexer_logits`, then `sparse_rows`), its
+MoE (`moe_dispatch`), then once the head; layers run in sequence, so the step's peak is
+`pool_upcast + max(topk + max(index phase, sparse_rows, moe_dispatch), head)`.
+
+Checked against XLA:CPU's `memory_analysis()` of the step the engine compiles, at GLM-5's
+attention and indexer dims (`tests/serving/test_decode_step_memory.py`): within 25% from
+8 to 64 rows and 64K to 128K tokens of context; at 128K the index phase is 772 B per row
+and token of context (`4*Di + 8*Hi + 4`), 6.5 GB for 64 rows. Not counted: the weights'
+float32 copies XLA:CPU keeps through the step (small here; at real dims they dominate its
+temporaries, `benchmarks/decode_memory`, and are a CPU lowering matter), projections and
+other activations of `B*T*hidden` size, and fragmentation (`1 - --mem-fraction-static`
+keeps room for them). A CP group's owner-attention step is not estimated here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES, block_rows
+from cpkv_jax.config import ModelConfig
+from cpkv_jax.model.kv_cache import DTYPES, INDEX_K_DTYPES
+from serving.decode.steps import Shape, reachable_shapes
+from serving.prefill.buffer_estimator import XLA_GPU, LoweringProfile
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+    """One step shape's estimate (`terms` by name, bytes per device)."""
+
+    shape: Shape
+    terms: dict[str, int]
+    total_bytes: int
+
+
+def step_bytes(
+    cfg: ModelConfig,
+    shape: Shape,
+    page_size: int,
+    *,
+    batch_invariant: bool = False,
+    block_bytes: int | None = None,
+    dp: int = 1,
+    all_logits: bool = False,
+    pool_pages: int = 0,
+    dtype: str = "bfloat16",
+    index_k_dtype: str = "fp8_e4m3",
+    profile: LoweringProfile = XLA_GPU,
+) -> StepBytes:
+    """The transient bytes per device of the step `shape` = `(form, rows, tokens, width)`
+    (rows per DP rank), by the terms of the module docstring; `pool_pages` (per rank),
+    `dtype` (`--dtype`), `index_k_dtype` and `profile` decide `pool_upcast`."""
+    _, rows, tokens, width = shape
+    budget = TRANSIENT_BLOCK_BYTES if block_bytes is None else block_bytes
+    s = width * page_size
+    seqs = 1 if batch_invariant else rows
+    k = min(cfg.index_topk, s)
+    hi, di = cfg.index_n_heads, cfg.index_head_dim
+    row = cfg.kv_cache_dim
+    tb = block_rows(tokens, seqs * hi * s * 4, budget)  # `indexer._block`
+    ts = block_rows(tokens, seqs * k * row * 4, budget)  # `mla.sparse_attention`
+    head_rows = rows * (tokens if all_logits else 1)
+    terms = {
+        "index_view": 4 * seqs * s * di,
+        "indexer_logits": seqs * tb * s * (8 * hi + 4),
+        "sparse_rows": 4 * seqs * ts * k * row,
+        "topk": 4 * rows * tokens * k,
+        "moe_dispatch": 8 * dp * rows * tokens * cfg.hidden_size if dp > 1 else 0,
+        "head": 20 * head_rows * cfg.vocab_size,
+        "pool_upcast": pool_pages
+        * page_size
+        * _upcast_per_token(cfg, dtype, index_k_dtype, profile),
+    }
+    index_phase = terms["index_view"] + terms["indexer_logits"]
+    layer = terms["topk"] + max(index_phase, terms["sparse_rows"], terms["moe_dispatch"])
+    return StepBytes(shape, terms, terms["pool_upcast"] + max(layer, terms["head"]))
+
+
+def _upcast_per_token(
+    cfg: ModelConfig, dtype: str, index_k_dtype: str, profile: LoweringProfile
+) -> int:
+    """Bytes per pool token of the upcast copies `profile`'s scatters make (0: none)."""
+
+    def wider(np_dtype) -> int:
+        stored = np.dtype(np_dtype)
+        moved = profile.in_flight_itemsize(stored.name, stored.itemsize)
+        return moved if moved > stored.itemsize else 0
+
+    latent = cfg.num_hidden_layers * cfg.kv_cache_dim * wider(DTYPES[dtype])
+    index_k = (
+        len(cfg.full_indexer_layers) * cfg.index_head_dim * wider(INDEX_K_DTYPES[index_k_dtype])
+    )
+    return latent + index_k
+
+
+def largest_step(
+    cfg: ModelConfig,
+    *,
+    page_size: int,
+    context_length: int,
+    usable_pages: int,
+    rows_per_rank: int,
+    prefill: bool,
+    room: int = 0,
+    draft_tokens: int = 0,
+    batch_invariant: bool = False,
+    block_bytes: int | None = None,
+    dp: int = 1,
+    pool_pages: int = 0,
+    dtype: str = "bfloat16",
+    index_k_dtype: str = "fp8_e4m3",
+    profile: LoweringProfile = XLA_GPU,
+) -> StepBytes | None:
+    """The largest estimate over every step an engine with these limits can dispatch
+    (`steps.reachable_shapes`: decode steps, and its own prefills when `prefill`); a
+    speculative engine's decode steps verify `draft_tokens + 1` tokens per row (and score
+    each); `step_bytes` for the rest. None when no request fits."""
+    best: StepBytes | None = None
+    shapes = reachable_shapes(
+        prefill_form="absorbed",
+        page_size=page_size,
+        context_length=context_length,
+        usable_pages=usable_pages,
+        max_running_requests=rows_per_rank,
+        prefill=prefill,
+        room=room,
+    )
+    for form, rows, tokens, width in shapes:
+        verify = tokens == 1 and draft_tokens > 0
+        if verify:
+            tokens = draft_tokens + 1
+        est = step_bytes(
+            cfg,
+            (form, rows, tokens, width),
+            page_size,
+            batch_invariant=batch_invariant,
+            block_bytes=block_bytes,
+            dp=dp,
+            all_logits=verify,
+            pool_pages=pool_pages,
+            dtype=dtype,
+            index_k_dtype=index_k_dtype,
+            profile=profile,
+        )
+        if best is None or est.total_bytes > best.total_bytes:
+            best = est
+    return best
