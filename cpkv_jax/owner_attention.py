@@ -55,7 +55,7 @@ from cpkv_jax.mesh import CP_AXIS
 from cpkv_jax.model.indexer import index_scores
 from cpkv_jax.model.kv_cache import TRASH_PAGE, OwnerAttentionIO, dequantize_index_k
 from cpkv_jax.model.numerics import block_budget, per_sequence, tokenwise
-from cpkv_jax.pallas.paged_gather import paged_gather
+from cpkv_jax.pallas.paged_gather import GatherImpl, paged_gather
 
 __all__ = ["OwnerCPKVIO", "merge_partials", "owner_attention", "owner_topk"]
 
@@ -91,6 +91,7 @@ def owner_topk(
     cp: int,
     axis: int = 1,
     block_bytes: int | None = None,
+    impl: GatherImpl = "xla",
 ) -> Int[Array, "b t k"]:
     """`select_topk(index_scores(...))` of this rank's query tokens over the whole
     context, each rank scoring only the pages it owns (module docstring, step 1). Runs
@@ -99,14 +100,16 @@ def owner_topk(
     `axis`: the query axis split over `cp`. 1 (prefill): each rank holds some tokens of
     every request, `page_table` / `kv_lens` are the batch's. 0 (decode, `cp_decode`):
     each rank holds whole rows; `page_table` / `kv_lens` are then every rank's rows
-    (`[cp * b, ...]`, replicated), `q` / `w` / `positions` this rank's."""
+    (`[cp * b, ...]`, replicated), `q` / `w` / `positions` this rank's. `impl`
+    (`--kernel-impl`): the owned pages' gather by XLA or the Pallas paged-gather kernel
+    (bitwise the same pages)."""
     owned, logical_pages = owned_pages(page_table, cp)
     b, wo = owned.shape
     page = index_k.shape[1]
-    keys = paged_gather(index_k, owned.reshape(-1)).reshape(b, wo * page, -1)
+    keys = paged_gather(index_k, owned.reshape(-1), impl=impl).reshape(b, wo * page, -1)
     scale = None
     if index_scale is not None:
-        scale = paged_gather(index_scale, owned.reshape(-1)).reshape(b, wo * page)
+        scale = paged_gather(index_scale, owned.reshape(-1), impl=impl).reshape(b, wo * page)
     keys = dequantize_index_k(keys, scale)  # [b, S / cp, d] float32: the one local view
     key_pos = (logical_pages[:, None] * page + jnp.arange(page)).reshape(-1)
     s_full = page_table.shape[1] * page
@@ -144,6 +147,16 @@ def owner_topk(
     )
 
 
+def _take_rows(pool: Array, slots: Array, impl: GatherImpl) -> Array:
+    """`pool` rows at flat `slots` (page * page_size + offset): `[*slots.shape, *row]`."""
+    page = pool.shape[1]
+    if impl == "xla":
+        return pool[slots // page, slots % page]
+    rows = pool.reshape((pool.shape[0] * page, 1, *pool.shape[2:]))  # one-row pages, free
+    out = paged_gather(rows, slots.reshape(-1).astype(jnp.int32), impl=impl)
+    return out.reshape((*slots.shape, *pool.shape[2:]))
+
+
 def merge_partials(
     out: Float[Array, "b n t h c"],
     row_max: Float[Array, "b n t h"],
@@ -178,6 +191,7 @@ def owner_attention(
     axis: int = 1,
     block_bytes: int | None = None,
     capacity: int | None = None,
+    impl: GatherImpl = "xla",
 ) -> Float[Array, "b t h v"]:
     """`sparse_attention(..., form="absorbed")` of this rank's query tokens, each rank
     attending over the selected positions it owns (module docstring, step 2). Runs
@@ -187,7 +201,9 @@ def owner_attention(
     (default `ceil(2 * k / cp)`, twice the even share); a block where some query owns
     more on this rank runs over all `k` instead (`lax.cond`), so the result never
     depends on it. The token blocks are sized for that worst case. `axis`: as in
-    `owner_topk` (0: `page_table` holds every rank's rows)."""
+    `owner_topk` (0: `page_table` holds every rank's rows). `impl`: the selected rows'
+    gather from the lane by XLA or the Pallas kernel over one-row pages (bitwise the same
+    rows, as `kv_cache.take_paged_rows`)."""
     n_heads, nope = q_nope.shape[2], q_nope.shape[3]
     w = w_kv_b.astype(jnp.float32).reshape(n_heads, nope + v_head_dim, kv_lora_rank)
     w_uk, w_uv = w[:, :nope], w[:, nope:]
@@ -201,7 +217,8 @@ def owner_attention(
             pos = jnp.maximum(sel, 0)
             logical = pos // page
             local = jax.vmap(lambda row, i: jnp.take(row, i, axis=0))(page_table, logical)
-            rows = latent[jnp.where(mine, local, TRASH_PAGE), pos % page].astype(jnp.float32)
+            slots = jnp.where(mine, local, TRASH_PAGE) * page + pos % page
+            rows = _take_rows(latent, slots, impl).astype(jnp.float32)
             scores = jnp.einsum("bthc,btkc->bthk", q_all, rows) * scale
             scores = jnp.where(mine[:, :, None, :], scores, -jnp.inf)
             row_max = jnp.max(scores, axis=-1)
@@ -282,6 +299,7 @@ class OwnerCPKVIO(CPKVIO):
                 index_topk,
                 cp=self.cp_size,
                 axis=self.query_axis,
+                impl=self.gather_impl,
             )
 
     def attend(self, q_nope, q_pe, latent, batch, topk, w_kv_b, **dims):
@@ -295,6 +313,7 @@ class OwnerCPKVIO(CPKVIO):
                 w_kv_b,
                 cp=self.cp_size,
                 axis=self.query_axis,
+                impl=self.gather_impl,
                 **dims,
             )
 

@@ -208,6 +208,47 @@ def test_owner_attention_equals_sparse_attention_over_the_full_view(invariant, c
     assert np.all(got[0, 0] == 0) and np.abs(want).max() > 0.1
 
 
+def test_the_pallas_gathers_give_the_xla_paths_bits():
+    """`--kernel-impl pallas` reaches owner attention: the owned index-K pages (fp8 with
+    scales) and the selected latent rows come from the Pallas paged-gather kernel
+    (interpret mode here), and the top-k and the attention output are bitwise the XLA
+    gathers' (the kernel copies bytes)."""
+    rng = np.random.default_rng(21)
+    lengths = [97, 180]
+    table = _layout(rng, lengths)
+    positions = _queries(rng, lengths)
+    n = CP * PAGES_PER_LANE
+    keys = rng.standard_normal((n, PAGE, DIM)).astype(jnp.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, (n, PAGE)).astype(np.float32)
+    q = rng.standard_normal((2, CP * T_LOCAL, HEADS, DIM)).astype(np.float32)
+    w = rng.standard_normal((2, CP * T_LOCAL, HEADS)).astype(np.float32)
+    kv_lens = np.asarray(lengths, np.int32)
+    split = P(None, CP_AXIS)
+
+    def topk(impl):
+        def fn(q, w, keys, scale, table, positions, kv_lens):
+            return owner_topk(q, w, keys, scale, table, positions, kv_lens, 32, cp=CP, impl=impl)
+
+        specs = (split, split, P(CP_AXIS), P(CP_AXIS), P(), split, P())
+        return _run(fn, q, w, keys, scale, table, positions, kv_lens, in_specs=specs)
+
+    np.testing.assert_array_equal(topk("pallas"), topk("xla"))
+    table, latent, q_nope, q_pe, w_kv_b, sel, dims = _attention_inputs(rng, lengths, 24)
+
+    def attend(impl):
+        def fn(q_nope, q_pe, latent, table, sel, w_kv_b):
+            return owner_attention(
+                q_nope, q_pe, latent, table, sel, w_kv_b, cp=CP, impl=impl, **dims
+            )
+
+        specs = (split, split, P(CP_AXIS), P(), split, P())
+        return _run(fn, q_nope, q_pe, latent, table, sel, w_kv_b, in_specs=specs)
+
+    got = attend("pallas")
+    np.testing.assert_array_equal(got, attend("xla"))
+    assert np.abs(got).max() > 0.1
+
+
 def test_merge_partials_is_one_softmax():
     """Partials over disjoint key sets (one empty) merge to the softmax over all keys."""
     rng = np.random.default_rng(0)
