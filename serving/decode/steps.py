@@ -242,21 +242,15 @@ class DecodeSteps(CompiledShapes):
     def warm_feeds(self, rows: set[int]) -> None:
         """Compile the next-ids feed (`PrevTokens`) between every pair of the row buckets
         `rows`: a draw of one bucket feeds a step of any other (rows join and leave)."""
-        for a, b in itertools.product(sorted(rows), repeat=2):
-            tokens = jax.device_put(np.zeros((a,), np.int32), self.logits_sharding)
-            ids = jax.device_put(np.zeros((b, 1), np.int32))
-            _feed_ids(tokens, np.full((b,), -1, np.int32), ids)
+        # Its steps' ids are an uncommitted device array (`batch_from_host`), so these are.
+        _warm_feeds(self, rows, lambda t, src, ids: _feed_ids(t, src, jax.device_put(ids)))
 
     def warm_log_probs(self, rows: set[int]) -> None:
         """Run the small programs around the steps (the log-softmax of `[rows, vocab]`
         logits and the sampler on it) for each batch-row bucket, on committed arrays as
         the steps return them: what `warm` covers by running the steps, for a server
         whose steps compile in the background."""
-        for r in sorted(rows | {1}):
-            logits = jax.device_put(
-                np.zeros((r, self.vocab_size), np.float32), self.logits_sharding
-            )
-            sampling.sample(log_probs(logits, self.batch_invariant), [sampling.GREEDY])
+        _warm_log_probs(self, rows)
 
     def _lower(self, shape: Shape) -> jax.stages.Lowered:
         """Lower step `shape` on the abstract weights, pool and batch: the live pool is
@@ -294,6 +288,27 @@ def _warm(
             logits = steps.prefill(np.full((tokens,), 3, np.int32), trash, width)
         else:
             logits = steps.decode([(3, 0, trash, width)] * rows)
+        sampling.sample(log_probs(logits, steps.batch_invariant), [sampling.GREEDY])
+
+
+def _warm_feeds(
+    steps: DecodeSteps | MeshDecodeSteps | CPMeshDecodeSteps, rows: set[int], feed
+) -> None:
+    """Run `feed` (the executor's next-ids program) from the draw of every logit-row
+    count of the buckets `rows` into a step of every other (rows join and leave)."""
+    counts = sorted({steps.logit_rows(r) for r in rows})
+    for a, b in itertools.product(counts, repeat=2):
+        tokens = jax.device_put(np.zeros((a,), np.int32), steps.logits_sharding)
+        feed(tokens, np.full((b,), -1, np.int32), np.zeros((b, 1), np.int32))
+
+
+def _warm_log_probs(
+    steps: DecodeSteps | MeshDecodeSteps | CPMeshDecodeSteps, rows: set[int]
+) -> None:
+    """The log-softmax and the sampler on `[logit_rows(R), vocab]` logits placed as the
+    executor's steps return them, for each row bucket `R` (and 1)."""
+    for n in sorted({steps.logit_rows(r) for r in rows | {1}}):
+        logits = jax.device_put(np.zeros((n, steps.vocab_size), np.float32), steps.logits_sharding)
         sampling.sample(log_probs(logits, steps.batch_invariant), [sampling.GREEDY])
 
 
@@ -418,20 +433,12 @@ class MeshDecodeSteps:
 
     def warm_feeds(self, rows: set[int]) -> None:
         """`DecodeSteps.warm_feeds` for steps whose busiest rank has `rows` rows."""
-        for a, b in itertools.product(sorted(rows), repeat=2):
-            n = self.logit_rows(b)
-            tokens = jax.device_put(np.zeros((self.logit_rows(a),), np.int32), self.logits_sharding)
-            self._dp.feed_ids(tokens, np.full((n,), -1, np.int32), np.zeros((n, 1), np.int32))
+        _warm_feeds(self, rows, self._dp.feed_ids)
 
     def warm_log_probs(self, rows: set[int]) -> None:
         """The log-softmax and sampler on the steps' replicated `[dp * R, vocab]` logits
         for each row bucket `R` (see `DecodeSteps.warm_log_probs`)."""
-        for r in sorted(rows | {1}):
-            n = self.logit_rows(r)
-            logits = jax.device_put(
-                np.zeros((n, self.vocab_size), np.float32), self.logits_sharding
-            )
-            sampling.sample(log_probs(logits, self.batch_invariant), [sampling.GREEDY])
+        _warm_log_probs(self, rows)
 
     def compiled(self, shape: Shape) -> jax.stages.Compiled:
         return self._dp.compiled(shape)
@@ -524,18 +531,12 @@ class CPMeshDecodeSteps:
 
     def warm_feeds(self, rows: set[int]) -> None:
         """`DecodeSteps.warm_feeds` for the CP steps' row buckets."""
-        for a, b in itertools.product(sorted({self.logit_rows(r) for r in rows}), repeat=2):
-            tokens = jax.device_put(np.zeros((a,), np.int32), self.logits_sharding)
-            self.decoder.feed(tokens, np.full((b,), -1, np.int32), np.zeros((b, 1), np.int32))
+        _warm_feeds(self, rows, self.decoder.feed)
 
     def warm_log_probs(self, rows: set[int]) -> None:
         """The log-softmax and sampler on the steps' replicated logits for each row
         bucket (see `DecodeSteps.warm_log_probs`)."""
-        for r in sorted({self.logit_rows(r) for r in rows | {1}}):
-            logits = jax.device_put(
-                np.zeros((r, self.vocab_size), np.float32), self.logits_sharding
-            )
-            sampling.sample(log_probs(logits, self.batch_invariant), [sampling.GREEDY])
+        _warm_log_probs(self, rows)
 
     def compiled(self, shape: Shape) -> jax.stages.Compiled:
         _, rows, _, width = self.bucket(shape)
