@@ -45,12 +45,12 @@ keeps room for them). A CP group's owner-attention step is not estimated here.
 from __future__ import annotations
 
 import dataclasses
-
-import numpy as np
+import math
 
 from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES, block_rows
 from cpkv_jax.config import ModelConfig
-from cpkv_jax.model.kv_cache import DTYPES, INDEX_K_DTYPES
+from cpkv_jax.kv_layout import KVLayout
+from cpkv_jax.model.kv_cache import DTYPES
 from serving.decode.steps import Shape, reachable_shapes
 from serving.prefill.buffer_estimator import XLA_GPU, LoweringProfile
 
@@ -110,18 +110,15 @@ def step_bytes(
 def _upcast_per_token(
     cfg: ModelConfig, dtype: str, index_k_dtype: str, profile: LoweringProfile
 ) -> int:
-    """Bytes per pool token of the upcast copies `profile`'s scatters make (0: none)."""
-
-    def wider(np_dtype) -> int:
-        stored = np.dtype(np_dtype)
-        moved = profile.in_flight_itemsize(stored.name, stored.itemsize)
-        return moved if moved > stored.itemsize else 0
-
-    latent = cfg.num_hidden_layers * cfg.kv_cache_dim * wider(DTYPES[dtype])
-    index_k = (
-        len(cfg.full_indexer_layers) * cfg.index_head_dim * wider(INDEX_K_DTYPES[index_k_dtype])
-    )
-    return latent + index_k
+    """Bytes per pool token of the upcast copies `profile`'s scatters make (0: none): every
+    buffer of the pool's `KVLayout` whose dtype the backend moves wider, at that width."""
+    layout = KVLayout.from_model(cfg, 1, DTYPES[dtype], index_k_dtype)
+    total = 0
+    for b in layout.buffers:
+        moved = profile.in_flight_itemsize(b.dtype.name, b.dtype.itemsize)
+        if moved > b.dtype.itemsize:
+            total += len(b.layers) * math.prod(b.feature) * moved
+    return total
 
 
 def largest_step(
