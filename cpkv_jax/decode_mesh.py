@@ -20,7 +20,10 @@ the MoE collectives. Logits come back `[dp * rows, vocab]`, rank-major, on the d
 the sampler draws from them there.
 
 `choose_rank` is the admission policy, pure host-side: the rank with the most free
-pages that can take the request, then the fewest running rows, then round robin.
+pages that can take the request, then the fewest running rows, then round robin. With a
+prefix cache per rank (a unified server, `choose_rank_for_prefix`) the rank caching the
+longest prefix of the prompt wins first, unless it runs more than `PREFIX_ROW_SLACK`
+rows beyond the least busy rank that could take the request.
 """
 
 from __future__ import annotations
@@ -134,6 +137,49 @@ def choose_rank(
         if best is None or key < best:
             best = key
     return None if best is None else (best[2] + first) % n
+
+
+# How many more running rows than the least busy rank that could take a request a rank
+# may have and still win it for the prefix it caches: every step pads all ranks to the
+# busiest one's rows, so a shared prefix must not pile its requests onto one rank.
+PREFIX_ROW_SLACK = 2
+
+
+def choose_rank_for_prefix(
+    free_pages: Sequence[int],
+    cached_pages: Sequence[int],
+    running: Sequence[int],
+    need_pages: int,
+    max_running_per_rank: int,
+    first: int = 0,
+    row_slack: int = PREFIX_ROW_SLACK,
+) -> int | None:
+    """`choose_rank` on a server with a prefix cache per rank (issue 36 item 5), or None.
+
+    `cached_pages[r]`: leading pages of the request's prompt rank `r` caches;
+    `free_pages[r]`: pages rank `r` can give it beyond them (free, plus cached pages it
+    may evict other than that prefix). A rank takes it when the two cover `need_pages`
+    and it has a row free. Among those, a rank within `row_slack` rows of the least busy
+    one competes with its cached prefix (longest first); then most free pages, fewest
+    rows and round robin, as `choose_rank` (which this is when nothing is cached)."""
+    n = len(free_pages)
+    fits = [
+        free + cached >= need_pages and rows < max_running_per_rank
+        for free, cached, rows in zip(free_pages, cached_pages, running, strict=True)
+    ]
+    if not any(fits):
+        return None
+    least = min(rows for rows, ok in zip(running, fits, strict=True) if ok)
+    best: tuple[int, int, int, int] | None = None
+    for rank in range(n):
+        if not fits[rank]:
+            continue
+        rows = running[rank]
+        hit = cached_pages[rank] if rows <= least + row_slack else 0
+        key = (-hit, -free_pages[rank], rows, (rank - first) % n)
+        if best is None or key < best:
+            best = key
+    return None if best is None else (best[3] + first) % n
 
 
 @dataclasses.dataclass(frozen=True)

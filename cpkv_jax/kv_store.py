@@ -14,7 +14,9 @@ runs under its lock, and nobody keeps a donated pool" is written once:
   - `transfer.receiver.Receiver`, which delegates to its `PagedKVStore`;
   - `CachedLaneStore`: a CP runner's pool and owner-lane allocator with its radix cache
     (the unified server's default engine, on one device or a CP mesh), evicting cached
-    pages when free ones run out.
+    pages when free ones run out;
+  - `DPPrefixStore`: a DP pool with one radix prefix cache per rank over that rank's
+    shard (the unified server's default on a `("dp",)` mesh).
 
 The pool and the allocator have a lock each, so a commit scatter (under the pool lock)
 never holds up page allocation or a failed room's page release.
@@ -22,6 +24,7 @@ never holds up page allocation or a failed room's page release.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Protocol, TypeVar, runtime_checkable
@@ -29,13 +32,13 @@ from typing import Protocol, TypeVar, runtime_checkable
 import numpy as np
 from jax.typing import DTypeLike
 
-from cpkv_jax.cache.radix import RadixCache, alloc_with_evict
+from cpkv_jax.cache.radix import RadixCache, RadixNode, alloc_with_evict, table_from_prefix
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool, init_pool
-from cpkv_jax.paging import PageAllocator
+from cpkv_jax.paging import TRASH_PAGE, PageAllocator
 
 T = TypeVar("T")
 
@@ -288,3 +291,153 @@ class CachedLaneStore(_OnDevice):
 
     def free_pages(self, pages: np.ndarray) -> None:
         self.free_logical(0, pages)
+
+
+@dataclasses.dataclass(eq=False)
+class PrefixHold:
+    """What one request holds of its rank's prefix cache (`DPPrefixStore`): the path to
+    `node` locked (its cached leading pages), and its own pages from logical page
+    `own_from` on."""
+
+    rank: int
+    node: RadixNode
+    own_from: int
+
+
+class DPPrefixStore(_OnDevice):
+    """A `KVStore` over a DP pool with one radix prefix cache per rank (issue 36 item 5).
+
+    Rank `r` holds global pages `[r * pages_per_rank, (r + 1) * pages_per_rank)`, its
+    first one its trash page (`decode_mesh.DPPoolLayout`); its free list and radix cache
+    speak rank-local ids (a one-lane `OwnerLaneAllocator` and `RadixCache` each), the
+    engine global ones. A request's pages are all on one rank, as on a plain DP pool:
+
+    1. `admit(rank, prompt, n_pages)`: the rank's longest cached prefix of
+       `prompt[:-1]` (at least one token is computed) is locked and the rest of the
+       `n_pages` allocated, evicting that rank's unlocked cached pages when its free ones
+       run short (all or nothing);
+    2. `hold_prompt` after its prefill: the prompt's whole pages go into the cache at
+       once, locked (a request arriving meanwhile matches them), as the prefill
+       scheduler's `hold_finished` does;
+    3. `release` when it ends: its own pages are freed, the prefix unlocked (cached,
+       evictable).
+
+    The lock keeps the counters consistent for stats readers on other threads; only the
+    engine's thread changes the caches."""
+
+    def __init__(
+        self, pool: KVPool | DevicePool | None, ranks: int, pages_per_rank: int, page_size: int
+    ):
+        device = pool if isinstance(pool, DevicePool) else DevicePool(pool)
+        if not device.host_only and device.pool.num_pages != ranks * pages_per_rank:
+            raise ConfigError(
+                f"the pool has {device.pool.num_pages} pages, not {ranks} ranks x "
+                f"{pages_per_rank}; build both from the same layout"
+            )
+        self.device = device
+        self.ranks = ranks
+        self.pages_per_rank = pages_per_rank
+        self.page_size = page_size
+        self._allocators = [OwnerLaneAllocator(1, pages_per_rank) for _ in range(ranks)]
+        self.caches = [RadixCache(a, page_size) for a in self._allocators]
+        self._lock = threading.RLock()
+
+    # ---- counts ----------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return sum(self.num_free_pages_per_rank)
+
+    @property
+    def num_free_pages_per_rank(self) -> tuple[int, ...]:
+        """Free pages of each rank (cached ones not counted: `cached_pages_per_rank`)."""
+        with self._lock:
+            return tuple(a.num_free(0) for a in self._allocators)
+
+    def cached_pages_per_rank(self) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(int(c.total_pages_per_lane()[0]) for c in self.caches)
+
+    def peek(self, rank: int, tokens: np.ndarray) -> tuple[int, int]:
+        """`(cached, capacity)` for a request whose prompt is `tokens` (+ one token) on
+        `rank`: the leading pages of it the rank caches, and the pages the rank can give
+        it beyond them (free, plus evictable pages other than that prefix). Read-only."""
+        with self._lock:
+            cache = self.caches[rank]
+            cached, unlocked = cache.peek_prefix(tokens[:-1])
+            free = self._allocators[rank].num_free(0)
+            return cached, free + int(cache.evictable_pages_per_lane()[0]) - unlocked
+
+    # ---- one request's pages ---------------------------------------------------------
+    def admit(self, rank: int, prompt: np.ndarray, n_pages: int) -> tuple[np.ndarray, PrefixHold]:
+        """Global pages `[n_pages]` for a request on `rank`: its cached prefix first
+        (locked), then its own (see the class docstring); `CacheCapacityError` with
+        nothing held when the rank cannot give them. The hold's `own_from * page_size`
+        prompt tokens need no prefill."""
+        with self._lock:
+            cache = self.caches[rank]
+            match = cache.match_prefix(prompt[:-1])
+            cache.inc_lock_ref(match.node)  # before anything can evict it
+            table = table_from_prefix(cache, match)
+            try:
+                alloc_with_evict(cache, table, n_pages * self.page_size)
+            except BaseException:
+                cache.dec_lock_ref(match.node)
+                raise
+            local = table.detach()
+        return self._global(rank, local), PrefixHold(rank, match.node, match.num_pages)
+
+    def hold_prompt(self, hold: PrefixHold, prompt: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """After the request's prefill: cache its prompt's whole pages, locked by it; its
+        pages from then on (the cache's where another request cached the same tokens
+        first: `insert` freed the duplicates, and the KV is the same)."""
+        ps = self.page_size
+        whole = len(prompt) // ps
+        with self._lock:
+            cache = self.caches[hold.rank]
+            local = self._local(hold.rank, pages)
+            cache.insert(prompt[: whole * ps], local[:whole])
+            match = cache.match_prefix(prompt[: whole * ps])
+            assert match.num_pages == whole, "pages inserted a moment ago must match"
+            cache.inc_lock_ref(match.node)
+            cache.dec_lock_ref(hold.node)
+            hold.node, hold.own_from = match.node, whole
+            local = np.concatenate([match.local_pages, local[whole:]])
+        return self._global(hold.rank, local)
+
+    def release(self, hold: PrefixHold, pages: np.ndarray) -> None:
+        """The request ended: its own pages freed, its cached prefix unlocked."""
+        with self._lock:
+            own = self._local(hold.rank, pages)[hold.own_from :]
+            self._allocators[hold.rank].free(np.zeros(own.size, np.int64), own)
+            self.caches[hold.rank].dec_lock_ref(hold.node)
+
+    def reset_caches(self) -> None:
+        """Drop every rank's cache (a server that stopped: free == total unless leaked)."""
+        with self._lock:
+            for cache in self.caches:
+                cache.reset()
+
+    # ---- KVStore: pages without the cache (the warm-up probe's) ---------------------
+    def allocate_pages(self, n: int, rank: int = 0) -> np.ndarray:
+        """`n` pages of `rank` for a request that caches nothing, evicting when needed."""
+        with self._lock:
+            table = RequestPageTable.from_prefix(1, np.zeros(0, np.int32), 0, self.page_size)
+            alloc_with_evict(self.caches[rank], table, n * self.page_size)
+            return self._global(rank, table.detach())
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        """Give back pages `allocate_pages` gave (any ranks')."""
+        pages = np.asarray(pages, np.int64).reshape(-1)
+        with self._lock:
+            for rank in np.unique(pages // self.pages_per_rank):
+                local = self._local(int(rank), pages[pages // self.pages_per_rank == rank])
+                self._allocators[int(rank)].free(np.zeros(local.size, np.int64), local)
+
+    def _global(self, rank: int, local: np.ndarray) -> np.ndarray:
+        return np.asarray(local, np.int64) + rank * self.pages_per_rank
+
+    def _local(self, rank: int, pages: np.ndarray) -> np.ndarray:
+        local = np.asarray(pages, np.int64) - rank * self.pages_per_rank
+        if local.size and (local.min() <= TRASH_PAGE or local.max() >= self.pages_per_rank):
+            raise ValueError(f"pages {np.asarray(pages).tolist()} are not all rank {rank}'s")
+        return local

@@ -4,10 +4,12 @@
 the app on their own uvicorn); `run_server(args)` serves until SIGTERM / SIGINT.
 
 Modes (`--disaggregation-mode`):
-- `null`: `CachedUnifiedEngine` on one device (the prefill scheduler with its radix
-  cache, and the host cache with `--enable-hierarchical-cache`, feeding the decode batch
-  on one pool); with `--disable-radix-cache` the plain `DecodeEngine(mode="null")` over
-  a `PagedKVStore`, each prompt prefilled whole;
+- `null`: `CachedUnifiedEngine` on one device or a CP mesh (the prefill scheduler with
+  its radix cache, and the host cache with `--enable-hierarchical-cache`, feeding the
+  decode batch on one pool); on a DP mesh (`--dp-size N`) a `DecodeEngine` whose intake
+  is `dp_prefix.DPPrefixPrefill` over a `DPPrefixStore` (a radix cache per rank, prompts
+  prefilled whole from their cached prefix); with `--disable-radix-cache` the plain
+  `DecodeEngine(mode="null")` over a `PagedKVStore`, each prompt prefilled whole;
 - `decode`: a `transfer.receiver.Receiver` owns the pool and allocator (page-addressed
   writes from the prefill ranks land in it), served over gRPC on `--transfer-port` (plus
   a Mooncake receiver endpoint with `--transfer-backend mooncake`), and
@@ -54,9 +56,9 @@ from cpkv_jax.buckets import min_block
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_decode import CPDecoder
 from cpkv_jax.cp_prefill import CPPrefillRunner
-from cpkv_jax.decode_mesh import DPPoolLayout, init_dp_pool
+from cpkv_jax.decode_mesh import PREFIX_ROW_SLACK, DPPoolLayout, init_dp_pool
 from cpkv_jax.errors import ConfigError
-from cpkv_jax.kv_store import PagedKVStore
+from cpkv_jax.kv_store import DPPrefixStore, PagedKVStore
 from cpkv_jax.mesh import make_cp_mesh, make_dp_mesh
 from cpkv_jax.model.kv_cache import DTYPES, PagedKVIO, init_pool
 from cpkv_jax.model.transformer import CausalLM
@@ -66,6 +68,7 @@ from serving.api_keys import ApiKeys
 from serving.compilation_cache import enable_compilation_cache
 from serving.compile_events import COMPILES
 from serving.decode.cached import CachedUnifiedEngine
+from serving.decode.dp_prefix import DPPrefixPrefill
 from serving.decode.engine import DecodeEngine
 from serving.engine.api import GenerateRequest, SamplingParams, StepEngine
 from serving.engine.loop import EngineLoop
@@ -133,6 +136,8 @@ class Server:
         """Evict the prefix cache (after shutdown), so free == total unless leaked."""
         if isinstance(self.engine, PrefillModeEngine | CachedUnifiedEngine):
             self.engine.scheduler.cache.reset()
+        elif isinstance(self.engine, DecodeEngine) and isinstance(self.engine.kv, DPPrefixStore):
+            self.engine.kv.reset_caches()
 
     def kv_free_summary(self) -> str:
         stats = self.engine.stats()
@@ -208,7 +213,7 @@ def _build_decode_side(
     devices: list,
     grammar: GrammarBackend | None = None,
 ) -> tuple[DecodeEngine, dict[str, Any], list[Callable[[], None]]]:
-    if args.uses_prefix_cache():
+    if args.uses_prefill_scheduler():
         return _build_cached_unified(args, cfg, model, tokenizer, devices, grammar)
     dtype = DTYPES[args.dtype]
     # Speculative decoding keeps the MTP layer's KV in the same pages (one more layer).
@@ -247,8 +252,18 @@ def _build_decode_side(
             cfg.n_routed_experts // dp,
         )
     closers: list[Callable[[], None]] = []
-    if args.disaggregation_mode == "null":
-        kv: Any = PagedKVStore(pool, PageAllocator(dp * pages, ranks=dp))
+    intake = None
+    if args.disaggregation_mode == "null" and args.uses_prefix_cache():
+        # A DP mesh (one device goes through the prefill scheduler): a cache per rank.
+        kv: Any = DPPrefixStore(pool, dp, pages, args.page_size)
+        intake = DPPrefixPrefill(kv)
+        logger.info(
+            "prefix cache: one radix cache per DP rank, a request sent to the rank caching "
+            "its longest prefix (within %d running rows of the least busy rank)",
+            PREFIX_ROW_SLACK,
+        )
+    elif args.disaggregation_mode == "null":
+        kv = PagedKVStore(pool, PageAllocator(dp * pages, ranks=dp))
     else:
         from transfer.page_plan import LayoutDescriptor
         from transfer.protocol import TransferTimeouts
@@ -286,6 +301,7 @@ def _build_decode_side(
         model,
         kv,
         mode=args.disaggregation_mode,
+        intake=intake,
         max_running_requests=running,
         max_queued_requests=args.max_queued_requests,
         detokenize=_detokenizer(tokenizer),

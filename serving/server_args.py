@@ -453,7 +453,8 @@ class ServerArgs:
         help="unified server (null mode): no prefix cache; each prompt is prefilled whole "
         "in one step. By default it keeps the radix prefix cache and prefills through the "
         "prefill scheduler (--chunked-prefill-size chunks, the admission gates) between "
-        "decode steps",
+        "decode steps; with --dp-size N, one cache per rank, each request sent to the rank "
+        "caching its longest prefix (prompts prefilled whole, one per rank a step)",
         group="scheduler",
     )
     disable_overlap_schedule: bool = _arg(
@@ -1131,8 +1132,9 @@ class ServerArgs:
     def _check_data_parallel(
         self, model_config: ModelConfig | None, device_count: int | None, warnings: list[str]
     ) -> None:
-        """`--dp-size N > 1`: a decode server, or a unified one without the prefix cache
-        (its prefill scheduler is one device's still); experts split evenly."""
+        """`--dp-size N > 1`: a decode server, or a unified one (with a prefix cache per
+        rank, `serving.decode.dp_prefix`, unless `--disable-radix-cache`); experts split
+        evenly."""
         dp = self.dp_size
         if dp < 1:
             raise ServerArgsError(f"--dp-size must be >= 1, got {dp}")
@@ -1143,10 +1145,17 @@ class ServerArgs:
                 f"--dp-size {dp} is for decode: a prefill server splits a request over "
                 "--cp-size ranks instead; use --dp-size 1 here"
             )
-        if self.uses_prefix_cache():
+        if self.uses_prefix_cache() and self.enable_hierarchical_cache:
             raise ServerArgsError(
-                f"--dp-size {dp} on a unified server needs --disable-radix-cache: the prefix "
-                "cache's scheduler runs on one device (a cache per DP rank is not built yet)"
+                f"--enable-hierarchical-cache with --dp-size {dp}: the host cache backs one "
+                "device's prefix cache (a host cache per DP rank is not built); drop it, or "
+                "use --dp-size 1"
+            )
+        if self.uses_prefix_cache() and self.speculative_enabled():
+            raise ServerArgsError(
+                f"--speculative-algorithm on a unified server with --dp-size {dp} needs "
+                "--disable-radix-cache: the prefix cache per DP rank does not keep the MTP "
+                "layer's KV yet"
             )
         if device_count is not None and (dp > device_count or device_count % dp):
             raise ServerArgsError(
@@ -1244,9 +1253,14 @@ class ServerArgs:
             )
 
     def uses_prefix_cache(self) -> bool:
-        """Whether a unified server serves through the prefill scheduler and its radix
-        cache (`CachedUnifiedEngine`) rather than whole-prompt prefill."""
+        """Whether a unified server keeps a radix prefix cache (the default)."""
         return self.disaggregation_mode == "null" and not self.disable_radix_cache
+
+    def uses_prefill_scheduler(self) -> bool:
+        """Whether a unified server prefills through the prefill scheduler on one device
+        or a CP mesh (`CachedUnifiedEngine`); on a DP mesh the engine's own steps prefill,
+        with a prefix cache per rank (`serving.decode.dp_prefix`) or whole prompts."""
+        return self.uses_prefix_cache() and self.dp_size == 1
 
     def _hicache_unbuilt(self) -> list[str]:
         """Valid host-cache launch lines this server cannot run yet (SPEC S4): the host

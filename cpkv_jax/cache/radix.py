@@ -194,6 +194,28 @@ class RadixCache:
         pages = np.concatenate(matched) if matched else np.zeros((0,), dtype=np.int32)
         return PrefixMatch(num_tokens=pos * self.page_size, local_pages=pages, node=node)
 
+    def peek_prefix(self, token_ids: Int[np.ndarray, " n"]) -> tuple[int, int]:
+        """`(pages, unlocked)`: the whole pages of the longest cached prefix of
+        `token_ids` and how many of them sit in unlocked (evictable) nodes.
+
+        Read-only (no split, no access time), so a caller can compare caches before it
+        picks one (a DP server's ranks): locking that match takes `unlocked` pages out of
+        what eviction could free."""
+        key = self._whole_pages(token_ids)
+        n_pages = key.size // self.page_size
+        node, pos, unlocked = self._root, 0, 0
+        while pos < n_pages:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            m = self._matching_pages(child, key, pos)
+            unlocked += m if child.lock_ref == 0 else 0
+            pos += m
+            if m < child.num_pages:
+                break
+            node = child
+        return pos, unlocked
+
     def _walk(self, key: np.ndarray, n_pages: int) -> Iterator[tuple[RadixNode, int, int]]:
         """Descend the cached prefix of `key` (whole pages, up to `n_pages`): yields each
         node on the path as (node, its start page, pages of it that match), splitting a

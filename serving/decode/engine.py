@@ -10,8 +10,9 @@ One `DecodeEngine` runs the batch for every server mode behind the `StepEngine` 
 - the intake (`serving.decode.intake`): how an admitted request's prompt KV and first
   token arrive - a whole-prompt prefill by the engine's own steps (`LocalPrefill`,
   unified with `--disable-radix-cache`), a PD transfer room (`TransferIntake`, decode
-  mode), or the CP prefill scheduler with the prefix cache (`cached.CachedPrefill`, the
-  unified default);
+  mode), the CP prefill scheduler with the prefix cache (`cached.CachedPrefill`, the
+  unified default on one device or a CP mesh), or whole-prompt prefill from a prefix
+  cache per DP rank (`dp_prefix.DPPrefixPrefill`, the unified default on a DP mesh);
 - the KV store (`cpkv_jax.kv_store.KVStore`): the pool, donated to every step through
   `update_pool`, and its page allocator;
 - the step executor (`serving.decode.steps.DecodeSteps`, `MeshDecodeSteps` on a DP
@@ -471,17 +472,29 @@ class DecodeEngine:
         count), and a penalty slot if it needs one (a draft-state slot when speculative)."""
         return self.rank_for(r) is not None and self.penalty_slot_free(r)
 
-    def rank_for(self, r: DecodeRequest) -> int | None:
+    def rank_for(
+        self,
+        r: DecodeRequest,
+        free: Sequence[int] | None = None,
+        cached: Sequence[int] | None = None,
+    ) -> int | None:
         """The rank `r` would be admitted to now (`decode_mesh.choose_rank`), or None:
-        the total batch is full, or no rank has a row and `r`'s pages free."""
+        the total batch is full, or no rank has a row and `r`'s pages free. An intake
+        with a prefix cache per rank gives `cached` (leading pages of `r` each rank
+        caches) and `free` (pages each rank can give beyond them)."""
         held = sum(1 for _ in self.intake.in_flight())
         if held + len(self.running) >= self.max_running_requests:
             return None
-        free = self.kv.num_free_pages_per_rank
+        free = tuple(self.kv.num_free_pages_per_rank if free is None else free)
         if self.spec is not None:  # a rank without a free draft-state slot takes no one
             free = tuple(f if self.spec.free_slots_on(k) else 0 for k, f in enumerate(free))
         return self.placement.choose(
-            free, self._rows_per_rank(), r.n_pages, self._max_rows_per_rank, self._next_rank
+            free,
+            self._rows_per_rank(),
+            r.n_pages,
+            self._max_rows_per_rank,
+            self._next_rank,
+            cached,
         )
 
     def penalty_slot_free(self, r: DecodeRequest) -> bool:
@@ -489,10 +502,11 @@ class DecodeEngine:
             return self.spec.free_slots > 0
         return self.sampler.slot_free(r, {q.rid for q in self._in_flight()})
 
-    def admit(self, r: DecodeRequest, rank: int) -> None:
-        """Allocate `r`'s pages on `rank` (a CP group: logical page `p` on lane `p % cp`)
-        and reserve its penalty slot (`fits_now`)."""
-        r.pages = self.placement.allocate(self.kv, r.n_pages, rank)
+    def admit(self, r: DecodeRequest, rank: int, pages: np.ndarray | None = None) -> None:
+        """Allocate `r`'s pages on `rank` (a CP group: logical page `p` on lane `p % cp`),
+        or take `pages` its intake allocated there, and reserve its penalty slot
+        (`fits_now`)."""
+        r.pages = self.placement.allocate(self.kv, r.n_pages, rank) if pages is None else pages
         r.rank = rank
         self.take_slots(r)
         self.admitted_per_rank[rank] += 1
@@ -970,11 +984,14 @@ class DecodeEngine:
                 functools.partial(_emitted, token[i], lp[i], _pairs(r, top, i))
                 for i, r in enumerate(batch)
             ]
-        if len(batch) == 1:
-            logits = self.steps.prefill(batch[0].prompt, batch[0].pages, batch[0].width)
-        else:  # one per DP rank
-            assert isinstance(self.steps, MeshDecodeSteps)
-            logits = self.steps.prefill_many([(q.prompt, q.pages, q.width) for q in batch])
+        if isinstance(self.steps, MeshDecodeSteps):  # one per DP rank, from its cached prefix
+            logits = self.steps.prefill_many(
+                [(q.prompt, q.pages, q.width) for q in batch], [q.prefill_from for q in batch]
+            )
+        else:
+            (r,) = batch
+            assert r.prefill_from == 0, "a prefix hit is prefilled on a DP mesh only"
+            logits = self.steps.prefill(r.prompt, r.pages, r.width)
         drawn = self.sampler.draw(batch, logits)
         return [functools.partial(drawn.pick, i) for i in range(len(batch))]
 

@@ -11,7 +11,9 @@ and its first token, and that is an `Intake`:
   a transfer room with the receiver, which the prefill server's ranks write into; the
   room's success carries the first token, its failure fails the request;
 - `serving.decode.cached.CachedPrefill` (the unified server's default): the CP prefill
-  scheduler at cp 1 with the radix prefix cache (and the host cache) prefills.
+  scheduler at cp 1 with the radix prefix cache (and the host cache) prefills;
+- `serving.decode.dp_prefix.DPPrefixPrefill` (the unified default on a DP mesh): as
+  `LocalPrefill`, from a prefix cache per rank.
 
 An intake drives its engine through the engine's admission and production methods
 (`queue`, `fits_now` / `rank_for`, `admit`, `start`, `produce` / `sample`, `fail` /
@@ -46,8 +48,8 @@ _ROOM_FAILED = "FAILED"
 
 PROMPT_LOGPROBS_ELSEWHERE = (
     "prompt log-probs (echo with logprobs, logprob_start_len) are computed by a "
-    "unified server with its radix cache (the default; not with "
-    "--disable-radix-cache, nor in PD mode): send them there"
+    "unified server with its radix cache on one device or a CP mesh (the default; not "
+    "with --disable-radix-cache, --dp-size above 1, nor in PD mode): send them there"
 )
 
 
@@ -131,12 +133,10 @@ class LocalPrefill:
         e = self.engine
         batch: list[DecodeRequest] = []
         while (r := e.queue.head()) is not None and len(batch) < e.dp_size:
-            rank = e.rank_for(r)
-            if rank is None or any(q.rank == rank for q in batch):
-                break  # FIFO: nobody overtakes the head (nor shares a rank's prefill)
-            if not e.penalty_slot_free(r):
-                break
-            e.admit(r, rank)
+            rank = self._rank_for(r, {q.rank for q in batch})
+            if rank is None or not e.penalty_slot_free(r):
+                break  # FIFO: nobody overtakes the head
+            self._admit(r, rank)
             e.queue.pop(r.rid)
             e.start(r)
             batch.append(r)
@@ -147,8 +147,21 @@ class LocalPrefill:
         except Exception as exc:
             e.step_failed("the prefill step", exc, batch, touched)
             return
+        self._prefilled(batch)
         for q, pick in zip(batch, picks, strict=True):  # a failed draw fails that request alone
             e.produce(q, touched, pick)
+
+    def _rank_for(self, r: DecodeRequest, busy: set[int]) -> int | None:
+        """The rank `r` goes to now, or None; a rank in `busy` already prefills this step
+        (it waits for the next: nobody shares a rank's prefill)."""
+        rank = self.engine.rank_for(r)
+        return None if rank in busy else rank
+
+    def _admit(self, r: DecodeRequest, rank: int) -> None:
+        self.engine.admit(r, rank)
+
+    def _prefilled(self, batch: list[DecodeRequest]) -> None:
+        """After the prefill step of `batch` (its first tokens not drawn yet)."""
 
     def lookup(self, rid: str) -> DecodeRequest | None:
         return None

@@ -3,7 +3,9 @@ between `DecodeEngine`'s admission and page accounting and the kind of mesh it r
 
 - `RankPlacement` (one device, or a `("dp",)` mesh): all of a request's pages on one
   rank, chosen by `decode_mesh.choose_rank` (most free pages, then fewest rows, then
-  round robin); free pages and usable pages are per rank; step shapes run as bucketed.
+  round robin; with a prefix cache per rank, `choose_rank_for_prefix`: the rank caching
+  the longest prefix first); free pages and usable pages are per rank; step shapes run
+  as bucketed.
 - `StripedPlacement` (a CP group, issue 40): the group is one rank whose pages are
   striped by owner, logical page `p` on lane `p % cp` (global page ids, as a DP pool's
   shards); a request is admitted when every lane has its share, free pages are the
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpkv_jax.decode_mesh import choose_rank
+from cpkv_jax.decode_mesh import choose_rank, choose_rank_for_prefix
 from cpkv_jax.kv_store import KVStore
 from serving.decode.steps import CPMeshDecodeSteps, Shape
 
@@ -42,8 +44,15 @@ class RankPlacement:
         n_pages: int,
         max_rows_per_rank: int,
         first: int,
+        cached: Sequence[int] | None = None,
     ) -> int | None:
-        """The rank a request of `n_pages` pages is admitted to now, or None."""
+        """The rank a request of `n_pages` pages is admitted to now, or None. `cached`:
+        with a prefix cache per rank, the leading pages of it each rank caches (then
+        `free_per_shard` counts what each rank can give beyond them)."""
+        if cached is not None:
+            return choose_rank_for_prefix(
+                free_per_shard, cached, rows_per_rank, n_pages, max_rows_per_rank, first
+            )
         return choose_rank(free_per_shard, rows_per_rank, n_pages, max_rows_per_rank, first)
 
     def allocate(self, kv: KVStore, n_pages: int, rank: int) -> np.ndarray:
@@ -75,9 +84,12 @@ class StripedPlacement:
         n_pages: int,
         max_rows_per_rank: int,
         first: int,
+        cached: Sequence[int] | None = None,
     ) -> int | None:
         """0 when every lane has its share of `n_pages` free, else None (the batch's row
-        bound is the engine's total, checked before)."""
+        bound is the engine's total, checked before). A CP group's prefix cache is its
+        runner's scheduler's: `cached` is never given."""
+        assert cached is None, "a CP group admits through its prefill scheduler"
         short = np.asarray(free_per_shard) < self.steps.striped(n_pages)
         return None if short.any() else 0
 

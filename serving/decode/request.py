@@ -30,6 +30,9 @@ class DecodeRequest:
     # The prefix-cache hit of its prefill (a PD decode server: from the transfer's aux).
     cached_tokens: int = 0
     host_cached_tokens: int = 0
+    # The first prompt position the engine's own prefill computes: a prefix cache per DP
+    # rank had the KV before it in the request's pages (`serving.decode.dp_prefix`).
+    prefill_from: int = 0
     finish: StopResult | None = None
     error: str | None = None
     # Tokens drawn on the device and not recorded yet (0 or 1: a decode step in flight).

@@ -397,13 +397,20 @@ class MeshDecodeSteps:
         """Logits after the prompt's last token, row 0 (the request) of the step's."""
         return self.prefill_many([(prompt, pages, width)])
 
-    def prefill_many(self, requests: Sequence[tuple[np.ndarray, np.ndarray, int]]) -> jax.Array:
+    def prefill_many(
+        self,
+        requests: Sequence[tuple[np.ndarray, np.ndarray, int]],
+        starts: Sequence[int] | None = None,
+    ) -> jax.Array:
         """One step prefilling `(prompt, pages, width)` requests, each on its pages' rank
-        (at most one per rank: a prefill row is one request's whole prompt); row `i` of
-        the logits is after `requests[i]`'s last prompt token."""
+        (at most one per rank: a prefill row is one request's prompt); row `i` of the
+        logits is after `requests[i]`'s last prompt token. `starts[i]`: the prompt
+        positions before it already have their KV in the pages (a prefix-cache hit), so
+        only the rest is fed."""
+        starts = [0] * len(requests) if starts is None else starts
         rows = [
-            DPRow(self._rank(pages), np.asarray(prompt, np.int32), 0, pages, width)
-            for prompt, pages, width in requests
+            DPRow(self._rank(pages), np.asarray(prompt[start:], np.int32), start, pages, width)
+            for (prompt, pages, width), start in zip(requests, starts, strict=True)
         ]
         if len({r.rank for r in rows}) != len(rows):
             raise ValueError("a DP prefill step takes at most one request per rank")

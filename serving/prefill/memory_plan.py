@@ -29,7 +29,8 @@ allocation):
 - decode steps (null / decode servers): `serving.decode.step_memory.largest_step`, the
   largest of every step shape the engine can dispatch with this pool and these limits
   (rows per DP rank, page-table widths the pool holds, a speculative step's draft tokens,
-  the engine's own prefills with `--disable-radix-cache`); a CP group's owner-attention
+  the engine's own prefills with `--disable-radix-cache` or on a DP mesh); a CP group's
+  owner-attention
   step is not estimated (0, said in the source). The plan adds it to the prefill
   transient, though the two steps run apart (an upper bound);
 - FP8 dequantization: the step dequantizes one layer at a time, so the largest decoder
@@ -379,7 +380,7 @@ def decode_step_bytes_per_device(
     running, _ = max_running_requests(args, dp * (pages - 1))
     spec = args.speculative_steps()
     room = speculative_room(spec, not args.disable_overlap_schedule) if spec else 0
-    own_prefill = args.disaggregation_mode == "null" and not args.uses_prefix_cache()
+    own_prefill = args.disaggregation_mode == "null" and not args.uses_prefill_scheduler()
     step = largest_step(
         cfg,
         page_size=args.page_size,

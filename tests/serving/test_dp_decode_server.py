@@ -1,17 +1,19 @@
-"""A unified server decoding on a ("dp",) mesh (`--dp-size 4 --disable-radix-cache`,
-issue 36): the tiny model's routed experts split over 4 virtual CPU devices (reached by
-the padded all-to-all dispatch here), each request's pages in one rank's shard of the
-pool.
+"""A unified server decoding on a ("dp",) mesh (`--dp-size 4`, issue 36): the tiny
+model's routed experts split over 4 virtual CPU devices (reached by the padded
+all-to-all dispatch here), each request's pages in one rank's shard of the pool, with
+the default prefix cache, one per rank (item 5, `serving.decode.dp_prefix`).
 
 Concurrent requests of mixed lengths give the single-device reference's greedy tokens
 (compared exactly: the reference and the DP step run the same model code; rows batched
 with others may differ in the last bits of a log-prob, which never flips an argmax
-here), land on more than one rank, and every rank's pages come back; `/server_info`
-reports the ranks. Flag checks refuse what DP decode does not do.
+here), land on more than one rank, and every rank's pages come back (free or cached);
+a second wave sharing a prompt's pages reuses them, and still equals the reference;
+`/server_info` reports the ranks. Flag checks refuse what DP decode does not do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import re
 
@@ -19,7 +21,13 @@ import httpx
 import numpy as np
 import pytest
 from support.prefill_server import float32_args
-from support.unified_server import greedy_ids, serving, unified_args
+from support.unified_server import (
+    generate_or_leave,
+    greedy_ids,
+    serving,
+    settled_held_pages,
+    unified_args,
+)
 
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.model.weights import load_model
@@ -41,7 +49,6 @@ def dp_server(tiny_checkpoints):
         12,  # pages per rank
         "--dp-size",
         str(DP),
-        "--disable-radix-cache",
         "--max-running-requests",
         "8",
         # The padded all-to-all expert dispatch (exact at its default capacity); the PD
@@ -61,15 +68,23 @@ def test_dp_unified_server_equals_the_reference(dp_server):
     prompts = [
         rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 2 * P, 3 * P + 3, 9, 40, 17)
     ]
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(lambda ids: greedy_ids(served.url, ids, NEW, WAIT_S), prompts))
+    # A second wave shares the 2-page prompt's pages, cached on the rank that ran it.
+    shared = [prompts[1] + rng.integers(3, cfg.vocab_size, n).tolist() for n in (3, 11, 6)]
     ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
-    for ids, out in zip(prompts, got, strict=True):
-        assert out == ref.generate(ids, NEW, ignore_eos=True).output_ids
+    for wave in (prompts, shared):
+        with concurrent.futures.ThreadPoolExecutor(len(wave)) as pool:
+            got = list(pool.map(lambda ids: greedy_ids(served.url, ids, NEW, WAIT_S), wave))
+        for ids, out in zip(wave, got, strict=True):
+            assert out == ref.generate(ids, NEW, ignore_eos=True).output_ids
     assert sum(n > 0 for n in engine.admitted_per_rank) > 1  # spread over the ranks
     stats = engine.stats()
     assert len(stats.kv_pages_total) == DP
-    assert stats.kv_pages_free == stats.kv_pages_total  # every rank's pages back
+    assert stats.prefix_cache_hit_tokens >= 2 * P  # the first of the wave, at least
+    # Every rank's pages back: free, or cached and unlocked.
+    assert [f + c for f, c in zip(stats.kv_pages_free, stats.kv_pages_cached, strict=True)] == [
+        *stats.kv_pages_total
+    ]
+    assert all(cache.protected_size() == 0 for cache in engine.kv.caches)
     ranks = {shape[1] for shape in engine.step_shapes}  # rows per rank ran in buckets
     assert ranks and all(r & (r - 1) == 0 for r in ranks)
     info = httpx.get(served.url + "/server_info", timeout=10).json()
@@ -81,10 +96,50 @@ def test_dp_unified_server_equals_the_reference(dp_server):
     assert steps is not None and float(steps[1]) >= NEW - 1  # each request's decode steps
 
 
+def test_many_clients_with_disconnects_leave_every_rank_s_pages(dp_server):
+    """20 clients over 4 shared prefixes (the ranks' caches locked and evicted under
+    load), sampled and greedy, a third of them streaming and leaving after their first
+    event: every finished answer has its length, and once idle no rank holds a page
+    beyond its cache, nothing locked."""
+    cfg, _, server, served = dp_server
+    engine = server.engine
+    rng = np.random.default_rng(12)
+    heads = [rng.integers(3, cfg.vocab_size, P).tolist() for _ in range(4)]
+    jobs = [
+        (heads[i % 4] + rng.integers(3, cfg.vocab_size, int(rng.integers(2, 30))).tolist(), i)
+        for i in range(20)
+    ]
+
+    async def one(client: httpx.AsyncClient, ids: list[int], i: int) -> str | None:
+        sampling = {"max_new_tokens": 3 + i % 5, "ignore_eos": True}
+        sampling["temperature"] = 0.0 if i % 2 else 0.8
+        return await generate_or_leave(client, ids, sampling, i % 3 == 0, str(i))
+
+    async def run() -> list[str | None]:
+        # Generous: sampled rows compile their draws on first use here, and CI machines
+        # can be 2.5x slower.
+        async with httpx.AsyncClient(base_url=served.url, timeout=240.0) as client:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(client, ids, i) for ids, i in jobs)), 300
+            )
+
+    hits = engine.stats().prefix_cache_hit_tokens
+    problems = [p for p in asyncio.run(run()) if p is not None]
+    assert not problems, problems
+    assert engine.stats().prefix_cache_hit_tokens > hits
+    assert settled_held_pages(engine) == 0
+    assert all(cache.protected_size() == 0 for cache in engine.kv.caches)
+    for cache in engine.kv.caches:
+        cache.check_invariants()
+
+
 def test_dp_flags_refuse_what_dp_decode_does_not_do(tiny_checkpoints):
     path = tiny_checkpoints("glm_moe_dsa")
+    float32_args(path, "--dp-size", "2").validate()  # a prefix cache per rank
+    with pytest.raises(ServerArgsError, match="host cache per DP rank"):
+        float32_args(path, "--dp-size", "2", "--enable-hierarchical-cache").validate()
     with pytest.raises(ServerArgsError, match="--disable-radix-cache"):
-        float32_args(path, "--dp-size", "2").validate()
+        float32_args(path, "--dp-size", "2", "--speculative-algorithm", "EAGLE").validate()
     with pytest.raises(ServerArgsError, match="--cp-size ranks instead"):
         float32_args(path, "--dp-size", "2", "--disaggregation-mode", "prefill").validate()
     with pytest.raises(ServerArgsError, match="divide the 8 available devices"):

@@ -250,6 +250,11 @@ def test_decode_and_unified_plans_count_their_largest_decode_step(fp8_ckpt):
     own = plan_for(ServerArgs.from_cli([x for x in unified if x != "--disaggregation-mode"]))
     assert "largest prefill: 1 row(s)" in own.decode_step_source
     assert own.decode_step_bytes > many.decode_step_bytes
+    # On a DP mesh the engine's own steps prefill with the prefix cache on too (a cache
+    # per rank, `serving.decode.dp_prefix`).
+    cached_dp = [x for x in unified if x not in ("--disaggregation-mode", "--disable-radix-cache")]
+    dp_own = plan_for(ServerArgs.from_cli([*cached_dp, "--dp-size", "4"]))
+    assert "largest prefill: 1 row(s)" in dp_own.decode_step_source
     cp = ServerArgs.from_cli(
         ["--model-path", str(fp8_ckpt), "--dtype", "float32", "--page-size", "16",
          "--kv-pool-size", "1MiB", "--cp-size", "8", "--enable-cp-shared-kv", "--ep-size", "8"]

@@ -109,14 +109,16 @@ def assert_greedy_reference(out: dict, ref: ReferenceGenerator, ids: list[int], 
 
 
 def settled_held_pages(engine) -> int:
-    """Pages a unified engine's requests still hold once it is idle (waiting up to 10 s):
-    neither free nor only cached (the prefix cache's pages stay until evicted; nothing
-    locks them once no request runs)."""
+    """Pages a unified engine's requests still hold once it is idle (waiting up to 10 s),
+    over every rank: neither free nor only cached (the prefix cache's pages stay until
+    evicted; nothing locks them once no request runs)."""
 
     def held() -> int:
         st = engine.stats()
-        cached = st.kv_pages_cached[0] if st.kv_pages_cached else 0
-        return st.kv_pages_total[0] - st.kv_pages_free[0] - cached
+        cached = st.kv_pages_cached or (0,) * len(st.kv_pages_total)
+        return sum(
+            t - f - c for t, f, c in zip(st.kv_pages_total, st.kv_pages_free, cached, strict=True)
+        )
 
     async def settle() -> None:
         for _ in range(200):

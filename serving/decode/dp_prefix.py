@@ -1,0 +1,103 @@
+"""The unified server's prefix cache on a DP mesh: one radix cache per rank (issue 36 item 5).
+
+A unified server with `--dp-size N` prefills with the engine's own steps, up to one
+request per rank in one step (as `intake.LocalPrefill`), and keeps each rank's prompts
+in that rank's radix cache (`cpkv_jax.kv_store.DPPrefixStore`): a request's KV never
+leaves its rank, so a prefix is reusable only on the rank that computed it.
+
+Which rank, with no router in front (`decode_mesh.choose_rank_for_prefix`): the rank
+caching the longest prefix of the prompt, when it can take the request (its pages
+beyond that prefix, free or evictable, and a row) and runs at most `PREFIX_ROW_SLACK`
+rows more than the least busy rank that could; otherwise the most free pages, the
+fewest rows, round robin. Every step pads all ranks to the busiest one's rows, so a
+shared system prompt spreads over the ranks (each caches it once) instead of piling
+its requests onto the first rank that computed it.
+
+One request:
+1. it waits in the engine's FIFO queue until a rank can take it (nobody overtakes the
+   head; a rank already prefilling this step does not count);
+2. `DPPrefixStore.admit` locks the rank's cached prefix of its prompt (all but the last
+   token: at least one is computed) and allocates the rest of its pages, evicting that
+   rank's least recently used unlocked pages when its free ones run short;
+3. the prefill step feeds the prompt from the end of the hit (`DecodeRequest.prefill_from`;
+   `cached_tokens` in its final chunk's meta), and the first token is drawn;
+4. its prompt's whole pages go into the rank's cache at once, locked by it
+   (`hold_prompt`), so requests admitted later match them while it decodes;
+5. when it ends its own pages (the prompt's tail page and the output's) are freed and
+   its prefix unlocked: cached, evictable.
+
+Not here (refused by `ServerArgs`): the host cache (`--enable-hierarchical-cache`) and
+speculative decoding, which still need `--disable-radix-cache` on a DP mesh; prompt
+log-probs are the one-device server's (`intake.PROMPT_LOGPROBS_ELSEWHERE`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from cpkv_jax.kv_store import DPPrefixStore, PrefixHold
+from serving.decode.intake import LocalPrefill
+from serving.decode.request import DecodeRequest
+from serving.engine.api import EngineStats
+
+if TYPE_CHECKING:
+    from serving.decode.engine import DecodeEngine
+
+
+class DPPrefixPrefill(LocalPrefill):
+    """The `Intake` of a unified server on a DP mesh with its prefix cache (see the
+    module docstring): `LocalPrefill`'s admission and prefill step, with each rank's
+    cache choosing the rank, giving the pages and keeping the prompts."""
+
+    def __init__(self, store: DPPrefixStore):
+        self.store = store
+        self.holds: dict[str, PrefixHold] = {}  # by request: what it holds of the cache
+        self.prefix_cache_hit_tokens = 0
+
+    def bind(self, engine: DecodeEngine) -> None:
+        if engine.dp_size != self.store.ranks:
+            raise ValueError(
+                f"the store has {self.store.ranks} ranks but the engine {engine.dp_size}"
+            )
+        super().bind(engine)
+
+    def _rank_for(self, r: DecodeRequest, busy: set[int]) -> int | None:
+        """`DecodeEngine.rank_for` with each rank's cached prefix of `r` (a busy rank
+        neither fits, as every request needs a page, nor draws by its cache)."""
+        cached, free = [], []
+        for rank in range(self.store.ranks):
+            hit, capacity = self.store.peek(rank, r.prompt)
+            cached.append(0 if rank in busy else hit)
+            free.append(0 if rank in busy else capacity)
+        return self.engine.rank_for(r, free, cached)
+
+    def _admit(self, r: DecodeRequest, rank: int) -> None:
+        """Its cached prefix locked, the rest of its pages allocated on `rank`; its
+        prefill starts after the hit."""
+        pages, hold = self.store.admit(rank, r.prompt, r.n_pages)
+        self.engine.admit(r, rank, pages)
+        self.holds[r.rid] = hold
+        r.prefill_from = r.cached_tokens = hold.own_from * self.store.page_size
+
+    def _prefilled(self, batch: list[DecodeRequest]) -> None:
+        """The prompts' whole pages into their ranks' caches, locked by their requests."""
+        for r in batch:
+            assert r.pages is not None
+            r.pages = self.store.hold_prompt(self.holds[r.rid], r.prompt, r.pages)
+            self.prefix_cache_hit_tokens += r.cached_tokens
+
+    def release(self, r: DecodeRequest) -> None:
+        """Free `r`'s own pages and unlock its prefix (once)."""
+        hold = self.holds.pop(r.rid, None)
+        if hold is not None and r.pages is not None:
+            self.store.release(hold, r.pages)
+        r.pages = None
+        self.engine.give_back_slot(r)
+
+    def stats(self, base: EngineStats) -> EngineStats:
+        return dataclasses.replace(
+            base,
+            kv_pages_cached=self.store.cached_pages_per_rank(),
+            prefix_cache_hit_tokens=self.prefix_cache_hit_tokens,
+        )
