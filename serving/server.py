@@ -253,10 +253,11 @@ def _build_decode_side(
         )
     closers: list[Callable[[], None]] = []
     intake = None
+    chunk = args.own_prefill_chunk()
     if args.disaggregation_mode == "null" and args.uses_prefix_cache():
         # A DP mesh (one device goes through the prefill scheduler): a cache per rank.
         kv: Any = DPPrefixStore(pool, dp, pages, args.page_size)
-        intake = DPPrefixPrefill(kv)
+        intake = DPPrefixPrefill(kv, chunk)
         logger.info(
             "prefix cache: one radix cache per DP rank, a request sent to the rank caching "
             "its longest prefix (within %d running rows of the least busy rank)",
@@ -302,6 +303,7 @@ def _build_decode_side(
         kv,
         mode=args.disaggregation_mode,
         intake=intake,
+        prefill_chunk=chunk if intake is None else None,
         max_running_requests=running,
         max_queued_requests=args.max_queued_requests,
         detokenize=_detokenizer(tokenizer),

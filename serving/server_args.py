@@ -919,6 +919,13 @@ class ServerArgs:
                 "queries); drop --enable-batch-invariant or use --cp-attention full-view"
             )
         warnings += self._hicache_unbuilt()
+        own_prefill = self.disaggregation_mode == "null" and not self.uses_prefill_scheduler()
+        if self.chunked_prefill_size is not None and own_prefill and self.speculative_enabled():
+            warnings.append(
+                "--chunked-prefill-size has no effect on a speculative unified server that "
+                "prefills with its own steps (--disable-radix-cache, or --dp-size above 1): "
+                "its admission program prefills a whole prompt"
+            )
         if self.enable_cp_shared_kv_prefill_bs_gt1 and not self.enable_cp_shared_kv:
             warnings.append(
                 "--enable-cp-shared-kv-prefill-bs-gt1 has no effect without "
@@ -1255,6 +1262,19 @@ class ServerArgs:
     def uses_prefix_cache(self) -> bool:
         """Whether a unified server keeps a radix prefix cache (the default)."""
         return self.disaggregation_mode == "null" and not self.disable_radix_cache
+
+    def own_prefill_chunk(self) -> int | None:
+        """Prompt tokens a unified engine's own prefill steps (`--disable-radix-cache`, or
+        a DP mesh) feed at most a step: `--chunked-prefill-size` in whole pages; None for
+        whole prompts, and where the engine's steps do not prefill or a speculative
+        engine's admission program prefills a whole prompt."""
+        if self.disaggregation_mode != "null" or self.uses_prefill_scheduler():
+            return None
+        if self.speculative_enabled():
+            return None
+        from cpkv_jax.cp_prefill import chunk_tokens  # the scheduler's rule: whole pages
+
+        return chunk_tokens(self.chunked_prefill_size, self.page_size)
 
     def uses_prefill_scheduler(self) -> bool:
         """Whether a unified server prefills through the prefill scheduler on one device

@@ -80,6 +80,7 @@ class CachedPrefill:
     mode: ServerMode = "null"
     prefills_with_engine_steps = False  # the runner prefills: its shapes are the CP step's
     first_token_on_host = True  # the scheduler hands the last position's logits over
+    prefill_chunk = None  # the scheduler chunks its own steps
     failures = 0
     bytes_received = 0
 

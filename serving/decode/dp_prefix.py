@@ -1,9 +1,10 @@
 """The unified server's prefix cache on a DP mesh: one radix cache per rank (issue 36 item 5).
 
 A unified server with `--dp-size N` prefills with the engine's own steps, up to one
-request per rank in one step (as `intake.LocalPrefill`), and keeps each rank's prompts
-in that rank's radix cache (`cpkv_jax.kv_store.DPPrefixStore`): a request's KV never
-leaves its rank, so a prefix is reusable only on the rank that computed it.
+request per rank in one step, chunked or whole (as `intake.LocalPrefill`), and keeps
+each rank's prompts in that rank's radix cache (`cpkv_jax.kv_store.DPPrefixStore`): a
+request's KV never leaves its rank, so a prefix is reusable only on the rank that
+computed it.
 
 Which rank, with no router in front (`decode_mesh.choose_rank_for_prefix`): the rank
 caching the longest prefix of the prompt, when it can take the request (its pages
@@ -19,8 +20,9 @@ One request:
 2. `DPPrefixStore.admit` locks the rank's cached prefix of its prompt (all but the last
    token: at least one is computed) and allocates the rest of its pages, evicting that
    rank's least recently used unlocked pages when its free ones run short;
-3. the prefill step feeds the prompt from the end of the hit (`DecodeRequest.prefill_from`;
-   `cached_tokens` in its final chunk's meta), and the first token is drawn;
+3. the prefill steps feed the prompt from the end of the hit (`DecodeRequest.prefill_from`;
+   `cached_tokens` in its final chunk's meta), whole or `--chunked-prefill-size` tokens
+   a step (`LocalPrefill`), and the first token is drawn;
 4. its prompt's whole pages go into the rank's cache at once, locked by it
    (`hold_prompt`), so requests admitted later match them while it decodes;
 5. when it ends its own pages (the prompt's tail page and the output's) are freed and
@@ -50,7 +52,8 @@ class DPPrefixPrefill(LocalPrefill):
     module docstring): `LocalPrefill`'s admission and prefill step, with each rank's
     cache choosing the rank, giving the pages and keeping the prompts."""
 
-    def __init__(self, store: DPPrefixStore):
+    def __init__(self, store: DPPrefixStore, chunk: int | None = None):
+        super().__init__(chunk)
         self.store = store
         self.holds: dict[str, PrefixHold] = {}  # by request: what it holds of the cache
         self.prefix_cache_hit_tokens = 0
@@ -80,9 +83,9 @@ class DPPrefixPrefill(LocalPrefill):
         self.holds[r.rid] = hold
         r.prefill_from = r.cached_tokens = hold.own_from * self.store.page_size
 
-    def _prefilled(self, batch: list[DecodeRequest]) -> None:
+    def _prefilled(self, done: list[DecodeRequest]) -> None:
         """The prompts' whole pages into their ranks' caches, locked by their requests."""
-        for r in batch:
+        for r in done:
             assert r.pages is not None
             r.pages = self.store.hold_prompt(self.holds[r.rid], r.prompt, r.pages)
             self.prefix_cache_hit_tokens += r.cached_tokens

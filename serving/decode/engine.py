@@ -181,8 +181,14 @@ class DecodeEngine:
         speculative_num_steps: int = 0,
         speculative_slots: int | None = None,
         cp_decoder: CPDecoder | None = None,
+        prefill_chunk: int | None = None,
     ):
-        intake = self._intake_for(mode, intake, kv, idle_wait_s)
+        intake = self._intake_for(mode, intake, kv, idle_wait_s, prefill_chunk)
+        if speculative_num_steps and intake.prefill_chunk is not None:
+            raise ConfigError(
+                "a speculative engine prefills whole prompts (its admission drafts from the "
+                "prompt's last position in the same program): no prefill chunk"
+            )
         if cp_decoder is not None and (speculative_num_steps or mesh is not None):
             raise ConfigError("decode on a CP mesh runs neither speculative decoding nor a DP mesh")
         if index_k_dtype not in INDEX_K_DTYPES:
@@ -300,14 +306,22 @@ class DecodeEngine:
 
     @staticmethod
     def _intake_for(
-        mode: ServerMode | None, intake: Intake | None, kv: KVStore, idle_wait_s: float
+        mode: ServerMode | None,
+        intake: Intake | None,
+        kv: KVStore,
+        idle_wait_s: float,
+        prefill_chunk: int | None,
     ) -> Intake:
         if intake is not None:
             if mode not in (None, intake.mode):
                 raise ConfigError(f"mode {mode!r} does not match the {intake.mode!r} intake")
+            if prefill_chunk is not None:
+                raise ConfigError("give the prefill chunk to the intake, not the engine")
             return intake
         if mode == "null":
-            return LocalPrefill()
+            return LocalPrefill(prefill_chunk)
+        if prefill_chunk is not None:
+            raise ConfigError(f"a {mode!r} engine does not prefill: no prefill chunk")
         if mode == "decode":
             if not isinstance(kv, TransferRooms):
                 raise ConfigError(
@@ -710,6 +724,7 @@ class DecodeEngine:
             max_running_requests=self._max_rows_per_rank,  # rows per rank
             prefill=self.intake.prefills_with_engine_steps,
             room=self.room,
+            prefill_chunk=self.intake.prefill_chunk,
         )
         if self.spec is None:  # (a CP group is never speculative: `ServerArgs` refuses it)
             return self.as_run(plain)
@@ -965,14 +980,21 @@ class DecodeEngine:
         self.produce(r, touched, lambda: first)
 
     def first_tokens(
-        self, batch: list[DecodeRequest]
+        self, batch: list[DecodeRequest], ends: Sequence[int] | None = None
     ) -> list[Callable[[], tuple[int, float, TopLogprobs]]]:
-        """Prefill the admitted requests of `batch` (one per DP rank) and draw their first
-        tokens: one `produce` pick per request."""
+        """One prefill step of the admitted requests of `batch` (one per DP rank): each
+        fed its prompt from `prefill_from` to `ends[i]` (default: the prompt's end); the
+        first tokens drawn of those it ends the prompt of, which lead `batch`: one
+        `produce` pick each, in order."""
+        ends = [len(r.prompt) for r in batch] if ends is None else list(ends)
+        final = sum(end == len(r.prompt) for r, end in zip(batch, ends, strict=True))
+        if any(end != len(r.prompt) for r, end in zip(batch[:final], ends[:final], strict=True)):
+            raise ValueError("the requests whose prompt a prefill step ends must lead it")
         if self.spec is not None:
+            assert final == len(batch), "a speculative engine prefills whole prompts"
             admissions = []
             for r in batch:
-                assert r.slot is not None and r.pages is not None
+                assert r.slot is not None and r.pages is not None and r.prefill_from == 0
                 sp = r.req.sampling
                 args = (r.prompt, r.pages, r.width, r.slot, sp.temperature, r.seed, _filters(sp))
                 penalty = _penalty(r, self.cfg.eos_token_ids)
@@ -984,16 +1006,18 @@ class DecodeEngine:
                 functools.partial(_emitted, token[i], lp[i], _pairs(r, top, i))
                 for i, r in enumerate(batch)
             ]
-        if isinstance(self.steps, MeshDecodeSteps):  # one per DP rank, from its cached prefix
+        if isinstance(self.steps, MeshDecodeSteps):  # one per DP rank
             logits = self.steps.prefill_many(
-                [(q.prompt, q.pages, q.width) for q in batch], [q.prefill_from for q in batch]
+                [(q.prompt[:end], q.pages, q.width) for q, end in zip(batch, ends, strict=True)],
+                [q.prefill_from for q in batch],
             )
         else:
-            (r,) = batch
-            assert r.prefill_from == 0, "a prefix hit is prefilled on a DP mesh only"
-            logits = self.steps.prefill(r.prompt, r.pages, r.width)
-        drawn = self.sampler.draw(batch, logits)
-        return [functools.partial(drawn.pick, i) for i in range(len(batch))]
+            ((r, end),) = zip(batch, ends, strict=True)
+            logits = self.steps.prefill(r.prompt[:end], r.pages, r.width, r.prefill_from)
+        if not final:
+            return []
+        drawn = self.sampler.draw(batch[:final], logits)  # later rows: chunks, not drawn
+        return [functools.partial(drawn.pick, i) for i in range(final)]
 
     def _rows_per_rank(self) -> tuple[int, ...]:
         rows = [0] * self.dp_size

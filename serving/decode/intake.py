@@ -5,8 +5,9 @@ whatever the server mode; what differs is how an admitted request gets its promp
 and its first token, and that is an `Intake`:
 
 - `LocalPrefill` (a unified server with `--disable-radix-cache`): the engine admits the
-  head of the wait queue, its pages are allocated, and the whole prompt is prefilled in
-  one step (on a DP mesh, one request per rank in one step);
+  head of the wait queue, its pages are allocated, and its prompt is prefilled whole in
+  one step, or over several with `--chunked-prefill-size` (on a DP mesh, one request
+  per rank in one step);
 - `TransferIntake` (a PD decode server): an admitted request's pages are registered as
   a transfer room with the receiver, which the prefill server's ranks write into; the
   room's success carries the first token, its failure fails the request;
@@ -62,6 +63,8 @@ class Intake(Protocol):
     prefills_with_engine_steps: bool
     # Whether a first token is drawn from a host logit row (its sampler program is warmed).
     first_token_on_host: bool
+    # Prompt tokens its engine-step prefills feed at most a step (None: whole prompts).
+    prefill_chunk: int | None
 
     # PD transfer counters (0 without transfers): failed rooms, KV bytes received.
     failures: int
@@ -105,7 +108,13 @@ class Intake(Protocol):
 
 
 class LocalPrefill:
-    """Whole-prompt prefill by the engine's own steps (see the module docstring)."""
+    """Prompt prefill by the engine's own steps (see the module docstring).
+
+    `chunk` (`--chunked-prefill-size`, whole pages; None: whole prompts): a prompt
+    longer than that is prefilled over several steps, `chunk` tokens each, the decode
+    step of the running requests between every two, so a long prompt delays them by at
+    most one chunk's step. A rank prefills one request at a time; the admitted request
+    holds all its pages from the start and counts as running (`in_flight`)."""
 
     mode: ServerMode = "null"
     prefills_with_engine_steps = True
@@ -113,11 +122,18 @@ class LocalPrefill:
     failures = 0
     bytes_received = 0
 
+    def __init__(self, chunk: int | None = None):
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"a prefill chunk must be >= 1 token, got {chunk}")
+        self.prefill_chunk = chunk
+        # Admitted requests whose prefill has not reached the prompt's end, one per rank.
+        self.prefilling: dict[str, DecodeRequest] = {}
+
     def bind(self, engine: DecodeEngine) -> None:
         self.engine = engine
 
     def counts(self) -> tuple[int, int]:
-        return 0, 0
+        return 0, len(self.prefilling)  # prefilling requests count as running
 
     def validate(self, req: GenerateRequest) -> None:
         if req.prompt_logprobs_from is not None:
@@ -127,50 +143,70 @@ class LocalPrefill:
         return False
 
     def advance(self, touched: Touched, idle: bool) -> None:
-        """Admit the head of the queue and prefill it; on a DP mesh, keep admitting in
-        order while the next one fits on a rank not prefilling yet, and prefill them
-        all in one step (each rank its own request)."""
+        """Admit queue heads in order while a rank not prefilling can take the next,
+        then run one prefill step: every prefilling request's next chunk (each rank its
+        own), the first tokens of those whose prompt it ends."""
         e = self.engine
-        batch: list[DecodeRequest] = []
-        while (r := e.queue.head()) is not None and len(batch) < e.dp_size:
-            rank = self._rank_for(r, {q.rank for q in batch})
+        busy = {q.rank for q in self.prefilling.values()}
+        while (r := e.queue.head()) is not None and len(busy) < e.dp_size:
+            rank = self._rank_for(r, busy)
             if rank is None or not e.penalty_slot_free(r):
                 break  # FIFO: nobody overtakes the head
             self._admit(r, rank)
             e.queue.pop(r.rid)
-            e.start(r)
-            batch.append(r)
-        if not batch:
+            self.prefilling[r.rid] = r
+            busy.add(rank)
+        if not self.prefilling:
             return
+        ends = {rid: self._chunk_end(q) for rid, q in self.prefilling.items()}
+        # Requests whose prompt this step ends lead the step: their logit rows come first.
+        batch = sorted(self.prefilling.values(), key=lambda q: ends[q.rid] < len(q.prompt))
         try:
-            picks = e.first_tokens(batch)
+            picks = e.first_tokens(batch, [ends[q.rid] for q in batch])
         except Exception as exc:
             e.step_failed("the prefill step", exc, batch, touched)
             return
-        self._prefilled(batch)
-        for q, pick in zip(batch, picks, strict=True):  # a failed draw fails that request alone
+        done = batch[: len(picks)]
+        for q in batch[len(picks) :]:
+            q.prefill_from = ends[q.rid]
+        for q in done:
+            del self.prefilling[q.rid]
+            e.start(q)
+        self._prefilled(done)
+        for q, pick in zip(done, picks, strict=True):  # a failed draw fails that request alone
             e.produce(q, touched, pick)
 
+    def _chunk_end(self, r: DecodeRequest) -> int:
+        """Where `r`'s next prefill step stops: a chunk on, or the prompt's end."""
+        if self.prefill_chunk is None:
+            return len(r.prompt)
+        return min(len(r.prompt), r.prefill_from + self.prefill_chunk)
+
     def _rank_for(self, r: DecodeRequest, busy: set[int]) -> int | None:
-        """The rank `r` goes to now, or None; a rank in `busy` already prefills this step
-        (it waits for the next: nobody shares a rank's prefill)."""
+        """The rank `r` goes to now, or None; a rank in `busy` is prefilling (it takes
+        the next request once that prefill is done: one per rank)."""
         rank = self.engine.rank_for(r)
         return None if rank in busy else rank
 
     def _admit(self, r: DecodeRequest, rank: int) -> None:
         self.engine.admit(r, rank)
 
-    def _prefilled(self, batch: list[DecodeRequest]) -> None:
-        """After the prefill step of `batch` (its first tokens not drawn yet)."""
+    def _prefilled(self, done: list[DecodeRequest]) -> None:
+        """After the prefill step that ended the prompts of `done` (their first tokens
+        not drawn yet)."""
 
     def lookup(self, rid: str) -> DecodeRequest | None:
-        return None
+        return self.prefilling.get(rid)
 
     def in_flight(self) -> Iterable[DecodeRequest]:
-        return ()
+        return self.prefilling.values()
 
     def discard(self, r: DecodeRequest, why: str) -> bool:
-        return False
+        """A request still prefilling: its pages back (its chunks' KV is never read)."""
+        if self.prefilling.pop(r.rid, None) is None:
+            return False
+        self.release(r)
+        return True
 
     def release(self, r: DecodeRequest) -> None:
         self.engine.free_pages(r)
@@ -208,6 +244,7 @@ class TransferIntake:
     mode: ServerMode = "decode"
     prefills_with_engine_steps = False
     first_token_on_host = False
+    prefill_chunk = None
 
     def __init__(self, rooms: TransferRooms, idle_wait_s: float):
         self.rooms = rooms

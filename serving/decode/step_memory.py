@@ -129,6 +129,7 @@ def largest_step(
     usable_pages: int,
     rows_per_rank: int,
     prefill: bool,
+    prefill_chunk: int | None = None,
     room: int = 0,
     draft_tokens: int = 0,
     batch_invariant: bool = False,
@@ -152,6 +153,7 @@ def largest_step(
         max_running_requests=rows_per_rank,
         prefill=prefill,
         room=room,
+        prefill_chunk=prefill_chunk,
     )
     for form, rows, tokens, width in shapes:
         verify = tokens == 1 and draft_tokens > 0

@@ -36,7 +36,7 @@ from cpkv_jax.decode_mesh import DPDecodeSteps, DPPoolLayout, DPRow, build_batch
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_store import KVStore
 from cpkv_jax.model.expert_parallel import EPDispatch
-from cpkv_jax.model.forward_batch import abstract_batch, batch_from_host, feed_ids, prefill_batch
+from cpkv_jax.model.forward_batch import abstract_batch, batch_from_host, feed_ids, span_batch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
 from cpkv_jax.paging import TRASH_PAGE, padded_page_table, pages_for_tokens, slots_for_positions
@@ -60,12 +60,16 @@ def reachable_shapes(
     max_running_requests: int,
     prefill: bool = True,
     room: int = 0,
+    prefill_chunk: int | None = None,
 ) -> set[Shape]:
     """Every step shape a `DecodeEngine` with these limits can dispatch.
 
     A request has `n >= 1` prompt tokens and `m >= 1` new ones with `n + m <=
     context_length` and `pages(n + m) <= usable_pages` (`DecodeEngine._validate`). Its
-    prefill is `(form, 1, prefill_bucket(n), pow2(pages(n + m)))`. A decode step of `k <=
+    prefill is `(form, 1, prefill_bucket(n), pow2(pages(n + m)))`; a prefill of
+    `prefill_chunk` tokens at most a step (or a prefix-cache hit's rest) feeds fewer
+    tokens of the same request: a smaller bucket, as a shorter prompt's, at the same
+    width (every bucket's widths run to the pool's). A decode step of `k <=
     max_running_requests` running requests is `("absorbed", pow2(k), 1, pow2(max pages))`,
     and the running requests' reservations fit the pool together. `room`: tokens each
     request reserves beyond `n + m` (a speculative engine's draft room).
@@ -82,7 +86,8 @@ def reachable_shapes(
         # Bucket `bucket` holds prompts of n in [lo, bucket]; with m >= 1 a request's
         # pages run over every integer in [pages(lo + 1), max_pages], so its widths are
         # every power of two from pow2(pages(lo + 1)) to pow2(max_pages).
-        while (lo := 1 if bucket == MIN_PREFILL_BUCKET else bucket // 2 + 1) < longest:
+        top = longest - 1 if prefill_chunk is None else min(longest - 1, prefill_chunk)
+        while (lo := 1 if bucket == MIN_PREFILL_BUCKET else bucket // 2 + 1) <= top:
             w = pow2_at_least(pages_for_tokens(lo + 1 + room, page_size))
             while w <= pow2_at_least(max_pages):
                 out.add((prefill_form, 1, prefill_bucket(lo), w))
@@ -181,11 +186,15 @@ class DecodeSteps(CompiledShapes):
             caches = _CACHES.setdefault(model, {})
             self._compiled = caches.setdefault(context, ShapeCache("decode step"))
 
-    def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> jax.Array:
+    def prefill(
+        self, prompt: np.ndarray, pages: np.ndarray, width: int, start: int = 0
+    ) -> jax.Array:
         """Logits `[1, vocab]` after the prompt's last token, on the device; its KV lands
-        in `pages`."""
+        in `pages`. `start`: the positions before it have their KV there already (a
+        chunk of a longer prompt), so only `prompt[start:]` is fed."""
         table = padded_page_table(pages, width)
-        batch = prefill_batch(prompt, table, self.page_size)
+        ids = prompt[start:]
+        batch = span_batch(ids, start, table, self.page_size, prefill_bucket(len(ids)))
         shape = (self.prefill_form, 1, batch.input_ids.shape[1], width)
         step = self.compiled(shape)  # before the pool lock: it may compile or wait
         self.shapes.add(shape)
@@ -393,9 +402,12 @@ class MeshDecodeSteps:
     def _rank(self, pages: np.ndarray) -> int:
         return self.layout.rank_of(np.asarray(pages)[0])
 
-    def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> jax.Array:
-        """Logits after the prompt's last token, row 0 (the request) of the step's."""
-        return self.prefill_many([(prompt, pages, width)])
+    def prefill(
+        self, prompt: np.ndarray, pages: np.ndarray, width: int, start: int = 0
+    ) -> jax.Array:
+        """Logits after the prompt's last token, row 0 (the request) of the step's;
+        `start` as `DecodeSteps.prefill`."""
+        return self.prefill_many([(prompt, pages, width)], [start])
 
     def prefill_many(
         self,
@@ -506,7 +518,9 @@ class CPMeshDecodeSteps:
         """Pages each lane gives a request of `n_pages` pages, `[cp]`."""
         return np.bincount(np.arange(n_pages) % self.cp, minlength=self.cp)
 
-    def prefill(self, prompt: np.ndarray, pages: np.ndarray, width: int) -> jax.Array:
+    def prefill(
+        self, prompt: np.ndarray, pages: np.ndarray, width: int, start: int = 0
+    ) -> jax.Array:
         raise ValueError("the CP decode steps do not prefill: the CP runner does")
 
     def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> jax.Array:

@@ -388,6 +388,7 @@ def decode_step_bytes_per_device(
         usable_pages=pages - 1,
         rows_per_rank=-(-running // dp),
         prefill=own_prefill,
+        prefill_chunk=args.own_prefill_chunk(),
         room=room,
         draft_tokens=spec,
         batch_invariant=args.enable_batch_invariant,

@@ -150,6 +150,27 @@ def test_continuous_batching_matches_reference_with_bounded_compiles(tiny):
     assert kv.num_free_pages == free0
 
 
+def test_chunked_prefill_on_one_device_equals_the_reference(tiny):
+    """`prefill_chunk=16` (`--chunked-prefill-size` with `--disable-radix-cache`): a
+    37-token prompt is fed over 3 steps from the positions its earlier chunks filled,
+    while a running request decodes between them; both equal the reference, and no
+    prefill step feeds more than a chunk."""
+    engine, kv = make_engine(tiny, prefill_chunk=P)
+    free0 = kv.num_free_pages
+    rng = np.random.default_rng(9)
+    reqs = [
+        GenerateRequest(
+            rid, tuple(int(t) for t in rng.integers(3, 300, n)),
+            SamplingParams(max_new_tokens=m, ignore_eos=True), return_logprob=True,
+        )
+        for rid, n, m in (("short", 5, 8), ("long", 2 * P + 5, 4))
+    ]  # fmt: skip
+    toks, lps, final = run(engine, {0: reqs[:1], 2: reqs[1:]})
+    check_against_reference(tiny, reqs, toks, lps, final)
+    assert {t for _, _, t, _ in engine.step_shapes} == {1, P}
+    assert kv.num_free_pages == free0
+
+
 def test_batch_invariant_engine_is_bitwise_alone_or_batched(tiny):
     """`batch_invariant=True`: each request's tokens and log-probs are the same bits
     whether it runs alone or in a continuously changing batch (rows 1..4, joins and

@@ -140,6 +140,14 @@ def test_dp_flags_refuse_what_dp_decode_does_not_do(tiny_checkpoints):
         float32_args(path, "--dp-size", "2", "--enable-hierarchical-cache").validate()
     with pytest.raises(ServerArgsError, match="--disable-radix-cache"):
         float32_args(path, "--dp-size", "2", "--speculative-algorithm", "EAGLE").validate()
+    whole = float32_args(
+        path, "--dp-size", "2", "--disable-radix-cache", "--speculative-algorithm", "EAGLE",
+        "--chunked-prefill-size", "32",
+    )  # fmt: skip
+    assert any("prefills a whole prompt" in w for w in whole.validate())
+    assert whole.own_prefill_chunk() is None
+    chunked = float32_args(path, "--dp-size", "2", "--chunked-prefill-size", "40")
+    assert chunked.own_prefill_chunk() == 32  # whole pages of 16
     with pytest.raises(ServerArgsError, match="--cp-size ranks instead"):
         float32_args(path, "--dp-size", "2", "--disaggregation-mode", "prefill").validate()
     with pytest.raises(ServerArgsError, match="divide the 8 available devices"):

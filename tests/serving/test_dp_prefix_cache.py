@@ -118,7 +118,9 @@ def tiny():
     return two_layer_model()
 
 
-def make_engine(tiny, pages_per_rank: int, max_running: int = 4) -> DecodeEngine:
+def make_engine(
+    tiny, pages_per_rank: int, max_running: int = 4, chunk: int | None = None
+) -> DecodeEngine:
     cfg, model, _ = tiny
     mesh = make_dp_mesh(DP, jax.devices())
     layout = DPPoolLayout(DP, pages_per_rank, P)
@@ -127,7 +129,7 @@ def make_engine(tiny, pages_per_rank: int, max_running: int = 4) -> DecodeEngine
     )
     return DecodeEngine(
         cfg=cfg, model=model, kv=store, page_size=P, index_k_dtype=INDEX_K, mode="null",
-        intake=DPPrefixPrefill(store), max_running_requests=max_running, mesh=mesh,
+        intake=DPPrefixPrefill(store, chunk), max_running_requests=max_running, mesh=mesh,
     )  # fmt: skip
 
 
@@ -244,3 +246,60 @@ def test_a_failed_prefill_or_an_abort_loses_nothing(tiny, monkeypatch):
     assert final["d"].meta["cached_tokens"] == P
     store.reset_caches()
     assert engine.stats().kv_pages_free == (7, 7)
+
+
+def test_chunked_prefill_lets_running_requests_decode_between_chunks(tiny):
+    """`--chunked-prefill-size 16`: a 83-token prompt is prefilled over 6 steps, and the
+    request already decoding gets a token in every one of them; a later request sharing
+    its first 3 pages prefills only the rest, in chunks from its hit; an abort between
+    two chunks gives everything back. Outputs equal the reference; every step shape is
+    one `reachable_shapes` enumerates (prefill buckets of one chunk at most)."""
+    cfg = tiny[0]
+    engine = make_engine(tiny, pages_per_rank=10, chunk=P)
+    store = engine.kv
+    rng = np.random.default_rng(5)
+    a = req("a", rng.integers(3, cfg.vocab_size, 8), 12)
+    long_prompt = rng.integers(3, cfg.vocab_size, 5 * P + 3)
+    b = req("b", long_prompt, 4)
+    engine.add(a)
+    toks: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    final = {}
+
+    def step() -> None:
+        for c in engine.step():
+            toks.setdefault(c.rid, []).extend(c.token_ids)
+            lps.setdefault(c.rid, []).extend(c.logprobs or ())
+            if c.finished:
+                final[c.rid] = c
+
+    while not toks.get("a"):
+        step()
+    engine.add(b)
+    while not toks.get("b"):  # b's chunks: a decodes between every two
+        before = len(toks["a"])
+        step()
+        assert len(toks["a"]) == before + 1, "a running request waited for a whole prompt"
+    while engine.has_work():
+        step()
+    assert engine.intake.prefill_chunk == P
+    c = req("c", np.concatenate([long_prompt[: 3 * P], rng.integers(3, cfg.vocab_size, 20)]), 3)
+    more = run(engine, [[c]])
+    for got, new in zip((toks, lps, final), more, strict=True):
+        got.update(new)
+    check(tiny, [a, b, c], toks, lps, final)
+    assert final["c"].meta["cached_tokens"] == 3 * P
+    assert max(s[2] for s in engine.step_shapes if s[2] > 1) == P  # one chunk's bucket
+    assert engine.step_shapes <= engine.reachable_shapes()
+    d = req("d", rng.integers(3, cfg.vocab_size, 4 * P), 3)
+    engine.add(d)
+    engine.step()
+    engine.step()
+    held = engine.intake.lookup("d")  # two chunks in
+    assert held is not None and held.prefill_from == 2 * P
+    engine.abort("d")
+    engine.step()
+    assert not engine.has_work()
+    assert all(cache.protected_size() == 0 for cache in store.caches)
+    store.reset_caches()
+    assert engine.stats().kv_pages_free == (9, 9)

@@ -255,6 +255,11 @@ def test_decode_and_unified_plans_count_their_largest_decode_step(fp8_ckpt):
     cached_dp = [x for x in unified if x not in ("--disaggregation-mode", "--disable-radix-cache")]
     dp_own = plan_for(ServerArgs.from_cli([*cached_dp, "--dp-size", "4"]))
     assert "largest prefill: 1 row(s)" in dp_own.decode_step_source
+    # --chunked-prefill-size bounds what one of those prefills feeds.
+    chunked = plan_for(
+        ServerArgs.from_cli([*cached_dp, "--dp-size", "4", "--chunked-prefill-size", "32"])
+    )
+    assert chunked.decode_step_bytes < dp_own.decode_step_bytes
     cp = ServerArgs.from_cli(
         ["--model-path", str(fp8_ckpt), "--dtype", "float32", "--page-size", "16",
          "--kv-pool-size", "1MiB", "--cp-size", "8", "--enable-cp-shared-kv", "--ep-size", "8"]

@@ -55,6 +55,49 @@ def test_enumeration_equals_brute_force(seed):
     assert got == brute(page, context, usable, running, room), case
 
 
+def fed_lengths(n: int, page: int, chunk: int | None) -> set[int]:
+    """Tokens one prefill step can feed of an `n`-token prompt: from any prefix-cache
+    hit (whole pages of all but the last token), in chunks of `chunk` (None: whole)."""
+    out = set()
+    for start in range(0, n, page):
+        if start > n - 1:
+            break
+        pos = start
+        while pos < n:
+            end = n if chunk is None else min(n, pos + chunk)
+            out.add(end - pos)
+            pos = end
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_chunked_and_prefix_hit_prefills_equal_brute_force(seed):
+    """An engine whose own prefills start after a prefix-cache hit (a DP rank's cache)
+    and feed `prefill_chunk` tokens a step at most: every length it feeds, at the
+    request's width, is enumerated, and nothing else."""
+    rng = np.random.default_rng(100 + seed)
+    page = int(rng.choice([4, 8]))
+    context = int(rng.integers(2, 70))
+    usable = int(rng.integers(1, 12))
+    chunk = None if seed % 3 == 0 else page * int(rng.integers(1, 4))
+    want = {shape for shape in brute(page, context, usable, 1) if shape[2] == 1}  # decode
+    for n in range(1, context):
+        for total in range(n + 1, context + 1):
+            pages = pages_for_tokens(total, page)
+            if pages <= usable:
+                for t in fed_lengths(n, page, chunk):
+                    want.add(("absorbed", 1, prefill_bucket(t), pow2_at_least(pages)))
+    got = reachable_shapes(
+        prefill_form="absorbed",
+        page_size=page,
+        context_length=context,
+        usable_pages=usable,
+        max_running_requests=1,
+        prefill_chunk=chunk,
+    )
+    assert got == want, (page, context, usable, chunk)
+
+
 def cp_brute(cp, page, max_extend, longest, max_rows, pool) -> set:
     """Every padded step of k <= max_rows rows (e, j): 1 <= e <= max_extend extend
     tokens over j whole pages, e + j * page <= longest, holding max(j) + sum(pages(e))
