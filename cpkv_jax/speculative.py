@@ -543,12 +543,15 @@ def first_drafts(
 ) -> tuple[Int[Array, "b k"], Float[Array, "b k v"], KVPool]:
     """After the prompts' prefill: the MTP pass over each prompt (`ahead`: position i sees
     the token at i + 1, the last one the first generated token) and the first `k` drafts
-    with their distributions, chained from its output at the prompt's last position."""
+    with their distributions, chained from its output at the prompt's last position. A
+    row may start after a cached prefix (its first column at position `kv_lens - valid
+    tokens`): the prompt's last position is its last valid column."""
     with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
         mhidden, pool = _mtp(model, ahead, hidden, pool, index_k_dtype, kv_io)
         n = ahead.kv_lens  # prompt lengths
-        first = jnp.take_along_axis(mhidden, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]
+        last = jnp.maximum(ahead.valid.sum(-1) - 1, 0)
+        first = jnp.take_along_axis(mhidden, last[:, None, None], axis=1)[:, 0]
         return _chain(
             model,
             first,
@@ -588,10 +591,11 @@ def _prefill(
     with batch_invariant(invariant), token_block_bytes(block_bytes):
         model = nnx.merge(graphdef, state)
         hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype)
-        last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
+        last = jnp.maximum(batch.valid.sum(-1) - 1, 0)  # column of the prompt's last token
         logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0])
+        pos = jnp.maximum(batch.kv_lens - 1, 0)  # its position (a row may start past 0)
         lp, _, token = _pick(
-            logits, temperature, seed, last, ACCEPT_STREAM, greedy, filters, penalties
+            logits, temperature, seed, pos, ACCEPT_STREAM, greedy, filters, penalties
         )
         return hidden, token, lp, pool
 
@@ -708,7 +712,8 @@ def slab_admit(
     block_bytes: int | None = None,
 ) -> tuple[Int[Array, " b"], Float[Array, " b"], Array, Array, DraftState, KVPool]:
     """A serving engine's prefill of newly admitted requests, one per row of `batch`
-    (each prompt from position 0; rows with no valid token are padding): the trunk over
+    (each prompt from position 0, or from the end of a prefix whose trunk and MTP KV are
+    in the pool already; rows with no valid token are padding): the trunk over
     the prompts, each row's first token and its log-prob, then the MTP pass over each
     prompt and the first `k` drafts, written into `slab` at `slots` with the row's
     temperature, seed, filters, `top` (it reports top log-probs) and `penalties` (their
@@ -723,10 +728,12 @@ def slab_admit(
         graphdef, state, batch, temperature, seed, filters, pool, **kw, penalties=penalties
     )
     tops = top_logprobs(lp, top & live)
-    # Position i of the MTP pass sees token i + 1: the prompt shifted, then the first token.
+    # Position i of the MTP pass sees token i + 1: the prompt shifted, then the first token
+    # (at the last valid column: a row fed after a cached prefix starts past position 0).
     n = batch.kv_lens
+    last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
     ids = jnp.roll(batch.input_ids, -1, axis=1)
-    ids = jnp.where(jnp.arange(ids.shape[1])[None] == (n - 1)[:, None], token[:, None], ids)
+    ids = jnp.where(jnp.arange(ids.shape[1])[None] == last[:, None], token[:, None], ids)
     ahead = dataclasses.replace(batch, input_ids=ids)
     drafts, q, pool = first_drafts(
         graphdef,

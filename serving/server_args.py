@@ -1158,12 +1158,6 @@ class ServerArgs:
                 "device's prefix cache (a host cache per DP rank is not built); drop it, or "
                 "use --dp-size 1"
             )
-        if self.uses_prefix_cache() and self.speculative_enabled():
-            raise ServerArgsError(
-                f"--speculative-algorithm on a unified server with --dp-size {dp} needs "
-                "--disable-radix-cache: the prefix cache per DP rank does not keep the MTP "
-                "layer's KV yet"
-            )
         if device_count is not None and (dp > device_count or device_count % dp):
             raise ServerArgsError(
                 f"--dp-size {dp} must divide the {device_count} available devices"

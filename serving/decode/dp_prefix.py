@@ -28,9 +28,14 @@ One request:
 5. when it ends its own pages (the prompt's tail page and the output's) are freed and
    its prefix unlocked: cached, evictable.
 
-Not here (refused by `ServerArgs`): the host cache (`--enable-hierarchical-cache`) and
-speculative decoding, which still need `--disable-radix-cache` on a DP mesh; prompt
-log-probs are the one-device server's (`intake.PROMPT_LOGPROBS_ELSEWHERE`).
+A speculative engine admits whole prompts from the hit (its admission program drafts
+from the prompt's last position; no chunks): the prefix's trunk and MTP KV are cached,
+the MTP KV of its last position computed with the caching request's next token (only
+acceptance can differ), as with the one-device prefix cache.
+
+Not here: the host cache (`--enable-hierarchical-cache`, refused by `ServerArgs`: it
+still needs `--disable-radix-cache` on a DP mesh); prompt log-probs are the one-device
+server's (`intake.PROMPT_LOGPROBS_ELSEWHERE`).
 """
 
 from __future__ import annotations

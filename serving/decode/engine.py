@@ -994,12 +994,12 @@ class DecodeEngine:
             assert final == len(batch), "a speculative engine prefills whole prompts"
             admissions = []
             for r in batch:
-                assert r.slot is not None and r.pages is not None and r.prefill_from == 0
+                assert r.slot is not None and r.pages is not None
                 sp = r.req.sampling
                 args = (r.prompt, r.pages, r.width, r.slot, sp.temperature, r.seed, _filters(sp))
                 penalty = _penalty(r, self.cfg.eos_token_ids)
                 admissions.append((*args, _top_n(r) > 0, penalty))
-            out = self.spec.prefill_many(admissions)
+            out = self.spec.prefill_many(admissions, [r.prefill_from for r in batch])
             asked = any(_top_n(r) for r in batch)
             token, lp, *top = jax.device_get(out if asked else out[:2])
             return [

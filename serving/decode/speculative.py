@@ -443,17 +443,26 @@ class SpeculativeSteps(CompiledShapes):
         admission = (prompt, pages, width, slot, temperature, seed, filters, top, penalty)
         return self.prefill_many([admission])
 
-    def prefill_many(self, requests: Sequence[SpecAdmission]) -> tuple[jax.Array, ...]:
+    def prefill_many(
+        self, requests: Sequence[SpecAdmission], starts: Sequence[int] | None = None
+    ) -> tuple[jax.Array, ...]:
         """`prefill` for requests on different DP ranks, in one program (a padding row on
-        every other rank); row `i` of what it returns is `requests[i]`'s."""
-        tokens = prefill_bucket(max(len(req[0]) for req in requests))
+        every other rank); row `i` of what it returns is `requests[i]`'s. `starts[i]`:
+        the prompt positions before it have their trunk and MTP KV in the pages already
+        (a prefix-cache hit), so only the rest is fed."""
+        starts = [0] * len(requests) if starts is None else list(starts)
+        fed = [len(req[0]) - start for req, start in zip(requests, starts, strict=True)]
+        tokens = prefill_bucket(max(fed))
         width = max(req[2] for req in requests)
         greedy = all(req[4] == 0 for req in requests)
         rows = []
-        for prompt, pages, _, slot, temperature, seed, *reports in requests:
+        for (prompt, pages, _, slot, temperature, seed, *reports), start in zip(
+            requests, starts, strict=True
+        ):
             rank, local, local_pages = self._local(slot, pages)
             table = padded_page_table(local_pages, width)
-            batch = span_batch(np.asarray(prompt, np.int32), 0, table, self.page_size, tokens)
+            ids = np.asarray(prompt[start:], np.int32)
+            batch = span_batch(ids, start, table, self.page_size, tokens)
             batch_rows = (np.asarray(a) for a in dataclasses.astuple(batch))
             slot_row = np.asarray([local], np.int32)
             sampling = _sampling(self.vocab_size, temperature, seed, *reports)

@@ -138,11 +138,9 @@ def test_dp_flags_refuse_what_dp_decode_does_not_do(tiny_checkpoints):
     float32_args(path, "--dp-size", "2").validate()  # a prefix cache per rank
     with pytest.raises(ServerArgsError, match="host cache per DP rank"):
         float32_args(path, "--dp-size", "2", "--enable-hierarchical-cache").validate()
-    with pytest.raises(ServerArgsError, match="--disable-radix-cache"):
-        float32_args(path, "--dp-size", "2", "--speculative-algorithm", "EAGLE").validate()
-    whole = float32_args(
-        path, "--dp-size", "2", "--disable-radix-cache", "--speculative-algorithm", "EAGLE",
-        "--chunked-prefill-size", "32",
+    whole = float32_args(  # speculative: with the caches per rank, whole prompts
+        path, "--dp-size", "2", "--speculative-algorithm", "EAGLE", "--chunked-prefill-size",
+        "32",
     )  # fmt: skip
     assert any("prefills a whole prompt" in w for w in whole.validate())
     assert whole.own_prefill_chunk() is None

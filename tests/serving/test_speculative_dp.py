@@ -19,16 +19,18 @@ from support.speculative_engine import (
     assert_same,
     install_oracle,
     make_engine,
+    record_first_drafts,
     requests,
     run,
     with_stop_tokens,
 )
 
 from cpkv_jax.decode_mesh import DPPoolLayout, init_dp_pool
-from cpkv_jax.kv_store import PagedKVStore
+from cpkv_jax.kv_store import DPPrefixStore, PagedKVStore
 from cpkv_jax.mesh import make_dp_mesh
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.paging import PageAllocator
+from serving.decode.dp_prefix import DPPrefixPrefill
 from serving.decode.engine import DecodeEngine
 from serving.decode.speculative import SPEC_FORMS
 from serving.engine.api import SamplingParams
@@ -65,7 +67,9 @@ def test_speculative_decoding_on_a_dp_mesh_equals_one_device(loaded, plain, ckpt
     free0 = engine.kv.num_free_pages
     prefills = []
     prefill_many = engine.spec.prefill_many
-    engine.spec.prefill_many = lambda reqs: prefills.append(len(reqs)) or prefill_many(reqs)
+    engine.spec.prefill_many = lambda reqs, *rest: (
+        prefills.append(len(reqs)) or prefill_many(reqs, *rest)
+    )
     assert_same(run(engine, requests(cfg)), plain(ckpt))
     assert all(n > 0 for n in engine.admitted_per_rank) and max(prefills) == 2
     accepted = install_oracle(engine, {rid: o[0] for rid, o in plain(ckpt).items()}, k)
@@ -86,3 +90,43 @@ def test_speculative_decoding_on_a_dp_mesh_equals_one_device(loaded, plain, ckpt
     got = run(engine, reqs)
     assert_same(got, want)
     assert got["r1"][0] != plain(ckpt)["r1"][0][:12]  # it did sample
+
+
+def test_speculative_decoding_with_a_prefix_cache_per_rank(loaded, plain):
+    """Issue 39 on a unified DP server's default engine (issue 36 item 5: a radix cache
+    per rank): the admission program prefills a prompt from the end of its cached prefix,
+    whose trunk and MTP KV an earlier request wrote. The requests run twice (r1 sampled),
+    the second time hitting their own cached pages: the same tokens, log-probs and first
+    drafts bitwise (the first token is drawn at its position, the MTP pass starts where
+    the trunk did); the greedy ones are the plain single-device engine's (batch-invariant
+    numerics); every page (free or cached, none locked) and draft slot comes back."""
+    cfg, model = loaded("glm-fp8")
+    mesh = make_dp_mesh(2, jax.devices())
+    layout = DPPoolLayout(2, PAGES // 2, P)
+    pool = init_dp_pool(mtp_config(cfg), layout, mesh, np.float32, "fp8_e4m3")
+    store = DPPrefixStore(pool, 2, PAGES // 2, P)
+    engine = DecodeEngine(
+        cfg=cfg, model=model, kv=store, page_size=P, index_k_dtype="fp8_e4m3", mode="null",
+        intake=DPPrefixPrefill(store), max_running_requests=ROWS, batch_invariant=True,
+        speculative_num_steps=2, mesh=mesh,
+    )  # fmt: skip
+    reqs = requests(cfg)
+    sampled = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=5)
+    reqs[1] = dataclasses.replace(reqs[1], sampling=sampled)
+    first_drafts = record_first_drafts(engine, "prefill_many")
+    cold = run(engine, reqs)
+    cold_drafts = dict(first_drafts)
+    first_drafts.clear()
+    warm = run(engine, reqs)
+    assert_same(warm, cold)
+    assert first_drafts == cold_drafts and len(cold_drafts) == len(reqs)
+    assert sum(o[3]["cached_tokens"] for o in warm.values()) >= 3 * P
+    want = plain("glm-fp8")
+    assert_same(cold, {rid: o for rid, o in want.items() if rid != "r1"})
+    stats = engine.stats()
+    assert [f + c for f, c in zip(stats.kv_pages_free, stats.kv_pages_cached, strict=True)] == [
+        PAGES // 2 - 1
+    ] * 2
+    assert all(cache.protected_size() == 0 for cache in store.caches)
+    assert engine.spec.free_slots == engine.spec.num_slots
+    assert engine.step_shapes <= engine.reachable_shapes()

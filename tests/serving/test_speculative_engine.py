@@ -11,7 +11,6 @@ mesh: `test_speculative_dp.py`.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import jax
 import numpy as np
@@ -25,6 +24,7 @@ from support.speculative_engine import (
     assert_same,
     install_oracle,
     make_engine,
+    record_first_drafts,
     requests,
     run,
     with_stop_tokens,
@@ -175,26 +175,6 @@ def cached_engine(cfg, model, k: int, *extra: str, pages: int = PAGES) -> Decode
 def pool_page_bytes_for(cfg) -> int:
     layout = PoolLayout(1, False, 2, P)
     return per_rank_pool_bytes(mtp_config(cfg), layout, DTYPES["float32"], "fp8_e4m3") // 2
-
-
-def record_first_drafts(engine: DecodeEngine, method: str) -> dict[int, list[int]]:
-    """Prompt length -> the drafts an admission (`SpeculativeSteps.<method>`) wrote."""
-    spec = engine.spec
-    assert spec is not None
-    admit, seen = getattr(spec, method), {}
-
-    def recorded(*args):
-        out = admit(*args)
-        bound = inspect.signature(admit).bind(*args).arguments
-        drafts = np.asarray(spec.slab.drafts)
-        if "requests" in bound:  # `prefill_many`: (prompt, pages, width, slot, ...) each
-            seen.update({len(a[0]): drafts[a[3]].tolist() for a in bound["requests"]})
-        else:
-            seen[bound["n"]] = drafts[bound["slot"]].tolist()
-        return out
-
-    setattr(spec, method, recorded)
-    return seen
 
 
 def test_the_prefix_cache_engine_drafts_and_decodes_as_the_whole_prompt_engine(loaded, plain):

@@ -13,6 +13,7 @@ on)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 import numpy as np
@@ -172,3 +173,23 @@ def assert_same(got: dict, want: dict) -> None:
         np.testing.assert_array_equal(g[1], w[1], err_msg=rid)  # bitwise
         assert g[2] == w[2], rid
         assert g[4] == w[4], rid  # top log-probs, bitwise (those asked for)
+
+
+def record_first_drafts(engine: DecodeEngine, method: str) -> dict[int, list[int]]:
+    """Prompt length -> the drafts an admission (`SpeculativeSteps.<method>`) wrote."""
+    spec = engine.spec
+    assert spec is not None
+    admit, seen = getattr(spec, method), {}
+
+    def recorded(*args):
+        out = admit(*args)
+        bound = inspect.signature(admit).bind(*args).arguments
+        drafts = np.asarray(spec.slab.drafts)
+        if "requests" in bound:  # `prefill_many`: (prompt, pages, width, slot, ...) each
+            seen.update({len(a[0]): drafts[a[3]].tolist() for a in bound["requests"]})
+        else:
+            seen[bound["n"]] = drafts[bound["slot"]].tolist()
+        return out
+
+    setattr(spec, method, recorded)
+    return seen
