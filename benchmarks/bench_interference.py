@@ -4,7 +4,8 @@
         [--running 8] [--prompt 4096] [--layers 2] [--hidden 1024] [--json PATH]
 
 The unified server with default flags (radix cache, chunked prefill batched with the
-running decode rows, `--chunked-prefill-size 2048`) on `bench_long_prompt`'s GLM-5-shaped
+running decode rows, `--chunked-prefill-size 2048`; `--chunk 0` for whole prompts,
+`--server-arg` for more flags, e.g. a DP mesh) on `bench_long_prompt`'s GLM-5-shaped
 checkpoint. `--running` streamed greedy requests (short prompts, many new tokens) decode;
 once each has streamed `--settle` tokens, one `--prompt`-token request arrives. The
 running requests' inter-token gaps are split by time: `before` (up to the long request's
@@ -85,14 +86,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=int, default=20, help="tokens before the long prompt")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--chunk", type=int, default=2048, help="--chunked-prefill-size")
+    ap.add_argument(
+        "--chunk", type=int, default=2048, help="--chunked-prefill-size (0: whole prompts)"
+    )
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra cpkv-serve flag, e.g. --server-arg=--dp-size --server-arg=2 (with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=2 on CPU)",
+    )
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     ckpt = write_checkpoint(args.work_dir / "ckpt", glm5_shaped_config(args.layers, args.hidden))
     flags = ["--dtype", "bfloat16", "--page-size", "64", "--kv-pool-size", "56MiB"]
-    flags += ["--chunked-prefill-size", str(args.chunk)]
+    flags += ["--chunked-prefill-size", str(args.chunk)] if args.chunk else []
+    flags += args.server_arg
     rng = np.random.default_rng(0)
     with server(ckpt, args.work_dir / "server.log", flags, args.timeout) as url:
         # Warm the long prompt's chunk shapes and the batch buckets once (other ids: no
@@ -132,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             t.join()
     before, during = _gaps(times, 0, arrive), _gaps(times, arrive, first)
     after = _gaps(times, first, math.inf)
-    chunks = math.ceil(args.prompt / args.chunk)
+    chunks = math.ceil(args.prompt / args.chunk) if args.chunk else 1
     decode_gap = float(np.percentile(before, 50)) if before.size else 0.0
     chunk_step = ((first - arrive) * 1e3 - decode_gap) / chunks
     result = {
