@@ -8,8 +8,9 @@ Modes (`--disaggregation-mode`):
   its radix cache, and the host cache with `--enable-hierarchical-cache`, feeding the
   decode batch on one pool); on a DP mesh (`--dp-size N`) a `DecodeEngine` whose intake
   is `dp_prefix.DPPrefixPrefill` over a `DPPrefixStore` (a radix cache per rank, prompts
-  prefilled whole from their cached prefix); with `--disable-radix-cache` the plain
-  `DecodeEngine(mode="null")` over a `PagedKVStore`, each prompt prefilled whole;
+  prefilled from their cached prefix); with `--disable-radix-cache` the plain
+  `DecodeEngine(mode="null")` over a `PagedKVStore`, each prompt prefilled whole (both:
+  in `--chunked-prefill-size` chunks when given);
 - `decode`: a `transfer.receiver.Receiver` owns the pool and allocator (page-addressed
   writes from the prefill ranks land in it), served over gRPC on `--transfer-port` (plus
   a Mooncake receiver endpoint with `--transfer-backend mooncake`), and

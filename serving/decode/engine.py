@@ -8,8 +8,8 @@ One `DecodeEngine` runs the batch for every server mode behind the `StepEngine` 
   Retry-After): a request leaves it, in arrival order, once a batch slot and its pages
   are free (on a DP mesh, on the rank `decode_mesh.choose_rank` picks);
 - the intake (`serving.decode.intake`): how an admitted request's prompt KV and first
-  token arrive - a whole-prompt prefill by the engine's own steps (`LocalPrefill`,
-  unified with `--disable-radix-cache`), a PD transfer room (`TransferIntake`, decode
+  token arrive - a prefill by the engine's own steps (`LocalPrefill`, unified with
+  `--disable-radix-cache`: whole prompts or chunks), a PD transfer room (`TransferIntake`, decode
   mode), the CP prefill scheduler with the prefix cache (`cached.CachedPrefill`, the
   unified default on one device or a CP mesh), or whole-prompt prefill from a prefix
   cache per DP rank (`dp_prefix.DPPrefixPrefill`, the unified default on a DP mesh);

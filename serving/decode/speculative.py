@@ -7,7 +7,8 @@ gives the unified server's engine a `SpeculativeSteps` in place of the plain
 
 - admission with `--disable-radix-cache` (`prefill`): the trunk over the prompt, its
   first token drawn on the device, the MTP layer's pass over the prompt and the first K
-  drafts, in one program; on the default prefix-cache engine the CP runner prefills and
+  drafts, in one program (on a DP mesh with a prefix cache per rank, `prefill_many`
+  from the end of each prompt's cached prefix); on the default prefix-cache engine the CP runner prefills and
   runs the MTP layer over all but the prompt's last position, and `admit_after_prefill`
   draws the first token from its last logits, runs the MTP layer at the last position
   with the trunk's hidden state there and chains the first K drafts; on a PD decode
