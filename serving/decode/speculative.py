@@ -8,12 +8,12 @@ gives the unified server's engine a `SpeculativeSteps` in place of the plain
 - admission with `--disable-radix-cache` (`prefill`): the trunk over the prompt, its
   first token drawn on the device, the MTP layer's pass over the prompt and the first K
   drafts, in one program (on a DP mesh with a prefix cache per rank, `prefill_many`
-  from the end of each prompt's cached prefix); on the default prefix-cache engine the CP runner prefills and
-  runs the MTP layer over all but the prompt's last position, and `admit_after_prefill`
-  draws the first token from its last logits, runs the MTP layer at the last position
-  with the trunk's hidden state there and chains the first K drafts; on a PD decode
-  server the prefill server ran that pass and drew the first token, and
-  `admit_given` runs the MTP layer at the last position on it with the hidden state the
+  from the end of each prompt's cached prefix); on the default prefix-cache engine the
+  CP runner prefills and runs the MTP layer over all but the prompt's last position, and
+  `admit_after_prefill` draws the first token from its last logits, runs the MTP layer
+  at the last position with the trunk's hidden state there and chains the first K
+  drafts; on a PD decode server the prefill server ran that pass and drew the first
+  token, and `admit_given` runs the MTP layer at the last position on it with the hidden state the
   room's aux data carried, and chains the first K drafts;
 - each decode step (`step`): every running row verifies its K drafts and emits 1..K+1
   tokens, then the MTP layer drafts the next K, in one program. The host reads back only
