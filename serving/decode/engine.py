@@ -11,8 +11,9 @@ One `DecodeEngine` runs the batch for every server mode behind the `StepEngine` 
   token arrive - a prefill by the engine's own steps (`LocalPrefill`, unified with
   `--disable-radix-cache`: whole prompts or chunks), a PD transfer room (`TransferIntake`, decode
   mode), the CP prefill scheduler with the prefix cache (`cached.CachedPrefill`, the
-  unified default on one device or a CP mesh), or whole-prompt prefill from a prefix
-  cache per DP rank (`dp_prefix.DPPrefixPrefill`, the unified default on a DP mesh);
+  unified default on one device or a CP mesh), or the engine's own prefill from a
+  prefix cache per DP rank (`dp_prefix.DPPrefixPrefill`, the unified default on a DP
+  mesh);
 - the KV store (`cpkv_jax.kv_store.KVStore`): the pool, donated to every step through
   `update_pool`, and its page allocator;
 - the step executor (`serving.decode.steps.DecodeSteps`, `MeshDecodeSteps` on a DP
