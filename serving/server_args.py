@@ -920,6 +920,18 @@ class ServerArgs:
             )
         warnings += self._hicache_unbuilt()
         own_prefill = self.disaggregation_mode == "null" and not self.uses_prefill_scheduler()
+        if (
+            own_prefill
+            and self.dp_size > 1
+            and self.chunked_prefill_size is None
+            and not self.speculative_enabled()
+        ):
+            warnings.append(
+                f"--dp-size {self.dp_size} on a unified server without --chunked-prefill-size: "
+                "each prompt is prefilled whole in one step, whose buffers grow with the "
+                "longest prompt (the memory plan counts them) and which stalls every running "
+                "request for the whole prefill; --chunked-prefill-size 8192 bounds both"
+            )
         if self.chunked_prefill_size is not None and own_prefill and self.speculative_enabled():
             warnings.append(
                 "--chunked-prefill-size has no effect on a speculative unified server that "

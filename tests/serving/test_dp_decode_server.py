@@ -135,7 +135,8 @@ def test_many_clients_with_disconnects_leave_every_rank_s_pages(dp_server):
 
 def test_dp_flags_refuse_what_dp_decode_does_not_do(tiny_checkpoints):
     path = tiny_checkpoints("glm_moe_dsa")
-    float32_args(path, "--dp-size", "2").validate()  # a prefix cache per rank
+    warned = float32_args(path, "--dp-size", "2").validate()  # a prefix cache per rank
+    assert any("without --chunked-prefill-size" in w for w in warned)
     with pytest.raises(ServerArgsError, match="host cache per DP rank"):
         float32_args(path, "--dp-size", "2", "--enable-hierarchical-cache").validate()
     whole = float32_args(  # speculative: with the caches per rank, whole prompts
@@ -146,6 +147,7 @@ def test_dp_flags_refuse_what_dp_decode_does_not_do(tiny_checkpoints):
     assert whole.own_prefill_chunk() is None
     chunked = float32_args(path, "--dp-size", "2", "--chunked-prefill-size", "40")
     assert chunked.own_prefill_chunk() == 32  # whole pages of 16
+    assert not any("--chunked-prefill-size" in w for w in chunked.validate())
     with pytest.raises(ServerArgsError, match="--cp-size ranks instead"):
         float32_args(path, "--dp-size", "2", "--disaggregation-mode", "prefill").validate()
     with pytest.raises(ServerArgsError, match="divide the 8 available devices"):
