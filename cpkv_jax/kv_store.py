@@ -32,8 +32,15 @@ from typing import Protocol, TypeVar, runtime_checkable
 import numpy as np
 from jax.typing import DTypeLike
 
-from cpkv_jax.cache.radix import RadixCache, RadixNode, alloc_with_evict, table_from_prefix
+from cpkv_jax.cache.radix import (
+    RadixCache,
+    RadixNode,
+    alloc_with_evict,
+    cache_and_relock,
+    table_from_prefix,
+)
 from cpkv_jax.config import ModelConfig
+from cpkv_jax.decode_mesh import DPPoolLayout
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
@@ -325,21 +332,21 @@ class DPPrefixStore(_OnDevice):
     The lock keeps the counters consistent for stats readers on other threads; only the
     engine's thread changes the caches."""
 
-    def __init__(
-        self, pool: KVPool | DevicePool | None, ranks: int, pages_per_rank: int, page_size: int
-    ):
+    def __init__(self, pool: KVPool | DevicePool | None, layout: DPPoolLayout):
         device = pool if isinstance(pool, DevicePool) else DevicePool(pool)
-        if not device.host_only and device.pool.num_pages != ranks * pages_per_rank:
+        if not device.host_only and device.pool.num_pages != layout.global_pages:
             raise ConfigError(
-                f"the pool has {device.pool.num_pages} pages, not {ranks} ranks x "
-                f"{pages_per_rank}; build both from the same layout"
+                f"the pool has {device.pool.num_pages} pages, not {layout.dp_size} ranks x "
+                f"{layout.pages_per_rank}; build both from the same layout"
             )
         self.device = device
-        self.ranks = ranks
-        self.pages_per_rank = pages_per_rank
-        self.page_size = page_size
-        self._allocators = [OwnerLaneAllocator(1, pages_per_rank) for _ in range(ranks)]
-        self.caches = [RadixCache(a, page_size) for a in self._allocators]
+        self.layout = layout
+        self.ranks = layout.dp_size
+        self.page_size = layout.page_size
+        self._allocators = [
+            OwnerLaneAllocator(1, layout.pages_per_rank) for _ in range(layout.dp_size)
+        ]
+        self.caches = [RadixCache(a, layout.page_size) for a in self._allocators]
         self._lock = threading.RLock()
 
     # ---- counts ----------------------------------------------------------------------
@@ -390,18 +397,11 @@ class DPPrefixStore(_OnDevice):
         """After the request's prefill: cache its prompt's whole pages, locked by it; its
         pages from then on (the cache's where another request cached the same tokens
         first: `insert` freed the duplicates, and the KV is the same)."""
-        ps = self.page_size
-        whole = len(prompt) // ps
         with self._lock:
-            cache = self.caches[hold.rank]
-            local = self._local(hold.rank, pages)
-            cache.insert(prompt[: whole * ps], local[:whole])
-            match = cache.match_prefix(prompt[: whole * ps])
-            assert match.num_pages == whole, "pages inserted a moment ago must match"
-            cache.inc_lock_ref(match.node)
-            cache.dec_lock_ref(hold.node)
-            hold.node, hold.own_from = match.node, whole
-            local = np.concatenate([match.local_pages, local[whole:]])
+            hold.node, local = cache_and_relock(
+                self.caches[hold.rank], prompt, self._local(hold.rank, pages), hold.node
+            )
+            hold.own_from = len(prompt) // self.page_size
         return self._global(hold.rank, local)
 
     def release(self, hold: PrefixHold, pages: np.ndarray) -> None:
@@ -429,15 +429,16 @@ class DPPrefixStore(_OnDevice):
         """Give back pages `allocate_pages` gave (any ranks')."""
         pages = np.asarray(pages, np.int64).reshape(-1)
         with self._lock:
-            for rank in np.unique(pages // self.pages_per_rank):
-                local = self._local(int(rank), pages[pages // self.pages_per_rank == rank])
+            ranks = pages // self.layout.pages_per_rank
+            for rank in np.unique(ranks):
+                local = self._local(int(rank), pages[ranks == rank])
                 self._allocators[int(rank)].free(np.zeros(local.size, np.int64), local)
 
     def _global(self, rank: int, local: np.ndarray) -> np.ndarray:
-        return np.asarray(local, np.int64) + rank * self.pages_per_rank
+        return np.asarray(local, np.int64) + rank * self.layout.pages_per_rank
 
     def _local(self, rank: int, pages: np.ndarray) -> np.ndarray:
-        local = np.asarray(pages, np.int64) - rank * self.pages_per_rank
-        if local.size and (local.min() <= TRASH_PAGE or local.max() >= self.pages_per_rank):
-            raise ValueError(f"pages {np.asarray(pages).tolist()} are not all rank {rank}'s")
+        local = self.layout.local(np.asarray(pages, np.int64), rank)
+        if (local == TRASH_PAGE).any():
+            raise ValueError(f"pages {np.asarray(pages).tolist()} include rank {rank}'s trash page")
         return local

@@ -222,6 +222,8 @@ def _build_decode_side(
     pages = pool_pages_per_rank(args, cfg)  # per rank (DP or CP), its trash page included
     dp = args.dp_size
     mesh = make_dp_mesh(dp, devices) if dp > 1 else None
+    # One shard of `pages` per DP rank, each with its trash page.
+    dp_layout = DPPoolLayout(dp, pages, args.page_size) if mesh is not None else None
     cp_decoder = None
     if args.cp_size > 1:  # a CP decode group (issue 40): one pool striped by owner
         runner = _cp_group(args, cfg, model, devices, pages)
@@ -237,8 +239,8 @@ def _build_decode_side(
         )
     elif mesh is None:
         pool = init_pool(pool_cfg, pages, args.page_size, dtype, args.index_k_dtype)
-    else:  # one shard of `pages` per DP rank, each with its trash page
-        dp_layout = DPPoolLayout(dp, pages, args.page_size)
+    else:
+        assert dp_layout is not None
         pool = init_dp_pool(pool_cfg, dp_layout, mesh, dtype, args.index_k_dtype)
     ranks = max(dp, args.cp_size)  # pool shards: DP ranks, or a CP group's owner lanes
     running, why = max_running_requests(args, ranks * (pages - 1))
@@ -257,7 +259,8 @@ def _build_decode_side(
     chunk = args.own_prefill_chunk()
     if args.disaggregation_mode == "null" and args.uses_prefix_cache():
         # A DP mesh (one device goes through the prefill scheduler): a cache per rank.
-        kv: Any = DPPrefixStore(pool, dp, pages, args.page_size)
+        assert dp_layout is not None
+        kv: Any = DPPrefixStore(pool, dp_layout)
         intake = DPPrefixPrefill(kv, chunk)
         logger.info(
             "prefix cache: one radix cache per DP rank, a request sent to the rank caching "

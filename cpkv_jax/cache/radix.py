@@ -638,3 +638,28 @@ def cache_finished_request(
     cache.dec_lock_ref(node)
     table.detach()  # whole pages now belong to the cache, the tail page was freed
     return cached
+
+
+def cache_and_relock(
+    cache: RadixCache,
+    token_ids: Int[np.ndarray, " n"],
+    local_pages: Int[np.ndarray, " pages"],
+    node: RadixNode,
+) -> tuple[RadixNode, Int[np.ndarray, " pages"]]:
+    """Cache a running request's whole pages now and move its lock onto them.
+
+    As sglang's `cache_unfinished_req`: `local_pages` hold the KV of `token_ids` (the
+    tail page may be partial); its whole pages are inserted, so a later request can match
+    them while this one still runs, and the request re-locks the longer cached path
+    instead of `node` (locked at admission). Where another request cached the same tokens
+    first, `insert` frees this request's duplicate pages; the returned pages are rebuilt
+    on the cache's (the KV of the same tokens at the same positions), then its own tail.
+    Returns the new locked node and the request's pages from now on.
+    """
+    whole = len(token_ids) // cache.page_size
+    cache.insert(token_ids[: whole * cache.page_size], local_pages[:whole])
+    match = cache.match_prefix(token_ids[: whole * cache.page_size])
+    assert match.num_pages == whole, "pages inserted a moment ago must match"
+    cache.inc_lock_ref(match.node)  # before the old lock goes: nothing can evict between
+    cache.dec_lock_ref(node)
+    return match.node, np.concatenate([match.local_pages, local_pages[whole:]])

@@ -44,6 +44,7 @@ from cpkv_jax.cache.radix import (
     RadixCache,
     RadixNode,
     alloc_with_evict,
+    cache_and_relock,
     cache_finished_request,
     table_from_prefix,
 )
@@ -465,29 +466,17 @@ class PrefillScheduler:
         return outcomes
 
     def _hold(self, req: PrefillRequest) -> None:
-        """Cache a finished request's whole pages now, locked, and keep its tail page.
-
-        As sglang's `cache_unfinished_req`: the whole pages are inserted (a later request
-        can match them while this one's KV is in transfer) and the request re-locks the
-        now longer cached path. Where another request cached the same tokens first,
-        `insert` frees this request's duplicate pages; the table is rebuilt on the
-        cache's pages (KV of the same tokens at the same positions: what any later
-        request matching this prefix uses), so what the transfer reads is always
-        allocated and locked. Path nodes off the device (a host copy, or a write-back
-        backup still in flight) take this request's pages (`HiRadixCache.insert`), so
-        the whole pages always match.
+        """Cache a finished request's whole pages now, locked, and keep its tail page
+        (`cache_and_relock`: a later request can match them while this one's KV is in
+        transfer; what the transfer reads is always allocated and locked). Path nodes off
+        the device (a host copy, or a write-back backup still in flight) take this
+        request's pages (`HiRadixCache.insert`), so the whole pages always match.
         """
-        assert req.table is not None
+        assert req.table is not None and req.lock_node is not None
         n = req.table.num_tokens
-        whole = n // self.page_size * self.page_size
-        local = req.table.local_pages()
-        self.cache.insert(req.input_ids[:whole], local[: whole // self.page_size])
-        match = self.cache.match_prefix(req.input_ids[:whole])
-        assert match.num_tokens == whole, "pages inserted a moment ago must match"
-        self.cache.inc_lock_ref(match.node)
-        self._unlock(req)
-        req.lock_node = match.node
-        pages = np.concatenate([match.local_pages, local[whole // self.page_size :]])
+        req.lock_node, pages = cache_and_relock(
+            self.cache, req.input_ids[:n], req.table.local_pages(), req.lock_node
+        )
         assert pages.size == pages_for_tokens(n, self.page_size)
         req.table.detach()  # whole pages: the cache's; the tail page moves to the new table
         req.table = RequestPageTable.from_prefix(req.table.cp_size, pages, n, self.page_size)

@@ -19,6 +19,7 @@ from hypothesis.stateful import (
 from cpkv_jax.cache.radix import (
     RadixCache,
     alloc_with_evict,
+    cache_and_relock,
     cache_finished_request,
     table_from_prefix,
 )
@@ -173,6 +174,33 @@ def test_reinserting_the_matched_pages_frees_nothing():
     assert cache_finished_request(cache, table, longer, match.node) == 8
     np.testing.assert_array_equal(cache.allocator.num_free_per_lane() - free_before, [0, 1])
     assert table.num_pages == 0 and cache.total_size() == 10 and cache.protected_size() == 0
+    cache.check_invariants()
+
+
+def test_cache_and_relock_moves_the_lock_onto_the_cached_pages_and_keeps_the_tail():
+    """A running request's whole pages are cached at once and locked by it (the prefill
+    scheduler's `hold_finished`, the DP prefix store's `hold_prompt`): where another
+    request cached the same tokens first, its pages become the cache's, its duplicates
+    are freed, and its partial tail page stays its own."""
+    cache = _cache(cp_size=2, pages_per_lane=8, page_size=2)
+    rng = np.random.default_rng(7)
+    shared = rng.integers(3, 99, 4)
+    cache.insert(shared, _own(cache, shared).local_pages())  # another request, finished
+    prompt = np.concatenate([shared, rng.integers(3, 99, 5)])  # 4 whole pages + 1 token
+    miss = cache.match_prefix(prompt[:0])
+    cache.inc_lock_ref(miss.node)
+    table = _own(cache, prompt)  # computed all of it itself: 2 duplicate pages
+    own = table.local_pages()
+    free_before = cache.allocator.num_free_per_lane()
+
+    node, pages = cache_and_relock(cache, prompt, own, miss.node)
+    np.testing.assert_array_equal(cache.allocator.num_free_per_lane() - free_before, [1, 1])
+    np.testing.assert_array_equal(pages[:2], cache.match_prefix(shared).local_pages)
+    np.testing.assert_array_equal(pages[2:], own[2:])  # its new whole pages, then its tail
+    assert cache.match_prefix(prompt).num_tokens == 8
+    assert cache.protected_size() == 8 and cache.evictable_size() == 0  # all locked by it
+    cache.dec_lock_ref(node)
+    assert cache.protected_size() == 0
     cache.check_invariants()
 
 

@@ -82,7 +82,7 @@ def test_peek_prefix_is_read_only_and_counts_unlocked_pages():
 
 
 def test_dp_prefix_store_admits_holds_releases_and_evicts():
-    store = DPPrefixStore(None, DP, 6, 4)  # host-only: 5 usable pages per rank
+    store = DPPrefixStore(None, DPPoolLayout(DP, 6, 4))  # host-only: 5 usable pages per rank
     rng = np.random.default_rng(2)
     a = rng.integers(3, 99, 10)  # 2 whole pages + 2 tokens
     pages, hold = store.admit(1, a, 4)
@@ -124,9 +124,7 @@ def make_engine(
     cfg, model, _ = tiny
     mesh = make_dp_mesh(DP, jax.devices())
     layout = DPPoolLayout(DP, pages_per_rank, P)
-    store = DPPrefixStore(
-        init_dp_pool(cfg, layout, mesh, jnp.float32, INDEX_K), DP, pages_per_rank, P
-    )
+    store = DPPrefixStore(init_dp_pool(cfg, layout, mesh, jnp.float32, INDEX_K), layout)
     return DecodeEngine(
         cfg=cfg, model=model, kv=store, page_size=P, index_k_dtype=INDEX_K, mode="null",
         intake=DPPrefixPrefill(store, chunk), max_running_requests=max_running, mesh=mesh,

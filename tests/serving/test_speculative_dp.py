@@ -104,7 +104,7 @@ def test_speculative_decoding_with_a_prefix_cache_per_rank(loaded, plain):
     mesh = make_dp_mesh(2, jax.devices())
     layout = DPPoolLayout(2, PAGES // 2, P)
     pool = init_dp_pool(mtp_config(cfg), layout, mesh, np.float32, "fp8_e4m3")
-    store = DPPrefixStore(pool, 2, PAGES // 2, P)
+    store = DPPrefixStore(pool, layout)
     engine = DecodeEngine(
         cfg=cfg, model=model, kv=store, page_size=P, index_k_dtype="fp8_e4m3", mode="null",
         intake=DPPrefixPrefill(store), max_running_requests=ROWS, batch_invariant=True,
