@@ -50,12 +50,12 @@ from cpkv_jax.model.forward_batch import ForwardBatch
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool
 from cpkv_jax.model.mla import AttnForm
 from cpkv_jax.model.mtp import mtp_config
-from cpkv_jax.model.numerics import batch_invariant, is_batch_invariant, token_block_bytes
+from cpkv_jax.model.numerics import batch_invariant, token_block_bytes
 from cpkv_jax.model.rope import rope_cos_sin
-from cpkv_jax.model.transformer import CausalLM, log_probs
+from cpkv_jax.model.transformer import CausalLM, score_tokens
 from cpkv_jax.owner_attention import OwnerCPKVIO
 from cpkv_jax.paging import pages_for_tokens
-from cpkv_jax.scores import TOP_SCORES, TokenScores
+from cpkv_jax.scores import TokenScores
 from cpkv_jax.shared_kv_debug import (
     DEBUG_ENV,
     check_step,
@@ -515,11 +515,6 @@ class CPPrefillRunner:
         table.release(self.allocator)
 
 
-# Tokens whose full-vocabulary log-probs a scoring step holds at once: GLM-5's 154,880
-# entries x 512 tokens x 4 B = 317 MB, not a whole 16K chunk's 10 GB.
-SCORE_BLOCK_TOKENS = 512
-
-
 def plan_targets(plan: StepPlan, prompts: Sequence[np.ndarray]) -> np.ndarray:
     """Each slot's next prompt token (0 where there is none: padding, or the prompt's
     last token), in the plan's zigzag layout."""
@@ -529,33 +524,6 @@ def plan_targets(plan: StepPlan, prompts: Sequence[np.ndarray]) -> np.ndarray:
         has_next = plan.valid[b] & (pos + 1 < len(prompt))
         targets[b] = np.where(has_next, prompt[np.minimum(pos + 1, len(prompt) - 1)], 0)
     return targets
-
-
-def score_tokens(model: CausalLM, hidden: jax.Array, targets: jax.Array):
-    """Log-prob of `targets` and the `TOP_SCORES` best tokens after each `hidden` row
-    (`[B, T, H]`), in token blocks of `SCORE_BLOCK_TOKENS` so the full-vocabulary
-    log-probs are never all in memory. Ties in the top: lower id first (`lax.top_k`)."""
-    b, t, h = hidden.shape
-    n = b * t
-    block = min(SCORE_BLOCK_TOKENS, n)
-    pad = -n % block
-    flat_h = jnp.pad(hidden.reshape(n, h), ((0, pad), (0, 0)))
-    flat_t = jnp.pad(targets.reshape(n), (0, pad))
-    k = min(TOP_SCORES, model.cfg.vocab_size)
-
-    def one(args):
-        rows, tgt = args
-        lp = log_probs(model.logits(rows), is_batch_invariant())
-        top_lps, top_ids = jax.lax.top_k(lp, k)
-        return jnp.take_along_axis(lp, tgt[:, None], axis=1)[:, 0], top_ids, top_lps
-
-    blocks = (flat_h.reshape(-1, block, h), flat_t.reshape(-1, block))
-    chosen, top_ids, top_lps = jax.lax.map(one, blocks)
-    return (
-        chosen.reshape(-1)[:n].reshape(b, t),
-        top_ids.reshape(-1, k)[:n].reshape(b, t, k).astype(jnp.int32),
-        top_lps.reshape(-1, k)[:n].reshape(b, t, k),
-    )
 
 
 def global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:

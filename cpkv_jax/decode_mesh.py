@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,7 @@ from cpkv_jax.model.kv_cache import (
 )
 from cpkv_jax.model.mla import AttnForm
 from cpkv_jax.model.numerics import batch_invariant, token_block_bytes
-from cpkv_jax.model.transformer import CausalLM
+from cpkv_jax.model.transformer import CausalLM, last_token_logits, score_tokens
 from cpkv_jax.paging import padded_page_table, slots_for_positions
 
 # A compiled DP step: (form, rows per rank, tokens per row, page-table width).
@@ -264,7 +265,7 @@ class DPDecodeSteps:
         self._row_sharding = placed.rows
         self.replicated = placed.replicated
         self._abstract = (abstract(self.state), abstract(pool))
-        self._step = _build_step(
+        step_args = (
             placed.graphdef,
             mesh,
             placed.state_specs,
@@ -274,7 +275,12 @@ class DPDecodeSteps:
             batch_invariant,
             block_bytes,
         )
+        self._step = _build_step(*step_args)
         self._compiled: ShapeCache[DPShape] = ShapeCache("DP decode step")
+        # The prompt-scoring twin of the prefill steps (prompt log-probs): compiled on a
+        # scoring request's first use of a shape, none at warm-up.
+        self._score_step = _build_step(*step_args, score=True)
+        self._score_compiled: ShapeCache[DPShape] = ShapeCache("DP prompt-scoring step")
         self._feed = jax.jit(feed_ids, out_shardings=self._row_sharding)
 
     def batch(self, host: tuple[np.ndarray, ...]) -> ForwardBatch:
@@ -299,6 +305,9 @@ class DPDecodeSteps:
     def compile_estimate(self, shapes: set[DPShape]) -> tuple[int, float]:
         return self._compiled.estimate(shapes)
 
+    def compiled_score(self, shape: DPShape) -> jax.stages.Compiled:
+        return self._score_compiled.get(shape, lambda: self._lower(shape, score=True))
+
     def run(
         self,
         shape: DPShape,
@@ -306,16 +315,21 @@ class DPDecodeSteps:
         host: tuple[np.ndarray, ...],
         pool: KVPool,
         input_ids: jax.Array | None = None,
-    ) -> tuple[jax.Array, KVPool]:
+        targets: np.ndarray | None = None,
+    ) -> tuple[Any, KVPool]:
         """Logits `[dp * rows, vocab]` in `order` (`build_batch`: row `i` is the `i`-th
         row given, padding after; replicated on the mesh) and the new pool (`pool` is
-        donated). `input_ids` (on the mesh, `feed_ids`) replace the host ones."""
-        step = self.compiled(shape)
+        donated). `input_ids` (on the mesh, `feed_ids`) replace the host ones. With
+        `targets` (`[dp * rows, tokens]` in the step's layout, as the host ids) the
+        scoring step: `(logits, chosen, top_ids, top_logprobs)` in `order`."""
         order = jax.make_array_from_callback(order.shape, self.replicated, lambda i: order[i])
         batch = self.batch(host)
         if input_ids is not None:
             batch = dataclasses.replace(batch, input_ids=input_ids)
-        return step(self.state, batch, pool, order)
+        if targets is None:
+            return self.compiled(shape)(self.state, batch, pool, order)
+        tgt = jax.make_array_from_callback(targets.shape, self._row_sharding, lambda i: targets[i])
+        return self.compiled_score(shape)(self.state, batch, pool, order, tgt)
 
     def feed_ids(self, prev: jax.Array, src: np.ndarray, host_ids: np.ndarray) -> jax.Array:
         """A step's `[dp * rows, 1]` input ids on the mesh: row `i` (in the step's layout)
@@ -327,7 +341,7 @@ class DPDecodeSteps:
         )
         return self._feed(prev, src_a, ids_a)
 
-    def _lower(self, shape: DPShape) -> jax.stages.Lowered:
+    def _lower(self, shape: DPShape, score: bool = False) -> jax.stages.Lowered:
         form, rows, tokens, width = shape
         n = self.layout.dp_size * rows
         batch = abstract_batch(n, tokens, width, self._row_sharding)
@@ -335,7 +349,10 @@ class DPDecodeSteps:
         state, pool = self._abstract
         if form != FORM:
             raise ValueError(f"DP steps run the {FORM!r} form, not {form!r}")
-        return self._step.lower(state, batch, pool, order)
+        if not score:
+            return self._step.lower(state, batch, pool, order)
+        targets = jax.ShapeDtypeStruct((n, tokens), np.int32, sharding=self._row_sharding)
+        return self._score_step.lower(state, batch, pool, order, targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,32 +450,40 @@ def _build_step(
     index_k_dtype: str,
     invariant: bool,
     block_bytes: int | None,
+    *,
+    score: bool = False,
 ) -> Callable:
-    def per_rank(state, batch: ForwardBatch, pool: KVPool):
+    """The jitted DP step `(state, batch, pool, order[, targets]) -> (out, pool)`: `out`
+    the last-token logits, or with `score` those and the fed tokens' scores
+    (`transformer.score_tokens` of `targets`, each rank its own rows)."""
+
+    def per_rank(state, batch: ForwardBatch, pool: KVPool, *targets):
         model = nnx.merge(graphdef, state)
         with batch_invariant(invariant), token_block_bytes(block_bytes), ep_context(ep):
             hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=FORM)
-            last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
-            hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-            return model.logits(hidden), pool
+            logits = last_token_logits(model, hidden, batch.valid)
+            if not score:
+                return logits, pool
+            return (logits, *score_tokens(model, hidden, targets[0])), pool
 
     rows = P(DP_AXIS)
+    outs = (rows, rows, rows, rows) if score else rows
     sharded = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(state_specs, rows, rows),
-        out_specs=(rows, rows),
+        in_specs=(state_specs, rows, rows, *([rows] if score else [])),
+        out_specs=(outs, rows),
         # Replicated weights meet per-rank rows in every layer (and the EP exchange
         # builds buffers from constants); the varying-axes checker is not needed.
         check_vma=False,
     )
     replicated = NamedSharding(mesh, P())
 
-    # Logits come back in the caller's row order, on every device (the sampler's
+    # Outputs come back in the caller's row order, on every device (the sampler's
     # input): one small gather inside the step, no extra program.
     @functools.partial(jax.jit, donate_argnums=(2,), out_shardings=(replicated, None))
-    def step(state, batch, pool, order):
-        logits, pool = sharded(state, batch, pool)
-        return logits[order], pool
+    def step(state, batch, pool, order, *targets):
+        out, pool = sharded(state, batch, pool, *targets)
+        return jax.tree.map(lambda a: a[order], out), pool
 
     return step

@@ -46,6 +46,7 @@ from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
 from cpkv_jax.model.kv_cache import IndexKDtype, KVPool, init_pool
 from cpkv_jax.paging import TRASH_PAGE, PageAllocator
+from cpkv_jax.scores import match_end
 
 T = TypeVar("T")
 
@@ -364,25 +365,29 @@ class DPPrefixStore(_OnDevice):
         with self._lock:
             return tuple(int(c.total_pages_per_lane()[0]) for c in self.caches)
 
-    def peek(self, rank: int, tokens: np.ndarray) -> tuple[int, int]:
-        """`(cached, capacity)` for a request whose prompt is `tokens` (+ one token) on
-        `rank`: the leading pages of it the rank caches, and the pages the rank can give
-        it beyond them (free, plus evictable pages other than that prefix). Read-only."""
+    def peek(self, rank: int, prompt: np.ndarray, score_from: int | None = None) -> tuple[int, int]:
+        """`(cached, capacity)` for a request whose prompt is `prompt` on `rank`: the
+        leading pages of it the rank caches (`scores.match_end`: at least the last token
+        is computed, and every token a prompt scored from `score_from` needs), and the
+        pages the rank can give it beyond them (free, plus evictable pages other than
+        that prefix). Read-only."""
         with self._lock:
             cache = self.caches[rank]
-            cached, unlocked = cache.peek_prefix(tokens[:-1])
+            cached, unlocked = cache.peek_prefix(prompt[: match_end(len(prompt), score_from)])
             free = self._allocators[rank].num_free(0)
             return cached, free + int(cache.evictable_pages_per_lane()[0]) - unlocked
 
     # ---- one request's pages ---------------------------------------------------------
-    def admit(self, rank: int, prompt: np.ndarray, n_pages: int) -> tuple[np.ndarray, PrefixHold]:
+    def admit(
+        self, rank: int, prompt: np.ndarray, n_pages: int, score_from: int | None = None
+    ) -> tuple[np.ndarray, PrefixHold]:
         """Global pages `[n_pages]` for a request on `rank`: its cached prefix first
-        (locked), then its own (see the class docstring); `CacheCapacityError` with
-        nothing held when the rank cannot give them. The hold's `own_from * page_size`
-        prompt tokens need no prefill."""
+        (locked; as `peek` counts it), then its own (see the class docstring);
+        `CacheCapacityError` with nothing held when the rank cannot give them. The hold's
+        `own_from * page_size` prompt tokens need no prefill."""
         with self._lock:
             cache = self.caches[rank]
-            match = cache.match_prefix(prompt[:-1])
+            match = cache.match_prefix(prompt[: match_end(len(prompt), score_from)])
             cache.inc_lock_ref(match.node)  # before anything can evict it
             table = table_from_prefix(cache, match)
             try:

@@ -19,8 +19,15 @@ from cpkv_jax.model.kv_cache import KVIO, SINGLE_DEVICE_KV_IO, KVPool
 from cpkv_jax.model.layers import Embedding, Linear, RMSNorm
 from cpkv_jax.model.mla import AttnForm, MLAttention
 from cpkv_jax.model.moe import DenseMLP, MoE
-from cpkv_jax.model.numerics import batch_invariant, rowwise, token_block_bytes, tokenwise
+from cpkv_jax.model.numerics import (
+    batch_invariant,
+    is_batch_invariant,
+    rowwise,
+    token_block_bytes,
+    tokenwise,
+)
 from cpkv_jax.model.rope import rope_cos_sin
+from cpkv_jax.scores import TOP_SCORES
 
 
 class DecoderLayer(nnx.Module):
@@ -174,9 +181,43 @@ def forward_step(
         model = nnx.merge(graphdef, state)
         hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form)
         if not all_logits:
-            last = jnp.maximum(batch.valid.sum(-1) - 1, 0)
-            hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+            return last_token_logits(model, hidden, batch.valid), pool
         return model.logits(hidden), pool
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "kv_io", "index_k_dtype", "form", "invariant", "block_bytes"),
+    donate_argnames=("pool",),
+)
+def forward_score_step(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    batch: ForwardBatch,
+    pool: KVPool,
+    targets: jax.Array,
+    *,
+    kv_io: KVIO = SINGLE_DEVICE_KV_IO,
+    index_k_dtype: str = "fp8_e4m3",
+    form: AttnForm = "absorbed",
+    invariant: bool = False,
+    block_bytes: int | None = None,
+):
+    """`forward_step` (last-token logits) that also scores every fed token: the log-prob
+    of `targets[b, t]` (`[B, T]`, the next prompt token; any id where none) after token
+    `t` of row `b`, and the `TOP_SCORES` most likely tokens there (`score_tokens`).
+    Returns `(logits, chosen, top_ids, top_logprobs), pool`."""
+    with batch_invariant(invariant), token_block_bytes(block_bytes):
+        model = nnx.merge(graphdef, state)
+        hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype, form=form)
+        logits = last_token_logits(model, hidden, batch.valid)
+        return (logits, *score_tokens(model, hidden, targets)), pool
+
+
+def last_token_logits(model: CausalLM, hidden: jax.Array, valid: jax.Array) -> jax.Array:
+    """Logits `[B, vocab]` after each row's last valid token (`hidden` `[B, T, H]`)."""
+    last = jnp.maximum(valid.sum(-1) - 1, 0)
+    return model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
 
 
 @functools.partial(jax.jit, static_argnames=("invariant",))
@@ -194,3 +235,35 @@ def log_probs(logits: Float[Array, "... v"], invariant: bool = False) -> Float[A
     with batch_invariant(True):
         out = tokenwise(lambda x: jax.nn.log_softmax(x, axis=-1), rows)
     return out.reshape(logits.shape)
+
+
+# Tokens whose full-vocabulary log-probs a scoring step holds at once: GLM-5's 154,880
+# entries x 512 tokens x 4 B = 317 MB, not a whole 16K chunk's 10 GB.
+SCORE_BLOCK_TOKENS = 512
+
+
+def score_tokens(model: CausalLM, hidden: jax.Array, targets: jax.Array):
+    """Log-prob of `targets` and the `TOP_SCORES` best tokens after each `hidden` row
+    (`[B, T, H]`), in token blocks of `SCORE_BLOCK_TOKENS` so the full-vocabulary
+    log-probs are never all in memory. Ties in the top: lower id first (`lax.top_k`)."""
+    b, t, h = hidden.shape
+    n = b * t
+    block = min(SCORE_BLOCK_TOKENS, n)
+    pad = -n % block
+    flat_h = jnp.pad(hidden.reshape(n, h), ((0, pad), (0, 0)))
+    flat_t = jnp.pad(targets.reshape(n), (0, pad))
+    k = min(TOP_SCORES, model.cfg.vocab_size)
+
+    def one(args):
+        rows, tgt = args
+        lp = log_probs(model.logits(rows), is_batch_invariant())
+        top_lps, top_ids = jax.lax.top_k(lp, k)
+        return jnp.take_along_axis(lp, tgt[:, None], axis=1)[:, 0], top_ids, top_lps
+
+    blocks = (flat_h.reshape(-1, block, h), flat_t.reshape(-1, block))
+    chosen, top_ids, top_lps = jax.lax.map(one, blocks)
+    return (
+        chosen.reshape(-1)[:n].reshape(b, t),
+        top_ids.reshape(-1, k)[:n].reshape(b, t, k).astype(jnp.int32),
+        top_lps.reshape(-1, k)[:n].reshape(b, t, k),
+    )

@@ -45,9 +45,9 @@ from cpkv_jax.cache.radix import CacheCapacityError
 from cpkv_jax.cp_decode import CPDecoder
 from cpkv_jax.errors import CpkvError
 from cpkv_jax.kv_store import CachedLaneStore
-from cpkv_jax.scores import PromptLogprobs
 from serving.decode.engine import DecodeEngine, Touched
-from serving.decode.request import DecodeRequest
+from serving.decode.intake import check_prompt_logprobs_from
+from serving.decode.request import DecodeRequest, prompt_scores
 from serving.engine.api import EngineStats, GenerateRequest, ServerMode
 from serving.engine.step_failures import check_pool_after, step_failure
 from serving.engine.stopping import StopResult
@@ -55,21 +55,6 @@ from serving.prefill.build import PrefillEngine
 from serving.prefill.scheduler import PrefillOutcome, PrefillStepError
 
 logger = logging.getLogger(__name__)
-
-
-def prompt_scores(scores: PromptLogprobs, top_n: int) -> tuple[tuple, tuple]:
-    """A prefill's prompt scores as `OutputChunk.prompt_logprobs` / `prompt_top_logprobs`
-    (token 0, without context: None and no alternatives)."""
-    lps, tops = [], []
-    for i, lp in enumerate(scores.logprobs.tolist()):
-        if scores.start + i == 0:
-            lps.append(None)
-            tops.append(())
-            continue
-        lps.append(lp)
-        ids = scores.top_ids[i, :top_n].tolist()
-        tops.append(tuple(zip(ids, scores.top_logprobs[i, :top_n].tolist(), strict=True)))
-    return tuple(lps), tuple(tops)
 
 
 class CachedPrefill:
@@ -109,13 +94,7 @@ class CachedPrefill:
         return 0, len(self.prefilling)  # prefilling requests count as running
 
     def validate(self, req: GenerateRequest) -> None:
-        start = req.prompt_logprobs_from
-        if start is not None and not 0 <= start < len(req.input_ids):
-            raise self.engine.reject(
-                "prompt_logprobs",
-                f"logprob_start_len {start} is outside the prompt's {len(req.input_ids)} "
-                f"tokens [0, {len(req.input_ids)})",
-            )
+        check_prompt_logprobs_from(self.engine, req)
 
     def add(self, r: DecodeRequest) -> bool:
         return False

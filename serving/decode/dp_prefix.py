@@ -33,9 +33,13 @@ from the prompt's last position; no chunks): the prefix's trunk and MTP KV are c
 the MTP KV of its last position computed with the caching request's next token (only
 acceptance can differ), as with the one-device prefix cache.
 
+Prompt log-probs (`logprob_start_len`): such a request's cached prefix stops before the
+token ahead of its first scored one (`scores.match_end`: a cached token's hidden state,
+which predicts the next, is gone), and its prefill steps are the scoring twins
+(`LocalPrefill`).
+
 Not here: the host cache (`--enable-hierarchical-cache`, refused by `ServerArgs`: it
-still needs `--disable-radix-cache` on a DP mesh); prompt log-probs are the one-device
-server's (`intake.PROMPT_LOGPROBS_ELSEWHERE`).
+still needs `--disable-radix-cache` on a DP mesh).
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ class DPPrefixPrefill(LocalPrefill):
         neither fits, as every request needs a page, nor draws by its cache)."""
         cached, free = [], []
         for rank in range(self.store.ranks):
-            hit, capacity = self.store.peek(rank, r.prompt)
+            hit, capacity = self.store.peek(rank, r.prompt, r.req.prompt_logprobs_from)
             cached.append(0 if rank in busy else hit)
             free.append(0 if rank in busy else capacity)
         return self.engine.rank_for(r, free, cached)
@@ -83,7 +87,7 @@ class DPPrefixPrefill(LocalPrefill):
     def _admit(self, r: DecodeRequest, rank: int) -> None:
         """Its cached prefix locked, the rest of its pages allocated on `rank`; its
         prefill starts after the hit."""
-        pages, hold = self.store.admit(rank, r.prompt, r.n_pages)
+        pages, hold = self.store.admit(rank, r.prompt, r.n_pages, r.req.prompt_logprobs_from)
         self.engine.admit(r, rank, pages)
         self.holds[r.rid] = hold
         r.prefill_from = r.cached_tokens = hold.own_from * self.store.page_size

@@ -1007,7 +1007,16 @@ class DecodeEngine:
                 functools.partial(_emitted, token[i], lp[i], _pairs(r, top, i))
                 for i, r in enumerate(batch)
             ]
-        if isinstance(self.steps, MeshDecodeSteps):  # one per DP rank
+        if any(r.scoring is not None for r in batch):  # prompt log-probs: a scoring step
+            logits, scores = self.steps.score_many(
+                [(q.prompt, q.pages, q.width) for q in batch],
+                [q.prefill_from for q in batch],
+                ends,
+            )
+            for q, s in zip(batch, scores, strict=True):
+                if q.scoring is not None:
+                    q.scoring.record(s)
+        elif isinstance(self.steps, MeshDecodeSteps):  # one per DP rank
             logits = self.steps.prefill_many(
                 [(q.prompt[:end], q.pages, q.width) for q, end in zip(batch, ends, strict=True)],
                 [q.prefill_from for q in batch],

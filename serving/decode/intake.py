@@ -7,7 +7,8 @@ and its first token, and that is an `Intake`:
 - `LocalPrefill` (a unified server with `--disable-radix-cache`): the engine admits the
   head of the wait queue, its pages are allocated, and its prompt is prefilled whole in
   one step, or over several with `--chunked-prefill-size` (on a DP mesh, one request
-  per rank in one step);
+  per rank in one step); a request asking for prompt log-probs is prefilled by the
+  steps' scoring twins, which score every fed token against the next prompt token;
 - `TransferIntake` (a PD decode server): an admitted request's pages are registered as
   a transfer room with the receiver, which the prefill server's ranks write into; the
   room's success carries the first token, its failure fails the request;
@@ -33,7 +34,8 @@ import numpy as np
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import CpkvError
 from cpkv_jax.paging import pages_for_tokens
-from serving.decode.request import DecodeRequest
+from cpkv_jax.scores import PromptScores
+from serving.decode.request import DecodeRequest, prompt_scores
 from serving.engine.api import EngineStats, GenerateRequest, ServerMode
 from serving.engine.step_failures import step_failure
 
@@ -48,10 +50,26 @@ _ROOM_SUCCESS = "SUCCESS"
 _ROOM_FAILED = "FAILED"
 
 PROMPT_LOGPROBS_ELSEWHERE = (
-    "prompt log-probs (echo with logprobs, logprob_start_len) are computed by a "
-    "unified server with its radix cache on one device or a CP mesh (the default; not "
-    "with --disable-radix-cache, --dp-size above 1, nor in PD mode): send them there"
+    "prompt log-probs (echo with logprobs, logprob_start_len) are computed where the "
+    "prompt is prefilled: send them to a unified server (not a PD decode server)"
 )
+PROMPT_LOGPROBS_SPECULATIVE = (
+    "prompt log-probs (echo with logprobs, logprob_start_len) are not computed by a "
+    "speculative unified server that prefills with its decode steps (--dp-size above 1 or "
+    "--disable-radix-cache; its admission program prefills and drafts at once): send them "
+    "to one without --speculative-algorithm, or on one device with its radix cache"
+)
+
+
+def check_prompt_logprobs_from(engine: DecodeEngine, req: GenerateRequest) -> None:
+    """Refuse a `logprob_start_len` outside the prompt (400)."""
+    start = req.prompt_logprobs_from
+    if start is not None and not 0 <= start < len(req.input_ids):
+        raise engine.reject(
+            "prompt_logprobs",
+            f"logprob_start_len {start} is outside the prompt's {len(req.input_ids)} "
+            f"tokens [0, {len(req.input_ids)})",
+        )
 
 
 @runtime_checkable
@@ -136,8 +154,9 @@ class LocalPrefill:
         return 0, len(self.prefilling)  # prefilling requests count as running
 
     def validate(self, req: GenerateRequest) -> None:
-        if req.prompt_logprobs_from is not None:
-            raise self.engine.reject("prompt_logprobs", PROMPT_LOGPROBS_ELSEWHERE)
+        if req.prompt_logprobs_from is not None and self.engine.spec is not None:
+            raise self.engine.reject("prompt_logprobs", PROMPT_LOGPROBS_SPECULATIVE)
+        check_prompt_logprobs_from(self.engine, req)
 
     def add(self, r: DecodeRequest) -> bool:
         return False
@@ -154,6 +173,8 @@ class LocalPrefill:
                 break  # FIFO: nobody overtakes the head
             self._admit(r, rank)
             e.queue.pop(r.rid)
+            if r.req.prompt_logprobs_from is not None:  # its prefill steps score the prompt
+                r.scoring = PromptScores(len(r.prompt))
             self.prefilling[r.rid] = r
             busy.add(rank)
         if not self.prefilling:
@@ -171,6 +192,9 @@ class LocalPrefill:
             q.prefill_from = ends[q.rid]
         for q in done:
             del self.prefilling[q.rid]
+            if q.scoring is not None:  # sent with its first token's chunk
+                scored = q.scoring.result(q.req.prompt_logprobs_from or 0)
+                q.prompt_scores, q.scoring = prompt_scores(scored, q.req.top_logprobs), None
             e.start(q)
         self._prefilled(done)
         for q, pick in zip(done, picks, strict=True):  # a failed draw fails that request alone

@@ -21,8 +21,10 @@ a time). Bytes, per device:
   layers after it;
 - `moe_dispatch` (a DP mesh of `dp` ranks, all-gather dispatch) `8*dp*B*T*hidden`: the
   gathered tokens and their combined expert outputs before the reduce-scatter;
-- `head` `20*B*V` (`T*` that for a step scoring every token): the LM head's float32
-  logits, their log-softmax and the sampler's sorted copy with its indices;
+- `head` `20*B*V` (`T*` that for a speculative step verifying every token; `min(512,
+  B*T)` rows for a prefill's prompt-scoring twin, whose head runs in blocks of
+  `SCORE_BLOCK_TOKENS`): the LM head's float32 logits, their log-softmax and the
+  sampler's sorted copy with its indices;
 - `pool_upcast` (where the backend moves a pool's dtype wider, `LoweringProfile`: XLA:CPU
   moves bf16 as f32 and fp8 as f16; 0 on XLA:GPU): the step's scatters go through an
   upcast copy of the whole pool, every layer's latent and every full layer's index K,
@@ -51,6 +53,7 @@ from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES, block_rows
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.model.kv_cache import DTYPES
+from cpkv_jax.model.transformer import SCORE_BLOCK_TOKENS
 from serving.decode.steps import Shape, reachable_shapes
 from serving.prefill.buffer_estimator import XLA_GPU, LoweringProfile
 
@@ -73,13 +76,15 @@ def step_bytes(
     block_bytes: int | None = None,
     dp: int = 1,
     all_logits: bool = False,
+    score: bool = False,
     pool_pages: int = 0,
     dtype: str = "bfloat16",
     index_k_dtype: str = "fp8_e4m3",
     profile: LoweringProfile = XLA_GPU,
 ) -> StepBytes:
     """The transient bytes per device of the step `shape` = `(form, rows, tokens, width)`
-    (rows per DP rank), by the terms of the module docstring; `pool_pages` (per rank),
+    (rows per DP rank), by the terms of the module docstring (`score`: a prefill's
+    scoring twin, for prompt log-probs); `pool_pages` (per rank),
     `dtype` (`--dtype`), `index_k_dtype` and `profile` decide `pool_upcast`."""
     _, rows, tokens, width = shape
     budget = TRANSIENT_BLOCK_BYTES if block_bytes is None else block_bytes
@@ -91,6 +96,8 @@ def step_bytes(
     tb = block_rows(tokens, seqs * hi * s * 4, budget)  # `indexer._block`
     ts = block_rows(tokens, seqs * k * row * 4, budget)  # `mla.sparse_attention`
     head_rows = rows * (tokens if all_logits else 1)
+    if score:  # `transformer.score_tokens`: the head over every token, a block at a time
+        head_rows = max(head_rows, min(SCORE_BLOCK_TOKENS, rows * tokens))
     terms = {
         "index_view": 4 * seqs * s * di,
         "indexer_logits": seqs * tb * s * (8 * hi + 4),
@@ -159,6 +166,9 @@ def largest_step(
         verify = tokens == 1 and draft_tokens > 0
         if verify:
             tokens = draft_tokens + 1
+        # A plain engine's own prefill may be a prompt-scoring one (a speculative engine
+        # refuses prompt log-probs).
+        score = tokens > 1 and not draft_tokens
         est = step_bytes(
             cfg,
             (form, rows, tokens, width),
@@ -167,6 +177,7 @@ def largest_step(
             block_bytes=block_bytes,
             dp=dp,
             all_logits=verify,
+            score=score,
             pool_pages=pool_pages,
             dtype=dtype,
             index_k_dtype=index_k_dtype,

@@ -21,6 +21,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -38,8 +39,9 @@ from cpkv_jax.kv_store import KVStore
 from cpkv_jax.model.expert_parallel import EPDispatch
 from cpkv_jax.model.forward_batch import abstract_batch, batch_from_host, feed_ids, span_batch
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
-from cpkv_jax.model.transformer import CausalLM, forward_step, log_probs
+from cpkv_jax.model.transformer import CausalLM, forward_score_step, forward_step, log_probs
 from cpkv_jax.paging import TRASH_PAGE, padded_page_table, pages_for_tokens, slots_for_positions
+from cpkv_jax.scores import TokenScores, next_tokens, span_scores
 
 # One decode row: (token fed now, its position, the request's pages, pages reserved).
 DecodeRow = tuple[int, int, np.ndarray, int]
@@ -185,6 +187,10 @@ class DecodeSteps(CompiledShapes):
         with _CACHES_LOCK:
             caches = _CACHES.setdefault(model, {})
             self._compiled = caches.setdefault(context, ShapeCache("decode step"))
+            # Prompt scoring's prefill twin: compiled on first use, none at warm-up.
+            self._score_compiled = caches.setdefault(
+                (*context, "score"), ShapeCache("prompt-scoring step")
+            )
 
     def prefill(
         self, prompt: np.ndarray, pages: np.ndarray, width: int, start: int = 0
@@ -200,6 +206,30 @@ class DecodeSteps(CompiledShapes):
         self.shapes.add(shape)
         with jax.named_scope("decode_engine.prefill"):
             return self.kv.update_pool(lambda pool: step(self._state, batch, pool))
+
+    def score_many(
+        self,
+        requests: Sequence[tuple[np.ndarray, np.ndarray, int]],
+        starts: Sequence[int],
+        ends: Sequence[int],
+    ) -> tuple[jax.Array, list[TokenScores]]:
+        """`prefill` of `prompt[start:end]` (one request: the whole prompt, its pages and
+        width) that also scores the fed tokens against the prompt's next ones (prompt
+        log-probs, `MeshDecodeSteps.score_many`)."""
+        ((prompt, pages, width),), (start,), (end,) = requests, starts, ends
+        ids = prompt[start:end]
+        batch = span_batch(
+            ids, start, padded_page_table(pages, width), self.page_size, prefill_bucket(len(ids))
+        )
+        shape = (self.prefill_form, 1, batch.input_ids.shape[1], width)
+        step = self._score_compiled.get(shape, lambda: self._lower(shape, score=True))
+        targets = np.zeros(batch.input_ids.shape, np.int32)
+        targets[0, : len(ids)] = next_tokens(prompt, start, len(ids))
+        with jax.named_scope("decode_engine.prefill"):
+            logits, *scored = self.kv.update_pool(
+                lambda pool: step(self._state, batch, pool, targets)
+            )
+        return logits, _span_scores(requests, starts, ends, scored)
 
     def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> jax.Array:
         """Logits after feeding each row's token at its position, on the device:
@@ -261,14 +291,27 @@ class DecodeSteps(CompiledShapes):
         whose steps compile in the background."""
         _warm_log_probs(self, rows)
 
-    def _lower(self, shape: Shape) -> jax.stages.Lowered:
+    def _lower(self, shape: Shape, score: bool = False) -> jax.stages.Lowered:
         """Lower step `shape` on the abstract weights, pool and batch: the live pool is
         never touched and nothing else compiles (the steps' batches are uncommitted
-        arrays, as an abstract value without a sharding)."""
+        arrays, as an abstract value without a sharding). `score`: its scoring twin."""
         form, rows, tokens, width = shape
         state, pool = self._abstract
 
         batch = abstract_batch(rows, tokens, width)
+        if score:
+            return forward_score_step.lower(
+                self._graphdef,
+                state,
+                batch,
+                pool,
+                jax.ShapeDtypeStruct((rows, tokens), np.int32),
+                kv_io=self.kv_io,
+                index_k_dtype=self.index_k_dtype,
+                form=form,
+                invariant=self.batch_invariant,
+                block_bytes=self.block_bytes,
+            )
         return forward_step.lower(
             self._graphdef,
             state,
@@ -280,6 +323,21 @@ class DecodeSteps(CompiledShapes):
             invariant=self.batch_invariant,
             block_bytes=self.block_bytes,
         )
+
+
+def _span_scores(
+    requests: Sequence[tuple[np.ndarray, np.ndarray, int]],
+    starts: Sequence[int],
+    ends: Sequence[int],
+    scored: Sequence[jax.Array],
+) -> list[TokenScores]:
+    """Each request's `TokenScores` from a scoring step's `(chosen, top_ids,
+    top_logprobs)`, row `i` that of `requests[i]` (fetched: the caller waits)."""
+    chosen, top_ids, top_lps = jax.device_get(scored)
+    return [
+        span_scores(prompt, start, end - start, chosen[i], top_ids[i], top_lps[i])
+        for i, ((prompt, _, _), start, end) in enumerate(zip(requests, starts, ends, strict=True))
+    ]
 
 
 def _warm(
@@ -387,17 +445,32 @@ class MeshDecodeSteps:
                 )
             self._dp = by_key[key]
 
-    def _run(self, rows: list[DPRow], prefill: bool, prev: PrevTokens | None = None) -> jax.Array:
+    def _run(
+        self,
+        rows: list[DPRow],
+        prefill: bool,
+        prev: PrevTokens | None = None,
+        targets: Sequence[np.ndarray] | None = None,
+    ) -> Any:
         shape, order, host = build_batch(self.layout, rows, prefill=prefill)
-        self._dp.compiled(shape)  # before the pool lock: it may compile or wait
-        self.shapes.add(shape)
+        if targets is None:
+            self._dp.compiled(shape)  # before the pool lock: it may compile or wait
+            self.shapes.add(shape)
+            tgt = None
+        else:  # row `i`'s targets where `build_batch` put its tokens
+            self._dp.compiled_score(shape)
+            tgt = np.zeros_like(host[0])
+            for i, t in enumerate(targets):
+                tgt[order[i], : len(t)] = t
         ids = None
         if prev is not None:  # the step's row of rows[i] is order[i]
             src = np.full(order.shape, -1, np.int32)
             src[order[: len(prev[1])]] = prev[1]
             ids = self._dp.feed_ids(prev[0], src, host[0])
         with jax.named_scope("decode_engine.prefill" if prefill else "decode_engine.decode"):
-            return self.kv.update_pool(lambda pool: self._dp.run(shape, order, host, pool, ids))
+            return self.kv.update_pool(
+                lambda pool: self._dp.run(shape, order, host, pool, ids, tgt)
+            )
 
     def _rank(self, pages: np.ndarray) -> int:
         return self.layout.rank_of(np.asarray(pages)[0])
@@ -427,6 +500,29 @@ class MeshDecodeSteps:
         if len({r.rank for r in rows}) != len(rows):
             raise ValueError("a DP prefill step takes at most one request per rank")
         return self._run(rows, prefill=True)
+
+    def score_many(
+        self,
+        requests: Sequence[tuple[np.ndarray, np.ndarray, int]],
+        starts: Sequence[int],
+        ends: Sequence[int],
+    ) -> tuple[jax.Array, list[TokenScores]]:
+        """`prefill_many` of `prompt[start:end]` for each `(prompt, pages, width)` (the
+        whole prompt) that also scores the fed tokens against the prompt's next ones
+        (prompt log-probs; on the host, the step waited for); the logits stay on the
+        device."""
+        rows = [
+            DPRow(self._rank(pages), np.asarray(prompt[start:end], np.int32), start, pages, width)
+            for (prompt, pages, width), start, end in zip(requests, starts, ends, strict=True)
+        ]
+        if len({r.rank for r in rows}) != len(rows):
+            raise ValueError("a DP prefill step takes at most one request per rank")
+        targets = [
+            next_tokens(prompt, start, end - start)
+            for (prompt, _, _), start, end in zip(requests, starts, ends, strict=True)
+        ]
+        logits, *scored = self._run(rows, prefill=True, targets=targets)
+        return logits, _span_scores(requests, starts, ends, scored)
 
     def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> jax.Array:
         """Logits of each row's next token, row `i` that of `rows[i]` (padding after);

@@ -51,7 +51,7 @@ from cpkv_jax.cache.radix import (
 from cpkv_jax.errors import CacheCapacityError, CpkvError, InputError
 from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.paging import owner_of_page, pages_for_tokens
-from cpkv_jax.scores import TOP_SCORES, PromptLogprobs, TokenScores
+from cpkv_jax.scores import PromptLogprobs, PromptScores, TokenScores, match_end
 from serving.prefill.adder import (
     AddResult,
     Admitted,
@@ -117,36 +117,21 @@ class PrefillRequest:
     # Prompt log-probs from this token on (None: not asked). Its prefix match stops
     # before it: a cached token's hidden state, which predicts the next, is gone.
     score_from: int | None = None
-    scores: PromptLogprobs | None = None  # filled chunk by chunk (positions 0..n-1)
+    scores: PromptScores | None = None  # filled chunk by chunk
 
     def match_key(self) -> np.ndarray:
-        """The tokens the prefix cache may serve: all but the last (>= 1 to compute),
-        and none at or past the token before `score_from`."""
-        end = self.input_ids.size - 1
-        if self.score_from is not None:
-            end = min(end, max(self.score_from - 1, 0))
-        return self.input_ids[:end]
+        """The tokens the prefix cache may serve (`scores.match_end`)."""
+        return self.input_ids[: match_end(self.input_ids.size, self.score_from)]
 
     def record(self, scores: TokenScores) -> None:
         if self.scores is None:
-            n = self.input_ids.size
-            self.scores = PromptLogprobs(
-                0,
-                np.full(n, np.nan, np.float32),
-                np.zeros((n, TOP_SCORES), np.int32),
-                np.full((n, TOP_SCORES), np.nan, np.float32),
-            )
-        at = slice(scores.first, scores.first + len(scores.logprobs))
-        k = scores.top_ids.shape[-1]
-        self.scores.logprobs[at] = scores.logprobs
-        self.scores.top_ids[at, :k] = scores.top_ids
-        self.scores.top_logprobs[at, :k] = scores.top_logprobs
+            self.scores = PromptScores(self.input_ids.size)
+        self.scores.record(scores)
 
     def prompt_logprobs(self) -> PromptLogprobs | None:
         if self.score_from is None or self.scores is None:
             return None
-        s, at = self.scores, slice(self.score_from, None)
-        return PromptLogprobs(self.score_from, s.logprobs[at], s.top_ids[at], s.top_logprobs[at])
+        return self.scores.result(self.score_from)
 
 
 @dataclasses.dataclass(frozen=True)

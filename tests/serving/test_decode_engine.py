@@ -154,7 +154,7 @@ def test_chunked_prefill_on_one_device_equals_the_reference(tiny):
     """`prefill_chunk=16` (`--chunked-prefill-size` with `--disable-radix-cache`): a
     37-token prompt is fed over 3 steps from the positions its earlier chunks filled,
     while a running request decodes between them; both equal the reference, and no
-    prefill step feeds more than a chunk."""
+    prefill step feeds more than a chunk. Then the same prompt, its log-probs asked."""
     engine, kv = make_engine(tiny, prefill_chunk=P)
     free0 = kv.num_free_pages
     rng = np.random.default_rng(9)
@@ -168,6 +168,26 @@ def test_chunked_prefill_on_one_device_equals_the_reference(tiny):
     toks, lps, final = run(engine, {0: reqs[:1], 2: reqs[1:]})
     check_against_reference(tiny, reqs, toks, lps, final)
     assert {t for _, _, t, _ in engine.step_shapes} == {1, P}
+    assert kv.num_free_pages == free0
+    # Prompt log-probs from token 2 (`logprob_start_len`), scored chunk by chunk by the
+    # prefill step's scoring twin: the reference's teacher-forced float64 log-softmax
+    # within 1e-4 (float32 logits of another program), and the reference's tokens.
+    ids = reqs[1].input_ids
+    echo = GenerateRequest(
+        "echo", ids, SamplingParams(max_new_tokens=3), return_logprob=True, top_logprobs=2,
+        prompt_logprobs_from=2,
+    )  # fmt: skip
+    engine.add(echo)
+    chunks = []
+    while engine.has_work():
+        chunks += engine.step()
+    (head,) = [c for c in chunks if c.prompt_logprobs is not None]
+    want, want_top = tiny[2].prompt_logprobs(list(ids), top_n=2)
+    np.testing.assert_allclose(head.prompt_logprobs, want[1:], rtol=0, atol=1e-4)
+    assert [[t for t, _ in alts] for alts in head.prompt_top_logprobs] == [
+        [t for t, _ in alts] for alts in want_top[1:]
+    ]
+    assert [t for c in chunks for t in c.token_ids] == tiny[2].generate(ids, 3).output_ids
     assert kv.num_free_pages == free0
 
 
@@ -231,11 +251,9 @@ def test_refusals_allocate_nothing(tiny):
         (GenerateRequest("oov", (5, 320), SamplingParams()), r"\[320\] outside the vocabulary"),
         (GenerateRequest("topp", (5,), SamplingParams(top_p=0.0)), "top_p must be in"),
         (GenerateRequest("stop", (5,), SamplingParams(stop=("x",))), "need a tokenizer"),
-        # Its prefill keeps the last position's logits only (issue 37: the unified
-        # server's default, radix-cached engine scores prompts).
         (
-            GenerateRequest("echo", (5, 6), SamplingParams(), prompt_logprobs_from=0),
-            "unified server with its radix cache",
+            GenerateRequest("echo", (5, 6), SamplingParams(), prompt_logprobs_from=2),
+            r"logprob_start_len 2 is outside the prompt's 2 tokens",
         ),
     ]
     for req, match in cases:

@@ -96,6 +96,40 @@ def test_dp_unified_server_equals_the_reference(dp_server):
     assert steps is not None and float(steps[1]) >= NEW - 1  # each request's decode steps
 
 
+def test_prompt_log_probs_on_the_dp_server_are_the_reference(dp_server):
+    """lm-evaluation-harness's log-likelihood request (`echo` + `logprobs: 3`,
+    `max_tokens: 0`) on the DP4 server, four at once with greedy requests beside them:
+    each prompt token's log-prob (token 0: None) is the single-device reference's
+    teacher-forced float64 log-softmax within 1e-4 (float32 logits of another program),
+    with its best alternative's value first; every rank's pages come back."""
+    cfg, model, server, served = dp_server
+    rng = np.random.default_rng(21)
+    scored = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (P + 3, 2 * P, 7, 3 * P + 1)]
+    ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
+
+    def echo(ids: list[int]) -> dict:
+        body = {"model": "tiny", "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 3}
+        r = httpx.post(served.url + "/v1/completions", json=body, timeout=WAIT_S)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]
+
+    plain = [rng.integers(3, cfg.vocab_size, 9).tolist() for _ in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(len(scored) + len(plain)) as pool:
+        outs = [pool.submit(greedy_ids, served.url, ids, NEW, WAIT_S) for ids in plain]
+        got = list(pool.map(echo, scored))
+        assert [o.result() for o in outs] == [
+            ref.generate(ids, NEW, ignore_eos=True).output_ids for ids in plain
+        ]
+    for ids, lp in zip(scored, got, strict=True):
+        want, want_top = ref.prompt_logprobs(ids, top_n=3)
+        assert len(lp["token_logprobs"]) == len(ids) and lp["token_logprobs"][0] is None
+        np.testing.assert_allclose(lp["token_logprobs"][1:], want, rtol=0, atol=1e-4)
+        for alts, ref_alts in zip(lp["top_logprobs"][1:], want_top, strict=True):
+            assert max(alts.values()) == pytest.approx(ref_alts[0][1], abs=1e-4)
+    held = settled_held_pages(server.engine)
+    assert held == 0, f"{held} pages still held once idle"
+
+
 def test_many_clients_with_disconnects_leave_every_rank_s_pages(dp_server):
     """20 clients over 4 shared prefixes (the ranks' caches locked and evicted under
     load), sampled and greedy, a third of them streaming and leaving after their first

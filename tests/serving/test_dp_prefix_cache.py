@@ -301,3 +301,70 @@ def test_chunked_prefill_lets_running_requests_decode_between_chunks(tiny):
     assert all(cache.protected_size() == 0 for cache in store.caches)
     store.reset_caches()
     assert engine.stats().kv_pages_free == (9, 9)
+
+
+def scored(rid: str, ids, new: int, start: int, top: int = 3) -> GenerateRequest:
+    return GenerateRequest(
+        rid,
+        tuple(int(t) for t in ids),
+        SamplingParams(max_new_tokens=new),
+        return_logprob=True,
+        top_logprobs=top,
+        prompt_logprobs_from=start,
+    )
+
+
+def test_prompt_log_probs_on_the_dp_mesh_are_the_teacher_forced_reference(tiny):
+    """Prompt log-probs (`echo` + `logprobs`, `logprob_start_len`) on the DP2 engine,
+    prefilled in chunks of one page by the scoring twins of its prefill steps: every
+    scored prompt token's log-prob and best alternatives equal the single-device
+    reference's teacher-forced float64 log-softmax within 1e-4 (float32 logits of
+    another program), and its greedy tokens the reference's. The prompt is cached on its
+    rank by an earlier request: a request scored from token 0 takes none of it (the
+    cached tokens' hidden states are gone); one scored from `3 * P + 1` takes the whole
+    pages before the token ahead of its start. A scored and a plain request share one
+    step (one per rank), so the scores must land on the scored one's row."""
+    cfg, _, ref = tiny
+    engine = make_engine(tiny, pages_per_rank=10, chunk=P)
+    store = engine.kv
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(3, cfg.vocab_size, 4 * P + 5)
+    want, want_top = ref.prompt_logprobs(prompt.tolist(), top_n=3)
+    start = 3 * P + 1
+    plain = req("plain", prompt, 3)
+    whole = scored("whole", prompt, 3, 0)
+    tail = scored("tail", prompt, 2, start)
+    other = req("other", rng.integers(3, cfg.vocab_size, 3 * P + 2), 3)
+    chunks: dict[str, list] = {}
+    for wave in ([plain], [whole, other], [tail]):
+        for r in wave:
+            engine.add(r)
+        while engine.has_work():
+            for c in engine.step():
+                chunks.setdefault(c.rid, []).append(c)
+    for r in (plain, whole, tail, other):
+        final = chunks[r.rid][-1]
+        assert final.finished and final.error is None, final.error
+        got = [t for c in chunks[r.rid] for t in c.token_ids]
+        assert got == ref.generate(r.input_ids, r.sampling.max_new_tokens).output_ids, r.rid
+        prompt_lps = [c.prompt_logprobs for c in chunks[r.rid] if c.prompt_logprobs is not None]
+        assert len(prompt_lps) == (r.prompt_logprobs_from is not None), r.rid
+    assert chunks["whole"][-1].meta["cached_tokens"] == 0
+    assert chunks["tail"][-1].meta["cached_tokens"] == 3 * P
+    for rid, first in (("whole", 0), ("tail", start)):
+        (head,) = [c for c in chunks[rid] if c.prompt_logprobs is not None]
+        lps, tops = head.prompt_logprobs, head.prompt_top_logprobs
+        assert len(lps) == len(prompt) - first and len(tops) == len(lps)
+        if first == 0:
+            assert lps[0] is None and tops[0] == ()
+            lps, tops = lps[1:], tops[1:]
+        from_ = max(first - 1, 0)
+        np.testing.assert_allclose(lps, want[from_:], rtol=0, atol=1e-4)
+        for p, (alts, ref_alts) in enumerate(zip(tops, want_top[from_:], strict=True)):
+            assert [t for t, _ in alts] == [t for t, _ in ref_alts], (rid, p)
+            np.testing.assert_allclose(
+                [v for _, v in alts], [v for _, v in ref_alts], rtol=0, atol=1e-4
+            )
+    assert all(cache.protected_size() == 0 for cache in store.caches)
+    store.reset_caches()
+    assert engine.stats().kv_pages_free == (9, 9)

@@ -128,6 +128,9 @@ def test_aborts_mid_step_and_refusals_leave_nothing_held(loaded):
     bad = dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, grammar=REGEX))
     with pytest.raises(InputError, match="grammar"):
         engine.add(bad)
+    # Its admission program prefills and drafts at once: no prompt scoring (400).
+    with pytest.raises(InputError, match="speculative unified server"):
+        engine.add(dataclasses.replace(r, prompt_logprobs_from=0))
     assert not engine.has_work() and engine.kv.num_free_pages == free0
 
 
