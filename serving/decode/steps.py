@@ -493,13 +493,23 @@ class MeshDecodeSteps:
         positions before it already have their KV in the pages (a prefix-cache hit), so
         only the rest is fed."""
         starts = [0] * len(requests) if starts is None else starts
+        ends = [len(prompt) for prompt, _, _ in requests]
+        return self._run(self._prefill_rows(requests, starts, ends), prefill=True)
+
+    def _prefill_rows(
+        self,
+        requests: Sequence[tuple[np.ndarray, np.ndarray, int]],
+        starts: Sequence[int],
+        ends: Sequence[int],
+    ) -> list[DPRow]:
+        """A row feeding `prompt[start:end]` for each request, on its pages' rank."""
         rows = [
-            DPRow(self._rank(pages), np.asarray(prompt[start:], np.int32), start, pages, width)
-            for (prompt, pages, width), start in zip(requests, starts, strict=True)
+            DPRow(self._rank(pages), np.asarray(prompt[start:end], np.int32), start, pages, width)
+            for (prompt, pages, width), start, end in zip(requests, starts, ends, strict=True)
         ]
         if len({r.rank for r in rows}) != len(rows):
             raise ValueError("a DP prefill step takes at most one request per rank")
-        return self._run(rows, prefill=True)
+        return rows
 
     def score_many(
         self,
@@ -511,12 +521,7 @@ class MeshDecodeSteps:
         whole prompt) that also scores the fed tokens against the prompt's next ones
         (prompt log-probs; on the host, the step waited for); the logits stay on the
         device."""
-        rows = [
-            DPRow(self._rank(pages), np.asarray(prompt[start:end], np.int32), start, pages, width)
-            for (prompt, pages, width), start, end in zip(requests, starts, ends, strict=True)
-        ]
-        if len({r.rank for r in rows}) != len(rows):
-            raise ValueError("a DP prefill step takes at most one request per rank")
+        rows = self._prefill_rows(requests, starts, ends)
         targets = [
             next_tokens(prompt, start, end - start)
             for (prompt, _, _), start, end in zip(requests, starts, ends, strict=True)
