@@ -154,6 +154,7 @@ def choose_rank_for_prefix(
     max_running_per_rank: int,
     first: int = 0,
     row_slack: int = PREFIX_ROW_SLACK,
+    host_pages: Sequence[int] | None = None,
 ) -> int | None:
     """`choose_rank` on a server with a prefix cache per rank (issue 36 item 5), or None.
 
@@ -161,7 +162,9 @@ def choose_rank_for_prefix(
     `free_pages[r]`: pages rank `r` can give it beyond them (free, plus cached pages it
     may evict other than that prefix). A rank takes it when the two cover `need_pages`
     and it has a row free. Among those, a rank within `row_slack` rows of the least busy
-    one competes with its cached prefix (longest first); then most free pages, fewest
+    one competes with its cached prefix (longest first), then with the pages after it
+    its host cache holds (`host_pages`: a copy back instead of a prefill; they need
+    device pages, so they do not count toward the fit); then most free pages, fewest
     rows and round robin, as `choose_rank` (which this is when nothing is cached)."""
     n = len(free_pages)
     fits = [
@@ -171,16 +174,18 @@ def choose_rank_for_prefix(
     if not any(fits):
         return None
     least = min(rows for rows, ok in zip(running, fits, strict=True) if ok)
-    best: tuple[int, int, int, int] | None = None
+    host = [0] * n if host_pages is None else host_pages
+    best: tuple[int, int, int, int, int] | None = None
     for rank in range(n):
         if not fits[rank]:
             continue
         rows = running[rank]
-        hit = cached_pages[rank] if rows <= least + row_slack else 0
-        key = (-hit, -free_pages[rank], rows, (rank - first) % n)
+        near = rows <= least + row_slack
+        hit, host_hit = (cached_pages[rank], host[rank]) if near else (0, 0)
+        key = (-hit, -host_hit, -free_pages[rank], rows, (rank - first) % n)
         if best is None or key < best:
             best = key
-    return None if best is None else (best[3] + first) % n
+    return None if best is None else (best[4] + first) % n
 
 
 @dataclasses.dataclass(frozen=True)

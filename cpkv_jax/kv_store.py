@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 from jax.typing import DTypeLike
 
+from cpkv_jax.cache.hiradix import BackupJob, HiPrefixMatch, HiRadixCache, LoadBackJob
 from cpkv_jax.cache.radix import (
+    PrefixMatch,
     RadixCache,
     RadixNode,
     alloc_with_evict,
@@ -310,6 +312,26 @@ class PrefixHold:
     rank: int
     node: RadixNode
     own_from: int
+    host_pages: int = 0  # of the cached pages, loaded back from the rank's host cache
+
+
+@runtime_checkable
+class HostCopies(Protocol):
+    """The copies behind one rank's host cache (`serving.prefill.host_cache.HostCacheIO`
+    with its `rank`): a cache records jobs, this runs them (see `cache.hiradix`)."""
+
+    @property
+    def host_allocators(self) -> list: ...
+
+    def load(self, job: LoadBackJob) -> bool: ...
+
+    def warm(self) -> int: ...
+
+    def snapshot(self, cache: HiRadixCache | None = None) -> dict: ...
+
+    def submit_backups(self, cache: HiRadixCache, jobs: list[BackupJob]) -> None: ...
+
+    def drain(self, cache: HiRadixCache) -> int: ...
 
 
 class DPPrefixStore(_OnDevice):
@@ -330,10 +352,23 @@ class DPPrefixStore(_OnDevice):
     3. `release` when it ends: its own pages are freed, the prefix unlocked (cached,
        evictable).
 
+    With `host` (one `HostCopies` per rank, `--enable-hierarchical-cache`) each rank's
+    cache is a `HiRadixCache` over its own host pool: pages are backed up by
+    `write_policy`, and `admit` loads the prompt's host continuation back into the
+    rank's shard first when the rank's free and evictable pages cover it and the rest
+    of the request (SPEC S10), else the request recomputes it; `sync_host` (once a step)
+    applies finished backups and queues new ones.
+
     The lock keeps the counters consistent for stats readers on other threads; only the
     engine's thread changes the caches."""
 
-    def __init__(self, pool: KVPool | DevicePool | None, layout: DPPoolLayout):
+    def __init__(
+        self,
+        pool: KVPool | DevicePool | None,
+        layout: DPPoolLayout,
+        host: Sequence[HostCopies] | None = None,
+        write_policy: str = "write_through_selective",
+    ):
         device = pool if isinstance(pool, DevicePool) else DevicePool(pool)
         if not device.host_only and device.pool.num_pages != layout.global_pages:
             raise ConfigError(
@@ -347,7 +382,21 @@ class DPPrefixStore(_OnDevice):
         self._allocators = [
             OwnerLaneAllocator(1, layout.pages_per_rank) for _ in range(layout.dp_size)
         ]
-        self.caches = [RadixCache(a, layout.page_size) for a in self._allocators]
+        if host is not None and len(host) != layout.dp_size:
+            raise ConfigError(f"{len(host)} host caches for {layout.dp_size} DP ranks")
+        # With a host cache per rank (`--enable-hierarchical-cache`), each rank's cache
+        # keeps copies of its pages in its own host pool and loads hits back.
+        self.host = None if host is None else list(host)
+        self.caches: list[RadixCache] = [
+            RadixCache(a, layout.page_size)
+            if host is None
+            else HiRadixCache(
+                a, layout.page_size, host[r].host_allocators, write_policy=write_policy
+            )
+            for r, a in enumerate(self._allocators)
+        ]
+        self.host_hit_tokens = 0  # prompt tokens loaded back from the host caches
+        self.skipped_load_backs = 0  # host hits not loaded back (no room): recomputed
         self._lock = threading.RLock()
 
     # ---- counts ----------------------------------------------------------------------
@@ -377,6 +426,15 @@ class DPPrefixStore(_OnDevice):
             free = self._allocators[rank].num_free(0)
             return cached, free + int(cache.evictable_pages_per_lane()[0]) - unlocked
 
+    def peek_host(self, rank: int, prompt: np.ndarray, score_from: int | None = None) -> int:
+        """Pages after `peek`'s cached ones that `rank`'s host cache holds (0 without
+        one); read-only."""
+        cache = self.caches[rank]
+        if not isinstance(cache, HiRadixCache):
+            return 0
+        with self._lock:
+            return cache.peek_host(prompt[: match_end(len(prompt), score_from)])
+
     # ---- one request's pages ---------------------------------------------------------
     def admit(
         self, rank: int, prompt: np.ndarray, n_pages: int, score_from: int | None = None
@@ -389,14 +447,58 @@ class DPPrefixStore(_OnDevice):
             cache = self.caches[rank]
             match = cache.match_prefix(prompt[: match_end(len(prompt), score_from)])
             cache.inc_lock_ref(match.node)  # before anything can evict it
-            table = table_from_prefix(cache, match)
+            used = match if self.host is None else self._load_back(rank, match, n_pages)
+            table = table_from_prefix(cache, used)
             try:
                 alloc_with_evict(cache, table, n_pages * self.page_size)
             except BaseException:
-                cache.dec_lock_ref(match.node)
+                cache.dec_lock_ref(used.node)
                 raise
+            finally:
+                self._submit_backups(rank)  # evictions may write back
             local = table.detach()
-        return self._global(rank, local), PrefixHold(rank, match.node, match.num_pages)
+            host_pages = used.num_pages - match.num_pages
+            self.host_hit_tokens += host_pages * self.page_size
+        return self._global(rank, local), PrefixHold(rank, used.node, used.num_pages, host_pages)
+
+    def _load_back(self, rank: int, match: PrefixMatch, n_pages: int) -> PrefixMatch:
+        """The rank's host hit beyond `match` (locked) loaded back when the rank's free
+        and evictable pages cover it and the rest of the request's `n_pages` (SPEC
+        S10); the longer match, locked in its place, or `match` (the request recomputes:
+        no room, or the copy failed)."""
+        cache = self.caches[rank]
+        assert isinstance(cache, HiRadixCache) and isinstance(match, HiPrefixMatch)
+        assert self.host is not None
+        rest = n_pages - match.num_pages - match.host_pages.size
+        plan = cache.plan_load_back(match, reserve_per_lane=np.asarray([max(rest, 0)]))
+        job = cache.load_back(plan) if plan.load else None
+        if job is None:
+            self.skipped_load_backs += match.host_node is not None
+            return match
+        if not self.host[rank].load(job):
+            cache.load_back_failed(job)
+            return match
+        full = cache.load_back_done(job)
+        cache.inc_lock_ref(full.node)
+        cache.dec_lock_ref(match.node)
+        return full
+
+    def _submit_backups(self, rank: int) -> None:
+        cache = self.caches[rank]
+        if self.host is not None and isinstance(cache, HiRadixCache):
+            self.host[rank].submit_backups(cache, cache.take_backups())
+
+    def sync_host(self) -> None:
+        """Apply the ranks' finished backups, then queue their new ones (the engine's
+        thread, once a step; no-op without a host cache)."""
+        if self.host is None:
+            return
+        with self._lock:
+            for rank, io in enumerate(self.host):
+                cache = self.caches[rank]
+                assert isinstance(cache, HiRadixCache)
+                io.drain(cache)
+                self._submit_backups(rank)
 
     def hold_prompt(self, hold: PrefixHold, prompt: np.ndarray, pages: np.ndarray) -> np.ndarray:
         """After the request's prefill: cache its prompt's whole pages, locked by it; its
@@ -407,6 +509,7 @@ class DPPrefixStore(_OnDevice):
                 self.caches[hold.rank], prompt, self._local(hold.rank, pages), hold.node
             )
             hold.own_from = len(prompt) // self.page_size
+            self._submit_backups(hold.rank)  # a write-through policy backs up new pages
         return self._global(hold.rank, local)
 
     def release(self, hold: PrefixHold, pages: np.ndarray) -> None:
@@ -417,7 +520,10 @@ class DPPrefixStore(_OnDevice):
             self.caches[hold.rank].dec_lock_ref(hold.node)
 
     def reset_caches(self) -> None:
-        """Drop every rank's cache (a server that stopped: free == total unless leaked)."""
+        """Drop every rank's cache (a server that stopped: free == total unless leaked;
+        with a host cache, once its copies were closed: their jobs are acknowledged
+        here first)."""
+        self.sync_host()
         with self._lock:
             for cache in self.caches:
                 cache.reset()
@@ -427,7 +533,10 @@ class DPPrefixStore(_OnDevice):
         """`n` pages of `rank` for a request that caches nothing, evicting when needed."""
         with self._lock:
             table = RequestPageTable.from_prefix(1, np.zeros(0, np.int32), 0, self.page_size)
-            alloc_with_evict(self.caches[rank], table, n * self.page_size)
+            try:
+                alloc_with_evict(self.caches[rank], table, n * self.page_size)
+            finally:
+                self._submit_backups(rank)
             return self._global(rank, table.detach())
 
     def free_pages(self, pages: np.ndarray) -> None:

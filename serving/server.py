@@ -59,7 +59,7 @@ from cpkv_jax.cp_decode import CPDecoder
 from cpkv_jax.cp_prefill import CPPrefillRunner
 from cpkv_jax.decode_mesh import PREFIX_ROW_SLACK, DPPoolLayout, init_dp_pool
 from cpkv_jax.errors import ConfigError
-from cpkv_jax.kv_store import DPPrefixStore, PagedKVStore
+from cpkv_jax.kv_store import DevicePool, DPPrefixStore, PagedKVStore
 from cpkv_jax.mesh import make_cp_mesh, make_dp_mesh
 from cpkv_jax.model.kv_cache import DTYPES, PagedKVIO, init_pool
 from cpkv_jax.model.transformer import CausalLM
@@ -82,6 +82,7 @@ from serving.http.keepalive import HTTP_KEEPALIVE_S
 from serving.http.metrics import ServerMetrics
 from serving.prefill.build import (
     build_prefill_engine,
+    dp_host_caches,
     ep_spec,
     load_serving_model,
     pool_pages_per_rank,
@@ -260,11 +261,24 @@ def _build_decode_side(
     if args.disaggregation_mode == "null" and args.uses_prefix_cache():
         # A DP mesh (one device goes through the prefill scheduler): a cache per rank.
         assert dp_layout is not None
-        kv: Any = DPPrefixStore(pool, dp_layout)
-        intake = DPPrefixPrefill(kv, chunk)
+        device = DevicePool(pool)  # the host caches' copies run under its lock too
+        host = None
+        if args.enable_hierarchical_cache:
+            host = dp_host_caches(args, pool_cfg, device, dp_layout, devices[0].platform)
+            for io in host:
+                closers.append(io.close)  # after the engine thread: its queued backups
+        kv: Any = DPPrefixStore(device, dp_layout, host, args.hicache_write_policy)
+        hicache = {
+            "layout": args.hicache_mem_layout,
+            "write_policy": args.hicache_write_policy,
+            "io_backend": args.hicache_io_backend,
+            "storage_backend": args.hicache_storage_backend,
+        }
+        intake = DPPrefixPrefill(kv, chunk, hicache if host is not None else None)
         logger.info(
-            "prefix cache: one radix cache per DP rank, a request sent to the rank caching "
-            "its longest prefix (within %d running rows of the least busy rank)",
+            "prefix cache: one radix cache per DP rank%s, a request sent to the rank "
+            "caching its longest prefix (within %d running rows of the least busy rank)",
+            "" if host is None else " with its host cache",
             PREFIX_ROW_SLACK,
         )
     elif args.disaggregation_mode == "null":
@@ -570,13 +584,17 @@ def warm_up(
 
         # A decode server's rooms commit into the pool in power-of-two scatters.
         commits = engine.kv.warm_commits(free0) if isinstance(engine.kv, Receiver) else 0
+        # A unified DP server's host caches: one warm covers every rank's device.
+        host = engine.kv.host if isinstance(engine.kv, DPPrefixStore) else None
+        copies = host[0].warm() if host else 0
         logger.info(
-            "warm-up: %d reachable step shapes (%d more compiled%s) and %d commit "
-            "scatters in %.1fs",
+            "warm-up: %d reachable step shapes (%d more compiled%s), %d commit scatters "
+            "and %d host cache copies in %.1fs",
             len(reachable),
             n,
             f", {len(decode_jobs)} left to the background" if background else "",
             commits,
+            copies,
             time.perf_counter() - t,
         )
     else:
@@ -703,6 +721,9 @@ def hicache_source(engine: StepEngine) -> Callable[[], dict[str, Any] | None] | 
         return engine.engine.hicache_info
     if isinstance(engine, CachedUnifiedEngine) and engine.prefill.host_io is not None:
         return engine.hicache_info
+    intake = getattr(engine, "intake", None)
+    if isinstance(intake, DPPrefixPrefill) and intake.store.host is not None:
+        return intake.hicache_info
     return None
 
 

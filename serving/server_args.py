@@ -1164,12 +1164,6 @@ class ServerArgs:
                 f"--dp-size {dp} is for decode: a prefill server splits a request over "
                 "--cp-size ranks instead; use --dp-size 1 here"
             )
-        if self.uses_prefix_cache() and self.enable_hierarchical_cache:
-            raise ServerArgsError(
-                f"--enable-hierarchical-cache with --dp-size {dp}: the host cache backs one "
-                "device's prefix cache (a host cache per DP rank is not built); drop it, or "
-                "use --dp-size 1"
-            )
         if device_count is not None and (dp > device_count or device_count % dp):
             raise ServerArgsError(
                 f"--dp-size {dp} must divide the {device_count} available devices"

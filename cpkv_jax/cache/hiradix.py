@@ -281,6 +281,24 @@ class HiRadixCache(RadixCache):
             host_pages_per_lane=np.bincount(lanes, minlength=self.cp_size).astype(np.int64),
         )
 
+    def peek_host(self, token_ids: Int[np.ndarray, " n"]) -> int:
+        """Whole pages of `token_ids` beyond its device prefix that `match_prefix` would
+        report as a host hit; read-only, as `peek_prefix` (a DP server compares ranks)."""
+        key = self._whole_pages(token_ids)
+        n_pages = key.size // self.page_size
+        node, pos, host = self._root, 0, 0
+        while pos < n_pages:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None or not (child.on_device or self._host_hit(child)):
+                break
+            m = self._matching_pages(child, key, pos)
+            host += 0 if child.on_device else m
+            pos += m
+            if m < child.num_pages:
+                break
+            node = child
+        return host
+
     def insert(self, token_ids: Int[np.ndarray, " n"], local_pages: Int[np.ndarray, " p"]) -> int:
         """`RadixCache.insert`, plus: nodes on the path that are off the device adopt the
         request's pages (it recomputed them) and go back on the device: host-only nodes
@@ -774,6 +792,10 @@ class HiRadixCache(RadixCache):
                 f"eviction needs one page count per lane ({self.cp_size}), got shape {need.shape}"
             )
         return np.maximum(need, 0)
+
+    @staticmethod
+    def _on_device(node: RadixNode) -> bool:
+        return isinstance(node, HiRadixNode) and node.on_device
 
     @staticmethod
     def _host_hit(node: HiRadixNode) -> bool:

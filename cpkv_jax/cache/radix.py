@@ -200,13 +200,14 @@ class RadixCache:
 
         Read-only (no split, no access time), so a caller can compare caches before it
         picks one (a DP server's ranks): locking that match takes `unlocked` pages out of
-        what eviction could free."""
+        what eviction could free. Device pages only (a host cache's copies are not
+        counted: loading them back takes device pages)."""
         key = self._whole_pages(token_ids)
         n_pages = key.size // self.page_size
         node, pos, unlocked = self._root, 0, 0
         while pos < n_pages:
             child = node.children.get(self._child_key(key, pos))
-            if child is None:
+            if child is None or not self._on_device(child):
                 break
             m = self._matching_pages(child, key, pos)
             unlocked += m if child.lock_ref == 0 else 0
@@ -215,6 +216,12 @@ class RadixCache:
                 break
             node = child
         return pos, unlocked
+
+    @staticmethod
+    def _on_device(node: RadixNode) -> bool:
+        """Whether `node`'s pages are device pages (always here; `HiRadixCache` keeps
+        nodes whose copy is on the host only)."""
+        return True
 
     def _walk(self, key: np.ndarray, n_pages: int) -> Iterator[tuple[RadixNode, int, int]]:
         """Descend the cached prefix of `key` (whole pages, up to `n_pages`): yields each

@@ -38,22 +38,27 @@ token ahead of its first scored one (`scores.match_end`: a cached token's hidden
 which predicts the next, is gone), and its prefill steps are the scoring twins
 (`LocalPrefill`).
 
-Not here: the host cache (`--enable-hierarchical-cache`, refused by `ServerArgs`: it
-still needs `--disable-radix-cache` on a DP mesh).
+With `--enable-hierarchical-cache` each rank's cache is a `HiRadixCache` over its own
+host pool (`HostCacheIO` with its `rank`): its pages are backed up there by the write
+policy (a background worker per rank), and a request whose prefix continues in the
+rank's host copies loads them back into the rank's shard before its prefill when the
+rank's free and evictable pages cover them and the rest of the request (SPEC S10), or
+recomputes. The rank choice counts device hits only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cpkv_jax.kv_store import DPPrefixStore, PrefixHold
 from serving.decode.intake import LocalPrefill
 from serving.decode.request import DecodeRequest
 from serving.engine.api import EngineStats
+from serving.prefill.host_cache import HostCacheIO
 
 if TYPE_CHECKING:
-    from serving.decode.engine import DecodeEngine
+    from serving.decode.engine import DecodeEngine, Touched
 
 
 class DPPrefixPrefill(LocalPrefill):
@@ -61,9 +66,15 @@ class DPPrefixPrefill(LocalPrefill):
     module docstring): `LocalPrefill`'s admission and prefill step, with each rank's
     cache choosing the rank, giving the pages and keeping the prompts."""
 
-    def __init__(self, store: DPPrefixStore, chunk: int | None = None):
+    def __init__(
+        self,
+        store: DPPrefixStore,
+        chunk: int | None = None,
+        host_config: dict[str, Any] | None = None,
+    ):
         super().__init__(chunk)
         self.store = store
+        self.host_config = host_config or {}  # the host cache's flags, for `hicache_info`
         self.holds: dict[str, PrefixHold] = {}  # by request: what it holds of the cache
         self.prefix_cache_hit_tokens = 0
 
@@ -74,15 +85,24 @@ class DPPrefixPrefill(LocalPrefill):
             )
         super().bind(engine)
 
+    def advance(self, touched: Touched, idle: bool) -> None:
+        """`LocalPrefill.advance`, after the host caches' finished backups are applied
+        and their new ones queued (with `--enable-hierarchical-cache`)."""
+        self.store.sync_host()
+        super().advance(touched, idle)
+
     def _rank_for(self, r: DecodeRequest, busy: set[int]) -> int | None:
         """`DecodeEngine.rank_for` with each rank's cached prefix of `r` (a busy rank
         neither fits, as every request needs a page, nor draws by its cache)."""
-        cached, free = [], []
+        cached, free, host = [], [], []
         for rank in range(self.store.ranks):
             hit, capacity = self.store.peek(rank, r.prompt, r.req.prompt_logprobs_from)
             cached.append(0 if rank in busy else hit)
             free.append(0 if rank in busy else capacity)
-        return self.engine.rank_for(r, free, cached)
+            if self.store.host is not None:
+                on_host = self.store.peek_host(rank, r.prompt, r.req.prompt_logprobs_from)
+                host.append(0 if rank in busy else on_host)
+        return self.engine.rank_for(r, free, cached, host or None)
 
     def _admit(self, r: DecodeRequest, rank: int) -> None:
         """Its cached prefix locked, the rest of its pages allocated on `rank`; its
@@ -91,6 +111,7 @@ class DPPrefixPrefill(LocalPrefill):
         self.engine.admit(r, rank, pages)
         self.holds[r.rid] = hold
         r.prefill_from = r.cached_tokens = hold.own_from * self.store.page_size
+        r.host_cached_tokens = hold.host_pages * self.store.page_size
 
     def _prefilled(self, done: list[DecodeRequest]) -> None:
         """The prompts' whole pages into their ranks' caches, locked by their requests."""
@@ -106,6 +127,28 @@ class DPPrefixPrefill(LocalPrefill):
             self.store.release(hold, r.pages)
         r.pages = None
         self.engine.give_back_slot(r)
+
+    def hicache_info(self) -> dict[str, Any]:
+        """The ranks' host caches for `/server_info` `hicache` and the `cpkv_hicache_*`
+        series (`PrefillEngine.hicache_info`'s keys): the flags, each rank's IO counters
+        summed, host pages used / total and bytes per rank. Read from any thread."""
+        assert self.store.host is not None, "no host cache"
+        ios: list[HostCacheIO] = [io for io in self.store.host if isinstance(io, HostCacheIO)]
+        out: dict[str, Any] = {
+            **self.host_config,
+            "host_page_bytes": ios[0].page_bytes,
+            "host_bytes_per_lane": [io.pools[io.rank or 0].nbytes() for io in ios],
+        }
+        for io, cache in zip(ios, self.store.caches, strict=True):
+            for key, value in io.snapshot(cache).items():
+                if isinstance(value, list):
+                    out.setdefault(key, []).extend(value)
+                else:
+                    out[key] = out.get(key, 0) + value
+        # Counted by the store (the prefill scheduler counts them in its IO's stats).
+        out["host_hit_tokens"] = self.store.host_hit_tokens
+        out["skipped_load_backs"] = self.store.skipped_load_backs
+        return out
 
     def stats(self, base: EngineStats) -> EngineStats:
         return dataclasses.replace(

@@ -492,11 +492,13 @@ class DecodeEngine:
         r: DecodeRequest,
         free: Sequence[int] | None = None,
         cached: Sequence[int] | None = None,
+        host: Sequence[int] | None = None,
     ) -> int | None:
         """The rank `r` would be admitted to now (`decode_mesh.choose_rank`), or None:
         the total batch is full, or no rank has a row and `r`'s pages free. An intake
         with a prefix cache per rank gives `cached` (leading pages of `r` each rank
-        caches) and `free` (pages each rank can give beyond them)."""
+        caches), `free` (pages each rank can give beyond them) and, with host caches,
+        `host` (the pages after `cached` each rank's host cache holds)."""
         held = sum(1 for _ in self.intake.in_flight())
         if held + len(self.running) >= self.max_running_requests:
             return None
@@ -510,6 +512,7 @@ class DecodeEngine:
             self._max_rows_per_rank,
             self._next_rank,
             cached,
+            host,
         )
 
     def penalty_slot_free(self, r: DecodeRequest) -> bool:

@@ -45,14 +45,17 @@ class RankPlacement:
         max_rows_per_rank: int,
         first: int,
         cached: Sequence[int] | None = None,
+        host: Sequence[int] | None = None,
     ) -> int | None:
         """The rank a request of `n_pages` pages is admitted to now, or None. `cached`:
         with a prefix cache per rank, the leading pages of it each rank caches (then
-        `free_per_shard` counts what each rank can give beyond them)."""
+        `free_per_shard` counts what each rank can give beyond them); `host`: the pages
+        after those each rank's host cache holds."""
         if cached is not None:
             return choose_rank_for_prefix(
-                free_per_shard, cached, rows_per_rank, n_pages, max_rows_per_rank, first
-            )
+                free_per_shard, cached, rows_per_rank, n_pages, max_rows_per_rank, first,
+                host_pages=host,
+            )  # fmt: skip
         return choose_rank(free_per_shard, rows_per_rank, n_pages, max_rows_per_rank, first)
 
     def allocate(self, kv: KVStore, n_pages: int, rank: int) -> np.ndarray:
@@ -85,11 +88,12 @@ class StripedPlacement:
         max_rows_per_rank: int,
         first: int,
         cached: Sequence[int] | None = None,
+        host: Sequence[int] | None = None,
     ) -> int | None:
         """0 when every lane has its share of `n_pages` free, else None (the batch's row
         bound is the engine's total, checked before). A CP group's prefix cache is its
-        runner's scheduler's: `cached` is never given."""
-        assert cached is None, "a CP group admits through its prefill scheduler"
+        runner's scheduler's: `cached` and `host` are never given."""
+        assert cached is None and host is None, "a CP group admits through its scheduler"
         short = np.asarray(free_per_shard) < self.steps.striped(n_pages)
         return None if short.any() else 0
 

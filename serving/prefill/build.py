@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -34,13 +35,15 @@ from cpkv_jax.cache.hiradix import HiRadixCache
 from cpkv_jax.cache.radix import RadixCache
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, chunk_tokens, pages_per_rank_for
+from cpkv_jax.decode_mesh import DPPoolLayout
 from cpkv_jax.errors import ConfigError
-from cpkv_jax.host_cache.pool import host_pages_for
+from cpkv_jax.host_cache.pool import HostPools, host_pages_for
 from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
+from cpkv_jax.kv_store import DevicePool
 from cpkv_jax.mesh import CP_AXIS, DP_AXIS, make_cp_mesh, make_dp_mesh
 from cpkv_jax.model.expert_parallel import EPSpec
-from cpkv_jax.model.kv_cache import DTYPES
+from cpkv_jax.model.kv_cache import DTYPES, KVPool
 from cpkv_jax.model.transformer import CausalLM, log_probs
 from cpkv_jax.model.weights import LoadStats, load_model
 from serving.prefill.adder import CPSharedKVLimits
@@ -49,7 +52,7 @@ from serving.prefill.buffer_estimator import (
     profile_for_platform,
     startup_smoke_allocation,
 )
-from serving.prefill.host_cache import HostCacheIO
+from serving.prefill.host_cache import HostCacheIO, PoolTarget
 from serving.prefill.scheduler import CPRunnerExecutor, PrefillScheduler
 from serving.server_args import ServerArgs
 
@@ -371,6 +374,53 @@ def prefill_copy_impl(args: ServerArgs) -> str | None:
     return "pallas" if args.hicache_io_backend == "kernel" else None
 
 
+def host_pools(
+    args: ServerArgs, template: KVPool, index_layers: Sequence[int], layout: PoolLayout
+) -> HostPools:
+    """One host pool per lane of `layout` (`--hicache-mem-layout`, sized by
+    `--hicache-size` or `--hicache-ratio` per lane), refused before any is allocated when
+    they would not fit the host's available memory (`check_host_cache_fits`)."""
+    page_bytes = KVLayout.of_pool(template, index_layers).bytes_per_page
+    size = args.hicache_size or 0
+    pages = host_pages_for(
+        page_bytes, layout.pages_per_rank, size_bytes=size, ratio=args.hicache_ratio
+    )
+    check_host_cache_fits(pages * page_bytes * layout.lanes, *available_host_memory())
+    return HostPools.create(
+        template, index_layers, layout, args.hicache_mem_layout, size_bytes=size,
+        ratio=args.hicache_ratio,
+    )  # fmt: skip
+
+
+def dp_host_caches(
+    args: ServerArgs, pool_cfg: ModelConfig, device: DevicePool, layout: DPPoolLayout,
+    platform: str,
+) -> list[HostCacheIO]:  # fmt: skip
+    """A unified DP server's host cache (`--enable-hierarchical-cache`): one host pool per
+    rank, each rank's copies run by its own `HostCacheIO` (its `rank`) against its shard
+    of `device` (a DP pool's ranks are its lanes)."""
+    args.refuse_unbuilt()
+    lanes = PoolLayout(layout.dp_size, True, layout.pages_per_rank, layout.page_size)
+    pools = host_pools(args, device.pool, pool_cfg.full_indexer_layers, lanes)
+    target = PoolTarget(device, lanes)
+    impl, interpret = prefill_copy_impl(args), platform == "cpu"
+    ios = [
+        HostCacheIO(target, pools, impl=impl, interpret=interpret, rank=r)
+        for r in range(layout.dp_size)
+    ]
+    logger.info(
+        "host cache per DP rank: %s layout, %s, %s I/O, %d ranks x %d host pages "
+        "(%.1f MiB per rank)",
+        args.hicache_mem_layout,
+        args.hicache_write_policy,
+        args.hicache_io_backend,
+        layout.dp_size,
+        ios[0].pages_total_per_lane()[0],
+        pools[0].nbytes() / 2**20,
+    )
+    return ios
+
+
 def prefix_cache(
     args: ServerArgs, runner: CPPrefillRunner, platform: str
 ) -> tuple[HostCacheIO | None, RadixCache]:
@@ -381,22 +431,8 @@ def prefix_cache(
         return None, RadixCache(runner.allocator, args.page_size)
     args.refuse_unbuilt()  # prefill or null mode, no storage tier: what is built
     # `pool_cfg`: a drafting runner's pool has the MTP layer's KV, which the host keeps too.
-    page_bytes = KVLayout.of_pool(runner.pool, runner.pool_cfg.full_indexer_layers).bytes_per_page
-    host_pages = host_pages_for(
-        page_bytes,
-        runner.layout.pages_per_rank,
-        size_bytes=args.hicache_size or 0,
-        ratio=args.hicache_ratio,
-    )
-    check_host_cache_fits(host_pages * page_bytes * runner.layout.lanes, *available_host_memory())
-    io = HostCacheIO.create(
-        runner,
-        layout=args.hicache_mem_layout,
-        size_bytes=args.hicache_size or 0,
-        ratio=args.hicache_ratio,
-        impl=prefill_copy_impl(args),
-        interpret=platform == "cpu",
-    )
+    pools = host_pools(args, runner.pool, runner.pool_cfg.full_indexer_layers, runner.layout)
+    io = HostCacheIO(runner, pools, impl=prefill_copy_impl(args), interpret=platform == "cpu")
     try:
         cache = HiRadixCache(
             runner.allocator,

@@ -40,6 +40,8 @@ from cpkv_jax.host_cache.copy import (
     warm_copies,
 )
 from cpkv_jax.host_cache.pool import HostPageAllocator, HostPools
+from cpkv_jax.kv_pool import PoolLayout
+from cpkv_jax.kv_store import DevicePool
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +65,24 @@ class HostCacheStats:
     dropped_backups: int = 0  # the backup queue was full
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolTarget:
+    """What the copies need of a pool's owner (a `CPPrefillRunner` has both): its
+    `DevicePool` and the `PoolLayout` of its lanes (a DP pool's ranks are its lanes:
+    `PoolLayout(dp, True, pages_per_rank, page_size)`)."""
+
+    kv: DevicePool
+    layout: PoolLayout
+
+
 class HostCacheIO:
     """Executes a `HiRadixCache`'s copy jobs against a `CPPrefillRunner`'s pool.
 
     `pools`: one host pool per owner lane of `runner.layout`; give the cache their
     allocators (`host_allocators`). `queue_size` bounds the backup queue. `impl` /
     `interpret` go to the copy functions (LPF: the Pallas kernels, interpreted on CPU).
+    `rank`: the IO of one DP rank's one-lane cache, whose jobs (all lane 0) copy to and
+    from pool lane `rank` and its host pool (`runner` then a `PoolTarget` of the DP pool).
     """
 
     def __init__(
@@ -80,11 +94,15 @@ class HostCacheIO:
         impl: CopyImpl | None = None,
         interpret: bool | None = None,
         start: bool = True,
+        rank: int | None = None,
     ):
         if queue_size < 1:
             raise ValueError(f"backup queue size must be >= 1, got {queue_size}")
+        if rank is not None and not 0 <= rank < len(pools.lanes):
+            raise ValueError(f"rank {rank} is outside the {len(pools.lanes)} host pools")
         self.runner = runner
         self.pools = pools
+        self.rank = rank
         self.page_size = runner.layout.page_size
         self.page_bytes = pools[0].kv.bytes_per_page
         self.impl = impl
@@ -120,7 +138,15 @@ class HostCacheIO:
 
     @property
     def host_allocators(self) -> list[HostPageAllocator]:
-        return [pool.allocator for pool in self.pools.lanes]
+        """The allocators of the cache's lanes' host pools (one rank's: its own)."""
+        return [pool.allocator for pool in self._lane_pools()]
+
+    def _lane_pools(self) -> list:
+        return list(self.pools.lanes) if self.rank is None else [self.pools[self.rank]]
+
+    def _pool_lane(self, lane: int) -> int:
+        """The pool (and host pool) lane of the cache's lane `lane`."""
+        return lane if self.rank is None else self.rank
 
     def pages_used_per_lane(self) -> list[int]:
         return [a.capacity - a.num_free for a in self.host_allocators]
@@ -175,6 +201,7 @@ class HostCacheIO:
 
         try:
             for lane, dev, host in job.token_indices(self.page_size):
+                lane = self._pool_lane(lane)
                 with kv.lock:
                     pool = load_all_layers(
                         kv.current,
@@ -278,6 +305,7 @@ class HostCacheIO:
         t0 = time.perf_counter()
         try:
             for lane, dev, host in job.token_indices(self.page_size):
+                lane = self._pool_lane(lane)
                 with self.runner.kv.lock:  # a step must not donate the pool mid-read
                     backup_all_layers(
                         self.runner.kv.current,

@@ -171,8 +171,7 @@ def test_dp_flags_refuse_what_dp_decode_does_not_do(tiny_checkpoints):
     path = tiny_checkpoints("glm_moe_dsa")
     warned = float32_args(path, "--dp-size", "2").validate()  # a prefix cache per rank
     assert any("without --chunked-prefill-size" in w for w in warned)
-    with pytest.raises(ServerArgsError, match="host cache per DP rank"):
-        float32_args(path, "--dp-size", "2", "--enable-hierarchical-cache").validate()
+    float32_args(path, "--dp-size", "2", "--enable-hierarchical-cache").validate()
     whole = float32_args(  # speculative: with the caches per rank, whole prompts
         path, "--dp-size", "2", "--speculative-algorithm", "EAGLE", "--chunked-prefill-size",
         "32",
@@ -195,3 +194,36 @@ def test_dp_flags_refuse_what_dp_decode_does_not_do(tiny_checkpoints):
         float32_args(path, "--ep-dispatch", "all_to_all").validate()
     with pytest.raises(ServerArgsError, match="--dp-size must be >= 1"):
         float32_args(path, "--dp-size", "0", "--disable-radix-cache").validate()
+
+
+def test_dp_server_with_a_host_cache_per_rank(tiny_checkpoints):
+    """`--dp-size 2 --enable-hierarchical-cache` (write-through): a host pool per rank,
+    prompts copied there as they are cached, outputs equal to the reference; the
+    `hicache` entry of `/server_info` and the `cpkv_hicache_*` series report both ranks;
+    once closed, the caches settle with every device page free."""
+    path = tiny_checkpoints("glm_moe_dsa")
+    cfg, model = load_model(path, progress=False)
+    args = unified_args(
+        path, cfg, 8, "--dp-size", "2", "--enable-hierarchical-cache",
+        "--hicache-write-policy", "write_through", "--hicache-mem-layout", "layer_first",
+    )  # fmt: skip
+    ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
+    rng = np.random.default_rng(31)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (2 * P + 3, 3 * P + 1)]
+    with serving(args) as (server, served):
+        for ids in prompts:
+            assert (
+                greedy_ids(served.url, ids, NEW, WAIT_S)
+                == ref.generate(ids, NEW, ignore_eos=True).output_ids
+            )
+        assert settled_held_pages(server.engine) == 0
+        for io in server.engine.kv.host:
+            io.wait_backups()
+        info = httpx.get(served.url + "/server_info", timeout=10).json()["hicache"]
+        assert info["write_policy"] == "write_through" and info["layout"] == "layer_first"
+        assert len(info["host_pages_used_per_lane"]) == 2 and info["backups_failed"] == 0
+        assert sum(info["host_pages_used_per_lane"]) == 2 + 3  # both prompts' whole pages
+        metrics = httpx.get(served.url + "/metrics", timeout=10).text
+        assert "cpkv_hicache_backups_total" in metrics
+    server.settle_caches()
+    assert not server.kv_leaked(), server.kv_free_summary()

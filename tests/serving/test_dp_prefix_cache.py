@@ -25,12 +25,15 @@ from cpkv_jax.decode_mesh import (
     init_dp_pool,
 )
 from cpkv_jax.errors import CacheCapacityError
-from cpkv_jax.kv_store import DPPrefixStore
+from cpkv_jax.host_cache.pool import HostPools
+from cpkv_jax.kv_pool import PoolLayout
+from cpkv_jax.kv_store import DevicePool, DPPrefixStore
 from cpkv_jax.lane_allocator import OwnerLaneAllocator
 from cpkv_jax.mesh import make_dp_mesh
 from serving.decode.dp_prefix import DPPrefixPrefill
 from serving.decode.engine import DecodeEngine
 from serving.engine.api import GenerateRequest, SamplingParams
+from serving.prefill.host_cache import HostCacheIO, PoolTarget
 
 DP = 2
 LP_TOL = 1e-5  # see the module docstring
@@ -52,6 +55,12 @@ def test_choose_rank_for_prefix_prefers_the_cached_prefix_within_the_row_slack()
     # rank that could take it.
     assert choose_rank_for_prefix([9, 9, 9], [3, 0, 0], [4, 0, 1], 2, 4) == 1
     assert choose_rank_for_prefix([9, 9, 9], [3, 0, 0], [3, 4, 4], 2, 4) == 0
+    # Host copies (a host cache per rank) draw a request after device hits, within the
+    # same slack, and do not count toward the fit (they need device pages back).
+    assert choose_rank_for_prefix([9, 9], [0, 0], [0, 0], 4, 4, host_pages=[0, 3]) == 1
+    assert choose_rank_for_prefix([9, 9], [1, 0], [0, 0], 4, 4, host_pages=[0, 3]) == 0
+    assert choose_rank_for_prefix([9, 9], [0, 0], [0, 3], 4, 8, host_pages=[0, 3]) == 0
+    assert choose_rank_for_prefix([9, 3], [0, 0], [0, 0], 4, 4, host_pages=[0, 3]) == 0
     # Nothing cached: exactly `choose_rank`, ties round robin from `first`.
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -368,3 +377,82 @@ def test_prompt_log_probs_on_the_dp_mesh_are_the_teacher_forced_reference(tiny):
     assert all(cache.protected_size() == 0 for cache in store.caches)
     store.reset_caches()
     assert engine.stats().kv_pages_free == (9, 9)
+
+
+def make_host_engine(tiny, pages_per_rank: int) -> tuple[DecodeEngine, list[HostCacheIO]]:
+    """`make_engine` with a host cache per rank (`--enable-hierarchical-cache`,
+    write-through: every cached page is copied to its rank's host pool at once)."""
+    cfg, model, _ = tiny
+    mesh = make_dp_mesh(DP, jax.devices())
+    layout = DPPoolLayout(DP, pages_per_rank, P)
+    device = DevicePool(init_dp_pool(cfg, layout, mesh, jnp.float32, INDEX_K))
+    lanes = PoolLayout(DP, True, pages_per_rank, P)
+    pools = HostPools.create(device.pool, cfg.full_indexer_layers, lanes, "layer_first")
+    ios = [HostCacheIO(PoolTarget(device, lanes), pools, rank=r) for r in range(DP)]
+    store = DPPrefixStore(device, layout, ios, "write_through")
+    engine = DecodeEngine(
+        cfg=cfg, model=model, kv=store, page_size=P, index_k_dtype=INDEX_K, mode="null",
+        intake=DPPrefixPrefill(store, None, {"layout": "layer_first"}),
+        max_running_requests=4, mesh=mesh,
+    )  # fmt: skip
+    return engine, ios
+
+
+def test_a_host_cache_per_rank_brings_evicted_prefixes_back(tiny, monkeypatch):
+    """`--enable-hierarchical-cache` on the DP2 engine: a prompt's pages are copied to
+    its rank's host pool, evicted from the device by two prompts that fill both ranks,
+    and a later request sharing them goes to that rank (its host copies draw it: no
+    device hit anywhere) and loads them back into the rank's shard instead of
+    prefilling them. Outputs equal the reference; a load-back whose copy fails makes
+    the request recompute, nothing lost; after the copies close every device and host
+    page is free."""
+    cfg = tiny[0]
+    engine, ios = make_host_engine(tiny, pages_per_rank=8)  # 7 usable pages per rank
+    store = engine.kv
+    rng = np.random.default_rng(13)
+    shared = rng.integers(3, cfg.vocab_size, 3 * P)
+
+    def settle() -> None:  # the backups copied and acknowledged
+        for io in ios:
+            io.wait_backups()
+        store.sync_host()
+
+    a = req("a", np.concatenate([shared, rng.integers(3, cfg.vocab_size, 2)]), 3)
+    reqs = [a]
+    toks, lps, final = run(engine, [[a]])
+    rank_a = int(np.argmax(store.cached_pages_per_rank()))
+    assert store.cached_pages_per_rank()[rank_a] == 3
+    settle()
+    fill = [req(f"f{i}", rng.integers(3, cfg.vocab_size, 6 * P + 5), 3) for i in range(2)]
+    more = run(engine, [fill])  # 7 pages each: every rank evicts what it caches
+    settle()
+    b = req("b", np.concatenate([shared, rng.integers(3, cfg.vocab_size, 7)]), 3)
+    more2 = run(engine, [[b]])
+    for got, new in zip((toks, lps, final), more, strict=True):
+        got.update(new)
+    for got, new in zip((toks, lps, final), more2, strict=True):
+        got.update(new)
+    reqs += [*fill, b]
+    check(tiny, reqs, toks, lps, final)
+    assert final["b"].meta["cached_tokens"] == 3 * P
+    assert final["b"].meta["cached_tokens_host"] == 3 * P
+    info = engine.intake.hicache_info()
+    assert info["load_backs"] == 1 and info["host_hit_tokens"] == 3 * P
+    assert info["backups_done"] >= 3 and len(info["host_pages_used_per_lane"]) == DP
+    # A failed copy: the request recomputes its prompt (nothing cached is lost).
+    settle()
+    fill2 = [req(f"g{i}", rng.integers(3, cfg.vocab_size, 6 * P + 5), 3) for i in range(2)]
+    run(engine, [fill2])
+    settle()
+    for io in ios:
+        monkeypatch.setattr(io, "load", lambda job: False)
+    c = req("c", np.concatenate([shared, rng.integers(3, cfg.vocab_size, 4)]), 3)
+    toks, lps, final = run(engine, [[c]])
+    check(tiny, [c], toks, lps, final)
+    assert final["c"].meta["cached_tokens"] == 0
+    assert all(cache.protected_size() == 0 for cache in store.caches)
+    for io in ios:
+        io.close()
+    store.reset_caches()
+    assert engine.stats().kv_pages_free == (7, 7)
+    assert all(a.num_free == a.capacity for io in ios for a in io.host_allocators)
