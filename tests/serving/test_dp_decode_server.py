@@ -1,7 +1,8 @@
 """A unified server decoding on a ("dp",) mesh (`--dp-size 4`, issue 36): the tiny
 model's routed experts split over 4 virtual CPU devices (reached by the padded
 all-to-all dispatch here), each request's pages in one rank's shard of the pool, with
-the default prefix cache, one per rank (item 5, `serving.decode.dp_prefix`).
+the default prefix cache, one per rank (item 5, `serving.decode.dp_prefix`), each with
+a host cache (`--enable-hierarchical-cache`, write-through).
 
 Concurrent requests of mixed lengths give the single-device reference's greedy tokens
 (compared exactly: the reference and the DP step run the same model code; rows batched
@@ -55,6 +56,13 @@ def dp_server(tiny_checkpoints):
         # tests and `make demo` run the default all-gather.
         "--ep-dispatch",
         "all_to_all",
+        # A host cache per rank, every cached page copied there at once: the load test
+        # below runs with its backups in flight.
+        "--enable-hierarchical-cache",
+        "--hicache-write-policy",
+        "write_through",
+        "--hicache-mem-layout",
+        "layer_first",
     )
     with serving(args) as (server, served):
         yield cfg, model, server, served
@@ -90,8 +98,16 @@ def test_dp_unified_server_equals_the_reference(dp_server):
     info = httpx.get(served.url + "/server_info", timeout=10).json()
     assert info["dp_size"] == DP and info["running_per_rank"] == [0] * DP
     assert len(info["kv_pages_free"]) == DP
+    # The host caches (one pool per rank): the prompts' whole pages copied there.
+    for io in engine.kv.host:
+        io.wait_backups()
+    hicache = httpx.get(served.url + "/server_info", timeout=10).json()["hicache"]
+    assert hicache["write_policy"] == "write_through" and hicache["layout"] == "layer_first"
+    assert len(hicache["host_pages_used_per_lane"]) == DP and hicache["backups_failed"] == 0
+    assert sum(hicache["host_pages_used_per_lane"]) >= sum(stats.kv_pages_cached)
     metrics = httpx.get(served.url + "/metrics", timeout=10).text
     assert 'cpkv_rank_running_requests{rank="3"} 0.0' in metrics
+    assert "cpkv_hicache_backups_total" in metrics
     steps = re.search(r'^cpkv_decode_step_seconds_count{kind="decode"} (\S+)$', metrics, re.M)
     assert steps is not None and float(steps[1]) >= NEW - 1  # each request's decode steps
 
@@ -194,36 +210,3 @@ def test_dp_flags_refuse_what_dp_decode_does_not_do(tiny_checkpoints):
         float32_args(path, "--ep-dispatch", "all_to_all").validate()
     with pytest.raises(ServerArgsError, match="--dp-size must be >= 1"):
         float32_args(path, "--dp-size", "0", "--disable-radix-cache").validate()
-
-
-def test_dp_server_with_a_host_cache_per_rank(tiny_checkpoints):
-    """`--dp-size 2 --enable-hierarchical-cache` (write-through): a host pool per rank,
-    prompts copied there as they are cached, outputs equal to the reference; the
-    `hicache` entry of `/server_info` and the `cpkv_hicache_*` series report both ranks;
-    once closed, the caches settle with every device page free."""
-    path = tiny_checkpoints("glm_moe_dsa")
-    cfg, model = load_model(path, progress=False)
-    args = unified_args(
-        path, cfg, 8, "--dp-size", "2", "--enable-hierarchical-cache",
-        "--hicache-write-policy", "write_through", "--hicache-mem-layout", "layer_first",
-    )  # fmt: skip
-    ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
-    rng = np.random.default_rng(31)
-    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (2 * P + 3, 3 * P + 1)]
-    with serving(args) as (server, served):
-        for ids in prompts:
-            assert (
-                greedy_ids(served.url, ids, NEW, WAIT_S)
-                == ref.generate(ids, NEW, ignore_eos=True).output_ids
-            )
-        assert settled_held_pages(server.engine) == 0
-        for io in server.engine.kv.host:
-            io.wait_backups()
-        info = httpx.get(served.url + "/server_info", timeout=10).json()["hicache"]
-        assert info["write_policy"] == "write_through" and info["layout"] == "layer_first"
-        assert len(info["host_pages_used_per_lane"]) == 2 and info["backups_failed"] == 0
-        assert sum(info["host_pages_used_per_lane"]) == 2 + 3  # both prompts' whole pages
-        metrics = httpx.get(served.url + "/metrics", timeout=10).text
-        assert "cpkv_hicache_backups_total" in metrics
-    server.settle_caches()
-    assert not server.kv_leaked(), server.kv_free_summary()

@@ -407,7 +407,7 @@ def test_a_host_cache_per_rank_brings_evicted_prefixes_back(tiny, monkeypatch):
     the request recompute, nothing lost; after the copies close every device and host
     page is free."""
     cfg = tiny[0]
-    engine, ios = make_host_engine(tiny, pages_per_rank=8)  # 7 usable pages per rank
+    engine, ios = make_host_engine(tiny, pages_per_rank=10)  # 9 usable pages per rank
     store = engine.kv
     rng = np.random.default_rng(13)
     shared = rng.integers(3, cfg.vocab_size, 3 * P)
@@ -423,8 +423,8 @@ def test_a_host_cache_per_rank_brings_evicted_prefixes_back(tiny, monkeypatch):
     rank_a = int(np.argmax(store.cached_pages_per_rank()))
     assert store.cached_pages_per_rank()[rank_a] == 3
     settle()
-    fill = [req(f"f{i}", rng.integers(3, cfg.vocab_size, 6 * P + 5), 3) for i in range(2)]
-    more = run(engine, [fill])  # 7 pages each: every rank evicts what it caches
+    fill = [req(f"f{i}", rng.integers(3, cfg.vocab_size, 8 * P + 5), 3) for i in range(2)]
+    more = run(engine, [fill])  # 9 pages each: every rank evicts what it caches
     settle()
     b = req("b", np.concatenate([shared, rng.integers(3, cfg.vocab_size, 7)]), 3)
     more2 = run(engine, [[b]])
@@ -441,7 +441,7 @@ def test_a_host_cache_per_rank_brings_evicted_prefixes_back(tiny, monkeypatch):
     assert info["backups_done"] >= 3 and len(info["host_pages_used_per_lane"]) == DP
     # A failed copy: the request recomputes its prompt (nothing cached is lost).
     settle()
-    fill2 = [req(f"g{i}", rng.integers(3, cfg.vocab_size, 6 * P + 5), 3) for i in range(2)]
+    fill2 = [req(f"g{i}", rng.integers(3, cfg.vocab_size, 8 * P + 5), 3) for i in range(2)]
     run(engine, [fill2])
     settle()
     for io in ios:
@@ -454,5 +454,5 @@ def test_a_host_cache_per_rank_brings_evicted_prefixes_back(tiny, monkeypatch):
     for io in ios:
         io.close()
     store.reset_caches()
-    assert engine.stats().kv_pages_free == (7, 7)
+    assert engine.stats().kv_pages_free == (9, 9)
     assert all(a.num_free == a.capacity for io in ios for a in io.host_allocators)
