@@ -27,3 +27,14 @@ def test_small_run_reports_host_hits_and_ratios(tmp_path, capsys):
 def test_too_few_devices_is_refused(capsys):
     assert bench_hicache_ttft.main(["--cp", "4096"]) == 2
     assert "needs 4096 devices" in capsys.readouterr().err
+
+
+def test_dp_run_reports_host_hits_through_the_unified_dp_engine(capsys):
+    """`--dp 2`: the unified DP engine with a host cache per rank; every timed repeat is
+    a host hit loaded back into its rank's shard."""
+    rc = bench_hicache_ttft.main(["--dp", "2", "--lengths", "80", "--repeats", "1"])
+    report = json.loads(capsys.readouterr().out)
+    (row,) = report["lengths"]
+    assert rc == 0 and report["dp_size"] == 2
+    assert row["host_hit_tokens_per_round"] == [64] and row["load_backs"] >= 1
+    assert all(v > 0 for v in row["median_s"].values())
