@@ -152,6 +152,25 @@ def test_device_eviction_keeps_host_copies():
     cache2.check_invariants()
 
 
+def test_peeks_count_device_pages_and_the_host_continuation_apart():
+    """`peek_prefix` (a DP server comparing ranks) counts device pages only, `peek_host`
+    the host-only pages after them, as `match_prefix` splits them; neither splits a node
+    or touches an access time."""
+    cache = _cache()
+    _cache_request(cache, _toks(0, 8))
+    _ack_all(cache)
+    cache.evict(np.array([1, 0]))  # pages 2 and 3 go to host only (no split yet)
+    before = cache.pretty()
+    assert cache.peek_prefix(_toks(0, 9)) == (2, 2)  # 2 device pages, both unlocked
+    assert cache.peek_host(_toks(0, 9)) == 2
+    assert cache.peek_host(_toks(0, 7)) == 1  # whole pages of the query only
+    assert cache.peek_prefix(_toks(1, 8)) == (0, 0) and cache.peek_host(_toks(1, 8)) == 0
+    assert cache.pretty() == before
+    m = cache.match_prefix(_toks(0, 9))
+    assert (m.num_pages, m.host_pages.size) == (2, 2)
+    cache.check_invariants()
+
+
 def test_eviction_without_host_copy_removes_node():
     cache = _cache(policy="write_through_selective")
     _cache_request(cache, _toks(0, 8))
