@@ -245,25 +245,39 @@ SCORE_BLOCK_TOKENS = 512
 def score_tokens(model: CausalLM, hidden: jax.Array, targets: jax.Array):
     """Log-prob of `targets` and the `TOP_SCORES` best tokens after each `hidden` row
     (`[B, T, H]`), in token blocks of `SCORE_BLOCK_TOKENS` so the full-vocabulary
-    log-probs are never all in memory. Ties in the top: lower id first (`lax.top_k`)."""
+    log-probs are never all in memory. Ties in the top: lower id first (`lax.top_k`).
+    A negative target marks a token nobody asked to score (another request's row, or
+    padding): a block of only those skips the LM head and gives zeros, so a step that
+    scores one request does not pay the vocabulary projection for every row beside it."""
     b, t, h = hidden.shape
     n = b * t
     block = min(SCORE_BLOCK_TOKENS, n)
     pad = -n % block
     flat_h = jnp.pad(hidden.reshape(n, h), ((0, pad), (0, 0)))
-    flat_t = jnp.pad(targets.reshape(n), (0, pad))
+    flat_t = jnp.pad(targets.reshape(n), (0, pad), constant_values=-1)
     k = min(TOP_SCORES, model.cfg.vocab_size)
 
-    def one(args):
+    def scored(args):
         rows, tgt = args
         lp = log_probs(model.logits(rows), is_batch_invariant())
         top_lps, top_ids = jax.lax.top_k(lp, k)
-        return jnp.take_along_axis(lp, tgt[:, None], axis=1)[:, 0], top_ids, top_lps
+        chosen = jnp.take_along_axis(lp, jnp.maximum(tgt, 0)[:, None], axis=1)[:, 0]
+        return chosen, top_ids.astype(jnp.int32), top_lps
+
+    def skipped(args):
+        return (
+            jnp.zeros((block,), jnp.float32),
+            jnp.zeros((block, k), jnp.int32),
+            jnp.zeros((block, k), jnp.float32),
+        )
+
+    def one(args):
+        return jax.lax.cond(jnp.any(args[1] >= 0), scored, skipped, args)
 
     blocks = (flat_h.reshape(-1, block, h), flat_t.reshape(-1, block))
     chosen, top_ids, top_lps = jax.lax.map(one, blocks)
     return (
         chosen.reshape(-1)[:n].reshape(b, t),
-        top_ids.reshape(-1, k)[:n].reshape(b, t, k).astype(jnp.int32),
+        top_ids.reshape(-1, k)[:n].reshape(b, t, k),
         top_lps.reshape(-1, k)[:n].reshape(b, t, k),
     )

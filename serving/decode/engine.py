@@ -1015,6 +1015,7 @@ class DecodeEngine:
                 [(q.prompt, q.pages, q.width) for q in batch],
                 [q.prefill_from for q in batch],
                 ends,
+                [q.scoring is not None for q in batch],
             )
             for q, s in zip(batch, scores, strict=True):
                 if q.scoring is not None:

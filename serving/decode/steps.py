@@ -212,10 +212,11 @@ class DecodeSteps(CompiledShapes):
         requests: Sequence[tuple[np.ndarray, np.ndarray, int]],
         starts: Sequence[int],
         ends: Sequence[int],
+        wanted: Sequence[bool] | None = None,
     ) -> tuple[jax.Array, list[TokenScores]]:
         """`prefill` of `prompt[start:end]` (one request: the whole prompt, its pages and
         width) that also scores the fed tokens against the prompt's next ones (prompt
-        log-probs, `MeshDecodeSteps.score_many`)."""
+        log-probs, `MeshDecodeSteps.score_many`; its one request is the one scored)."""
         ((prompt, pages, width),), (start,), (end,) = requests, starts, ends
         ids = prompt[start:end]
         batch = span_batch(
@@ -223,7 +224,7 @@ class DecodeSteps(CompiledShapes):
         )
         shape = (self.prefill_form, 1, batch.input_ids.shape[1], width)
         step = self._score_compiled.get(shape, lambda: self._lower(shape, score=True))
-        targets = np.zeros(batch.input_ids.shape, np.int32)
+        targets = np.full(batch.input_ids.shape, -1, np.int32)  # padding: not scored
         targets[0, : len(ids)] = next_tokens(prompt, start, len(ids))
         with jax.named_scope("decode_engine.prefill"):
             logits, *scored = self.kv.update_pool(
@@ -459,7 +460,7 @@ class MeshDecodeSteps:
             tgt = None
         else:  # row `i`'s targets where `build_batch` put its tokens
             self._dp.compiled_score(shape)
-            tgt = np.zeros_like(host[0])
+            tgt = np.full_like(host[0], -1)  # -1: not scored (`score_tokens` skips it)
             for i, t in enumerate(targets):
                 tgt[order[i], : len(t)] = t
         ids = None
@@ -516,15 +517,18 @@ class MeshDecodeSteps:
         requests: Sequence[tuple[np.ndarray, np.ndarray, int]],
         starts: Sequence[int],
         ends: Sequence[int],
+        wanted: Sequence[bool] | None = None,
     ) -> tuple[jax.Array, list[TokenScores]]:
         """`prefill_many` of `prompt[start:end]` for each `(prompt, pages, width)` (the
         whole prompt) that also scores the fed tokens against the prompt's next ones
         (prompt log-probs; on the host, the step waited for); the logits stay on the
-        device."""
+        device. `wanted[i]` False: request `i` rides along unscored (its row skips the
+        LM head's scoring blocks; its scores are zeros)."""
         rows = self._prefill_rows(requests, starts, ends)
+        wanted = [True] * len(requests) if wanted is None else wanted
         targets = [
-            next_tokens(prompt, start, end - start)
-            for (prompt, _, _), start, end in zip(requests, starts, ends, strict=True)
+            next_tokens(prompt, start, end - start) if want else np.full(end - start, -1)
+            for (prompt, _, _), start, end, want in zip(requests, starts, ends, wanted, strict=True)
         ]
         logits, *scored = self._run(rows, prefill=True, targets=targets)
         return logits, _span_scores(requests, starts, ends, scored)
