@@ -26,6 +26,7 @@ from typing import Any, Literal
 import numpy as np
 
 from cpkv_jax.errors import CpkvError
+from cpkv_jax.scores import PromptLogprobs
 from cpkv_jax.units import MiB
 from transfer.page_plan import PROTOCOL_VERSION, BufferKind, LayoutDescriptor
 from transfer.proto import kv_transfer_pb2 as pb
@@ -39,6 +40,27 @@ DEFAULT_CHUNK_BYTES = 2 * MiB
 # 4 KiB pages carries 1024 positions and digests: ~14 KiB); 256 KiB leaves ample slack.
 MESSAGE_SLACK_BYTES = 256 * 1024
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + MESSAGE_SLACK_BYTES
+# Prompt log-probs ride in rank 0's commit (`Aux.prompt_scores`), beside every page's
+# position and digest: a bound well inside the smallest chunk's message limit.
+MAX_PROMPT_SCORE_BYTES = 768 * 1024
+
+
+def prompt_score_bytes(tokens: int, top_n: int) -> int:
+    """Bytes `tokens` scored prompt tokens with `top_n` alternatives each take in an
+    `Aux` (a float32 log-prob, then an int32 id and a float32 log-prob per alternative;
+    protobuf's packed encoding, its few bytes of framing aside)."""
+    return tokens * (4 + 8 * top_n)
+
+
+def transfer_scores(scores: PromptLogprobs | None, top_n: int) -> PromptLogprobs | None:
+    """`scores` with the request's `top_n` alternatives per token (what the aux sends)."""
+    if scores is None:
+        return None
+    return PromptLogprobs(
+        scores.start, scores.logprobs, scores.top_ids[:, :top_n], scores.top_logprobs[:, :top_n]
+    )
+
+
 # Pages per chunk, whatever their size: each costs up to 13 header bytes (a position
 # varint and a fixed64 digest), so 16384 of them stay within the slack (tiny pages, e.g.
 # index scales at page size 1, would otherwise overflow the message limit).
@@ -158,6 +180,10 @@ class Aux:
     # the prompt's last position, float32 little-endian (`hidden_state`), from which the
     # decode server's MTP layer drafts; empty otherwise.
     hidden: bytes = b""
+    # A request's prompt log-probs (`logprob_start_len`, or `echo` with `logprobs`): the
+    # prefill server scored its prompt; `top_ids` / `top_logprobs` hold the request's own
+    # number of alternatives per token (`[m, top_n]`).
+    prompt_scores: PromptLogprobs | None = None
 
     def __post_init__(self) -> None:
         if len(self.hidden) % 4:
@@ -309,7 +335,7 @@ def data_plane_from_pb(value: int) -> DataPlane:
 
 
 def aux_to_pb(aux: Aux) -> pb.Aux:
-    return pb.Aux(
+    msg = pb.Aux(
         first_token=aux.first_token,
         logprob=aux.logprob,
         cached_tokens=aux.cached_tokens,
@@ -317,6 +343,35 @@ def aux_to_pb(aux: Aux) -> pb.Aux:
         top_ids=[t for t, _ in aux.top],
         top_logprobs=[v for _, v in aux.top],
         hidden=aux.hidden,
+    )
+    p = aux.prompt_scores
+    if p is not None:
+        msg.prompt_scores_from = p.start
+        msg.prompt_logprobs.extend(np.asarray(p.logprobs, np.float32).tolist())
+        msg.prompt_top_n = int(p.top_ids.shape[-1])
+        msg.prompt_top_ids.extend(np.asarray(p.top_ids, np.int32).reshape(-1).tolist())
+        msg.prompt_top_logprobs.extend(np.asarray(p.top_logprobs, np.float32).reshape(-1).tolist())
+    return msg
+
+
+def _prompt_scores_from_pb(msg: pb.Aux) -> PromptLogprobs | None:
+    if not msg.HasField("prompt_scores_from"):
+        return None
+    m, k = len(msg.prompt_logprobs), msg.prompt_top_n
+    if msg.prompt_scores_from < 0 or k < 0:
+        raise BadRequestError(
+            f"aux prompt scores from {msg.prompt_scores_from} with {k} alternatives"
+        )
+    if len(msg.prompt_top_ids) != m * k or len(msg.prompt_top_logprobs) != m * k:
+        raise BadRequestError(
+            f"aux prompt scores: {m} tokens x {k} alternatives, but "
+            f"{len(msg.prompt_top_ids)} ids and {len(msg.prompt_top_logprobs)} log-probs"
+        )
+    return PromptLogprobs(
+        msg.prompt_scores_from,
+        np.asarray(msg.prompt_logprobs, np.float32),
+        np.asarray(msg.prompt_top_ids, np.int32).reshape(m, k),
+        np.asarray(msg.prompt_top_logprobs, np.float32).reshape(m, k),
     )
 
 
@@ -329,7 +384,13 @@ def aux_from_pb(msg: pb.Aux) -> Aux:
         raise BadRequestError(f"aux hidden state of {len(msg.hidden)} bytes is not float32s")
     top = tuple(zip(msg.top_ids, msg.top_logprobs, strict=True))
     return Aux(
-        msg.first_token, msg.logprob, msg.cached_tokens, msg.host_cached_tokens, top, msg.hidden
+        msg.first_token,
+        msg.logprob,
+        msg.cached_tokens,
+        msg.host_cached_tokens,
+        top,
+        msg.hidden,
+        _prompt_scores_from_pb(msg),
     )
 
 

@@ -47,8 +47,8 @@ from cpkv_jax.errors import CpkvError
 from cpkv_jax.kv_store import CachedLaneStore
 from serving.decode.engine import DecodeEngine, Touched
 from serving.decode.intake import check_prompt_logprobs_from
-from serving.decode.request import DecodeRequest, prompt_scores
-from serving.engine.api import EngineStats, GenerateRequest, ServerMode
+from serving.decode.request import DecodeRequest
+from serving.engine.api import EngineStats, GenerateRequest, ServerMode, prompt_scores
 from serving.engine.step_failures import check_pool_after, step_failure
 from serving.engine.stopping import StopResult
 from serving.prefill.build import PrefillEngine

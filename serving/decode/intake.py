@@ -35,8 +35,8 @@ from cpkv_jax.config import ModelConfig
 from cpkv_jax.errors import CpkvError
 from cpkv_jax.paging import pages_for_tokens
 from cpkv_jax.scores import PromptScores
-from serving.decode.request import DecodeRequest, prompt_scores
-from serving.engine.api import EngineStats, GenerateRequest, ServerMode
+from serving.decode.request import DecodeRequest
+from serving.engine.api import EngineStats, GenerateRequest, ServerMode, prompt_scores
 from serving.engine.step_failures import step_failure
 
 if TYPE_CHECKING:
@@ -49,10 +49,6 @@ logger = logging.getLogger(__name__)
 _ROOM_SUCCESS = "SUCCESS"
 _ROOM_FAILED = "FAILED"
 
-PROMPT_LOGPROBS_ELSEWHERE = (
-    "prompt log-probs (echo with logprobs, logprob_start_len) are computed where the "
-    "prompt is prefilled: send them to a unified server (not a PD decode server)"
-)
 PROMPT_LOGPROBS_SPECULATIVE = (
     "prompt log-probs (echo with logprobs, logprob_start_len) are not computed by a "
     "speculative unified server that prefills with its decode steps (--dp-size above 1 or "
@@ -285,8 +281,7 @@ class TransferIntake:
 
     def validate(self, req: GenerateRequest) -> None:
         e = self.engine
-        if req.prompt_logprobs_from is not None:
-            raise e.reject("prompt_logprobs", PROMPT_LOGPROBS_ELSEWHERE)
+        check_prompt_logprobs_from(e, req)  # the prefill server scores, the aux brings them
         if not req.bootstrap_room or req.bootstrap_cp_size is None or req.bootstrap_cp_size < 1:
             raise e.reject(
                 "no_room",
@@ -372,8 +367,14 @@ class TransferIntake:
                     e.free_pages(r)
                     e.fail(r, "KV transfer succeeded without the first token", touched)
                     continue
+                if r.req.prompt_logprobs_from is not None and aux.prompt_scores is None:
+                    e.free_pages(r)
+                    e.fail(r, "the prefill server sent no prompt log-probs", touched)
+                    continue
                 e.start(r)
                 r.cached_tokens, r.host_cached_tokens = aux.cached_tokens, aux.host_cached_tokens
+                if aux.prompt_scores is not None:  # sent with the first token's chunk
+                    r.prompt_scores = prompt_scores(aux.prompt_scores, r.req.top_logprobs)
                 n_prompt_pages = pages_for_tokens(len(r.prompt), e.page_size)
                 self.bytes_received += n_prompt_pages * e.bytes_per_page
                 first = (int(aux.first_token), aux.logprob, aux.top)

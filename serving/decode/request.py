@@ -7,25 +7,10 @@ import dataclasses
 import numpy as np
 
 from cpkv_jax.sampling import TopLogprobs
-from cpkv_jax.scores import PromptLogprobs, PromptScores
+from cpkv_jax.scores import PromptScores
 from serving.engine.api import GenerateRequest
 from serving.engine.stopping import StopChecker, StopResult
 from serving.grammar import RowGrammar
-
-
-def prompt_scores(scores: PromptLogprobs, top_n: int) -> tuple[tuple, tuple]:
-    """A prefill's prompt scores as `OutputChunk.prompt_logprobs` / `prompt_top_logprobs`
-    (token 0, without context: None and no alternatives)."""
-    lps, tops = [], []
-    for i, lp in enumerate(scores.logprobs.tolist()):
-        if scores.start + i == 0:
-            lps.append(None)
-            tops.append(())
-            continue
-        lps.append(lp)
-        ids = scores.top_ids[i, :top_n].tolist()
-        tops.append(tuple(zip(ids, scores.top_logprobs[i, :top_n].tolist(), strict=True)))
-    return tuple(lps), tuple(tops)
 
 
 @dataclasses.dataclass(eq=False)

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 from cpkv_jax.errors import CpkvError, InputError
+from cpkv_jax.scores import PromptLogprobs
 from serving.engine.wait_queue import QueueStats
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -315,3 +316,18 @@ class EngineClient(Protocol):
         ...
 
     async def shutdown(self, drain_timeout: float) -> None: ...
+
+
+def prompt_scores(scores: PromptLogprobs, top_n: int) -> tuple[tuple, tuple]:
+    """A prefill's prompt scores as `OutputChunk.prompt_logprobs` / `prompt_top_logprobs`
+    (token 0, without context: None and no alternatives)."""
+    lps, tops = [], []
+    for i, lp in enumerate(scores.logprobs.tolist()):
+        if scores.start + i == 0:
+            lps.append(None)
+            tops.append(())
+            continue
+        lps.append(lp)
+        ids = scores.top_ids[i, :top_n].tolist()
+        tops.append(tuple(zip(ids, scores.top_logprobs[i, :top_n].tolist(), strict=True)))
+    return tuple(lps), tuple(tops)

@@ -13,8 +13,8 @@ The output is closed-form, so a test recomputes every expected value itself:
   `mock_top_logprobs(token, i, n)` when it asks for `n` top log-probs; with
   `prompt_logprobs_from`, the first chunk scores prompt token `p` from there on with
   `mock_prompt_logprob(token, p)` (None for token 0) and alternatives
-  `mock_top_logprobs` of the same value's position `-p` (mode "null" only, as the real
-  engines);
+  `mock_top_logprobs` of the same value's position `-p` (in PD mode the decode side's
+  first chunk, as the real decode server's from the transfer's aux);
 - it finishes with "stop" on a stop token id, on `eos_id` (unless `ignore_eos`; neither
   before `min_new_tokens` output tokens), or once
   the decoded output contains a stop string (the engine-side check the contract asks
@@ -215,8 +215,6 @@ class MockEngine:
                 f"request {req.rid}: the prompt contains the pad token {self.refuse_id}"
             )
         self._check_pd_fields(req)
-        if req.prompt_logprobs_from is not None and self.mode != "null":
-            raise InputError(f"request {req.rid!r}: prompt log-probs are not computed in PD mode")
         if req.prompt_logprobs_from is not None and not (
             0 <= req.prompt_logprobs_from < len(req.input_ids)
         ):

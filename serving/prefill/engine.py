@@ -85,6 +85,7 @@ from serving.engine.api import (
     GenerateRequest,
     OutputChunk,
     ServerMode,
+    prompt_scores,
     stop_token_bias,
 )
 from serving.engine.step_failures import check_pool_after, step_failure
@@ -96,13 +97,25 @@ from serving.prefill.build import (
     build_prefill_engine,
     pool_pages_per_rank,
 )
-from serving.prefill.scheduler import PrefillOutcome, PrefillScheduler, PrefillStepError
+from serving.prefill.scheduler import (
+    PrefillOutcome,
+    PrefillScheduler,
+    PrefillStepError,
+    ScoringExecutor,
+)
 from serving.server_args import ServerArgs
 from transfer.backends import make_backend
 from transfer.hold import TransferHold
 from transfer.page_plan import LayoutDescriptor
 from transfer.page_source import CPPoolPageSource
-from transfer.protocol import Aux, RoomSnapshot, RoomState
+from transfer.protocol import (
+    MAX_PROMPT_SCORE_BYTES,
+    Aux,
+    RoomSnapshot,
+    RoomState,
+    prompt_score_bytes,
+    transfer_scores,
+)
 from transfer.sender import TransferBackend, bootstrap_request, rank_jobs
 
 logger = logging.getLogger(__name__)
@@ -153,6 +166,8 @@ class _Request:
     first_token: int = -1
     logprob: float = 0.0
     top: TopLogprobs = ()  # the first token's alternatives, when the request asked
+    # Its prompt log-probs (`prompt_logprobs_from`), as `OutputChunk` fields.
+    prompt_scores: tuple[tuple, tuple] | None = None
     cached_tokens: int = 0
     host_cached_tokens: int = 0  # of `cached_tokens`, loaded back from the host cache
     num_pages: int = 0
@@ -267,6 +282,31 @@ class PrefillModeEngine:
         """The reachable step shapes not compiled yet, for a background compiler."""
         return self.engine.compile_jobs(self._queue.limit)
 
+    def _check_prompt_scores(self, req: GenerateRequest) -> None:
+        """Refuse prompt log-probs this server cannot score or send (400, nothing
+        queued): the scores travel to the decode server in the transfer's commit."""
+        start, n = req.prompt_logprobs_from, len(req.input_ids)
+        assert start is not None
+        if not 0 <= start < n:
+            raise InputError(
+                f"request {req.rid!r}: logprob_start_len {start} is outside the prompt's "
+                f"{n} tokens [0, {n})"
+            )
+        if not isinstance(self.scheduler.executor, ScoringExecutor):
+            raise InputError(
+                f"request {req.rid!r}: this prefill server's steps do not score prompts "
+                "(prompt log-probs); send the request to a unified server"
+            )
+        size = prompt_score_bytes(n - start, req.top_logprobs)
+        if size > MAX_PROMPT_SCORE_BYTES:
+            raise InputError(
+                f"request {req.rid!r}: the log-probs of {n - start} prompt tokens with "
+                f"{req.top_logprobs} alternatives each take {size} bytes in the KV "
+                f"transfer's commit, over its {MAX_PROMPT_SCORE_BYTES}; start them later "
+                "(logprob_start_len), ask for fewer top log-probs, or send the request to "
+                "a unified server"
+            )
+
     # ---- StepEngine -------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:
         """Validate and queue `req`; `InputError` (nothing queued) when it cannot be served."""
@@ -281,11 +321,7 @@ class PrefillModeEngine:
             )
         assert req.bootstrap_room is not None and req.decode_transfer_target is not None
         if req.prompt_logprobs_from is not None:
-            raise InputError(
-                f"request {req.rid!r}: prompt log-probs (echo with logprobs, "
-                "logprob_start_len) are not computed in PD mode; send the request to a "
-                "unified server"
-            )
+            self._check_prompt_scores(req)
         parse_target(req.decode_transfer_target)
         if req.bootstrap_cp_size is not None and req.bootstrap_cp_size != self.cp_size:
             raise InputError(
@@ -474,7 +510,13 @@ class PrefillModeEngine:
             # The request timeout counts from arrival, the decode wait included.
             left = None if timeout is None else timeout - self._waited(entry)
             # Reserve one new token: decoded tokens' KV lives on the decode server.
-            self.scheduler.submit(entry.req.rid, ids, max_new_tokens=1, timeout=left)
+            self.scheduler.submit(
+                entry.req.rid,
+                ids,
+                max_new_tokens=1,
+                timeout=left,
+                score_from=entry.req.prompt_logprobs_from,
+            )
             entry.state = "queued"
         self._park_stale()
         self._fill_window()
@@ -669,6 +711,8 @@ class PrefillModeEngine:
         drawn = sample(lps, [row], self._penalties, logits=logits, token_mask=mask)
         token, entry.logprob, entry.top = drawn.pick(0)
         entry.first_token = token
+        if outcome.prompt_logprobs is not None:  # its response has them too
+            entry.prompt_scores = prompt_scores(outcome.prompt_logprobs, req.top_logprobs)
         entry.cached_tokens = outcome.cached_tokens
         entry.host_cached_tokens = outcome.host_cached_tokens
         self.prefix_cache_hit_tokens += outcome.cached_tokens
@@ -692,6 +736,7 @@ class PrefillModeEngine:
                 cached_tokens=entry.cached_tokens,
                 host_cached_tokens=entry.host_cached_tokens,
                 top=entry.top,
+                prompt_scores=transfer_scores(outcome.prompt_logprobs, req.top_logprobs),
             ),
         ):
             # The room failed while the prefill ran: the next poll frees the pages and
@@ -787,6 +832,8 @@ class PrefillModeEngine:
             token_ids=(entry.first_token,) if ok else (),
             logprobs=(entry.logprob,) if ok and req.return_logprob else None,
             top_logprobs=(entry.top,) if ok and req.return_logprob and req.top_logprobs else None,
+            prompt_logprobs=entry.prompt_scores[0] if ok and entry.prompt_scores else None,
+            prompt_top_logprobs=entry.prompt_scores[1] if ok and entry.prompt_scores else None,
             finished=True,
             finish_reason=reason,
             error=None if ok else error,

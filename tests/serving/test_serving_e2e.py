@@ -47,6 +47,7 @@ from cpkv_jax.tokenizer import load_tokenizer
 from serving.compile_events import COMPILES
 from serving.engine.api import Grammar
 from serving.grammar import load_grammar_backend
+from serving.prefill import engine as prefill_engine
 from serving.server import Server, build_server
 from serving.server_args import ServerArgs
 from serving.smg import pd_workers
@@ -687,6 +688,48 @@ def test_pd_outputs_equal_the_reference_and_pages_come_back(ckpt, pd):
     if pd["backend"] == "mooncake":  # pages went to more than one DP rank
         assert info["dp_size"] == DECODE_DP
         assert sum(n > 0 for n in pd["decode"].engine.admitted_per_rank) > 1
+    assert_pages_back(pd["decode"])
+    assert_pages_back(pd["prefill"])
+
+
+def test_pd_prompt_logprobs_come_with_the_transfer(ckpt, pd, monkeypatch):
+    """Prompt log-probs through the PD router: the CP8 prefill server scores the prompt
+    (its chunks' scoring steps) and sends the scores in the transfer's aux, the decode
+    server answers with them: `echo` + `logprobs` (lm-evaluation-harness's
+    log-likelihood request) and `/generate` with `logprob_start_len` equal the
+    single-device reference's teacher-forced float64 log-softmax within 1e-4 (float32
+    logits of another program); the output tokens are the reference's. Too many scored
+    tokens for the commit is a 400 before anything starts."""
+    _, cfg, ref = ckpt
+    router = pd["served"]["router"].url
+    ids = prompts(cfg, seed=9)[2]  # 5 pages + 3 tokens
+    want, want_top = ref.prompt_logprobs(ids, top_n=TOP)
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 2, "temperature": 0.0,
+            "echo": True, "logprobs": TOP}  # fmt: skip
+    r = httpx.post(router + "/v1/completions", json=body, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    lp = choice["logprobs"]
+    assert choice["token_ids"] == reference(ref, ids)[:2]
+    assert lp["token_logprobs"][0] is None
+    np.testing.assert_allclose(lp["token_logprobs"][1 : len(ids)], want, rtol=0, atol=1e-4)
+    for got, alts in zip(lp["top_logprobs"][1 : len(ids)], want_top, strict=True):
+        assert max(got.values()) == pytest.approx(alts[0][1], abs=1e-4)
+    start = 3 * P + 1
+    gen = {**top_logprobs_body(ids), "logprob_start_len": start}
+    r = httpx.post(router + "/generate", json=gen, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[start:]
+    got = [v for v, _, _ in meta["input_token_logprobs"]]
+    np.testing.assert_allclose(got, want[start - 1 :], rtol=0, atol=1e-4)
+    assert_top_logprobs_match(meta["input_top_logprobs"], want_top[start - 1 :], 1e-4)
+    # The scores must fit the transfer's commit: over its bound (lowered here: the tiny
+    # model's context holds too few tokens to reach 768 KiB) is a 400 before anything
+    # starts. Both servers run in this process.
+    monkeypatch.setattr(prefill_engine, "MAX_PROMPT_SCORE_BYTES", len(ids) * 8)
+    r = httpx.post(router + "/generate", json={**gen, "logprob_start_len": 0}, timeout=WAIT_S)
+    assert r.status_code == 400 and "transfer's commit" in r.text, r.text
     assert_pages_back(pd["decode"])
     assert_pages_back(pd["prefill"])
 

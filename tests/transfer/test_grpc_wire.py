@@ -30,6 +30,7 @@ from support.transfer import INDEX_K, SENDER, TIMEOUTS, P, section_spans
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.paging import PageAllocator
+from cpkv_jax.scores import PromptLogprobs
 from serving.server_args import ServerArgs, ServerArgsError
 from transfer.backends.grpc_backend import GrpcBackend, _stream_groups, serialize_page_chunk
 from transfer.capabilities import BackendCapabilities, default_backend_registry
@@ -443,4 +444,41 @@ def test_aux_carries_the_first_tokens_top_logprobs():
     assert aux_from_pb(pb.Aux.FromString(aux_to_pb(Aux(5, -1.0)).SerializeToString())).top == ()
     broken = pb.Aux(first_token=1, logprob=-1.0, top_ids=[1, 2], top_logprobs=[-1.0])
     with pytest.raises(BadRequestError, match="2 top token ids but 1 log-probs"):
+        aux_from_pb(broken)
+
+
+def test_aux_carries_prompt_log_probs():
+    """`Aux.prompt_scores` (fields 8-12: PD prompt log-probs) survive the wire, from
+    token 0 (NaN: no context) with the request's own number of alternatives; an aux
+    without them (a sender from before the fields) has None, start 0 included; ids and
+    log-probs that do not fill `m x top_n` are a bad request."""
+    rng = np.random.default_rng(4)
+    m, k = 6, 3
+    lps = rng.normal(-2, 1, m).astype(np.float32)
+    lps[0] = np.nan
+    scores = PromptLogprobs(
+        0,
+        lps,
+        rng.integers(0, 300, (m, k)).astype(np.int32),
+        rng.normal(-1, 1, (m, k)).astype(np.float32),
+    )
+    wire = aux_to_pb(Aux(5, -1.0, prompt_scores=scores)).SerializeToString()
+    got = aux_from_pb(pb.Aux.FromString(wire)).prompt_scores
+    assert got is not None and got.start == 0
+    np.testing.assert_array_equal(got.logprobs, scores.logprobs)  # NaN compares equal here
+    np.testing.assert_array_equal(got.top_ids, scores.top_ids)
+    np.testing.assert_array_equal(got.top_logprobs, scores.top_logprobs)
+    assert (
+        aux_from_pb(pb.Aux.FromString(aux_to_pb(Aux(5, -1.0)).SerializeToString())).prompt_scores
+        is None
+    )
+    broken = pb.Aux(
+        first_token=1,
+        prompt_scores_from=2,
+        prompt_logprobs=[-1.0, -2.0],
+        prompt_top_n=2,
+        prompt_top_ids=[1, 2, 3],
+        prompt_top_logprobs=[-1.0] * 4,
+    )
+    with pytest.raises(BadRequestError, match="2 tokens x 2 alternatives"):
         aux_from_pb(broken)

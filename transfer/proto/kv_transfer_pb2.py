@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n transfer/proto/kv_transfer.proto\x12\x10\x63pkv.transfer.v1\"\xea\x01\n\x10LayoutDescriptor\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x1b\n\x13\x66ull_indexer_layers\x18\x04 \x03(\r\x12\x14\n\x0ckv_cache_dim\x18\x05 \x01(\r\x12\x14\n\x0clatent_dtype\x18\x06 \x01(\t\x12\x16\n\x0eindex_head_dim\x18\x07 \x01(\r\x12\x15\n\rindex_k_dtype\x18\x08 \x01(\t\x12\x17\n\x0fhas_index_scale\x18\t \x01(\x08J\x04\x08\n\x10\x10\"\xd0\x01\n\x10HandshakeRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x13\n\x0bsender_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x63p_size\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x32\n\x06layout\x18\x05 \x01(\x0b\x32\".cpkv.transfer.v1.LayoutDescriptor\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\r\x12/\n\ndata_plane\x18\x07 \x01(\x0e\x32\x1b.cpkv.transfer.v1.DataPlane\"\x96\x02\n\x0eHandshakeReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x12\n\nmismatches\x18\x02 \x03(\t\x12,\n\x06status\x18\x03 \x01(\x0b\x32\x1c.cpkv.transfer.v1.RoomStatus\x12\x11\n\tdst_pages\x18\x04 \x03(\r\x12\x32\n\x06layout\x18\x05 \x01(\x0b\x32\".cpkv.transfer.v1.LayoutDescriptor\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x07 \x01(\x01\x12\x32\n\x08mooncake\x18\x08 \x01(\x0b\x32 .cpkv.transfer.v1.MooncakeRegion\"m\n\x0eMooncakeRegion\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62uffer_addrs\x18\x02 \x03(\x04\x12\x0c\n\x04rows\x18\x03 \x03(\r\x12\x11\n\trow_count\x18\x04 \x01(\r\x12\x10\n\x08protocol\x18\x05 \x01(\t\"\x17\n\x07RoomRef\x12\x0c\n\x04room\x18\x01 \x01(\t\"\x95\x01\n\x03\x41ux\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x1a\n\x12host_cached_tokens\x18\x04 \x01(\x05\x12\x0f\n\x07top_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x01\x12\x0e\n\x06hidden\x18\x07 \x01(\x0c\"\xc0\x01\n\nRoomStatus\x12\x0c\n\x04room\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.cpkv.transfer.v1.RoomState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\"\n\x03\x61ux\x18\x04 \x01(\x0b\x32\x15.cpkv.transfer.v1.Aux\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\x17\n\x0f\x63ommitted_ranks\x18\x06 \x03(\rJ\x04\x08\x07\x10\x08R\x12state_since_unix_s\"l\n\x0bPageSection\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.cpkv.transfer.v1.BufferKind\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x11\n\tpositions\x18\x03 \x03(\r\x12\x0f\n\x07\x64igests\x18\x04 \x03(\x06\"\xb7\x01\n\tPageChunk\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x13\n\x0bsender_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12/\n\x08sections\x18\n \x03(\x0b\x32\x1d.cpkv.transfer.v1.PageSectionJ\x04\x08\x04\x10\x08J\x04\x08\t\x10\nR\x04kindR\x05layerR\tpositionsR\x07\x64igestsR\ncompressed\"v\n\x08WriteAck\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.cpkv.transfer.v1.RoomState\x12\x15\n\rpages_written\x18\x02 \x01(\x04\x12\x17\n\x0fpages_duplicate\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x8b\x01\n\rCommitRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x13\n\x0bsender_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x11\n\tpositions\x18\x04 \x03(\r\x12\"\n\x03\x61ux\x18\x05 \x01(\x0b\x32\x15.cpkv.transfer.v1.Aux\x12\x0f\n\x07\x64igests\x18\x06 \x03(\x06\"J\n\x10HeartbeatRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x13\n\x0bsender_rank\x18\x02 \x01(\r\x12\x13\n\x0bwrites_done\x18\x03 \x01(\x08\"A\n\x0c\x41\x62ortRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bsender_rank\x18\x03 \x01(\r*\xb3\x01\n\tRoomState\x12\x1a\n\x16ROOM_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18ROOM_STATE_BOOTSTRAPPING\x10\x01\x12 \n\x1cROOM_STATE_WAITING_FOR_INPUT\x10\x02\x12\x1b\n\x17ROOM_STATE_TRANSFERRING\x10\x03\x12\x16\n\x12ROOM_STATE_SUCCESS\x10\x04\x12\x15\n\x11ROOM_STATE_FAILED\x10\x05*U\n\tDataPlane\x12\x1a\n\x16\x44\x41TA_PLANE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x41TA_PLANE_GRPC\x10\x01\x12\x17\n\x13\x44\x41TA_PLANE_MOONCAKE\x10\x02*w\n\nBufferKind\x12\x1b\n\x17\x42UFFER_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x42UFFER_KIND_LATENT\x10\x01\x12\x17\n\x13\x42UFFER_KIND_INDEX_K\x10\x02\x12\x1b\n\x17\x42UFFER_KIND_INDEX_SCALE\x10\x03\x32\xcb\x03\n\nKVTransfer\x12Q\n\tHandshake\x12\".cpkv.transfer.v1.HandshakeRequest\x1a .cpkv.transfer.v1.HandshakeReply\x12\x42\n\x07GetRoom\x12\x19.cpkv.transfer.v1.RoomRef\x1a\x1c.cpkv.transfer.v1.RoomStatus\x12G\n\nWritePages\x12\x1b.cpkv.transfer.v1.PageChunk\x1a\x1a.cpkv.transfer.v1.WriteAck(\x01\x12G\n\x06\x43ommit\x12\x1f.cpkv.transfer.v1.CommitRequest\x1a\x1c.cpkv.transfer.v1.RoomStatus\x12M\n\tHeartbeat\x12\".cpkv.transfer.v1.HeartbeatRequest\x1a\x1c.cpkv.transfer.v1.RoomStatus\x12\x45\n\x05\x41\x62ort\x12\x1e.cpkv.transfer.v1.AbortRequest\x1a\x1c.cpkv.transfer.v1.RoomStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n transfer/proto/kv_transfer.proto\x12\x10\x63pkv.transfer.v1\"\xea\x01\n\x10LayoutDescriptor\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x1b\n\x13\x66ull_indexer_layers\x18\x04 \x03(\r\x12\x14\n\x0ckv_cache_dim\x18\x05 \x01(\r\x12\x14\n\x0clatent_dtype\x18\x06 \x01(\t\x12\x16\n\x0eindex_head_dim\x18\x07 \x01(\r\x12\x15\n\rindex_k_dtype\x18\x08 \x01(\t\x12\x17\n\x0fhas_index_scale\x18\t \x01(\x08J\x04\x08\n\x10\x10\"\xd0\x01\n\x10HandshakeRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x13\n\x0bsender_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x63p_size\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x32\n\x06layout\x18\x05 \x01(\x0b\x32\".cpkv.transfer.v1.LayoutDescriptor\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\r\x12/\n\ndata_plane\x18\x07 \x01(\x0e\x32\x1b.cpkv.transfer.v1.DataPlane\"\x96\x02\n\x0eHandshakeReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x12\n\nmismatches\x18\x02 \x03(\t\x12,\n\x06status\x18\x03 \x01(\x0b\x32\x1c.cpkv.transfer.v1.RoomStatus\x12\x11\n\tdst_pages\x18\x04 \x03(\r\x12\x32\n\x06layout\x18\x05 \x01(\x0b\x32\".cpkv.transfer.v1.LayoutDescriptor\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x07 \x01(\x01\x12\x32\n\x08mooncake\x18\x08 \x01(\x0b\x32 .cpkv.transfer.v1.MooncakeRegion\"m\n\x0eMooncakeRegion\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62uffer_addrs\x18\x02 \x03(\x04\x12\x0c\n\x04rows\x18\x03 \x03(\r\x12\x11\n\trow_count\x18\x04 \x01(\r\x12\x10\n\x08protocol\x18\x05 \x01(\t\"\x17\n\x07RoomRef\x12\x0c\n\x04room\x18\x01 \x01(\t\"\xb1\x02\n\x03\x41ux\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x1a\n\x12host_cached_tokens\x18\x04 \x01(\x05\x12\x0f\n\x07top_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x01\x12\x0e\n\x06hidden\x18\x07 \x01(\x0c\x12\x1f\n\x12prompt_scores_from\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12\x14\n\x0cprompt_top_n\x18\n \x01(\x05\x12\x16\n\x0eprompt_top_ids\x18\x0b \x03(\x05\x12\x1b\n\x13prompt_top_logprobs\x18\x0c \x03(\x02\x42\x15\n\x13_prompt_scores_from\"\xc0\x01\n\nRoomStatus\x12\x0c\n\x04room\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.cpkv.transfer.v1.RoomState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\"\n\x03\x61ux\x18\x04 \x01(\x0b\x32\x15.cpkv.transfer.v1.Aux\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\x17\n\x0f\x63ommitted_ranks\x18\x06 \x03(\rJ\x04\x08\x07\x10\x08R\x12state_since_unix_s\"l\n\x0bPageSection\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.cpkv.transfer.v1.BufferKind\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x11\n\tpositions\x18\x03 \x03(\r\x12\x0f\n\x07\x64igests\x18\x04 \x03(\x06\"\xb7\x01\n\tPageChunk\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x13\n\x0bsender_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12/\n\x08sections\x18\n \x03(\x0b\x32\x1d.cpkv.transfer.v1.PageSectionJ\x04\x08\x04\x10\x08J\x04\x08\t\x10\nR\x04kindR\x05layerR\tpositionsR\x07\x64igestsR\ncompressed\"v\n\x08WriteAck\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.cpkv.transfer.v1.RoomState\x12\x15\n\rpages_written\x18\x02 \x01(\x04\x12\x17\n\x0fpages_duplicate\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x8b\x01\n\rCommitRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x13\n\x0bsender_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x11\n\tpositions\x18\x04 \x03(\r\x12\"\n\x03\x61ux\x18\x05 \x01(\x0b\x32\x15.cpkv.transfer.v1.Aux\x12\x0f\n\x07\x64igests\x18\x06 \x03(\x06\"J\n\x10HeartbeatRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x13\n\x0bsender_rank\x18\x02 \x01(\r\x12\x13\n\x0bwrites_done\x18\x03 \x01(\x08\"A\n\x0c\x41\x62ortRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bsender_rank\x18\x03 \x01(\r*\xb3\x01\n\tRoomState\x12\x1a\n\x16ROOM_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18ROOM_STATE_BOOTSTRAPPING\x10\x01\x12 \n\x1cROOM_STATE_WAITING_FOR_INPUT\x10\x02\x12\x1b\n\x17ROOM_STATE_TRANSFERRING\x10\x03\x12\x16\n\x12ROOM_STATE_SUCCESS\x10\x04\x12\x15\n\x11ROOM_STATE_FAILED\x10\x05*U\n\tDataPlane\x12\x1a\n\x16\x44\x41TA_PLANE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x41TA_PLANE_GRPC\x10\x01\x12\x17\n\x13\x44\x41TA_PLANE_MOONCAKE\x10\x02*w\n\nBufferKind\x12\x1b\n\x17\x42UFFER_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x42UFFER_KIND_LATENT\x10\x01\x12\x17\n\x13\x42UFFER_KIND_INDEX_K\x10\x02\x12\x1b\n\x17\x42UFFER_KIND_INDEX_SCALE\x10\x03\x32\xcb\x03\n\nKVTransfer\x12Q\n\tHandshake\x12\".cpkv.transfer.v1.HandshakeRequest\x1a .cpkv.transfer.v1.HandshakeReply\x12\x42\n\x07GetRoom\x12\x19.cpkv.transfer.v1.RoomRef\x1a\x1c.cpkv.transfer.v1.RoomStatus\x12G\n\nWritePages\x12\x1b.cpkv.transfer.v1.PageChunk\x1a\x1a.cpkv.transfer.v1.WriteAck(\x01\x12G\n\x06\x43ommit\x12\x1f.cpkv.transfer.v1.CommitRequest\x1a\x1c.cpkv.transfer.v1.RoomStatus\x12M\n\tHeartbeat\x12\".cpkv.transfer.v1.HeartbeatRequest\x1a\x1c.cpkv.transfer.v1.RoomStatus\x12\x45\n\x05\x41\x62ort\x12\x1e.cpkv.transfer.v1.AbortRequest\x1a\x1c.cpkv.transfer.v1.RoomStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'transfer.proto.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROOMSTATE']._serialized_start=1968
-  _globals['_ROOMSTATE']._serialized_end=2147
-  _globals['_DATAPLANE']._serialized_start=2149
-  _globals['_DATAPLANE']._serialized_end=2234
-  _globals['_BUFFERKIND']._serialized_start=2236
-  _globals['_BUFFERKIND']._serialized_end=2355
+  _globals['_ROOMSTATE']._serialized_start=2124
+  _globals['_ROOMSTATE']._serialized_end=2303
+  _globals['_DATAPLANE']._serialized_start=2305
+  _globals['_DATAPLANE']._serialized_end=2390
+  _globals['_BUFFERKIND']._serialized_start=2392
+  _globals['_BUFFERKIND']._serialized_end=2511
   _globals['_LAYOUTDESCRIPTOR']._serialized_start=55
   _globals['_LAYOUTDESCRIPTOR']._serialized_end=289
   _globals['_HANDSHAKEREQUEST']._serialized_start=292
@@ -48,21 +48,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROOMREF']._serialized_start=894
   _globals['_ROOMREF']._serialized_end=917
   _globals['_AUX']._serialized_start=920
-  _globals['_AUX']._serialized_end=1069
-  _globals['_ROOMSTATUS']._serialized_start=1072
-  _globals['_ROOMSTATUS']._serialized_end=1264
-  _globals['_PAGESECTION']._serialized_start=1266
-  _globals['_PAGESECTION']._serialized_end=1374
-  _globals['_PAGECHUNK']._serialized_start=1377
-  _globals['_PAGECHUNK']._serialized_end=1560
-  _globals['_WRITEACK']._serialized_start=1562
-  _globals['_WRITEACK']._serialized_end=1680
-  _globals['_COMMITREQUEST']._serialized_start=1683
-  _globals['_COMMITREQUEST']._serialized_end=1822
-  _globals['_HEARTBEATREQUEST']._serialized_start=1824
-  _globals['_HEARTBEATREQUEST']._serialized_end=1898
-  _globals['_ABORTREQUEST']._serialized_start=1900
-  _globals['_ABORTREQUEST']._serialized_end=1965
-  _globals['_KVTRANSFER']._serialized_start=2358
-  _globals['_KVTRANSFER']._serialized_end=2817
+  _globals['_AUX']._serialized_end=1225
+  _globals['_ROOMSTATUS']._serialized_start=1228
+  _globals['_ROOMSTATUS']._serialized_end=1420
+  _globals['_PAGESECTION']._serialized_start=1422
+  _globals['_PAGESECTION']._serialized_end=1530
+  _globals['_PAGECHUNK']._serialized_start=1533
+  _globals['_PAGECHUNK']._serialized_end=1716
+  _globals['_WRITEACK']._serialized_start=1718
+  _globals['_WRITEACK']._serialized_end=1836
+  _globals['_COMMITREQUEST']._serialized_start=1839
+  _globals['_COMMITREQUEST']._serialized_end=1978
+  _globals['_HEARTBEATREQUEST']._serialized_start=1980
+  _globals['_HEARTBEATREQUEST']._serialized_end=2054
+  _globals['_ABORTREQUEST']._serialized_start=2056
+  _globals['_ABORTREQUEST']._serialized_end=2121
+  _globals['_KVTRANSFER']._serialized_start=2514
+  _globals['_KVTRANSFER']._serialized_end=2973
 # @@protoc_insertion_point(module_scope)

@@ -5,7 +5,7 @@ import warnings
 
 from transfer.proto import kv_transfer_pb2 as transfer_dot_proto_dot_kv__transfer__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
