@@ -240,6 +240,21 @@ def test_unified_top_logprobs_are_the_references(ckpt, unified):
     assert_pages_back(server)
 
 
+def assert_input_logprobs(url: str, ids: list[int], start: int, want, want_top) -> dict:
+    """`/generate` with `logprob_start_len` `start`: `meta_info.input_token_logprobs`
+    (and their alternatives) from there on are the reference's `want` / `want_top`
+    within 1e-4; returns the meta."""
+    gen = {**top_logprobs_body(ids), "logprob_start_len": start}
+    r = httpx.post(url + "/generate", json=gen, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[start:]
+    got = [v for v, _, _ in meta["input_token_logprobs"]]
+    np.testing.assert_allclose(got, want[start - 1 :], rtol=0, atol=1e-4)
+    assert_top_logprobs_match(meta["input_top_logprobs"], want_top[start - 1 :], 1e-4)
+    return meta
+
+
 def test_unified_prompt_logprobs_are_the_teacher_forced_reference(ckpt, unified):
     """Prompt log-probs on the real tiny model (issue 37): `echo` + `logprobs: 5` with
     `max_tokens: 0` (lm-evaluation-harness's log-likelihood request) and `/generate` with
@@ -271,15 +286,7 @@ def test_unified_prompt_logprobs_are_the_teacher_forced_reference(ckpt, unified)
         assert 1 <= len(got) <= TOP, p
         assert max(got.values()) == pytest.approx(vals[0], abs=1e-4), p
         assert all(min(abs(v - w) for w in vals) <= 1e-4 for v in got.values()), p
-    start = 3 * P + 1
-    gen = {**top_logprobs_body(ids), "logprob_start_len": start}
-    r = httpx.post(served.url + "/generate", json=gen, timeout=WAIT_S)
-    assert r.status_code == 200, r.text
-    meta = r.json()["meta_info"]
-    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[start:]
-    got = [v for v, _, _ in meta["input_token_logprobs"]]
-    np.testing.assert_allclose(got, want[start - 1 :], rtol=0, atol=1e-4)
-    assert_top_logprobs_match(meta["input_top_logprobs"], want_top[start - 1 :], 1e-4)
+    meta = assert_input_logprobs(served.url, ids, 3 * P + 1, want, want_top)
     assert meta["cached_tokens"] == 3 * P  # whole pages before the token before `start`
     assert_pages_back(server)
 
@@ -715,20 +722,13 @@ def test_pd_prompt_logprobs_come_with_the_transfer(ckpt, pd, monkeypatch):
     np.testing.assert_allclose(lp["token_logprobs"][1 : len(ids)], want, rtol=0, atol=1e-4)
     for got, alts in zip(lp["top_logprobs"][1 : len(ids)], want_top, strict=True):
         assert max(got.values()) == pytest.approx(alts[0][1], abs=1e-4)
-    start = 3 * P + 1
-    gen = {**top_logprobs_body(ids), "logprob_start_len": start}
-    r = httpx.post(router + "/generate", json=gen, timeout=WAIT_S)
-    assert r.status_code == 200, r.text
-    meta = r.json()["meta_info"]
-    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[start:]
-    got = [v for v, _, _ in meta["input_token_logprobs"]]
-    np.testing.assert_allclose(got, want[start - 1 :], rtol=0, atol=1e-4)
-    assert_top_logprobs_match(meta["input_top_logprobs"], want_top[start - 1 :], 1e-4)
+    assert_input_logprobs(router, ids, 3 * P + 1, want, want_top)
     # The scores must fit the transfer's commit: over its bound (lowered here: the tiny
     # model's context holds too few tokens to reach 768 KiB) is a 400 before anything
     # starts. Both servers run in this process.
     monkeypatch.setattr(prefill_engine, "MAX_PROMPT_SCORE_BYTES", len(ids) * 8)
-    r = httpx.post(router + "/generate", json={**gen, "logprob_start_len": 0}, timeout=WAIT_S)
+    gen = {**top_logprobs_body(ids), "logprob_start_len": 0}
+    r = httpx.post(router + "/generate", json=gen, timeout=WAIT_S)
     assert r.status_code == 400 and "transfer's commit" in r.text, r.text
     assert_pages_back(pd["decode"])
     assert_pages_back(pd["prefill"])
