@@ -14,7 +14,8 @@ The output is closed-form, so a test recomputes every expected value itself:
   `prompt_logprobs_from`, the first chunk scores prompt token `p` from there on with
   `mock_prompt_logprob(token, p)` (None for token 0) and alternatives
   `mock_top_logprobs` of the same value's position `-p` (in PD mode the decode side's
-  first chunk, as the real decode server's from the transfer's aux);
+  first chunk, as the real decode server's from the transfer's aux; the prefill side's
+  answer has none, as the real one's: SGLang's gateway merges the two);
 - it finishes with "stop" on a stop token id, on `eos_id` (unless `ignore_eos`; neither
   before `min_new_tokens` output tokens), or once
   the decoded output contains a stop string (the engine-side check the contract asks
@@ -319,7 +320,7 @@ class MockEngine:
             if isinstance(held, RoomKV):
                 tok, logprob = held.token, held.logprob
         prompt_lps = prompt_tops = None
-        if not out and req.prompt_logprobs_from is not None:
+        if not out and req.prompt_logprobs_from is not None and self.mode != "prefill":
             prompt_lps, prompt_tops = self._prompt_scores(req)
         out.append(tok)
         meta["completion_tokens"] = len(out)

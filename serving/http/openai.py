@@ -68,6 +68,10 @@ def prompt_logprobs(gen: Generation, tokenizer: Tokenizer) -> tuple[dict[str, An
     ids = list(gen.req.input_ids)
     detok.add(ids)
     detok.flush()
+    if not gen.prompt_logprobs:
+        # A PD prefill server's answer: the decode server's carries the prompt's scores
+        # (from the transfer's aux); SGLang's gateway merges the two, so none here.
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, 0
     tokens = [detok.token_text(t) for t in ids]
     tops: list[dict[str, float] | None] = []
     for text, v, alts in zip(tokens, gen.prompt_logprobs, gen.prompt_top_logprobs, strict=True):

@@ -85,7 +85,6 @@ from serving.engine.api import (
     GenerateRequest,
     OutputChunk,
     ServerMode,
-    prompt_scores,
     stop_token_bias,
 )
 from serving.engine.step_failures import check_pool_after, step_failure
@@ -166,8 +165,6 @@ class _Request:
     first_token: int = -1
     logprob: float = 0.0
     top: TopLogprobs = ()  # the first token's alternatives, when the request asked
-    # Its prompt log-probs (`prompt_logprobs_from`), as `OutputChunk` fields.
-    prompt_scores: tuple[tuple, tuple] | None = None
     cached_tokens: int = 0
     host_cached_tokens: int = 0  # of `cached_tokens`, loaded back from the host cache
     num_pages: int = 0
@@ -711,8 +708,6 @@ class PrefillModeEngine:
         drawn = sample(lps, [row], self._penalties, logits=logits, token_mask=mask)
         token, entry.logprob, entry.top = drawn.pick(0)
         entry.first_token = token
-        if outcome.prompt_logprobs is not None:  # its response has them too
-            entry.prompt_scores = prompt_scores(outcome.prompt_logprobs, req.top_logprobs)
         entry.cached_tokens = outcome.cached_tokens
         entry.host_cached_tokens = outcome.host_cached_tokens
         self.prefix_cache_hit_tokens += outcome.cached_tokens
@@ -832,8 +827,6 @@ class PrefillModeEngine:
             token_ids=(entry.first_token,) if ok else (),
             logprobs=(entry.logprob,) if ok and req.return_logprob else None,
             top_logprobs=(entry.top,) if ok and req.return_logprob and req.top_logprobs else None,
-            prompt_logprobs=entry.prompt_scores[0] if ok and entry.prompt_scores else None,
-            prompt_top_logprobs=entry.prompt_scores[1] if ok and entry.prompt_scores else None,
             finished=True,
             finish_reason=reason,
             error=None if ok else error,

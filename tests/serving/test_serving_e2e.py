@@ -766,6 +766,18 @@ def test_pd_through_sglangs_gateway_equals_the_reference(ckpt, pd, tmp_path):
         r = httpx.post(url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=WAIT_S)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == want_text
+        # Prompt log-probs: the gateway merges the prefill server's input log-probs into
+        # the decode server's answer; they must come out once, the reference's.
+        want, want_top = ref.prompt_logprobs(cases[2], top_n=TOP)
+        assert_input_logprobs(url, cases[2], 3 * P + 1, want, want_top)
+        echo = {**body, "max_tokens": 1, "echo": True, "logprobs": TOP}
+        r = httpx.post(url + "/v1/completions", json=echo, timeout=WAIT_S)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        ids = tokenizer.encode(text)
+        want, _ = ref.prompt_logprobs(ids)
+        assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+        np.testing.assert_allclose(lp["token_logprobs"][1 : len(ids)], want, rtol=0, atol=1e-4)
     assert_pages_back(pd["decode"])
     assert_pages_back(pd["prefill"])
     gateway_pd = pd["prefill"].app.state.api.gateway_pd
