@@ -190,11 +190,23 @@ def run_length_dp(args: argparse.Namespace, length: int) -> dict:
         times["host_hit"].append(t_host)
         host_tokens.append(int(host["cached_tokens_host"]))
         device_tokens.append(int(dev["cached_tokens"]))
-    snap = dp.close()
+    return _report(length, dp.per_rank, times, host_tokens, device_tokens, dp.close())
+
+
+def _report(
+    length: int,
+    per_rank: int,
+    times: dict[str, list[float]],
+    host_tokens: list[int],
+    device_tokens: list[int],
+    snap: dict,
+) -> dict:
+    """One length's JSON row: medians, both ratios and the load-back counters."""
     med = {k: statistics.median(v) for k, v in times.items()}
+    loads = max(snap["load_backs"], 1)
     return {
         "length": length,
-        "pages_per_rank": dp.per_rank,
+        "pages_per_rank": per_rank,
         "median_s": med,
         "all_s": times,
         "host_hit_tokens_per_round": host_tokens,
@@ -202,7 +214,8 @@ def run_length_dp(args: argparse.Namespace, length: int) -> dict:
         "ratio_host_hit_over_recompute": med["host_hit"] / med["recompute"],
         "ratio_host_hit_over_device_hit": med["host_hit"] / med["device_hit"],
         "load_backs": snap["load_backs"],
-        "load_back_seconds_mean": snap["load_back_seconds"] / max(snap["load_backs"], 1),
+        "load_back_seconds_mean": snap["load_back_seconds"] / loads,
+        "load_back_bytes_mean": snap["load_back_bytes"] // loads,
     }
 
 
@@ -240,20 +253,7 @@ def run_length(args: argparse.Namespace, length: int) -> dict:
         device_tokens.append(dev.cached_tokens)
     snap = io.snapshot(cache)
     sched.close()
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {
-        "length": length,
-        "pages_per_rank": per_rank,
-        "median_s": med,
-        "all_s": times,
-        "host_hit_tokens_per_round": host_tokens,
-        "device_hit_tokens_per_round": device_tokens,
-        "ratio_host_hit_over_recompute": med["host_hit"] / med["recompute"],
-        "ratio_host_hit_over_device_hit": med["host_hit"] / med["device_hit"],
-        "load_backs": snap["load_backs"],
-        "load_back_seconds_mean": snap["load_back_seconds"] / max(snap["load_backs"], 1),
-        "load_back_bytes_mean": snap["load_back_bytes"] // max(snap["load_backs"], 1),
-    }
+    return _report(length, per_rank, times, host_tokens, device_tokens, snap)
 
 
 def build_parser() -> argparse.ArgumentParser:

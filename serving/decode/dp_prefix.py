@@ -43,7 +43,8 @@ host pool (`HostCacheIO` with its `rank`): its pages are backed up there by the 
 policy (a background worker per rank), and a request whose prefix continues in the
 rank's host copies loads them back into the rank's shard before its prefill when the
 rank's free and evictable pages cover them and the rest of the request (SPEC S10), or
-recomputes. The rank choice counts device hits only.
+recomputes. The rank choice weighs host copies after device hits (they need device
+pages back, so they do not count toward the fit).
 """
 
 from __future__ import annotations
@@ -133,11 +134,12 @@ class DPPrefixPrefill(LocalPrefill):
         series (`PrefillEngine.hicache_info`'s keys): the flags, each rank's IO counters
         summed, host pages used / total and bytes per rank. Read from any thread."""
         assert self.store.host is not None, "no host cache"
-        ios: list[HostCacheIO] = [io for io in self.store.host if isinstance(io, HostCacheIO)]
+        ios = self.store.host
+        assert all(isinstance(io, HostCacheIO) and io.rank is not None for io in ios)
         out: dict[str, Any] = {
             **self.host_config,
             "host_page_bytes": ios[0].page_bytes,
-            "host_bytes_per_lane": [io.pools[io.rank or 0].nbytes() for io in ios],
+            "host_bytes_per_lane": [io.pools[io.rank].nbytes() for io in ios],
         }
         for io, cache in zip(ios, self.store.caches, strict=True):
             for key, value in io.snapshot(cache).items():

@@ -37,7 +37,13 @@ from cpkv_jax.decode_mesh import DPDecodeSteps, DPPoolLayout, DPRow, build_batch
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_store import KVStore
 from cpkv_jax.model.expert_parallel import EPDispatch
-from cpkv_jax.model.forward_batch import abstract_batch, batch_from_host, feed_ids, span_batch
+from cpkv_jax.model.forward_batch import (
+    ForwardBatch,
+    abstract_batch,
+    batch_from_host,
+    feed_ids,
+    span_batch,
+)
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
 from cpkv_jax.model.transformer import CausalLM, forward_score_step, forward_step, log_probs
 from cpkv_jax.paging import TRASH_PAGE, padded_page_table, pages_for_tokens, slots_for_positions
@@ -198,10 +204,7 @@ class DecodeSteps(CompiledShapes):
         """Logits `[1, vocab]` after the prompt's last token, on the device; its KV lands
         in `pages`. `start`: the positions before it have their KV there already (a
         chunk of a longer prompt), so only `prompt[start:]` is fed."""
-        table = padded_page_table(pages, width)
-        ids = prompt[start:]
-        batch = span_batch(ids, start, table, self.page_size, prefill_bucket(len(ids)))
-        shape = (self.prefill_form, 1, batch.input_ids.shape[1], width)
+        batch, shape = self._prefill_batch(prompt[start:], start, pages, width)
         step = self.compiled(shape)  # before the pool lock: it may compile or wait
         self.shapes.add(shape)
         with jax.named_scope("decode_engine.prefill"):
@@ -219,10 +222,7 @@ class DecodeSteps(CompiledShapes):
         log-probs, `MeshDecodeSteps.score_many`; its one request is the one scored)."""
         ((prompt, pages, width),), (start,), (end,) = requests, starts, ends
         ids = prompt[start:end]
-        batch = span_batch(
-            ids, start, padded_page_table(pages, width), self.page_size, prefill_bucket(len(ids))
-        )
-        shape = (self.prefill_form, 1, batch.input_ids.shape[1], width)
+        batch, shape = self._prefill_batch(ids, start, pages, width)
         step = self._score_compiled.get(shape, lambda: self._lower(shape, score=True))
         targets = np.full(batch.input_ids.shape, -1, np.int32)  # padding: not scored
         targets[0, : len(ids)] = next_tokens(prompt, start, len(ids))
@@ -231,6 +231,15 @@ class DecodeSteps(CompiledShapes):
                 lambda pool: step(self._state, batch, pool, targets)
             )
         return logits, _span_scores(requests, starts, ends, scored)
+
+    def _prefill_batch(
+        self, ids: np.ndarray, start: int, pages: np.ndarray, width: int
+    ) -> tuple[ForwardBatch, Shape]:
+        """One row feeding `ids` at positions from `start` into `pages`, padded to its
+        prefill bucket, and its step shape."""
+        table = padded_page_table(pages, width)
+        batch = span_batch(ids, start, table, self.page_size, prefill_bucket(len(ids)))
+        return batch, (self.prefill_form, 1, batch.input_ids.shape[1], width)
 
     def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> jax.Array:
         """Logits after feeding each row's token at its position, on the device:
