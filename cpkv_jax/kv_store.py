@@ -32,7 +32,13 @@ from typing import Protocol, TypeVar, runtime_checkable
 import numpy as np
 from jax.typing import DTypeLike
 
-from cpkv_jax.cache.hiradix import BackupJob, HiPrefixMatch, HiRadixCache, LoadBackJob
+from cpkv_jax.cache.hiradix import (
+    BackupJob,
+    HiPrefixMatch,
+    HiRadixCache,
+    LoadBackJob,
+    load_host_hit,
+)
 from cpkv_jax.cache.radix import (
     PrefixMatch,
     RadixCache,
@@ -414,26 +420,21 @@ class DPPrefixStore(_OnDevice):
         with self._lock:
             return tuple(int(c.total_pages_per_lane()[0]) for c in self.caches)
 
-    def peek(self, rank: int, prompt: np.ndarray, score_from: int | None = None) -> tuple[int, int]:
-        """`(cached, capacity)` for a request whose prompt is `prompt` on `rank`: the
-        leading pages of it the rank caches (`scores.match_end`: at least the last token
-        is computed, and every token a prompt scored from `score_from` needs), and the
+    def peek(
+        self, rank: int, prompt: np.ndarray, score_from: int | None = None
+    ) -> tuple[int, int, int]:
+        """`(cached, capacity, host)` for a request whose prompt is `prompt` on `rank`:
+        the leading pages of it the rank caches (`scores.match_end`: at least the last
+        token is computed, and every token a prompt scored from `score_from` needs), the
         pages the rank can give it beyond them (free, plus evictable pages other than
-        that prefix). Read-only."""
+        that prefix), and the pages after the cached ones its host cache holds (0
+        without one). One read-only walk of the rank's tree."""
         with self._lock:
             cache = self.caches[rank]
-            cached, unlocked = cache.peek_prefix(prompt[: match_end(len(prompt), score_from)])
+            peek = cache.peek_prefix(prompt[: match_end(len(prompt), score_from)])
             free = self._allocators[rank].num_free(0)
-            return cached, free + int(cache.evictable_pages_per_lane()[0]) - unlocked
-
-    def peek_host(self, rank: int, prompt: np.ndarray, score_from: int | None = None) -> int:
-        """Pages after `peek`'s cached ones that `rank`'s host cache holds (0 without
-        one); read-only."""
-        cache = self.caches[rank]
-        if not isinstance(cache, HiRadixCache):
-            return 0
-        with self._lock:
-            return cache.peek_host(prompt[: match_end(len(prompt), score_from)])
+            evictable = int(cache.evictable_pages_per_lane()[0])
+            return peek.pages, free + evictable - peek.unlocked, peek.host_pages
 
     # ---- one request's pages ---------------------------------------------------------
     def admit(
@@ -471,17 +472,9 @@ class DPPrefixStore(_OnDevice):
         assert self.host is not None
         rest = n_pages - match.num_pages - match.host_pages.size
         plan = cache.plan_load_back(match, reserve_per_lane=np.asarray([max(rest, 0)]))
-        job = cache.load_back(plan) if plan.load else None
-        if job is None:
-            self.skipped_load_backs += match.host_node is not None
-            return match
-        if not self.host[rank].load(job):
-            cache.load_back_failed(job)
-            return match
-        full = cache.load_back_done(job)
-        cache.inc_lock_ref(full.node)
-        cache.dec_lock_ref(match.node)
-        return full
+        used, outcome = load_host_hit(cache, plan, self.host[rank].load)
+        self.skipped_load_backs += outcome == "skipped" and match.host_node is not None
+        return used
 
     def _submit_backups(self, rank: int) -> None:
         cache = self.caches[rank]

@@ -40,9 +40,10 @@ tokens after planning (device hits + host hits that will be loaded back, SPEC S7
 Request lifecycle:
 1. `match = cache.match_prefix(tokens)`; lock `match.node` at once (`inc_lock_ref`);
 2. `plan = cache.plan_load_back(match)`; count `plan.cached_tokens` (S7);
-3. `job = cache.load_back(plan)`; when not `None`, copy `job.per_lane()` host -> device,
-   then `full = cache.load_back_done(job)`, lock `full.node` and unlock `match.node`, and
-   build the table from `full` (`table_from_prefix`); otherwise use `match`;
+3. `used, outcome = load_host_hit(cache, plan, copy)`: `load_back`, the caller's copy of
+   `job.per_lane()` host -> device, `load_back_done` with the lock moved onto the longer
+   match (or `load_back_failed`: `match` stays used and locked); build the table from
+   `used` (`table_from_prefix`);
 4. grow with `alloc_with_evict`, finish with `cache_finished_request` (both from
    `cache.radix`, which work unchanged on this cache); run `take_backups()` after
    inserts and evictions.
@@ -54,7 +55,7 @@ import dataclasses
 import heapq
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -280,24 +281,6 @@ class HiRadixCache(RadixCache):
             host_pages=np.concatenate(host) if host else np.zeros((0,), dtype=np.int64),
             host_pages_per_lane=np.bincount(lanes, minlength=self.cp_size).astype(np.int64),
         )
-
-    def peek_host(self, token_ids: Int[np.ndarray, " n"]) -> int:
-        """Whole pages of `token_ids` beyond its device prefix that `match_prefix` would
-        report as a host hit; read-only, as `peek_prefix` (a DP server compares ranks)."""
-        key = self._whole_pages(token_ids)
-        n_pages = key.size // self.page_size
-        node, pos, host = self._root, 0, 0
-        while pos < n_pages:
-            child = node.children.get(self._child_key(key, pos))
-            if child is None or not (child.on_device or self._host_hit(child)):
-                break
-            m = self._matching_pages(child, key, pos)
-            host += 0 if child.on_device else m
-            pos += m
-            if m < child.num_pages:
-                break
-            node = child
-        return host
 
     def insert(self, token_ids: Int[np.ndarray, " n"], local_pages: Int[np.ndarray, " p"]) -> int:
         """`RadixCache.insert`, plus: nodes on the path that are off the device adopt the
@@ -948,3 +931,30 @@ class HiRadixCache(RadixCache):
         for n in nodes:
             n.parent = None
             n.host_pages = None
+
+
+LoadOutcome = Literal["loaded", "skipped", "failed"]
+
+
+def load_host_hit(
+    cache: HiRadixCache, plan: LoadBackPlan, copy: Callable[[LoadBackJob], bool]
+) -> tuple[PrefixMatch, LoadOutcome]:
+    """Step 3 of the lifecycle for a request whose `plan.match` the caller has locked:
+    allocate the planned load-back, `copy` it (host -> device; False when it failed),
+    acknowledge it. Returns the match the request uses, locked in place of the caller's:
+
+    - `"loaded"`: the longer device match (`load_back_done`), the lock moved onto it;
+    - `"skipped"`: `plan.match` (the plan said no, or no device pages even after
+      eviction): nothing changed;
+    - `"failed"`: `plan.match` (the copy failed: its pages are freed, the request
+      recomputes them)."""
+    job = cache.load_back(plan)
+    if job is None:
+        return plan.match, "skipped"
+    if not copy(job):
+        cache.load_back_failed(job)
+        return plan.match, "failed"
+    full = cache.load_back_done(job)
+    cache.inc_lock_ref(full.node)
+    cache.dec_lock_ref(plan.match.node)
+    return full, "loaded"

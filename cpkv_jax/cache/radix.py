@@ -33,6 +33,7 @@ import dataclasses
 import heapq
 import logging
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 from jaxtyping import Int
@@ -122,6 +123,14 @@ class PrefixMatch:
         return int(self.local_pages.size)
 
 
+class PrefixPeek(NamedTuple):
+    """`RadixCache.peek_prefix`: what a cache holds of a prompt, without touching it."""
+
+    pages: int  # whole device pages of the longest cached prefix
+    unlocked: int  # of them, in unlocked (evictable) nodes
+    host_pages: int  # whole pages after them on the host only (`HiRadixCache`)
+
+
 class RadixCache:
     """Radix tree of cached whole pages over an `OwnerLaneAllocator` (see module doc).
 
@@ -194,28 +203,39 @@ class RadixCache:
         pages = np.concatenate(matched) if matched else np.zeros((0,), dtype=np.int32)
         return PrefixMatch(num_tokens=pos * self.page_size, local_pages=pages, node=node)
 
-    def peek_prefix(self, token_ids: Int[np.ndarray, " n"]) -> tuple[int, int]:
-        """`(pages, unlocked)`: the whole pages of the longest cached prefix of
-        `token_ids` and how many of them sit in unlocked (evictable) nodes.
+    def peek_prefix(self, token_ids: Int[np.ndarray, " n"]) -> PrefixPeek:
+        """The whole pages of the longest cached prefix of `token_ids` on the device,
+        how many of them sit in unlocked (evictable) nodes, and the whole pages after
+        them held on the host only (`HiRadixCache`'s copies, as its `match_prefix` would
+        report them; 0 here).
 
         Read-only (no split, no access time), so a caller can compare caches before it
         picks one (a DP server's ranks): locking that match takes `unlocked` pages out of
-        what eviction could free. Device pages only (a host cache's copies are not
-        counted: loading them back takes device pages)."""
+        what eviction could free, and host pages need device pages back to be used."""
         key = self._whole_pages(token_ids)
         n_pages = key.size // self.page_size
-        node, pos, unlocked = self._root, 0, 0
+        node, pos, device, unlocked = self._root, 0, 0, 0
         while pos < n_pages:
             child = node.children.get(self._child_key(key, pos))
-            if child is None or not self._on_device(child):
+            if child is None:
+                break
+            on_device = self._on_device(child) and device == pos  # device pages lead
+            if not (on_device or self._host_hit(child)):
                 break
             m = self._matching_pages(child, key, pos)
-            unlocked += m if child.lock_ref == 0 else 0
+            if on_device:
+                device += m
+                unlocked += m if child.lock_ref == 0 else 0
             pos += m
             if m < child.num_pages:
                 break
             node = child
-        return pos, unlocked
+        return PrefixPeek(device, unlocked, pos - device)
+
+    @staticmethod
+    def _host_hit(node: RadixNode) -> bool:
+        """Whether `node` is a usable host-only copy (never here: see `HiRadixCache`)."""
+        return False
 
     @staticmethod
     def _on_device(node: RadixNode) -> bool:

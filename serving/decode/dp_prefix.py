@@ -97,13 +97,11 @@ class DPPrefixPrefill(LocalPrefill):
         neither fits, as every request needs a page, nor draws by its cache)."""
         cached, free, host = [], [], []
         for rank in range(self.store.ranks):
-            hit, capacity = self.store.peek(rank, r.prompt, r.req.prompt_logprobs_from)
+            hit, capacity, on_host = self.store.peek(rank, r.prompt, r.req.prompt_logprobs_from)
             cached.append(0 if rank in busy else hit)
             free.append(0 if rank in busy else capacity)
-            if self.store.host is not None:
-                on_host = self.store.peek_host(rank, r.prompt, r.req.prompt_logprobs_from)
-                host.append(0 if rank in busy else on_host)
-        return self.engine.rank_for(r, free, cached, host or None)
+            host.append(0 if rank in busy else on_host)
+        return self.engine.rank_for(r, free, cached, host)
 
     def _admit(self, r: DecodeRequest, rank: int) -> None:
         """Its cached prefix locked, the rest of its pages allocated on `rank`; its

@@ -39,6 +39,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from cpkv_jax.cache.hiradix import load_host_hit
 from cpkv_jax.cache.radix import (
     PrefixMatch,
     RadixCache,
@@ -519,18 +520,13 @@ class PrefillScheduler:
         result = adder.add(self._candidate(req, plan.cached_tokens))
         used: PrefixMatch = match
         if result is AddResult.CONTINUE and plan.load:
-            job = self.cache.load_back(plan)
-            if job is not None and io.load(job):
-                full = self.cache.load_back_done(job)
-                self.cache.inc_lock_ref(full.node)
-                self.cache.dec_lock_ref(match.node)
-                used = full
-                io.stats.host_hit_tokens += full.num_tokens - match.num_tokens
-                adder.rem_total_tokens -= full.num_tokens - match.num_tokens  # pages it took
-            else:
-                if job is not None:
-                    self.cache.load_back_failed(job)  # counted in `load_back_failures`
-                skipped = job is None
+            loaded, outcome = load_host_hit(self.cache, plan, io.load)
+            if outcome == "loaded":
+                used = loaded
+                io.stats.host_hit_tokens += used.num_tokens - match.num_tokens
+                adder.rem_total_tokens -= used.num_tokens - match.num_tokens  # pages it took
+            else:  # a failed copy is counted in `load_back_failures`
+                skipped = outcome == "skipped"
                 # Redo the admission with the device hit only: the request recomputes.
                 del adder.batch[saved[0] :]
                 (_, adder.rem_total_tokens, adder.rem_input_tokens) = saved[:3]

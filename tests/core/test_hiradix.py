@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cpkv_jax.cache.hiradix import BackupJob, HiRadixCache, LoadBackJob
+from cpkv_jax.cache.hiradix import BackupJob, HiRadixCache, LoadBackJob, load_host_hit
 from cpkv_jax.cache.radix import alloc_with_evict, cache_finished_request, table_from_prefix
 from cpkv_jax.errors import CacheCapacityError, ConfigError
 from cpkv_jax.lane_allocator import OwnerLaneAllocator, RequestPageTable
@@ -153,18 +153,17 @@ def test_device_eviction_keeps_host_copies():
 
 
 def test_peeks_count_device_pages_and_the_host_continuation_apart():
-    """`peek_prefix` (a DP server comparing ranks) counts device pages only, `peek_host`
-    the host-only pages after them, as `match_prefix` splits them; neither splits a node
-    or touches an access time."""
+    """`peek_prefix` (a DP server comparing ranks) counts device pages apart from the
+    host-only pages after them, as `match_prefix` splits them; it neither splits a node
+    nor touches an access time."""
     cache = _cache()
     _cache_request(cache, _toks(0, 8))
     _ack_all(cache)
     cache.evict(np.array([1, 0]))  # pages 2 and 3 go to host only (no split yet)
     before = cache.pretty()
-    assert cache.peek_prefix(_toks(0, 9)) == (2, 2)  # 2 device pages, both unlocked
-    assert cache.peek_host(_toks(0, 9)) == 2
-    assert cache.peek_host(_toks(0, 7)) == 1  # whole pages of the query only
-    assert cache.peek_prefix(_toks(1, 8)) == (0, 0) and cache.peek_host(_toks(1, 8)) == 0
+    assert cache.peek_prefix(_toks(0, 9)) == (2, 2, 2)  # 2 device pages, unlocked; 2 host
+    assert cache.peek_prefix(_toks(0, 7)) == (2, 2, 1)  # whole pages of the query only
+    assert cache.peek_prefix(_toks(1, 8)) == (0, 0, 0)
     assert cache.pretty() == before
     m = cache.match_prefix(_toks(0, 9))
     assert (m.num_pages, m.host_pages.size) == (2, 2)
@@ -338,6 +337,36 @@ def test_load_back_failed_keeps_host_copy():
     cache.load_back_failed(job)
     assert cache.allocator.num_free_per_lane().tolist() == [4, 4]
     assert cache.match_prefix(a).host_num_tokens == 8
+    cache.check_invariants()
+
+
+def test_load_host_hit_moves_the_lock_or_leaves_the_match():
+    """`load_host_hit` (the scheduler's and the DP store's one load-back sequence): loaded,
+    the lock is on the longer match and off the old one; skipped or a failed copy, the
+    caller's match stays used and locked and the job's device pages are free again."""
+    cache = _cache()
+    a = _toks(0, 8)
+    _cache_request(cache, a)
+    _ack_all(cache)
+    cache.evict(np.array([1, 1]))  # the tail half to host only
+    free = cache.allocator.num_free_per_lane().tolist()
+    m = cache.match_prefix(a)
+    cache.inc_lock_ref(m.node)
+    assert (m.num_tokens, m.host_num_tokens) == (4, 4)
+    copied: list[LoadBackJob] = []
+    used, outcome = load_host_hit(
+        cache, cache.plan_load_back(m), lambda j: copied.append(j) or False
+    )
+    assert outcome == "failed" and used is m and len(copied) == 1
+    assert cache.allocator.num_free_per_lane().tolist() == free
+    no_room = cache.plan_load_back(m, np.array([0, 0]))
+    used, outcome = load_host_hit(cache, no_room, lambda j: pytest.fail("copied"))
+    assert outcome == "skipped" and used is m and m.node.lock_ref == 1
+    used, outcome = load_host_hit(cache, cache.plan_load_back(m), lambda j: True)
+    assert outcome == "loaded" and used.num_tokens == 8
+    assert used.node.lock_ref == 1 and m.node.lock_ref == 1  # held once, through `used`
+    cache.dec_lock_ref(used.node)
+    assert m.node.lock_ref == 0
     cache.check_invariants()
 
 

@@ -82,10 +82,10 @@ def test_peek_prefix_is_read_only_and_counts_unlocked_pages():
     match = cache.match_prefix(b)
     cache.inc_lock_ref(match.node)  # splits a's edge after 2 pages and locks them
     before = cache.pretty()
-    assert cache.peek_prefix(a) == (4, 2)  # 4 cached, the 2 past the split unlocked
-    assert cache.peek_prefix(b) == (2, 0)
-    assert cache.peek_prefix(a[:7]) == (1, 0)  # only whole pages of the query
-    assert cache.peek_prefix(rng.integers(200, 299, 9)) == (0, 0)
+    assert cache.peek_prefix(a) == (4, 2, 0)  # 4 cached, the 2 past the split unlocked
+    assert cache.peek_prefix(b) == (2, 0, 0)
+    assert cache.peek_prefix(a[:7]) == (1, 0, 0)  # only whole pages of the query
+    assert cache.peek_prefix(rng.integers(200, 299, 9)) == (0, 0, 0)
     assert cache.pretty() == before  # no split, no access time
     cache.check_invariants()
 
@@ -100,10 +100,10 @@ def test_dp_prefix_store_admits_holds_releases_and_evicts():
     assert store.cached_pages_per_rank() == (0, 2) and hold.own_from == 2
     # A second request with the same first page: a 1-page hit, locked while it runs.
     b = np.concatenate([a[:5], rng.integers(100, 199, 4)])
-    assert store.peek(1, b) == (1, 1)  # 1 free page; rank 1's cache is locked
+    assert store.peek(1, b) == (1, 1, 0)  # 1 free page; rank 1's cache is locked
     store.release(hold, pages)
     assert store.num_free_pages_per_rank == (5, 3)
-    assert store.peek(1, b) == (1, 3 + 2 - 1)  # 2 cached pages evictable, 1 is its hit
+    assert store.peek(1, b) == (1, 3 + 2 - 1, 0)  # 2 cached pages evictable, 1 is its hit
     pages_b, hold_b = store.admit(1, b, 5)  # needs 4 pages beyond its hit: evicts 1
     assert hold_b.own_from == 1 and pages_b[0] == pages[0]
     assert store.num_free_pages_per_rank == (5, 0)
