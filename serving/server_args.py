@@ -718,7 +718,9 @@ class ServerArgs:
         "auto",
         help="what compiles before the server turns healthy: all = every step shape the "
         "requests can reach (and, on PD servers, every transfer gather and commit scatter): "
-        "none compiles while serving, cached by --compilation-cache-dir for the next start; "
+        "none compiles while serving, cached by --compilation-cache-dir for the next start "
+        "(but the prefill steps' prompt-scoring twins, which only echo / prompt log-prob "
+        "requests run: each compiles on the first such request of its shape); "
         "common = the short prompts' prefill buckets and decode batches 1-8 only, the rest "
         "compiling on first use in that request's time (a fast start for development); "
         "auto = all on GPU and TPU, common on CPU (XLA:CPU maps each program's code into "
