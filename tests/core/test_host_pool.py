@@ -64,9 +64,9 @@ def _mesh():
     return make_cp_mesh(CP)
 
 
-def _layout(shared: bool) -> PoolLayout:
+def _layout(shared: bool, pages_per_rank: int = PAGES_PER_RANK) -> PoolLayout:
     # The replicated lane holds every page of a prompt: give it room for two copies.
-    return PoolLayout(CP, shared, PAGES_PER_RANK if shared else 2 * PAGES_PER_RANK, P)
+    return PoolLayout(CP, shared, pages_per_rank if shared else 2 * pages_per_rank, P)
 
 
 def _random_pool(layout: PoolLayout, seed: int, num_layers: int = 3):
@@ -315,7 +315,9 @@ def test_warm_copies_compile_every_copy_and_change_no_bits(layout, shared):
     from serving.compile_events import COMPILES
 
     rng = np.random.default_rng([HOST_LAYOUTS.index(layout), shared, 25])
-    pool_layout = _layout(shared)
+    # Small pools (page buckets 1-2 shared, 1-8 replicated): each bucket is 24 programs
+    # (kinds x gather/scatter x devices); the 8-page pools took 22 s alone, these 14 s.
+    pool_layout = _layout(shared, pages_per_rank=3)
     pool = _random_pool(pool_layout, rng.integers(1 << 30))
     hosts = HostPools.create(pool, _cfg().full_indexer_layers, pool_layout, layout)
     before = _snapshot(pool)
