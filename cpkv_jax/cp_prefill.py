@@ -482,6 +482,22 @@ class CPPrefillRunner:
             for s in sorted(todo, key=lambda s: (s.width, s.block, s.rows))
         ]
 
+    def score_compile_jobs(self, shapes: Iterable[StepShape]) -> list[CompileJob]:
+        """`compile_jobs` for the steps' scoring twins (`compiled_score_step`), which
+        only prompt log-prob requests run (`--warmup-prompt-scoring`)."""
+        todo = set(shapes) - self._score_steps.compiled_keys()
+        return [
+            CompileJob(
+                f"CP prefill scoring step {s}", functools.partial(self.compiled_score_step, s)
+            )
+            for s in sorted(todo, key=lambda s: (s.width, s.block, s.rows))
+        ]
+
+    @property
+    def compiled_score_shapes(self) -> set[StepShape]:
+        """The scoring twins' shapes compiled so far."""
+        return self._score_steps.compiled_keys()
+
     def warm(self, shapes: Iterable[StepShape]) -> int:
         """Compile each shape not compiled yet (on abstract inputs: no step runs and the
         pool is untouched); returns how many compiled."""

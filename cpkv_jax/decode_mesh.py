@@ -283,7 +283,8 @@ class DPDecodeSteps:
         self._step = _build_step(*step_args)
         self._compiled: ShapeCache[DPShape] = ShapeCache("DP decode step")
         # The prompt-scoring twin of the prefill steps (prompt log-probs): compiled on a
-        # scoring request's first use of a shape, none at warm-up.
+        # scoring request's first use of a shape, or in the background
+        # (`--warmup-prompt-scoring`).
         self._score_step = _build_step(*step_args, score=True)
         self._score_compiled: ShapeCache[DPShape] = ShapeCache("DP prompt-scoring step")
         self._feed = jax.jit(feed_ids, out_shardings=self._row_sharding)
@@ -312,6 +313,10 @@ class DPDecodeSteps:
 
     def compiled_score(self, shape: DPShape) -> jax.stages.Compiled:
         return self._score_compiled.get(shape, lambda: self._lower(shape, score=True))
+
+    @property
+    def compiled_score_shapes(self) -> set[DPShape]:
+        return self._score_compiled.compiled_keys()
 
     def run(
         self,

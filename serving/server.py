@@ -832,12 +832,28 @@ def build_server(args: ServerArgs, *, devices: list | None = None) -> Server:
     info["longest_prompt_tokens"] = longest_prompt_tokens(engine)
     COMPILES.mark_healthy()  # every compile after this one is paid by a request
     compiler = None
-    if args.warmup_background:
+    scoring = (
+        engine.score_compile_jobs()
+        if args.warmup_prompt_scoring and isinstance(engine, PrefillModeEngine | DecodeEngine)
+        else []
+    )
+    if args.warmup_prompt_scoring:
+        logger.info(
+            "--warmup-prompt-scoring: %d prompt-scoring step shapes to compile in the background%s",
+            len(scoring),
+            "" if scoring else " (this server's steps score no prompts, or all are compiled)",
+        )
+    if args.warmup_background or scoring:
         # Started after healthy is marked: its compiles count as `background`. Closed
-        # first on shutdown (after the compile in progress).
-        compiler = BackgroundCompiler(jobs).start()
+        # first on shutdown (after the compile in progress). The scoring twins go last:
+        # only prompt log-prob requests run them.
+        compiler = BackgroundCompiler([*jobs, *scoring]).start()
         closers.append(compiler.close)
-        logger.info("background compile: %d step shapes, smallest first", len(jobs))
+        logger.info(
+            "background compile: %d step shapes, smallest first, then %d scoring twins",
+            len(jobs),
+            len(scoring),
+        )
     compiled = COMPILES.snapshot()["startup"]
     logger.info(
         "startup compiled %d XLA programs in %.1fs (%d from the persistent cache)",

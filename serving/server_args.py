@@ -720,7 +720,8 @@ class ServerArgs:
         "requests can reach (and, on PD servers, every transfer gather and commit scatter): "
         "none compiles while serving, cached by --compilation-cache-dir for the next start "
         "(but the prefill steps' prompt-scoring twins, which only echo / prompt log-prob "
-        "requests run: each compiles on the first such request of its shape); "
+        "requests run: each compiles on the first such request of its shape, unless "
+        "--warmup-prompt-scoring); "
         "common = the short prompts' prefill buckets and decode batches 1-8 only, the rest "
         "compiling on first use in that request's time (a fast start for development); "
         "auto = all on GPU and TPU, common on CPU (XLA:CPU maps each program's code into "
@@ -735,6 +736,15 @@ class ServerArgs:
         "buckets, decode batches 1-8, transfer and host-cache copies, and compile the other "
         "step shapes on a background thread while serving (a request that needs a shape "
         "still compiling waits for that compile); progress in /server_info",
+        group="server",
+    )
+    warmup_prompt_scoring: bool = _arg(
+        False,
+        help="after healthy, compile the prompt-scoring twin of every reachable prefill "
+        "step shape on a background thread (the steps that echo / prompt log-prob "
+        "requests run, e.g. lm-eval's log-likelihood tasks; without it each compiles on "
+        "the first such request of its shape, holding the engine meanwhile); prefill and "
+        "unified servers",
         group="server",
     )
     compilation_cache_dir: str | None = _arg(
@@ -944,6 +954,11 @@ class ServerArgs:
             warnings.append(
                 "--enable-cp-shared-kv-prefill-bs-gt1 has no effect without "
                 "--enable-cp-shared-kv (ordinary CP prefill batches are unchanged, SPEC S5.1)"
+            )
+        if self.warmup_prompt_scoring and self.disaggregation_mode == "decode":
+            warnings.append(
+                "--warmup-prompt-scoring has no effect on a decode server (the prefill "
+                "server scores prompts)"
             )
         if self.warmup_background and self.warmup == "common":
             warnings.append(

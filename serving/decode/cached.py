@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from cpkv_jax.aot import CompileJob
 from cpkv_jax.cache.radix import CacheCapacityError
 from cpkv_jax.cp_decode import CPDecoder
 from cpkv_jax.errors import CpkvError
@@ -262,6 +263,11 @@ class CachedUnifiedEngine(DecodeEngine):
 
     def hicache_info(self) -> dict[str, Any] | None:
         return self.prefill.hicache_info()
+
+    def score_compile_jobs(self) -> list[CompileJob]:
+        """The CP runner's scoring twins (its scheduler holds at most
+        `max_running_requests`: the waiting ones and the chunked one)."""
+        return self.prefill.score_compile_jobs(self.max_running_requests - 1)
 
     def close(self) -> None:
         self.prefill.close()

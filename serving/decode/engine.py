@@ -716,6 +716,21 @@ class DecodeEngine:
             for s in sorted(todo, key=lambda s: (s[3], s[1], s[2], s[0]))
         ]
 
+    def score_compile_jobs(self) -> list[CompileJob]:
+        """A background compile of the scoring twin (prompt log-probs) of every reachable
+        prefill shape not compiled yet, narrowest first (`--warmup-prompt-scoring`);
+        none where this engine's steps do not prefill (prompts prefilled elsewhere) or
+        do not score (a speculative engine refuses prompt log-probs)."""
+        if not self.intake.prefills_with_engine_steps or self.spec is not None:
+            return []
+        steps = self.steps
+        assert isinstance(steps, DecodeSteps | MeshDecodeSteps)  # a CP mesh never prefills
+        prefills = {s for s in self.reachable_shapes() if s[2] > 1} - steps.compiled_score_shapes
+        return [
+            CompileJob(f"prompt-scoring step {s}", functools.partial(steps.compiled_score, s))
+            for s in sorted(prefills, key=lambda s: (s[3], s[1], s[2], s[0]))
+        ]
+
     def reachable_shapes(self) -> set[tuple[str, int, int, int]]:
         """Every shape this engine's requests can reach (`steps.reachable_shapes`); its own
         prefills only when its intake prefills with them (a decode server's prompts arrive

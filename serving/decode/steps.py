@@ -193,7 +193,8 @@ class DecodeSteps(CompiledShapes):
         with _CACHES_LOCK:
             caches = _CACHES.setdefault(model, {})
             self._compiled = caches.setdefault(context, ShapeCache("decode step"))
-            # Prompt scoring's prefill twin: compiled on first use, none at warm-up.
+            # Prompt scoring's prefill twin: compiled on first use, or in the background
+            # (`--warmup-prompt-scoring`).
             self._score_compiled = caches.setdefault(
                 (*context, "score"), ShapeCache("prompt-scoring step")
             )
@@ -223,7 +224,7 @@ class DecodeSteps(CompiledShapes):
         ((prompt, pages, width),), (start,), (end,) = requests, starts, ends
         ids = prompt[start:end]
         batch, shape = self._prefill_batch(ids, start, pages, width)
-        step = self._score_compiled.get(shape, lambda: self._lower(shape, score=True))
+        step = self.compiled_score(shape)
         targets = np.full(batch.input_ids.shape, -1, np.int32)  # padding: not scored
         targets[0, : len(ids)] = next_tokens(prompt, start, len(ids))
         with jax.named_scope("decode_engine.prefill"):
@@ -231,6 +232,14 @@ class DecodeSteps(CompiledShapes):
                 lambda pool: step(self._state, batch, pool, targets)
             )
         return logits, _span_scores(requests, starts, ends, scored)
+
+    def compiled_score(self, shape: Shape) -> jax.stages.Compiled:
+        """The scoring twin of the prefill step `shape` (`score_many`)."""
+        return self._score_compiled.get(shape, lambda: self._lower(shape, score=True))
+
+    @property
+    def compiled_score_shapes(self) -> set[Shape]:
+        return self._score_compiled.compiled_keys()
 
     def _prefill_batch(
         self, ids: np.ndarray, start: int, pages: np.ndarray, width: int
@@ -575,6 +584,14 @@ class MeshDecodeSteps:
 
     def compiled(self, shape: Shape) -> jax.stages.Compiled:
         return self._dp.compiled(shape)
+
+    def compiled_score(self, shape: Shape) -> jax.stages.Compiled:
+        """The scoring twin of the prefill step `shape` (`score_many`)."""
+        return self._dp.compiled_score(shape)
+
+    @property
+    def compiled_score_shapes(self) -> set[Shape]:
+        return self._dp.compiled_score_shapes
 
     def compile_estimate(self, shapes: set[Shape]) -> tuple[int, float]:
         return self._dp.compile_estimate(shapes)

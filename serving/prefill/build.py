@@ -53,7 +53,7 @@ from serving.prefill.buffer_estimator import (
     startup_smoke_allocation,
 )
 from serving.prefill.host_cache import HostCacheIO, PoolTarget
-from serving.prefill.scheduler import CPRunnerExecutor, PrefillScheduler
+from serving.prefill.scheduler import CPRunnerExecutor, PrefillScheduler, ScoringExecutor
 from serving.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -158,6 +158,13 @@ class PrefillEngine:
         now, the step shapes as jobs (`CPPrefillRunner.compile_jobs`)."""
         self._warm_first_token()
         return self.runner.compile_jobs(self.reachable_shapes(max_waiting))
+
+    def score_compile_jobs(self, max_waiting: int | None = None) -> list[CompileJob]:
+        """`compile_jobs` for the step shapes' scoring twins (prompt log-probs); none when
+        the scheduler's executor does not score."""
+        if not isinstance(self.scheduler.executor, ScoringExecutor):
+            return []
+        return self.runner.score_compile_jobs(self.reachable_shapes(max_waiting))
 
     def _warm_first_token(self) -> None:
         """Each finished prefill's log-softmax and its first token's draw (host row), with

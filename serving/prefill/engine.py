@@ -279,6 +279,11 @@ class PrefillModeEngine:
         """The reachable step shapes not compiled yet, for a background compiler."""
         return self.engine.compile_jobs(self._queue.limit)
 
+    def score_compile_jobs(self) -> list[CompileJob]:
+        """The reachable step shapes' scoring twins not compiled yet (prompt log-probs),
+        for a background compiler (`--warmup-prompt-scoring`)."""
+        return self.engine.score_compile_jobs(self._queue.limit)
+
     def _check_prompt_scores(self, req: GenerateRequest) -> None:
         """Refuse prompt log-probs this server cannot score or send (400, nothing
         queued): the scores travel to the decode server in the transfer's commit."""

@@ -383,6 +383,7 @@ def test_scoring_step_gives_the_teacher_forced_prompt_logprobs(setup):
     runner = runners[True]
     ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype=INDEX_K)
     prompts = [_prompt(7 * P + 3, 31), _prompt(P + 1, 32)]
+    before = set(runner.step_shapes)
     plain = runner.prefill(prompts, CHUNK)
     for table in plain.tables:
         runner.release(table)
@@ -408,6 +409,20 @@ def test_scoring_step_gives_the_teacher_forced_prompt_logprobs(setup):
                 np.testing.assert_allclose(logits[row], plain.last_logits[i], rtol=1e-5, atol=5e-6)
     for table in tables:
         runner.release(table)
+    # `--warmup-prompt-scoring`'s jobs: one per shape whose scoring twin is not compiled
+    # yet (the plain prefill batched its chunks into other shapes than the loop's), each
+    # compiling exactly that one.
+    shapes = runner.step_shapes - before
+    todo = shapes - runner.compiled_score_shapes
+    jobs = runner.score_compile_jobs(shapes)
+    assert todo and sorted(j.label for j in jobs) == sorted(
+        f"CP prefill scoring step {s}" for s in todo
+    )
+    compiles = runner._score_steps.compiles
+    for job in jobs:
+        job.compile()
+    assert runner._score_steps.compiles == compiles + len(todo)
+    assert shapes <= runner.compiled_score_shapes and not runner.score_compile_jobs(shapes)
     for i, prompt in enumerate(prompts):
         want, tops = ref.prompt_logprobs(prompt.tolist(), top_n=TOP_SCORES)
         assert sorted(got[i]) == list(range(1, len(prompt)))

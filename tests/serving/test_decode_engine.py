@@ -154,7 +154,8 @@ def test_chunked_prefill_on_one_device_equals_the_reference(tiny):
     """`prefill_chunk=16` (`--chunked-prefill-size` with `--disable-radix-cache`): a
     37-token prompt is fed over 3 steps from the positions its earlier chunks filled,
     while a running request decodes between them; both equal the reference, and no
-    prefill step feeds more than a chunk. Then the same prompt, its log-probs asked."""
+    prefill step feeds more than a chunk. Then the same prompt, its log-probs asked, after
+    the scoring twins compiled as `--warmup-prompt-scoring` compiles them."""
     engine, kv = make_engine(tiny, prefill_chunk=P)
     free0 = kv.num_free_pages
     rng = np.random.default_rng(9)
@@ -169,6 +170,15 @@ def test_chunked_prefill_on_one_device_equals_the_reference(tiny):
     check_against_reference(tiny, reqs, toks, lps, final)
     assert {t for _, _, t, _ in engine.step_shapes} == {1, P}
     assert kv.num_free_pages == free0
+    # `--warmup-prompt-scoring`: one job per reachable prefill shape compiles its scoring
+    # twin, so the scored request below compiles nothing.
+    jobs = engine.score_compile_jobs()
+    prefills = {s for s in engine.reachable_shapes() if s[2] > 1}
+    assert sorted(j.label for j in jobs) == sorted(f"prompt-scoring step {s}" for s in prefills)
+    for job in jobs:
+        job.compile()
+    assert engine.steps.compiled_score_shapes == prefills and engine.score_compile_jobs() == []
+    compiles = engine.steps._score_compiled.compiles
     # Prompt log-probs from token 2 (`logprob_start_len`), scored chunk by chunk by the
     # prefill step's scoring twin: the reference's teacher-forced float64 log-softmax
     # within 1e-4 (float32 logits of another program), and the reference's tokens.
@@ -188,6 +198,7 @@ def test_chunked_prefill_on_one_device_equals_the_reference(tiny):
         [t for t, _ in alts] for alts in want_top[1:]
     ]
     assert [t for c in chunks for t in c.token_ids] == tiny[2].generate(ids, 3).output_ids
+    assert engine.steps._score_compiled.compiles == compiles  # compiled by the jobs
     assert kv.num_free_pages == free0
 
 

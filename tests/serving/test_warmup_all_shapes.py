@@ -103,7 +103,7 @@ def _background_compiles() -> int:
 def background(tiny_checkpoint):
     path, cfg, _ = tiny_checkpoint
     running = ("--max-running-requests", str(RUNNING), *ENGINE)
-    warm = ("--warmup", "all", "--warmup-background")
+    warm = ("--warmup", "all", "--warmup-background", "--warmup-prompt-scoring")
     # The all-shapes server above left these shapes' executables in this process: drop
     # them, so this server compiles its own (read back from the run's persistent cache,
     # which still counts as a compile) and its background jobs have work to do.
@@ -148,6 +148,18 @@ def test_serves_while_compiling_and_compiles_each_shape_once(background, tiny_ch
         again = list(pool.map(lambda j: greedy_ids(served.url, *j, WAIT_S), jobs))
     assert COMPILES.snapshot()["serving"]["compiles"] == serving  # all compiled now
     assert again == outs
+    # `--warmup-prompt-scoring`: the prefill steps' scoring twins were jobs too, so
+    # prompt log-prob requests (whole prompts, from a later token) compile nothing.
+    scoring = [j for j in compiler.jobs if j.label.startswith("prompt-scoring step")]
+    assert len(scoring) == len({s for s in reachable if s[2] > 1}) > 0
+    for ids, _ in jobs[:3]:
+        for start in (0, len(ids) // 2):
+            body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": start,
+                    "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}  # fmt: skip
+            r = httpx.post(served.url + "/generate", json=body, timeout=WAIT_S)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["meta_info"]["input_token_logprobs"]) == len(ids) - start
+    assert COMPILES.snapshot()["serving"]["compiles"] == serving
     ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
     for (ids, new), out in list(zip(jobs, outs, strict=True))[:4]:
         assert out == ref.generate(ids, new, ignore_eos=True).output_ids
