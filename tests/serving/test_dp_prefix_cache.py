@@ -377,6 +377,14 @@ def test_prompt_log_probs_on_the_dp_mesh_are_the_teacher_forced_reference(tiny):
     assert all(cache.protected_size() == 0 for cache in store.caches)
     store.reset_caches()
     assert engine.stats().kv_pages_free == (9, 9)
+    # `--warmup-prompt-scoring` on the mesh: a job for each reachable prefill shape whose
+    # scoring twin did not compile above (not run here: the DP step's compiles are slow).
+    prefills = {s for s in engine.reachable_shapes() if s[2] > 1}
+    done = engine.steps.compiled_score_shapes & prefills
+    assert done  # the scoring steps above ran reachable shapes
+    assert sorted(j.label for j in engine.score_compile_jobs()) == sorted(
+        f"prompt-scoring step {s}" for s in prefills - done
+    )
 
 
 def make_host_engine(tiny, pages_per_rank: int) -> tuple[DecodeEngine, list[HostCacheIO]]:

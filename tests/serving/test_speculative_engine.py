@@ -131,6 +131,7 @@ def test_aborts_mid_step_and_refusals_leave_nothing_held(loaded):
     # Its admission program prefills and drafts at once: no prompt scoring (400).
     with pytest.raises(InputError, match="speculative unified server"):
         engine.add(dataclasses.replace(r, prompt_logprobs_from=0))
+    assert engine.score_compile_jobs() == []  # so `--warmup-prompt-scoring` compiles none
     assert not engine.has_work() and engine.kv.num_free_pages == free0
 
 
