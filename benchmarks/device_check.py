@@ -105,6 +105,9 @@ def _hl_gpu_generate(r: dict[str, Any]) -> str:
 def _hl_decode(r: dict[str, Any]) -> str:
     parts = [f"max logit diff {max(r['checks'].values(), default=0.0):.1e}"]
     parts += [f"{k} {v:.2f}x" for k, v in r["ratios"].items() if k.startswith("sparse_")]
+    kernels = [v for k, v in r["ratios"].items() if k.startswith("kernels_over_sparse")]
+    if kernels:
+        parts.append(f"kernels/sparse {min(kernels):.2f}-{max(kernels):.2f}x")
     best = max((x for x in r["rows"] if x["path"] == "sparse"), key=lambda x: x["gbps"])
     parts.append(
         f"sparse {best['gbps']:.0f} GB/s of min bytes at b{best['batch']} {best['context']}"
@@ -251,9 +254,14 @@ STEPS: tuple[Step, ...] = (
             "1",
             "8",
             "32",
+            "--paths",
+            "sparse",
+            "dense",
+            "kernels",
         ),
         cpu_args=("--contexts", "64", "192", "--batches", "2", "--layers", "1", "--hidden", "128"),
-        what="decode step vs context at GLM-5 attention dims, sparse vs dense view, vs min bytes",
+        what="decode step vs context at GLM-5 attention dims, sparse vs dense view vs the "
+        "Pallas kernels (paged indexer scores), vs min bytes",
         headline=_hl_decode,
     ),
     Step(

@@ -467,8 +467,9 @@ def _model_flags(args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> dict[st
         "batch_invariant": args.enable_batch_invariant,
         "block_bytes": args.transient_block_size,
         "overlap": not args.disable_overlap_schedule,
-        # The sparse decode's row gather: XLA's or the Pallas kernel (`--kernel-impl`).
-        "kv_io": PagedKVIO(gather_impl=args.kernel_impl),
+        # The sparse decode's row gather and indexer scores: XLA or the Pallas kernels
+        # (`--kernel-impl`).
+        "kv_io": PagedKVIO(gather_impl=args.kernel_impl, index_impl=args.kernel_impl),
     }
 
 

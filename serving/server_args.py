@@ -655,8 +655,9 @@ class ServerArgs:
     # kernels
     kernel_impl: GatherImpl = _arg(  # noqa: RUF009
         "xla",
-        help="paged gather: the CP prefill's full-view materialization and the sparse "
-        "decode's top-k row gather (xla, or the Pallas kernel)",
+        help="paged kernels: the CP prefill's full-view materialization, the sparse "
+        "decode's top-k row gather and its indexer scores read from the paged index K "
+        "(xla, or the Pallas kernels; batch-invariant numerics keep the XLA indexer)",
         group="kernel",
     )
 

@@ -32,7 +32,9 @@ from jaxtyping import Array, Float, Int
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.kv_layout import BUFFER_KINDS, KVLayout
+from cpkv_jax.model.numerics import is_batch_invariant
 from cpkv_jax.pallas.paged_gather import GatherImpl, paged_gather
+from cpkv_jax.pallas.paged_index_scores import MAX_KERNEL_TOKENS, paged_index_scores
 
 IndexKDtype = Literal["fp8_e4m3", "bfloat16", "float32"]
 # Activation / weight / MLA latent KV dtypes by their flag names (`--dtype`).
@@ -195,10 +197,14 @@ class PagedKVIO:
     one is checked against (`tests/core/test_sparse_decode.py`) and benchmarked beside
     (`benchmarks/bench_decode.py`). `gather_impl` (`--kernel-impl`): the sparse row
     gather's XLA gather or the Pallas paged-gather kernel (`take_paged_rows`).
+    `index_impl` (`--kernel-impl` too): the indexer's scores of a decode step through the
+    float32 view of the index K (XLA) or read from the pool by the Pallas kernel
+    (`index_scores`), which skips the pages past each row's length.
     """
 
     sparse: bool = True
     gather_impl: GatherImpl = "xla"
+    index_impl: GatherImpl = "xla"
 
     def write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
         n, p = pool.shape[:2]
@@ -212,6 +218,29 @@ class PagedKVIO:
         b, mp = page_table.shape
         gathered = jnp.take(pool, page_table, axis=0)  # [b, mp, P, ...]
         return gathered.reshape((b, mp * pool.shape[1], *pool.shape[2:]))
+
+    def index_scores(
+        self,
+        q: Float[Array, "b t nh d"],
+        w: Float[Array, "b t nh"],
+        index_k: Array,
+        index_scale: Array | None,
+        batch: Any,
+    ) -> Float[Array, "b t s"] | None:
+        """The indexer's scores read from the paged pool by the kernel
+        (`cpkv_jax.pallas.paged_index_scores`), or None where the view path runs: the XLA
+        impl, the dense reference, more query tokens than a decode or verify step has
+        (prefill), and batch-invariant numerics (whose bits the view path defines)."""
+        if (
+            self.index_impl != "pallas"
+            or not self.sparse
+            or q.shape[1] > MAX_KERNEL_TOKENS
+            or is_batch_invariant()
+        ):
+            return None
+        return paged_index_scores(
+            q, w, index_k, index_scale, batch.page_table, batch.positions, batch.kv_lens
+        )
 
     def rows(self, pool: Array, page_table: Int[Array, "b pages"]) -> tuple[Array, RowGather]:
         if not self.sparse:

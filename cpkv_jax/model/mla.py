@@ -23,11 +23,12 @@ from jaxtyping import Array, Float, Int
 from cpkv_jax.buckets import block_rows
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model.forward_batch import ForwardBatch
-from cpkv_jax.model.indexer import Indexer, indexer_topk
+from cpkv_jax.model.indexer import Indexer, indexer_topk, select_topk
 from cpkv_jax.model.kv_cache import (
     KVIO,
     KVPool,
     OwnerAttentionIO,
+    PagedKVIO,
     RowGather,
     dequantize_index_k,
     quantize_index_k,
@@ -187,6 +188,11 @@ class MLAttention(nnx.Module):
                 iq, iw = self.indexer.queries(x, qr, cos, sin)
                 if isinstance(kv_io, OwnerAttentionIO):
                     topk = kv_io.select_topk(iq, iw, pool.index_k[j], scale, batch, cfg.index_topk)
+                elif isinstance(kv_io, PagedKVIO) and (
+                    (scores := kv_io.index_scores(iq, iw, pool.index_k[j], scale, batch))
+                    is not None
+                ):
+                    topk = select_topk(scores, batch.positions, cfg.index_topk)
                 else:
                     k_view = dequantize_index_k(
                         kv_io.view(pool.index_k[j], batch.page_table),

@@ -33,3 +33,21 @@ def test_report_has_both_paths_their_ratios_and_equal_logits(tmp_path):
     # bf16 logits of order 1: the two paths read the same rows.
     assert set(r["checks"]) == {"max_logit_diff_b2_64", "max_logit_diff_b2_192"}
     assert max(r["checks"].values()) < 0.05, r["checks"]
+
+
+def test_the_kernels_path_reports_its_ratio_to_sparse_and_its_logits(tmp_path):
+    """`--paths sparse kernels` (the device check's third path; interpret mode here): a
+    row per context, the ratio to the served sparse path, and logits that agree with it
+    (the Pallas indexer's scores sum in another order: float32 rounding only)."""
+    out = tmp_path / "k.json"
+    argv = ["--contexts", "64", "192", "--batches", "1", "--layers", "1", "--hidden", "128"]
+    assert (
+        bd.main([*argv, "--paths", "sparse", "kernels", "--repeats", "1", "--json", str(out)]) == 0
+    )
+    r = json.loads(out.read_text())
+    assert {(x["path"], x["context"]) for x in r["rows"]} == {
+        (p, c) for p in ("sparse", "kernels") for c in (64, 192)
+    }
+    assert {"kernels_over_sparse_b1_64", "kernels_over_sparse_b1_192"} <= set(r["ratios"])
+    assert set(r["checks"]) == {"max_logit_diff_kernels_b1_64", "max_logit_diff_kernels_b1_192"}
+    assert max(r["checks"].values()) < 1e-3, r["checks"]

@@ -121,6 +121,15 @@ def test_sparse_decode_gives_the_dense_paths_tokens(models, which):
     assert [len(sparse_toks[f"r{i}"]) for i in range(len(WAVE))] == [m for _, m, _ in WAVE]
     for rid, lp in sparse_lps.items():
         np.testing.assert_allclose(lp, dense_lps[rid], rtol=0, atol=LP_TOL, err_msg=rid)
+    if which != "deepseek":
+        return
+    # `--kernel-impl pallas` (interpret mode here): the row gather and the indexer scores
+    # read from the paged index K by the Pallas kernels give the same tokens.
+    kernels = PagedKVIO(gather_impl="pallas", index_impl="pallas")
+    kernel_toks, kernel_lps, _ = _run(cfg, model, kernels)
+    assert kernel_toks == sparse_toks
+    for rid, lp in kernel_lps.items():
+        np.testing.assert_allclose(lp, sparse_lps[rid], rtol=0, atol=LP_TOL, err_msg=rid)
 
 
 def test_sparse_decode_is_bitwise_the_dense_path_when_batch_invariant(models):
@@ -153,7 +162,8 @@ def _shapes_in(jaxpr) -> set[tuple[int, ...]]:
 def test_a_sparse_decode_step_never_builds_the_latent_view(batch_invariant):
     """Traced, not run: the decode step's program has no `[rows, width * P, latent]`
     array (the dense path's view, the context-sized read sparse decode removes), while
-    the index K view - the indexer must score every token - is still there."""
+    the float32 index K view is there on the XLA path (the indexer scores every token)
+    and gone with the Pallas indexer kernel."""
     cfg, model = _glm_two_layers()
     graphdef, state = nnx.split(model)
     rows, width = 4, 64
@@ -182,6 +192,11 @@ def test_a_sparse_decode_step_never_builds_the_latent_view(batch_invariant):
     assert latent_view in dense and index_view in dense  # the check can see a view
     assert latent_view not in sparse
     assert index_view in sparse
+    # The Pallas indexer-scores kernel reads the index K from the pool instead; under
+    # batch-invariant numerics the view path (whose bits prefill matches) stays.
+    kernels = shapes(PagedKVIO(gather_impl="pallas", index_impl="pallas"))
+    assert latent_view not in kernels
+    assert (index_view in kernels) == batch_invariant
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
