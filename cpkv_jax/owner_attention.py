@@ -56,6 +56,7 @@ from cpkv_jax.model.indexer import index_scores
 from cpkv_jax.model.kv_cache import TRASH_PAGE, OwnerAttentionIO, dequantize_index_k
 from cpkv_jax.model.numerics import block_budget, per_sequence, tokenwise
 from cpkv_jax.pallas.paged_gather import GatherImpl, paged_gather
+from cpkv_jax.pallas.paged_index_scores import MAX_KERNEL_TOKENS, paged_index_scores
 
 __all__ = ["OwnerCPKVIO", "merge_partials", "owner_attention", "owner_topk"]
 
@@ -102,23 +103,39 @@ def owner_topk(
     each rank holds whole rows; `page_table` / `kv_lens` are then every rank's rows
     (`[cp * b, ...]`, replicated), `q` / `w` / `positions` this rank's. `impl`
     (`--kernel-impl`): the owned pages' gather by XLA or the Pallas paged-gather kernel
-    (bitwise the same pages)."""
+    (bitwise the same pages); with `"pallas"`, a decode step's scores come from the
+    paged indexer-scores kernel instead, which reads the owned pages' fp8 index K from
+    the lane itself (no local float32 view) and skips those past each row's length."""
     owned, logical_pages = owned_pages(page_table, cp)
     b, wo = owned.shape
     page = index_k.shape[1]
-    keys = paged_gather(index_k, owned.reshape(-1), impl=impl).reshape(b, wo * page, -1)
-    scale = None
-    if index_scale is not None:
-        scale = paged_gather(index_scale, owned.reshape(-1), impl=impl).reshape(b, wo * page)
-    keys = dequantize_index_k(keys, scale)  # [b, S / cp, d] float32: the one local view
     key_pos = (logical_pages[:, None] * page + jnp.arange(page)).reshape(-1)
     s_full = page_table.shape[1] * page
     k_local = min(index_topk, wo * page)
     k_out = min(index_topk, s_full)
+    gathered_tokens = q.shape[1] * (cp if axis == 1 else 1)
+    if impl == "pallas" and gathered_tokens <= MAX_KERNEL_TOKENS:
+
+        def local_scores(q_all, w_all, pos_all):
+            return paged_index_scores(
+                q_all, w_all, index_k, index_scale, owned, pos_all, kv_lens,
+                page_starts=logical_pages * page,
+            )  # fmt: skip
+
+    else:
+        keys = paged_gather(index_k, owned.reshape(-1), impl=impl).reshape(b, wo * page, -1)
+        scale = None
+        if index_scale is not None:
+            scale = paged_gather(index_scale, owned.reshape(-1), impl=impl)
+            scale = scale.reshape(b, wo * page)
+        keys = dequantize_index_k(keys, scale)  # [b, S / cp, d] float32: the one local view
+
+        def local_scores(q_all, w_all, pos_all):
+            return index_scores(q_all, w_all, keys, pos_all, kv_lens, key_positions=key_pos)
 
     def block(q, w, positions):
         q_all, w_all, pos_all = (_gather(x, axis) for x in (q, w, positions))
-        scores = index_scores(q_all, w_all, keys, pos_all, kv_lens, key_positions=key_pos)
+        scores = local_scores(q_all, w_all, pos_all)
         scores = jnp.where(scores == 0, 0.0, scores)  # signed zeros tie (`select_topk`)
         vals, idx = jax.lax.top_k(scores, k_local)  # ties: lowest local index = position
         cand_vals = _return(vals, cp, axis)  # [b, cp, t, k_local]

@@ -6,8 +6,11 @@ paged index-K pool, for the few query tokens of a decode step.
     index_scores(q, w, dequantize_index_k(view(index_k), view(index_scale)), positions, kv_lens)
 
 (`cpkv_jax.model.indexer`): for each row `b`, query token `t` and key slot `s` of the
-row's page-table width, `sum_h w[b,t,h] * relu(q[b,t,h] . k[b,s])`, or -inf where
-`s > positions[b,t]` or `s >= kv_lens[b]`. The XLA path builds the float32 view of every
+row's page-table width, `sum_h w[b,t,h] * relu(q[b,t,h] . k[b,s])`, or -inf where the
+slot's logical position is past `positions[b,t]` or `kv_lens[b] - 1`. The table's
+column `j` holds logical page `j` (a request's table), or `page_starts[j] / page_size`
+(owner attention's table of a rank's owned pages `r, r + cp, ...`,
+`cpkv_jax.owner_attention.owner_topk`). The XLA path builds the float32 view of every
 key the page table names: `[b, width * page_size, d]` float32, four times the fp8 pool's
 bytes, over the whole power-of-two width the step was bucketed to (a 513-page context
 pads to 1,024 pages). The kernel never builds it:
@@ -66,6 +69,8 @@ def paged_index_scores_reference(
     page_table: Int[Array, "b width"],
     positions: Int[Array, "b t"],
     kv_lens: Int[Array, " b"],
+    *,
+    page_starts: Int[Array, " width"] | None = None,
 ) -> Float[Array, "b t s"]:
     """The same scores through the float32 view of every key the page table names (XLA
     gathers and einsums): the kernel's oracle."""
@@ -77,7 +82,8 @@ def paged_index_scores_reference(
     keys = keys.reshape(b, width * page, -1)
     logits = jnp.einsum("bthd,bsd->bths", q, keys, precision=jax.lax.Precision.HIGHEST)
     scores = jnp.einsum("bths,bth->bts", jax.nn.relu(logits), w)
-    s = jnp.arange(width * page)
+    starts = jnp.arange(width) * page if page_starts is None else page_starts
+    s = (starts[:, None] + jnp.arange(page)).reshape(-1)
     allowed = (s[None, None] <= positions[:, :, None]) & (s[None, None] < kv_lens[:, None, None])
     return jnp.where(allowed, scores, -jnp.inf)
 
@@ -97,6 +103,7 @@ def _decode_e4m3(bits: Array) -> Array:
 
 def _scores_kernel(
     table_ref,
+    starts_ref,
     limit_ref,
     q_ref,
     w_ref,
@@ -108,17 +115,17 @@ def _scores_kernel(
     fp8: bool,
     scaled: bool,
 ):
-    # table_ref: [1, ppb] page ids; limit_ref: [1, T] last allowed slot per token (-1:
-    # none); q_ref: [1, T, nh, d]; w_ref: [1, T, nh]; k_ref: the whole [pages, P, d] pool
-    # (uint8 bits when fp8); rest: (scale pool [pages, P],)? + out_ref [1, T, ppb * P].
+    # table_ref: [1, ppb] page ids; starts_ref: [ppb] their first logical positions;
+    # limit_ref: [1, T] last allowed logical position per token (-1: none); q_ref:
+    # [1, T, nh, d]; w_ref: [1, T, nh]; k_ref: the whole [pages, P, d] pool (uint8 bits
+    # when fp8); rest: (scale pool [pages, P],)? + out_ref [1, T, ppb * P].
     s_ref = rest[0] if scaled else None
     out_ref = rest[-1]
-    base = pl.program_id(1) * (pages_per_block * page_size)
     limits = [limit_ref[0, t] for t in range(tokens)]
     top = functools.reduce(jnp.maximum, limits)
     slot = jax.lax.broadcasted_iota(jnp.int32, (page_size,), 0)
     for i in range(pages_per_block):
-        start = base + i * page_size
+        start = starts_ref[i]
         cols = pl.ds(i * page_size, page_size)
 
         @pl.when(start <= top)
@@ -154,6 +161,7 @@ def _launch(
     page_table: Array,
     positions: Array,
     kv_lens: Array,
+    page_starts: Array,
     *,
     pages_per_block: int,
     interpret: bool,
@@ -167,6 +175,11 @@ def _launch(
         page_table.astype(jnp.int32), ((0, 0), (0, blocks * ppb - width)),
         constant_values=TRASH_PAGE,
     )  # fmt: skip
+    # Padding columns start past every limit: never read.
+    starts = jnp.pad(
+        page_starts.astype(jnp.int32), (0, blocks * ppb - width),
+        constant_values=jnp.iinfo(jnp.int32).max,
+    )  # fmt: skip
     # Triton blocks are powers of two: pad the query tokens (padding tokens allow nothing).
     tokens = 1 << max(0, (t - 1).bit_length())
     limit = jnp.minimum(positions, kv_lens[:, None] - 1).astype(jnp.int32)
@@ -175,9 +188,10 @@ def _launch(
     w = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, tokens - t), (0, 0)))
     fp8 = index_k.dtype in _FP8_DTYPES
     keys = jax.lax.bitcast_convert_type(index_k, jnp.uint8) if fp8 else index_k
-    operands = [table, limit, q, w, keys]
+    operands = [table, starts, limit, q, w, keys]
     in_specs = [
         pl.BlockSpec((1, ppb), lambda r, j: (r, j)),
+        pl.BlockSpec((ppb,), lambda r, j: (j,)),
         pl.BlockSpec((1, tokens), lambda r, j: (r, 0)),
         pl.BlockSpec((1, tokens, nh, d), lambda r, j: (r, 0, 0, 0)),
         pl.BlockSpec((1, tokens, nh), lambda r, j: (r, 0, 0)),
@@ -220,6 +234,7 @@ def paged_index_scores(
     positions: Int[Array, "b t"],
     kv_lens: Int[Array, " b"],
     *,
+    page_starts: Int[Array, " width"] | None = None,
     pages_per_block: int = 4,
     interpret: bool | None = None,
 ) -> Float[Array, "b t s"]:
@@ -231,6 +246,8 @@ def paged_index_scores(
         index_scale: its per-slot fp32 scales `[pages, page_size]` (fp8), else None.
         page_table: each row's pages `[b, width]` (ids past a row's length are not read).
         positions, kv_lens: each token's position and each row's context length.
+        page_starts: the logical position of each table column's first slot (default
+            `j * page_size`: column `j` is logical page `j`).
         pages_per_block: pages per program (grid axis 1).
         interpret: interpret mode; `None` means on when the default backend is CPU.
     """
@@ -251,13 +268,17 @@ def paged_index_scores(
         interpret = jax.default_backend() == "cpu"
     scaled = index_scale is not None
 
-    def launch(q, w, index_k, page_table, positions, kv_lens, *scale):
+    if page_starts is None:
+        page_starts = jnp.arange(page_table.shape[1], dtype=jnp.int32) * page_size
+
+    def launch(q, w, index_k, page_table, positions, kv_lens, page_starts, *scale):
         return _launch(
             q, w, index_k, scale[0] if scaled else None, page_table, positions, kv_lens,
-            pages_per_block=pages_per_block, interpret=interpret,
+            page_starts, pages_per_block=pages_per_block, interpret=interpret,
         )  # fmt: skip
 
-    args = (q, w, index_k, page_table, positions, kv_lens, *([index_scale] if scaled else []))
+    args = (q, w, index_k, page_table, positions, kv_lens, page_starts)
+    args += (index_scale,) if scaled else ()
     if interpret and _varying_axes(*args):
         # As in `paged_gather_pallas`: the HLO interpreter re-binds the kernel's ops with
         # invariant indices against varying blocks inside shard_map(check_vma=True), so

@@ -249,6 +249,49 @@ def test_the_pallas_gathers_give_the_xla_paths_bits():
     assert np.abs(got).max() > 0.1
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_rows_score_their_owned_pages_with_the_paged_kernel(fp8):
+    """A CP decode step (`axis=0`: each rank holds whole rows, one query each) with
+    `--kernel-impl pallas`: each rank's scores come from the paged indexer-scores kernel
+    over its lane's owned pages (logical pages `r, r + cp, ...`, no local float32 view)
+    instead of the view. Small-integer inputs (exact scores, forced ties) make the
+    selections of both equal exactly, for rows of one to ten pages."""
+    rng = np.random.default_rng(31 + fp8)
+    lengths = [3, 40, 17, 33, 9, 26, 38, 12]  # one row per rank; at most 11 pages a lane
+    table = _layout(rng, lengths)
+    kv_lens = np.asarray(lengths, np.int32)
+    positions = (kv_lens - 1)[:, None]
+    n = CP * PAGES_PER_LANE
+    basis = rng.integers(-2, 3, (8, DIM)).astype(np.float32)
+    keys = basis[rng.integers(0, 8, (n, PAGE))]
+    scale = None
+    if fp8:
+        keys = keys.astype(jnp.float8_e4m3fn)
+        scale = np.full((n, PAGE), 0.5, np.float32)
+    q = rng.integers(-2, 3, (len(lengths), 1, HEADS, DIM)).astype(np.float32)
+    w = rng.integers(1, 3, (len(lengths), 1, HEADS)).astype(np.float32)
+    rows = P(CP_AXIS)
+
+    def topk(impl):
+        def fn(q, w, keys, scale, table, positions, kv_lens):
+            return owner_topk(
+                q, w, keys, scale, table, positions, kv_lens, 16, cp=CP, axis=0, impl=impl
+            )
+
+        lane = P(CP_AXIS) if scale is not None else None
+        specs = (rows, rows, P(CP_AXIS), lane, P(), rows, P())
+        mapped = jax.shard_map(
+            fn, mesh=make_cp_mesh(CP), in_specs=specs, out_specs=rows, check_vma=False
+        )
+        return np.asarray(jax.jit(mapped)(q, w, keys, scale, table, positions, kv_lens))
+
+    got, want = topk("pallas"), topk("xla")
+    np.testing.assert_array_equal(got, want)
+    assert [int((got[b, 0] >= 0).sum()) for b in range(len(lengths))] == [
+        min(16, n) for n in lengths
+    ]
+
+
 def test_merge_partials_is_one_softmax():
     """Partials over disjoint key sets (one empty) merge to the softmax over all keys."""
     rng = np.random.default_rng(0)
