@@ -79,6 +79,11 @@ def _hl_gpu_kernels(r: dict[str, Any]) -> str:
             f"{row['layout']} Pallas {best['ratio_to_xla']:.2f}x XLA speed "
             f"({best['gbps']:.0f} GB/s, ppb {block})"
         )
+    for row in r.get("index_scores", []):
+        parts.append(
+            f"index scores b{row['rows']} t{row['query_tokens']} {row['context']}: "
+            f"{row['xla_over_kernel']:.2f}x XLA view speed"
+        )
     return "; ".join(parts)
 
 
@@ -225,7 +230,8 @@ STEPS: tuple[Step, ...] = (
         quick_args=("--quick",),
         quick_limit_s=60,
         cpu_args=("--allow-cpu", "--quick"),
-        what="Pallas paged gather vs XLA reference (bitwise), in the model, GLM-5-size timings",
+        what="Pallas paged gather vs XLA reference (bitwise), in the model, GLM-5-size "
+        "timings; the paged indexer-scores kernel vs the XLA view path at GLM-5 dims",
         headline=_hl_gpu_kernels,
     ),
     Step(

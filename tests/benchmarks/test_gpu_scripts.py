@@ -33,3 +33,8 @@ def test_gpu_kernels_quick_smoke_on_cpu(tmp_path, capsys):
     assert report["all_correct"]
     assert report["correctness"] and all(r["bitwise_equal"] for r in report["correctness"])
     assert report["in_model"]["ok"]
+    # The indexer-scores section (interpret mode here): both cases, masks and sets equal.
+    cases = report["index_scores"]
+    assert report["index_scores_ok"] and [c["query_tokens"] for c in cases] == [1, 3]
+    assert all(c["same_masks"] and c["same_topk_sets"] == 1.0 for c in cases)
+    assert all(c["pages_used"] < c["table_pages"] for c in cases)
