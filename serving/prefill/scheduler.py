@@ -23,6 +23,12 @@ With a host (L2) cache (`host_io`, a `serving.prefill.host_cache.HostCacheIO`, a
 S10) and admission counts the planned cached tokens (S7). An admitted request's host
 hit is loaded back before its step allocates; if the load is skipped or its copy fails,
 the admission is redone with the device hit only and the request recomputes the rest.
+The copy is dispatched right there (asynchronous `device_put` and scatters, nothing read
+back), not by the executor before the step: a later request of the same batch then
+matches the loaded pages as device pages (a burst sharing an evicted system prompt
+loads it once, not once per request), and a failed copy is settled inside the one
+admission that planned it. SGLang's HiCache does the same (`init_load_back` allocates
+at admission, the copy starts when the batch is formed).
 The cache's backup jobs go to the IO's background worker after every batch and finish;
 their acknowledgements are applied at the start of the next batch (`sync_host_cache`).
 """
