@@ -996,6 +996,12 @@ def run_server(args: ServerArgs) -> int:
     """Build, warm up and serve until a signal; returns the process exit code."""
     malloc = apply_transfer_malloc_tuning(args)  # before the transfer side allocates
     cache_dir = enable_compilation_cache(args.compilation_cache_dir)  # before any compile
+    if args.kernel_impl == "pallas" and jax.default_backend() == "cpu":
+        logger.warning(
+            "--kernel-impl pallas on CPU: the Pallas kernels run in interpret mode, which "
+            "checks their logic but makes every step far slower; serve on CPU with "
+            "--kernel-impl xla"
+        )
     server = build_server(args)
     server.info["compilation_cache_dir"] = cache_dir
     if malloc is not None:
