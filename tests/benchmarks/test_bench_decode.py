@@ -10,44 +10,29 @@ import json
 from benchmarks import bench_decode as bd
 
 
-def test_report_has_both_paths_their_ratios_and_equal_logits(tmp_path):
+def test_report_has_every_path_its_ratios_and_equal_logits(tmp_path):
+    """The sparse and dense paths and the Pallas kernels' path (`--kernel-impl pallas`,
+    the device check's third path; interpret mode here) in one run."""
     out = tmp_path / "r.json"
     argv = ["--contexts", "64", "192", "--batches", "2", "--layers", "1", "--hidden", "128"]
-    assert bd.main([*argv, "--repeats", "1", "--json", str(out)]) == 0
+    paths = ["--paths", "sparse", "dense", "kernels"]
+    assert bd.main([*argv, *paths, "--repeats", "1", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["bench"] == "decode_step" and r["model"]["layers"] == 1
     assert {(x["path"], x["context"]) for x in r["rows"]} == {
-        (p, c) for p in ("sparse", "dense") for c in (64, 192)
+        (p, c) for p in ("sparse", "dense", "kernels") for c in (64, 192)
     }
     assert all(x["step_ms"] > 0 and x["batch"] == 2 and x["gbps"] > 0 for x in r["rows"])
     need = {x["context"]: x["min_bytes"] for x in r["rows"]}
     # 128 more cached tokens x 2 rows x 1 layer: index K (128 fp8 + a float32 scale) and,
     # below top-k (2048), 128 more float32 latent rows of 576.
     assert need[192] - need[64] == 2 * 128 * (132 + 576 * 4)
-    assert set(r["ratios"]) == {
-        "sparse_b2_192_over_64",
-        "dense_b2_192_over_64",
-        "dense_over_sparse_b2_64",
-        "dense_over_sparse_b2_192",
+    assert set(r["ratios"]) == {f"{p}_b2_192_over_64" for p in ("sparse", "dense", "kernels")} | {
+        f"{p}_over_sparse_b2_{c}" for p in ("dense", "kernels") for c in (64, 192)
     }
-    # bf16 logits of order 1: the two paths read the same rows.
-    assert set(r["checks"]) == {"max_logit_diff_b2_64", "max_logit_diff_b2_192"}
-    assert max(r["checks"].values()) < 0.05, r["checks"]
-
-
-def test_the_kernels_path_reports_its_ratio_to_sparse_and_its_logits(tmp_path):
-    """`--paths sparse kernels` (the device check's third path; interpret mode here): a
-    row per context, the ratio to the served sparse path, and logits that agree with it
-    (the Pallas indexer's scores sum in another order: float32 rounding only)."""
-    out = tmp_path / "k.json"
-    argv = ["--contexts", "64", "192", "--batches", "1", "--layers", "1", "--hidden", "128"]
-    assert (
-        bd.main([*argv, "--paths", "sparse", "kernels", "--repeats", "1", "--json", str(out)]) == 0
-    )
-    r = json.loads(out.read_text())
-    assert {(x["path"], x["context"]) for x in r["rows"]} == {
-        (p, c) for p in ("sparse", "kernels") for c in (64, 192)
+    # float32 logits of order 1: the dense path reads the same rows; the kernels' indexer
+    # sums its scores in another order (float32 rounding only).
+    assert set(r["checks"]) == {
+        f"max_logit_diff{k}_b2_{c}" for k in ("", "_kernels") for c in (64, 192)
     }
-    assert {"kernels_over_sparse_b1_64", "kernels_over_sparse_b1_192"} <= set(r["ratios"])
-    assert set(r["checks"]) == {"max_logit_diff_kernels_b1_64", "max_logit_diff_kernels_b1_192"}
     assert max(r["checks"].values()) < 1e-3, r["checks"]
