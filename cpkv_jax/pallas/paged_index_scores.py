@@ -35,8 +35,9 @@ sum over heads): a tolerance, not bits. The kernel's dot asks for full float32
 (`Precision.HIGHEST`); on a GPU, XLA's default precision may run the view path's
 float32 einsum in TF32, so there the kernel is the more exact of the two.
 Batch-invariant numerics keep the XLA path (`cpkv_jax.model.mla`), whose bits the
-single-device prefill matches. Interpret mode on CPU runs the kernel's logic in the tests; `tests/kernels/test_paged_index_scores.py`
-cross-lowers it to Triton at GLM-5's dims.
+single-device prefill matches. Interpret mode on CPU runs the kernel's logic in the
+tests; `tests/kernels/test_paged_index_scores.py` cross-lowers it to Triton at GLM-5's
+dims.
 """
 
 from __future__ import annotations
