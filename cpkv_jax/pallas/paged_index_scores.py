@@ -172,7 +172,8 @@ def _launch(
     b, t, nh, d = q.shape
     num_pages, page_size = index_k.shape[:2]
     width = page_table.shape[1]
-    ppb = min(pages_per_block, width)
+    # A power of two (Triton's blocks), at most the table's width.
+    ppb = 1 << (min(pages_per_block, width).bit_length() - 1)
     blocks = pl.cdiv(width, ppb)
     table = jnp.pad(
         page_table.astype(jnp.int32), ((0, 0), (0, blocks * ppb - width)),

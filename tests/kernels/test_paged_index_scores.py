@@ -161,3 +161,20 @@ def test_runs_inside_shard_map_per_rank():
         np.testing.assert_allclose(
             got[3 * r : 3 * r + 3], np.asarray(paged_index_scores_reference(*args)), rtol=1e-6
         )
+
+
+def test_any_table_width_and_block_size():
+    """A 3-page table and 3 pages per block ask for a non-power-of-two block: the kernel
+    takes 2 and pads the table, with the view path's scores."""
+    args = _case(np.random.default_rng(4), "fp8_e4m3", 1)
+    q, w, index_k, scale, table, positions, kv_lens = args
+    table = table[:, :3]
+    kv_lens = jnp.minimum(kv_lens, 3 * PAGE)
+    positions = kv_lens[:, None] - 1
+    args = (q, w, index_k, scale, table, positions, kv_lens)
+    got = paged_index_scores(*args, pages_per_block=3)
+    chex.assert_shape(got, (3, 1, 3 * PAGE))
+    want = paged_index_scores_reference(*args)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    finite = np.isfinite(np.asarray(want))
+    np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite], rtol=1e-6)
