@@ -76,7 +76,9 @@ def paged_index_scores_reference(
     page_starts: Int[Array, " width"] | None = None,
 ) -> Float[Array, "b t s"]:
     """The same scores through the float32 view of every key the page table names (XLA
-    gathers and einsums): the kernel's oracle."""
+    gathers and einsums): the kernel's oracle. Its own einsum rather than the served
+    `index_scores` (which the tests compare too) so that it asks for full float32 on a
+    GPU, where XLA's default precision may be TF32."""
     b, width = page_table.shape
     page = index_k.shape[1]
     keys = jnp.take(index_k, page_table, axis=0).astype(jnp.float32)
