@@ -16,6 +16,13 @@ MLA attends over the owned rows of the selection and merges the partials by log-
 (`owner_attention`). Only queries, scores, candidates and partial outputs cross ranks;
 no rank ever reads another's latent KV.
 
+Speculative decoding on the group (`serving.decode.speculative.SpeculativeSteps` with a
+`CPDecoder`) runs `cpkv_jax.speculative`'s programs per rank the same way
+(`row_placement`, `decode_mesh.dp_slab_program`): each rank verifies and drafts the rows
+of its draft-state slots, the trunk and the MTP layer through this decoder's `kv_io`,
+whose `slots` puts each token's KV on its owner lane (`lane_pages`); a drafting runner's
+pool holds the MTP layer's KV striped like the trunk's.
+
 Host planning (`plan`) is numpy: each row's next position extends its
 `RequestPageTable` on the owner lanes (all-or-nothing), and the step's shapes are
 bucketed - rows to `cp` times a power of two, the page table to
@@ -39,6 +46,7 @@ from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import page_table_width, pow2_at_least
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, global_array
+from cpkv_jax.decode_mesh import DPPlacement
 from cpkv_jax.errors import InputError
 from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.kv_pool import PoolLayout
@@ -121,11 +129,18 @@ class CPDecoder:
                 "CP decode needs page-owned KV (`shared_kv`): with replicated pools one rank "
                 "already holds every page"
             )
-        if runner.mtp:
-            raise InputError("CP decode does not run the MTP layer (no speculative decoding)")
         self.runner = runner
         cp = runner.cp.cp_size
-        self.kv_io = OwnerCPKVIO(cp, True, runner.kv_io.gather_impl, query_axis=0)
+        # `lane_pages`: the speculative programs compute their write slots on the device
+        # (a drafting runner's pool holds the MTP layer's KV too; these steps read and
+        # write the trunk's layers only).
+        self.kv_io = OwnerCPKVIO(
+            cp,
+            True,
+            runner.kv_io.gather_impl,
+            query_axis=0,
+            lane_pages=runner.layout.pages_per_rank,
+        )
         self._step = _build_decode_step(runner, self.kv_io)
         self.steps: ShapeCache[DecodeShape] = ShapeCache("CP decode step")
         self._split = NamedSharding(runner.mesh, P(CP_AXIS))  # every input: rows over cp
@@ -228,6 +243,23 @@ class CPDecoder:
             for table in tables:
                 runner.release(table)
         return tokens, scores
+
+
+def row_placement(runner: CPPrefillRunner) -> DPPlacement:
+    """The runner's placed weights as the rows-split programs of a decode mesh take them
+    (`decode_mesh.dp_slab_program`): a CP group's speculative steps, each rank running
+    its share of the rows (and of the draft-state slab) over the group's pool, experts
+    exchanged over `"cp"` under EP."""
+    mesh = runner.mesh
+    return DPPlacement(
+        mesh,
+        runner.graphdef,
+        runner.state,
+        param_specs(runner.state, None if runner.expert_parallel is None else CP_AXIS),
+        runner.expert_parallel,
+        NamedSharding(mesh, P(CP_AXIS)),
+        NamedSharding(mesh, P()),
+    )
 
 
 def _build_decode_step(runner: CPPrefillRunner, kv_io: OwnerCPKVIO):

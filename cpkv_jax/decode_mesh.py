@@ -369,7 +369,9 @@ class DPDecodeSteps:
 class DPPlacement:
     """A model's weights on a `("dp",)` mesh: routed experts split over `"dp"`
     (`expert_parallel` over it when `dp > 1`), everything else replicated; with the
-    shardings a step's rows take (`rows`: split over `"dp"`) and its replicated outputs."""
+    shardings a step's rows take (`rows`: split over `"dp"`) and its replicated outputs.
+    A CP decode group's speculative programs run the same way, rows split over `"cp"`
+    (`cp_decode.row_placement`)."""
 
     mesh: Mesh
     graphdef: nnx.GraphDef
@@ -423,11 +425,12 @@ class DPPlacement:
 def dp_slab_program(placed: DPPlacement, fn: Callable, n_rows: int) -> Callable:
     """`fn(state, slab, *rows, pool) -> (out, slab, pool)` (a speculative program of
     `cpkv_jax.speculative`, its static arguments bound; `n_rows` row arguments) run on
-    every DP rank over its shards of the draft-state slab, the rows and the pool, with
-    routed experts exchanged over `"dp"`. Jitted as `(state, slab, order, rows, pool) ->
-    (out[order] replicated, slab, pool)`, the slab and the pool donated: the host gets
-    `out`'s row `i` for the `i`-th row it placed (`order`, as in `build_batch`)."""
-    rows = P(DP_AXIS)
+    every rank of the rows' axis (`placed.rows`: `"dp"`, or a CP group's `"cp"`) over its
+    shards of the draft-state slab, the rows and the pool, with routed experts exchanged
+    over that axis. Jitted as `(state, slab, order, rows, pool) -> (out[order]
+    replicated, slab, pool)`, the slab and the pool donated: the host gets `out`'s row
+    `i` for the `i`-th row it placed (`order`, as in `build_batch`)."""
+    rows = placed.rows.spec
 
     def per_rank(state, slab, *rest):
         with ep_context(placed.ep):

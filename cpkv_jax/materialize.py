@@ -51,10 +51,26 @@ class CPKVIO:
     # The axis of the new tokens that is split over `cp`: 1, a prefill step's tokens; 0,
     # a decode step's rows (`cpkv_jax.cp_decode`).
     query_axis: int = 1
+    # Pages per lane (`PoolLayout.pages_per_rank`): what `slots` needs to name a page on
+    # another lane; steps that compute their write slots on the device set it.
+    lane_pages: int | None = None
 
     def write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
         with jax.named_scope("kv_write"):
             return self._write(pool, slots, values)
+
+    def slots(
+        self, page_table: Int[Array, "b pages"], positions: Int[Array, "b t"], page_size: int
+    ) -> Int[Array, "b t"]:
+        """Global slots (`kv_pool.PoolLayout.global_slots`) on the device: logical page
+        `p` is local page `page_table[:, p]` of lane `p % cp` (of lane 0 in replicated
+        pools), as `cp_decode.plan_rows` and the prefill plans lay them out on the host."""
+        if self.lane_pages is None:
+            raise ValueError("device-side write slots need the pool's `lane_pages`")
+        logical = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
+        local = jnp.take_along_axis(page_table, logical, axis=1)
+        lane = logical % self.cp_size if self.shared else jnp.zeros_like(logical)
+        return (lane * self.lane_pages + local) * page_size + positions % page_size
 
     def view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array:
         with jax.named_scope("materialize"):

@@ -278,14 +278,16 @@ def span_on_device(
     table: Int[Array, "b w"],
     live: Bool[Array, " b"],
     page_size: int,
+    kv_io: KVIO = SINGLE_DEVICE_KV_IO,
 ) -> ForwardBatch:
     """Row `b`'s tokens `ids[b]` at positions `start[b], start[b] + 1, ..` (the device
-    twin of `span_batch`). A dead row sits at position 0 and writes the trash page."""
+    twin of `span_batch`), written where `kv_io` puts them (`KVIO.slots`: a CP decode
+    group's pages live on their owner lanes). A dead row sits at position 0 and writes
+    the trash page."""
     t = ids.shape[1]
     start = jnp.where(live, start, 0)
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    page = jnp.minimum(positions // page_size, table.shape[1] - 1)
-    slots = jnp.take_along_axis(table, page, axis=1) * page_size + positions % page_size
+    slots = kv_io.slots(table, positions, page_size)
     valid = jnp.broadcast_to(live[:, None], ids.shape)
     return ForwardBatch(
         input_ids=ids,
@@ -442,7 +444,7 @@ def _chain(
     hidden, drafts, dists = first[:, None], [], []
     for j in range(k):
         if j:
-            batch = span_on_device(drafts[-1][:, None], pos + j - 1, table, live, page_size)
+            batch = span_on_device(drafts[-1][:, None], pos + j - 1, table, live, page_size, kv_io)
             hidden, pool = _mtp(model, batch, hidden, pool, index_k_dtype, kv_io)
         _, q, draft = _pick(model.logits(hidden[:, 0]), temperature, seed, pos, j, greedy)
         drafts.append(draft)
@@ -475,7 +477,7 @@ def spec_step(
         model = nnx.merge(graphdef, state)
         b, k = ds.drafts.shape
         ids = jnp.concatenate([ds.token[:, None], ds.drafts], axis=1)
-        batch = span_on_device(ids, ds.pos, table, live, page_size)
+        batch = span_on_device(ids, ds.pos, table, live, page_size, kv_io)
         hidden, pool = model(batch, pool, kv_io=kv_io, index_k_dtype=index_k_dtype)
         logits = model.logits(hidden)
         at = ds.pos[:, None] + 1 + jnp.arange(k + 1)[None]  # the verified tokens' positions
@@ -502,7 +504,7 @@ def spec_step(
         if k == 0:
             return out, nxt, pool
         # The MTP pass: position p + i sees the emitted token at p + i + 1.
-        mbatch = span_on_device(tokens, ds.pos, table, live, page_size)
+        mbatch = span_on_device(tokens, ds.pos, table, live, page_size, kv_io)
         mhidden, pool = _mtp(model, mbatch, hidden, pool, index_k_dtype, kv_io)
         first = jnp.take_along_axis(mhidden, accepted[:, None, None], axis=1)[:, 0]
         drafts, q, pool = _chain(
@@ -861,7 +863,7 @@ def _draft_after_prefill(
     the row's draft state written into `slab` at `slots` (rows with `n == 0` skipped)."""
     live = n > 0
     last = jnp.maximum(n - 1, 0)
-    batch = span_on_device(token[:, None], last, table, live, page_size)
+    batch = span_on_device(token[:, None], last, table, live, page_size, kv_io)
     mhidden, pool = _mtp(model, batch, hidden[:, None], pool, index_k_dtype, kv_io)
     drafts, q, pool = _chain(
         model,

@@ -350,6 +350,7 @@ def _cp_group(
         gather_impl=args.kernel_impl,
         block_bytes=args.transient_block_size,
         expert_parallel=ep_spec(args),
+        mtp=args.speculative_steps() > 0,  # the pool keeps the MTP layer's KV too
     )
 
 

@@ -1110,8 +1110,6 @@ class ServerArgs:
             )
         elif unified and not self.uses_prefix_cache():
             why = "runs through the prefix cache's scheduler: drop --disable-radix-cache"
-        elif self.speculative_enabled():
-            why = "does not run speculative decoding (the MTP layer) yet: drop --speculative-*"
         elif self.dp_size > 1:
             why = "is one CP group: use --dp-size 1 (DP groups of CP ranks are not built)"
         elif self.enable_batch_invariant:

@@ -151,6 +151,13 @@ class KVIO(Protocol):
 
     def write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array: ...
 
+    def slots(
+        self, page_table: Int[Array, "b pages"], positions: Int[Array, "b t"], page_size: int
+    ) -> Int[Array, "b t"]:
+        """The slots `write` takes for tokens at `positions` of rows whose pages are
+        `page_table` (a position past the table's width: its last column)."""
+        ...
+
     def view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array: ...
 
     def rows(self, pool: Array, page_table: Int[Array, "b pages"]) -> tuple[Array, RowGather]:
@@ -213,6 +220,12 @@ class PagedKVIO:
             values.reshape((-1, *pool.shape[2:])).astype(pool.dtype)
         )
         return flat.reshape(pool.shape)
+
+    def slots(
+        self, page_table: Int[Array, "b pages"], positions: Int[Array, "b t"], page_size: int
+    ) -> Int[Array, "b t"]:
+        page = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
+        return jnp.take_along_axis(page_table, page, axis=1) * page_size + positions % page_size
 
     def view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array:
         b, mp = page_table.shape

@@ -44,7 +44,8 @@ in one step; every step runs all ranks' rows (`MeshDecodeSteps`), rows per rank 
 by `ceil(max_running_requests / N)`.
 
 On a CP mesh (`cp_decoder=`, `--cp-size N --enable-cp-shared-kv` on a unified or decode
-server, issue 40) the step executor is `CPMeshDecodeSteps` and the mesh is one group: a
+server, issue 40) the step executor is `CPMeshDecodeSteps` (with speculative decoding,
+`SpeculativeSteps` over the group's runner) and the mesh is one group: a
 request's pages are global page ids with logical page `p` on rank `p % N` (the unified
 server's `cached.CachedPrefill` allocates them so on the CP runner's pool; a decode
 server's `admit` takes each lane's share from that lane's shard, where the transfer
@@ -190,8 +191,8 @@ class DecodeEngine:
                 "a speculative engine prefills whole prompts (its admission drafts from the "
                 "prompt's last position in the same program): no prefill chunk"
             )
-        if cp_decoder is not None and (speculative_num_steps or mesh is not None):
-            raise ConfigError("decode on a CP mesh runs neither speculative decoding nor a DP mesh")
+        if cp_decoder is not None and mesh is not None:
+            raise ConfigError("decode on a CP mesh is one group: no DP mesh beside it")
         if index_k_dtype not in INDEX_K_DTYPES:
             raise ConfigError(
                 f"index K dtype {index_k_dtype!r} is not one of {sorted(INDEX_K_DTYPES)}"
@@ -238,14 +239,15 @@ class DecodeEngine:
         )
         if speculative_num_steps:
             # At most SPEC_SLOTS_MAX slots (`max_running_requests` may be the pool's
-            # pages), split evenly over the DP ranks; requests beyond them wait to be
-            # admitted, as for penalty slots.
+            # pages), split evenly over the DP ranks (a CP group's ranks); requests beyond
+            # them wait to be admitted, as for penalty slots.
             slots = speculative_slots or min(max_running_requests, SPEC_SLOTS_MAX)
+            slot_ranks = self.dp_size if cp_decoder is None else cp_decoder.runner.cp.cp_size
             self.spec = self.steps = SpeculativeSteps(
                 model,
                 kv,
                 num_steps=speculative_num_steps,
-                slots=-(-slots // self.dp_size),
+                slots=-(-slots // slot_ranks),
                 page_size=page_size,
                 index_k_dtype=index_k_dtype,
                 batch_invariant=batch_invariant,
@@ -254,8 +256,11 @@ class DecodeEngine:
                 mesh=mesh if self.dp_size > 1 else None,
                 ep_dispatch=ep_dispatch,
                 ep_capacity_factor=ep_capacity_factor,
+                cp_decoder=cp_decoder,
             )
             self.room = speculative_room(speculative_num_steps, overlap)
+            if cp_decoder is not None:  # pages striped over the group's lanes
+                self.placement = StripedPlacement(CPMeshDecodeSteps(cp_decoder))
         elif cp_decoder is not None:  # a unified server on a CP mesh (issue 40)
             self.steps = CPMeshDecodeSteps(cp_decoder)
             self.placement = StripedPlacement(self.steps)
@@ -745,7 +750,7 @@ class DecodeEngine:
             room=self.room,
             prefill_chunk=self.intake.prefill_chunk,
         )
-        if self.spec is None:  # (a CP group is never speculative: `ServerArgs` refuses it)
+        if self.spec is None:
             return self.as_run(plain)
         admission = None
         if not self.intake.prefills_with_engine_steps:  # prefilled elsewhere: from what?

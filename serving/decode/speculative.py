@@ -25,7 +25,11 @@ temperature, seed, filters and penalties), which stays on the device between ste
 padding rows use the spare slot. Every program takes flat per-row host arrays (`Row`s,
 one builder per program, a padding row per form that also sizes its lowering); on a DP
 mesh (`--dp-size`) each runs per rank under `shard_map` (`decode_mesh.dp_slab_program`),
-a request's rows on the rank of its pages, in a slot of that rank.
+a request's rows on the rank of its pages, in a slot of that rank. On a CP group
+(`--cp-size N`, issue 40) the same programs run per CP rank through the group's owner
+attention (`cp_decode.row_placement`, `OwnerCPKVIO`): a request's pages are striped over
+every lane, so only its draft-state slot, taken on the rank with the most free ones,
+says which rank runs its rows.
 
 A request reserves `speculative_room(K, overlap)` tokens of pages beyond
 `prompt + max_new_tokens`: the last verify and draft chain write up to 2K + 1 positions
@@ -69,7 +73,8 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from cpkv_jax.aot import ShapeCache, abstract
-from cpkv_jax.buckets import pow2_at_least, prefill_bucket
+from cpkv_jax.buckets import page_table_width, pow2_at_least, prefill_bucket
+from cpkv_jax.cp_decode import CPDecoder, row_placement
 from cpkv_jax.decode_mesh import DPPlacement, DPPoolLayout, dp_slab_program
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_store import KVStore
@@ -251,7 +256,13 @@ class SpeculativeSteps(CompiledShapes):
     split over the ranks (`decode_mesh.dp_slab_program`): a request's rows run on the rank
     holding its pages, in a draft-state slot of that rank (`slots` per rank; slot ids are
     global, `rank * (slots + 1) + local`, the local `slots` being the rank's spare), and
-    shape keys count rows per rank as `MeshDecodeSteps`' do."""
+    shape keys count rows per rank as `MeshDecodeSteps`' do.
+
+    On a CP group (`cp_decoder`, issue 40) the programs run per CP rank the same way, over
+    the decoder's runner's placed weights and page-owned pool with its owner attention
+    (write slots on the owner lanes); a request's pages are global ids striped over every
+    lane (`CPMeshDecodeSteps`), its rows run on the rank of its slot, and page-table
+    widths are at least `cp` (`page_table_width`)."""
 
     def __init__(
         self,
@@ -268,6 +279,7 @@ class SpeculativeSteps(CompiledShapes):
         mesh: Mesh | None = None,
         ep_dispatch: EPDispatch = "allgather",
         ep_capacity_factor: float | None = None,
+        cp_decoder: CPDecoder | None = None,
     ):
         if num_steps < 1:
             raise ConfigError(f"--speculative-num-steps must be >= 1, got {num_steps}")
@@ -284,18 +296,34 @@ class SpeculativeSteps(CompiledShapes):
         self.batch_invariant = batch_invariant
         self.prefill_form = SPEC_PREFILL_FORMS[0]
         self.shapes: set[Shape] = set()
-        dp = 1 if mesh is None else mesh.size
+        if cp_decoder is not None and mesh is not None:
+            raise ConfigError("speculative steps run on a DP mesh or a CP group, not both")
+        self.cp_decoder = cp_decoder
+        self.cp = 1 if cp_decoder is None else cp_decoder.runner.cp.cp_size
+        dp = self.cp if cp_decoder is not None else 1 if mesh is None else mesh.size
         pool = kv.pool
-        # One rank's pages and slots (a single device: the whole pool, rank 0).
+        # One rank's pages and slots (a single device: the whole pool, rank 0; a CP
+        # group: one lane, its page ids global as a DP pool's).
         self.layout = DPPoolLayout(dp, pool.num_pages // dp, page_size)
         self.slots_per_rank = slots
         self.num_slots = dp * slots
         self._free = [list(range(slots - 1, -1, -1)) for _ in range(dp)]  # pop(): 0 first
         self.mesh = mesh
         self._placed: DPPlacement | None = None
-        if mesh is None:
+        if cp_decoder is not None:
+            self._placed = row_placement(cp_decoder.runner)
+            graphdef, self._state = self._placed.graphdef, self._placed.state
+            kv_io = cp_decoder.kv_io  # owner attention, rows split over "cp"
+            runner = cp_decoder.runner
+            block_bytes = runner.block_bytes
+            placement: tuple = (
+                tuple(d.id for d in runner.mesh.devices.reshape(-1)),
+                "cp",
+                self.layout,
+            )
+        elif mesh is None:
             graphdef, self._state = nnx.split(model)
-            placement: tuple = ()
+            placement = ()
         else:
             key = (tuple(d.id for d in mesh.devices.reshape(-1)), ep_dispatch, ep_capacity_factor)
             with _CACHES_LOCK:
@@ -342,7 +370,11 @@ class SpeculativeSteps(CompiledShapes):
 
     # ---- slots ---------------------------------------------------------------------------
     def take_slot(self, rank: int = 0) -> int:
-        """A free draft-state slot on `rank` (`free_slots_on(rank)` says one is)."""
+        """A free draft-state slot on `rank` (`free_slots_on(rank)` says one is); on a CP
+        group (one admission rank) on the CP rank with the most free slots, which then
+        runs the request's rows."""
+        if self.cp_decoder is not None:
+            rank = max(range(self.cp), key=lambda r: (len(self._free[r]), -r))
         return rank * (self.slots_per_rank + 1) + self._free[rank].pop()
 
     def give_back(self, slot: int) -> None:
@@ -354,14 +386,20 @@ class SpeculativeSteps(CompiledShapes):
         return sum(len(f) for f in self._free)
 
     def free_slots_on(self, rank: int) -> int:
+        """Free slots an admission to `rank` can take (a CP group: any of its ranks')."""
+        if self.cp_decoder is not None:
+            return self.free_slots
         return len(self._free[rank])
 
     # ---- rows ----------------------------------------------------------------------------
     def _local(self, slot: int, pages: np.ndarray) -> tuple[int, int, np.ndarray]:
-        """A row's rank (its pages'), its slot there and its rank-local pages."""
+        """A row's rank (its pages'; a CP group's: its slot's), its slot there and its
+        rank-local pages (a CP group's: each logical page's local id on its lane)."""
         pages = np.asarray(pages)
-        rank = self.layout.rank_of(pages[0])
         slot_rank, local = divmod(slot, self.slots_per_rank + 1)
+        if self.cp_decoder is not None:
+            return slot_rank, local, pages % self.layout.pages_per_rank
+        rank = self.layout.rank_of(pages[0])
         if slot_rank != rank:
             raise ValueError(f"draft-state slot {slot} is on rank {slot_rank}, not {rank}")
         return rank, local, self.layout.local(pages, rank)
@@ -527,14 +565,14 @@ class SpeculativeSteps(CompiledShapes):
         """Run one of the two admissions after a prefill elsewhere (`forms`), from
         `first` (the prefill's last logits, or the first token it drew); `reports`:
         (filters, top, penalty)."""
-        shape = (forms[temperature == 0], 1, 1, width)
+        shape = (forms[temperature == 0], 1, 1, page_table_width(width, self.cp))
         rank, local, local_pages = self._local(slot, pages)
         row = (
             np.asarray([local], np.int32),
             first,
             np.asarray(hidden, np.float32).reshape(1, -1),
             np.asarray([n], np.int32),
-            self._table(local_pages, width),
+            self._table(local_pages, shape[3]),
             *_sampling(self.vocab_size, temperature, seed, *reports),
         )
         return self._run(shape, [(rank, row)], forms[0])
@@ -543,10 +581,11 @@ class SpeculativeSteps(CompiledShapes):
         """One draft-and-verify step for `rows` (slot, pages, pages reserved), padded to a
         power of two per rank (padding rows write the trash page and the spare slot);
         `greedy` when every row is at temperature 0. The output stays on the device, row
-        `i` that of `rows[i]`."""
+        `i` that of `rows[i]`. On a CP group the width is at least `cp` (each rank reads
+        the table's columns it owns)."""
         placed = [self._local(slot, pages) for slot, pages, _ in rows]
         per_rank = np.bincount([rank for rank, _, _ in placed], minlength=self.layout.dp_size)
-        width = pow2_at_least(max(n for *_, n in rows))
+        width = page_table_width(max(n for *_, n in rows), self.cp)
         shape = (SPEC_FORMS[greedy], pow2_at_least(int(per_rank.max())), self.k + 1, width)
         true = np.ones((1,), bool)
         step_rows = [
@@ -564,7 +603,9 @@ class SpeculativeSteps(CompiledShapes):
         every decode width."""
         admit = ADMISSION_FORMS[admission] if admission is not None else ()
         out: set[Shape] = set()
-        for form, rows, tokens, width in plain:
+        busiest = pow2_at_least(self.slots_per_rank)  # a rank runs its slots' rows at most
+        for form, plain_rows, tokens, plain_width in plain:
+            rows, width = min(plain_rows, busiest), page_table_width(plain_width, self.cp)
             forms = SPEC_PREFILL_FORMS if form == self.prefill_form else SPEC_FORMS
             n = self.k + 1 if forms is SPEC_FORMS else tokens
             out |= {(f, rows, n, width) for f in forms}

@@ -418,14 +418,15 @@ def speculative_state_bytes(args: ServerArgs, cfg: ModelConfig) -> int:
     bool, over the vocabulary, the logit bias pairs, three penalties and where its
     `min_new_tokens` bans end), for at most
     `SPEC_SLOTS_MAX` slots (or `--max-running-requests`, if fewer) and the spare one; on
-    a DP mesh each rank keeps its share of the slots and a spare."""
+    a DP mesh or a CP group each rank keeps its share of the slots and a spare."""
     from cpkv_jax.sampling import LOGIT_BIAS_MAX
     from serving.decode.speculative import SPEC_SLOTS_MAX
 
     k, v = args.speculative_steps(), cfg.vocab_size
     running = args.max_running_requests
     slots = SPEC_SLOTS_MAX if running is None else min(running, SPEC_SLOTS_MAX)
-    per_rank = -(-slots // args.dp_size)
+    ranks = args.cp_size if args.disaggregation_mode != "prefill" else 1
+    per_rank = -(-slots // max(args.dp_size, ranks))
     penalties = v * 5 + LOGIT_BIAS_MAX * 8 + 4 * 4
     return (per_rank + 1) * (k * v * 4 + (7 + k) * 4 + 1 + penalties)
 
@@ -462,6 +463,9 @@ def plan_device_memory(
     args = dataclasses.replace(args, kv_pool_size=pool_size)
     if prefill:
         transient, source = transient_bytes_per_rank(args, cfg, platform)
+        if spec and args.disaggregation_mode == "null":  # a unified CP group drafts too
+            transient += speculative_state_bytes(args, cfg)
+            source += " and the speculative draft state"
     elif spec:
         transient, source = speculative_state_bytes(args, cfg), "the speculative draft state"
     else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.cp_reference import P, reference
@@ -146,3 +147,34 @@ def test_cp_decode_plan_is_all_or_nothing_and_refusals(glm):
     owner = dataclasses.replace(rep, shared_kv=True, attention="owner")
     with pytest.raises(InputError, match="full-view attention"):  # the bitwise debug shadow
         CPPrefillRunner(cfg, placed, make_cp_mesh(CP), owner, pages_per_rank=8, debug=True)
+
+
+def test_device_write_slots_are_the_host_plans_global_slots():
+    """`KVIO.slots` (the speculative programs' write slots, computed on the device) for a
+    CP group's rows: logical page `p` on lane `p % cp` at its local page, the global slot
+    `PoolLayout.global_slots` gives the host plans (`plan_rows`); positions past the
+    table's width take its last column, as the one-device `PagedKVIO.slots` does.
+    Replicated pools and a missing `lane_pages` too."""
+    from cpkv_jax.kv_pool import PoolLayout
+    from cpkv_jax.materialize import CPKVIO
+    from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO
+
+    rng = np.random.default_rng(8)
+    layout = PoolLayout(CP, True, 9, P)
+    width = 2 * CP
+    table = jnp.asarray(rng.integers(1, layout.pages_per_rank, (3, width)), jnp.int32)
+    positions = jnp.asarray(rng.integers(0, width * P + 2 * P, (3, 4)), jnp.int32)
+    io = CPKVIO(CP, True, lane_pages=layout.pages_per_rank)
+    got = np.asarray(io.slots(table, positions, P))
+    positions_h, table_h = np.asarray(positions), np.asarray(table)
+    logical = np.minimum(positions_h // P, width - 1)
+    local = np.take_along_axis(table_h, logical, axis=1)
+    want = layout.global_slots(logical % CP, local, positions_h % P)
+    np.testing.assert_array_equal(got, want)
+    assert (got // (layout.pages_per_rank * P) == logical % CP).all()  # on the owner lane
+    flat = np.asarray(SINGLE_DEVICE_KV_IO.slots(table, positions, P))
+    np.testing.assert_array_equal(flat, local * P + positions_h % P)
+    replicated = CPKVIO(CP, False, lane_pages=layout.pages_per_rank)
+    np.testing.assert_array_equal(np.asarray(replicated.slots(table, positions, P)), flat)
+    with pytest.raises(ValueError, match="lane_pages"):
+        CPKVIO(CP, True).slots(table, positions, P)

@@ -471,3 +471,13 @@ def test_a_speculative_servers_plan_counts_its_mtp_layer_and_draft_state(fp8_ckp
     slab = jax.eval_shape(lambda: init_slab(6, 2, cfg.vocab_size))
     assert drafting.transient_bytes == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(slab))
     assert "speculative draft state" in drafting.transient_source
+    # A CP8 decode group (issue 40): each rank keeps its share of the 6 slots (one) and a
+    # spare, as `SpeculativeSteps` splits the slab over "cp".
+    group = [
+        *base[:8], "--max-running-requests", "6", *spec[-4:],
+        "--disaggregation-mode", "decode", "--cp-size", "8", "--enable-cp-shared-kv",
+    ]  # fmt: skip
+    assert "--disable-radix-cache" not in group
+    on_group = plan_for(ServerArgs.from_cli(group))
+    slab = jax.eval_shape(lambda: init_slab(1, 2, cfg.vocab_size))
+    assert on_group.transient_bytes == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(slab))

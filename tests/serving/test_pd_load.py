@@ -4,7 +4,7 @@ Real processes on 127.0.0.1 (`benchmarks.pd_load.PDCluster`): a decode server (o
 Mooncake, data-parallel on 2 ranks: `--dp-size 2`, issue 36; over gRPC, decoding
 speculatively with the MTP layer, both servers with `--speculative-algorithm EAGLE`,
 issue 39; over gRPC again, a CP8 decode group with each request's pages striped over its
-ranks, issue 40), a CP=8 shared-KV prefill
+ranks, issue 40, drafting too), a CP=8 shared-KV prefill
 server (8 virtual CPU devices, `--chunked-prefill-size 256`) and a router in front:
 `cpkv-router` over gRPC, SGLang's gateway `smg` in PD mode over Mooncake (issue 38: the
 same pass rule through the gateway). Small KV pools make requests wait for pages, and
@@ -156,10 +156,11 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         decode_dp=1 if backend == "grpc" else 2,
         decode_cp=8 if cp_group else 1,
         router="cpkv" if backend == "grpc" else "smg",
-        # The gRPC pair decodes speculatively with the MTP layer (issue 39): the prefill
-        # server sends the MTP layer's KV and the last hidden state, cancellations land
-        # mid-draft, and the killed decode server's draft state goes with it.
-        extra=SPECULATIVE if backend == "grpc" and not cp_group else (),
+        # The gRPC pairs decode speculatively with the MTP layer (issue 39; the CP group
+        # drafts and verifies where the pages live): the prefill server sends the MTP
+        # layer's KV and the last hidden state, cancellations land mid-draft, and the
+        # killed decode server's draft state goes with it.
+        extra=SPECULATIVE if backend == "grpc" else (),
     )
     c = PDCluster(config)
     try:
@@ -171,6 +172,7 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
             assert httpx.post(c.urls[name] + "/generate", json=body, timeout=10).status_code == 401
         info = httpx.get(c.urls["decode"] + "/server_info", timeout=10, headers=KEYED).json()
         assert (info["cp_size"], info["shared_kv"]) == ((8, True) if cp_group else (1, False))
+        assert ("speculative" in info) == bool(config.extra)
         # A speculative request also reserves its draft room of pages.
         room = speculative_room(SPEC_STEPS, overlap=True) if config.extra else 0
         near = pool_tokens(DECODE_POOL, info["kv_bytes_per_page"]) - 16 - 1 - room

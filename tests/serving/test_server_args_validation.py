@@ -228,6 +228,21 @@ def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
     assert args.validate(backends=reg) == ()
 
 
+def test_a_cp_group_drafts_with_the_mtp_layer():
+    """Issue 40 with issue 39: a unified or decode server on a CP group decodes
+    speculatively (`tests/serving/test_speculative_cp.py` serves it)."""
+    reg = registry_with_test_backends()
+    for mode in ("null", "decode"):
+        args = make_args(
+            disaggregation_mode=mode,
+            cp_size=8,
+            enable_cp_shared_kv=True,
+            speculative_algorithm="EAGLE",
+            transfer_backend="grpc",
+        )
+        assert args.validate(backends=reg) == ()
+
+
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [
@@ -240,11 +255,6 @@ def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
             {"disaggregation_mode": "null", "cp_size": 8, "enable_cp_shared_kv": True}
             | {"disable_radix_cache": True},
             "drop --disable-radix-cache",
-        ),
-        (
-            {"disaggregation_mode": "null", "cp_size": 8, "enable_cp_shared_kv": True}
-            | {"speculative_algorithm": "EAGLE"},
-            "does not run speculative decoding",
         ),
         (
             {"disaggregation_mode": "null", "cp_size": 4, "enable_cp_shared_kv": True}
