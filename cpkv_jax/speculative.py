@@ -83,7 +83,7 @@ from cpkv_jax.model.kv_cache import (
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.numerics import batch_invariant, is_batch_invariant, token_block_bytes
 from cpkv_jax.model.rope import rope_cos_sin
-from cpkv_jax.model.transformer import CausalLM, log_probs
+from cpkv_jax.model.transformer import CausalLM, log_probs, score_tokens
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
 from cpkv_jax.sampling import (
     LOGIT_BIAS_MAX,
@@ -712,7 +712,8 @@ def slab_admit(
     greedy: bool,
     kv_io: KVIO = SINGLE_DEVICE_KV_IO,
     block_bytes: int | None = None,
-) -> tuple[Int[Array, " b"], Float[Array, " b"], Array, Array, DraftState, KVPool]:
+    targets: Int[Array, "b t"] | None = None,
+) -> tuple:
     """A serving engine's prefill of newly admitted requests, one per row of `batch`
     (each prompt from position 0, or from the end of a prefix whose trunk and MTP KV are
     in the pool already; rows with no valid token are padding): the trunk over
@@ -721,7 +722,9 @@ def slab_admit(
     temperature, seed, filters, `top` (it reports top log-probs) and `penalties` (their
     counts are ignored: a prompt has no outputs yet; the first token's penalty is the
     repetition and logit bias). Returns (first tokens, their log-probs, their top ids
-    and log-probs (`top_logprobs`), slab, pool)."""
+    and log-probs (`top_logprobs`), slab, pool); with `targets` (the prompt's next
+    tokens at each fed position, -1 where nobody asked: prompt log-probs) their scores
+    (`transformer.score_tokens`: chosen, top ids, top log-probs) before the slab."""
     live = batch.valid[:, 0]
     kw = {"index_k_dtype": index_k_dtype, "invariant": invariant, "greedy": greedy}
     kw |= {"kv_io": kv_io, "block_bytes": block_bytes}
@@ -751,7 +754,12 @@ def slab_admit(
         **kw,
     )
     ds = DraftState(token, n, drafts, q, temperature, seed, filters, top, penalties.first(token))
-    return token, _chosen(lp, token), *tops, _scatter(slab, slots, live, ds, greedy), pool
+    scores = ()
+    if targets is not None:  # the trunk's hidden states over the fed prompt tokens
+        with batch_invariant(invariant), token_block_bytes(block_bytes):
+            scores = score_tokens(nnx.merge(graphdef, state), hidden, targets)
+    slab = _scatter(slab, slots, live, ds, greedy)
+    return token, _chosen(lp, token), *tops, *scores, slab, pool
 
 
 def slab_admit_from_hidden(

@@ -98,11 +98,13 @@ from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
 from cpkv_jax.sampling import PendingSample, TopLogprobs, top_pairs
+from cpkv_jax.scores import span_scores
 from serving.decode.intake import Intake, LocalPrefill, TransferIntake, TransferRooms
 from serving.decode.placement import RankPlacement, StripedPlacement
 from serving.decode.request import DecodeRequest
 from serving.decode.sampler import PENALTY_SLOTS_MAX, RowSampler
 from serving.decode.speculative import (
+    SPEC_PREFILL_FORMS,
     SPEC_SLOTS_MAX,
     RowPenalty,
     SpecInFlight,
@@ -724,13 +726,19 @@ class DecodeEngine:
     def score_compile_jobs(self) -> list[CompileJob]:
         """A background compile of the scoring twin (prompt log-probs) of every reachable
         prefill shape not compiled yet, narrowest first (`--warmup-prompt-scoring`);
-        none where this engine's steps do not prefill (prompts prefilled elsewhere) or
-        do not score (a speculative engine refuses prompt log-probs)."""
-        if not self.intake.prefills_with_engine_steps or self.spec is not None:
+        none where this engine's steps do not prefill (prompts prefilled elsewhere)."""
+        if not self.intake.prefills_with_engine_steps:
             return []
         steps = self.steps
-        assert isinstance(steps, DecodeSteps | MeshDecodeSteps)  # a CP mesh never prefills
-        prefills = {s for s in self.reachable_shapes() if s[2] > 1} - steps.compiled_score_shapes
+        # (a CP mesh never prefills with its steps; a speculative engine's prefill shapes
+        # have scoring twins of their own)
+        assert isinstance(steps, DecodeSteps | MeshDecodeSteps | SpeculativeSteps)
+        reachable = self.reachable_shapes()
+        if self.spec is not None:  # (its verify steps feed K + 1 tokens too)
+            prefills = {s for s in reachable if s[0] in SPEC_PREFILL_FORMS}
+        else:
+            prefills = {s for s in reachable if s[2] > 1}
+        prefills -= steps.compiled_score_shapes
         return [
             CompileJob(f"prompt-scoring step {s}", functools.partial(steps.compiled_score, s))
             for s in sorted(prefills, key=lambda s: (s[3], s[1], s[2], s[0]))
@@ -1023,9 +1031,19 @@ class DecodeEngine:
                 args = (r.prompt, r.pages, r.width, r.slot, sp.temperature, r.seed, _filters(sp))
                 penalty = _penalty(r, self.cfg.eos_token_ids)
                 admissions.append((*args, _top_n(r) > 0, penalty))
-            out = self.spec.prefill_many(admissions, [r.prefill_from for r in batch])
+            starts = [r.prefill_from for r in batch]
+            scored = [r.scoring is not None for r in batch]
+            out = self.spec.prefill_many(admissions, starts, scored)
             asked = any(_top_n(r) for r in batch)
-            token, lp, *top = jax.device_get(out if asked else out[:2])
+            token, lp, *top = jax.device_get(out[:4] if asked else out[:2])
+            if any(scored):  # prompt log-probs: the prefill's scoring twin ran
+                chosen, top_ids, top_lps = jax.device_get(out[4:7])
+                for i, (r, start) in enumerate(zip(batch, starts, strict=True)):
+                    if r.scoring is not None:
+                        n = len(r.prompt) - start
+                        r.scoring.record(
+                            span_scores(r.prompt, start, n, chosen[i], top_ids[i], top_lps[i])
+                        )
             return [
                 functools.partial(_emitted, token[i], lp[i], _pairs(r, top, i))
                 for i, r in enumerate(batch)

@@ -8,7 +8,8 @@ and its first token, and that is an `Intake`:
   head of the wait queue, its pages are allocated, and its prompt is prefilled whole in
   one step, or over several with `--chunked-prefill-size` (on a DP mesh, one request
   per rank in one step); a request asking for prompt log-probs is prefilled by the
-  steps' scoring twins, which score every fed token against the next prompt token;
+  steps' scoring twins, which score every fed token against the next prompt token (a
+  speculative engine's too: its admission program's twin);
 - `TransferIntake` (a PD decode server): an admitted request's pages are registered as
   a transfer room with the receiver, which the prefill server's ranks write into; the
   room's success carries the first token, its failure fails the request;
@@ -48,13 +49,6 @@ logger = logging.getLogger(__name__)
 # module needs neither the transfer receiver nor its generated protobuf code.
 _ROOM_SUCCESS = "SUCCESS"
 _ROOM_FAILED = "FAILED"
-
-PROMPT_LOGPROBS_SPECULATIVE = (
-    "prompt log-probs (echo with logprobs, logprob_start_len) are not computed by a "
-    "speculative unified server that prefills with its decode steps (--dp-size above 1 or "
-    "--disable-radix-cache; its admission program prefills and drafts at once): send them "
-    "to one without --speculative-algorithm, or on one device with its radix cache"
-)
 
 
 def check_prompt_logprobs_from(engine: DecodeEngine, req: GenerateRequest) -> None:
@@ -150,8 +144,6 @@ class LocalPrefill:
         return 0, len(self.prefilling)  # prefilling requests count as running
 
     def validate(self, req: GenerateRequest) -> None:
-        if req.prompt_logprobs_from is not None and self.engine.spec is not None:
-            raise self.engine.reject("prompt_logprobs", PROMPT_LOGPROBS_SPECULATIVE)
         check_prompt_logprobs_from(self.engine, req)
 
     def add(self, r: DecodeRequest) -> bool:

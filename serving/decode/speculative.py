@@ -56,7 +56,10 @@ are unchanged): `("spec" | "spec_greedy", rows, K + 1, width)` for decode steps,
 `("spec_admit" | "spec_admit_greedy", 1, 1, width)` and `("spec_given" |
 "spec_given_greedy", 1, 1, width)` for the three kinds of admission; the greedy variants
 run when every row is at temperature 0 and keep no distributions. On a DP mesh `rows`
-counts the busiest rank's rows, as `MeshDecodeSteps`' keys do.
+counts the busiest rank's rows, as `MeshDecodeSteps`' keys do. A request that asks for
+prompt log-probs is prefilled by the scoring twin of its prefill shape
+(`"spec_prefill_score[_greedy]"`, `compiled_score`): the same program that also scores
+the fed tokens against the prompt's next ones from the trunk's hidden states.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, KVPool, Pa
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import padded_page_table
 from cpkv_jax.sampling import bias_rows
+from cpkv_jax.scores import next_tokens
 from cpkv_jax.speculative import (
     Filters,
     Penalties,
@@ -106,6 +110,9 @@ SPEC_FORMS = ("spec", "spec_greedy")
 # 3: 1.9 MB a slot, 475 MB at 256); requests beyond them wait to be admitted.
 SPEC_SLOTS_MAX = 256
 SPEC_PREFILL_FORMS = ("spec_prefill", "spec_prefill_greedy")
+# The scoring twins of the prefill forms (prompt log-probs: `prefill_many` with targets),
+# compiled on first use or by `--warmup-prompt-scoring`, as the plain steps' twins are.
+SPEC_SCORE_FORMS = ("spec_prefill_score", "spec_prefill_score_greedy")
 # After a prefill elsewhere (the prefix-cache engine's CP runner): the first token, the
 # MTP layer at the prompt's last position and the first drafts, `(form, 1, 1, width)`.
 SPEC_ADMIT_FORMS = ("spec_admit", "spec_admit_greedy")
@@ -181,21 +188,25 @@ def _reports(rest: tuple) -> tuple[tuple, Filters, jax.Array, Penalties, KVPool]
 
 
 def _programs(graphdef, k: int, greedy: bool, static: dict) -> dict[str, Callable]:
-    """The four speculative programs of `cpkv_jax.speculative` over flat row arguments
-    (the `Row`s `SpeculativeSteps` builds, stacked), each returning `(out, slab, pool)`:
+    """The speculative programs of `cpkv_jax.speculative` over flat row arguments (the
+    `Row`s `SpeculativeSteps` builds, stacked), each returning `(out, slab, pool)`:
     `out` the step's `StepOutput`; the first tokens, their log-probs and top log-probs
-    (ids, values) of an admission that draws them; or nothing."""
+    (ids, values) of an admission that draws them (a scoring prefill: then the fed
+    tokens' scores); or nothing."""
 
     def step(state, slab, slots, table, live, pool):
         return slab_step(graphdef, state, slab, slots, table, live, pool, greedy=greedy, **static)
 
-    def prefill(state, slab, slots, *rest):
+    def prefill(state, slab, slots, *rest, targets=None):
         (*batch, temperature, seed), filters, top, penalties, pool = _reports(rest)
         *out, slab, pool = slab_admit(
             graphdef, state, slab, slots, ForwardBatch(*batch), temperature, seed,
-            filters, top, penalties, pool, k=k, greedy=greedy, **static,
+            filters, top, penalties, pool, k=k, greedy=greedy, targets=targets, **static,
         )  # fmt: skip
         return tuple(out), slab, pool
+
+    def score(state, slab, slots, targets, *rest):
+        return prefill(state, slab, slots, *rest, targets=targets)
 
     def admit(state, slab, slots, logits, hidden, n, table, *rest):
         row, filters, top, penalties, pool = _reports(rest)
@@ -216,6 +227,7 @@ def _programs(graphdef, k: int, greedy: bool, static: dict) -> dict[str, Callabl
     return {
         SPEC_FORMS[greedy]: step,
         SPEC_PREFILL_FORMS[greedy]: prefill,
+        SPEC_SCORE_FORMS[greedy]: score,
         SPEC_ADMIT_FORMS[greedy]: admit,
         SPEC_GIVEN_FORMS[greedy]: given,
     }
@@ -415,10 +427,13 @@ class SpeculativeSteps(CompiledShapes):
         if form in SPEC_FORMS:
             return (spare, self._table(trash, width), np.zeros((1,), bool))
         none = _sampling(self.vocab_size, 0.0, 0, NO_FILTERS, False)
-        if form in SPEC_PREFILL_FORMS:
+        if form in SPEC_PREFILL_FORMS + SPEC_SCORE_FORMS:
             table = padded_page_table(trash, width)
             batch = span_batch(np.zeros((0,), np.int32), 0, table, self.page_size, tokens)
-            return (spare, *(np.asarray(a) for a in dataclasses.astuple(batch)), *none)
+            row = (*(np.asarray(a) for a in dataclasses.astuple(batch)), *none)
+            if form in SPEC_SCORE_FORMS:  # nothing asked to be scored
+                return (spare, np.full((1, tokens), -1, np.int32), *row)
+            return (spare, *row)
         first = (
             np.zeros((1, self.vocab_size), np.float32)
             if form in SPEC_ADMIT_FORMS
@@ -433,7 +448,8 @@ class SpeculativeSteps(CompiledShapes):
         after), on the device. The slab and the pool are donated."""
         form, rows_p, tokens, width = shape
         run = self.compiled(shape)  # before the pool lock: it may compile or wait
-        self.shapes.add(shape)
+        if form not in SPEC_SCORE_FORMS:  # scoring twins are counted apart, as the plain ones
+            self.shapes.add(shape)
         pad = self._pad_row(form, tokens, width)
         grid: list[Row] = [pad] * (self.layout.dp_size * rows_p)
         order = np.zeros((len(grid),), np.int32)
@@ -483,20 +499,29 @@ class SpeculativeSteps(CompiledShapes):
         return self.prefill_many([admission])
 
     def prefill_many(
-        self, requests: Sequence[SpecAdmission], starts: Sequence[int] | None = None
+        self,
+        requests: Sequence[SpecAdmission],
+        starts: Sequence[int] | None = None,
+        scored: Sequence[bool] | None = None,
     ) -> tuple[jax.Array, ...]:
         """`prefill` for requests on different DP ranks, in one program (a padding row on
         every other rank); row `i` of what it returns is `requests[i]`'s. `starts[i]`:
         the prompt positions before it have their trunk and MTP KV in the pages already
-        (a prefix-cache hit), so only the rest is fed."""
+        (a prefix-cache hit), so only the rest is fed. `scored[i]`: score request `i`'s
+        fed tokens against its prompt's next ones (prompt log-probs): the prefill's
+        scoring twin runs, and returns after the first tokens' four arrays the fed
+        tokens' scores (`transformer.score_tokens`: chosen, top ids, top log-probs;
+        zeros for a request not scored)."""
         starts = [0] * len(requests) if starts is None else list(starts)
+        scored = [False] * len(requests) if scored is None else list(scored)
         fed = [len(req[0]) - start for req, start in zip(requests, starts, strict=True)]
         tokens = prefill_bucket(max(fed))
         width = max(req[2] for req in requests)
         greedy = all(req[4] == 0 for req in requests)
+        scoring = any(scored)
         rows = []
-        for (prompt, pages, _, slot, temperature, seed, *reports), start in zip(
-            requests, starts, strict=True
+        for (prompt, pages, _, slot, temperature, seed, *reports), start, score in zip(
+            requests, starts, scored, strict=True
         ):
             rank, local, local_pages = self._local(slot, pages)
             table = padded_page_table(local_pages, width)
@@ -505,11 +530,17 @@ class SpeculativeSteps(CompiledShapes):
             batch_rows = (np.asarray(a) for a in dataclasses.astuple(batch))
             slot_row = np.asarray([local], np.int32)
             sampling = _sampling(self.vocab_size, temperature, seed, *reports)
-            rows.append((rank, (slot_row, *batch_rows, *sampling)))
+            row: Row = (*batch_rows, *sampling)
+            if scoring:  # -1: padding, or a request nobody asked to score
+                targets = np.full((1, tokens), -1, np.int32)
+                if score:
+                    targets[0, : ids.size] = next_tokens(np.asarray(prompt), start, ids.size)
+                row = (targets, *row)
+            rows.append((rank, (slot_row, *row)))
         if len({rank for rank, _ in rows}) != len(rows):
             raise ValueError("a speculative prefill takes at most one request per rank")
-        shape = (SPEC_PREFILL_FORMS[greedy], 1, tokens, width)
-        return self._run(shape, rows, "spec_prefill")
+        forms = SPEC_SCORE_FORMS if scoring else SPEC_PREFILL_FORMS
+        return self._run((forms[greedy], 1, tokens, width), rows, "spec_prefill")
 
     def admit_after_prefill(
         self,
@@ -612,6 +643,21 @@ class SpeculativeSteps(CompiledShapes):
             if forms is SPEC_FORMS:
                 out |= {(f, 1, 1, width) for f in admit}
         return out
+
+    def compiled_score(self, shape: Shape) -> jax.stages.Compiled:
+        """The scoring twin of the prefill step `shape` (prompt log-probs, `prefill_many`
+        with `scored`), compiled on abstract inputs the first time."""
+        form, *rest = shape
+        return self.compiled((SPEC_SCORE_FORMS[SPEC_PREFILL_FORMS.index(form)], *rest))
+
+    @property
+    def compiled_score_shapes(self) -> set[Shape]:
+        """The prefill shapes whose scoring twin is compiled."""
+        return {
+            (SPEC_PREFILL_FORMS[SPEC_SCORE_FORMS.index(form)], *rest)
+            for form, *rest in self.compiled_shapes
+            if form in SPEC_SCORE_FORMS
+        }
 
     def warm(self, shapes: Sequence[Shape]) -> None:
         """Run each shape once with the trash page's table and the spare slot: every write

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from support import speculative_engine as se
 from support.speculative_engine import (
+    LENGTHS,
     PAGES,
     ROWS,
     P,
@@ -130,3 +131,24 @@ def test_speculative_decoding_with_a_prefix_cache_per_rank(loaded, plain):
     assert all(cache.protected_size() == 0 for cache in store.caches)
     assert engine.spec.free_slots == engine.spec.num_slots
     assert engine.step_shapes <= engine.reachable_shapes()
+    # Prompt log-probs from token 2P + 1 on: the prompt's first two pages come from the
+    # cache (those before the token ahead of the start), the rest is fed to the admission
+    # program's scoring twin; bitwise the one-device plain engine's whole-prompt scores.
+    echo = dataclasses.replace(reqs[0], rid="echo", prompt_logprobs_from=2 * P + 1)
+    got = _prompt_scores(engine, echo)
+    assert got[2] == 2 * P
+    assert got[:2] == _prompt_scores(make_engine(cfg, model, 0), echo)[:2]
+    assert got[0][0] is not None and len(got[0]) == LENGTHS[0] - 2 * P - 1
+
+
+def _prompt_scores(engine: DecodeEngine, r) -> tuple:
+    """`r` served alone: (prompt log-probs, prompt top log-probs, cached tokens)."""
+    engine.add(r)
+    scores: tuple = (None, None)
+    for _ in range(100):
+        for c in engine.step():
+            if c.prompt_logprobs is not None:
+                scores = (c.prompt_logprobs, c.prompt_top_logprobs)
+            if c.finished:
+                return (*scores, c.meta["cached_tokens"])
+    raise AssertionError("the request did not finish")

@@ -128,11 +128,53 @@ def test_aborts_mid_step_and_refusals_leave_nothing_held(loaded):
     bad = dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, grammar=REGEX))
     with pytest.raises(InputError, match="grammar"):
         engine.add(bad)
-    # Its admission program prefills and drafts at once: no prompt scoring (400).
-    with pytest.raises(InputError, match="speculative unified server"):
-        engine.add(dataclasses.replace(r, prompt_logprobs_from=0))
-    assert engine.score_compile_jobs() == []  # so `--warmup-prompt-scoring` compiles none
     assert not engine.has_work() and engine.kv.num_free_pages == free0
+
+
+def _with_prompt_scores(engine: DecodeEngine, reqs) -> dict:
+    """rid -> (tokens, log-probs, prompt log-probs, prompt top log-probs)."""
+    for r in reqs:
+        engine.add(r)
+    out: dict = {r.rid: [[], [], None, None] for r in reqs}
+    for _ in range(200):
+        for c in engine.step():
+            o = out[c.rid]
+            o[0] += c.token_ids
+            o[1] += c.logprobs or ()
+            if c.prompt_logprobs is not None:
+                o[2], o[3] = c.prompt_logprobs, c.prompt_top_logprobs
+        if not engine.has_work():
+            return out
+    raise AssertionError(f"requests did not finish: {out}")
+
+
+def test_prompt_log_probs_are_the_plain_engines(loaded):
+    """Prompt log-probs (`echo` with `logprobs`, `logprob_start_len`) on the speculative
+    engine that prefills with its own admission program: its scoring twin scores every
+    fed token from the trunk's hidden states, in the same program that drafts. Bitwise
+    the plain engine's (batch-invariant numerics), beside a request that asks for none
+    in the same admissions; `--warmup-prompt-scoring` has the twins to compile."""
+    cfg, model = loaded("glm")
+    base = requests(cfg)[:3]
+    reqs = [
+        dataclasses.replace(base[0], prompt_logprobs_from=0),
+        dataclasses.replace(base[1], prompt_logprobs_from=17),  # and top 3 at each
+        base[2],
+    ]
+    spec = make_engine(cfg, model, 3)  # the programs `CASES` compiled for "glm"
+    jobs = spec.score_compile_jobs()  # one twin per reachable prefill shape
+    got = _with_prompt_scores(spec, reqs)
+    assert len(spec.score_compile_jobs()) == len(jobs) - 1  # the twin it ran is compiled
+    want = _with_prompt_scores(make_engine(cfg, model, 0), reqs)
+    for r in reqs:
+        g, w = got[r.rid], want[r.rid]
+        assert g[0] == w[0], r.rid
+        np.testing.assert_array_equal(g[1], w[1])
+        assert g[2] == w[2] and g[3] == w[3], r.rid  # bitwise, None for token 0
+    assert got["r0"][2][0] is None and len(got["r0"][2]) == LENGTHS[0]
+    assert len(got["r1"][2]) == LENGTHS[1] - 17 and all(len(t) == 3 for t in got["r1"][3])
+    assert got["r2"][2] is None
+    assert not {s for s in spec.step_shapes if "score" in s[0]}  # twins counted apart
 
 
 def test_requests_beyond_the_draft_state_slots_wait_for_one(loaded, plain):
