@@ -1246,7 +1246,8 @@ class ServerArgs:
 
     def _check_speculative(self, model_config: ModelConfig | None) -> None:
         """`--speculative-algorithm`: a chain of 1..MAX_SPECULATIVE_STEPS drafts from the
-        checkpoint's MTP layer, on a unified or PD decode server (one device or a DP mesh);
+        checkpoint's MTP layer, on a unified or PD decode server (one device, a DP mesh or
+        a CP group);
         a PD prefill server given the same flags runs the MTP layer over the prompts and
         sends its KV and the last hidden state with the room (both sides must, or the
         layouts differ at the handshake)."""

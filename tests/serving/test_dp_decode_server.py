@@ -14,7 +14,6 @@ a second wave sharing a prompt's pages reuses them, and still equals the referen
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import re
 
@@ -23,7 +22,7 @@ import numpy as np
 import pytest
 from support.prefill_server import float32_args
 from support.unified_server import (
-    generate_or_leave,
+    client_wave,
     greedy_ids,
     serving,
     settled_held_pages,
@@ -159,22 +158,8 @@ def test_many_clients_with_disconnects_leave_every_rank_s_pages(dp_server):
         (heads[i % 4] + rng.integers(3, cfg.vocab_size, int(rng.integers(2, 30))).tolist(), i)
         for i in range(20)
     ]
-
-    async def one(client: httpx.AsyncClient, ids: list[int], i: int) -> str | None:
-        sampling = {"max_new_tokens": 3 + i % 5, "ignore_eos": True}
-        sampling["temperature"] = 0.0 if i % 2 else 0.8
-        return await generate_or_leave(client, ids, sampling, i % 3 == 0, str(i))
-
-    async def run() -> list[str | None]:
-        # Generous: sampled rows compile their draws on first use here, and CI machines
-        # can be 2.5x slower.
-        async with httpx.AsyncClient(base_url=served.url, timeout=240.0) as client:
-            return await asyncio.wait_for(
-                asyncio.gather(*(one(client, ids, i) for ids, i in jobs)), 300
-            )
-
     hits = engine.stats().prefix_cache_hit_tokens
-    problems = [p for p in asyncio.run(run()) if p is not None]
+    problems = client_wave(served.url, jobs)
     assert not problems, problems
     assert engine.stats().prefix_cache_hit_tokens > hits
     assert settled_held_pages(engine) == 0

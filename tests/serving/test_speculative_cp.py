@@ -14,20 +14,19 @@ Under many clients, some leaving mid-stream, every page and draft-state slot com
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 
 import httpx
 import numpy as np
 import pytest
-from support.prefill_server import P, float32_args
+from support.prefill_server import P
 from support.speculative_engine import install_oracle
 from support.unified_server import (
     assert_greedy_reference,
+    client_wave,
+    cp_group_args,
     fp8_moe_checkpoint,
-    generate_or_leave,
     generate_with_logprobs,
-    page_bytes,
     serving,
     settled_held_pages,
 )
@@ -56,15 +55,9 @@ def checkpoint(tiny_checkpoints):
 @pytest.fixture(scope="module")
 def spec_cp(checkpoint):
     path, cfg, _ = checkpoint
-    page = page_bytes(mtp_config(cfg), CP)  # the pool keeps the MTP layer's KV too
-    args = float32_args(
-        path,
-        *("--cp-size", str(CP), "--enable-cp-shared-kv", "--ep-size", str(CP)),
-        *("--kv-pool-size", str(PAGES_PER_RANK * page), "--chunked-prefill-size", "64"),
-        *("--max-running-requests", "4"),
-        *("--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(STEPS)),
-    )
-    with serving(args) as s:
+    drafting = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(STEPS))
+    # The pool keeps the MTP layer's KV too: pages of one more layer.
+    with serving(cp_group_args(path, mtp_config(cfg), CP, PAGES_PER_RANK, *drafting)) as s:
         yield s
 
 
@@ -157,19 +150,7 @@ def test_many_clients_with_disconnects_leave_every_page_and_slot(spec_cp, checkp
         int(rng.integers(20, 40)) if i % 4 else int(rng.integers(200, 260)) for i in range(12)
     ]
     jobs = [(rng.integers(3, cfg.vocab_size, n).tolist(), i) for i, n in enumerate(lengths)]
-
-    async def one(client: httpx.AsyncClient, ids: list[int], i: int) -> str | None:
-        sampling = {"max_new_tokens": 3 + i % 5, "ignore_eos": True}
-        sampling["temperature"] = 0.0 if i % 2 else 0.8
-        return await generate_or_leave(client, ids, sampling, i % 3 == 0, str(i))
-
-    async def run() -> list[str | None]:
-        async with httpx.AsyncClient(base_url=served.url, timeout=240.0) as client:
-            return await asyncio.wait_for(
-                asyncio.gather(*(one(client, ids, i) for ids, i in jobs)), 300
-            )
-
-    problems = [p for p in asyncio.run(run()) if p is not None]
+    problems = client_wave(served.url, jobs)
     assert not problems, problems
     assert settled_held_pages(engine) == 0
     assert engine.spec is not None and engine.spec.free_slots == engine.spec.num_slots

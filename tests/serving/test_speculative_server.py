@@ -10,14 +10,13 @@ combinations it cannot serve are refused at startup with the fix."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 
 import httpx
 import numpy as np
 import pytest
 from support.prefill_server import P
-from support.unified_server import generate_or_leave, serving, settled_held_pages, unified_args
+from support.unified_server import client_wave, serving, settled_held_pages, unified_args
 from support.unified_server import generate_with_logprobs as generate
 
 from cpkv_jax.generate import ReferenceGenerator
@@ -148,22 +147,14 @@ def test_many_clients_with_disconnects_leave_every_page_and_slot(spec_server):
         for i in range(24)
     ]
 
-    async def one(client: httpx.AsyncClient, ids: list[int], i: int) -> str | None:
-        sampling = {"max_new_tokens": 6 + i % 7, "ignore_eos": True}
-        sampling["temperature"] = 0.0 if i % 2 else 0.9
+    def sampling(i: int) -> dict:
+        out = {"max_new_tokens": 6 + i % 7, "ignore_eos": True}
+        out["temperature"] = 0.0 if i % 2 else 0.9
         if i % 4 == 2:  # a sampled request whose target is filtered
-            sampling |= {"top_k": 20, "top_p": 0.8, "min_p": 0.05}
-        return await generate_or_leave(client, ids, sampling, i % 3 == 0, str(i))
+            out |= {"top_k": 20, "top_p": 0.8, "min_p": 0.05}
+        return out
 
-    async def run() -> list[str | None]:
-        # Generous: the first sampled rows compile their step shapes on this CPU server
-        # (`--warmup common`), and CI machines can be 2.5x slower.
-        async with httpx.AsyncClient(base_url=served.url, timeout=240.0) as client:
-            return await asyncio.wait_for(
-                asyncio.gather(*(one(client, ids, i) for ids, i in jobs)), 300
-            )
-
-    problems = [p for p in asyncio.run(run()) if p is not None]
+    problems = client_wave(served.url, jobs, sampling)
     assert not problems, problems
 
     assert settled_held_pages(engine) == 0

@@ -14,19 +14,18 @@ the last bits; `tests/core/test_cp_decode.py` states the same tolerance).
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 
 import httpx
 import numpy as np
 import pytest
-from support.prefill_server import P, float32_args
+from support.prefill_server import P
 from support.unified_server import (
     assert_greedy_reference,
+    client_wave,
+    cp_group_args,
     fp8_moe_checkpoint,
-    generate_or_leave,
     generate_with_logprobs,
-    page_bytes,
     serving,
     settled_held_pages,
 )
@@ -50,14 +49,7 @@ def checkpoint(tiny_checkpoints):
 @pytest.fixture(scope="module")
 def unified_cp(checkpoint):
     path, cfg, _ = checkpoint
-    page = page_bytes(cfg, CP)
-    args = float32_args(
-        path,
-        *("--cp-size", str(CP), "--enable-cp-shared-kv", "--ep-size", str(CP)),
-        *("--kv-pool-size", str(PAGES_PER_RANK * page), "--chunked-prefill-size", "64"),
-        *("--max-running-requests", "4"),
-    )
-    with serving(args) as s:
+    with serving(cp_group_args(path, cfg, CP, PAGES_PER_RANK)) as s:
         yield s
 
 
@@ -121,11 +113,6 @@ def test_many_clients_with_disconnects_and_a_refusal_leave_every_page(unified_cp
     ]
     jobs = [(rng.integers(3, cfg.vocab_size, n).tolist(), i) for i, n in enumerate(lengths)]
 
-    async def one(client: httpx.AsyncClient, ids: list[int], i: int) -> str | None:
-        sampling = {"max_new_tokens": 3 + i % 5, "ignore_eos": True}
-        sampling["temperature"] = 0.0 if i % 2 else 0.8
-        return await generate_or_leave(client, ids, sampling, i % 3 == 0, str(i))
-
     async def too_long(client: httpx.AsyncClient) -> str | None:
         ids = rng.integers(3, cfg.vocab_size, CP * (PAGES_PER_RANK - 1) * P).tolist()
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
@@ -133,12 +120,7 @@ def test_many_clients_with_disconnects_and_a_refusal_leave_every_page(unified_cp
         refused = r.status_code == 400 and "whole pool" in r.text  # not the context: 4096
         return None if refused else f"too long: {r.status_code} {r.text}"
 
-    async def run() -> list[str | None]:
-        async with httpx.AsyncClient(base_url=served.url, timeout=240.0) as client:
-            calls = [one(client, ids, i) for ids, i in jobs] + [too_long(client)]
-            return await asyncio.wait_for(asyncio.gather(*calls), 300)
-
-    problems = [p for p in asyncio.run(run()) if p is not None]
+    problems = client_wave(served.url, jobs, extra=[too_long])
     assert not problems, problems
 
     assert settled_held_pages(engine) == 0

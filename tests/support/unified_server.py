@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -34,6 +34,19 @@ def page_bytes(cfg: ModelConfig, cp: int = 1) -> int:
 def unified_args(path, cfg: ModelConfig, pool_pages: int, *extra: str) -> ServerArgs:
     """Float32 unified-server flags with a pool of `pool_pages` pages of `P` tokens."""
     return float32_args(path, "--kv-pool-size", str(pool_pages * page_bytes(cfg)), *extra)
+
+
+def cp_group_args(path, cfg: ModelConfig, cp: int, pages_per_rank: int, *extra: str) -> ServerArgs:
+    """A unified server on a CP mesh of `cp` devices (page-owned KV, experts split over
+    the ranks) with `pages_per_rank` pages per rank of a float32 pool laid out for `cfg`
+    (`mtp_config(cfg)` for a drafting server), chunked prefill of 64 tokens and 4 running
+    requests, plus `extra`."""
+    return float32_args(
+        path,
+        *("--cp-size", str(cp), "--enable-cp-shared-kv", "--ep-size", str(cp)),
+        *("--kv-pool-size", str(pages_per_rank * page_bytes(cfg, cp))),
+        *("--chunked-prefill-size", "64", "--max-running-requests", "4", *extra),
+    )
 
 
 def fp8_moe_checkpoint(tiny_checkpoints) -> tuple[Path, ModelConfig, ReferenceGenerator]:
@@ -97,6 +110,34 @@ async def generate_or_leave(
             return f"{tag}: no event"
         n = len(json.loads(await r.aread())["output_ids"])
         return None if n == sampling["max_new_tokens"] else f"{tag}: {n} tokens"
+
+
+def sampled_or_greedy(i: int) -> dict:
+    """Load-test client `i`'s sampling: 3 to 7 new tokens (EOS ignored), greedy for odd
+    `i`, temperature 0.8 for even."""
+    return {"max_new_tokens": 3 + i % 5, "ignore_eos": True, "temperature": 0.0 if i % 2 else 0.8}
+
+
+def client_wave(
+    url: str,
+    jobs: Sequence[tuple[list[int], int]],
+    sampling: Callable[[int], dict] = sampled_or_greedy,
+    extra: Sequence[Callable[[httpx.AsyncClient], Awaitable[str | None]]] = (),
+) -> list[str]:
+    """Every job `(ids, i)` as one client at once (`generate_or_leave` with
+    `sampling(i)`, streaming and leaving after its first event when `i % 3 == 0`), and
+    each of `extra` beside them; what went wrong (empty: all went as planned). Generous
+    bounds: the first sampled rows compile on these CPU servers, and CI machines can be
+    2.5x slower."""
+
+    async def run() -> list[str | None]:
+        async with httpx.AsyncClient(base_url=url, timeout=240.0) as client:
+            calls = [
+                generate_or_leave(client, ids, sampling(i), i % 3 == 0, str(i)) for ids, i in jobs
+            ] + [call(client) for call in extra]
+            return await asyncio.wait_for(asyncio.gather(*calls), 300)
+
+    return [p for p in asyncio.run(run()) if p is not None]
 
 
 def assert_greedy_reference(out: dict, ref: ReferenceGenerator, ids: list[int], new: int) -> None:
