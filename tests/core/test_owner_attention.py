@@ -249,9 +249,10 @@ def test_the_pallas_gathers_give_the_xla_paths_bits():
     assert np.abs(got).max() > 0.1
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_decode_rows_score_their_owned_pages_with_the_paged_kernel(fp8):
-    """A CP decode step (`axis=0`: each rank holds whole rows, one query each) with
+@pytest.mark.parametrize(("fp8", "tokens"), [(False, 1), (True, 3)])
+def test_decode_rows_score_their_owned_pages_with_the_paged_kernel(fp8, tokens):
+    """A CP decode step (`axis=0`: each rank holds whole rows, one query each; three for
+    a speculative verify of two drafts, each causal at its own position) with
     `--kernel-impl pallas`: each rank's scores come from the paged indexer-scores kernel
     over its lane's owned pages (logical pages `r, r + cp, ...`, no local float32 view)
     instead of the view. Small-integer inputs (exact scores, forced ties) make the
@@ -260,7 +261,7 @@ def test_decode_rows_score_their_owned_pages_with_the_paged_kernel(fp8):
     lengths = [3, 40, 17, 33, 9, 26, 38, 12]  # one row per rank; at most 11 pages a lane
     table = _layout(rng, lengths)
     kv_lens = np.asarray(lengths, np.int32)
-    positions = (kv_lens - 1)[:, None]
+    positions = (kv_lens[:, None] - tokens + np.arange(tokens)).astype(np.int32)
     n = CP * PAGES_PER_LANE
     basis = rng.integers(-2, 3, (8, DIM)).astype(np.float32)
     keys = basis[rng.integers(0, 8, (n, PAGE))]
@@ -268,8 +269,8 @@ def test_decode_rows_score_their_owned_pages_with_the_paged_kernel(fp8):
     if fp8:
         keys = keys.astype(jnp.float8_e4m3fn)
         scale = np.full((n, PAGE), 0.5, np.float32)
-    q = rng.integers(-2, 3, (len(lengths), 1, HEADS, DIM)).astype(np.float32)
-    w = rng.integers(1, 3, (len(lengths), 1, HEADS)).astype(np.float32)
+    q = rng.integers(-2, 3, (len(lengths), tokens, HEADS, DIM)).astype(np.float32)
+    w = rng.integers(1, 3, (len(lengths), tokens, HEADS)).astype(np.float32)
     rows = P(CP_AXIS)
 
     def topk(impl):
@@ -287,9 +288,8 @@ def test_decode_rows_score_their_owned_pages_with_the_paged_kernel(fp8):
 
     got, want = topk("pallas"), topk("xla")
     np.testing.assert_array_equal(got, want)
-    assert [int((got[b, 0] >= 0).sum()) for b in range(len(lengths))] == [
-        min(16, n) for n in lengths
-    ]
+    valid = (got >= 0).sum(-1)  # each token selects among the positions up to its own
+    np.testing.assert_array_equal(valid, np.minimum(16, positions + 1))
 
 
 def test_merge_partials_is_one_softmax():
