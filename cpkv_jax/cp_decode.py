@@ -118,6 +118,41 @@ def plan_rows(layout: PoolLayout, rows: Sequence[CPRow]) -> DecodePlan:
     return DecodePlan(ids, positions, valid, slots, table, kv_lens, n)
 
 
+def plan_groups(
+    layout: PoolLayout, groups: Sequence[Sequence[CPRow]]
+) -> tuple[DecodePlan, list[list[int]]]:
+    """One decode step's host inputs for DP groups of CP ranks (`build_decode_step` with
+    `row_axes=("dp", "cp")`; `layout` is one group's lanes): group `g`'s rows planned as
+    `plan_rows` plans them (its lanes' global slots and local pages), padded to the
+    busiest group's row bucket and the widest table, and stacked group-major, so the
+    rows split over `("dp", "cp")` put each group's on its own ranks. An idle group runs
+    padding rows (valid False, lane 0's trash page). Returns the plan (`n`: all its
+    rows) and, per group, the plan row of each of its rows."""
+    planned = [plan_rows(layout, rows) if rows else None for rows in groups]
+    shapes = [p.shape for p in planned if p is not None]
+    if not shapes:
+        raise InputError("a decode step needs at least one row")
+    rows_p, width = max(r for r, _ in shapes), max(w for _, w in shapes)
+    fields: list[list[np.ndarray]] = [[] for _ in range(6)]
+    for p in planned:
+        padded = (
+            np.zeros((rows_p, 1), np.int32),
+            np.zeros((rows_p, 1), np.int32),
+            np.zeros((rows_p, 1), bool),
+            np.zeros((rows_p, 1), np.int32),
+            np.zeros((rows_p, width), np.int32),
+            np.zeros((rows_p,), np.int32),
+        )
+        if p is not None:
+            mine = (p.input_ids, p.positions, p.valid, p.write_slots, p.page_table, p.kv_lens)
+            for a, b in zip(padded, mine, strict=True):
+                a[tuple(slice(0, n) for n in b.shape)] = b
+        for f, a in zip(fields, padded, strict=True):
+            f.append(a)
+    plan = DecodePlan(*(np.concatenate(f) for f in fields), n=rows_p * len(groups))
+    return plan, [[g * rows_p + j for j in range(len(rows))] for g, rows in enumerate(groups)]
+
+
 class CPDecoder:
     """Decode steps over a shared-KV `CPPrefillRunner`'s pools, allocator and placed
     weights (its mesh, EP and numerics settings too). The runner's pool lock is held
@@ -288,10 +323,13 @@ def build_decode_step(
     invariant: bool = False,
     block_bytes: int | None = None,
     index_k_dtype: str = "fp8_e4m3",
+    row_axes: str | tuple[str, ...] = CP_AXIS,
 ):
     """The jitted decode step: `(state, tokens, page_table, kv_lens, pool) -> (logits
     [rows, vocab] replicated, pool)`, the pool donated. Explicit settings, so it lowers on
-    abstract weights too (`benchmarks/decode_memory.py --cp`)."""
+    abstract weights too (`benchmarks/decode_memory.py --cp`). `row_axes`: the mesh axes
+    the rows split over (`("dp", "cp")`: DP groups of CP ranks, each group's rows on its
+    ranks; owner attention's collectives name `"cp"` alone, so they stay in a group)."""
 
     def per_rank(state, tokens, page_table, kv_lens, pool):
         batch = ForwardBatch(*tokens, page_table, kv_lens)
@@ -305,8 +343,8 @@ def build_decode_step(
     sharded = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(state_specs, P(CP_AXIS), P(CP_AXIS), P(CP_AXIS), pool_spec),
-        out_specs=(P(CP_AXIS), pool_spec),
+        in_specs=(state_specs, P(row_axes), P(row_axes), P(row_axes), pool_spec),
+        out_specs=(P(row_axes), pool_spec),
         check_vma=False,
     )
     replicated = NamedSharding(mesh, P())

@@ -59,7 +59,7 @@ GroupedFFN = Callable[[Array, Array], Array]
 
 @dataclasses.dataclass(frozen=True)
 class EPSpec:
-    axis: str
+    axis: str | tuple[str, ...]
     size: int
     dispatch: EPDispatch = "allgather"
     capacity_factor: float | None = None  # all_to_all only; None = size (never drops)
@@ -198,7 +198,7 @@ _PROJ_NAMES = (
 )
 
 
-def param_specs(state: nnx.State, axis: str | None) -> nnx.State:
+def param_specs(state: nnx.State, axis: str | tuple[str, ...] | None) -> nnx.State:
     """PartitionSpecs for a model state: routed-expert leaves split on their expert axis
     over `axis` (None: no expert parallelism), everything else replicated."""
     return nnx.map_state(
@@ -206,7 +206,9 @@ def param_specs(state: nnx.State, axis: str | None) -> nnx.State:
     )
 
 
-def param_shardings(state: nnx.State, mesh: Mesh | AbstractMesh, axis: str | None) -> nnx.State:
+def param_shardings(
+    state: nnx.State, mesh: Mesh | AbstractMesh, axis: str | tuple[str, ...] | None
+) -> nnx.State:
     """`param_specs` as NamedShardings on `mesh` (an AbstractMesh sizes real meshes)."""
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec),

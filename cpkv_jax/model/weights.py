@@ -546,7 +546,7 @@ def load_hf_weights(
     progress: bool = True,
     fp8: Fp8Mode = "keep",
     mesh: Mesh | None = None,
-    expert_axis: str | None = None,
+    expert_axis: str | tuple[str, ...] | None = None,
     stats: LoadStats | None = None,
     mtp: bool = False,
 ) -> CausalLM:
@@ -642,7 +642,7 @@ def load_model(
     progress: bool = True,
     fp8: Fp8Mode = "keep",
     mesh: Mesh | None = None,
-    expert_axis: str | None = None,
+    expert_axis: str | tuple[str, ...] | None = None,
     stats: LoadStats | None = None,
     mtp: bool = False,
 ) -> tuple[ModelConfig, CausalLM]:
