@@ -262,10 +262,10 @@ class DecodeEngine:
             )
             self.room = speculative_room(speculative_num_steps, overlap)
             if cp_decoder is not None:  # pages striped over the group's lanes
-                self.placement = StripedPlacement(CPMeshDecodeSteps(cp_decoder))
+                self.placement = StripedPlacement.of(cp_decoder, bucketed=False)
         elif cp_decoder is not None:  # a unified server on a CP mesh (issue 40)
             self.steps = CPMeshDecodeSteps(cp_decoder)
-            self.placement = StripedPlacement(self.steps)
+            self.placement = StripedPlacement.of(cp_decoder)
         elif self.dp_size > 1:
             assert mesh is not None
             self.steps = MeshDecodeSteps(
@@ -1035,9 +1035,13 @@ class DecodeEngine:
             scored = [r.scoring is not None for r in batch]
             out = self.spec.prefill_many(admissions, starts, scored)
             asked = any(_top_n(r) for r in batch)
-            token, lp, *top = jax.device_get(out[:4] if asked else out[:2])
+            # One fetch: the first tokens (their top log-probs if asked) and, when the
+            # prefill's scoring twin ran, the fed tokens' prompt scores.
+            want = [*out[:2], *(out[2:4] if asked else ()), *(out[4:7] if any(scored) else ())]
+            got = jax.device_get(want)
+            token, lp, top = got[0], got[1], got[2 : 4 if asked else 2]
             if any(scored):  # prompt log-probs: the prefill's scoring twin ran
-                chosen, top_ids, top_lps = jax.device_get(out[4:7])
+                chosen, top_ids, top_lps = got[-3:]
                 for i, (r, start) in enumerate(zip(batch, starts, strict=True)):
                     if r.scoring is not None:
                         n = len(r.prompt) - start

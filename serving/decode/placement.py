@@ -9,8 +9,8 @@ between `DecodeEngine`'s admission and page accounting and the kind of mesh it r
 - `StripedPlacement` (a CP group, issue 40): the group is one rank whose pages are
   striped by owner, logical page `p` on lane `p % cp` (global page ids, as a DP pool's
   shards); a request is admitted when every lane has its share, free pages are the
-  lanes' sum, and step shapes run raised to the CP step's rows and width
-  (`CPMeshDecodeSteps.bucket`).
+  lanes' sum, and plain step shapes run raised to the CP step's rows and width
+  (`steps.cp_bucket`; speculative shapes already count rows per CP rank).
 
 Both are pure host bookkeeping over the engine's `KVStore`: no device work.
 """
@@ -21,9 +21,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cpkv_jax.cp_decode import CPDecoder
 from cpkv_jax.decode_mesh import choose_rank, choose_rank_for_prefix
 from cpkv_jax.kv_store import KVStore
-from serving.decode.steps import CPMeshDecodeSteps, Shape
+from serving.decode.steps import Shape, cp_bucket
 
 
 class RankPlacement:
@@ -72,10 +73,25 @@ class StripedPlacement:
 
     ranks = 1
 
-    def __init__(self, steps: CPMeshDecodeSteps):
-        self.steps = steps
-        self.cp = steps.cp
-        self.usable_pages = steps.usable_pages  # every lane's, less its trash page
+    def __init__(self, cp: int, usable_pages: int, bucketed: bool = True):
+        """`usable_pages`: every lane's, less its trash page. `bucketed`: the engine's
+        shapes run raised to the CP step's rows and width (plain CP decode steps); a
+        speculative engine's shapes count rows per CP rank already and run as they are."""
+        self.cp = cp
+        self.usable_pages = usable_pages
+        self.bucketed = bucketed
+
+    @classmethod
+    def of(cls, decoder: CPDecoder, bucketed: bool = True) -> StripedPlacement:
+        """The placement of `decoder`'s group: its lanes' usable pages."""
+        runner = decoder.runner
+        return cls(
+            runner.cp.cp_size, runner.cp.cp_size * runner.allocator.capacity_per_lane, bucketed
+        )
+
+    def striped(self, n_pages: int) -> np.ndarray:
+        """Pages each lane gives a request of `n_pages` pages, `[cp]`."""
+        return np.bincount(np.arange(n_pages) % self.cp, minlength=self.cp)
 
     def free_pages(self, free_per_shard: Sequence[int]) -> tuple[int, ...]:
         return (sum(free_per_shard),)
@@ -94,7 +110,7 @@ class StripedPlacement:
         bound is the engine's total, checked before). A CP group's prefix cache is its
         runner's scheduler's: `cached` and `host` are never given."""
         assert cached is None and host is None, "a CP group admits through its scheduler"
-        short = np.asarray(free_per_shard) < self.steps.striped(n_pages)
+        short = np.asarray(free_per_shard) < self.striped(n_pages)
         return None if short.any() else 0
 
     def allocate(self, kv: KVStore, n_pages: int, rank: int) -> np.ndarray:
@@ -102,7 +118,7 @@ class StripedPlacement:
         `p % cp`'s shard; all or nothing."""
         taken: list[np.ndarray] = []
         try:
-            for lane, n in enumerate(self.steps.striped(n_pages)):
+            for lane, n in enumerate(self.striped(n_pages)):
                 taken.append(kv.allocate_pages(int(n), lane))
         except Exception:
             for pages in taken:
@@ -114,4 +130,4 @@ class StripedPlacement:
         return out
 
     def as_run(self, shapes: set[Shape]) -> set[Shape]:
-        return {self.steps.bucket(s) for s in shapes}
+        return {cp_bucket(s, self.cp) for s in shapes} if self.bucketed else set(shapes)

@@ -358,6 +358,8 @@ class SpeculativeSteps(CompiledShapes):
         self._fns: dict[str, Callable] = {}
         for greedy in (False, True):
             for form, fn in _programs(graphdef, num_steps, greedy, static).items():
+                if cp_decoder is not None and form in SPEC_PREFILL_FORMS + SPEC_SCORE_FORMS:
+                    continue  # a CP group's runner prefills; these would never run here
                 n_rows = len(self._pad_row(form, 1, 1))  # (state, slab, *rows, pool)
                 if self._placed is None:
                     self._fns[form] = jax.jit(fn, donate_argnums=(1, 2 + n_rows))
@@ -512,6 +514,8 @@ class SpeculativeSteps(CompiledShapes):
         scoring twin runs, and returns after the first tokens' four arrays the fed
         tokens' scores (`transformer.score_tokens`: chosen, top ids, top log-probs;
         zeros for a request not scored)."""
+        if self.cp_decoder is not None:
+            raise ValueError("speculative steps on a CP group do not prefill: the CP runner does")
         starts = [0] * len(requests) if starts is None else list(starts)
         scored = [False] * len(requests) if scored is None else list(scored)
         fed = [len(req[0]) - start for req, start in zip(requests, starts, strict=True)]

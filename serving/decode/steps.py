@@ -605,6 +605,12 @@ class MeshDecodeSteps:
         return self._dp.compiled_shapes
 
 
+def cp_bucket(shape: Shape, cp: int) -> Shape:
+    """The CP decode step an engine shape runs as: rows and width at least `cp`."""
+    form, rows, tokens, width = shape
+    return form, max(rows, cp), tokens, max(width, cp)
+
+
 class CPMeshDecodeSteps:
     """`DecodeSteps` on a CP mesh over a shared-KV CP runner's page-owned pools
     (`cpkv_jax.cp_decode`, issue 40): the unified server with `--cp-size N`, whose
@@ -631,23 +637,16 @@ class CPMeshDecodeSteps:
         self.layout = decoder.runner.layout
         self.vocab_size = decoder.runner.cfg.vocab_size
         self.batch_invariant = decoder.runner.batch_invariant
-        # A request's longest reservation: every lane's usable pages (less its trash page).
-        self.usable_pages = cp * decoder.runner.allocator.capacity_per_lane
         self.shapes: set[Shape] = set()
 
     def bucket(self, shape: Shape) -> Shape:
         """The CP step an engine shape runs as: rows and width at least `cp`."""
-        form, rows, tokens, width = shape
-        return form, max(rows, self.cp), tokens, max(width, self.cp)
+        return cp_bucket(shape, self.cp)
 
     def local(self, pages: np.ndarray) -> np.ndarray:
         """A request's global page ids as local ones (logical page `p` on lane `p % cp`)."""
         pages = np.asarray(pages, np.int64)
         return pages - (np.arange(pages.size) % self.cp) * self.layout.pages_per_rank
-
-    def striped(self, n_pages: int) -> np.ndarray:
-        """Pages each lane gives a request of `n_pages` pages, `[cp]`."""
-        return np.bincount(np.arange(n_pages) % self.cp, minlength=self.cp)
 
     def prefill(
         self, prompt: np.ndarray, pages: np.ndarray, width: int, start: int = 0

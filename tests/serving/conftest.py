@@ -5,6 +5,8 @@
 - ServerArgs (test_server_args_*.py): `tiny_config_dir`;
 - buffer estimator (test_buffer_estimator*.py): `cfg`, `mesh`, `estimator`.
 - PD prefill server (test_prefill_server_*.py): `tiny_checkpoint` (session-scoped).
+- CP mesh servers (test_unified_cp.py, test_pd_cp_decode.py, test_speculative_cp.py):
+  `cp_checkpoint` (session-scoped).
 
 Module-scoped fixtures are built once per test file that uses them.
 """
@@ -159,3 +161,12 @@ def tiny_checkpoint(tiny_checkpoints):
     path = tiny_checkpoints("glm_moe_dsa")
     cfg, model = load_model(path, progress=False)
     return path, cfg, model
+
+
+@pytest.fixture(scope="session")
+def cp_checkpoint(tiny_checkpoints):
+    """The CP mesh servers' FP8 checkpoint, its config and one-device reference generator
+    (`support.unified_server.fp8_moe_checkpoint`), loaded once per test process."""
+    from support.unified_server import fp8_moe_checkpoint  # the server stack: only here
+
+    return fp8_moe_checkpoint(tiny_checkpoints)

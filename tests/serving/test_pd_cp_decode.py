@@ -26,7 +26,6 @@ from support.pd_pair import pd_pair
 from support.prefill_server import P, float32_args
 from support.unified_server import (
     assert_greedy_reference,
-    fp8_moe_checkpoint,
     generate_with_logprobs,
     page_bytes,
 )
@@ -42,13 +41,8 @@ WAIT_S = 300.0
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoints):
-    return fp8_moe_checkpoint(tiny_checkpoints)
-
-
-@pytest.fixture(scope="module")
-def pd(checkpoint) -> Iterator[dict[str, Any]]:
-    path, cfg, _ = checkpoint
+def pd(cp_checkpoint) -> Iterator[dict[str, Any]]:
+    path, cfg, _ = cp_checkpoint
     page = page_bytes(cfg, CP)
     group = ("--cp-size", str(CP), "--enable-cp-shared-kv", "--ep-size", str(CP))
     decode = float32_args(
@@ -66,8 +60,8 @@ def pd(checkpoint) -> Iterator[dict[str, Any]]:
         yield pair
 
 
-def test_cp_prefill_into_a_cp_decode_group_equals_the_reference(pd, checkpoint):
-    _, cfg, ref = checkpoint
+def test_cp_prefill_into_a_cp_decode_group_equals_the_reference(pd, cp_checkpoint):
+    _, cfg, ref = cp_checkpoint
     decode = pd["decode"].engine
     assert isinstance(decode.steps, CPMeshDecodeSteps)
     assert decode.stats().kv_pages_total == (CP * (DECODE_PAGES - 1),)
@@ -90,8 +84,8 @@ def test_cp_prefill_into_a_cp_decode_group_equals_the_reference(pd, checkpoint):
     assert decode.step_shapes <= decode.reachable_shapes()
 
 
-def test_a_client_leaving_mid_stream_frees_the_group_s_pages(pd, checkpoint):
-    _, cfg, _ = checkpoint
+def test_a_client_leaving_mid_stream_frees_the_group_s_pages(pd, cp_checkpoint):
+    _, cfg, _ = cp_checkpoint
     ids = np.random.default_rng(4).integers(3, cfg.vocab_size, 9 * P).tolist()
     body = {
         "input_ids": ids,

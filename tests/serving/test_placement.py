@@ -13,17 +13,13 @@ from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.paging import CacheCapacityError, PageAllocator
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving.decode.placement import RankPlacement, StripedPlacement
-from serving.decode.steps import CPMeshDecodeSteps
 
 CP, PER_LANE = 4, 6  # 4 lanes of 6 pages: each lane's first is its trash page
 
 
-def striped(cp: int = CP) -> StripedPlacement:
-    """A `StripedPlacement` over `cp` lanes: the CP steps without their decoder (the
-    placement reads only their lane count, usable pages and buckets)."""
-    steps = object.__new__(CPMeshDecodeSteps)
-    steps.cp, steps.usable_pages = cp, cp * (PER_LANE - 1)
-    return StripedPlacement(steps)
+def striped(cp: int = CP, bucketed: bool = True) -> StripedPlacement:
+    """A `StripedPlacement` over `cp` lanes of `PER_LANE` pages."""
+    return StripedPlacement(cp, cp * (PER_LANE - 1), bucketed)
 
 
 def store(ranks: int = CP) -> PagedKVStore:
@@ -63,6 +59,9 @@ def test_striped_admission_is_all_or_nothing():
 def test_striped_shapes_run_at_the_cp_step_s_rows_and_width():
     shapes = {("absorbed", 1, 1, 2), ("absorbed", 8, 1, 16)}
     assert striped().as_run(shapes) == {("absorbed", 4, 1, 4), ("absorbed", 8, 1, 16)}
+    # A speculative engine's shapes count rows per CP rank (its slots): run as they are.
+    spec = {("spec_greedy", 1, 3, 4), ("spec_given_greedy", 1, 1, 4)}
+    assert striped(bucketed=False).as_run(spec) == spec
 
 
 def test_rank_placement_keeps_a_request_on_one_rank():

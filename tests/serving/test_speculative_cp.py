@@ -25,7 +25,6 @@ from support.unified_server import (
     assert_greedy_reference,
     client_wave,
     cp_group_args,
-    fp8_moe_checkpoint,
     generate_with_logprobs,
     serving,
     settled_held_pages,
@@ -48,13 +47,8 @@ WAIT_S = 300.0
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoints):
-    return fp8_moe_checkpoint(tiny_checkpoints)
-
-
-@pytest.fixture(scope="module")
-def spec_cp(checkpoint):
-    path, cfg, _ = checkpoint
+def spec_cp(cp_checkpoint):
+    path, cfg, _ = cp_checkpoint
     drafting = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(STEPS))
     # The pool keeps the MTP layer's KV too: pages of one more layer.
     with serving(cp_group_args(path, mtp_config(cfg), CP, PAGES_PER_RANK, *drafting)) as s:
@@ -73,13 +67,13 @@ class _ByPrompt(dict):
         return self.by_prompt[tuple(int(t) for t in self.engine.running[rid].prompt)]
 
 
-def test_drafts_verify_where_the_pages_live_and_answer_as_plain_decoding(spec_cp, checkpoint):
+def test_drafts_verify_where_the_pages_live_and_answer_as_plain_decoding(spec_cp, cp_checkpoint):
     """The long request and two short ones at once, then the long one again from the
     prefix cache, with the oracle's drafts (`support.speculative_engine.install_oracle`:
     the plain continuation, corrupted at a place that moves with the step and the row, so
     steps accept every count from 0 to K): greedy tokens and log-probs of one device's
     plain decoding, and every step shape one the engine's warm-up accounting knows."""
-    _, cfg, ref = checkpoint
+    _, cfg, ref = cp_checkpoint
     server, served = spec_cp
     engine = server.engine
     assert isinstance(engine, CachedUnifiedEngine)
@@ -117,12 +111,12 @@ def test_drafts_verify_where_the_pages_live_and_answer_as_plain_decoding(spec_cp
     assert spec.free_slots == spec.num_slots
 
 
-def test_sampled_rows_draw_what_one_device_s_speculative_decoding_draws(spec_cp, checkpoint):
+def test_sampled_rows_draw_what_one_device_s_speculative_decoding_draws(spec_cp, cp_checkpoint):
     """Temperature 0.8 with top-p, seeded: the CP group's draft-and-verify steps draw the
     tokens `MTPSpeculator` draws on one device from the same seed (the same random
     streams, the same accept / reject rule over target distributions that agree within
     the CP tolerance), log-probs within 1e-5."""
-    path, cfg, _ = checkpoint
+    path, cfg, _ = cp_checkpoint
     _, served = spec_cp
     rng = np.random.default_rng(9)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (P + 3, 2 * P + 9)]
@@ -138,11 +132,11 @@ def test_sampled_rows_draw_what_one_device_s_speculative_decoding_draws(spec_cp,
         np.testing.assert_allclose(got, want.logprobs, rtol=1e-5, atol=1e-5)
 
 
-def test_many_clients_with_disconnects_leave_every_page_and_slot(spec_cp, checkpoint):
+def test_many_clients_with_disconnects_leave_every_page_and_slot(spec_cp, cp_checkpoint):
     """12 clients at once, sampled and greedy, some prompts spanning every rank, a third
     streaming and leaving after their first event: every finished answer has its length,
     and at the end no page or draft-state slot is held."""
-    _, cfg, _ = checkpoint
+    _, cfg, _ = cp_checkpoint
     server, served = spec_cp
     engine = server.engine
     rng = np.random.default_rng(13)

@@ -24,7 +24,6 @@ from support.unified_server import (
     assert_greedy_reference,
     client_wave,
     cp_group_args,
-    fp8_moe_checkpoint,
     generate_with_logprobs,
     serving,
     settled_held_pages,
@@ -42,22 +41,19 @@ WAIT_S = 300.0
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoints):
-    return fp8_moe_checkpoint(tiny_checkpoints)
-
-
-@pytest.fixture(scope="module")
-def unified_cp(checkpoint):
-    path, cfg, _ = checkpoint
+def unified_cp(cp_checkpoint):
+    path, cfg, _ = cp_checkpoint
     with serving(cp_group_args(path, cfg, CP, PAGES_PER_RANK)) as s:
         yield s
 
 
-def test_a_prompt_longer_than_one_rank_s_pool_decodes_where_its_pages_live(unified_cp, checkpoint):
+def test_a_prompt_longer_than_one_rank_s_pool_decodes_where_its_pages_live(
+    unified_cp, cp_checkpoint
+):
     """The long request and two short ones of other lengths at once (rows join and leave
     the batch as they finish), then the long prompt again: its whole pages come from the
     prefix cache, striped as before. Every page is back (free or cached) at the end."""
-    _, cfg, ref = checkpoint
+    _, cfg, ref = cp_checkpoint
     server, served = unified_cp
     engine = server.engine
     assert isinstance(engine, CachedUnifiedEngine)
@@ -98,12 +94,12 @@ def test_a_prompt_longer_than_one_rank_s_pool_decodes_where_its_pages_live(unifi
     assert engine.step_shapes <= engine.reachable_shapes()
 
 
-def test_many_clients_with_disconnects_and_a_refusal_leave_every_page(unified_cp, checkpoint):
+def test_many_clients_with_disconnects_and_a_refusal_leave_every_page(unified_cp, cp_checkpoint):
     """16 clients at once on the CP mesh, sampled and greedy, some with long prompts
     (pages on every rank), a third streaming and leaving after their first event, and
     one prompt longer than the whole CP pool, refused with a 400 before anything is
     allocated: every finished answer has its length, and at the end no page is held."""
-    _, cfg, _ = checkpoint
+    _, cfg, _ = cp_checkpoint
     server, served = unified_cp
     engine = server.engine
     rng = np.random.default_rng(12)
