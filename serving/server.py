@@ -565,8 +565,8 @@ def warm_up(
             for rows in _pow2_upto(k)
             for width in _pow2_upto(per_request)
         }
-        if engine.spec is not None:  # their speculative twins; admissions from a given token
-            warmed = engine.spec.shapes_for(warmed, "token")
+        if engine.spec is not None:  # their speculative twins and this engine's admissions
+            warmed = engine.spec.shapes_for(warmed, engine.spec_admission)
         warmed = engine.as_run(warmed)
         engine.warm_shapes(warmed)
     else:

@@ -760,10 +760,16 @@ class DecodeEngine:
         )
         if self.spec is None:
             return self.as_run(plain)
-        admission = None
-        if not self.intake.prefills_with_engine_steps:  # prefilled elsewhere: from what?
-            admission = "logits" if self.intake.first_token_on_host else "token"
-        return self.spec.shapes_for(plain, admission)
+        return self.spec.shapes_for(plain, self.spec_admission)
+
+    @property
+    def spec_admission(self) -> str | None:
+        """How a speculative engine's requests get their first drafts
+        (`speculative.ADMISSION_FORMS`): None when it prefills them itself, else from
+        the logits or the token of the prefill that ran elsewhere."""
+        if self.intake.prefills_with_engine_steps:
+            return None
+        return "logits" if self.intake.first_token_on_host else "token"
 
     def as_run(self, shapes: set[tuple[str, int, int, int]]) -> set[tuple[str, int, int, int]]:
         """The step shapes `shapes` (rows and width powers of two) run as: themselves,

@@ -35,7 +35,7 @@ from cpkv_jax.model.weights import load_model
 from cpkv_jax.speculative import MTPSpeculator
 from serving.decode.cached import CachedUnifiedEngine
 from serving.decode.placement import StripedPlacement
-from serving.decode.speculative import SpeculativeSteps
+from serving.decode.speculative import SPEC_ADMIT_FORMS, SPEC_FORMS, SpeculativeSteps
 
 pytestmark = pytest.mark.slow(seconds=90)
 
@@ -72,7 +72,8 @@ def test_drafts_verify_where_the_pages_live_and_answer_as_plain_decoding(spec_cp
     prefix cache, with the oracle's drafts (`support.speculative_engine.install_oracle`:
     the plain continuation, corrupted at a place that moves with the step and the row, so
     steps accept every count from 0 to K): greedy tokens and log-probs of one device's
-    plain decoding, and every step shape one the engine's warm-up accounting knows."""
+    plain decoding, and every step shape one the engine's warm-up accounting knows (its
+    admissions and verify steps among those the warm-up probe ran)."""
     _, cfg, ref = cp_checkpoint
     server, served = spec_cp
     engine = server.engine
@@ -82,6 +83,10 @@ def test_drafts_verify_where_the_pages_live_and_answer_as_plain_decoding(spec_cp
     assert isinstance(engine.placement, StripedPlacement)
     info = httpx.get(served.url + "/server_info", timeout=WAIT_S).json()
     assert info["cp_size"] == CP and info["speculative"]["num_steps"] == STEPS
+    # The warm-up probe ran this engine's admissions (after the runner's prefill: from
+    # its logits) and verify steps at a rank's rows, not the plain CP step's raised ones.
+    probed = {form for form, *_ in spec.shapes}
+    assert probed >= {*SPEC_ADMIT_FORMS, *SPEC_FORMS}, probed
     rng = np.random.default_rng(5)
     jobs = [
         (rng.integers(3, cfg.vocab_size, n).tolist(), new)
