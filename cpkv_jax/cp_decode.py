@@ -23,6 +23,13 @@ of its draft-state slots, the trunk and the MTP layer through this decoder's `kv
 whose `slots` puts each token's KV on its owner lane (`lane_pages`); a drafting runner's
 pool holds the MTP layer's KV striped like the trunk's.
 
+DP groups of CP ranks (`("dp", "cp")`, a PD decode server with `--dp-size G --cp-size N`):
+`DecodeGroups` holds the weights on the 2-D mesh (routed experts over all `G x N`
+devices) and every group's page-owned pool (lane `g * N + l` is group `g`'s lane `l`);
+a `CPDecoder` over it splits each step's rows over both axes, group `g`'s rows on its
+ranks (`plan_groups`), and owner attention's collectives name `"cp"` alone, so a group
+attends over its own lanes.
+
 Host planning (`plan`) is numpy: each row's next position extends its
 `RequestPageTable` on the owner lanes (all-or-nothing), and the step's shapes are
 bucketed - rows to `cp` times a power of two, the page table to
@@ -44,17 +51,20 @@ from jax.sharding import PartitionSpec as P
 
 from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import page_table_width, pow2_at_least
-from cpkv_jax.config import ModelConfig
+from cpkv_jax.config import CPConfig, ModelConfig
 from cpkv_jax.cp_prefill import CPPrefillRunner, global_array
 from cpkv_jax.decode_mesh import DPPlacement
 from cpkv_jax.errors import InputError
 from cpkv_jax.kv_layout import KVLayout
-from cpkv_jax.kv_pool import PoolLayout
+from cpkv_jax.kv_pool import PoolLayout, cp_pool_shapes, zeros_in
+from cpkv_jax.kv_store import DevicePool
 from cpkv_jax.lane_allocator import RequestPageTable
-from cpkv_jax.mesh import CP_AXIS
+from cpkv_jax.mesh import CP_AXIS, DP_AXIS, GROUP_AXES
+from cpkv_jax.model.expert_parallel import EPSpec, check_divisible, param_shardings, param_specs
 from cpkv_jax.model.expert_parallel import expert_parallel as ep_context
-from cpkv_jax.model.expert_parallel import param_specs
 from cpkv_jax.model.forward_batch import ForwardBatch, feed_ids
+from cpkv_jax.model.kv_cache import IndexKDtype
+from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.numerics import batch_invariant, token_block_bytes
 from cpkv_jax.model.transformer import log_probs
 from cpkv_jax.owner_attention import OwnerCPKVIO
@@ -153,18 +163,82 @@ def plan_groups(
     return plan, [[g * rows_p + j for j in range(len(rows))] for g, rows in enumerate(groups)]
 
 
+class DecodeGroups:
+    """DP groups of CP ranks for decode (issue 40 item 3): the model's weights placed on a
+    `("dp", "cp")` mesh (routed experts split over both axes under `expert_parallel`, the
+    rest replicated) and every group's page-owned pool, lane `g * cp + l` holding group
+    `g`'s lane `l`, so global page ids (`lane * pages_per_rank + local`) number the pool
+    as a DP pool's shards and a request's pages stripe over its group's lanes. It holds
+    what a `CPDecoder` reads of a `CPPrefillRunner`, and runs no prefill: a PD decode
+    server's prompts arrive as KV. `mtp`: the pool keeps the MTP layer's KV too."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        model,
+        mesh,
+        cp: CPConfig,
+        *,
+        pages_per_rank: int,
+        index_k_dtype: IndexKDtype = "fp8_e4m3",
+        gather_impl: str = "xla",
+        block_bytes: int | None = None,
+        expert_parallel: EPSpec | None = None,
+        mtp: bool = False,
+    ):
+        if tuple(mesh.axis_names) != GROUP_AXES:
+            raise InputError(f"decode groups run on a {GROUP_AXES} mesh, got {mesh.axis_names}")
+        if mesh.shape[CP_AXIS] != cp.cp_size or not cp.shared_kv:
+            raise InputError(
+                f"decode groups need page-owned KV over the mesh's {mesh.shape[CP_AXIS]} cp "
+                f"ranks, got cp_size {cp.cp_size} shared_kv {cp.shared_kv}"
+            )
+        self.groups = mesh.shape[DP_AXIS]
+        if expert_parallel is not None:
+            if (expert_parallel.axis, expert_parallel.size) != (GROUP_AXES, mesh.size):
+                raise InputError(
+                    f"decode groups split the routed experts over {GROUP_AXES} ({mesh.size} "
+                    f"devices), got axis {expert_parallel.axis!r} size {expert_parallel.size}"
+                )
+            check_divisible(cfg.n_routed_experts, mesh.size)
+        self.cfg, self.cp, self.mesh = cfg, cp, mesh
+        self.index_k_dtype = index_k_dtype
+        self.batch_invariant = False  # owner attention's numerics depend on the batch
+        self.block_bytes = block_bytes
+        self.layout = PoolLayout(cp.cp_size, True, pages_per_rank, cp.page_size)  # one group
+        self.kv_io = OwnerCPKVIO(cp.cp_size, True, gather_impl)
+        self.graphdef, state = nnx.split(model)
+        self.expert_parallel = expert_parallel
+        ep_axis = None if expert_parallel is None else GROUP_AXES
+        self.state = jax.device_put(state, param_shardings(state, mesh, ep_axis))
+        self.pool_cfg = pool_cfg = mtp_config(cfg) if mtp else cfg
+        lanes = PoolLayout(mesh.size, True, pages_per_rank, cp.page_size)
+        shapes = cp_pool_shapes(pool_cfg, lanes, model.dtype, index_k_dtype)
+        split = NamedSharding(mesh, P(GROUP_AXES))  # pages over every group's lanes
+        self.kv = DevicePool(zeros_in(shapes, jax.tree.map(lambda _: split, shapes)))
+
+    @property
+    def pool(self):
+        return self.kv.current
+
+
 class CPDecoder:
     """Decode steps over a shared-KV `CPPrefillRunner`'s pools, allocator and placed
-    weights (its mesh, EP and numerics settings too). The runner's pool lock is held
-    while a step swaps the pool, as for its own steps."""
+    weights (its mesh, EP and numerics settings too), or over `DecodeGroups` (rows split
+    over both axes, group by group). The pool lock is held while a step swaps the pool,
+    as for the runner's own steps."""
 
-    def __init__(self, runner: CPPrefillRunner):
+    def __init__(self, runner: CPPrefillRunner | DecodeGroups):
         if not runner.cp.shared_kv:
             raise InputError(
                 "CP decode needs page-owned KV (`shared_kv`): with replicated pools one rank "
                 "already holds every page"
             )
         self.runner = runner
+        # DP groups of CP ranks: the rows split over both axes, one group's on its ranks.
+        grouped = isinstance(runner, DecodeGroups)
+        self.groups = runner.groups if grouped else 1
+        self.row_axes: str | tuple[str, ...] = GROUP_AXES if grouped else CP_AXIS
         cp = runner.cp.cp_size
         # `lane_pages`: the speculative programs compute their write slots on the device
         # (a drafting runner's pool holds the MTP layer's KV too; these steps read and
@@ -176,12 +250,20 @@ class CPDecoder:
             query_axis=0,
             lane_pages=runner.layout.pages_per_rank,
         )
-        self._step = _build_decode_step(runner, self.kv_io)
+        self._step = _build_decode_step(runner, self.kv_io, self.row_axes)
         self.steps: ShapeCache[DecodeShape] = ShapeCache("CP decode step")
-        self._split = NamedSharding(runner.mesh, P(CP_AXIS))  # every input: rows over cp
+        self._split = NamedSharding(runner.mesh, P(self.row_axes))  # every input: rows split
         self.replicated = NamedSharding(runner.mesh, P())  # the logits
         self._feed = jax.jit(feed_ids, out_shardings=self._split)
         self._log_probs = jax.jit(functools.partial(log_probs, invariant=runner.batch_invariant))
+        # Groups: the step's logits rows in the engine's row order (`plan_groups` stacks
+        # them group-major), a gather on the device.
+        self._reorder = jax.jit(lambda logits, order: logits[order], out_shardings=self.replicated)
+
+    @property
+    def usable_pages_per_lane(self) -> int:
+        """Pages a lane gives requests (its trash page excluded)."""
+        return self.runner.layout.pages_per_rank - 1
 
     # ---- host planning ----------------------------------------------------------------
     def plan(self, tables: Sequence[RequestPageTable], tokens: Sequence[int]) -> DecodePlan:
@@ -189,6 +271,8 @@ class CPDecoder:
         grows its table by that token (pages on the owner lanes). All or nothing: on
         `CacheCapacityError` every table is as it was and no page is taken."""
         runner = self.runner
+        if not isinstance(runner, CPPrefillRunner):
+            raise InputError("decode groups plan from the engine's pages (`plan_groups`)")
         if not tables or len(tables) != len(tokens):
             raise InputError(f"{len(tables)} tables for {len(tokens)} tokens")
         positions = [t.num_tokens for t in tables]
@@ -240,6 +324,11 @@ class CPDecoder:
         state = self.runner.state
         return self.runner.kv.update(lambda pool: step(state, tokens, table, kv_lens, pool))
 
+    def reorder(self, logits: jax.Array, order: np.ndarray) -> jax.Array:
+        """Row `i` of the result is `logits[order[i]]`, replicated, on the device (a
+        grouped step's rows back in the engine's order)."""
+        return self._reorder(logits, global_array(order, self.replicated))
+
     def feed(self, prev: jax.Array, src: np.ndarray, host_ids: np.ndarray) -> jax.Array:
         """A step's `[rows, 1]` input ids on the device, split as its rows: row `i` feeds
         `prev[src[i]]` (a token the last draw left on the device) where `src[i] >= 0`,
@@ -263,6 +352,8 @@ class CPDecoder:
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         runner = self.runner
+        if not isinstance(runner, CPPrefillRunner):
+            raise InputError("decode groups do not prefill: their prompts arrive as KV")
         result = runner.prefill(prompts, chunked_prefill_size)
         tables = result.tables
         try:
@@ -297,18 +388,23 @@ def row_placement(runner: CPPrefillRunner) -> DPPlacement:
     )
 
 
-def _build_decode_step(runner: CPPrefillRunner, kv_io: OwnerCPKVIO):
-    """The runner's decode step (`build_decode_step` with its settings)."""
+def _build_decode_step(
+    runner: CPPrefillRunner | DecodeGroups, kv_io: OwnerCPKVIO, row_axes: str | tuple[str, ...]
+):
+    """The runner's decode step (`build_decode_step` with its settings); the pool's pages
+    and the rows split over `row_axes`, the experts over the runner's EP axis."""
+    ep = runner.expert_parallel
     return build_decode_step(
         runner.graphdef,
         runner.mesh,
-        runner.layout.spec,
+        P(row_axes),
         kv_io,
-        param_specs(runner.state, None if runner.expert_parallel is None else CP_AXIS),
-        ep=runner.expert_parallel,
+        param_specs(runner.state, None if ep is None else ep.axis),
+        ep=ep,
         invariant=runner.batch_invariant,
         block_bytes=runner.block_bytes,
         index_k_dtype=runner.index_k_dtype,
+        row_axes=row_axes,
     )
 
 

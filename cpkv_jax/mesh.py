@@ -1,5 +1,6 @@
 """The serving meshes: `("cp",)` for context-parallel prefill, `("dp",)` for
-data-parallel decode (each with expert parallelism over the same devices).
+data-parallel decode, `("dp", "cp")` for decode on DP groups of CP ranks (each with
+expert parallelism over the same devices).
 
 Single process: the first `cp_size` local devices (virtual CPU devices in tests, GPUs in
 production). Multi-host: call `initialize_distributed` in every process first (JAX's own
@@ -31,6 +32,16 @@ def make_cp_mesh(cp_size: int, devices: list[jax.Device] | None = None) -> Mesh:
 def make_dp_mesh(dp_size: int, devices: list[jax.Device] | None = None) -> Mesh:
     """A 1-D mesh `("dp",)` over `dp_size` devices: data-parallel decode ranks."""
     return _line_mesh(DP_AXIS, "dp_size", dp_size, devices)
+
+
+GROUP_AXES = (DP_AXIS, CP_AXIS)
+
+
+def make_group_mesh(dp_size: int, cp_size: int, devices: list[jax.Device] | None = None) -> Mesh:
+    """A 2-D mesh `("dp", "cp")` over `dp_size * cp_size` devices: `dp_size` decode groups
+    of `cp_size` CP ranks each, group `g` on the `g`-th run of `cp_size` devices."""
+    line = _line_mesh(CP_AXIS, "dp_size * cp_size", dp_size * cp_size, devices)
+    return Mesh(line.devices.reshape(dp_size, cp_size), GROUP_AXES)
 
 
 def _line_mesh(axis: str, flag: str, size: int, devices: list[jax.Device] | None) -> Mesh:

@@ -55,12 +55,13 @@ from fastapi import FastAPI
 from cpkv_jax.aot import BackgroundCompiler, CompileJob
 from cpkv_jax.buckets import min_block
 from cpkv_jax.config import ModelConfig
-from cpkv_jax.cp_decode import CPDecoder
+from cpkv_jax.cp_decode import CPDecoder, DecodeGroups
 from cpkv_jax.cp_prefill import CPPrefillRunner
 from cpkv_jax.decode_mesh import PREFIX_ROW_SLACK, DPPoolLayout, init_dp_pool
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_store import DevicePool, DPPrefixStore, PagedKVStore
-from cpkv_jax.mesh import make_cp_mesh, make_dp_mesh
+from cpkv_jax.mesh import GROUP_AXES, make_cp_mesh, make_dp_mesh, make_group_mesh
+from cpkv_jax.model.expert_parallel import EPSpec
 from cpkv_jax.model.kv_cache import DTYPES, PagedKVIO, init_pool
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
@@ -222,14 +223,28 @@ def _build_decode_side(
     pool_cfg = args.kv_model_config(cfg)
     pages = pool_pages_per_rank(args, cfg)  # per rank (DP or CP), its trash page included
     dp = args.dp_size
-    mesh = make_dp_mesh(dp, devices) if dp > 1 else None
+    # A DP mesh, unless its ranks are DP groups of CP ranks (a CP decoder's groups).
+    mesh = make_dp_mesh(dp, devices) if dp > 1 and args.cp_size == 1 else None
     # One shard of `pages` per DP rank, each with its trash page.
     dp_layout = DPPoolLayout(dp, pages, args.page_size) if mesh is not None else None
     cp_decoder = None
-    if args.cp_size > 1:  # a CP decode group (issue 40): one pool striped by owner
+    if args.cp_size > 1 and dp > 1:  # DP groups of CP ranks (issue 40 item 3)
+        groups = _decode_groups(args, cfg, model, devices, pages)
+        cp_decoder = CPDecoder(groups)
+        pool: Any = groups.kv
+        logger.info(
+            "decode on %d DP groups of %d CP ranks: a request's pages striped by owner over "
+            "one group's ranks (%d usable pages per rank), attention where they live, "
+            "routed experts split %d per device",
+            dp,
+            args.cp_size,
+            pages - 1,
+            cfg.n_routed_experts // max(args.ep_size, 1),
+        )
+    elif args.cp_size > 1:  # a CP decode group (issue 40): one pool striped by owner
         runner = _cp_group(args, cfg, model, devices, pages)
         cp_decoder = CPDecoder(runner)
-        pool: Any = runner.kv  # shared with the runner, whose weights the steps use
+        pool = runner.kv  # shared with the runner, whose weights the steps use
         logger.info(
             "CP decode group over %d devices: each request's pages striped by owner (%d "
             "usable pages per rank), attention where they live, routed experts split %d "
@@ -243,7 +258,7 @@ def _build_decode_side(
     else:
         assert dp_layout is not None
         pool = init_dp_pool(pool_cfg, dp_layout, mesh, dtype, args.index_k_dtype)
-    ranks = max(dp, args.cp_size)  # pool shards: DP ranks, or a CP group's owner lanes
+    ranks = dp * args.cp_size  # pool shards: DP ranks, or CP groups' owner lanes
     running, why = max_running_requests(args, ranks * (pages - 1))
     logger.info("max running requests: %d (%s)", running, why)
     info: dict[str, Any] = {"max_running_requests": running, "dp_size": dp}
@@ -351,6 +366,28 @@ def _cp_group(
         block_bytes=args.transient_block_size,
         expert_parallel=ep_spec(args),
         mtp=args.speculative_steps() > 0,  # the pool keeps the MTP layer's KV too
+    )
+
+
+def _decode_groups(
+    args: ServerArgs, cfg: ModelConfig, model: CausalLM, devices: list, pages: int
+) -> DecodeGroups:
+    """A decode server's DP groups of CP ranks: the weights placed on the `("dp", "cp")`
+    mesh (routed experts split over all its devices, `--ep-size dp x cp`) and every
+    group's page-owned pool."""
+    ep = None
+    if args.ep_size > 1:
+        ep = EPSpec(GROUP_AXES, args.ep_size, args.ep_dispatch, args.ep_capacity_factor)
+    return DecodeGroups(
+        cfg,
+        model,
+        make_group_mesh(args.dp_size, args.cp_size, devices),
+        args.cp_config(),
+        pages_per_rank=pages,
+        index_k_dtype=args.index_k_dtype,
+        gather_impl=args.kernel_impl,
+        block_bytes=args.transient_block_size,
+        expert_parallel=ep,
     )
 
 

@@ -1110,8 +1110,19 @@ class ServerArgs:
             )
         elif unified and not self.uses_prefix_cache():
             why = "runs through the prefix cache's scheduler: drop --disable-radix-cache"
-        elif self.dp_size > 1:
-            why = "is one CP group: use --dp-size 1 (DP groups of CP ranks are not built)"
+        elif self.dp_size > 1 and unified:
+            why = "is one CP group: use --dp-size 1 (DP groups of CP ranks run on a decode server)"
+        elif self.dp_size > 1 and self.speculative_steps():
+            why = (
+                f"and --dp-size {self.dp_size} decodes on DP groups of CP ranks, which do not "
+                "draft yet: drop --speculative-algorithm or use --dp-size 1"
+            )
+        elif self.dp_size > 1 and self.ep_size != self.dp_size * cp:
+            # As a DP decode server's, its experts always split (`ep_enabled`).
+            why = (
+                f"and --dp-size {self.dp_size} splits the routed experts over all "
+                f"{self.dp_size * cp} devices of its groups: use --ep-size {self.dp_size * cp}"
+            )
         elif self.enable_batch_invariant:
             # Owner attention merges the ranks' partial softmaxes, and a step's block takes
             # its exact fall-back when any row's selection piles onto one rank: a row's
@@ -1125,6 +1136,11 @@ class ServerArgs:
         if why is not None:
             server = "a unified (null)" if unified else "a decode"
             raise ServerArgsError(f"{server} server with --cp-size {cp} {why}; or use --cp-size 1")
+
+    def decodes_on_groups(self) -> bool:
+        """A decode server on DP groups of CP ranks (`--dp-size G --cp-size N`, issue 40):
+        each request's pages striped over one group's ranks."""
+        return self.disaggregation_mode == "decode" and self.cp_size > 1 and self.dp_size > 1
 
     def runs_on_cp_mesh(self) -> bool:
         """Whether the model runs on a `("cp",)` mesh: a prefill server, or a unified or
@@ -1143,6 +1159,10 @@ class ServerArgs:
         one with `--cp-size N`); experts split evenly."""
         ep = self.ep_size
         if ep == 1:
+            return
+        if self.decodes_on_groups() and ep == self.dp_size * self.cp_size:
+            # DP groups of CP ranks: experts over every device of the groups.
+            self._check_expert_split(model_config, "--ep-size", ep, "dp_size * cp_size", warnings)
             return
         if not self.runs_on_cp_mesh() or self.cp_size == 1:
             raise ServerArgsError(
@@ -1180,10 +1200,12 @@ class ServerArgs:
                 f"--dp-size {dp} is for decode: a prefill server splits a request over "
                 "--cp-size ranks instead; use --dp-size 1 here"
             )
-        if device_count is not None and (dp > device_count or device_count % dp):
-            raise ServerArgsError(
-                f"--dp-size {dp} must divide the {device_count} available devices"
+        used = dp * self.cp_size if self.decodes_on_groups() else dp
+        if device_count is not None and (used > device_count or device_count % used):
+            what = f"--dp-size {dp}" + (
+                f" x --cp-size {self.cp_size}" if self.decodes_on_groups() else ""
             )
+            raise ServerArgsError(f"{what} must divide the {device_count} available devices")
         self._check_expert_split(model_config, "--dp-size", dp, "dp_size", warnings)
 
     def _check_expert_split(

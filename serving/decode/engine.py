@@ -228,7 +228,15 @@ class DecodeEngine:
         # Data-parallel decode (`--dp-size`): the pool splits into one shard per rank,
         # each with its trash page; a request's pages and rows stay on one rank.
         self.mesh = mesh
-        self.dp_size = 1 if mesh is None else mesh.size
+        # Admission ranks: DP ranks, or a CP decoder's groups (one CP group: one rank).
+        self.dp_size = mesh.size if mesh is not None else 1
+        if cp_decoder is not None:
+            self.dp_size = cp_decoder.groups
+            if speculative_num_steps and cp_decoder.groups > 1:
+                raise ConfigError(
+                    "speculative decoding runs on one CP group; DP groups of CP ranks do "
+                    "not draft (not built)"
+                )
         self.steps: DecodeSteps | MeshDecodeSteps | CPMeshDecodeSteps | SpeculativeSteps
         # Speculative decoding (`--speculative-num-steps`): drafts from the MTP layer,
         # verified by the trunk, in one step executor (`serving.decode.speculative`).

@@ -10,7 +10,9 @@ between `DecodeEngine`'s admission and page accounting and the kind of mesh it r
   striped by owner, logical page `p` on lane `p % cp` (global page ids, as a DP pool's
   shards); a request is admitted when every lane has its share, free pages are the
   lanes' sum, and plain step shapes run raised to the CP step's rows and width
-  (`steps.cp_bucket`; speculative shapes already count rows per CP rank).
+  (`steps.cp_bucket`; speculative shapes already count rows per CP rank). DP groups of
+  CP ranks: each group is an admission rank over its own lanes, chosen as
+  `choose_rank` chooses among those whose every lane has its share.
 
 Both are pure host bookkeeping over the engine's `KVStore`: no device work.
 """
@@ -69,32 +71,37 @@ class RankPlacement:
 
 
 class StripedPlacement:
-    """A CP group's pages, striped by owner over its lanes (see the module docstring)."""
+    """A CP group's pages, striped by owner over its lanes; with `groups` DP groups of CP
+    ranks, each group an admission rank over its own `cp` lanes (see the module
+    docstring)."""
 
-    ranks = 1
-
-    def __init__(self, cp: int, usable_pages: int, bucketed: bool = True):
-        """`usable_pages`: every lane's, less its trash page. `bucketed`: the engine's
-        shapes run raised to the CP step's rows and width (plain CP decode steps); a
-        speculative engine's shapes count rows per CP rank already and run as they are."""
+    def __init__(self, cp: int, usable_pages: int, bucketed: bool = True, groups: int = 1):
+        """`usable_pages`: one group's lanes', less their trash pages. `bucketed`: the
+        engine's shapes run raised to the CP step's rows and width (plain CP decode
+        steps); a speculative engine's shapes count rows per CP rank already and run as
+        they are."""
         self.cp = cp
         self.usable_pages = usable_pages
         self.bucketed = bucketed
+        self.ranks = groups
 
     @classmethod
     def of(cls, decoder: CPDecoder, bucketed: bool = True) -> StripedPlacement:
-        """The placement of `decoder`'s group: its lanes' usable pages."""
-        runner = decoder.runner
-        return cls(
-            runner.cp.cp_size, runner.cp.cp_size * runner.allocator.capacity_per_lane, bucketed
-        )
+        """The placement of `decoder`'s group(s): their lanes' usable pages."""
+        cp = decoder.runner.cp.cp_size
+        return cls(cp, cp * decoder.usable_pages_per_lane, bucketed, decoder.groups)
 
     def striped(self, n_pages: int) -> np.ndarray:
-        """Pages each lane gives a request of `n_pages` pages, `[cp]`."""
+        """Pages each lane of a group gives a request of `n_pages` pages, `[cp]`."""
         return np.bincount(np.arange(n_pages) % self.cp, minlength=self.cp)
 
     def free_pages(self, free_per_shard: Sequence[int]) -> tuple[int, ...]:
-        return (sum(free_per_shard),)
+        """Free pages per group (the sum of its lanes'; a store may count them per group
+        already, as the unified CP runner's does)."""
+        if len(free_per_shard) == self.ranks:
+            return tuple(free_per_shard)
+        free = np.asarray(free_per_shard).reshape(self.ranks, self.cp)
+        return tuple(int(n) for n in free.sum(axis=1))
 
     def choose(
         self,
@@ -106,20 +113,26 @@ class StripedPlacement:
         cached: Sequence[int] | None = None,
         host: Sequence[int] | None = None,
     ) -> int | None:
-        """0 when every lane has its share of `n_pages` free, else None (the batch's row
-        bound is the engine's total, checked before). A CP group's prefix cache is its
-        runner's scheduler's: `cached` and `host` are never given."""
+        """The group whose every lane has its share of `n_pages` free, with a row free:
+        most free pages, then fewest rows, then round robin (`choose_rank`); None when
+        none can take it now. A CP group's prefix cache is its runner's scheduler's:
+        `cached` and `host` are never given."""
         assert cached is None and host is None, "a CP group admits through its scheduler"
-        short = np.asarray(free_per_shard) < self.striped(n_pages)
-        return None if short.any() else 0
+        if len(free_per_shard) == self.ranks:  # counted per group: its total must cover it
+            totals = [f if f >= n_pages else -1 for f in free_per_shard]
+        else:
+            free = np.asarray(free_per_shard).reshape(self.ranks, self.cp)
+            fits = (free >= self.striped(n_pages)).all(axis=1)
+            totals = [int(f.sum()) if ok else -1 for f, ok in zip(free, fits, strict=True)]
+        return choose_rank(totals, rows_per_rank, 0, max_rows_per_rank, first)
 
     def allocate(self, kv: KVStore, n_pages: int, rank: int) -> np.ndarray:
-        """Global page ids for logical pages `[0, n_pages)`, page `p` from lane
-        `p % cp`'s shard; all or nothing."""
+        """Global page ids for logical pages `[0, n_pages)`, page `p` from group `rank`'s
+        lane `p % cp` shard; all or nothing."""
         taken: list[np.ndarray] = []
         try:
             for lane, n in enumerate(self.striped(n_pages)):
-                taken.append(kv.allocate_pages(int(n), lane))
+                taken.append(kv.allocate_pages(int(n), rank * self.cp + lane))
         except Exception:
             for pages in taken:
                 kv.free_pages(pages)

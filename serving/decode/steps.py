@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from cpkv_jax import sampling
 from cpkv_jax.aot import ShapeCache, abstract
 from cpkv_jax.buckets import MIN_PREFILL_BUCKET, pow2_at_least, prefill_bucket
-from cpkv_jax.cp_decode import CPDecoder, plan_rows
+from cpkv_jax.cp_decode import CPDecoder, plan_groups
 from cpkv_jax.decode_mesh import DPDecodeSteps, DPPoolLayout, DPRow, build_batch
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.kv_store import KVStore
@@ -615,16 +615,18 @@ class CPMeshDecodeSteps:
     """`DecodeSteps` on a CP mesh over a shared-KV CP runner's page-owned pools
     (`cpkv_jax.cp_decode`, issue 40): the unified server with `--cp-size N`, whose
     prompts the runner prefills (`serving.decode.cached.CachedPrefill`) and whose decode
-    rows run here with a request's KV striped over the ranks by owner.
+    rows run here with a request's KV striped over the ranks by owner; or a PD decode
+    server's CP group, or its DP groups of CP ranks (`cp_decode.DecodeGroups`).
 
     A request's `pages` are global page ids (lane `l`'s local page `j` is `l *
-    pages_per_rank + j`, as a DP pool's shards), logical page `p` on lane `p % cp`: the
-    prefix cache's intake allocates them there, and so does a PD decode server's admission
-    (`DecodeEngine.admit`), whose receiver scatters each page by logical position.
-    Shape keys are the engine's (`("absorbed", R, 1, W)`, powers of two) raised to at
-    least `cp`, which for `cp` a power of two are exactly the CP step's rows and
-    page-table width (`cp_decode.plan_rows`): `bucket` maps the engine's reachable shapes
-    onto them. Decode only (`prefill` raises)."""
+    pages_per_rank + j`, as a DP pool's shards; group `g`'s lanes are `g * N ..`),
+    logical page `p` on its group's lane `p % cp`: the prefix cache's intake allocates
+    them there, and so does a PD decode server's admission (`DecodeEngine.admit`), whose
+    receiver scatters each page by logical position. Shape keys are the engine's
+    (`("absorbed", R, 1, W)`, powers of two, `R` rows per group) raised to at least `cp`,
+    which for `cp` a power of two are exactly one group's rows and page-table width in
+    the CP step (`cp_decode.plan_rows`; groups stack theirs, `plan_groups`): `bucket` maps
+    the engine's reachable shapes onto them. Decode only (`prefill` raises)."""
 
     prefill_form = "absorbed"
 
@@ -634,7 +636,8 @@ class CPMeshDecodeSteps:
             raise ConfigError(f"CP decode steps need a power-of-two cp_size, got {cp}")
         self.decoder = decoder
         self.cp = cp
-        self.layout = decoder.runner.layout
+        self.groups = decoder.groups
+        self.layout = decoder.runner.layout  # one group's lanes
         self.vocab_size = decoder.runner.cfg.vocab_size
         self.batch_invariant = decoder.runner.batch_invariant
         self.shapes: set[Shape] = set()
@@ -644,29 +647,40 @@ class CPMeshDecodeSteps:
         return cp_bucket(shape, self.cp)
 
     def local(self, pages: np.ndarray) -> np.ndarray:
-        """A request's global page ids as local ones (logical page `p` on lane `p % cp`)."""
-        pages = np.asarray(pages, np.int64)
-        return pages - (np.arange(pages.size) % self.cp) * self.layout.pages_per_rank
+        """A request's global page ids as local ones on their lanes."""
+        return np.asarray(pages, np.int64) % self.layout.pages_per_rank
 
-    def prefill(
-        self, prompt: np.ndarray, pages: np.ndarray, width: int, start: int = 0
-    ) -> jax.Array:
-        raise ValueError("the CP decode steps do not prefill: the CP runner does")
+    def group_of(self, pages: np.ndarray) -> int:
+        """The group whose lanes hold a request's pages."""
+        return int(np.asarray(pages)[0]) // (self.layout.pages_per_rank * self.cp)
 
     def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> jax.Array:
         """Logits of each row's next token, row `i` that of `rows[i]` (padding after),
         replicated over the mesh; `prev` as `DecodeSteps.decode`."""
-        plan = plan_rows(self.layout, [(t, pos, self.local(pages), n) for t, pos, pages, n in rows])
+        by_group: list[list] = [[] for _ in range(self.groups)]
+        where = []
+        for token, pos, pages, n in rows:
+            g = self.group_of(pages)
+            where.append((g, len(by_group[g])))
+            by_group[g].append((token, pos, self.local(pages), n))
+        plan, at = plan_groups(self.layout, by_group)
         rows_p, width = plan.shape
         self.decoder.compiled_step(plan.shape)  # before the pool lock: it may compile or wait
-        self.shapes.add(("absorbed", rows_p, 1, width))
+        self.shapes.add(("absorbed", rows_p // self.groups, 1, width))
+        # The step's row of rows[i] (then its padding rows), as `build_batch`'s `order`.
+        order = np.zeros((rows_p,), np.int32)
+        order[: len(rows)] = [at[g][j] for g, j in where]
+        order[len(rows) :] = np.setdiff1d(np.arange(rows_p), order[: len(rows)])
         ids = None
         if prev is not None:
             src = np.full((rows_p,), -1, np.int32)
-            src[: len(prev[1])] = prev[1]
+            src[order[: len(prev[1])]] = prev[1]
             ids = self.decoder.feed(prev[0], src, plan.input_ids)
         with jax.named_scope("decode_engine.decode"):
-            return self.decoder.launch(plan, ids)
+            logits = self.decoder.launch(plan, ids)
+        if self.groups == 1:  # one group's rows are planned in order
+            return logits
+        return self.decoder.reorder(logits, order)
 
     def warm(self, shapes: Sequence[Shape]) -> None:
         """Run each shape once on lane 0's trash page, then the sampler on its rows."""
@@ -678,7 +692,7 @@ class CPMeshDecodeSteps:
         return self.decoder.replicated
 
     def logit_rows(self, rows: int) -> int:
-        return max(rows, self.cp)
+        return self.groups * max(rows, self.cp)
 
     def warm_feeds(self, rows: set[int]) -> None:
         """`DecodeSteps.warm_feeds` for the CP steps' row buckets."""
@@ -689,12 +703,16 @@ class CPMeshDecodeSteps:
         bucket (see `DecodeSteps.warm_log_probs`)."""
         _warm_log_probs(self, rows)
 
-    def compiled(self, shape: Shape) -> jax.stages.Compiled:
+    def _key(self, shape: Shape) -> tuple[int, int]:
+        """The decoder's step key of an engine shape: every group's rows, the width."""
         _, rows, _, width = self.bucket(shape)
-        return self.decoder.compiled_step((rows, width))
+        return self.groups * rows, width
+
+    def compiled(self, shape: Shape) -> jax.stages.Compiled:
+        return self.decoder.compiled_step(self._key(shape))
 
     def compile_estimate(self, shapes: set[Shape]) -> tuple[int, float]:
-        return self.decoder.steps.estimate({self.bucket(s)[1::2] for s in shapes})
+        return self.decoder.steps.estimate({self._key(s) for s in shapes})
 
     @property
     def compile_count(self) -> int:
@@ -702,4 +720,7 @@ class CPMeshDecodeSteps:
 
     @property
     def compiled_shapes(self) -> set[Shape]:
-        return {("absorbed", rows, 1, width) for rows, width in self.decoder.steps.compiled_keys()}
+        return {
+            ("absorbed", rows // self.groups, 1, width)
+            for rows, width in self.decoder.steps.compiled_keys()
+        }

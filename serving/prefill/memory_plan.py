@@ -60,7 +60,7 @@ from flax import nnx
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_prefill import chunk_tokens
 from cpkv_jax.kv_pool import PoolLayout, per_rank_pool_bytes
-from cpkv_jax.mesh import CP_AXIS, DP_AXIS, make_cp_mesh, make_dp_mesh
+from cpkv_jax.mesh import CP_AXIS, DP_AXIS, GROUP_AXES, make_cp_mesh, make_dp_mesh, make_group_mesh
 from cpkv_jax.model.expert_parallel import bytes_per_device, param_shardings
 from cpkv_jax.model.kv_cache import DTYPES
 from cpkv_jax.model.weights import checkpoint_model
@@ -450,7 +450,9 @@ def plan_device_memory(
     state = nnx.state(model)
     mesh = make_cp_mesh(args.cp_size if cp_mesh else 1, devices)
     ep_axis = CP_AXIS if cp_mesh and args.ep_size > 1 else None
-    if not prefill and args.dp_size > 1:  # data-parallel decode: experts split over dp
+    if args.decodes_on_groups():  # DP groups of CP ranks: experts over every device
+        mesh, ep_axis = make_group_mesh(args.dp_size, args.cp_size, devices), GROUP_AXES
+    elif not prefill and args.dp_size > 1:  # data-parallel decode: experts split over dp
         mesh, ep_axis = make_dp_mesh(args.dp_size, devices), DP_AXIS
     shardings = param_shardings(state, mesh, ep_axis)
     weights = bytes_per_device(state, shardings)

@@ -223,6 +223,15 @@ def test_dp_decode_plan_splits_the_routed_experts(fp8_ckpt):
     dp4 = plan_for(ServerArgs.from_cli([*base, "--disable-radix-cache", "--dp-size", "4"]))
     assert dp4.routed_expert_bytes * 4 == one.routed_expert_bytes > 0
     assert dp4.weight_bytes - dp4.routed_expert_bytes == one.weight_bytes - one.routed_expert_bytes
+    # DP groups of CP ranks (issue 40 item 3): 2 x 4 decode devices, experts over all 8,
+    # the pool per rank as a CP group's.
+    groups = [
+        *base, "--disaggregation-mode", "decode", "--cp-size", "4", "--enable-cp-shared-kv",
+    ]  # fmt: skip
+    cp4 = plan_for(ServerArgs.from_cli(groups))
+    dp2_cp4 = plan_for(ServerArgs.from_cli([*groups, "--dp-size", "2", "--ep-size", "8"]))
+    assert dp2_cp4.routed_expert_bytes * 8 == one.routed_expert_bytes
+    assert dp2_cp4.kv_pool_bytes == cp4.kv_pool_bytes
 
 
 def test_decode_and_unified_plans_count_their_largest_decode_step(fp8_ckpt):

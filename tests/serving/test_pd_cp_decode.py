@@ -3,13 +3,17 @@ each owned page by logical position as always, and the decode server, itself a C
 (`--cp-size 8 --enable-cp-shared-kv --ep-size 8`), admits a request with logical page `p`
 on its rank `p % 8` (`DecodeEngine.admit`), so the receiver's scatter lands every page
 on its owner and the decode attends where the pages live (`CPMeshDecodeSteps`). Behind
-`cpkv-router`, over gRPC.
+`cpkv-router`, over gRPC. The same into DP groups of CP ranks (issue 40 item 3,
+`--dp-size 2 --cp-size 4 --ep-size 8`): a request's pages stripe over one group's four
+ranks, the group chosen as DP ranks are (most free pages); each step runs both groups'
+rows, the experts split over all eight devices.
 
-The decode pool holds 6 usable pages per rank; the long prompt needs 35: no single
-decode device could hold it. Greedy tokens equal `ReferenceGenerator`'s on one device
-and log-probs agree within 1e-5 (the CP tolerance, tests/core/test_cp_decode.py); the
-exact-coverage and digest rules of the transfer are the receiver's, unchanged. A client
-leaving mid-stream aborts its request on both sides, and every page comes back.
+The decode pool holds 6 usable pages per rank (9 in the groups, whose four ranks hold a
+request); the long prompt needs 35: no single decode device could hold it. Greedy
+tokens equal `ReferenceGenerator`'s on one device and log-probs agree within 1e-5 (the
+CP tolerance, tests/core/test_cp_decode.py); the exact-coverage and digest rules of the
+transfer are the receiver's, unchanged. A client leaving mid-stream aborts its request
+on both sides, and every page comes back.
 """
 
 from __future__ import annotations
@@ -35,37 +39,39 @@ from serving.decode.steps import CPMeshDecodeSteps
 pytestmark = pytest.mark.slow(seconds=70)
 
 CP = 8
-DECODE_PAGES = 7  # per rank: 6 usable and the trash page
 LONG = 33 * P + 5  # 35 pages with its output
 WAIT_S = 300.0
+# Decode layouts: (dp, cp, pages per rank with its trash page).
+LAYOUTS = {"cp8": (1, 8, 7), "dp2-cp4": (2, 4, 10)}
 
 
-@pytest.fixture(scope="module")
-def pd(cp_checkpoint) -> Iterator[dict[str, Any]]:
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def pd(request, cp_checkpoint) -> Iterator[dict[str, Any]]:
     path, cfg, _ = cp_checkpoint
-    page = page_bytes(cfg, CP)
-    group = ("--cp-size", str(CP), "--enable-cp-shared-kv", "--ep-size", str(CP))
+    dp, cp, pages = LAYOUTS[request.param]
+    group = ("--dp-size", str(dp), "--cp-size", str(cp), "--enable-cp-shared-kv")
     decode = float32_args(
         path,
-        *("--disaggregation-mode", "decode", *group),
-        *("--kv-pool-size", str(DECODE_PAGES * page), "--max-running-requests", "4"),
+        *("--disaggregation-mode", "decode", *group, "--ep-size", str(dp * cp)),
+        *("--kv-pool-size", str(pages * page_bytes(cfg, cp)), "--max-running-requests", "4"),
     )
     prefill = float32_args(
         path,
-        *("--disaggregation-mode", "prefill", *group),
-        *("--kv-pool-size", str(16 * page), "--chunked-prefill-size", "64"),
-        *("--disaggregation-bootstrap-port", "0"),  # not the default another test holds
-    )
+        *("--disaggregation-mode", "prefill", "--cp-size", str(CP), "--enable-cp-shared-kv"),
+        *("--ep-size", str(CP), "--kv-pool-size", str(16 * page_bytes(cfg, CP))),
+        *("--chunked-prefill-size", "64", "--disaggregation-bootstrap-port", "0"),
+    )  # the bootstrap port: not the default another test holds
     with pd_pair(decode, prefill, WAIT_S) as pair:
-        yield pair
+        yield {**pair, "layout": (dp, cp, pages)}
 
 
 def test_cp_prefill_into_a_cp_decode_group_equals_the_reference(pd, cp_checkpoint):
     _, cfg, ref = cp_checkpoint
+    dp, cp, pages = pd["layout"]
     decode = pd["decode"].engine
-    assert isinstance(decode.steps, CPMeshDecodeSteps)
-    assert decode.stats().kv_pages_total == (CP * (DECODE_PAGES - 1),)
-    assert -(-(LONG + 6) // P) > DECODE_PAGES - 1  # one decode rank could not hold it
+    assert isinstance(decode.steps, CPMeshDecodeSteps) and decode.steps.groups == dp
+    assert decode.stats().kv_pages_total == (cp * (pages - 1),) * dp
+    assert pages - 1 < -(-(LONG + 6) // P)  # one decode rank could not hold it
     rng = np.random.default_rng(3)
     jobs = [
         (rng.integers(3, cfg.vocab_size, n).tolist(), new)
@@ -82,6 +88,7 @@ def test_cp_prefill_into_a_cp_decode_group_equals_the_reference(pd, cp_checkpoin
     for side in ("decode", "prefill"):
         assert_pages_back(pd[side])
     assert decode.step_shapes <= decode.reachable_shapes()
+    assert all(n > 0 for n in decode.admitted_per_rank)  # every group decoded some
 
 
 def test_a_client_leaving_mid_stream_frees_the_group_s_pages(pd, cp_checkpoint):

@@ -78,3 +78,23 @@ def test_rank_placement_keeps_a_request_on_one_rank():
     assert placement.free_pages(kv.num_free_pages_per_rank) == (3, 2)
     shapes = {("absorbed", 2, 1, 4)}
     assert placement.as_run(shapes) == shapes
+
+
+def test_groups_of_cp_ranks_take_a_request_on_one_group_s_lanes():
+    """DP groups of CP ranks (issue 40 item 3): two groups of two lanes; a request goes to
+    a group whose every lane has its share (most free pages first, then the fewest rows),
+    its logical page p on that group's lane p % 2, and free pages count per group."""
+    kv, placement = store(4), StripedPlacement(2, 2 * (PER_LANE - 1), groups=2)
+    assert placement.ranks == 2 and placement.usable_pages == 2 * (PER_LANE - 1)
+    kv.allocate_pages(PER_LANE - 2, 3)  # group 1's second lane keeps 1 free page
+    free = kv.num_free_pages_per_rank
+    assert placement.free_pages(free) == (10, 6)
+    assert placement.choose(free, (0, 0), 3, 4, 1) == 0  # both fit (2, 1): most free
+    assert placement.choose(free, (0, 0), 4, 4, 1) == 0  # group 1's lane 3 lacks 1 of (2, 2)
+    assert placement.choose(free, (4, 0), 4, 4, 0) is None  # and group 0's rows are full
+    assert placement.choose(free, (4, 0), 3, 4, 0) == 1  # (2, 1): group 1 fits
+    pages = placement.allocate(kv, 5, 0)
+    assert [int(p) // PER_LANE for p in pages] == [0, 1, 0, 1, 0]
+    pages = placement.allocate(kv, 2, 1)
+    assert [int(p) // PER_LANE for p in pages] == [2, 3]
+    assert placement.free_pages(kv.num_free_pages_per_rank) == (5, 4)

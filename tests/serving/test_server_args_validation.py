@@ -243,9 +243,36 @@ def test_a_cp_group_drafts_with_the_mtp_layer():
         assert args.validate(backends=reg) == ()
 
 
+def test_a_decode_server_runs_dp_groups_of_cp_ranks():
+    """Issue 40 item 3: `--dp-size 2 --cp-size 4` on a decode server is two CP4 groups,
+    the experts over all eight devices (`tests/serving/test_pd_cp_decode.py` serves it)."""
+    args = make_args(
+        disaggregation_mode="decode",
+        dp_size=2,
+        cp_size=4,
+        ep_size=8,
+        enable_cp_shared_kv=True,
+        transfer_backend="grpc",
+    )
+    assert args.decodes_on_groups()
+    assert args.validate(backends=registry_with_test_backends(), device_count=8) == ()
+
+
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [
+        # DP groups of CP ranks (issue 40 item 3): decode servers, experts over every device.
+        (
+            {"disaggregation_mode": "decode", "transfer_backend": "grpc", "dp_size": 2}
+            | {"cp_size": 4, "enable_cp_shared_kv": True},
+            "use --ep-size 8",
+        ),
+        (
+            {"disaggregation_mode": "decode", "transfer_backend": "grpc", "dp_size": 2}
+            | {"cp_size": 4, "enable_cp_shared_kv": True, "ep_size": 8}
+            | {"speculative_algorithm": "EAGLE"},
+            "which do not draft yet",
+        ),
         # A unified server on a CP mesh (issue 40): page-owned KV through the prefix cache.
         (
             {"disaggregation_mode": "null", "cp_size": 8},
