@@ -194,6 +194,8 @@ class DecodeGroups:
                 f"ranks, got cp_size {cp.cp_size} shared_kv {cp.shared_kv}"
             )
         self.groups = mesh.shape[DP_AXIS]
+        if mtp and model.mtp is None:
+            raise InputError("drafting decode groups (mtp=True) need the model's MTP layer")
         if expert_parallel is not None:
             if (expert_parallel.axis, expert_parallel.size) != (GROUP_AXES, mesh.size):
                 raise InputError(
@@ -371,19 +373,22 @@ class CPDecoder:
         return tokens, scores
 
 
-def row_placement(runner: CPPrefillRunner) -> DPPlacement:
+def row_placement(
+    runner: CPPrefillRunner | DecodeGroups, row_axes: str | tuple[str, ...] = CP_AXIS
+) -> DPPlacement:
     """The runner's placed weights as the rows-split programs of a decode mesh take them
     (`decode_mesh.dp_slab_program`): a CP group's speculative steps, each rank running
-    its share of the rows (and of the draft-state slab) over the group's pool, experts
-    exchanged over `"cp"` under EP."""
-    mesh = runner.mesh
+    its share of the rows (and of the draft-state slab) over the group's pool, rows
+    split over `row_axes` (`("dp", "cp")` for DP groups), experts exchanged over the
+    runner's EP axis."""
+    mesh, ep = runner.mesh, runner.expert_parallel
     return DPPlacement(
         mesh,
         runner.graphdef,
         runner.state,
-        param_specs(runner.state, None if runner.expert_parallel is None else CP_AXIS),
-        runner.expert_parallel,
-        NamedSharding(mesh, P(CP_AXIS)),
+        param_specs(runner.state, None if ep is None else ep.axis),
+        ep,
+        NamedSharding(mesh, P(row_axes)),
         NamedSharding(mesh, P()),
     )
 

@@ -388,6 +388,7 @@ def _decode_groups(
         gather_impl=args.kernel_impl,
         block_bytes=args.transient_block_size,
         expert_parallel=ep,
+        mtp=args.speculative_steps() > 0,  # the pool keeps the MTP layer's KV too
     )
 
 

@@ -1112,11 +1112,6 @@ class ServerArgs:
             why = "runs through the prefix cache's scheduler: drop --disable-radix-cache"
         elif self.dp_size > 1 and unified:
             why = "is one CP group: use --dp-size 1 (DP groups of CP ranks run on a decode server)"
-        elif self.dp_size > 1 and self.speculative_steps():
-            why = (
-                f"and --dp-size {self.dp_size} decodes on DP groups of CP ranks, which do not "
-                "draft yet: drop --speculative-algorithm or use --dp-size 1"
-            )
         elif self.dp_size > 1 and self.ep_size != self.dp_size * cp:
             # As a DP decode server's, its experts always split (`ep_enabled`).
             why = (

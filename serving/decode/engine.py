@@ -232,11 +232,6 @@ class DecodeEngine:
         self.dp_size = mesh.size if mesh is not None else 1
         if cp_decoder is not None:
             self.dp_size = cp_decoder.groups
-            if speculative_num_steps and cp_decoder.groups > 1:
-                raise ConfigError(
-                    "speculative decoding runs on one CP group; DP groups of CP ranks do "
-                    "not draft (not built)"
-                )
         self.steps: DecodeSteps | MeshDecodeSteps | CPMeshDecodeSteps | SpeculativeSteps
         # Speculative decoding (`--speculative-num-steps`): drafts from the MTP layer,
         # verified by the trunk, in one step executor (`serving.decode.speculative`).
@@ -252,7 +247,9 @@ class DecodeEngine:
             # pages), split evenly over the DP ranks (a CP group's ranks); requests beyond
             # them wait to be admitted, as for penalty slots.
             slots = speculative_slots or min(max_running_requests, SPEC_SLOTS_MAX)
-            slot_ranks = self.dp_size if cp_decoder is None else cp_decoder.runner.cp.cp_size
+            slot_ranks = self.dp_size
+            if cp_decoder is not None:  # every CP rank of every group
+                slot_ranks = cp_decoder.groups * cp_decoder.runner.cp.cp_size
             self.spec = self.steps = SpeculativeSteps(
                 model,
                 kv,
@@ -519,7 +516,8 @@ class DecodeEngine:
             return None
         free = tuple(self.kv.num_free_pages_per_rank if free is None else free)
         if self.spec is not None:  # a rank without a free draft-state slot takes no one
-            free = tuple(f if self.spec.free_slots_on(k) else 0 for k, f in enumerate(free))
+            per = len(free) // self.dp_size  # shards of one admission rank (a group's lanes)
+            free = tuple(f if self.spec.free_slots_on(k // per) else 0 for k, f in enumerate(free))
         return self.placement.choose(
             free,
             self._rows_per_rank(),

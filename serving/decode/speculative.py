@@ -312,10 +312,12 @@ class SpeculativeSteps(CompiledShapes):
             raise ConfigError("speculative steps run on a DP mesh or a CP group, not both")
         self.cp_decoder = cp_decoder
         self.cp = 1 if cp_decoder is None else cp_decoder.runner.cp.cp_size
-        dp = self.cp if cp_decoder is not None else 1 if mesh is None else mesh.size
+        self.groups = 1 if cp_decoder is None else cp_decoder.groups
+        dp = self.cp * self.groups if cp_decoder is not None else 1 if mesh is None else mesh.size
         pool = kv.pool
         # One rank's pages and slots (a single device: the whole pool, rank 0; a CP
-        # group: one lane, its page ids global as a DP pool's).
+        # group: one lane, its page ids global as a DP pool's; DP groups of CP ranks:
+        # group g's lanes are ranks g * cp ..).
         self.layout = DPPoolLayout(dp, pool.num_pages // dp, page_size)
         self.slots_per_rank = slots
         self.num_slots = dp * slots
@@ -323,14 +325,14 @@ class SpeculativeSteps(CompiledShapes):
         self.mesh = mesh
         self._placed: DPPlacement | None = None
         if cp_decoder is not None:
-            self._placed = row_placement(cp_decoder.runner)
+            self._placed = row_placement(cp_decoder.runner, cp_decoder.row_axes)
             graphdef, self._state = self._placed.graphdef, self._placed.state
-            kv_io = cp_decoder.kv_io  # owner attention, rows split over "cp"
+            kv_io = cp_decoder.kv_io  # owner attention, rows split over "cp" (and "dp")
             runner = cp_decoder.runner
             block_bytes = runner.block_bytes
             placement: tuple = (
                 tuple(d.id for d in runner.mesh.devices.reshape(-1)),
-                "cp",
+                cp_decoder.row_axes,
                 self.layout,
             )
         elif mesh is None:
@@ -385,11 +387,15 @@ class SpeculativeSteps(CompiledShapes):
     # ---- slots ---------------------------------------------------------------------------
     def take_slot(self, rank: int = 0) -> int:
         """A free draft-state slot on `rank` (`free_slots_on(rank)` says one is); on a CP
-        group (one admission rank) on the CP rank with the most free slots, which then
+        group (admission rank `rank`) on its CP rank with the most free slots, which then
         runs the request's rows."""
         if self.cp_decoder is not None:
-            rank = max(range(self.cp), key=lambda r: (len(self._free[r]), -r))
+            rank = max(self._group_ranks(rank), key=lambda r: (len(self._free[r]), -r))
         return rank * (self.slots_per_rank + 1) + self._free[rank].pop()
+
+    def _group_ranks(self, group: int) -> range:
+        """The slab ranks of CP group `group` (its lanes)."""
+        return range(group * self.cp, (group + 1) * self.cp)
 
     def give_back(self, slot: int) -> None:
         rank, local = divmod(slot, self.slots_per_rank + 1)
@@ -402,7 +408,7 @@ class SpeculativeSteps(CompiledShapes):
     def free_slots_on(self, rank: int) -> int:
         """Free slots an admission to `rank` can take (a CP group: any of its ranks')."""
         if self.cp_decoder is not None:
-            return self.free_slots
+            return sum(len(self._free[r]) for r in self._group_ranks(rank))
         return len(self._free[rank])
 
     # ---- rows ----------------------------------------------------------------------------

@@ -426,6 +426,8 @@ def speculative_state_bytes(args: ServerArgs, cfg: ModelConfig) -> int:
     running = args.max_running_requests
     slots = SPEC_SLOTS_MAX if running is None else min(running, SPEC_SLOTS_MAX)
     ranks = args.cp_size if args.disaggregation_mode != "prefill" else 1
+    if args.decodes_on_groups():  # every CP rank of every group
+        ranks *= args.dp_size
     per_rank = -(-slots // max(args.dp_size, ranks))
     penalties = v * 5 + LOGIT_BIAS_MAX * 8 + 4 * 4
     return (per_rank + 1) * (k * v * 4 + (7 + k) * 4 + 1 + penalties)

@@ -4,9 +4,10 @@ each owned page by logical position as always, and the decode server, itself a C
 on its rank `p % 8` (`DecodeEngine.admit`), so the receiver's scatter lands every page
 on its owner and the decode attends where the pages live (`CPMeshDecodeSteps`). Behind
 `cpkv-router`, over gRPC. The same into DP groups of CP ranks (issue 40 item 3,
-`--dp-size 2 --cp-size 4 --ep-size 8`): a request's pages stripe over one group's four
-ranks, the group chosen as DP ranks are (most free pages); each step runs both groups'
-rows, the experts split over all eight devices.
+`--dp-size 2 --cp-size 4 --ep-size 8`), drafting with the MTP layer (issue 39, K = 2):
+a request's pages stripe over one group's four ranks, the group chosen as DP ranks are
+(most free pages), its draft state on one of them; each step runs both groups' rows,
+the experts split over all eight devices.
 
 The decode pool holds 6 usable pages per rank (9 in the groups, whose four ranks hold a
 request); the long prompt needs 35: no single decode device could hold it. Greedy
@@ -34,6 +35,8 @@ from support.unified_server import (
     page_bytes,
 )
 
+from cpkv_jax.model.mtp import mtp_config
+from serving.decode.speculative import SpeculativeSteps
 from serving.decode.steps import CPMeshDecodeSteps
 
 pytestmark = pytest.mark.slow(seconds=70)
@@ -41,35 +44,45 @@ pytestmark = pytest.mark.slow(seconds=70)
 CP = 8
 LONG = 33 * P + 5  # 35 pages with its output
 WAIT_S = 300.0
-# Decode layouts: (dp, cp, pages per rank with its trash page).
-LAYOUTS = {"cp8": (1, 8, 7), "dp2-cp4": (2, 4, 10)}
+# Decode layouts: (dp, cp, pages per rank with its trash page, speculative steps).
+LAYOUTS = {"cp8": (1, 8, 7, 0), "dp2-cp4-speculative": (2, 4, 10, 2)}
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def pd(request, cp_checkpoint) -> Iterator[dict[str, Any]]:
     path, cfg, _ = cp_checkpoint
-    dp, cp, pages = LAYOUTS[request.param]
+    dp, cp, pages, k = LAYOUTS[request.param]
     group = ("--dp-size", str(dp), "--cp-size", str(cp), "--enable-cp-shared-kv")
+    # Drafting: both servers (the prefill one sends the MTP layer's KV); each page one
+    # layer more.
+    drafting = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(k))
+    drafting = drafting if k else ()
+    layer = mtp_config(cfg) if k else cfg
     decode = float32_args(
         path,
-        *("--disaggregation-mode", "decode", *group, "--ep-size", str(dp * cp)),
-        *("--kv-pool-size", str(pages * page_bytes(cfg, cp)), "--max-running-requests", "4"),
+        *("--disaggregation-mode", "decode", *group, "--ep-size", str(dp * cp), *drafting),
+        *("--kv-pool-size", str(pages * page_bytes(layer, cp)), "--max-running-requests", "4"),
     )
     prefill = float32_args(
         path,
         *("--disaggregation-mode", "prefill", "--cp-size", str(CP), "--enable-cp-shared-kv"),
-        *("--ep-size", str(CP), "--kv-pool-size", str(16 * page_bytes(cfg, CP))),
+        *("--ep-size", str(CP), "--kv-pool-size", str(16 * page_bytes(layer, CP)), *drafting),
         *("--chunked-prefill-size", "64", "--disaggregation-bootstrap-port", "0"),
     )  # the bootstrap port: not the default another test holds
     with pd_pair(decode, prefill, WAIT_S) as pair:
-        yield {**pair, "layout": (dp, cp, pages)}
+        yield {**pair, "layout": (dp, cp, pages, k)}
 
 
 def test_cp_prefill_into_a_cp_decode_group_equals_the_reference(pd, cp_checkpoint):
     _, cfg, ref = cp_checkpoint
-    dp, cp, pages = pd["layout"]
+    dp, cp, pages, k = pd["layout"]
     decode = pd["decode"].engine
-    assert isinstance(decode.steps, CPMeshDecodeSteps) and decode.steps.groups == dp
+    steps = decode.steps
+    if k:  # drafting over both axes: the slab split over every rank of both groups
+        assert isinstance(steps, SpeculativeSteps) and steps.layout.dp_size == dp * cp
+    else:
+        assert isinstance(steps, CPMeshDecodeSteps)
+    assert decode.placement.ranks == dp
     assert decode.stats().kv_pages_total == (cp * (pages - 1),) * dp
     assert pages - 1 < -(-(LONG + 6) // P)  # one decode rank could not hold it
     rng = np.random.default_rng(3)
@@ -85,6 +98,8 @@ def test_cp_prefill_into_a_cp_decode_group_equals_the_reference(pd, cp_checkpoin
     for out, (ids, new) in zip(outs, jobs, strict=True):
         assert out.status_code == 200, out.text
         assert_greedy_reference(out.json(), ref, ids, new)
+        if k:
+            assert 1.0 <= out.json()["meta_info"]["spec_accept_length"] <= k + 1
     for side in ("decode", "prefill"):
         assert_pages_back(pd[side])
     assert decode.step_shapes <= decode.reachable_shapes()

@@ -6,6 +6,7 @@ bs > 1 limits (S5) and ranges.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import typing
@@ -256,6 +257,8 @@ def test_a_decode_server_runs_dp_groups_of_cp_ranks():
     )
     assert args.decodes_on_groups()
     assert args.validate(backends=registry_with_test_backends(), device_count=8) == ()
+    drafting = dataclasses.replace(args, speculative_algorithm="EAGLE")
+    assert drafting.validate(backends=registry_with_test_backends(), device_count=8) == ()
 
 
 @pytest.mark.parametrize(
@@ -266,12 +269,6 @@ def test_a_decode_server_runs_dp_groups_of_cp_ranks():
             {"disaggregation_mode": "decode", "transfer_backend": "grpc", "dp_size": 2}
             | {"cp_size": 4, "enable_cp_shared_kv": True},
             "use --ep-size 8",
-        ),
-        (
-            {"disaggregation_mode": "decode", "transfer_backend": "grpc", "dp_size": 2}
-            | {"cp_size": 4, "enable_cp_shared_kv": True, "ep_size": 8}
-            | {"speculative_algorithm": "EAGLE"},
-            "which do not draft yet",
         ),
         # A unified server on a CP mesh (issue 40): page-owned KV through the prefix cache.
         (
