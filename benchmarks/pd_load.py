@@ -70,7 +70,8 @@ class ClusterConfig:
     extra: tuple[str, ...] = ()
     decode_dp: int = 1  # > 1: the decode server decodes data-parallel (`--dp-size`)
     # > 1: the decode server is a CP group (`--cp-size N --enable-cp-shared-kv`, issue 40):
-    # each request's pages striped over its N ranks by owner
+    # each request's pages striped over its N ranks by owner; with `decode_dp` > 1, that
+    # many groups of N (experts over all their devices)
     decode_cp: int = 1
     # Given to all three processes as $CPKV_API_KEY (the router sends it upstream too);
     # clients then send it (`PDCluster.headers`). None: no key.
@@ -127,6 +128,8 @@ class PDCluster:
         mesh = ["--dp-size", str(c.decode_dp)]
         if c.decode_cp > 1:
             mesh += ["--cp-size", str(c.decode_cp), "--enable-cp-shared-kv"]
+            if c.decode_dp > 1:  # DP groups of CP ranks: experts over every device
+                mesh += ["--ep-size", str(c.decode_dp * c.decode_cp)]
         self.procs["decode"] = Proc(
             name,
             [

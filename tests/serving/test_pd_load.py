@@ -3,9 +3,9 @@
 Real processes on 127.0.0.1 (`benchmarks.pd_load.PDCluster`): a decode server (over
 Mooncake, data-parallel on 2 ranks: `--dp-size 2`, issue 36; over gRPC, decoding
 speculatively with the MTP layer, both servers with `--speculative-algorithm EAGLE`,
-issue 39; over gRPC again, a CP8 decode group with each request's pages striped over its
-ranks, issue 40, drafting too), a CP=8 shared-KV prefill
-server (8 virtual CPU devices, `--chunked-prefill-size 256`) and a router in front:
+issue 39; over gRPC again, two CP4 decode groups (`--dp-size 2 --cp-size 4`) with each
+request's pages striped over one group's ranks, issue 40, drafting too), a CP=8 shared-KV
+prefill server (8 virtual CPU devices, `--chunked-prefill-size 256`) and a router in front:
 `cpkv-router` over gRPC, SGLang's gateway `smg` in PD mode over Mooncake (issue 38: the
 same pass rule through the gateway). Small KV pools make requests wait for pages, and
 some prompts are near the decode pool's size. 16 clients send a mixed load (`LoadMix`:
@@ -130,17 +130,18 @@ BACKENDS = [
             ),
         ],
     ),
-    # A CP8 decode group (issue 40): each request's pages striped over the decode ranks by
-    # owner, the same load, kill and restart over gRPC; smaller waves (the suite's time).
-    "grpc-cp",
+    # DP groups of CP ranks (issue 40): two CP4 decode groups, each request's pages
+    # striped over one group's ranks by owner, the same load, kill and restart over gRPC;
+    # smaller waves (the suite's time).
+    "grpc-groups",
 ]
 
 
 @pytest.mark.timeout(1500)  # startup, three waves of up to REQUEST_TIMEOUT_S, a restart
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, reference, tmp_path):
-    cp_group = backend == "grpc-cp"
-    if cp_group:
+    groups = backend == "grpc-groups"
+    if groups:
         backend = "grpc"
     config = ClusterConfig(
         model_dir=model_dir,
@@ -153,11 +154,11 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         # The Mooncake run's decode server is data-parallel over 2 ranks (issue 36): the
         # same load, kill and restart with pages in two pool shards; its clients talk to
         # SGLang's gateway in PD mode (issue 38), the gRPC run's to cpkv-router.
-        decode_dp=1 if backend == "grpc" else 2,
-        decode_cp=8 if cp_group else 1,
+        decode_dp=2 if groups or backend != "grpc" else 1,
+        decode_cp=4 if groups else 1,
         router="cpkv" if backend == "grpc" else "smg",
-        # The gRPC pairs decode speculatively with the MTP layer (issue 39; the CP group
-        # drafts and verifies where the pages live): the prefill server sends the MTP
+        # The gRPC pairs decode speculatively with the MTP layer (issue 39; the CP groups
+        # draft and verify where the pages live): the prefill server sends the MTP
         # layer's KV and the last hidden state, cancellations land mid-draft, and the
         # killed decode server's draft state goes with it.
         extra=SPECULATIVE if backend == "grpc" else (),
@@ -171,7 +172,8 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
         for name in ("router", "prefill", "decode"):
             assert httpx.post(c.urls[name] + "/generate", json=body, timeout=10).status_code == 401
         info = httpx.get(c.urls["decode"] + "/server_info", timeout=10, headers=KEYED).json()
-        assert (info["cp_size"], info["shared_kv"]) == ((8, True) if cp_group else (1, False))
+        assert (info["cp_size"], info["shared_kv"]) == ((4, True) if groups else (1, False))
+        assert info["dp_size"] == config.decode_dp
         assert ("speculative" in info) == bool(config.extra)
         # A speculative request also reserves its draft room of pages.
         room = speculative_room(SPEC_STEPS, overlap=True) if config.extra else 0
@@ -180,7 +182,7 @@ def test_pd_under_load_then_decode_killed_and_restarted(backend, model_dir, refe
                       max_new_tokens=16)  # fmt: skip
         # The Mooncake run repeats the checks on a smaller load (suite time).
         n1, n_kill, n_after = (
-            (8, 8, 3) if cp_group else (24, 16, 6) if backend == "grpc" else (12, 10, 4)
+            (8, 8, 3) if groups else (24, 16, 6) if backend == "grpc" else (12, 10, 4)
         )
 
         # 1. Mixed load: nothing fails.
