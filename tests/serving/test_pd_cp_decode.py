@@ -3,8 +3,9 @@ each owned page by logical position as always, and the decode server, itself a C
 (`--cp-size 8 --enable-cp-shared-kv --ep-size 8`), admits a request with logical page `p`
 on its rank `p % 8` (`DecodeEngine.admit`), so the receiver's scatter lands every page
 on its owner and the decode attends where the pages live (`CPMeshDecodeSteps`). Behind
-`cpkv-router`, over gRPC. The same into DP groups of CP ranks (issue 40 item 3,
-`--dp-size 2 --cp-size 4 --ep-size 8`), drafting with the MTP layer (issue 39, K = 2):
+`cpkv-router`, over gRPC. The same into DP groups of CP ranks over Mooncake (issue 40
+item 3, `--dp-size 2 --cp-size 4 --ep-size 8`), drafting with the MTP layer (issue 39,
+K = 2):
 a request's pages stripe over one group's four ranks, the group chosen as DP ranks are
 (most free pages), its draft state on one of them; each step runs both groups' rows,
 the experts split over all eight devices.
@@ -38,21 +39,28 @@ from support.unified_server import (
 from cpkv_jax.model.mtp import mtp_config
 from serving.decode.speculative import SpeculativeSteps
 from serving.decode.steps import CPMeshDecodeSteps
+from transfer.backends.mooncake_engine import mooncake_available
+
+MOONCAKE, MOONCAKE_REASON = mooncake_available()
 
 pytestmark = pytest.mark.slow(seconds=70)
 
 CP = 8
 LONG = 33 * P + 5  # 35 pages with its output
 WAIT_S = 300.0
-# Decode layouts: (dp, cp, pages per rank with its trash page, speculative steps).
-LAYOUTS = {"cp8": (1, 8, 7, 0), "dp2-cp4-speculative": (2, 4, 10, 2)}
+# Decode layouts: (dp, cp, pages per rank with its trash page, speculative steps,
+# transfer backend).
+LAYOUTS = {"cp8": (1, 8, 7, 0, "grpc"), "dp2-cp4-speculative-mooncake": (2, 4, 10, 2, "mooncake")}
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def pd(request, cp_checkpoint) -> Iterator[dict[str, Any]]:
     path, cfg, _ = cp_checkpoint
-    dp, cp, pages, k = LAYOUTS[request.param]
+    dp, cp, pages, k, backend = LAYOUTS[request.param]
+    if backend == "mooncake" and not MOONCAKE:
+        pytest.skip(f"Mooncake Transfer Engine unavailable: {MOONCAKE_REASON}")
     group = ("--dp-size", str(dp), "--cp-size", str(cp), "--enable-cp-shared-kv")
+    group += ("--transfer-backend", backend)
     # Drafting: both servers (the prefill one sends the MTP layer's KV); each page one
     # layer more.
     drafting = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(k))
@@ -66,6 +74,7 @@ def pd(request, cp_checkpoint) -> Iterator[dict[str, Any]]:
     prefill = float32_args(
         path,
         *("--disaggregation-mode", "prefill", "--cp-size", str(CP), "--enable-cp-shared-kv"),
+        *("--transfer-backend", backend),
         *("--ep-size", str(CP), "--kv-pool-size", str(16 * page_bytes(layer, CP)), *drafting),
         *("--chunked-prefill-size", "64", "--disaggregation-bootstrap-port", "0"),
     )  # the bootstrap port: not the default another test holds
