@@ -1,5 +1,5 @@
 """Decode on the CP mesh over page-owned pools: a request's KV striped over the ranks by
-owner, attention where the pages live (issue 40 item 3, the library step).
+owner, attention where the pages live (issue 40 item 3).
 
 A CP prefill leaves each request's logical page `p` on rank `p % cp` (SPEC S1.1).
 `CPDecoder` decodes from those same pools, so a request is never gathered onto one
@@ -14,7 +14,10 @@ owner writes its own (`CPKVIO.write`), the indexer scores every rank's queries a
 the index K each rank owns and merges the candidates exactly (`owner_topk`), and sparse
 MLA attends over the owned rows of the selection and merges the partials by log-sum-exp
 (`owner_attention`). Only queries, scores, candidates and partial outputs cross ranks;
-no rank ever reads another's latent KV.
+no rank ever reads another's latent KV. Under batch-invariant numerics (opt-in, exact)
+MLA goes through `CPKVIO(query_axis=0)` instead: each row's full view is put together
+on its rank and the single-device indexer and attention run on it, so the step's bits
+are one device's (`tests/core/test_cp_decode.py`).
 
 Speculative decoding on the group (`serving.decode.speculative.SpeculativeSteps` with a
 `CPDecoder`) runs `cpkv_jax.speculative`'s programs per rank the same way
@@ -59,6 +62,7 @@ from cpkv_jax.kv_layout import KVLayout
 from cpkv_jax.kv_pool import PoolLayout, cp_pool_shapes, zeros_in
 from cpkv_jax.kv_store import DevicePool
 from cpkv_jax.lane_allocator import RequestPageTable
+from cpkv_jax.materialize import CPKVIO
 from cpkv_jax.mesh import CP_AXIS, DP_AXIS, GROUP_AXES
 from cpkv_jax.model.expert_parallel import EPSpec, check_divisible, param_shardings, param_specs
 from cpkv_jax.model.expert_parallel import expert_parallel as ep_context
@@ -182,6 +186,7 @@ class DecodeGroups:
         pages_per_rank: int,
         index_k_dtype: IndexKDtype = "fp8_e4m3",
         gather_impl: str = "xla",
+        batch_invariant: bool = False,
         block_bytes: int | None = None,
         expert_parallel: EPSpec | None = None,
         mtp: bool = False,
@@ -205,7 +210,7 @@ class DecodeGroups:
             check_divisible(cfg.n_routed_experts, mesh.size)
         self.cfg, self.cp, self.mesh = cfg, cp, mesh
         self.index_k_dtype = index_k_dtype
-        self.batch_invariant = False  # owner attention's numerics depend on the batch
+        self.batch_invariant = batch_invariant
         self.block_bytes = block_bytes
         self.layout = PoolLayout(cp.cp_size, True, pages_per_rank, cp.page_size)  # one group
         self.kv_io = OwnerCPKVIO(cp.cp_size, True, gather_impl)
@@ -244,8 +249,13 @@ class CPDecoder:
         cp = runner.cp.cp_size
         # `lane_pages`: the speculative programs compute their write slots on the device
         # (a drafting runner's pool holds the MTP layer's KV too; these steps read and
-        # write the trunk's layers only).
-        self.kv_io = OwnerCPKVIO(
+        # write the trunk's layers only). Batch-invariant numerics: each row's full view
+        # is put together on its rank (`CPKVIO`, rows split), so the single-device
+        # indexer and attention run on the same bits - an opt-in exact mode whose step
+        # transient grows with the context, as the full-view CP prefill's does; else
+        # owner attention, whose log-sum-exp merge depends on how the keys split.
+        io = CPKVIO if runner.batch_invariant else OwnerCPKVIO
+        self.kv_io = io(
             cp,
             True,
             runner.kv_io.gather_impl,
@@ -394,7 +404,7 @@ def row_placement(
 
 
 def _build_decode_step(
-    runner: CPPrefillRunner | DecodeGroups, kv_io: OwnerCPKVIO, row_axes: str | tuple[str, ...]
+    runner: CPPrefillRunner | DecodeGroups, kv_io: CPKVIO, row_axes: str | tuple[str, ...]
 ):
     """The runner's decode step (`build_decode_step` with its settings); the pool's pages
     and the rows split over `row_axes`, the experts over the runner's EP axis."""
@@ -417,7 +427,7 @@ def build_decode_step(
     graphdef,
     mesh,
     pool_spec,
-    kv_io: OwnerCPKVIO,
+    kv_io: CPKVIO,
     state_specs,
     *,
     ep=None,

@@ -104,8 +104,18 @@ class CPKVIO:
         if not self.shared:
             rows = paged_gather(pool, page_table.reshape(-1), impl=self.gather_impl)
             return rows.reshape((b, width * page[0], *page[1:]))
-        owned, _ = owned_pages(page_table, self.cp_size)  # raises for a width not of cp
+        cp = self.cp_size
+        if self.query_axis == 0:
+            # Decode rows split over the ranks: every rank serves the owned pages of
+            # every rank's rows, and one all-to-all hands each rank its rows' pages.
+            page_table = jax.lax.all_gather(page_table, CP_AXIS, axis=0, tiled=True)
+        owned, _ = owned_pages(page_table, cp)  # raises for a width not of cp
         local = paged_gather(pool, owned.reshape(-1), impl=self.gather_impl)
-        local = local.reshape((b, width // self.cp_size, *page))
-        full = jax.lax.all_gather(local, CP_AXIS, axis=2)  # [b, width/cp, cp, P, ...]
+        if self.query_axis == 0:  # [cp (requester) * b, width/cp, ...] -> by owner
+            local = local.reshape((cp, b, width // cp, *page))
+            local = jax.lax.all_to_all(local, CP_AXIS, 0, 0, tiled=True)
+            full = jnp.moveaxis(local, 0, 2)  # [b, width/cp, cp (owner), P, ...]
+        else:
+            local = local.reshape((b, width // cp, *page))
+            full = jax.lax.all_gather(local, CP_AXIS, axis=2)  # [b, width/cp, cp, P, ...]
         return full.reshape((b, width * page[0], *page[1:]))

@@ -38,7 +38,8 @@ view is a small term of today's step transient (the indexer's logits blocks lead
 Exactness: top-k positions equal the full-view path's where the index scores are
 bitwise equal (`tests/core/test_owner_attention.py`, with forced ties); the attention
 output differs from a single softmax by float32 rounding of the log-sum-exp merge
-(tolerance, not bits, even under batch-invariant numerics).
+(tolerance, not bits, even under batch-invariant numerics: there `cp_decode.CPDecoder`
+decodes through each row's full view instead).
 """
 
 from __future__ import annotations

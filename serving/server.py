@@ -364,6 +364,7 @@ def _cp_group(
         index_k_dtype=args.index_k_dtype,
         gather_impl=args.kernel_impl,
         block_bytes=args.transient_block_size,
+        batch_invariant=args.enable_batch_invariant,  # its decode steps' numerics
         expert_parallel=ep_spec(args),
         mtp=args.speculative_steps() > 0,  # the pool keeps the MTP layer's KV too
     )
@@ -386,6 +387,7 @@ def _decode_groups(
         pages_per_rank=pages,
         index_k_dtype=args.index_k_dtype,
         gather_impl=args.kernel_impl,
+        batch_invariant=args.enable_batch_invariant,
         block_bytes=args.transient_block_size,
         expert_parallel=ep,
         mtp=args.speculative_steps() > 0,  # the pool keeps the MTP layer's KV too

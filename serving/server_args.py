@@ -1118,14 +1118,6 @@ class ServerArgs:
                 f"and --dp-size {self.dp_size} splits the routed experts over all "
                 f"{self.dp_size * cp} devices of its groups: use --ep-size {self.dp_size * cp}"
             )
-        elif self.enable_batch_invariant:
-            # Owner attention merges the ranks' partial softmaxes, and a step's block takes
-            # its exact fall-back when any row's selection piles onto one rank: a row's
-            # numerics depend on its batch.
-            why = (
-                "decodes with owner attention, which is not batch-invariant: drop "
-                "--enable-batch-invariant"
-            )
         elif cp & (cp - 1):
             why = "needs a power-of-two --cp-size (its step buckets are powers of two)"
         if why is not None:

@@ -9,7 +9,8 @@ test_pd_cp_decode.py).
 Greedy tokens must equal `ReferenceGenerator`'s exactly; log-probs agree within 1e-5
 (the CP prefill tolerance: rank-sized matmuls round differently in the last bits, and
 owner attention merges partial softmaxes by log-sum-exp, so not bits even under
-batch-invariant numerics). The generation's prefill is the owner-attention prefill,
+batch-invariant numerics; the decoder then puts each row's full view together on its
+rank instead, and its generation is one device's bit for bit). The generation's prefill is the owner-attention prefill,
 chunked and batched, so its first token and log-prob check it, and every later token
 checks the KV it wrote (`tests/core/test_owner_attention.py` pins the selection down
 exactly).
@@ -34,6 +35,7 @@ from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.mesh import CP_AXIS, make_cp_mesh
 from cpkv_jax.model import expert_parallel as ep
 from cpkv_jax.model.weights import load_model
+from cpkv_jax.owner_attention import OwnerCPKVIO
 
 pytestmark = pytest.mark.slow(seconds=60)
 
@@ -43,8 +45,8 @@ NEW = 6
 LONG = 33 * P + 5  # index_topk 16 of 533+ positions: the selection is sparse
 
 
-def _runner(cfg, placed, pages_per_rank, *, invariant=False):
-    cp = CPConfig(cp_size=CP, shared_kv=True, page_size=P, attention="owner")
+def _runner(cfg, placed, pages_per_rank, *, invariant=False, attention="owner"):
+    cp = CPConfig(cp_size=CP, shared_kv=True, page_size=P, attention=attention)
     return CPPrefillRunner(
         cfg,
         placed,
@@ -115,6 +117,27 @@ def test_owner_prefill_with_batch_invariant_numerics(glm):
     assert int(np.argmax(result.last_logits[0])) == int(np.argmax(want))
     for got_leaf, want_leaf in zip(jax.tree.leaves(view), jax.tree.leaves(want_view), strict=True):
         np.testing.assert_allclose(np.asarray(got_leaf), np.asarray(want_leaf), atol=1e-5, rtol=0)
+
+
+def test_batch_invariant_cp_decode_is_bitwise_one_device(glm):
+    """Batch-invariant numerics (issue 40's bitwise acceptance): the full-view CP prefill
+    and CP decode steps that put each row's view together on its rank (`CPKVIO` with the
+    rows split) give one device's batch-invariant generation bit for bit - tokens and
+    log-probs - for a request striped over every rank beside a short one."""
+    cfg, single, placed = glm
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 300, n).astype(np.int32) for n in (LONG, P + 1)]
+    pages = pages_per_rank_for(sum(len(p) + NEW for p in prompts), P, CPConfig(CP, True), 2)
+    decoder = CPDecoder(_runner(cfg, placed, pages, invariant=True, attention="full-view"))
+    assert not isinstance(decoder.kv_io, OwnerCPKVIO)
+    tokens, logprobs = decoder.generate(prompts, NEW)
+    ref = ReferenceGenerator(
+        cfg, single, page_size=P, index_k_dtype="float32", batch_invariant=True
+    )
+    for i, ids in enumerate(prompts):
+        want = ref.generate(ids.tolist(), NEW, ignore_eos=True)
+        assert tokens[i] == want.output_ids
+        assert logprobs[i] == want.output_logprobs  # bit for bit
 
 
 def test_cp_decode_plan_is_all_or_nothing_and_refusals(glm):

@@ -244,6 +244,22 @@ def test_a_cp_group_drafts_with_the_mtp_layer():
         assert args.validate(backends=reg) == ()
 
 
+def test_a_cp_group_decodes_with_batch_invariant_numerics():
+    """Issue 40's bitwise mode: a unified or decode server on a CP group takes
+    `--enable-batch-invariant` (each row's view put together on its rank;
+    `tests/serving/test_unified_cp.py` serves it bitwise)."""
+    reg = registry_with_test_backends()
+    for mode in ("null", "decode"):
+        args = make_args(
+            disaggregation_mode=mode,
+            cp_size=8,
+            enable_cp_shared_kv=True,
+            enable_batch_invariant=True,
+            transfer_backend="grpc",
+        )
+        assert args.validate(backends=reg) == ()
+
+
 def test_a_decode_server_runs_dp_groups_of_cp_ranks():
     """Issue 40 item 3: `--dp-size 2 --cp-size 4` on a decode server is two CP4 groups,
     the experts over all eight devices (`tests/serving/test_pd_cp_decode.py` serves it)."""
@@ -288,11 +304,6 @@ def test_a_decode_server_runs_dp_groups_of_cp_ranks():
         (
             {"disaggregation_mode": "null", "cp_size": 6, "enable_cp_shared_kv": True},
             "needs a power-of-two --cp-size",
-        ),
-        (
-            {"disaggregation_mode": "null", "cp_size": 8, "enable_cp_shared_kv": True}
-            | {"enable_batch_invariant": True},
-            "owner attention, which is not batch-invariant",
         ),
         (
             {"disaggregation_mode": "prefill", "transfer_backend": "nixl"},

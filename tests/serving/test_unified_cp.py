@@ -9,7 +9,9 @@ the mesh with its experts split, the warm-up, HTTP). Its pool holds 6 usable pag
 rank; the long prompt needs 35, so one rank could never hold it. Greedy tokens must equal
 `ReferenceGenerator`'s on one device exactly and log-probs within 1e-5 (rank-sized
 matmuls and the log-sum-exp merge of the ranks' partial attention round differently in
-the last bits; `tests/core/test_cp_decode.py` states the same tolerance).
+the last bits; `tests/core/test_cp_decode.py` states the same tolerance). With
+`--enable-batch-invariant` (and drafting) the answers are one device's batch-invariant
+ones bit for bit.
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ from support.unified_server import (
     settled_held_pages,
 )
 
+from cpkv_jax.generate import ReferenceGenerator
+from cpkv_jax.model.mtp import mtp_config
+from cpkv_jax.model.weights import load_model
+from cpkv_jax.owner_attention import OwnerCPKVIO
 from serving.decode.cached import CachedUnifiedEngine
+from serving.decode.speculative import SpeculativeSteps
 from serving.decode.steps import CPMeshDecodeSteps
 
 pytestmark = pytest.mark.slow(seconds=60)
@@ -121,3 +128,39 @@ def test_many_clients_with_disconnects_and_a_refusal_leave_every_page(unified_cp
 
     assert settled_held_pages(engine) == 0
     assert engine.step_shapes <= engine.reachable_shapes()
+
+
+def test_batch_invariant_numerics_answer_bit_for_bit(cp_checkpoint):
+    """`--enable-batch-invariant` (issue 40's bitwise acceptance), drafting with the MTP
+    layer (K = 2): the full-view CP prefill, chunked, and verify steps that put each
+    row's view together on its rank answer as one device's plain batch-invariant
+    generation bit for bit - tokens and log-probs - for the long request (striped over
+    every rank) beside a short one. (The plain CP decode steps' bits:
+    tests/core/test_cp_decode.py.)"""
+    path, cfg, _ = cp_checkpoint
+    _, model = load_model(path, progress=False)
+    ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32", batch_invariant=True)
+    rng = np.random.default_rng(12)
+    jobs = [
+        (rng.integers(3, cfg.vocab_size, n).tolist(), new) for n, new in ((LONG, 5), (P + 3, 7))
+    ]
+    drafting = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2")
+    pages = PAGES_PER_RANK + 1  # the drafts' room
+    args = cp_group_args(path, mtp_config(cfg), CP, pages, "--enable-batch-invariant", *drafting)
+    with serving(args) as (server, served):
+        spec = server.engine.spec
+        assert isinstance(spec, SpeculativeSteps) and spec.cp == CP
+        assert not isinstance(spec.cp_decoder.kv_io, OwnerCPKVIO)
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            outs = list(
+                pool.map(
+                    lambda job: generate_with_logprobs(served.url, *job, temperature=0.0).json(),
+                    jobs,
+                )
+            )
+    for out, (ids, new) in zip(outs, jobs, strict=True):
+        want = ref.generate(ids, new, ignore_eos=True)
+        assert out["output_ids"] == want.output_ids
+        assert [
+            lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]
+        ] == want.output_logprobs
