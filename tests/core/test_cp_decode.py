@@ -12,8 +12,8 @@ owner attention merges partial softmaxes by log-sum-exp, so not bits even under
 batch-invariant numerics; the decoder then puts each row's full view together on its
 rank instead, and its generation is one device's bit for bit). The generation's
 prefill is the owner-attention prefill, chunked and batched, so its first token and
-log-prob check it, and every later token checks the KV it wrote (`tests/core/test_owner_attention.py` pins the selection down
-exactly).
+log-prob check it, and every later token checks the KV it wrote
+(`tests/core/test_owner_attention.py` pins the selection down exactly).
 """
 
 from __future__ import annotations
