@@ -654,6 +654,11 @@ class CPMeshDecodeSteps:
         """The group whose lanes hold a request's pages."""
         return int(np.asarray(pages)[0]) // (self.layout.pages_per_rank * self.cp)
 
+    def prefill(
+        self, prompt: np.ndarray, pages: np.ndarray, width: int, start: int = 0
+    ) -> jax.Array:
+        raise ValueError("the CP decode steps do not prefill: the CP runner does")
+
     def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> jax.Array:
         """Logits of each row's next token, row `i` that of `rows[i]` (padding after),
         replicated over the mesh; `prev` as `DecodeSteps.decode`."""
