@@ -64,7 +64,7 @@ from cpkv_jax.kv_store import DevicePool
 from cpkv_jax.lane_allocator import RequestPageTable
 from cpkv_jax.materialize import CPKVIO
 from cpkv_jax.mesh import CP_AXIS, DP_AXIS, GROUP_AXES
-from cpkv_jax.model.expert_parallel import EPSpec, check_divisible, param_shardings, param_specs
+from cpkv_jax.model.expert_parallel import EPSpec, check_ep_spec, param_shardings, param_specs
 from cpkv_jax.model.expert_parallel import expert_parallel as ep_context
 from cpkv_jax.model.forward_batch import ForwardBatch, feed_ids
 from cpkv_jax.model.kv_cache import IndexKDtype
@@ -202,12 +202,7 @@ class DecodeGroups:
         if mtp and model.mtp is None:
             raise InputError("drafting decode groups (mtp=True) need the model's MTP layer")
         if expert_parallel is not None:
-            if (expert_parallel.axis, expert_parallel.size) != (GROUP_AXES, mesh.size):
-                raise InputError(
-                    f"decode groups split the routed experts over {GROUP_AXES} ({mesh.size} "
-                    f"devices), got axis {expert_parallel.axis!r} size {expert_parallel.size}"
-                )
-            check_divisible(cfg.n_routed_experts, mesh.size)
+            check_ep_spec(expert_parallel, GROUP_AXES, mesh.size, cfg.n_routed_experts)
         self.cfg, self.cp, self.mesh = cfg, cp, mesh
         self.index_k_dtype = index_k_dtype
         self.batch_invariant = batch_invariant

@@ -39,7 +39,7 @@ from cpkv_jax.materialize import CPKVIO, GatherImpl
 from cpkv_jax.mesh import CP_AXIS
 from cpkv_jax.model.expert_parallel import (
     EPSpec,
-    check_divisible,
+    check_ep_spec,
     param_shardings,
     param_specs,
 )
@@ -147,13 +147,7 @@ class CPPrefillRunner:
         if mtp and model.mtp is None:
             raise InputError("a drafting runner (mtp=True) needs the model's MTP layer")
         if expert_parallel is not None:
-            if (expert_parallel.axis, expert_parallel.size) != (CP_AXIS, cp.cp_size):
-                raise InputError(
-                    f"expert parallelism runs over the cp axis: got axis "
-                    f"{expert_parallel.axis!r} size {expert_parallel.size}, want {CP_AXIS!r} "
-                    f"size {cp.cp_size}"
-                )
-            check_divisible(cfg.n_routed_experts, cp.cp_size)
+            check_ep_spec(expert_parallel, CP_AXIS, cp.cp_size, cfg.n_routed_experts)
         if block_bytes is not None and block_bytes <= 0:
             raise InputError(f"token block budget must be > 0 bytes, got {block_bytes}")
         if mesh.shape[CP_AXIS] != cp.cp_size:

@@ -87,6 +87,7 @@ from serving.prefill.build import (
     ep_spec,
     load_serving_model,
     pool_pages_per_rank,
+    runner_flags,
 )
 from serving.prefill.engine import PrefillModeEngine, backend_from_args
 from serving.prefill.memory_plan import plan_device_memory
@@ -361,12 +362,8 @@ def _cp_group(
         make_cp_mesh(args.cp_size, devices),
         args.cp_config(),
         pages_per_rank=pages,
-        index_k_dtype=args.index_k_dtype,
-        gather_impl=args.kernel_impl,
-        block_bytes=args.transient_block_size,
-        batch_invariant=args.enable_batch_invariant,  # its decode steps' numerics
         expert_parallel=ep_spec(args),
-        mtp=args.speculative_steps() > 0,  # the pool keeps the MTP layer's KV too
+        **runner_flags(args),  # its decode steps' numerics; drafting: the MTP layer's KV
     )
 
 
@@ -385,12 +382,8 @@ def _decode_groups(
         make_group_mesh(args.dp_size, args.cp_size, devices),
         args.cp_config(),
         pages_per_rank=pages,
-        index_k_dtype=args.index_k_dtype,
-        gather_impl=args.kernel_impl,
-        batch_invariant=args.enable_batch_invariant,
-        block_bytes=args.transient_block_size,
         expert_parallel=ep,
-        mtp=args.speculative_steps() > 0,  # the pool keeps the MTP layer's KV too
+        **runner_flags(args),
     )
 
 

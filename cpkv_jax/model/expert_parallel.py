@@ -48,7 +48,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from cpkv_jax.errors import ConfigError
+from cpkv_jax.errors import ConfigError, InputError
 
 EPDispatch = Literal["allgather", "all_to_all"]
 EP_DISPATCHES: tuple[str, ...] = get_args(EPDispatch)
@@ -232,6 +232,19 @@ def bytes_per_device(state: nnx.State, shardings: nnx.State) -> dict[str, int]:
         out["routed_experts" if is_expert_leaf(path) else "other"] += nbytes
     out["total"] = out["routed_experts"] + out["other"]
     return out
+
+
+def check_ep_spec(
+    ep: EPSpec, axis: str | tuple[str, ...], size: int, n_routed_experts: int
+) -> None:
+    """`ep` must run over mesh `axis` of `size` devices (a CP runner's `"cp"`, decode
+    groups' `("dp", "cp")`), and the routed experts split evenly over them."""
+    if (ep.axis, ep.size) != (axis, size):
+        raise InputError(
+            f"expert parallelism runs over {axis!r} ({size} devices) here: got axis "
+            f"{ep.axis!r} size {ep.size}"
+        )
+    check_divisible(n_routed_experts, size)
 
 
 def check_divisible(n_routed_experts: int, size: int, flag: str = "cp_size") -> None:

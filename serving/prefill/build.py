@@ -227,6 +227,19 @@ def pool_pages_per_rank(args: ServerArgs, cfg: ModelConfig) -> int:
     return pages
 
 
+def runner_flags(args: ServerArgs) -> dict[str, Any]:
+    """The flags every CP pool owner takes from `args` (a prefill runner, a decode
+    group's, decode groups): index K dtype, gather kernel, numerics, block budget and
+    whether the pool keeps the MTP layer's KV (a drafting server)."""
+    return {
+        "index_k_dtype": args.index_k_dtype,
+        "gather_impl": args.kernel_impl,
+        "batch_invariant": args.enable_batch_invariant,
+        "block_bytes": args.transient_block_size,
+        "mtp": args.speculative_steps() > 0,
+    }
+
+
 def ep_spec(args: ServerArgs) -> EPSpec | None:
     """The runner's expert parallelism: over the cp axis with `--ep-size N > 1`."""
     if args.ep_size <= 1:
@@ -317,8 +330,6 @@ def build_prefill_engine(
     if model is None:
         cfg, model, _ = load_serving_model(args, devices)
     mesh = make_cp_mesh(args.cp_size, devices)
-    # A speculative unified server's runner also runs the MTP layer over the prompts.
-    drafting = args.speculative_steps() > 0
     pages = pool_pages_per_rank(args, cfg)
     runner = CPPrefillRunner(
         cfg,
@@ -326,12 +337,9 @@ def build_prefill_engine(
         mesh,
         args.cp_config(),
         pages_per_rank=pages,
-        index_k_dtype=args.index_k_dtype,
-        gather_impl=args.kernel_impl,
-        batch_invariant=args.enable_batch_invariant,
-        block_bytes=args.transient_block_size,
         expert_parallel=ep_spec(args),
-        mtp=drafting,
+        # A speculative server's runner also runs the MTP layer over the prompts.
+        **runner_flags(args),
     )
     if args.cp_shared_kv_prefill_max_buffer_size is not None:
         # SPEC S9.4: the buffer limit must fit beside the weights and pools, so allocate it

@@ -229,33 +229,26 @@ def test_s2_3_capable_backends_and_non_shared_runs_are_accepted():
     assert args.validate(backends=reg) == ()
 
 
-def test_a_cp_group_drafts_with_the_mtp_layer():
-    """Issue 40 with issue 39: a unified or decode server on a CP group decodes
-    speculatively (`tests/serving/test_speculative_cp.py` serves it)."""
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # Issue 40 with issue 39: drafting (`tests/serving/test_speculative_cp.py`).
+        {"speculative_algorithm": "EAGLE"},
+        # Issue 40's bitwise mode: each row's view put together on its rank
+        # (`tests/serving/test_unified_cp.py` serves it bit for bit).
+        {"enable_batch_invariant": True},
+    ],
+)
+def test_a_cp_group_decodes_with(extra):
+    """A unified or decode server on a CP group takes these flags."""
     reg = registry_with_test_backends()
     for mode in ("null", "decode"):
         args = make_args(
             disaggregation_mode=mode,
             cp_size=8,
             enable_cp_shared_kv=True,
-            speculative_algorithm="EAGLE",
             transfer_backend="grpc",
-        )
-        assert args.validate(backends=reg) == ()
-
-
-def test_a_cp_group_decodes_with_batch_invariant_numerics():
-    """Issue 40's bitwise mode: a unified or decode server on a CP group takes
-    `--enable-batch-invariant` (each row's view put together on its rank;
-    `tests/serving/test_unified_cp.py` serves it bitwise)."""
-    reg = registry_with_test_backends()
-    for mode in ("null", "decode"):
-        args = make_args(
-            disaggregation_mode=mode,
-            cp_size=8,
-            enable_cp_shared_kv=True,
-            enable_batch_invariant=True,
-            transfer_backend="grpc",
+            **extra,
         )
         assert args.validate(backends=reg) == ()
 
