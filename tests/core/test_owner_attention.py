@@ -313,3 +313,34 @@ def test_merge_partials_is_one_softmax():
         jnp.zeros((1, 4, 1, 1, 3)), jnp.full((1, 4, 1, 1), -jnp.inf), jnp.zeros((1, 4, 1, 1))
     )
     assert np.all(np.asarray(empty) == 0)
+
+
+def test_decode_rows_views_are_the_prefill_layout_s():
+    """`CPKVIO(query_axis=0)` (the batch-invariant CP decode): with the rows split over the
+    ranks, each rank's rows get the full view the rows-replicated path (a prefill's,
+    `query_axis=1`) builds for them - bit for bit, every position in logical order, for
+    rows of different lengths (one row per rank here)."""
+    rng = np.random.default_rng(21)
+    lengths = [45, 3, 17, 32, 9, 1, 26, 40]  # 1 to 12 pages: some wrap the lanes
+    table = _layout(rng, lengths)
+    pool = jnp.asarray(rng.standard_normal((CP * PAGES_PER_LANE, PAGE, DIM)), jnp.float32)
+    mesh = make_cp_mesh(CP)
+
+    def mapped(io, table_spec):
+        fn = jax.shard_map(
+            lambda pool, table: io.view(pool, table),
+            mesh=mesh,
+            in_specs=(P(CP_AXIS), table_spec),
+            out_specs=table_spec,
+            check_vma=False,
+        )
+        return np.asarray(jax.jit(fn)(pool, table))
+
+    rows_split = mapped(CPKVIO(CP, shared=True, query_axis=0), P(CP_AXIS))
+    replicated = mapped(CPKVIO(CP, shared=True), P())
+    np.testing.assert_array_equal(rows_split, replicated)
+    # And the view is the pool's pages in logical order: page p from lane p % CP.
+    host = np.asarray(pool).reshape(CP, PAGES_PER_LANE, PAGE, DIM)
+    for b, n in enumerate(lengths):
+        want = np.concatenate([host[p % CP, table[b, p]] for p in range(-(-n // PAGE))])
+        np.testing.assert_array_equal(rows_split[b, : len(want)], want)
