@@ -129,9 +129,14 @@ install_import_hook(
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from support import jax_time  # noqa: E402
 
 from cpkv_jax import aot  # noqa: E402
 from serving.compilation_cache import enable_compilation_cache  # noqa: E402
+
+# Trace / lower / compile seconds per test module, reported at the end of the run.
+_JAX_TIME = jax_time.install()
+_WORKER_JAX_TIME: list[dict] = []  # the controller's: what each xdist worker reported
 
 # The test processes use the same cache as the servers they start (JAX keys entries on
 # the program, options, devices and versions; a hit is still counted as a compile by
@@ -225,7 +230,26 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (item.path not in weight, -weight.get(item.path, 0)))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    _JAX_TIME.module = item.nodeid.split("::")[0]
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: hand its figures to the controller
+        workeroutput["jax_time"] = _JAX_TIME.as_dict()
+
+
+def pytest_testnodedown(node, error):
+    if (part := getattr(node, "workeroutput", {}).get("jax_time")) is not None:
+        _WORKER_JAX_TIME.append(part)
+
+
 def pytest_terminal_summary(terminalreporter):
+    parts = _WORKER_JAX_TIME or [_JAX_TIME.as_dict()]
+    for line in jax_time.report(jax_time.merge(parts)):
+        terminalreporter.write_line(line)
     limit_path = "/proc/sys/vm/max_map_count"
     if os.path.exists(limit_path):
         with open(limit_path) as f:
