@@ -67,7 +67,7 @@ from cpkv_jax.mesh import CP_AXIS, DP_AXIS, GROUP_AXES
 from cpkv_jax.model.expert_parallel import EPSpec, check_ep_spec, param_shardings, param_specs
 from cpkv_jax.model.expert_parallel import expert_parallel as ep_context
 from cpkv_jax.model.forward_batch import ForwardBatch, feed_ids
-from cpkv_jax.model.kv_cache import IndexKDtype
+from cpkv_jax.model.kv_cache import DTYPES, IndexKDtype
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.numerics import batch_invariant, token_block_bytes
 from cpkv_jax.model.transformer import log_probs
@@ -476,11 +476,16 @@ def decode_bytes_per_rank(
     - `latent_read`: the selected rows each rank gathers: on one rank the top-k; on a CP
       rank its compact pass (`ceil(2 * k / cp)` rows, twice the even share, which the
       exact fall-back to `k` exceeds only for a query whose selection piles onto one rank);
-    - `sent` (CP only; what leaves the rank for each query, once per layer): its
-      absorbed query `[q_lat, q_pe]` (float32, heads x (kv_lora + rope)) to every other
-      rank, and back from each its partial output (heads x kv_lora) with max and sum;
-      on full layers the indexer query and head weights, `k_local` candidates (score and
-      position) back, the new token's KV row; 0 for a DP rank.
+    - `sent` (CP only; what leaves the rank for its row, the exchanges of
+      `owner_attention` and `CPKVIO.write`): on every layer its query `q_nope, q_pe` (in
+      `dtype`) to every other rank, back from each its partial output through `w_uv`
+      (float32, heads x v_head_dim) with max and sum, and the new token's KV row to its
+      owner; on full indexer layers the indexer query (float32) and head weights, the
+      `k_local` candidates (score, position) back, the selected top-k positions, and the
+      new token's index K; once per step the row's page table (at the step's bucketed
+      width), position, length and write slot. XLA merges a shared layer's repeat of an
+      identical exchange (`tests/core/test_cp_decode.py` counts the compiled step's
+      collectives against this). 0 for a DP rank.
     """
     layout = KVLayout.from_model(cfg, page_size, dtype, index_k_dtype)
     kinds = layout.by_kind()
@@ -500,11 +505,13 @@ def decode_bytes_per_rank(
         out["sent"] = 0
     else:
         peers = cp_size - 1
-        h, row = cfg.num_attention_heads, cfg.kv_cache_dim
-        attn = peers * h * (row + cfg.kv_lora_rank + 2) * 4
-        k_local = min(cfg.index_topk, owned)
+        width = page_table_width(-(-context_tokens // page_size), cp_size)
+        h, itemsize = cfg.num_attention_heads, np.dtype(DTYPES[dtype]).itemsize
+        attn = h * (cfg.qk_head_dim * itemsize + (cfg.v_head_dim + 2) * 4) + latent
+        k_local = min(cfg.index_topk, width // cp_size * page_size)  # the padded owned width
         index_q = cfg.index_n_heads * (cfg.index_head_dim + 1) * 4
-        indexer = peers * (index_q + k_local * 8)
-        out["sent"] = layers * (attn + peers * latent) + full * (indexer + peers * (index + scale))
+        indexer = index_q + k_local * 8 + k * 4 + index + scale
+        step = (width + 3) * 4  # page table, position, length, write slot (int32)
+        out["sent"] = peers * (layers * attn + full * indexer + step)
     out["total"] = sum(out.values())
     return out

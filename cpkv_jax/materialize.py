@@ -41,6 +41,26 @@ def owned_pages(page_table: Int[Array, "b w"], cp: int) -> tuple[Array, Array]:
     return owned, jnp.arange(width // cp) * cp + rank
 
 
+def as_bits(x: Array) -> Array:
+    """`x` as unsigned integers of its width (identity for 4-byte and wider dtypes):
+    what crosses ranks. XLA:CPU gathers an fp8 array as f16 and moved a bf16 -> float32
+    convert from after a gather to before it (2x the bytes on the wire); integers it
+    leaves alone. `from_bits` undoes it."""
+    if x.dtype.itemsize >= 4:
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def from_bits(x: Array, dtype) -> Array:
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def all_gather_bits(x: Array, axis: int, tiled: bool = True) -> Array:
+    """`lax.all_gather` over `cp` of `x`'s bytes as they are (`as_bits`)."""
+    out = jax.lax.all_gather(as_bits(x), CP_AXIS, axis=axis, tiled=tiled)
+    return from_bits(out, x.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class CPKVIO:
     """KV reads/writes of one rank inside `shard_map` over the `cp` mesh axis."""
@@ -84,7 +104,8 @@ class CPKVIO:
     def _write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
         axis = self.query_axis
         all_slots = jax.lax.all_gather(slots, CP_AXIS, axis=axis, tiled=True)
-        all_values = jax.lax.all_gather(values, CP_AXIS, axis=axis, tiled=True)
+        # In the pool's dtype before the gather: the rows cross ranks as stored.
+        all_values = all_gather_bits(values.astype(pool.dtype), axis)
         lane_slots = pool.shape[0] * pool.shape[1]
         if self.shared:
             rank = jax.lax.axis_index(CP_AXIS)
@@ -93,9 +114,7 @@ class CPKVIO:
         else:
             local = all_slots
         flat = pool.reshape((lane_slots, *pool.shape[2:]))
-        flat = flat.at[local.reshape(-1)].set(
-            all_values.reshape((-1, *pool.shape[2:])).astype(pool.dtype)
-        )
+        flat = flat.at[local.reshape(-1)].set(all_values.reshape((-1, *pool.shape[2:])))
         return flat.reshape(pool.shape)
 
     def _view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array:
@@ -113,9 +132,9 @@ class CPKVIO:
         local = paged_gather(pool, owned.reshape(-1), impl=self.gather_impl)
         if self.query_axis == 0:  # [cp (requester) * b, width/cp, ...] -> by owner
             local = local.reshape((cp, b, width // cp, *page))
-            local = jax.lax.all_to_all(local, CP_AXIS, 0, 0, tiled=True)
-            full = jnp.moveaxis(local, 0, 2)  # [b, width/cp, cp (owner), P, ...]
+            moved = jax.lax.all_to_all(as_bits(local), CP_AXIS, 0, 0, tiled=True)
+            full = jnp.moveaxis(from_bits(moved, pool.dtype), 0, 2)  # [b, w/cp, cp, P, ...]
         else:
             local = local.reshape((b, width // cp, *page))
-            full = jax.lax.all_gather(local, CP_AXIS, axis=2)  # [b, width/cp, cp, P, ...]
+            full = all_gather_bits(local, 2, tiled=False)  # [b, width/cp, cp, P, ...]
         return full.reshape((b, width * page[0], *page[1:]))

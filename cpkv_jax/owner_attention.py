@@ -20,8 +20,11 @@ latent and index-K bytes. `OwnerCPKVIO` never builds that view. Inside `shard_ma
    all-gathered; each rank attends over the selected positions it owns (rows gathered
    from its lane by (page, offset)), keeping an unnormalized partial output with its
    running max and sum; one all-to-all returns the `cp` partials to the query's rank, and
-   they merge by log-sum-exp. Only index-K scores, candidates, queries and partial outputs
-   cross ranks; the latent KV never does.
+   they merge by log-sum-exp. Decode rows (axis 0) send the model's `q_nope` / `q_pe`
+   instead and each rank absorbs them, and the partials go back through `w_uv` (the merge
+   is linear in them): fewer bytes per step for two small matmuls per gathered row.
+   Only index-K scores, candidates, queries and partial outputs cross ranks; the latent
+   KV never does.
 
 The rank's owned index K is read as one local view (`S / cp` tokens, not `S`); the rest
 is bounded by the token-block budget (`cpkv_jax.buckets.block_rows`), so nothing else
@@ -51,7 +54,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from cpkv_jax.buckets import block_rows
-from cpkv_jax.materialize import CPKVIO, owned_pages
+from cpkv_jax.materialize import CPKVIO, all_gather_bits, owned_pages
 from cpkv_jax.mesh import CP_AXIS
 from cpkv_jax.model.indexer import index_scores
 from cpkv_jax.model.kv_cache import TRASH_PAGE, OwnerAttentionIO, dequantize_index_k
@@ -225,12 +228,24 @@ def owner_attention(
     n_heads, nope = q_nope.shape[2], q_nope.shape[3]
     w = w_kv_b.astype(jnp.float32).reshape(n_heads, nope + v_head_dim, kv_lora_rank)
     w_uk, w_uv = w[:, :nope], w[:, nope:]
-    q_lat = jnp.einsum("bthn,hnc->bthc", q_nope.astype(jnp.float32), w_uk)
-    query = jnp.concatenate([q_lat, q_pe.astype(jnp.float32)], axis=-1)  # [b, t, h, c + r]
+
+    def absorb(q_nope, q_pe):  # [b, t, h, c + r] float32
+        q_lat = jnp.einsum("bthn,hnc->bthc", q_nope.astype(jnp.float32), w_uk)
+        return jnp.concatenate([q_lat, q_pe.astype(jnp.float32)], axis=-1)
+
+    # Decode (rows split, axis 0) exchanges the model's own queries (q_nope, q_pe in its
+    # dtype) and partials already through w_uv: 4.5x / 2x fewer bytes than the absorbed
+    # float32 query and latent partial at GLM-5 dims (`cp_decode.decode_bytes_per_rank`),
+    # for two small matmuls per gathered row. Prefill keeps the absorbed exchange: over
+    # `cp x` a chunk's tokens those matmuls would add ~40% to the attention's FLOPs.
+    late = axis == 0
+    queries = (q_nope, q_pe) if late else (absorb(q_nope, q_pe),)
     page = latent.shape[1]
     rank = jax.lax.axis_index(CP_AXIS)
 
-    def sequence(query, topk, page_table):
+    def sequence(*args):
+        *queries, topk, page_table = args
+
         def partial(q_all, sel, mine):
             pos = jnp.maximum(sel, 0)
             logical = pos // page
@@ -243,10 +258,15 @@ def owner_attention(
             safe = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
             probs = jnp.where(mine[:, :, None, :], jnp.exp(scores - safe[..., None]), 0.0)
             out = jnp.einsum("bthk,btkc->bthc", probs, rows)[..., :kv_lora_rank]
+            if late:  # linear in `out`: the merge commutes with it
+                out = jnp.einsum("bthc,hvc->bthv", out, w_uv)
             return out, row_max, jnp.sum(probs, axis=-1)
 
-        def block(query, topk):
-            q_all, sel = _gather(query, axis), _gather(topk, axis)
+        def block(*args):
+            *queries, topk = args
+            gathered = [(all_gather_bits if late else _gather)(q, axis) for q in queries]
+            q_all = absorb(*gathered) if late else gathered[0]
+            sel = _gather(topk, axis)
             mine = (sel >= 0) & ((jnp.maximum(sel, 0) // page) % cp == rank)
             k = sel.shape[-1]
             cap = min(k, capacity if capacity is not None else -(-2 * k // cp))
@@ -276,14 +296,13 @@ def owner_attention(
             return merge_partials(*(_return(x, cp, axis) for x in parts))
 
         # One local token's share: its cp queries' gathered rows [k, c + r] float32.
-        row_bytes = query.shape[0] * cp * topk.shape[2] * latent.shape[2] * 4
-        blk = block_rows(query.shape[1], row_bytes, block_budget(block_bytes))
-        return tokenwise(block, query, topk, axis=1, block=blk)
+        row_bytes = topk.shape[0] * cp * topk.shape[2] * latent.shape[2] * 4
+        blk = block_rows(topk.shape[1], row_bytes, block_budget(block_bytes))
+        return tokenwise(block, *queries, topk, axis=1, block=blk)
 
-    if axis == 1:
-        o_row = per_sequence(sequence, query, topk, page_table)
-    else:  # a rank's rows meet every rank's rows in the gather: no per-row split
-        o_row = sequence(query, topk, page_table)
+    if late:  # a rank's rows meet every rank's rows in the gather: no per-row split
+        return sequence(*queries, topk, page_table)
+    o_row = per_sequence(sequence, *queries, topk, page_table)
     return jnp.einsum("bthc,hvc->bthv", o_row, w_uv)
 
 

@@ -224,11 +224,15 @@ def test_decode_bytes_per_rank_by_hand():
     }
     four = decode_bytes_per_rank(cfg, 1000, 4, dtype="float32")
     h = cfg.num_attention_heads
-    attn = 3 * h * (cfg.kv_cache_dim + cfg.kv_lora_rank + 2) * 4
-    indexer = 3 * (cfg.index_n_heads * (cfg.index_head_dim + 1) * 4 + k * 8)
+    # q_nope + q_pe in float32 out, partials through w_uv (v_head_dim) + max + sum back,
+    # the new KV row; on the full layer the indexer query and weights, 16 candidates
+    # (of 256 owned in the padded width), the 16 selected positions, the index K row;
+    # the page table (16 pages of 64 tokens, width 16) and three int32 per step.
+    attn = h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim + 2) * 4 + row
+    indexer = cfg.index_n_heads * (cfg.index_head_dim + 1) * 4 + k * 8 + k * 4 + idx
     assert four["index_k_read"] == full * 250 * idx
     assert four["latent_read"] == layers * 8 * row  # ceil(2 * 16 / 4) rows
-    assert four["sent"] == layers * (attn + 3 * row) + full * (indexer + 3 * idx)
+    assert four["sent"] == 3 * (layers * attn + full * indexer + (16 + 3) * 4)
 
 
 def test_main_no_measured_and_bad_flags(tmp_path, capsys):

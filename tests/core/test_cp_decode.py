@@ -19,6 +19,8 @@ log-prob check it, and every later token checks the KV it wrote
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,7 @@ import pytest
 from support.cp_reference import P, reference
 
 from cpkv_jax.config import CPConfig
-from cpkv_jax.cp_decode import CPDecoder
+from cpkv_jax.cp_decode import CPDecoder, decode_bytes_per_rank
 from cpkv_jax.cp_prefill import CPPrefillRunner, pages_per_rank_for
 from cpkv_jax.errors import CacheCapacityError, ConfigError, InputError
 from cpkv_jax.generate import ReferenceGenerator
@@ -138,6 +140,51 @@ def test_batch_invariant_cp_decode_is_bitwise_one_device(glm):
         want = ref.generate(ids.tolist(), NEW, ignore_eos=True)
         assert tokens[i] == want.output_ids
         assert logprobs[i] == want.output_logprobs  # bit for bit
+
+
+_HLO_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "u16": 2, "u8": 1, "pred": 1}
+
+
+def _sent_by_scope(hlo: str, cp: int) -> dict[str, int]:
+    """Bytes one rank sends in a compiled SPMD program's collectives, by the named scope
+    they come from: a tiled all-gather sends the rank's 1/cp of its result to each of
+    the cp - 1 others, an all-to-all (cp - 1)/cp of its operands."""
+    out: dict[str, int] = {}
+    ops = r"\s*(?:ROOT )?%\S+ = (.+?) (all-gather|all-to-all|reduce-scatter|all-reduce)\("
+    for line in hlo.splitlines():
+        if (m := re.match(ops, line)) is None:
+            continue
+        size = 0
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+            size += _HLO_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        name = re.search(r'op_name="([^"]*)"', line)
+        scope = next(
+            (s for s in ("owner_attention", "owner_topk", "kv_write") if name and s in name[1]),
+            "other",
+        )
+        out[scope] = out.get(scope, 0) + size * (cp - 1) // cp
+    return out
+
+
+def test_decode_bytes_per_rank_counts_the_compiled_steps_exchanges(glm, tiny_checkpoints):
+    """`decode_bytes_per_rank`'s `sent` (the figure `bench_memory` and the results give at
+    real dims) against the collectives of the CP decode step the servers compile: one row
+    per rank at a 256-token context (16 pages, the step's width), bf16 as served. The
+    decode exchange sends `q_nope` / `q_pe` and partials through `w_uv`; KV rows and
+    queries cross as their stored bits (XLA:CPU moved a bf16 -> float32 convert from
+    after a gather to before it: 2x the bytes). What else crosses (the MoE dispatch, the
+    logits) is not KV traffic. Compiled only."""
+    cfg, _, _ = glm
+    path = tiny_checkpoints("glm_moe_dsa", fp8=True, n_routed_experts=EXPERTS)
+    mesh = make_cp_mesh(CP)
+    _, placed = load_model(path, progress=False, mesh=mesh, expert_axis=CP_AXIS, dtype=jnp.bfloat16)
+    decoder = _decoder(cfg, placed, 8)
+    sent = _sent_by_scope(decoder.compiled_step((CP, 16)).as_text(), CP)
+    want = decode_bytes_per_rank(
+        cfg, 16 * P, CP, page_size=P, dtype="bfloat16", index_k_dtype="float32"
+    )["sent"]
+    assert sent["owner_attention"] > 0 and sent["owner_topk"] > 0 and sent["kv_write"] > 0
+    assert sent["owner_attention"] + sent["owner_topk"] + sent["kv_write"] == want
 
 
 def test_cp_decode_plan_is_all_or_nothing_and_refusals(glm):

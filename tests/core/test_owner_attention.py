@@ -344,3 +344,55 @@ def test_decode_rows_views_are_the_prefill_layout_s():
     for b, n in enumerate(lengths):
         want = np.concatenate([host[p % CP, table[b, p]] for p in range(-(-n // PAGE))])
         np.testing.assert_array_equal(rows_split[b, : len(want)], want)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decode_rows_attend_where_the_pages_live(tokens):
+    """A CP decode step's attention (`axis=0`: each rank holds whole rows; three tokens
+    per row for a speculative verify): the ranks exchange the model's `q_nope` / `q_pe`
+    and partials already through `w_uv` (the decode exchange), and the output is sparse
+    attention over each row's full view to float32 rounding (rtol 1e-5, atol 1e-6, as
+    the prefill form's log-sum-exp merge). One row per rank, 1 to 12 pages (some wrap
+    the lanes); a query with nothing selected gives 0."""
+    rng = np.random.default_rng(43 + tokens)
+    lengths = [45, 3, 17, 32, 9, 1, 26, 40]
+    table = _layout(rng, lengths)
+    n = CP * PAGES_PER_LANE
+    lora, rope, nope, v, k = 16, 8, 8, 8, 24
+    latent = rng.standard_normal((n, PAGE, lora + rope)).astype(np.float32)
+    q_nope = rng.standard_normal((CP, tokens, HEADS, nope)).astype(np.float32)
+    q_pe = rng.standard_normal((CP, tokens, HEADS, rope)).astype(np.float32)
+    w_kv_b = rng.standard_normal((HEADS * (nope + v), lora)).astype(np.float32) / 4
+    topk = np.full((CP, tokens, k), -1, np.int32)
+    for b, length in enumerate(lengths):
+        for t in range(tokens):
+            m = min(k, length, int(rng.integers(1, k + 1)))
+            topk[b, t, :m] = rng.choice(length, m, replace=False)
+    topk[3, 0] = -1
+    dims = dict(kv_lora_rank=lora, v_head_dim=v, scale=0.3)
+    host = latent.reshape(CP, PAGES_PER_LANE, PAGE, lora + rope)
+    width = table.shape[1] * PAGE
+    view = np.zeros((CP, width, lora + rope), np.float32)
+    for b, length in enumerate(lengths):
+        pos = np.arange(length)
+        view[b, :length] = host[pos // PAGE % CP, table[b, pos // PAGE], pos % PAGE]
+    want = np.asarray(
+        jax.jit(
+            lambda q_nope, q_pe, view, topk, w: sparse_attention(
+                q_nope, q_pe, view, topk, w, form="absorbed", take=take_view_rows, **dims
+            )
+        )(q_nope, q_pe, view, topk, w_kv_b)
+    )
+    rows = P(CP_AXIS)
+    fn = jax.shard_map(
+        lambda q_nope, q_pe, latent, table, topk, w: owner_attention(
+            q_nope, q_pe, latent, table, topk, w, cp=CP, axis=0, **dims
+        ),
+        mesh=make_cp_mesh(CP),
+        in_specs=(rows, rows, rows, P(), rows, P()),
+        out_specs=rows,
+        check_vma=False,
+    )
+    got = np.asarray(jax.jit(fn)(q_nope, q_pe, latent, table, topk, w_kv_b))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.all(got[3, 0] == 0) and np.abs(want).max() > 0.1
