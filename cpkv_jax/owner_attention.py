@@ -138,12 +138,22 @@ def owner_topk(
             return index_scores(q_all, w_all, keys, pos_all, kv_lens, key_positions=key_pos)
 
     def block(q, w, positions):
-        q_all, w_all, pos_all = (_gather(x, axis) for x in (q, w, positions))
+        if q.dtype == w.dtype:  # one gather for the queries and their head weights
+            qw = _gather(jnp.concatenate([q, w[..., None]], axis=-1), axis)
+            q_all, w_all = qw[..., :-1], qw[..., -1]
+        else:
+            q_all, w_all = _gather(q, axis), _gather(w, axis)
+        pos_all = _gather(positions, axis)
         scores = local_scores(q_all, w_all, pos_all)
         scores = jnp.where(scores == 0, 0.0, scores)  # signed zeros tie (`select_topk`)
         vals, idx = jax.lax.top_k(scores, k_local)  # ties: lowest local index = position
-        cand_vals = _return(vals, cp, axis)  # [b, cp, t, k_local]
-        cand_pos = _return(jnp.take(key_pos, idx), cp, axis)
+        # Scores (as their int32 bits) and positions in one all-to-all: one collective
+        # per indexer layer instead of two (each costs its latency, every decode step).
+        pos = jnp.take(key_pos, idx).astype(jnp.int32)
+        both = jnp.stack([jax.lax.bitcast_convert_type(vals, jnp.int32), pos], axis=-1)
+        both = _return(both, cp, axis)  # [b, cp, t, k_local, 2]
+        cand_vals = jax.lax.bitcast_convert_type(both[..., 0], vals.dtype)
+        cand_pos = both[..., 1]
         b, t = q.shape[:2]
         cand_vals = jnp.moveaxis(cand_vals, 1, 2).reshape(b, t, cp * k_local)
         cand_pos = jnp.moveaxis(cand_pos, 1, 2).reshape(b, t, cp * k_local)
@@ -239,7 +249,21 @@ def owner_attention(
     # for two small matmuls per gathered row. Prefill keeps the absorbed exchange: over
     # `cp x` a chunk's tokens those matmuls would add ~40% to the attention's FLOPs.
     late = axis == 0
-    queries = (q_nope, q_pe) if late else (absorb(q_nope, q_pe),)
+    if not late:
+        queries: tuple[Array, ...] = (absorb(q_nope, q_pe),)
+    elif q_nope.dtype == q_pe.dtype:  # one gather for both
+        queries = (jnp.concatenate([q_nope, q_pe], axis=-1),)
+    else:
+        queries = (q_nope, q_pe)
+
+    def gathered_query(*queries):  # [b, cp * t (or cp * b rows), h, c + r] float32
+        if not late:
+            return _gather(queries[0], axis)
+        gathered = [all_gather_bits(q, axis) for q in queries]
+        if len(gathered) == 1:
+            gathered = [gathered[0][..., :nope], gathered[0][..., nope:]]
+        return absorb(*gathered)
+
     page = latent.shape[1]
     rank = jax.lax.axis_index(CP_AXIS)
 
@@ -264,8 +288,7 @@ def owner_attention(
 
         def block(*args):
             *queries, topk = args
-            gathered = [(all_gather_bits if late else _gather)(q, axis) for q in queries]
-            q_all = absorb(*gathered) if late else gathered[0]
+            q_all = gathered_query(*queries)
             sel = _gather(topk, axis)
             mine = (sel >= 0) & ((jnp.maximum(sel, 0) // page) % cp == rank)
             k = sel.shape[-1]
@@ -293,7 +316,11 @@ def owner_attention(
                 )
             else:
                 parts = partial(q_all, sel, mine)
-            return merge_partials(*(_return(x, cp, axis) for x in parts))
+            # Output, max and sum in one all-to-all (one collective per layer, not three).
+            out, row_max, row_sum = parts
+            packed = jnp.concatenate([out, row_max[..., None], row_sum[..., None]], axis=-1)
+            back = _return(packed, cp, axis)
+            return merge_partials(back[..., :-2], back[..., -2], back[..., -1])
 
         # One local token's share: its cp queries' gathered rows [k, c + r] float32.
         row_bytes = topk.shape[0] * cp * topk.shape[2] * latent.shape[2] * 4

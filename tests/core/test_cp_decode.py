@@ -145,11 +145,13 @@ def test_batch_invariant_cp_decode_is_bitwise_one_device(glm):
 _HLO_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "u16": 2, "u8": 1, "pred": 1}
 
 
-def _sent_by_scope(hlo: str, cp: int) -> dict[str, int]:
+def _sent_by_scope(hlo: str, cp: int) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
     """Bytes one rank sends in a compiled SPMD program's collectives, by the named scope
-    they come from: a tiled all-gather sends the rank's 1/cp of its result to each of
-    the cp - 1 others, an all-to-all (cp - 1)/cp of its operands."""
+    they come from (a tiled all-gather sends the rank's 1/cp of its result to each of
+    the cp - 1 others, an all-to-all (cp - 1)/cp of its operands), and how many of each
+    collective each scope runs."""
     out: dict[str, int] = {}
+    ops_by_scope: dict[tuple[str, str], int] = {}
     ops = r"\s*(?:ROOT )?%\S+ = (.+?) (all-gather|all-to-all|reduce-scatter|all-reduce)\("
     for line in hlo.splitlines():
         if (m := re.match(ops, line)) is None:
@@ -163,7 +165,8 @@ def _sent_by_scope(hlo: str, cp: int) -> dict[str, int]:
             "other",
         )
         out[scope] = out.get(scope, 0) + size * (cp - 1) // cp
-    return out
+        ops_by_scope[scope, m.group(2)] = ops_by_scope.get((scope, m.group(2)), 0) + 1
+    return out, ops_by_scope
 
 
 def test_decode_bytes_per_rank_counts_the_compiled_steps_exchanges(glm, tiny_checkpoints):
@@ -179,12 +182,17 @@ def test_decode_bytes_per_rank_counts_the_compiled_steps_exchanges(glm, tiny_che
     mesh = make_cp_mesh(CP)
     _, placed = load_model(path, progress=False, mesh=mesh, expert_axis=CP_AXIS, dtype=jnp.bfloat16)
     decoder = _decoder(cfg, placed, 8)
-    sent = _sent_by_scope(decoder.compiled_step((CP, 16)).as_text(), CP)
+    sent, ops = _sent_by_scope(decoder.compiled_step((CP, 16)).as_text(), CP)
     want = decode_bytes_per_rank(
         cfg, 16 * P, CP, page_size=P, dtype="bfloat16", index_k_dtype="float32"
     )["sent"]
     assert sent["owner_attention"] > 0 and sent["owner_topk"] > 0 and sent["kv_write"] > 0
     assert sent["owner_attention"] + sent["owner_topk"] + sent["kv_write"] == want
+    # One all-to-all per layer for the partials (output, max and sum packed) and one per
+    # indexer layer for the candidates (scores and positions): each costs its latency.
+    layers, full = cfg.num_hidden_layers, len(cfg.full_indexer_layers)
+    assert ops["owner_attention", "all-to-all"] == layers
+    assert ops["owner_topk", "all-to-all"] == full
 
 
 def test_cp_decode_plan_is_all_or_nothing_and_refusals(glm):
