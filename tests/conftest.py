@@ -241,6 +241,7 @@ def pytest_sessionfinish(session):
         workeroutput["jax_time"] = _JAX_TIME.as_dict()
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without xdist has none
 def pytest_testnodedown(node, error):
     if (part := getattr(node, "workeroutput", {}).get("jax_time")) is not None:
         _WORKER_JAX_TIME.append(part)
