@@ -138,12 +138,10 @@ def owner_topk(
             return index_scores(q_all, w_all, keys, pos_all, kv_lens, key_positions=key_pos)
 
     def block(q, w, positions):
-        if q.dtype == w.dtype:  # one gather for the queries and their head weights
-            qw = _gather(jnp.concatenate([q, w[..., None]], axis=-1), axis)
-            q_all, w_all = qw[..., :-1], qw[..., -1]
-        else:
-            q_all, w_all = _gather(q, axis), _gather(w, axis)
-        pos_all = _gather(positions, axis)
+        # One gather for the queries and their head weights (concatenate promotes
+        # losslessly if their dtypes ever differ).
+        qw = _gather(jnp.concatenate([q, w[..., None]], axis=-1), axis)
+        q_all, w_all, pos_all = qw[..., :-1], qw[..., -1], _gather(positions, axis)
         scores = local_scores(q_all, w_all, pos_all)
         scores = jnp.where(scores == 0, 0.0, scores)  # signed zeros tie (`select_topk`)
         vals, idx = jax.lax.top_k(scores, k_local)  # ties: lowest local index = position
@@ -247,28 +245,23 @@ def owner_attention(
     # dtype) and partials already through w_uv: 4.5x / 2x fewer bytes than the absorbed
     # float32 query and latent partial at GLM-5 dims (`cp_decode.decode_bytes_per_rank`),
     # for two small matmuls per gathered row. Prefill keeps the absorbed exchange: over
-    # `cp x` a chunk's tokens those matmuls would add ~40% to the attention's FLOPs.
+    # `cp x` a chunk's tokens those matmuls would add ~40% to the attention's
+    # multiply-adds (GLM-5, by count: 14.7M per gathered query beside 35.6M).
     late = axis == 0
-    if not late:
-        queries: tuple[Array, ...] = (absorb(q_nope, q_pe),)
-    elif q_nope.dtype == q_pe.dtype:  # one gather for both
-        queries = (jnp.concatenate([q_nope, q_pe], axis=-1),)
-    else:
-        queries = (q_nope, q_pe)
+    # One array per query, gathered once: `[q_nope, q_pe]` as the model made them (late),
+    # or absorbed.
+    query = jnp.concatenate([q_nope, q_pe], axis=-1) if late else absorb(q_nope, q_pe)
 
-    def gathered_query(*queries):  # [b, cp * t (or cp * b rows), h, c + r] float32
+    def gathered_query(query):  # [b, cp * t (or cp * b rows), h, c + r] float32
         if not late:
-            return _gather(queries[0], axis)
-        gathered = [all_gather_bits(q, axis) for q in queries]
-        if len(gathered) == 1:
-            gathered = [gathered[0][..., :nope], gathered[0][..., nope:]]
-        return absorb(*gathered)
+            return _gather(query, axis)
+        q_all = all_gather_bits(query, axis)
+        return absorb(q_all[..., :nope], q_all[..., nope:])
 
     page = latent.shape[1]
     rank = jax.lax.axis_index(CP_AXIS)
 
-    def sequence(*args):
-        *queries, topk, page_table = args
+    def sequence(query, topk, page_table):
 
         def partial(q_all, sel, mine):
             pos = jnp.maximum(sel, 0)
@@ -286,9 +279,8 @@ def owner_attention(
                 out = jnp.einsum("bthc,hvc->bthv", out, w_uv)
             return out, row_max, jnp.sum(probs, axis=-1)
 
-        def block(*args):
-            *queries, topk = args
-            q_all = gathered_query(*queries)
+        def block(query, topk):
+            q_all = gathered_query(query)
             sel = _gather(topk, axis)
             mine = (sel >= 0) & ((jnp.maximum(sel, 0) // page) % cp == rank)
             k = sel.shape[-1]
@@ -325,11 +317,11 @@ def owner_attention(
         # One local token's share: its cp queries' gathered rows [k, c + r] float32.
         row_bytes = topk.shape[0] * cp * topk.shape[2] * latent.shape[2] * 4
         blk = block_rows(topk.shape[1], row_bytes, block_budget(block_bytes))
-        return tokenwise(block, *queries, topk, axis=1, block=blk)
+        return tokenwise(block, query, topk, axis=1, block=blk)
 
     if late:  # a rank's rows meet every rank's rows in the gather: no per-row split
-        return sequence(*queries, topk, page_table)
-    o_row = per_sequence(sequence, *queries, topk, page_table)
+        return sequence(query, topk, page_table)
+    o_row = per_sequence(sequence, query, topk, page_table)
     return jnp.einsum("bthc,hvc->bthv", o_row, w_uv)
 
 

@@ -2,9 +2,10 @@
 lowering to StableHLO and XLA compiling (persistent-cache reads included, with their
 count), from JAX's monitoring events. A jit traced (or lowered) inside another's trace
 is timed by both: each kind's seconds are the union of its spans on a thread, so nested
-ones count once. `tests/conftest.py` prints the suite's totals and
-its heaviest modules at the end of a run, so that suite-time work starts from figures.
-Servers the tests start in subprocesses are not counted (their own processes)."""
+ones count once. `tests/conftest.py` prints the suite's totals and its heaviest modules
+at the end of a run, so that suite-time work starts from figures. Servers the tests
+start in subprocesses are not counted (their own processes); `serving.compile_events`
+counts a server's own compiles by phase from the same events."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import threading
 
 from jax import monitoring
 
+from serving.compile_events import BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT
+
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
 LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-COMPILE = "/jax/core/compile/backend_compile_duration"
-CACHE_HIT = "/jax/compilation_cache/cache_hits"
-KINDS = {TRACE: "trace", LOWER: "lower", COMPILE: "compile"}
+KINDS = {TRACE: "trace", LOWER: "lower", BACKEND_COMPILE_EVENT: "compile"}
 FIELDS = ("trace", "lower", "compile", "programs", "cache_hits")
 
 
@@ -50,7 +51,7 @@ class JaxTime:
             counts["programs"] += kind == "compile"
 
     def on_event(self, event: str, **_: object) -> None:
-        if event == CACHE_HIT:
+        if event == CACHE_HIT_EVENT:
             with self._lock:
                 self.by_module[self.module]["cache_hits"] += 1
 
