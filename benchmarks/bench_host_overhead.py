@@ -39,7 +39,7 @@ from benchmarks.report import emit
 from cpkv_jax import sampling
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.kv_store import PagedKVStore
-from cpkv_jax.model.transformer import CausalLM, log_probs
+from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 from serving.decode.engine import DecodeEngine
 from serving.engine.api import GenerateRequest, SamplingParams
@@ -104,8 +104,10 @@ def time_device(engine: DecodeEngine, steps: int) -> float:
     for k in range(steps):
         batch_rows = [(r.out_ids[-1], r.kv_len + k, r.pages, r.n_pages) for r in rows]
         src = None if prev is None else list(range(len(rows)))
-        logits = dsteps.decode(batch_rows, None if prev is None else (prev, src))
-        prev = sampling.sample_async(log_probs(logits), [sampling.GREEDY] * len(rows)).tokens
+        out = dsteps.decode(batch_rows, None if prev is None else (prev, src))
+        greedy = [sampling.GREEDY] * len(rows)
+        lp = sampling.rows_log_probs(out.logits)
+        prev = sampling.sample_async(lp, greedy, order=out.order).tokens
     jax.block_until_ready(prev)
     return (time.perf_counter() - t0) / steps
 

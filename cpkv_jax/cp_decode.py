@@ -42,7 +42,6 @@ bucketed - rows to `cp` times a power of two, the page table to
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -73,6 +72,7 @@ from cpkv_jax.model.numerics import batch_invariant, token_block_bytes
 from cpkv_jax.model.transformer import log_probs
 from cpkv_jax.owner_attention import OwnerCPKVIO
 from cpkv_jax.paging import padded_page_table
+from cpkv_jax.sampling import rows_log_probs
 
 # (rows, page-table width): one compiled decode step per bucket.
 DecodeShape = tuple[int, int]
@@ -259,13 +259,13 @@ class CPDecoder:
         )
         self._step = _build_decode_step(runner, self.kv_io, self.row_axes)
         self.steps: ShapeCache[DecodeShape] = ShapeCache("CP decode step")
-        self._split = NamedSharding(runner.mesh, P(self.row_axes))  # every input: rows split
-        self.replicated = NamedSharding(runner.mesh, P())  # the logits
+        # Every input and the logits: rows split (a rank's rows' logits stay on it).
+        self._split = NamedSharding(runner.mesh, P(self.row_axes))
+        self.replicated = NamedSharding(runner.mesh, P())
         self._feed = jax.jit(feed_ids, out_shardings=self._split)
-        self._log_probs = jax.jit(functools.partial(log_probs, invariant=runner.batch_invariant))
-        # Groups: the step's logits rows in the engine's row order (`plan_groups` stacks
-        # them group-major), a gather on the device.
-        self._reorder = jax.jit(lambda logits, order: logits[order], out_shardings=self.replicated)
+        # `step`'s log-probs, each rank its rows', then on every device: every process
+        # reads them whole.
+        self._whole = jax.jit(lambda a: a, out_shardings=self.replicated)
 
     @property
     def usable_pages_per_lane(self) -> int:
@@ -317,10 +317,16 @@ class CPDecoder:
         )
         return self.steps.get(shape, lambda: self._step.lower(*args))
 
+    @property
+    def rows_sharding(self) -> NamedSharding:
+        """Where a step's rows and their logits live: split over the row axes."""
+        return self._split
+
     def launch(self, plan: DecodePlan, input_ids: jax.Array | None = None) -> jax.Array:
         """Dispatch one step, fetching nothing: the logits `[rows, vocab]` of every row
-        (real rows first), replicated over the mesh. `input_ids`: the step's ids already
-        on the device (`feed`), instead of the plan's."""
+        (`plan_rows`: real rows first; `plan_groups`: group-major), each on the rank that
+        ran it. `input_ids`: the step's ids already on the device (`feed`), instead of
+        the plan's."""
         split = self._split
         host = (plan.input_ids, plan.positions, plan.valid, plan.write_slots)
         tokens = tuple(global_array(x, split) for x in host)
@@ -331,11 +337,6 @@ class CPDecoder:
         state = self.runner.state
         return self.runner.kv.update(lambda pool: step(state, tokens, table, kv_lens, pool))
 
-    def reorder(self, logits: jax.Array, order: np.ndarray) -> jax.Array:
-        """Row `i` of the result is `logits[order[i]]`, replicated, on the device (a
-        grouped step's rows back in the engine's order)."""
-        return self._reorder(logits, global_array(order, self.replicated))
-
     def feed(self, prev: jax.Array, src: np.ndarray, host_ids: np.ndarray) -> jax.Array:
         """A step's `[rows, 1]` input ids on the device, split as its rows: row `i` feeds
         `prev[src[i]]` (a token the last draw left on the device) where `src[i] >= 0`,
@@ -344,7 +345,7 @@ class CPDecoder:
 
     def step(self, plan: DecodePlan) -> np.ndarray:
         """Run one step; the log-probs `[n, vocab]` of each real row's next token."""
-        lp = self._log_probs(self.launch(plan))
+        lp = self._whole(rows_log_probs(self.launch(plan), self.runner.batch_invariant))
         return np.asarray(lp)[: plan.n]
 
     def generate(
@@ -432,7 +433,7 @@ def build_decode_step(
     row_axes: str | tuple[str, ...] = CP_AXIS,
 ):
     """The jitted decode step: `(state, tokens, page_table, kv_lens, pool) -> (logits
-    [rows, vocab] replicated, pool)`, the pool donated. Explicit settings, so it lowers on
+    [rows, vocab] split as the rows, pool)`, the pool donated. Explicit settings, so it lowers on
     abstract weights too (`benchmarks/decode_memory.py --cp`). `row_axes`: the mesh axes
     the rows split over (`("dp", "cp")`: DP groups of CP ranks, each group's rows on its
     ranks; owner attention's collectives name `"cp"` alone, so they stay in a group)."""
@@ -453,8 +454,7 @@ def build_decode_step(
         out_specs=(P(row_axes), pool_spec),
         check_vma=False,
     )
-    replicated = NamedSharding(mesh, P())
-    return jax.jit(sharded, donate_argnums=(4,), out_shardings=(replicated, None))
+    return jax.jit(sharded, donate_argnums=(4,))
 
 
 def decode_bytes_per_rank(

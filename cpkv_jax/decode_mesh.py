@@ -16,8 +16,11 @@ of every rank is that rank's trash page.
 
 One step runs every rank's rows, padded to a common row bucket and page-table width:
 an idle rank runs padding rows (valid False, written to its trash page) and still joins
-the MoE collectives. Logits come back `[dp * rows, vocab]`, rank-major, on the devices;
-the sampler draws from them there.
+the MoE collectives. Logits stay `[dp * rows, vocab]`, rank-major, each rank's rows on
+that rank (`order` says whose each is), and the sampler draws there
+(`cpkv_jax.sampling.StepLogits`): no rank receives another's vocabulary-wide rows (at
+GLM-5's vocabulary and 32 rows per rank, DP8 would move 139 MB into every device per
+step) or sorts them.
 
 `choose_rank` is the admission policy, pure host-side: the rank with the most free
 pages that can take the request, then the fewest running rows, then round robin. With a
@@ -204,8 +207,7 @@ def build_batch(
     layout: DPPoolLayout, rows: Sequence[DPRow], *, prefill: bool
 ) -> tuple[DPShape, np.ndarray, tuple[np.ndarray, ...]]:
     """Host arrays of one DP step, its shape, and `order`: the step's row of each of
-    `rows` (`rank * rows_per_rank + slot`; padding rows after), by which the step returns
-    its logits so that row `i` is `rows[i]`'s.
+    `rows` (`rank * rows_per_rank + slot`; zeros after), where row `i`'s logits are.
 
     Decode rows feed one token each; prefill rows a whole prompt, padded to the bucket
     of the longest (`buckets.prefill_bucket`). Rows per rank pad to a power of two of the
@@ -301,6 +303,11 @@ class DPDecodeSteps:
         return self._compiled.get(shape, lambda: self._lower(shape))
 
     @property
+    def rows_sharding(self) -> NamedSharding:
+        """Where a step leaves its per-row outputs: each rank's rows on that rank."""
+        return self._row_sharding
+
+    @property
     def compiled_shapes(self) -> set[DPShape]:
         return self._compiled.compiled_keys()
 
@@ -321,25 +328,23 @@ class DPDecodeSteps:
     def run(
         self,
         shape: DPShape,
-        order: np.ndarray,
         host: tuple[np.ndarray, ...],
         pool: KVPool,
         input_ids: jax.Array | None = None,
         targets: np.ndarray | None = None,
     ) -> tuple[Any, KVPool]:
-        """Logits `[dp * rows, vocab]` in `order` (`build_batch`: row `i` is the `i`-th
-        row given, padding after; replicated on the mesh) and the new pool (`pool` is
+        """Logits `[dp * rows, vocab]` in the step's layout (`build_batch`'s `order` says
+        whose each row is), each rank's rows on that rank, and the new pool (`pool` is
         donated). `input_ids` (on the mesh, `feed_ids`) replace the host ones. With
         `targets` (`[dp * rows, tokens]` in the step's layout, as the host ids) the
-        scoring step: `(logits, chosen, top_ids, top_logprobs)` in `order`."""
-        order = jax.make_array_from_callback(order.shape, self.replicated, lambda i: order[i])
+        scoring step: `(logits, chosen, top_ids, top_logprobs)`, laid out the same."""
         batch = self.batch(host)
         if input_ids is not None:
             batch = dataclasses.replace(batch, input_ids=input_ids)
         if targets is None:
-            return self.compiled(shape)(self.state, batch, pool, order)
+            return self.compiled(shape)(self.state, batch, pool)
         tgt = jax.make_array_from_callback(targets.shape, self._row_sharding, lambda i: targets[i])
-        return self.compiled_score(shape)(self.state, batch, pool, order, tgt)
+        return self.compiled_score(shape)(self.state, batch, pool, tgt)
 
     def feed_ids(self, prev: jax.Array, src: np.ndarray, host_ids: np.ndarray) -> jax.Array:
         """A step's `[dp * rows, 1]` input ids on the mesh: row `i` (in the step's layout)
@@ -355,14 +360,13 @@ class DPDecodeSteps:
         form, rows, tokens, width = shape
         n = self.layout.dp_size * rows
         batch = abstract_batch(n, tokens, width, self._row_sharding)
-        order = jax.ShapeDtypeStruct((n,), np.int32, sharding=self.replicated)
         state, pool = self._abstract
         if form != FORM:
             raise ValueError(f"DP steps run the {FORM!r} form, not {form!r}")
         if not score:
-            return self._step.lower(state, batch, pool, order)
+            return self._step.lower(state, batch, pool)
         targets = jax.ShapeDtypeStruct((n, tokens), np.int32, sharding=self._row_sharding)
-        return self._score_step.lower(state, batch, pool, order, targets)
+        return self._score_step.lower(state, batch, pool, targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,9 +470,10 @@ def _build_step(
     *,
     score: bool = False,
 ) -> Callable:
-    """The jitted DP step `(state, batch, pool, order[, targets]) -> (out, pool)`: `out`
-    the last-token logits, or with `score` those and the fed tokens' scores
-    (`transformer.score_tokens` of `targets`, each rank its own rows)."""
+    """The jitted DP step `(state, batch, pool[, targets]) -> (out, pool)`: `out` the
+    last-token logits, or with `score` those and the fed tokens' scores
+    (`transformer.score_tokens` of `targets`, each rank its own rows), left on the ranks
+    that ran the rows (the sampler draws there)."""
 
     def per_rank(state, batch: ForwardBatch, pool: KVPool, *targets):
         model = nnx.merge(graphdef, state)
@@ -490,13 +495,4 @@ def _build_step(
         # builds buffers from constants); the varying-axes checker is not needed.
         check_vma=False,
     )
-    replicated = NamedSharding(mesh, P())
-
-    # Outputs come back in the caller's row order, on every device (the sampler's
-    # input): one small gather inside the step, no extra program.
-    @functools.partial(jax.jit, donate_argnums=(2,), out_shardings=(replicated, None))
-    def step(state, batch, pool, order, *targets):
-        out, pool = sharded(state, batch, pool, *targets)
-        return jax.tree.map(lambda a: a[order], out), pool
-
-    return step
+    return jax.jit(sharded, donate_argnums=(2,))

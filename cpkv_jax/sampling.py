@@ -17,6 +17,12 @@ one token), then min-p (of those, the tokens whose tempered probability is at le
 through the kept tokens' CDF. `temperature == 0` is
 greedy: `argmax`, the lowest id among ties, as the reference generator picks.
 
+A step on a mesh leaves its logit rows on the ranks that ran them, in its own layout
+(`order`: the caller's row `i` is the step's row `order[i]`, the rest padding): the draw
+runs there, each rank over its own rows, and only the tokens, their log-probs and the
+asked-for alternatives come back in the caller's order (`StepLogits`). The whole
+vocabulary's logits never cross ranks, and no rank sorts another's rows.
+
 A row may also ask for its `top_n` (at most `TOP_LOGPROBS_MAX`) most likely tokens and
 their log-probs, under the same untempered distribution (OpenAI's `top_logprobs`, SGLang's
 `top_logprobs_num`): the step's program always takes the `TOP_LOGPROBS_MAX` best per row
@@ -50,11 +56,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
+
+from cpkv_jax.model.transformer import log_probs
 
 _U32 = 0xFFFFFFFF
 # The most alternatives a row may ask for (OpenAI's chat limit; vLLM's default cap).
@@ -143,6 +152,34 @@ def bias_rows(
     return bias_ids, bias_values
 
 
+@dataclasses.dataclass(frozen=True)
+class StepLogits:
+    """A step's logit rows `[R, vocab]` where the step left them (on the device, or the
+    host for a prefill's first token) and whose each is: the caller's row `i` is
+    `logits[order[i]]` (`order` None: row `i`); the other rows are padding."""
+
+    logits: Any
+    order: np.ndarray | None = None
+
+
+def placement(order: np.ndarray | None, n: int, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(place, src)` for `n` caller rows over `r` step rows: `place[i]` the step row of
+    caller row `i` (`order[:n]`, then the step rows no caller row has, in order) and
+    `src` its inverse (the caller row of step row `j`); both the identity without
+    `order`."""
+    if order is None:
+        ident = np.arange(r, dtype=np.int32)
+        return ident, ident
+    taken = np.asarray(order, np.int64)[:n]
+    if len(taken) != n or np.unique(taken).size != n or (taken < 0).any() or (taken >= r).any():
+        raise ValueError(f"order {taken.tolist()} does not place {n} rows among {r}")
+    rest = np.setdiff1d(np.arange(r), taken)
+    place = np.concatenate([taken, rest]).astype(np.int32)
+    src = np.empty(r, np.int32)
+    src[place] = np.arange(r, dtype=np.int32)
+    return place, src
+
+
 class PenaltyCounts:
     """The history penalized requests need, on the device, one slot per such running
     request (the engine assigns them): `counts[slot, token]` (int32, output tokens so
@@ -151,13 +188,22 @@ class PenaltyCounts:
     `vocab_size`, which the sampler's scatter drops).
     `sample` reads a penalized row's slot and adds the token it draws there, in the same
     program (the counts are donated to it and replaced). At GLM-5's vocabulary of 154,880
-    and 256 slots, 198 MB on each device holding them (`nbytes`)."""
+    and 256 slots, 198 MB on each device holding them (`nbytes`). `sharding`: where they
+    live (every device of a mesh: a rank's rows may hold any slot); `rows_sharding`: where
+    the steps leave their log-prob rows (default `sharding`), for `warm`."""
 
-    def __init__(self, slots: int, vocab_size: int, sharding: jax.sharding.Sharding):
+    def __init__(
+        self,
+        slots: int,
+        vocab_size: int,
+        sharding: jax.sharding.Sharding,
+        rows_sharding: jax.sharding.Sharding | None = None,
+    ):
         if slots < 1:
             raise ValueError(f"need at least one slot, got {slots}")
         self.slots, self.vocab_size = slots, vocab_size
-        self.sharding = sharding  # the log-prob rows' (the sampler's inputs live together)
+        self.sharding = sharding
+        self.rows_sharding = sharding if rows_sharding is None else rows_sharding
         self.counts = jax.device_put(np.zeros((slots, vocab_size), np.int32), sharding)
         self.prompt = jax.device_put(np.zeros((slots, vocab_size), bool), sharding)
         self.bias_ids = jax.device_put(
@@ -212,7 +258,7 @@ class PenaltyCounts:
         (a prefill's first token), and the slot reset. Before serving only: it leaves
         slot 0 empty (a slot is reset whenever it is taken)."""
         row = RowSampling(frequency_penalty=0.5, repetition_penalty=1.5, logit_bias=True, slot=0)
-        rows = [(r, self.sharding) for r in sorted(row_counts)]
+        rows = [(r, self.rows_sharding) for r in sorted(row_counts)]
         for r, where in [*rows, *((r, None) for r in sorted(host_row_counts))]:
             lp = np.zeros((r, self.vocab_size), np.float32)
             lp = lp if where is None else jax.device_put(lp, where)
@@ -240,20 +286,22 @@ def sample(
     penalties: PenaltyCounts | None = None,
     logits: Float[Array, "r v"] | np.ndarray | None = None,
     token_mask: np.ndarray | None = None,
+    order: np.ndarray | None = None,
 ) -> Sampled:
     """Sample `len(rows)` tokens from the first rows of `logprobs` (more rows, a step's
-    padding, are sampled greedily and dropped). One device program per row count (and
-    one more where a row has a penalty: it reads and updates `penalties`, and a
-    repetition penalty needs the `logits` behind `logprobs`); the result is fetched
-    once."""
-    return sample_async(logprobs, rows, penalties, logits, token_mask).fetch()
+    padding, are sampled greedily and dropped), or with `order` from rows `order[:n]`
+    (`StepLogits`). One device program per row count (and one more where a row has a
+    penalty: it reads and updates `penalties`, and a repetition penalty needs the
+    `logits` behind `logprobs`); the result is fetched once."""
+    return sample_async(logprobs, rows, penalties, logits, token_mask, order).fetch()
 
 
 @dataclasses.dataclass(frozen=True)
 class PendingSample:
-    """A dispatched draw: `tokens` stay on the device (`[R]` int32, the padding rows'
-    too: a decode engine feeds them to its next step without a host round trip) until
-    `fetch` brings back the first `n` rows' tokens and log-probs."""
+    """A dispatched draw: `tokens` stay on the device (`[R]` int32 in the caller's row
+    order, the padding rows' after: a decode engine feeds them to its next step without
+    a host round trip) until `fetch` brings back the first `n` rows' tokens and
+    log-probs."""
 
     n: int
     top_n: tuple[int, ...]
@@ -280,23 +328,27 @@ def sample_async(
     penalties: PenaltyCounts | None = None,
     logits: Float[Array, "r v"] | np.ndarray | None = None,
     token_mask: np.ndarray | None = None,
+    order: np.ndarray | None = None,
 ) -> PendingSample:
     """`sample`, dispatched and not waited for (`PendingSample.fetch` waits). With
-    `token_mask` (int32 `[R, ceil(vocab / 32)]`, bit `t % 32` of word `t // 32` set for
-    an allowed token `t`; a grammar's, `mask_tokens`) each row draws only among its
-    allowed tokens, and its alternatives are those allowed tokens."""
-    if token_mask is not None:
-        logprobs, logits = mask_tokens(logprobs, logprobs if logits is None else logits, token_mask)
+    `token_mask` (int32 `[R, ceil(vocab / 32)]` in the caller's row order, bit `t % 32`
+    of word `t // 32` set for an allowed token `t`; a grammar's, `mask_tokens`) each row
+    draws only among its allowed tokens, and its alternatives are those allowed tokens.
+    With `order` (`StepLogits`) each row draws where its log-probs are, and what comes
+    back is in the caller's order all the same."""
     n, r = len(rows), logprobs.shape[0]
     if not 0 < n <= r:
         raise ValueError(f"{n} row parameters for {r} log-prob rows")
+    place, src = placement(order, n, r)
+    if token_mask is not None:
+        mask = np.asarray(token_mask) if order is None else np.asarray(token_mask)[src]
+        logprobs, logits = mask_tokens(logprobs, logprobs if logits is None else logits, mask)
     bad = [p.top_n for p in rows if not 0 <= p.top_n <= TOP_LOGPROBS_MAX]
     if bad:
         raise ValueError(f"top_n {bad[0]} outside [0, {TOP_LOGPROBS_MAX}]")
     padded = [*rows, *([GREEDY] * (r - n))]
     seeds = np.asarray([p.seed for p in padded], np.uint64)
-    common = (
-        logprobs,
+    per_row = (
         np.asarray([p.temperature for p in padded], np.float32),
         np.asarray([p.top_k for p in padded], np.int32),
         np.asarray([p.top_p for p in padded], np.float32),
@@ -304,8 +356,9 @@ def sample_async(
         (seeds >> np.uint64(32)).astype(np.uint32),
         np.asarray([p.step for p in padded], np.uint32),
         np.asarray([p.min_p for p in padded], np.float32),
-        np.bool_(any(p.top_n for p in rows)),
     )
+    common = (logprobs, per_row, np.bool_(any(p.top_n for p in rows)), src, place)
+    at = rows_at(logprobs)
     if any(p.penalized for p in rows):
         if penalties is None:
             raise ValueError("a row has a penalty, but no penalty counts were given")
@@ -316,22 +369,19 @@ def sample_async(
             if any(p.repetition_penalty != 1.0 for p in rows):
                 raise ValueError("a row has a repetition penalty, but no logits were given")
             logits = logprobs  # read by no row
-        # Rows without a penalty update no slot (index `slots`: dropped by the scatter).
-        slots = np.asarray([p.slot if p.penalized else penalties.slots for p in padded], np.int32)
-        *out, penalties.counts = _sample_penalized(
-            *common,
-            penalties.counts,
-            penalties.prompt,
-            penalties.bias_ids,
-            penalties.bias_values,
-            slots,
+        penalty_rows = (
+            # Rows without a penalty update no slot (index `slots`: dropped by the scatter).
+            np.asarray([p.slot if p.penalized else penalties.slots for p in padded], np.int32),
             np.asarray([p.frequency_penalty for p in padded], np.float32),
             np.asarray([p.presence_penalty for p in padded], np.float32),
             np.asarray([p.repetition_penalty for p in padded], np.float32),
-            logits,
+        )
+        history = (penalties.prompt, penalties.bias_ids, penalties.bias_values)
+        *out, penalties.counts = _sample_penalized(
+            *common, penalties.counts, history, penalty_rows, logits, at
         )
     else:
-        out = _sample(*common)
+        out = _sample(*common, at)
     return PendingSample(n, tuple(p.top_n for p in rows), tuple(out))
 
 
@@ -355,44 +405,93 @@ def _row_key(seed_lo: Array, seed_hi: Array, step: Array) -> Array:
     return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, seed_lo), seed_hi), step)
 
 
-@jax.jit
-def _sample(lp, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p, want_top):
-    lp = lp.astype(jnp.float32)
-    return _draw(lp, lp, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p, want_top)
+RowsAt = tuple[jax.sharding.Mesh, Any] | None
+"""Where a step left its rows: (mesh, the spec entry of the rows' axis), or None for one
+device (or rows not split)."""
 
 
-@functools.partial(jax.jit, donate_argnums=9)
-def _sample_penalized(
-    lp,
-    temperature,
-    top_k,
-    top_p,
-    seed_lo,
-    seed_hi,
-    step,
-    min_p,
-    want_top,
-    counts,
-    prompt,
-    bias_ids,
-    bias_values,
-    slots,
-    freq,
-    pres,
-    rep,
-    logits,
-):
-    lp = lp.astype(jnp.float32)
-    at = jnp.minimum(slots, counts.shape[0] - 1)  # rows without a slot read S-1: unused
-    # Zero bias for rows without a slot.
-    bias = jnp.where(
-        (slots < counts.shape[0])[:, None],
-        dense_bias(bias_ids[at], bias_values[at], lp.shape[-1]),
-        0.0,
+def rows_at(logprobs: Any) -> RowsAt:
+    """The mesh and axes `logprobs`' rows are split over, when they are."""
+    sharding = getattr(logprobs, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.size == 1:
+        return None
+    spec = sharding.spec
+    return (sharding.mesh, spec[0]) if len(spec) and spec[0] is not None else None
+
+
+def _per_rank(fn, at: RowsAt, n_rows: int, n_whole: int = 0):
+    """`fn(*rows, *whole)` (`n_rows` arrays with a leading row axis, then `n_whole` that
+    every rank reads whole; results all per row) on each rank over its own rows when
+    `at` says they are split: an explicit `shard_map`, so nothing vocabulary-wide crosses
+    ranks (XLA's partitioner, left to itself, all-gathers the rows for the top-k) and a
+    rank runs the program one device runs on its rows."""
+    if at is None:
+        return fn
+    mesh, axes = at
+    rows, whole = jax.sharding.PartitionSpec(axes), jax.sharding.PartitionSpec()
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=(*([rows] * n_rows), *([whole] * n_whole)),
+        out_specs=rows,
+        check_vma=False,
     )
-    shifted = penalize(lp, logits, counts[at], prompt[at], bias, freq, pres, rep)
-    out = _draw(lp, shifted, temperature, top_k, top_p, seed_lo, seed_hi, step, min_p, want_top)
-    return (*out, counts.at[slots, out[0]].add(1, mode="drop"))
+
+
+def rows_log_probs(logits: Any, invariant: bool = False) -> Any:
+    """`transformer.log_probs` of a step's logit rows where they are (on a mesh, each
+    rank its own rows), so each row's values are those one device gives it (under
+    batch-invariant numerics too: each rank runs the same tiles)."""
+    return _rows_log_probs(logits, invariant, rows_at(logits))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _rows_log_probs(logits, invariant: bool, at: RowsAt):
+    return _per_rank(functools.partial(log_probs, invariant=invariant), at, 1)(logits)
+
+
+@functools.partial(jax.jit, static_argnums=5)
+def _sample(lp, per_row, want_top, src, place, at: RowsAt):
+    """The draw over `lp`'s rows where they are (`at`: each rank its own), each with the
+    parameters of its caller row (`src`), its results in the caller's order (`place`;
+    `placement`): small gathers, the logits stay put."""
+    lp = lp.astype(jnp.float32)
+
+    def draw(lp, *rest):
+        return _draw(lp, lp, *rest)
+
+    out = _per_rank(draw, at, 1 + len(per_row), 1)(lp, *(a[src] for a in per_row), want_top)
+    return tuple(a[place] for a in out)
+
+
+@functools.partial(jax.jit, donate_argnums=5, static_argnums=9)
+def _sample_penalized(
+    lp, per_row, want_top, src, place, counts, history, penalty_rows, logits, at: RowsAt
+):
+    """`_sample` with the rows' penalties (`penalize`) from their slots' `counts` and
+    `history` (prompt flags, logit bias pairs; on every device), the drawn tokens counted
+    in them."""
+    lp = lp.astype(jnp.float32)
+    k = len(per_row)
+
+    def draw(lp, logits, *args):
+        row_params, (slots, freq, pres, rep) = args[:k], args[k : k + 4]
+        want_top, counts, prompt, bias_ids, bias_values = args[k + 4 :]
+        at = jnp.minimum(slots, counts.shape[0] - 1)  # rows without a slot read S-1: unused
+        # Zero bias for rows without a slot.
+        bias = jnp.where(
+            (slots < counts.shape[0])[:, None],
+            dense_bias(bias_ids[at], bias_values[at], lp.shape[-1]),
+            0.0,
+        )
+        shifted = penalize(lp, logits, counts[at], prompt[at], bias, freq, pres, rep)
+        return _draw(lp, shifted, *row_params, want_top)
+
+    rows = (*(a[src] for a in per_row), *(a[src] for a in penalty_rows))
+    out = _per_rank(draw, at, 2 + len(rows), 5)(lp, logits, *rows, want_top, counts, *history)
+    out = tuple(a[place] for a in out)
+    # Rows without a penalty update no slot (index `slots`: dropped by the scatter).
+    return (*out, counts.at[penalty_rows[0], out[0]].add(1, mode="drop"))
 
 
 def dense_bias(bias_ids: Array, bias_values: Array, vocab: int) -> Float[Array, "r v"]:

@@ -97,7 +97,7 @@ from cpkv_jax.model.kv_cache import (
 from cpkv_jax.model.mtp import mtp_config
 from cpkv_jax.model.transformer import CausalLM
 from cpkv_jax.paging import PageAllocator, pages_for_tokens
-from cpkv_jax.sampling import PendingSample, TopLogprobs, top_pairs
+from cpkv_jax.sampling import PendingSample, StepLogits, TopLogprobs, top_pairs
 from cpkv_jax.scores import span_scores
 from serving.decode.intake import Intake, LocalPrefill, TransferIntake, TransferRooms
 from serving.decode.placement import RankPlacement, StripedPlacement
@@ -314,6 +314,7 @@ class DecodeEngine:
             self.steps.logits_sharding,
             grammar,
             batch_invariant,
+            state_sharding=self.steps.state_sharding,
         )
         intake.bind(self)
 
@@ -821,7 +822,7 @@ class DecodeEngine:
     def sample(self, r: DecodeRequest, logits: Any, touched: Touched) -> None:
         """Draw `r`'s next token from its logit row (`[1, vocab]`, on the device or the
         host) and record it."""
-        self.produce(r, touched, lambda: self.sampler.draw([r], logits).pick(0))
+        self.produce(r, touched, lambda: self.sampler.draw([r], StepLogits(logits)).pick(0))
 
     def produce(
         self,

@@ -22,12 +22,13 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from cpkv_jax.config import ModelConfig
-from cpkv_jax.model.transformer import log_probs
 from cpkv_jax.sampling import (
     PenaltyCounts,
     PendingSample,
     RowSampling,
     Sampled,
+    StepLogits,
+    rows_log_probs,
     sample,
     sample_async,
 )
@@ -45,7 +46,9 @@ PENALTY_SLOTS_MAX = 256
 
 class RowSampler:
     """Draws for the decode engine's rows (see the module docstring). `logits_sharding`
-    is where the steps' logit rows live (the DP mesh's, or None on one device)."""
+    is where the steps leave their logit rows (on a mesh: each rank's rows on it),
+    `state_sharding` where the penalty slots live (default `logits_sharding`; on a mesh:
+    every device, as a rank's rows may take any slot)."""
 
     def __init__(
         self,
@@ -54,13 +57,19 @@ class RowSampler:
         logits_sharding: Any,
         grammar: GrammarBackend | None = None,
         batch_invariant: bool = False,
+        state_sharding: Any = None,
     ):
         self.vocab_size = cfg.vocab_size
         self.invariant = batch_invariant  # the log-softmax's tiles (`log_probs`)
         self.eos_token_ids = cfg.eos_token_ids
         self.grammar = grammar
         self._logits_sharding = logits_sharding
-        self.penalties = PenaltyCounts(slots, cfg.vocab_size, logits_sharding)
+        self.penalties = PenaltyCounts(
+            slots,
+            cfg.vocab_size,
+            logits_sharding if state_sharding is None else state_sharding,
+            logits_sharding,
+        )
         self._slots: dict[str, int] = {}  # rid -> slot, reserved at admission
         # Of those, the slots already set: rid -> whether the set bias bans the stop tokens
         # (`min_new_tokens`; the slot is set again once the request is past it).
@@ -135,22 +144,25 @@ class RowSampler:
             slot,
         )
 
-    def _args(self, rows: Sequence[DecodeRequest], logits: Any) -> tuple[list, dict]:
+    def _args(self, rows: Sequence[DecodeRequest], out: StepLogits) -> tuple[list, dict]:
         self._set_slots(rows)
-        mask = token_mask([r.grammar for r in rows], logits.shape[0], self.vocab_size)
-        return [self.row(r) for r in rows], {"logits": logits, "token_mask": mask}
+        mask = token_mask([r.grammar for r in rows], out.logits.shape[0], self.vocab_size)
+        kw = {"logits": out.logits, "token_mask": mask, "order": out.order}
+        return [self.row(r) for r in rows], kw
 
-    def draw(self, rows: Sequence[DecodeRequest], logits: Any) -> Sampled:
-        """The next token of each of `rows` from a step's logit rows (on the device, or
-        one host row), fetched; penalties read from and counted on the device."""
-        params, kw = self._args(rows, logits)
-        return sample(log_probs(logits, self.invariant), params, self.penalties, **kw)
+    def draw(self, rows: Sequence[DecodeRequest], out: StepLogits) -> Sampled:
+        """The next token of each of `rows` from a step's logit rows (on the device where
+        the step left them, or one host row), fetched; penalties read from and counted on
+        the device."""
+        params, kw = self._args(rows, out)
+        return sample(rows_log_probs(out.logits, self.invariant), params, self.penalties, **kw)
 
-    def draw_async(self, rows: Sequence[DecodeRequest], logits: Any) -> PendingSample:
+    def draw_async(self, rows: Sequence[DecodeRequest], out: StepLogits) -> PendingSample:
         """`draw`, dispatched and not fetched: its tokens stay on the device (the next
         step's ids) until `fetch`."""
-        params, kw = self._args(rows, logits)
-        return sample_async(log_probs(logits, self.invariant), params, self.penalties, **kw)
+        params, kw = self._args(rows, out)
+        lp = rows_log_probs(out.logits, self.invariant)
+        return sample_async(lp, params, self.penalties, **kw)
 
     def warm(self, row_counts: set[int], host_row: bool) -> None:
         """Compile the penalized sampler for steps of `row_counts` logit rows (and, with

@@ -704,6 +704,10 @@ class SpeculativeSteps(CompiledShapes):
             return jax.tree.leaves(self.kv.pool)[0].sharding
         return self._placed.replicated
 
+    @property
+    def state_sharding(self) -> jax.sharding.Sharding:
+        return self.logits_sharding
+
     def logit_rows(self, rows: int) -> int:
         return self.layout.dp_size * rows
 

@@ -45,8 +45,9 @@ from cpkv_jax.model.forward_batch import (
     span_batch,
 )
 from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, IndexKDtype, PagedKVIO
-from cpkv_jax.model.transformer import CausalLM, forward_score_step, forward_step, log_probs
+from cpkv_jax.model.transformer import CausalLM, forward_score_step, forward_step
 from cpkv_jax.paging import TRASH_PAGE, padded_page_table, pages_for_tokens, slots_for_positions
+from cpkv_jax.sampling import StepLogits
 from cpkv_jax.scores import TokenScores, next_tokens, span_scores
 
 # One decode row: (token fed now, its position, the request's pages, pages reserved).
@@ -201,7 +202,7 @@ class DecodeSteps(CompiledShapes):
 
     def prefill(
         self, prompt: np.ndarray, pages: np.ndarray, width: int, start: int = 0
-    ) -> jax.Array:
+    ) -> StepLogits:
         """Logits `[1, vocab]` after the prompt's last token, on the device; its KV lands
         in `pages`. `start`: the positions before it have their KV there already (a
         chunk of a longer prompt), so only `prompt[start:]` is fed."""
@@ -209,7 +210,7 @@ class DecodeSteps(CompiledShapes):
         step = self.compiled(shape)  # before the pool lock: it may compile or wait
         self.shapes.add(shape)
         with jax.named_scope("decode_engine.prefill"):
-            return self.kv.update_pool(lambda pool: step(self._state, batch, pool))
+            return StepLogits(self.kv.update_pool(lambda pool: step(self._state, batch, pool)))
 
     def score_many(
         self,
@@ -217,7 +218,7 @@ class DecodeSteps(CompiledShapes):
         starts: Sequence[int],
         ends: Sequence[int],
         wanted: Sequence[bool] | None = None,
-    ) -> tuple[jax.Array, list[TokenScores]]:
+    ) -> tuple[StepLogits, list[TokenScores]]:
         """`prefill` of `prompt[start:end]` (one request: the whole prompt, its pages and
         width) that also scores the fed tokens against the prompt's next ones (prompt
         log-probs, `MeshDecodeSteps.score_many`; its one request is the one scored)."""
@@ -231,7 +232,7 @@ class DecodeSteps(CompiledShapes):
             logits, *scored = self.kv.update_pool(
                 lambda pool: step(self._state, batch, pool, targets)
             )
-        return logits, _span_scores(requests, starts, ends, scored)
+        return StepLogits(logits), _span_scores(requests, starts, ends, scored)
 
     def compiled_score(self, shape: Shape) -> jax.stages.Compiled:
         """The scoring twin of the prefill step `shape` (`score_many`)."""
@@ -250,7 +251,7 @@ class DecodeSteps(CompiledShapes):
         batch = span_batch(ids, start, table, self.page_size, prefill_bucket(len(ids)))
         return batch, (self.prefill_form, 1, batch.input_ids.shape[1], width)
 
-    def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> jax.Array:
+    def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> StepLogits:
         """Logits after feeding each row's token at its position, on the device:
         `[pow2(len(rows)), vocab]`, the first `len(rows)` rows those of `rows`. With
         `prev`, a row whose source is `>= 0` feeds that row of the last draw instead of
@@ -279,7 +280,7 @@ class DecodeSteps(CompiledShapes):
         step = self.compiled(shape)
         self.shapes.add(shape)
         with jax.named_scope("decode_engine.decode"):
-            return self.kv.update_pool(lambda pool: step(self._state, batch, pool))
+            return StepLogits(self.kv.update_pool(lambda pool: step(self._state, batch, pool)))
 
     def warm(self, shapes: Sequence[Shape]) -> None:
         """Run each shape once on tables of the trash page only (every write lands in page
@@ -289,8 +290,13 @@ class DecodeSteps(CompiledShapes):
 
     @property
     def logits_sharding(self) -> jax.sharding.Sharding:
-        """Where the steps' log-prob rows live (the pool's device)."""
+        """Where the steps leave their logit rows (the pool's device)."""
         return jax.tree.leaves(self._abstract[1])[0].sharding
+
+    @property
+    def state_sharding(self) -> jax.sharding.Sharding:
+        """Where the sampler keeps its per-request state (the pool's device)."""
+        return self.logits_sharding
 
     @staticmethod
     def logit_rows(rows: int) -> int:
@@ -349,13 +355,16 @@ def _span_scores(
     starts: Sequence[int],
     ends: Sequence[int],
     scored: Sequence[jax.Array],
+    order: np.ndarray | None = None,
 ) -> list[TokenScores]:
     """Each request's `TokenScores` from a scoring step's `(chosen, top_ids,
-    top_logprobs)`, row `i` that of `requests[i]` (fetched: the caller waits)."""
+    top_logprobs)`, row `order[i]` (default `i`) that of `requests[i]` (fetched: the
+    caller waits)."""
     chosen, top_ids, top_lps = jax.device_get(scored)
+    at = range(len(requests)) if order is None else order
     return [
-        span_scores(prompt, start, end - start, chosen[i], top_ids[i], top_lps[i])
-        for i, ((prompt, _, _), start, end) in enumerate(zip(requests, starts, ends, strict=True))
+        span_scores(prompt, start, end - start, chosen[j], top_ids[j], top_lps[j])
+        for j, (prompt, _, _), start, end in zip(at, requests, starts, ends, strict=False)
     ]
 
 
@@ -371,10 +380,11 @@ def _warm(
         if tokens > 1:  # a prefill: one row, `tokens` padded prompt tokens
             if form != steps.prefill_form:
                 raise ValueError(f"this engine prefills in {steps.prefill_form!r}, not {form!r}")
-            logits = steps.prefill(np.full((tokens,), 3, np.int32), trash, width)
+            out = steps.prefill(np.full((tokens,), 3, np.int32), trash, width)
         else:
-            logits = steps.decode([(3, 0, trash, width)] * rows)
-        sampling.sample(log_probs(logits, steps.batch_invariant), [sampling.GREEDY])
+            out = steps.decode([(3, 0, trash, width)] * rows)
+        lp = sampling.rows_log_probs(out.logits, steps.batch_invariant)
+        sampling.sample(lp, [sampling.GREEDY], order=out.order)
 
 
 def _warm_feeds(
@@ -383,9 +393,17 @@ def _warm_feeds(
     """Run `feed` (the executor's next-ids program) from the draw of every logit-row
     count of the buckets `rows` into a step of every other (rows join and leave)."""
     counts = sorted({steps.logit_rows(r) for r in rows})
+    # A draw's tokens, placed as the sampler leaves them (from logits placed as the
+    # steps leave theirs).
+    drawn = {a: _drawn_tokens(steps, a) for a in counts}
     for a, b in itertools.product(counts, repeat=2):
-        tokens = jax.device_put(np.zeros((a,), np.int32), steps.logits_sharding)
-        feed(tokens, np.full((b,), -1, np.int32), np.zeros((b, 1), np.int32))
+        feed(drawn[a], np.full((b,), -1, np.int32), np.zeros((b, 1), np.int32))
+
+
+def _drawn_tokens(steps: DecodeSteps | MeshDecodeSteps | CPMeshDecodeSteps, n: int) -> jax.Array:
+    logits = jax.device_put(np.zeros((n, steps.vocab_size), np.float32), steps.logits_sharding)
+    lp = sampling.rows_log_probs(logits, steps.batch_invariant)
+    return sampling.sample_async(lp, [sampling.GREEDY]).tokens
 
 
 def _warm_log_probs(
@@ -395,7 +413,7 @@ def _warm_log_probs(
     executor's steps return them, for each row bucket `R` (and 1)."""
     for n in sorted({steps.logit_rows(r) for r in rows | {1}}):
         logits = jax.device_put(np.zeros((n, steps.vocab_size), np.float32), steps.logits_sharding)
-        sampling.sample(log_probs(logits, steps.batch_invariant), [sampling.GREEDY])
+        sampling.sample(sampling.rows_log_probs(logits, steps.batch_invariant), [sampling.GREEDY])
 
 
 _feed_ids = jax.jit(feed_ids)
@@ -471,6 +489,9 @@ class MeshDecodeSteps:
         prev: PrevTokens | None = None,
         targets: Sequence[np.ndarray] | None = None,
     ) -> Any:
+        """The step over `rows`: its `StepLogits` (each rank's rows on that rank), and
+        with `targets` its scores too (`(chosen, top_ids, top_logprobs)`, laid out as
+        the logits)."""
         shape, order, host = build_batch(self.layout, rows, prefill=prefill)
         if targets is None:
             self._dp.compiled(shape)  # before the pool lock: it may compile or wait
@@ -487,17 +508,19 @@ class MeshDecodeSteps:
             src[order[: len(prev[1])]] = prev[1]
             ids = self._dp.feed_ids(prev[0], src, host[0])
         with jax.named_scope("decode_engine.prefill" if prefill else "decode_engine.decode"):
-            return self.kv.update_pool(
-                lambda pool: self._dp.run(shape, order, host, pool, ids, tgt)
-            )
+            out = self.kv.update_pool(lambda pool: self._dp.run(shape, host, pool, ids, tgt))
+        if targets is None:
+            return StepLogits(out, order)
+        logits, *scored = out
+        return StepLogits(logits, order), scored
 
     def _rank(self, pages: np.ndarray) -> int:
         return self.layout.rank_of(np.asarray(pages)[0])
 
     def prefill(
         self, prompt: np.ndarray, pages: np.ndarray, width: int, start: int = 0
-    ) -> jax.Array:
-        """Logits after the prompt's last token, row 0 (the request) of the step's;
+    ) -> StepLogits:
+        """Logits after the prompt's last token (the step's row of its rank, `order[0]`);
         `start` as `DecodeSteps.prefill`."""
         return self.prefill_many([(prompt, pages, width)], [start])
 
@@ -505,10 +528,10 @@ class MeshDecodeSteps:
         self,
         requests: Sequence[tuple[np.ndarray, np.ndarray, int]],
         starts: Sequence[int] | None = None,
-    ) -> jax.Array:
+    ) -> StepLogits:
         """One step prefilling `(prompt, pages, width)` requests, each on its pages' rank
-        (at most one per rank: a prefill row is one request's prompt); row `i` of the
-        logits is after `requests[i]`'s last prompt token. `starts[i]`: the prompt
+        (at most one per rank: a prefill row is one request's prompt); the logits' row
+        `order[i]` is after `requests[i]`'s last prompt token. `starts[i]`: the prompt
         positions before it already have their KV in the pages (a prefix-cache hit), so
         only the rest is fed."""
         starts = [0] * len(requests) if starts is None else starts
@@ -536,7 +559,7 @@ class MeshDecodeSteps:
         starts: Sequence[int],
         ends: Sequence[int],
         wanted: Sequence[bool] | None = None,
-    ) -> tuple[jax.Array, list[TokenScores]]:
+    ) -> tuple[StepLogits, list[TokenScores]]:
         """`prefill_many` of `prompt[start:end]` for each `(prompt, pages, width)` (the
         whole prompt) that also scores the fed tokens against the prompt's next ones
         (prompt log-probs; on the host, the step waited for); the logits stay on the
@@ -548,12 +571,12 @@ class MeshDecodeSteps:
             next_tokens(prompt, start, end - start) if want else np.full(end - start, -1)
             for (prompt, _, _), start, end, want in zip(requests, starts, ends, wanted, strict=True)
         ]
-        logits, *scored = self._run(rows, prefill=True, targets=targets)
-        return logits, _span_scores(requests, starts, ends, scored)
+        out, scored = self._run(rows, prefill=True, targets=targets)
+        return out, _span_scores(requests, starts, ends, scored, out.order)
 
-    def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> jax.Array:
-        """Logits of each row's next token, row `i` that of `rows[i]` (padding after);
-        `prev` as `DecodeSteps.decode`."""
+    def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> StepLogits:
+        """Logits of each row's next token, row `order[i]` that of `rows[i]`, each on its
+        rank; `prev` as `DecodeSteps.decode`."""
         dp_rows = [
             DPRow(self._rank(pages), np.asarray([token], np.int32), pos, pages, n_pages)
             for token, pos, pages, n_pages in rows
@@ -566,7 +589,13 @@ class MeshDecodeSteps:
 
     @property
     def logits_sharding(self) -> jax.sharding.Sharding:
-        """The steps' log-prob rows are replicated over the mesh."""
+        """The steps leave each rank's logit rows on that rank."""
+        return self._dp.rows_sharding
+
+    @property
+    def state_sharding(self) -> jax.sharding.Sharding:
+        """The sampler's per-request state is on every device (a rank's rows may take
+        any penalty slot)."""
         return self._dp.replicated
 
     def logit_rows(self, rows: int) -> int:
@@ -578,8 +607,8 @@ class MeshDecodeSteps:
         _warm_feeds(self, rows, self._dp.feed_ids)
 
     def warm_log_probs(self, rows: set[int]) -> None:
-        """The log-softmax and sampler on the steps' replicated `[dp * R, vocab]` logits
-        for each row bucket `R` (see `DecodeSteps.warm_log_probs`)."""
+        """The log-softmax and sampler on the steps' `[dp * R, vocab]` logits for each row
+        bucket `R` (see `DecodeSteps.warm_log_probs`)."""
         _warm_log_probs(self, rows)
 
     def compiled(self, shape: Shape) -> jax.stages.Compiled:
@@ -659,9 +688,9 @@ class CPMeshDecodeSteps:
     ) -> jax.Array:
         raise ValueError("the CP decode steps do not prefill: the CP runner does")
 
-    def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> jax.Array:
-        """Logits of each row's next token, row `i` that of `rows[i]` (padding after),
-        replicated over the mesh; `prev` as `DecodeSteps.decode`."""
+    def decode(self, rows: Sequence[DecodeRow], prev: PrevTokens | None = None) -> StepLogits:
+        """Logits of each row's next token, row `order[i]` that of `rows[i]` (one group:
+        row `i`), each on the rank that ran it; `prev` as `DecodeSteps.decode`."""
         by_group: list[list] = [[] for _ in range(self.groups)]
         where = []
         for token, pos, pages, n in rows:
@@ -683,9 +712,8 @@ class CPMeshDecodeSteps:
             ids = self.decoder.feed(prev[0], src, plan.input_ids)
         with jax.named_scope("decode_engine.decode"):
             logits = self.decoder.launch(plan, ids)
-        if self.groups == 1:  # one group's rows are planned in order
-            return logits
-        return self.decoder.reorder(logits, order)
+        # One group's rows are planned in order; groups stack theirs group-major.
+        return StepLogits(logits, None if self.groups == 1 else order)
 
     def warm(self, shapes: Sequence[Shape]) -> None:
         """Run each shape once on lane 0's trash page, then the sampler on its rows."""
@@ -693,7 +721,12 @@ class CPMeshDecodeSteps:
 
     @property
     def logits_sharding(self) -> jax.sharding.Sharding:
-        """The steps' logits are replicated over the mesh."""
+        """The steps leave each row's logits on the rank that ran it."""
+        return self.decoder.rows_sharding
+
+    @property
+    def state_sharding(self) -> jax.sharding.Sharding:
+        """The sampler's per-request state is on every device."""
         return self.decoder.replicated
 
     def logit_rows(self, rows: int) -> int:
@@ -704,8 +737,8 @@ class CPMeshDecodeSteps:
         _warm_feeds(self, rows, self.decoder.feed)
 
     def warm_log_probs(self, rows: set[int]) -> None:
-        """The log-softmax and sampler on the steps' replicated logits for each row
-        bucket (see `DecodeSteps.warm_log_probs`)."""
+        """The log-softmax and sampler on the steps' logits for each row bucket (see
+        `DecodeSteps.warm_log_probs`)."""
         _warm_log_probs(self, rows)
 
     def _key(self, shape: Shape) -> tuple[int, int]:

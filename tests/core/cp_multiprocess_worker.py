@@ -254,13 +254,15 @@ def dp_decode(args, jax, np) -> dict:
     """Data-parallel decode over every device: the model loaded with the routed experts
     split over `"dp"`, three requests (prompt lengths 1/3, 2/3 and all of
     `--dp-decode-ids`) prefilled in one step on `DP_RANKS`, then `DP_STEPS` greedy
-    decode steps. Returns each step's tokens and their log-probs (every process sees the
-    replicated logits)."""
+    decode steps. Returns each step's tokens and their log-probs (every process gathers
+    the logits)."""
+    from jax.experimental import multihost_utils
+
     from cpkv_jax.decode_mesh import DPDecodeSteps, DPPoolLayout, DPRow, build_batch, init_dp_pool
     from cpkv_jax.mesh import DP_AXIS, make_dp_mesh
-    from cpkv_jax.model.transformer import log_probs
     from cpkv_jax.model.weights import load_model
     from cpkv_jax.paging import pages_for_tokens
+    from cpkv_jax.sampling import rows_log_probs
 
     page = args.page_size
     mesh = make_dp_mesh(jax.device_count())
@@ -276,8 +278,10 @@ def dp_decode(args, jax, np) -> dict:
     tokens, lps = [], []
     for step in range(DP_STEPS + 1):
         shape, order, host = build_batch(layout, rows, prefill=step == 0)
-        logits, pool = steps.run(shape, order, host, pool)
-        lp = np.asarray(log_probs(logits), np.float32)[: len(rows)]
+        logits, pool = steps.run(shape, host, pool)
+        # Each rank's rows' logits stay on it: gather them for every process.
+        lp = multihost_utils.process_allgather(rows_log_probs(logits), tiled=True)
+        lp = np.asarray(lp, np.float32)[order[: len(rows)]]
         tok = lp.argmax(-1)
         tokens.append(tok.tolist())
         lps.append(lp[np.arange(len(rows)), tok].tolist())

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.cp_reference import P, reference
+from support.hlo import vocab_wide_collectives
 
 from cpkv_jax.config import CPConfig
 from cpkv_jax.cp_decode import CPDecoder, decode_bytes_per_rank
@@ -175,14 +176,15 @@ def test_decode_bytes_per_rank_counts_the_compiled_steps_exchanges(glm, tiny_che
     per rank at a 256-token context (16 pages, the step's width), bf16 as served. The
     decode exchange sends `q_nope` / `q_pe` and partials through `w_uv`; KV rows and
     queries cross as their stored bits (XLA:CPU moved a bf16 -> float32 convert from
-    after a gather to before it: 2x the bytes). What else crosses (the MoE dispatch, the
-    logits) is not KV traffic. Compiled only."""
+    after a gather to before it: 2x the bytes). What else crosses (the MoE dispatch) is
+    not KV traffic; the logits do not cross at all. Compiled only."""
     cfg, _, _ = glm
     path = tiny_checkpoints("glm_moe_dsa", fp8=True, n_routed_experts=EXPERTS)
     mesh = make_cp_mesh(CP)
     _, placed = load_model(path, progress=False, mesh=mesh, expert_axis=CP_AXIS, dtype=jnp.bfloat16)
     decoder = _decoder(cfg, placed, 8)
-    sent, ops = _sent_by_scope(decoder.compiled_step((CP, 16)).as_text(), CP)
+    hlo = decoder.compiled_step((CP, 16)).as_text()
+    sent, ops = _sent_by_scope(hlo, CP)
     want = decode_bytes_per_rank(
         cfg, 16 * P, CP, page_size=P, dtype="bfloat16", index_k_dtype="float32"
     )["sent"]
@@ -193,6 +195,8 @@ def test_decode_bytes_per_rank_counts_the_compiled_steps_exchanges(glm, tiny_che
     layers, full = cfg.num_hidden_layers, len(cfg.full_indexer_layers)
     assert ops["owner_attention", "all-to-all"] == layers
     assert ops["owner_topk", "all-to-all"] == full
+    # Each rank's rows' logits stay on it (the sampler draws there): none cross.
+    assert not vocab_wide_collectives(hlo, cfg.vocab_size)
 
 
 def test_cp_decode_plan_is_all_or_nothing_and_refusals(glm):

@@ -353,3 +353,82 @@ def test_set_bias_replaces_a_slots_bias_and_keeps_its_counts():
     assert again.tokens[0] == 9
     with pytest.raises(ValueError, match="slot 2 outside"):
         counts.set_bias(2)
+
+
+@pytest.mark.parametrize("penalized", [False, True])
+def test_rows_left_on_a_mesh_draw_where_they_are_as_on_one_device(penalized):
+    """A mesh step leaves its log-prob rows on the ranks that ran them, in its own layout
+    (`order`: caller row `i` at step row `order[i]`; `StepLogits`). Drawing there gives
+    what one device gives for the same rows in the caller's order, bit for bit: tokens
+    (greedy with forced ties, sampled with top-k / top-p / min-p), their log-probs, the
+    top alternatives, a grammar mask's restriction, and the penalty slots' counts. The
+    compiled sampler moves nothing vocabulary-wide between ranks (XLA's partitioner, left
+    to itself, all-gathered the rows for the top-k)."""
+    from support.hlo import vocab_wide_collectives
+
+    from cpkv_jax.mesh import make_dp_mesh
+    from cpkv_jax.sampling import _sample, _sample_penalized, placement, rows_at
+
+    rng = np.random.default_rng(5)
+    vocab, n_rows, n = 97, 16, 11
+    lp = np.stack([random_logprobs(rng, vocab) for _ in range(n_rows)])
+    order = rng.permutation(n_rows).astype(np.int32)
+    tie = order[0]  # caller row 0 (greedy): a tie for its best token, the lower id wins
+    lp[tie, [7, 40]] = lp[tie].max() + 1.0
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    rows = [
+        RowSampling(
+            temperature=0.0 if i % 3 == 0 else float(rng.uniform(0.3, 1.5)),
+            top_k=int(rng.choice([-1, 5, 40])),
+            top_p=float(rng.choice([1.0, 0.8])),
+            min_p=float(rng.choice([0.0, 0.05])),
+            seed=int(rng.integers(0, 2**40)),
+            step=i,
+            top_n=i % 4,
+            frequency_penalty=0.6 if penalized and i % 2 else 0.0,
+            repetition_penalty=1.4 if penalized and i % 4 == 1 else 1.0,
+            slot=i % 3 if penalized and i % 2 else -1,
+        )
+        for i in range(n)
+    ]
+    mask = np.full((n_rows, (vocab + 31) // 32), -1, np.int32)
+    mask[2, 1:] = 0  # caller row 2: a grammar allows tokens 0..31 only
+    mesh = make_dp_mesh(8)
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp"))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    history = [[int(t) for t in rng.integers(0, vocab, 6)] for _ in range(3)]
+    counts = {}
+    for name, where in (("one", one), ("mesh", whole)):
+        counts[name] = PenaltyCounts(3, vocab, where, split if name == "mesh" else None)
+        for slot, out in enumerate(history):
+            counts[name].reset(slot, out, prompt_ids=out[:2])
+    logits = lp * 1.3  # the raw logits a repetition penalty reads
+    want = sample(lp[order], rows, counts["one"], logits[order], mask)
+    on_mesh = jax.device_put(lp, split)
+    got = sample(on_mesh, rows, counts["mesh"], jax.device_put(logits, split), mask, order)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.logprobs, want.logprobs)
+    np.testing.assert_array_equal(got.top_ids, want.top_ids)
+    np.testing.assert_array_equal(got.top_logprobs, want.top_logprobs)
+    assert got.tokens[0] == 7
+    assert got.tokens[2] < 32  # the grammar row drew an allowed token
+    np.testing.assert_array_equal(
+        np.asarray(counts["mesh"].counts), np.asarray(counts["one"].counts)
+    )
+    assert counts["mesh"].counts.sharding.is_fully_replicated
+    # Compiled on the split rows: no collective moves a vocabulary-wide array.
+    place, src = placement(order, n, n_rows)
+    per_row = tuple(
+        np.zeros(n_rows, d)
+        for d in (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.uint32, np.float32)
+    )
+    args = (on_mesh, per_row, np.bool_(True), src, place)
+    if penalized:
+        c = counts["mesh"]
+        pen = (np.zeros(n_rows, np.int32), *(np.zeros(n_rows, np.float32) for _ in range(3)))
+        extra = (c.counts, (c.prompt, c.bias_ids, c.bias_values), pen, on_mesh, rows_at(on_mesh))
+        hlo = _sample_penalized.lower(*args, *extra).compile().as_text()
+    else:
+        hlo = _sample.lower(*args, rows_at(on_mesh)).compile().as_text()
+    assert not vocab_wide_collectives(hlo, vocab)

@@ -20,6 +20,7 @@ import dataclasses
 import numpy as np
 import pytest
 from flax import nnx
+from support.hlo import vocab_wide_collectives
 
 from cpkv_jax.decode_mesh import (
     DPDecodeSteps,
@@ -33,9 +34,9 @@ from cpkv_jax.errors import ConfigError
 from cpkv_jax.generate import ReferenceGenerator
 from cpkv_jax.mesh import make_dp_mesh
 from cpkv_jax.model.expert_parallel import is_expert_leaf
-from cpkv_jax.model.transformer import log_probs
 from cpkv_jax.model.weights import load_model
 from cpkv_jax.paging import pages_for_tokens
+from cpkv_jax.sampling import rows_log_probs
 
 # Among the longer files of the suite: scheduled early, longest first (tests/conftest.py).
 pytestmark = pytest.mark.slow(seconds=50)  # on 2 workers, 2026-12-05
@@ -119,8 +120,8 @@ def _serve(cfg, model, dp: int, reqs: list[_Req], *, invariant: bool, max_rows: 
                 [DPRow(r.rank, r.prompt, 0, r.pages, len(r.pages)) for r in prefills],
                 prefill=True,
             )
-            logits, pool = steps.run(shape, order, host, pool)
-            _take(prefills, logits, invariant)
+            logits, pool = steps.run(shape, host, pool)
+            _take(prefills, logits, order, invariant)
             running += prefills
         decoding = [r for r in running if r not in prefills and len(r.out) < r.new]
         if decoding:
@@ -135,8 +136,8 @@ def _serve(cfg, model, dp: int, reqs: list[_Req], *, invariant: bool, max_rows: 
                 for r in decoding
             ]
             shape, order, host = build_batch(layout, rows, prefill=False)
-            logits, pool = steps.run(shape, order, host, pool)
-            _take(decoding, logits, invariant)
+            logits, pool = steps.run(shape, host, pool)
+            _take(decoding, logits, order, invariant)
         for r in [r for r in running if len(r.out) >= r.new]:
             running.remove(r)
             free[r.rank] += r.pages.tolist()
@@ -145,12 +146,12 @@ def _serve(cfg, model, dp: int, reqs: list[_Req], *, invariant: bool, max_rows: 
     return steps
 
 
-def _take(reqs, logits, invariant: bool) -> None:
-    lp = np.asarray(log_probs(logits, invariant))
-    for i, r in enumerate(reqs):  # row i is reqs[i]'s (the step's `order`)
-        tok = int(np.argmax(lp[i]))
+def _take(reqs, logits, order, invariant: bool) -> None:
+    lp = np.asarray(rows_log_probs(logits, invariant))  # each rank its rows, as served
+    for r, j in zip(reqs, order, strict=False):  # row order[i] is reqs[i]'s
+        tok = int(np.argmax(lp[j]))
         r.out.append(tok)
-        r.lps.append(float(lp[i, tok]))
+        r.lps.append(float(lp[j, tok]))
 
 
 def _check(cfg, model, reqs, *, invariant: bool) -> None:
@@ -198,6 +199,9 @@ def test_idle_ranks_and_experts_split_over_dp(models):
     assert experts
     for leaf in experts:  # each device holds 1/dp of every routed-expert weight
         assert leaf.addressable_shards[0].data.shape[0] == leaf.shape[0] // dp
+    # Each rank's rows' logits stay on it (the sampler draws there): none cross ranks.
+    for shape in steps.compiled_shapes:
+        assert not vocab_wide_collectives(steps.compiled(shape).as_text(), cfg.vocab_size)
 
 
 def test_choose_rank_prefers_free_pages_then_rows_then_round_robin():

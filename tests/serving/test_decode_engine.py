@@ -30,7 +30,7 @@ from cpkv_jax.kv_store import KVStore, PagedKVStore
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.transformer import forward_step
 from cpkv_jax.paging import PageAllocator, padded_page_table, pages_for_tokens
-from cpkv_jax.sampling import RowSampling, sample
+from cpkv_jax.sampling import RowSampling, StepLogits, sample
 from serving.decode.engine import DecodeEngine
 from serving.engine.api import EngineStats, GenerateRequest, SamplingParams, StepEngine
 from serving.engine.wait_queue import QueueFullError
@@ -586,8 +586,10 @@ def test_a_broken_log_prob_row_fails_only_its_request(tiny, monkeypatch):
         if broken["on"]:
             broken["on"] = False
             pages = engine.running[hot.rid].pages
-            out = np.array(out)
-            out[next(i for i, row in enumerate(rows) if row[2] is pages)] = np.nan
+            logits = np.array(out.logits)
+            i = next(i for i, row in enumerate(rows) if row[2] is pages)
+            logits[i if out.order is None else out.order[i]] = np.nan
+            out = StepLogits(logits, out.order)
         return out
 
     monkeypatch.setattr(engine.steps, "decode", decode)
