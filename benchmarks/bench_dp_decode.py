@@ -8,7 +8,12 @@ One run, side by side, for each total batch `B` (every row at `--context` tokens
   over all `B` rows, every routed expert on the one device;
 - `dp_allgather` / `dp_all_to_all`: the `("dp",)` mesh step (`DPDecodeSteps`) with
   `B / dp` rows per rank and the routed experts split over the ranks, tokens reaching
-  their experts by all-gather + reduce-scatter or by padded all-to-all.
+  their experts by all-gather + reduce-scatter or by padded all-to-all;
+- `sampler_replicated` / `sampler_split`: the draw after a DP step (log-softmax, then
+  temperature 0.8 and top-p 0.95, so the whole-vocabulary sort runs) over `B` rows of
+  `--sampler-vocab` logits (default GLM-5's 154,880) on the mesh, as the step used to
+  leave them (every row on every device) and as it leaves them now (each rank its own
+  rows, `cpkv_jax.sampling.StepLogits`); the tokens must be equal.
 
 The model is the tiny architecture widened (`--hidden`, `--experts`, 2 layers: one dense,
 one MoE), float32, page size 64, zero pools (timing only). Prints JSON: median step
@@ -40,14 +45,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.decode_mesh import DPDecodeSteps, DPPoolLayout, DPRow, build_batch, init_dp_pool
-from cpkv_jax.mesh import make_dp_mesh
+from cpkv_jax.mesh import DP_AXIS, make_dp_mesh
 from cpkv_jax.model.forward_batch import batch_from_host
 from cpkv_jax.model.kv_cache import init_pool
 from cpkv_jax.model.transformer import CausalLM, forward_step
 from cpkv_jax.paging import pages_for_tokens
+from cpkv_jax.sampling import RowSampling, rows_log_probs, sample
 from cpkv_jax.tools.tiny_config import tiny_config_dict
 
 PAGE = 64
@@ -143,6 +151,20 @@ def time_dp(
     return ms, first[order[:batch]]
 
 
+def time_sampler(
+    dp: int, batch: int, vocab: int, repeats: int
+) -> dict[str, tuple[float, np.ndarray]]:
+    """The draw over `batch` rows of logits on the `dp` mesh, replicated vs split."""
+    mesh = make_dp_mesh(dp)
+    logits = np.random.default_rng(0).standard_normal((batch, vocab), dtype=np.float32) * 3
+    rows = [RowSampling(temperature=0.8, top_p=0.95, seed=i, step=1) for i in range(batch)]
+    out = {}
+    for name, spec in (("replicated", P()), ("split", P(DP_AXIS))):
+        placed = jax.device_put(logits, NamedSharding(mesh, spec))
+        out[name] = _median_ms(lambda x=placed: sample(rows_log_probs(x), rows).tokens, repeats)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_dp_decode")
     ap.add_argument("--dp", type=int, default=8)
@@ -151,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sampler-vocab", type=int, default=154_880)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if any(b % args.dp for b in args.batches):
@@ -167,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
             row[f"dp_{dispatch}_vs_single"] = ms / row["single_ms"]
             # Same rows, same model: the DP step's logits are the single step's.
             row[f"dp_{dispatch}_max_logit_diff"] = float(np.abs(got - want).max())
+        drawn = time_sampler(args.dp, batch, args.sampler_vocab, args.repeats)
+        for name, (ms, _) in drawn.items():
+            row[f"sampler_{name}_ms"] = ms
+        row["sampler_split_vs_replicated"] = row["sampler_split_ms"] / row["sampler_replicated_ms"]
+        row["sampler_tokens_equal"] = bool(
+            np.array_equal(drawn["split"][1], drawn["replicated"][1])
+        )
         results.append(row)
     out = {
         "benchmark": "bench_dp_decode",
@@ -177,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "hidden": args.hidden,
         "experts": args.experts,
         "repeats": args.repeats,
+        "sampler_vocab": args.sampler_vocab,
         "results": results,
     }
     text = json.dumps(out, indent=2)

@@ -21,6 +21,8 @@ import logging
 from collections.abc import Collection, Sequence
 from typing import Any
 
+import numpy as np
+
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.sampling import (
     PenaltyCounts,
@@ -170,6 +172,8 @@ class RowSampler:
         the host), and the slot reset: what a request with a penalty runs, before
         serving; with a grammar backend, the masked draws too."""
         self.penalties.warm(row_counts, {1} if host_row else set())
+        if host_row:  # its log-softmax (the steps' rows: `warm_log_probs`)
+            rows_log_probs(np.zeros((1, self.vocab_size), np.float32), self.invariant)
         if self.grammar is not None:  # the token mask of a step with a grammar row
             sampling_warm(self.vocab_size, sorted(row_counts), self._logits_sharding, masked=True)
             if host_row:

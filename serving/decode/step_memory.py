@@ -24,7 +24,8 @@ a time). Bytes, per device:
 - `head` `20*B*V` (`T*` that for a speculative step verifying every token; `min(512,
   B*T)` rows for a prefill's prompt-scoring twin, whose head runs in blocks of
   `SCORE_BLOCK_TOKENS`): the LM head's float32 logits, their log-softmax and the
-  sampler's sorted copy with its indices;
+  sampler's sorted copy with its indices, of the rank's own rows (on a mesh the logits
+  stay where their rows ran, `cpkv_jax.sampling.StepLogits`);
 - `pool_upcast` (where the backend moves a pool's dtype wider, `LoweringProfile`: XLA:CPU
   moves bf16 as f32 and fp8 as f16; 0 on XLA:GPU): the step's scatters go through an
   upcast copy of the whole pool, every layer's latent and every full layer's index K,

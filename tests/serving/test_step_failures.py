@@ -26,6 +26,7 @@ import pytest
 from support.prefill_server import HP, InstantBackend, ZeroExecutor, host_scheduler, server_args
 from support.unified_server import unified_args
 
+from cpkv_jax.sampling import StepLogits
 from cpkv_jax.shared_kv_debug import SharedKVInvariantError
 from serving.decode.cached import CachedUnifiedEngine
 from serving.engine import api
@@ -257,7 +258,7 @@ def test_the_unified_prefix_cache_engine_fails_a_step_or_a_row_alone(tiny_checkp
     def decode(rows, prev=None):  # the decode batch, closed-form: token 7 for every row
         out = np.full((len(rows), VOCAB), -30.0, np.float32)
         out[:, 7] = 0.0
-        return out
+        return StepLogits(out)
 
     engine.steps.decode = decode
     total = engine.stats().kv_pages_total[0]
