@@ -450,6 +450,17 @@ def _rows_log_probs(logits, invariant: bool, at: RowsAt):
     return _per_rank(functools.partial(log_probs, invariant=invariant), at, 1)(logits)
 
 
+def _in_caller_order(out, place, at: RowsAt) -> tuple:
+    """The draw's per-row results in the caller's order, on every device of the mesh
+    (small arrays: the engine's next step reads its rows' tokens from them, and its feed
+    program was compiled for them there)."""
+    out = tuple(a[place] for a in out)
+    if at is None:
+        return out
+    whole = jax.sharding.NamedSharding(at[0], jax.sharding.PartitionSpec())
+    return tuple(jax.lax.with_sharding_constraint(a, whole) for a in out)
+
+
 @functools.partial(jax.jit, static_argnums=5)
 def _sample(lp, per_row, want_top, src, place, at: RowsAt):
     """The draw over `lp`'s rows where they are (`at`: each rank its own), each with the
@@ -461,7 +472,7 @@ def _sample(lp, per_row, want_top, src, place, at: RowsAt):
         return _draw(lp, lp, *rest)
 
     out = _per_rank(draw, at, 1 + len(per_row), 1)(lp, *(a[src] for a in per_row), want_top)
-    return tuple(a[place] for a in out)
+    return _in_caller_order(out, place, at)
 
 
 @functools.partial(jax.jit, donate_argnums=5, static_argnums=9)
@@ -489,7 +500,7 @@ def _sample_penalized(
 
     rows = (*(a[src] for a in per_row), *(a[src] for a in penalty_rows))
     out = _per_rank(draw, at, 2 + len(rows), 5)(lp, logits, *rows, want_top, counts, *history)
-    out = tuple(a[place] for a in out)
+    out = _in_caller_order(out, place, at)
     # Rows without a penalty update no slot (index `slots`: dropped by the scatter).
     return (*out, counts.at[penalty_rows[0], out[0]].add(1, mode="drop"))
 

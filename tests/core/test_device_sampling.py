@@ -367,7 +367,7 @@ def test_rows_left_on_a_mesh_draw_where_they_are_as_on_one_device(penalized):
     from support.hlo import vocab_wide_collectives
 
     from cpkv_jax.mesh import make_dp_mesh
-    from cpkv_jax.sampling import _sample, _sample_penalized, placement, rows_at
+    from cpkv_jax.sampling import _sample, _sample_penalized, placement, rows_at, sample_async
 
     rng = np.random.default_rng(5)
     vocab, n_rows, n = 97, 16, 11
@@ -417,6 +417,8 @@ def test_rows_left_on_a_mesh_draw_where_they_are_as_on_one_device(penalized):
         np.asarray(counts["mesh"].counts), np.asarray(counts["one"].counts)
     )
     assert counts["mesh"].counts.sharding.is_fully_replicated
+    # The drawn tokens stay on the device for the next step's feed, on every device.
+    assert sample_async(on_mesh, rows[:1], order=order).tokens.sharding.is_fully_replicated
     # Compiled on the split rows: no collective moves a vocabulary-wide array.
     place, src = placement(order, n, n_rows)
     per_row = tuple(
