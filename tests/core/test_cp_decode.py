@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.cp_reference import P, reference
-from support.hlo import vocab_wide_collectives
+from support.hlo import collectives, vocab_wide_collectives
 
 from cpkv_jax.config import CPConfig
 from cpkv_jax.cp_decode import CPDecoder, decode_bytes_per_rank
@@ -153,20 +152,13 @@ def _sent_by_scope(hlo: str, cp: int) -> tuple[dict[str, int], dict[tuple[str, s
     collective each scope runs."""
     out: dict[str, int] = {}
     ops_by_scope: dict[tuple[str, str], int] = {}
-    ops = r"\s*(?:ROOT )?%\S+ = (.+?) (all-gather|all-to-all|reduce-scatter|all-reduce)\("
-    for line in hlo.splitlines():
-        if (m := re.match(ops, line)) is None:
-            continue
-        size = 0
-        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
-            size += _HLO_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-        name = re.search(r'op_name="([^"]*)"', line)
+    for kind, arrays, name in collectives(hlo):
+        size = sum(_HLO_BYTES[dtype] * math.prod(shape) for dtype, shape in arrays)
         scope = next(
-            (s for s in ("owner_attention", "owner_topk", "kv_write") if name and s in name[1]),
-            "other",
+            (s for s in ("owner_attention", "owner_topk", "kv_write") if s in name), "other"
         )
         out[scope] = out.get(scope, 0) + size * (cp - 1) // cp
-        ops_by_scope[scope, m.group(2)] = ops_by_scope.get((scope, m.group(2)), 0) + 1
+        ops_by_scope[scope, kind] = ops_by_scope.get((scope, kind), 0) + 1
     return out, ops_by_scope
 
 
