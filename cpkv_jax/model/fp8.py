@@ -5,7 +5,8 @@ float32 multiplier per `B0 x B1` block (`quantization_config.weight_block_size`,
 128x128): `w[o, i] = q[o, i] * scale_inv[o // B0, i // B1]`; the last block row/column is
 cropped when `B` does not divide. Stacked routed experts carry a leading expert axis on
 both. The model keeps them like this on the device and dequantizes inside the jitted step
-(`dequantize`), one layer's weights at a time, so HBM holds 1 byte per weight instead of
+(`dequantize`, computed from the layer's activations so that no scheduler runs it before
+its layer), one layer's weights at a time, so HBM holds 1 byte per weight instead of
 2 (bf16); the float32 multiply is the same one `dequantize_np` does at load, so the two
 paths give the same weight values bit for bit.
 """
@@ -35,11 +36,36 @@ def _expand(scale, block: tuple[int, int], out_dim: int, in_dim: int, repeat):
     return scale[..., :out_dim, :in_dim]
 
 
-def dequantize(q: Array, scale_inv: Array, block: tuple[int, int], dtype: DTypeLike) -> Array:
-    """Device dequantization (inside a jitted step): float32 multiply, then `dtype`."""
+def dequantize(
+    q: Array,
+    scale_inv: Array,
+    block: tuple[int, int],
+    dtype: DTypeLike,
+    after: Array | None = None,
+) -> Array:
+    """Device dequantization (inside a jitted step): float32 multiply, then `dtype`.
+
+    `after`: the activations the weight is applied to (the layer's rows). The
+    dequantization is then computed from them (`_zero_from`), so it cannot run before
+    the layer does. A weight-only computation has no such edge and XLA may schedule it
+    anywhere: XLA:CPU put every layer's dequantization at the start of the step and kept
+    all of them alive, a float32 copy of every layer (39.5 GB per GLM-5 MoE layer,
+    `benchmarks/decode_memory`), where one layer's at a time is what the memory plan
+    counts."""
     out_dim, in_dim = q.shape[-2:]
-    scale = _expand(scale_inv.astype(jnp.float32), block, out_dim, in_dim, jnp.repeat)
+    scale_inv = scale_inv.astype(jnp.float32)
+    if after is not None:
+        scale_inv = scale_inv + _zero_from(after)  # + 0.0: the same scales bit for bit
+    scale = _expand(scale_inv, block, out_dim, in_dim, jnp.repeat)
     return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+def _zero_from(x: Array) -> Array:
+    """A float32 0.0 computed from `x`'s first element whatever its value: a predicate's
+    0 or 1, clipped at 0 (a NaN or an infinity in one row cannot reach the weights that
+    every row uses). XLA folds neither step, so the data edge stays."""
+    flag = (jnp.ravel(x)[0] > 0).astype(jnp.int32)
+    return jnp.minimum(flag, 0).astype(jnp.float32)
 
 
 def dequantize_np(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:

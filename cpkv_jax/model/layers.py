@@ -42,15 +42,16 @@ class Linear(nnx.Module):
         self.weight, self.weight_scale_inv = fp8_params(self.weight.shape, block)
         self.block = tuple(block)
 
-    def dense_weight(self, dtype: DTypeLike | None = None) -> Array:
-        """The weight in `dtype` (default: the compute dtype), dequantized here when FP8."""
+    def dense_weight(self, dtype: DTypeLike | None = None, after: Array | None = None) -> Array:
+        """The weight in `dtype` (default: the compute dtype), dequantized here when FP8,
+        not before `after` (the activations it meets: `fp8.dequantize`)."""
         dtype = self.dtype if dtype is None else dtype
         if self.weight_scale_inv is None:
             return self.weight[...].astype(dtype)
-        return dequantize(self.weight[...], self.weight_scale_inv[...], self.block, dtype)
+        return dequantize(self.weight[...], self.weight_scale_inv[...], self.block, dtype, after)
 
     def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
-        w = self.dense_weight()
+        w = self.dense_weight(after=x)
         return rowwise(lambda rows: jnp.einsum("...i,oi->...o", rows, w), x.astype(self.dtype))
 
 

@@ -209,7 +209,7 @@ class MLAttention(nnx.Module):
 
         with jax.named_scope("sparse_mla"):
             layer_pool = pool.latent[self.layer_id]
-            w_kv_b = self.kv_b_proj.dense_weight(jnp.float32)
+            w_kv_b = self.kv_b_proj.dense_weight(jnp.float32, after=q_nope)
             dims = dict(
                 kv_lora_rank=cfg.kv_lora_rank, v_head_dim=cfg.v_head_dim, scale=cfg.softmax_scale
             )

@@ -102,19 +102,20 @@ class RoutedExperts(nnx.Module):
             setattr(self, proj + SCALE_SUFFIX, scale)
         self.block = tuple(block)
 
-    def _weight(self, proj: str) -> Array:
-        """`[E_local, in, out]` in the compute dtype, as `ragged_dot` wants it."""
+    def _weight(self, proj: str, after: Array | None = None) -> Array:
+        """`[E_local, in, out]` in the compute dtype, as `ragged_dot` wants it; FP8 is
+        dequantized once `after` exists (the layer's routing: `fp8.dequantize`)."""
         w, scale = getattr(self, proj)[...], getattr(self, proj + SCALE_SUFFIX)
         w = (
             w.astype(self.dtype)
             if scale is None
-            else dequantize(w, scale[...], self.block, self.dtype)
+            else dequantize(w, scale[...], self.block, self.dtype, after)
         )
         return jnp.swapaxes(w, 1, 2)
 
     def _ffn(self, rows: Float[Array, "m h"], sizes: Int[Array, " e"]) -> Float[Array, "m h"]:
         """SwiGLU of rows sorted by (local) expert, `sizes[e]` rows per expert."""
-        gate, up, down = (self._weight(p) for p in EXPERT_PROJS)
+        gate, up, down = (self._weight(p, sizes) for p in EXPERT_PROJS)
         hid = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(
             rows, up, sizes
         )

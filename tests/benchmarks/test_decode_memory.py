@@ -37,6 +37,16 @@ def test_report_has_every_run_and_the_growth_per_moe_layer(single):
         assert g["weights_per_moe_layer"] == hi["argument_bytes"] - lo["argument_bytes"] > 0
 
 
+def test_one_more_moe_layer_adds_far_less_than_its_weights(single):
+    """Each layer's FP8 weights are dequantized once that layer's rows exist
+    (`fp8.dequantize(after=...)`), so XLA cannot hoist every layer's dequantization to
+    the start of the step and keep them all: one more MoE layer adds a small part of its
+    stored weights to the temporaries. Without the data edge XLA:CPU added about 4x them
+    (a float32 copy of the layer, for every layer; 39.5 GB per GLM-5 MoE layer)."""
+    for g in single["growth"]:
+        assert g["temp_per_moe_layer"] < 0.25 * g["weights_per_moe_layer"], g
+
+
 def test_cp_mode_lowers_the_cp_decode_step(tmp_path, single):
     """`--cp 8`: the CP decode step (owner attention, EP 8) per device of the 8 virtual
     devices; the temp a longer context adds is below one device's."""
