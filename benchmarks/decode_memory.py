@@ -108,6 +108,8 @@ def step_memory(cfg: ModelConfig, rows: int, context: int, fp8: bool) -> dict[st
 def _figures(cfg: ModelConfig, rows: int, context: int, compiled, t0: float) -> dict[str, Any]:
     """One run's record: the shapes and XLA's memory analysis of `compiled`."""
     m = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older JAX: one per program
     return {
         "layers": cfg.num_hidden_layers,
         "moe_layers": sum(t == "sparse" for t in cfg.mlp_layer_types),
@@ -116,6 +118,8 @@ def _figures(cfg: ModelConfig, rows: int, context: int, compiled, t0: float) -> 
         "argument_bytes": int(m.argument_size_in_bytes),
         "output_bytes": int(m.output_size_in_bytes),
         "temp_bytes": int(m.temp_size_in_bytes),
+        # XLA's cost model: bytes read and written by the step's ops (per device)
+        "bytes_accessed": int((cost or {}).get("bytes accessed", 0)),
         "compile_s": round(time.perf_counter() - t0, 2),
     }
 
@@ -196,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     shrink = (args.hidden, args.experts, args.intermediate)
     if args.cp > len(jax.devices()):
         p.error(f"--cp {args.cp} needs {args.cp} devices, found {len(jax.devices())}")
+    if args.cp > 1 and any(r % args.cp for r in args.rows):
+        p.error(f"--cp {args.cp} splits the rows over its ranks: --rows must be multiples of it")
 
     def measure(cfg, rows, ctx):
         if args.cp > 1:
@@ -216,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             n = max(1, hi["moe_layers"] - lo["moe_layers"])
             temp = (hi["temp_bytes"] - lo["temp_bytes"]) // n
             weights = (hi["argument_bytes"] - lo["argument_bytes"]) // n
+            moved = (hi["bytes_accessed"] - lo["bytes_accessed"]) // n
             growth.append(
                 {
                     "rows": rows,
@@ -223,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                     "temp_per_moe_layer": temp,
                     "weights_per_moe_layer": weights,
                     "temp_over_weights": round(temp / max(1, weights), 3),
+                    # 1.0 is the floor (each stored weight byte read once); a dequantized
+                    # copy written and read again adds 2 x its itemsize per FP8 byte
+                    "accessed_per_moe_layer": moved,
+                    "accessed_over_weights": round(moved / max(1, weights), 3),
                 }
             )
     cfg = glm5_layers(max(args.layers), *shrink)

@@ -179,7 +179,8 @@ def _hl_decode_memory(r: dict[str, Any]) -> str:
     return (
         f"temp +{worst['temp_per_moe_layer'] / 2**30:.2f} GiB per MoE layer "
         f"({worst['temp_over_weights']:.2f}x its weights) at {worst['rows']} rows, "
-        f"{worst['context']} tokens"
+        f"{worst['context']} tokens; bytes accessed "
+        f"{worst.get('accessed_over_weights', float('nan')):.2f}x its weights (1.0: read once)"
     )
 
 

@@ -45,6 +45,11 @@ def test_one_more_moe_layer_adds_far_less_than_its_weights(single):
     (a float32 copy of the layer, for every layer; 39.5 GB per GLM-5 MoE layer)."""
     for g in single["growth"]:
         assert g["temp_per_moe_layer"] < 0.25 * g["weights_per_moe_layer"], g
+        # XLA's cost model: a layer's weights are read at least once (item 3's bytes moved)
+        assert g["accessed_per_moe_layer"] >= g["weights_per_moe_layer"], g
+        assert g["accessed_over_weights"] == round(
+            g["accessed_per_moe_layer"] / g["weights_per_moe_layer"], 3
+        )
 
 
 def test_cp_mode_lowers_the_cp_decode_step(tmp_path, single):

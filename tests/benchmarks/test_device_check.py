@@ -249,6 +249,7 @@ def test_device_slug():
         ("bench_hicache_ttft", "bench_hicache_ttft_cpu_2026-12-02.json", "x recompute"),
         ("bench_decode", "bench_decode_cpu_2026-12-04.json", "sparse_b8_32768_over_2048 3.94x"),
         ("decode_memory", "decode_memory_cpu_2026-12-05.json", "+37.10 GiB per MoE layer (3.96x"),
+        ("decode_memory", "decode_memory_cpu_2026-12-07.json", "bytes accessed 10.34x"),
         (
             "bench_speculative",
             "speculative_cpu_2026-12-05.json",
