@@ -64,6 +64,8 @@ def _zero_from(x: Array) -> Array:
     """A float32 0.0 computed from `x`'s first element whatever its value: a predicate's
     0 or 1, clipped at 0 (a NaN or an infinity in one row cannot reach the weights that
     every row uses). XLA folds neither step, so the data edge stays."""
+    if x.size == 0:  # nothing to wait for
+        return jnp.zeros((), jnp.float32)
     flag = (jnp.ravel(x)[0] > 0).astype(jnp.int32)
     return jnp.minimum(flag, 0).astype(jnp.float32)
 

@@ -104,7 +104,7 @@ class RoutedExperts(nnx.Module):
 
     def _weight(self, proj: str, after: Array | None = None) -> Array:
         """`[E_local, in, out]` in the compute dtype, as `ragged_dot` wants it; FP8 is
-        dequantized once `after` exists (the layer's routing: `fp8.dequantize`)."""
+        dequantized once `after` exists (the layer's tokens: `fp8.dequantize`)."""
         w, scale = getattr(self, proj)[...], getattr(self, proj + SCALE_SUFFIX)
         w = (
             w.astype(self.dtype)
@@ -113,9 +113,15 @@ class RoutedExperts(nnx.Module):
         )
         return jnp.swapaxes(w, 1, 2)
 
-    def _ffn(self, rows: Float[Array, "m h"], sizes: Int[Array, " e"]) -> Float[Array, "m h"]:
-        """SwiGLU of rows sorted by (local) expert, `sizes[e]` rows per expert."""
-        gate, up, down = (self._weight(p, sizes) for p in EXPERT_PROJS)
+    def _ffn(
+        self,
+        weights: tuple[Array, Array, Array],
+        rows: Float[Array, "m h"],
+        sizes: Int[Array, " e"],
+    ) -> Float[Array, "m h"]:
+        """SwiGLU of rows sorted by (local) expert, `sizes[e]` rows per expert, with the
+        `(gate, up, down)` of `_weight`."""
+        gate, up, down = weights
         hid = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(
             rows, up, sizes
         )
@@ -127,13 +133,16 @@ class RoutedExperts(nnx.Module):
         n, k = experts.shape
         xs = x.astype(self.dtype)
         n_local = self.gate_proj.shape[0]
+        # Dequantized from the layer's tokens on (not at the step's start: `fp8.dequantize`),
+        # before the expert-parallel dispatch, which it may overlap.
+        ffn = functools.partial(self._ffn, tuple(self._weight(p, xs) for p in EXPERT_PROJS))
         spec = expert_parallel.current()
         if spec is None:
             order, sizes = expert_parallel.sort_pairs(experts.reshape(-1), n_local)
-            ys = self._ffn(jnp.repeat(xs, k, axis=0)[order], sizes)
+            ys = ffn(jnp.repeat(xs, k, axis=0)[order], sizes)
             per_slot = ys[invert_permutation(order)].reshape(n, k, -1)  # token-slot major
         else:
-            per_slot = expert_parallel.ep_expert_outputs(spec, xs, experts, n_local, self._ffn)
+            per_slot = expert_parallel.ep_expert_outputs(spec, xs, experts, n_local, ffn)
         return sum_slots(per_slot * weights[..., None].astype(self.dtype)).astype(x.dtype)
 
 
