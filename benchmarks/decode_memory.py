@@ -1,7 +1,8 @@
 """What XLA allocates for the decode step at GLM-5 dims: issue 36's missing decode term.
 
     python -m benchmarks.decode_memory [--layers 4 5] [--rows 1 32] [--contexts 4096 131072]
-        [--hidden H --experts E --intermediate I] [--no-fp8] [--json PATH]
+        [--hidden H --experts E --intermediate I] [--no-fp8] [--tokens N | --cp N]
+        [--json PATH]
 
 The servers' memory plan counts weights, the KV pool, one layer's FP8 dequantization and
 the decode step's own buffers (`serving.decode.step_memory`) per device, not a copy of
@@ -40,7 +41,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cpkv_jax.buckets import page_table_width
+from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES, page_table_width
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.cp_decode import build_decode_step
 from cpkv_jax.kv_pool import PoolLayout, cp_pool_shapes
@@ -83,8 +84,12 @@ def glm5_layers(
     return dataclasses.replace(cfg, **changes)
 
 
-def step_memory(cfg: ModelConfig, rows: int, context: int, fp8: bool) -> dict[str, Any]:
-    """XLA's memory analysis of the decode step of `rows` rows at `context` tokens."""
+def step_memory(
+    cfg: ModelConfig, rows: int, context: int, fp8: bool, tokens: int = 1
+) -> dict[str, Any]:
+    """XLA's memory analysis of the decode step of `rows` rows at `context` tokens; with
+    `tokens` > 1, of a prefill chunk of that many new tokens per row (in the servers'
+    token blocks, `--transient-block-size`'s default)."""
     width = -(-context // PAGE)
     bf16 = jnp.bfloat16
     model = abstract_model(cfg, bf16, bf16, fp8_block=FP8_BLOCK if fp8 else None)
@@ -94,15 +99,15 @@ def step_memory(cfg: ModelConfig, rows: int, context: int, fp8: bool) -> dict[st
     compiled = forward_step.lower(
         graphdef,
         state,
-        abstract_batch(rows, 1, width),
+        abstract_batch(rows, tokens, width),
         pool,
         kv_io=SINGLE_DEVICE_KV_IO,
         index_k_dtype=INDEX_K,
         form="absorbed",
         invariant=False,
-        block_bytes=None,
+        block_bytes=TRANSIENT_BLOCK_BYTES if tokens > 1 else None,
     ).compile()
-    return _figures(cfg, rows, context, compiled, t0)
+    return {**_figures(cfg, rows, context, compiled, t0), "tokens": tokens}
 
 
 def _figures(cfg: ModelConfig, rows: int, context: int, compiled, t0: float) -> dict[str, Any]:
@@ -186,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate", type=int, default=None)
     p.add_argument("--no-fp8", action="store_true", help="bf16 weights instead of FP8")
     p.add_argument(
+        "--tokens",
+        type=int,
+        default=1,
+        help="new tokens per row: 1 is a decode step, more a prefill chunk (one device; "
+        "the layer-by-layer dequantization holds there too)",
+    )
+    p.add_argument(
         "--cp",
         type=int,
         default=1,
@@ -200,13 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     shrink = (args.hidden, args.experts, args.intermediate)
     if args.cp > len(jax.devices()):
         p.error(f"--cp {args.cp} needs {args.cp} devices, found {len(jax.devices())}")
+    if args.cp > 1 and args.tokens != 1:
+        p.error("--tokens applies to the one-device step; --cp lowers the CP decode step")
     if args.cp > 1 and any(r % args.cp for r in args.rows):
         p.error(f"--cp {args.cp} splits the rows over its ranks: --rows must be multiples of it")
 
     def measure(cfg, rows, ctx):
         if args.cp > 1:
             return cp_step_memory(cfg, rows, ctx, fp8, args.cp)
-        return step_memory(cfg, rows, ctx, fp8)
+        return step_memory(cfg, rows, ctx, fp8, args.tokens)
 
     runs = [
         measure(glm5_layers(n, *shrink), rows, ctx)
@@ -240,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "bench": "decode_memory",
         "cp": args.cp,
+        "tokens": args.tokens,
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
         "model": {

@@ -46,7 +46,7 @@ def dequantize(
     """Device dequantization (inside a jitted step): float32 multiply, then `dtype`.
 
     `after`: the activations the weight is applied to (the layer's rows). The
-    dequantization is then computed from them (`_zero_from`), so it cannot run before
+    dequantization is then computed from them (`zero_from`), so it cannot run before
     the layer does. A weight-only computation has no such edge and XLA may schedule it
     anywhere: XLA:CPU put every layer's dequantization at the start of the step and kept
     all of them alive, a float32 copy of every layer (39.5 GB per GLM-5 MoE layer,
@@ -55,12 +55,12 @@ def dequantize(
     out_dim, in_dim = q.shape[-2:]
     scale_inv = scale_inv.astype(jnp.float32)
     if after is not None:
-        scale_inv = scale_inv + _zero_from(after)  # + 0.0: the same scales bit for bit
+        scale_inv = scale_inv + zero_from(after)  # + 0.0: the same scales bit for bit
     scale = _expand(scale_inv, block, out_dim, in_dim, jnp.repeat)
     return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
-def _zero_from(x: Array) -> Array:
+def zero_from(x: Array) -> Array:
     """A float32 0.0 computed from `x`'s first element whatever its value: a predicate's
     0 or 1, clipped at 0 (a NaN or an infinity in one row cannot reach the weights that
     every row uses). XLA folds neither step, so the data edge stays."""

@@ -7,10 +7,12 @@ optionally normalized to sum 1 and scaled by `routed_scaling_factor`. Shared exp
 are a dense MLP added to every token.
 
 Routed experts run grouped: token-expert pairs are sorted by expert and fed to
-`lax.ragged_dot`, so compute scales with `num_experts_per_tok`, not `n_routed_experts`;
-the outputs are un-sorted and summed per token in a fixed order (no scatter-add), so the
-result is deterministic on GPU too. With expert parallelism the pairs travel to the rank
-holding their expert and back (`expert_parallel`), and the same per-token sum follows.
+`lax.ragged_dot` (or, where XLA's dense lowering of it would be large, to a loop over
+tiles of each expert's rows), so compute scales with `num_experts_per_tok`, not
+`n_routed_experts`; the outputs are un-sorted and summed per token in a fixed order (no
+scatter-add), so the result is deterministic on GPU too. With expert parallelism the
+pairs travel to the rank holding their expert and back (`expert_parallel`), and the same
+per-token sum follows.
 """
 
 from __future__ import annotations
@@ -24,11 +26,17 @@ from jaxtyping import Array, Float, Int
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.model import expert_parallel
-from cpkv_jax.model.fp8 import SCALE_SUFFIX, dequantize
+from cpkv_jax.model.fp8 import SCALE_SUFFIX, dequantize, zero_from
 from cpkv_jax.model.layers import Linear, fp8_params
 from cpkv_jax.model.numerics import rowwise
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+# The most bytes `ragged_dot`'s dense expansion may take (`RoutedExperts._ffn`); past it the
+# experts run tile by tile. 256 MiB keeps an EP8 GLM-5 decode step (256 token-expert rows
+# per rank x 32 experts x 6,144 x 4 B = 201 MB) on `ragged_dot`; a 4K-token prefill chunk
+# (206 GB on one device) goes tiled.
+DENSE_EXPANSION_BYTES = 256 << 20
+TILE_ROWS = 256  # rows per tiled item: one expert's matmuls at a time
 
 
 class DenseMLP(nnx.Module):
@@ -114,18 +122,85 @@ class RoutedExperts(nnx.Module):
         return jnp.swapaxes(w, 1, 2)
 
     def _ffn(
-        self,
-        weights: tuple[Array, Array, Array],
-        rows: Float[Array, "m h"],
-        sizes: Int[Array, " e"],
+        self, after: Array, rows: Float[Array, "m h"], sizes: Int[Array, " e"]
     ) -> Float[Array, "m h"]:
-        """SwiGLU of rows sorted by (local) expert, `sizes[e]` rows per expert, with the
-        `(gate, up, down)` of `_weight`."""
-        gate, up, down = weights
+        """SwiGLU of rows sorted by (local) expert, `sizes[e]` rows per expert; the FP8
+        weights are dequantized once `after` (the layer's tokens) exists.
+
+        `ragged_dot` while its dense expansion stays small: XLA (CPU, and GPU as of JAX
+        0.11) lowers it to every row against every local expert, masked, holding
+        `rows x experts x max(hidden, intermediate)` floats (206 GB for a 4K-token GLM-5
+        chunk on one device; an H200 compile asked for 96 GiB). Past
+        `DENSE_EXPANSION_BYTES` the experts run one row tile at a time (`_tiled_ffn`)."""
+        m, h = rows.shape
+        e, i = self.gate_proj.shape[0], self.gate_proj.shape[1]
+        if m * e * max(h, i) * 4 > DENSE_EXPANSION_BYTES:
+            return self._tiled_ffn(after, rows, sizes)
+        gate, up, down = (self._weight(p, after) for p in EXPERT_PROJS)
         hid = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(
             rows, up, sizes
         )
         return jax.lax.ragged_dot(hid, down, sizes)
+
+    def _expert(self, e: Array, after: Array) -> tuple[Array, Array, Array]:
+        """Expert `e`'s `(gate, up, down)`, `[in, out]` in the compute dtype (FP8:
+        dequantized here, that expert only)."""
+        out = []
+        for proj in EXPERT_PROJS:
+            stacked = getattr(self, proj)[...]
+            if stacked.dtype.itemsize == 1:
+                # Indexed as raw bytes computed from the layer's tokens: XLA:CPU computes on
+                # no 8-bit float and converted each whole stacked FP8 weight first, for
+                # every layer at the step's start; the data edge keeps that to this layer.
+                raw = jax.lax.bitcast_convert_type(stacked, jnp.uint8)
+                raw = raw + zero_from(after).astype(jnp.uint8)
+                w = jax.lax.dynamic_index_in_dim(raw, e, keepdims=False)
+                w = jax.lax.bitcast_convert_type(w, stacked.dtype)
+            else:
+                w = jax.lax.dynamic_index_in_dim(stacked, e, keepdims=False)
+            scale = getattr(self, proj + SCALE_SUFFIX)
+            if scale is None:
+                w = w.astype(self.dtype)
+            else:
+                s = jax.lax.dynamic_index_in_dim(scale[...], e, keepdims=False)
+                w = dequantize(w, s, self.block, self.dtype, after)
+            out.append(w.T)
+        return tuple(out)
+
+    def _tiled_ffn(
+        self, after: Array, rows: Float[Array, "m h"], sizes: Int[Array, " e"]
+    ) -> Float[Array, "m h"]:
+        """`_ffn` without the dense expansion: a loop over (expert, tile of its rows)
+        items, each one SwiGLU of up to `TILE_ROWS` rows with that expert's weights
+        (dequantized in the item: no copy of the layer). At most `m / tile + experts`
+        items run, so the work is the rows' own plus at most one partial tile per expert;
+        an expert's tiles start at its first row, and rows past `sizes.sum()` stay 0 as
+        `ragged_dot` leaves them."""
+        m, h = rows.shape
+        tile = min(TILE_ROWS, m)
+        tiles = (sizes + tile - 1) // tile  # items per expert
+        ends = jnp.cumsum(tiles)  # one past each expert's last item
+        starts = jnp.cumsum(sizes) - sizes  # each expert's first row
+        padded = jnp.concatenate([rows, jnp.zeros((tile, h), rows.dtype)])  # slices fit
+        lane = jnp.arange(tile)[:, None]
+
+        def item(state):
+            n, out = state
+            e = jnp.minimum(jnp.sum(ends <= n), sizes.shape[0] - 1)  # the expert of item n
+            j = n - (ends[e] - tiles[e])  # its tile within the expert
+            first = starts[e] + j * tile
+            x = jax.lax.dynamic_slice_in_dim(padded, first, tile)
+            gate, up, down = self._expert(e, after)
+            y = (jax.nn.silu(x @ gate) * (x @ up)) @ down
+            keep = lane < sizes[e] - j * tile  # the expert's rows in this tile
+            old = jax.lax.dynamic_slice_in_dim(out, first, tile)
+            return n + 1, jax.lax.dynamic_update_slice_in_dim(
+                out, jnp.where(keep, y.astype(out.dtype), old), first, 0
+            )
+
+        out = jnp.zeros((m + tile, h), rows.dtype)
+        _, out = jax.lax.while_loop(lambda st: st[0] < ends[-1], item, (jnp.int32(0), out))
+        return out[:m]
 
     def __call__(
         self, x: Float[Array, "n h"], experts: Int[Array, "n k"], weights: Float[Array, "n k"]
@@ -133,9 +208,8 @@ class RoutedExperts(nnx.Module):
         n, k = experts.shape
         xs = x.astype(self.dtype)
         n_local = self.gate_proj.shape[0]
-        # Dequantized from the layer's tokens on (not at the step's start: `fp8.dequantize`),
-        # before the expert-parallel dispatch, which it may overlap.
-        ffn = functools.partial(self._ffn, tuple(self._weight(p, xs) for p in EXPERT_PROJS))
+        # Dequantized from the layer's tokens on (not at the step's start: `fp8.dequantize`).
+        ffn = functools.partial(self._ffn, xs)
         spec = expert_parallel.current()
         if spec is None:
             order, sizes = expert_parallel.sort_pairs(experts.reshape(-1), n_local)

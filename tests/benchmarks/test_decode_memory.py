@@ -52,6 +52,18 @@ def test_one_more_moe_layer_adds_far_less_than_its_weights(single):
         )
 
 
+def test_a_prefill_chunk_dequantizes_layer_by_layer_too(tmp_path):
+    """`--tokens 64`: the one-device step on a 64-token chunk per row (the servers' token
+    blocks): one more MoE layer adds little beside its weights there as well."""
+    out = tmp_path / "chunk.json"
+    argv = ["--layers", "4", "5", "--rows", "2", "--contexts", "512", "--tokens", "64"]
+    assert dm.main([*argv, *SHRINK, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["tokens"] == 64 and all(x["tokens"] == 64 for x in r["runs"])
+    (g,) = r["growth"]
+    assert g["temp_per_moe_layer"] < 0.25 * g["weights_per_moe_layer"], g
+
+
 def test_cp_mode_lowers_the_cp_decode_step(tmp_path, single):
     """`--cp 8`: the CP decode step (owner attention, EP 8) per device of the 8 virtual
     devices; the temp a longer context adds is below one device's."""
