@@ -23,6 +23,8 @@ steps in order of value (correctness first; `--list` prints them with their limi
 - `bench_moe_ep`: one GLM-5-size MoE layer, FP8 dequant-in-step vs bf16;
 - `bench_prefill`: CP1 prefill TTFT at GLM-5 dims (one layer with a dense FFN, 4K and
   16K; the CP8 variants need 8 GPUs and are reported skipped by the script itself);
+- `bench_prefill_moe`: the same at 4K with the MoE FFN (256 experts, which `ragged_dot`
+  could not compile; now tiled past `moe.DENSE_EXPANSION_BYTES`);
 - `bench_hicache_ttft`: TTFT of a repeated prompt from the host cache vs recomputed,
   `--cp 1` (the script has no `--gpu` flag: it runs on JAX's default backend);
 - `bench_restart`: a unified server's time to healthy, cold vs with the compilation cache.
@@ -334,6 +336,19 @@ STEPS: tuple[Step, ...] = (
         gpu_args=("--gpu", "--ffn", "dense", "--lengths", "4096", "16384", "--repeats", "3"),
         cpu_args=("--lengths", "256", "--chunk", "256", "--layers", "1", "--repeats", "1"),
         what="CP1 prefill TTFT at GLM-5 real dims, one layer, dense FFN (CP8 needs 8 GPUs)",
+        headline=_hl_prefill,
+    ),
+    Step(
+        "bench_prefill_moe",
+        "benchmarks.bench_prefill",
+        limit_s=120,
+        min_s=45,
+        # The MoE FFN whose `ragged_dot` compile asked for 96 GiB (2026-12-04): its 256
+        # experts now run tile by tile past `moe.DENSE_EXPANSION_BYTES`. Does it compile,
+        # and at what time per layer?
+        gpu_args=("--gpu", "--ffn", "moe", "--lengths", "4096", "--repeats", "3"),
+        cpu_args=None,
+        what="CP1 prefill at GLM-5 real dims, one MoE layer (256 experts, tiled)",
         headline=_hl_prefill,
     ),
     Step(

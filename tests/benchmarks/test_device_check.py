@@ -90,6 +90,7 @@ def test_list_prints_every_step_and_its_limit(capsys):
         "bench_host_copy",
         "bench_moe_ep",
         "bench_prefill",
+        "bench_prefill_moe",
         "bench_hicache_ttft",
         "bench_speculative",
         "bench_restart",
@@ -249,7 +250,7 @@ def test_device_slug():
         ("bench_hicache_ttft", "bench_hicache_ttft_cpu_2026-12-02.json", "x recompute"),
         ("bench_decode", "bench_decode_cpu_2026-12-04.json", "sparse_b8_32768_over_2048 3.94x"),
         ("decode_memory", "decode_memory_cpu_2026-12-05.json", "+37.10 GiB per MoE layer (3.96x"),
-        ("decode_memory", "decode_memory_cpu_2026-12-07.json", "bytes accessed 10.34x"),
+        ("decode_memory", "decode_memory_cpu_2026-12-07.json", "bytes accessed 3.06x"),
         (
             "bench_speculative",
             "speculative_cpu_2026-12-05.json",
