@@ -27,9 +27,10 @@ a time). Bytes, per device:
   sampler's sorted copy with its indices, of the rank's own rows (on a mesh the logits
   stay where their rows ran, `cpkv_jax.sampling.StepLogits`);
 - `pool_upcast` (where the backend moves a pool's dtype wider, `LoweringProfile`: XLA:CPU
-  moves bf16 as f32 and fp8 as f16; 0 on XLA:GPU): the step's scatters go through an
-  upcast copy of the whole pool, every layer's latent and every full layer's index K,
-  which XLA hoists to the start of the step (as in the prefill `BufferEstimator`).
+  moves bf16 as f32 and fp8 as f16; 0 on XLA:GPU): a layer's scatter goes through an
+  upcast copy of its pool (latent, and index K on a full layer) and writes another; one
+  layer's at a time (until 2026-12-07 XLA:CPU hoisted every layer's to the step's start,
+  beside every layer's dequantized weights).
 
 Phases: the attention of a layer (`index_view + indexer_logits`, then `sparse_rows`), its
 MoE (`moe_dispatch`), then once the head; layers run in sequence, so the step's peak is
@@ -37,12 +38,11 @@ MoE (`moe_dispatch`), then once the head; layers run in sequence, so the step's 
 
 Checked against XLA:CPU's `memory_analysis()` of the step the engine compiles, at GLM-5's
 attention and indexer dims (`tests/serving/test_decode_step_memory.py`): within 25% from
-8 to 64 rows and 64K to 128K tokens of context; at 128K the index phase is 772 B per row
-and token of context (`4*Di + 8*Hi + 4`), 6.5 GB for 64 rows. Not counted: the weights'
-float32 copies XLA:CPU keeps through the step (small here; at real dims they dominate its
-temporaries, `benchmarks/decode_memory`, and are a CPU lowering matter), projections and
-other activations of `B*T*hidden` size, and fragmentation (`1 - --mem-fraction-static`
-keeps room for them). A CP group's owner-attention step is not estimated here.
+8 to 64 rows and 64K to 128K tokens of context (1.04-1.11x); at 128K the index phase is 772
+B per row and token of context (`4*Di + 8*Hi + 4`), 6.5 GB for 64 rows. Not counted: one
+layer's dequantized weights (the plan's own FP8 term), projections and other activations
+of `B*T*hidden` size, and fragmentation (`1 - --mem-fraction-static` keeps room for
+them). A CP group's owner-attention step is not estimated here.
 """
 
 from __future__ import annotations
@@ -118,15 +118,19 @@ def step_bytes(
 def _upcast_per_token(
     cfg: ModelConfig, dtype: str, index_k_dtype: str, profile: LoweringProfile
 ) -> int:
-    """Bytes per pool token of the upcast copies `profile`'s scatters make (0: none): every
-    buffer of the pool's `KVLayout` whose dtype the backend moves wider, at that width."""
+    """Bytes per pool token of the upcast copies `profile`'s scatters make (0: none): the
+    largest layer's buffers of the pool's `KVLayout` whose dtype the backend moves wider,
+    at that width, twice (the scatter's operand and result). Once the weights'
+    dequantization waited for its layer (`fp8.dequantize(after=...)`), XLA:CPU made these
+    copies a layer at a time too, no longer every layer's at the step's start."""
     layout = KVLayout.from_model(cfg, 1, DTYPES[dtype], index_k_dtype)
-    total = 0
+    per_layer: dict[int, int] = {}
     for b in layout.buffers:
         moved = profile.in_flight_itemsize(b.dtype.name, b.dtype.itemsize)
         if moved > b.dtype.itemsize:
-            total += len(b.layers) * math.prod(b.feature) * moved
-    return total
+            for layer in b.layers:
+                per_layer[layer] = per_layer.get(layer, 0) + math.prod(b.feature) * moved
+    return 2 * max(per_layer.values(), default=0)
 
 
 def largest_step(

@@ -29,8 +29,8 @@ def cfg():
 @pytest.mark.parametrize(("rows", "width"), [(8, 2048), (16, 2048), (64, 1024)])
 def test_estimate_is_within_25_percent_of_xla_cpu(cfg, rows, width):
     """The estimate with XLA:CPU's profile against `memory_analysis()` of the compiled
-    decode step (abstract weights and pool: nothing is allocated): 0.95-1.05 of it at
-    these shapes (measured 2026-12-06), where the step's index phase is 0.8-3.2 GB."""
+    decode step (abstract weights and pool: nothing is allocated): 1.04-1.11 of it at
+    these shapes (measured 2026-12-07), where the step's index phase is 0.8-3.2 GB."""
     bf16 = jnp.bfloat16
     graphdef, state = nnx.split(abstract_model(cfg, bf16, bf16, fp8_block=FP8_BLOCK))
     pool = pool_shapes(cfg, POOL_PAGES, PAGE, bf16, INDEX_K)
