@@ -142,22 +142,29 @@ class RoutedExperts(nnx.Module):
         )
         return jax.lax.ragged_dot(hid, down, sizes)
 
-    def _expert(self, e: Array, after: Array) -> tuple[Array, Array, Array]:
-        """Expert `e`'s `(gate, up, down)`, `[in, out]` in the compute dtype (FP8:
-        dequantized here, that expert only)."""
+    def _stacks(self, after: Array) -> tuple[Array, Array, Array]:
+        """The stacked `(gate, up, down)` to index per expert, built once before the loop.
+        FP8 as raw bytes computed from the layer's tokens: XLA:CPU computes on no 8-bit
+        float and converted each whole stacked FP8 weight first, for every layer at the
+        step's start; the data edge keeps that to this layer."""
         out = []
         for proj in EXPERT_PROJS:
             stacked = getattr(self, proj)[...]
             if stacked.dtype.itemsize == 1:
-                # Indexed as raw bytes computed from the layer's tokens: XLA:CPU computes on
-                # no 8-bit float and converted each whole stacked FP8 weight first, for
-                # every layer at the step's start; the data edge keeps that to this layer.
                 raw = jax.lax.bitcast_convert_type(stacked, jnp.uint8)
-                raw = raw + zero_from(after).astype(jnp.uint8)
-                w = jax.lax.dynamic_index_in_dim(raw, e, keepdims=False)
-                w = jax.lax.bitcast_convert_type(w, stacked.dtype)
-            else:
-                w = jax.lax.dynamic_index_in_dim(stacked, e, keepdims=False)
+                stacked = raw + zero_from(after).astype(jnp.uint8)
+            out.append(stacked)
+        return tuple(out)
+
+    def _expert(self, stacks, e: Array, after: Array) -> tuple[Array, Array, Array]:
+        """Expert `e`'s `(gate, up, down)` from `_stacks`, `[in, out]` in the compute
+        dtype (FP8: dequantized here, that expert only)."""
+        out = []
+        for proj, stacked in zip(EXPERT_PROJS, stacks, strict=True):
+            w = jax.lax.dynamic_index_in_dim(stacked, e, keepdims=False)
+            stored = getattr(self, proj).dtype
+            if stacked.dtype != stored:  # raw bytes of FP8
+                w = jax.lax.bitcast_convert_type(w, stored)
             scale = getattr(self, proj + SCALE_SUFFIX)
             if scale is None:
                 w = w.astype(self.dtype)
@@ -183,6 +190,7 @@ class RoutedExperts(nnx.Module):
         starts = jnp.cumsum(sizes) - sizes  # each expert's first row
         padded = jnp.concatenate([rows, jnp.zeros((tile, h), rows.dtype)])  # slices fit
         lane = jnp.arange(tile)[:, None]
+        stacks = self._stacks(after)
 
         def item(state):
             n, out = state
@@ -190,7 +198,7 @@ class RoutedExperts(nnx.Module):
             j = n - (ends[e] - tiles[e])  # its tile within the expert
             first = starts[e] + j * tile
             x = jax.lax.dynamic_slice_in_dim(padded, first, tile)
-            gate, up, down = self._expert(e, after)
+            gate, up, down = self._expert(stacks, e, after)
             y = (jax.nn.silu(x @ gate) * (x @ up)) @ down
             keep = lane < sizes[e] - j * tile  # the expert's rows in this tile
             old = jax.lax.dynamic_slice_in_dim(out, first, tile)
