@@ -26,7 +26,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from cpkv_jax.mesh import CP_AXIS
-from cpkv_jax.model.kv_cache import TRASH_PAGE, RowGather, take_view_rows
+from cpkv_jax.model.kv_cache import (
+    TRASH_PAGE,
+    RowGather,
+    as_bits,
+    from_bits,
+    take_view_rows,
+    write_rows,
+)
 from cpkv_jax.pallas.paged_gather import GatherImpl, paged_gather
 
 
@@ -39,20 +46,6 @@ def owned_pages(page_table: Int[Array, "b w"], cp: int) -> tuple[Array, Array]:
     rank = jax.lax.axis_index(CP_AXIS)
     owned = jnp.take(page_table.reshape(b, width // cp, cp), rank, axis=2)
     return owned, jnp.arange(width // cp) * cp + rank
-
-
-def as_bits(x: Array) -> Array:
-    """`x` as unsigned integers of its width (identity for 4-byte and wider dtypes):
-    what crosses ranks. XLA:CPU gathers an fp8 array as f16 and moved a bf16 -> float32
-    convert from after a gather to before it (2x the bytes on the wire); integers it
-    leaves alone. `from_bits` undoes it."""
-    if x.dtype.itemsize >= 4:
-        return x
-    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-
-
-def from_bits(x: Array, dtype) -> Array:
-    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
 def all_gather_bits(x: Array, axis: int, tiled: bool = True) -> Array:
@@ -113,9 +106,7 @@ class CPKVIO:
             local = jnp.where(mine, all_slots % lane_slots, TRASH_PAGE * pool.shape[1])
         else:
             local = all_slots
-        flat = pool.reshape((lane_slots, *pool.shape[2:]))
-        flat = flat.at[local.reshape(-1)].set(all_values.reshape((-1, *pool.shape[2:])))
-        return flat.reshape(pool.shape)
+        return write_rows(pool, local.reshape(-1), all_values.reshape((-1, *pool.shape[2:])))
 
     def _view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array:
         b, width = page_table.shape

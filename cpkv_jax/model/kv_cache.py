@@ -122,6 +122,39 @@ RowGather = Callable[[Array, Int[Array, "b t k"]], Array]
 `source` -> `[b, t, k, D]`; `source`'s leading axis is the batch (see `KVIO.rows`)."""
 
 
+def as_bits(x: Array) -> Array:
+    """`x` as unsigned integers of its width (identity for 4-byte and wider dtypes).
+    XLA:CPU moves an fp8 array across ranks as f16, moved a bf16 -> float32 convert from
+    after a gather to before it, and writes a narrow pool through float32 (`write_rows`);
+    integers it leaves alone. `from_bits` undoes it."""
+    if x.dtype.itemsize >= 4:
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def from_bits(x: Array, dtype) -> Array:
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def write_rows(pool: Array, slots: Int[Array, " n"], rows: Array) -> Array:
+    """`pool` `[pages, page_size, ...]` with `rows` `[n, ...]` written at flat `slots`
+    (`page * page_size + offset`, in bounds: padding writes to the trash page).
+
+    Indexed by (page, offset), not through a flat reshape: with the reshape XLA:CPU kept
+    two written copies of the donated pool (the flat one the step's row gathers read, the
+    paged one it returns), two whole-pool copies per layer and step. On CPU a pool
+    narrower than 4 bytes (bf16 latent, fp8 index K) is written through its integer view:
+    XLA:CPU runs a bf16 / fp8 write as a convert of the whole pool to a wider float and
+    back; the integer write is a plain copy at worst. GPUs write them in place as they are.
+    (`benchmarks/bench_decode`, docs/results.md: the 32K step 258 -> 136 ms at batch 1.)"""
+    p = pool.shape[1]
+    at = (slots // p, slots % p)
+    rows = rows.astype(pool.dtype)
+    if pool.dtype.itemsize >= 4 or jax.default_backend() != "cpu":
+        return pool.at[at].set(rows)
+    return from_bits(as_bits(pool).at[at].set(as_bits(rows)), pool.dtype)
+
+
 def take_view_rows(view: Array, positions: Int[Array, "b t k"]) -> Array:
     """`view[b, positions[b, t, k]]` -> `[b, t, k, ...]`: rows of a full view."""
     return jax.vmap(lambda v, i: jnp.take(v, i, axis=0))(view, positions)
@@ -214,12 +247,7 @@ class PagedKVIO:
     index_impl: GatherImpl = "xla"
 
     def write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
-        n, p = pool.shape[:2]
-        flat = pool.reshape((n * p, *pool.shape[2:]))
-        flat = flat.at[slots.reshape(-1)].set(
-            values.reshape((-1, *pool.shape[2:])).astype(pool.dtype)
-        )
-        return flat.reshape(pool.shape)
+        return write_rows(pool, slots.reshape(-1), values.reshape((-1, *pool.shape[2:])))
 
     def slots(
         self, page_table: Int[Array, "b pages"], positions: Int[Array, "b t"], page_size: int
