@@ -32,6 +32,7 @@ from jaxtyping import Array, Float, Int
 
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.kv_layout import BUFFER_KINDS, KVLayout
+from cpkv_jax.model.indexer import index_scores as view_index_scores
 from cpkv_jax.model.numerics import is_batch_invariant
 from cpkv_jax.pallas.paged_gather import GatherImpl, paged_gather
 from cpkv_jax.pallas.paged_index_scores import MAX_KERNEL_TOKENS, paged_index_scores
@@ -46,6 +47,9 @@ INDEX_K_DTYPES: dict[str, DTypeLike] = {
 }
 FP8_E4M3_MAX = 448.0
 TRASH_PAGE = 0
+# Keys per block of the XLA decode indexer's page loop (`blocked_index_scores`): at GLM-5's
+# index dims and page 64 the fastest on XLA:CPU of 512-4,096 (bench_decode, 2026-12-07).
+INDEX_BLOCK_TOKENS = 2048
 
 
 @jax.tree_util.register_dataclass
@@ -178,6 +182,58 @@ def take_paged_rows(
     return out.reshape((*positions.shape, *pool.shape[2:]))
 
 
+def page_view(pool: Array, page_table: Int[Array, "b pages"]) -> Array:
+    """Each row's pages in table order: `[b, pages * page_size, ...]`."""
+    b, mp = page_table.shape
+    gathered = jnp.take(pool, page_table, axis=0)  # [b, mp, P, ...]
+    return gathered.reshape((b, mp * pool.shape[1], *pool.shape[2:]))
+
+
+def blocked_index_scores(
+    q: Float[Array, "b t nh d"],
+    w: Float[Array, "b t nh"],
+    index_k: Array,
+    index_scale: Array | None,
+    page_table: Int[Array, "b pages"],
+    positions: Int[Array, "b t"],
+    kv_lens: Int[Array, " b"],
+    *,
+    block_tokens: int = INDEX_BLOCK_TOKENS,
+) -> Float[Array, "b t s"]:
+    """The indexer's scores of a decode step (`index_scores` over the float32 view of the
+    index K), computed in blocks of `block_tokens` keys by a loop that stops after the
+    block holding the batch's longest context; later blocks stay -inf, as the view path
+    masks them. The view path converts and scores the whole bucketed width (a 513-page
+    context in a 1,024-page bucket: twice its keys); this reads the context rounded up to
+    one block, and each block's float32 keys stay small. The scores equal the view
+    path's up to the dot's summation order (XLA picks its kernel by shape)."""
+    b, width = page_table.shape
+    p = index_k.shape[1]
+    per_block = max(1, min(width, block_tokens // p))
+    blocks = -(-width // per_block)
+    table = jnp.pad(page_table, ((0, 0), (0, blocks * per_block - width)))  # trash pages
+    keys = per_block * p
+    # Keys that can score: positions up to min(position, kv_len - 1) of some row.
+    longest = jnp.max(jnp.minimum(jnp.max(positions, axis=1) + 1, kv_lens))
+    n = jnp.clip((longest + keys - 1) // keys, 0, blocks)
+
+    bits = as_bits(index_k)  # XLA:CPU would convert a whole fp8 pool to f16 to gather it
+
+    def block(i, out):
+        cols = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)
+        k = dequantize_index_k(
+            from_bits(page_view(bits, cols), index_k.dtype),
+            None if index_scale is None else page_view(index_scale, cols),
+        )
+        scores = view_index_scores(
+            q, w, k, positions, kv_lens, key_positions=i * keys + jnp.arange(keys)
+        )
+        return jax.lax.dynamic_update_slice_in_dim(out, scores, i * keys, axis=2)
+
+    out = jnp.full((b, q.shape[1], blocks * keys), -jnp.inf, jnp.float32)
+    return jax.lax.fori_loop(0, n, block, out)[:, :, : width * p]
+
+
 @runtime_checkable
 class KVIO(Protocol):
     """How the model reads and writes paged KV (single-device or CP-sharded)."""
@@ -239,12 +295,16 @@ class PagedKVIO:
     gather's XLA gather or the Pallas paged-gather kernel (`take_paged_rows`).
     `index_impl` (`--kernel-impl` too): the indexer's scores of a decode step through the
     float32 view of the index K (XLA) or read from the pool by the Pallas kernel
-    (`index_scores`), which skips the pages past each row's length.
+    (`index_scores`), which skips the pages past each row's length. On CPU the XLA path
+    scores in blocks of `index_block_tokens` keys up to the longest row
+    (`blocked_index_scores`); elsewhere a loop's per-block launches would cost more
+    than the padding it skips, and the kernel skips it.
     """
 
     sparse: bool = True
     gather_impl: GatherImpl = "xla"
     index_impl: GatherImpl = "xla"
+    index_block_tokens: int = INDEX_BLOCK_TOKENS
 
     def write(self, pool: Array, slots: Int[Array, "b t"], values: Array) -> Array:
         return write_rows(pool, slots.reshape(-1), values.reshape((-1, *pool.shape[2:])))
@@ -256,9 +316,7 @@ class PagedKVIO:
         return jnp.take_along_axis(page_table, page, axis=1) * page_size + positions % page_size
 
     def view(self, pool: Array, page_table: Int[Array, "b pages"]) -> Array:
-        b, mp = page_table.shape
-        gathered = jnp.take(pool, page_table, axis=0)  # [b, mp, P, ...]
-        return gathered.reshape((b, mp * pool.shape[1], *pool.shape[2:]))
+        return page_view(pool, page_table)
 
     def index_scores(
         self,
@@ -268,20 +326,20 @@ class PagedKVIO:
         index_scale: Array | None,
         batch: Any,
     ) -> Float[Array, "b t s"] | None:
-        """The indexer's scores read from the paged pool by the kernel
-        (`cpkv_jax.pallas.paged_index_scores`), or None where the view path runs: the XLA
-        impl, the dense reference, more query tokens than a decode or verify step has
-        (prefill), and batch-invariant numerics (whose bits the view path defines)."""
-        if (
-            self.index_impl != "pallas"
-            or not self.sparse
-            or q.shape[1] > MAX_KERNEL_TOKENS
-            or is_batch_invariant()
-        ):
+        """The indexer's scores of a decode or verify step read from the paged pool by
+        the kernel (`cpkv_jax.pallas.paged_index_scores`) or, with the XLA impl on CPU,
+        in page blocks up to the longest row (`blocked_index_scores`); None where the
+        view path runs: the XLA impl on other backends, the dense reference, more query
+        tokens than a decode or verify step has (prefill), and batch-invariant numerics
+        (whose bits the view path defines)."""
+        if not self.sparse or q.shape[1] > MAX_KERNEL_TOKENS or is_batch_invariant():
             return None
-        return paged_index_scores(
-            q, w, index_k, index_scale, batch.page_table, batch.positions, batch.kv_lens
-        )
+        args = (q, w, index_k, index_scale, batch.page_table, batch.positions, batch.kv_lens)
+        if self.index_impl == "pallas":
+            return paged_index_scores(*args)
+        if jax.default_backend() == "cpu":
+            return blocked_index_scores(*args, block_tokens=self.index_block_tokens)
+        return None
 
     def rows(self, pool: Array, page_table: Int[Array, "b pages"]) -> tuple[Array, RowGather]:
         if not self.sparse:

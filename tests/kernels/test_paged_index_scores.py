@@ -24,7 +24,12 @@ import pytest
 
 from cpkv_jax.errors import ConfigError
 from cpkv_jax.model.indexer import index_scores, select_topk
-from cpkv_jax.model.kv_cache import SINGLE_DEVICE_KV_IO, dequantize_index_k, quantize_index_k
+from cpkv_jax.model.kv_cache import (
+    SINGLE_DEVICE_KV_IO,
+    blocked_index_scores,
+    dequantize_index_k,
+    quantize_index_k,
+)
 from cpkv_jax.pallas.paged_index_scores import (
     MAX_KERNEL_TOKENS,
     _decode_e4m3,
@@ -110,6 +115,44 @@ def test_tied_keys_select_the_same_positions():
     got = select_topk(paged_index_scores(*args), positions, 16)
     np.testing.assert_array_equal(got, want)
     assert len(set(np.asarray(paged_index_scores(*args))[2, 0, :64].tolist())) <= 3  # ties
+
+
+@pytest.mark.parametrize("block_tokens", [PAGE, 3 * PAGE, 64 * PAGE])
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("index_k_dtype", ["fp8_e4m3", "bfloat16"])
+def test_blocked_xla_scores_are_the_view_path_s(index_k_dtype, tokens, block_tokens):
+    """The XLA decode indexer on CPU (`blocked_index_scores`): blocks of one page, of
+    three (not a divisor of the 8-page width: the table pads with trash pages) and one
+    block past the width. The loop stops after the block with the longest row's last key
+    (row 2's, in page 6); the scores are the view path's, -inf at the same slots. Summed
+    in another dot kernel than the whole view's: the kernel's tolerance."""
+    args = _case(np.random.default_rng(4), index_k_dtype, tokens)
+    q, w, index_k, scale, table, positions, kv_lens = args
+    got = jax.jit(functools.partial(blocked_index_scores, block_tokens=block_tokens))(*args)
+    view = dequantize_index_k(
+        SINGLE_DEVICE_KV_IO.view(index_k, table),
+        None if scale is None else SINGLE_DEVICE_KV_IO.view(scale, table),
+    )
+    served = np.asarray(index_scores(q, w, view, positions, kv_lens))
+    chex.assert_shape(got, (3, tokens, 8 * PAGE))
+    finite = np.isfinite(served)
+    assert finite[2].sum() > 5 * PAGE  # row 2 reaches into its sixth page
+    np.testing.assert_array_equal(np.isfinite(np.asarray(got)), finite)
+    np.testing.assert_allclose(np.asarray(got)[finite], served[finite], rtol=1e-6, atol=ATOL)
+
+
+def test_blocked_xla_scores_select_the_view_path_s_tied_positions():
+    """Forced ties (one key repeated per page, as above): blocks of one page select the
+    view path's top-k, ties lowest position first."""
+    rng = np.random.default_rng(2)
+    q, w, _, _, table, positions, kv_lens = _case(rng, "fp8_e4m3", 1)
+    key = rng.standard_normal((1, 1, DIM))
+    tied = np.broadcast_to(key * rng.integers(1, 3, (40, 1, 1)), (40, PAGE, DIM))
+    index_k, scale = quantize_index_k(jnp.asarray(tied, jnp.float32), "fp8_e4m3")
+    args = (q, w, index_k, scale, table, positions, kv_lens)
+    want = select_topk(paged_index_scores_reference(*args), positions, 16)
+    got = select_topk(blocked_index_scores(*args, block_tokens=PAGE), positions, 16)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_refuses_prefill_sized_token_counts():

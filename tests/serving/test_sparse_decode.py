@@ -125,6 +125,13 @@ def test_sparse_decode_gives_the_dense_paths_tokens(models, which):
     for rid, lp in sparse_lps.items():
         np.testing.assert_allclose(lp, dense_lps[rid], rtol=0, atol=LP_TOL, err_msg=rid)
     if which != "deepseek":
+        # The XLA indexer's page blocks (`blocked_index_scores`, CPU): two pages per
+        # block, so these 3-5 page contexts score in 2-3 blocks of their 8-page tables.
+        blocked = PagedKVIO(index_block_tokens=2 * P)
+        blocked_toks, blocked_lps, _ = _run(cfg, model, blocked)
+        assert blocked_toks == sparse_toks
+        for rid, lp in blocked_lps.items():
+            np.testing.assert_allclose(lp, sparse_lps[rid], rtol=0, atol=LP_TOL, err_msg=rid)
         return
     # `--kernel-impl pallas` (interpret mode here): the row gather and the indexer scores
     # read from the paged index K by the Pallas kernels give the same tokens.
