@@ -922,7 +922,6 @@ def estimator_check(
                     dtype=dtype,
                     index_k_dtype="fp8_e4m3",
                     profile=profile,
-                    pages_per_rank=pages_per_rank,
                     block_bytes=TRANSIENT_BLOCK_BYTES,
                 )
                 for name, batch in batches.items():
@@ -973,7 +972,6 @@ def estimator_check(
             dtype=model.dtype,
             index_k_dtype="fp8_e4m3",
             profile=profile,
-            pages_per_rank=pages_per_rank,
         )
         for name in ("two_prompts", "long_prefix"):
             batch = TINY_BATCHES[name]

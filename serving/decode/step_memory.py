@@ -14,7 +14,11 @@ a time). Bytes, per device:
 - `indexer_logits` `Bs*Tb*S*(8*Hi + 4)`: the per-head logits, their ReLU (not updated in
   place) and the head-weighted scores, for `Tb` query tokens per block
   (`buckets.block_rows` under the token-block budget, as `indexer.index_scores` splits
-  them; all `T` at decode);
+  them; all `T` at decode). Where the profile's decode indexer runs in page blocks
+  (`LoweringProfile.cpu_paths`, XLA:CPU: `kv_cache.blocked_index_scores`),
+  a decode or verify step holds one block of `Sb` keys instead: `index_view`
+  `4*Bs*Sb*Di`, `indexer_logits` `Bs*T*Sb*(8*Hi + 4) + 4*Bs*T*S` (the whole width's
+  scores the loop fills);
 - `sparse_rows` `4*Bs*Ts*K*(c + r)`: the float32 latent rows sparse attention gathers from
   the pool for `Ts` tokens per block (absorbed form; decode reads only these rows);
 - `topk` `4*B*T*K`: the selection, live from a full indexer layer through the shared
@@ -26,20 +30,22 @@ a time). Bytes, per device:
   `SCORE_BLOCK_TOKENS`): the LM head's float32 logits, their log-softmax and the
   sampler's sorted copy with its indices, of the rank's own rows (on a mesh the logits
   stay where their rows ran, `cpkv_jax.sampling.StepLogits`);
-- `pool_upcast` (where the backend moves a pool's dtype wider, `LoweringProfile`: XLA:CPU
-  moves bf16 as f32 and fp8 as f16; 0 on XLA:GPU): a layer's scatter goes through an
-  upcast copy of its pool (latent, and index K on a full layer) and writes another; one
-  layer's at a time (until 2026-12-07 XLA:CPU hoisted every layer's to the step's start,
-  beside every layer's dequantized weights).
+- `pool_copy` (`LoweringProfile.cpu_paths`: XLA:CPU; 0 on XLA:GPU): a layer's write goes
+  through its narrow (bf16, fp8) pools' integer
+  views (`kv_cache.write_rows`), which XLA:CPU copies at their stored width (latent, and
+  index K on a full layer), operand and result, one layer's at a time; a one-token step
+  (a dynamic-update-slice) has every layer's copies at once. (Until 2026-12-07 it upcast
+  them to f32 / f16 instead: twice the bytes.)
 
 Phases: the attention of a layer (`index_view + indexer_logits`, then `sparse_rows`), its
 MoE (`moe_dispatch`), then once the head; layers run in sequence, so the step's peak is
-`pool_upcast + max(topk + max(index phase, sparse_rows, moe_dispatch), head)`.
+`pool_copy + max(topk + max(index phase, sparse_rows, moe_dispatch), head)`.
 
 Checked against XLA:CPU's `memory_analysis()` of the step the engine compiles, at GLM-5's
 attention and indexer dims (`tests/serving/test_decode_step_memory.py`): within 25% from
-8 to 64 rows and 64K to 128K tokens of context (1.04-1.11x); at 128K the index phase is 772
-B per row and token of context (`4*Di + 8*Hi + 4`), 6.5 GB for 64 rows. Not counted: one
+8 to 64 rows and 64K to 128K tokens of context; with the view (`XLA_GPU`) the index
+phase is 772 B per row and token of context (`4*Di + 8*Hi + 4`), 6.5 GB for 64 rows at
+128K. Not counted: one
 layer's dequantized weights (the plan's own FP8 term), projections and other activations
 of `B*T*hidden` size, and fragmentation (`1 - --mem-fraction-static` keeps room for
 them). A CP group's owner-attention step is not estimated here.
@@ -53,8 +59,9 @@ import math
 from cpkv_jax.buckets import TRANSIENT_BLOCK_BYTES, block_rows
 from cpkv_jax.config import ModelConfig
 from cpkv_jax.kv_layout import KVLayout
-from cpkv_jax.model.kv_cache import DTYPES
+from cpkv_jax.model.kv_cache import DTYPES, INDEX_BLOCK_TOKENS
 from cpkv_jax.model.transformer import SCORE_BLOCK_TOKENS
+from cpkv_jax.pallas.paged_index_scores import MAX_KERNEL_TOKENS
 from serving.decode.steps import Shape, reachable_shapes
 from serving.prefill.buffer_estimator import XLA_GPU, LoweringProfile
 
@@ -86,7 +93,8 @@ def step_bytes(
     """The transient bytes per device of the step `shape` = `(form, rows, tokens, width)`
     (rows per DP rank), by the terms of the module docstring (`score`: a prefill's
     scoring twin, for prompt log-probs); `pool_pages` (per rank),
-    `dtype` (`--dtype`), `index_k_dtype` and `profile` decide `pool_upcast`."""
+    `dtype` (`--dtype`), `index_k_dtype` and `profile` decide `pool_copy`; `profile` the
+    indexer's form too."""
     _, rows, tokens, width = shape
     budget = TRANSIENT_BLOCK_BYTES if block_bytes is None else block_bytes
     s = width * page_size
@@ -99,37 +107,45 @@ def step_bytes(
     head_rows = rows * (tokens if all_logits else 1)
     if score:  # `transformer.score_tokens`: the head over every token, a block at a time
         head_rows = max(head_rows, min(SCORE_BLOCK_TOKENS, rows * tokens))
+    if profile.cpu_paths and tokens <= MAX_KERNEL_TOKENS and not batch_invariant:
+        keys = max(1, min(width, INDEX_BLOCK_TOKENS // page_size)) * page_size
+        index_view = 4 * seqs * keys * di
+        indexer_logits = seqs * tokens * keys * (8 * hi + 4) + 4 * seqs * tokens * s
+    else:
+        index_view, indexer_logits = 4 * seqs * s * di, seqs * tb * s * (8 * hi + 4)
     terms = {
-        "index_view": 4 * seqs * s * di,
-        "indexer_logits": seqs * tb * s * (8 * hi + 4),
+        "index_view": index_view,
+        "indexer_logits": indexer_logits,
         "sparse_rows": 4 * seqs * ts * k * row,
         "topk": 4 * rows * tokens * k,
         "moe_dispatch": 8 * dp * rows * tokens * cfg.hidden_size if dp > 1 else 0,
         "head": 20 * head_rows * cfg.vocab_size,
-        "pool_upcast": pool_pages
+        "pool_copy": pool_pages
         * page_size
-        * _upcast_per_token(cfg, dtype, index_k_dtype, profile),
+        * _copy_per_token(cfg, dtype, index_k_dtype, profile, every_layer=rows * tokens == 1),
     }
     index_phase = terms["index_view"] + terms["indexer_logits"]
     layer = terms["topk"] + max(index_phase, terms["sparse_rows"], terms["moe_dispatch"])
-    return StepBytes(shape, terms, terms["pool_upcast"] + max(layer, terms["head"]))
+    return StepBytes(shape, terms, terms["pool_copy"] + max(layer, terms["head"]))
 
 
-def _upcast_per_token(
-    cfg: ModelConfig, dtype: str, index_k_dtype: str, profile: LoweringProfile
+def _copy_per_token(
+    cfg: ModelConfig, dtype: str, index_k_dtype: str, profile: LoweringProfile, every_layer: bool
 ) -> int:
-    """Bytes per pool token of the upcast copies `profile`'s scatters make (0: none): the
-    largest layer's buffers of the pool's `KVLayout` whose dtype the backend moves wider,
-    at that width, twice (the scatter's operand and result). Once the weights'
-    dequantization waited for its layer (`fp8.dequantize(after=...)`), XLA:CPU made these
-    copies a layer at a time too, no longer every layer's at the step's start."""
+    """Bytes per pool token of the copies `profile`'s writes make (0: none): the largest
+    layer's buffers of the pool's `KVLayout` narrower than 4 bytes, which
+    `kv_cache.write_rows` writes through their integer view on CPU, at their stored
+    width, twice (the write's operand and result); `every_layer`: every layer's
+    (XLA:CPU makes a one-row write a dynamic-update-slice and its copies all at once:
+    1.03 GB for three GLM-5 layers of 2,049 bf16 pages, 2026-12-07)."""
     layout = KVLayout.from_model(cfg, 1, DTYPES[dtype], index_k_dtype)
     per_layer: dict[int, int] = {}
     for b in layout.buffers:
-        moved = profile.in_flight_itemsize(b.dtype.name, b.dtype.itemsize)
-        if moved > b.dtype.itemsize:
+        if profile.cpu_paths and b.dtype.itemsize < 4:
             for layer in b.layers:
-                per_layer[layer] = per_layer.get(layer, 0) + math.prod(b.feature) * moved
+                per_layer[layer] = per_layer.get(layer, 0) + math.prod(b.feature) * b.dtype.itemsize
+    if every_layer:
+        return 2 * sum(per_layer.values())
     return 2 * max(per_layer.values(), default=0)
 
 

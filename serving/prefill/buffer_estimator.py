@@ -34,12 +34,9 @@ Terms (`Estimate.terms`, bytes per rank) and their lifetimes:
   layer's all-gathers may be live together (a backend may combine them), their copies
   one at a time: `rows_latent = (B*T + 2*B*Ta) * L'` on every layer; full indexer layers
   add `rows_index_k = (B*T + B*Ta) * (I' + c)` (+ the excess of the largest copy over the
-  latent's). Where the backend moves a pool's dtype wider (XLA:CPU: fp8, bf16) a scatter
-  goes through an upcast copy of the rank's whole pool: `latent_scatter_upcast` /
-  `index_k_scatter_upcast = pages_per_rank * page_size * L'` (or `I'`). That copy only
-  needs the step's input pool, so XLA may hoist it: the first layer of each type also
-  holds the upcasts of every later layer (`hoisted_upcasts_full` / `_shared`), in all
-  its phases. Zero on XLA:GPU.
+  latent's). The scatter into the pool is in place (`kv_cache.write_rows`: XLA:CPU had
+  upcast a narrow pool to scatter into it, a copy of the rank's whole pool per write, until
+  2026-12-07; narrow pools are now written through their integer view there).
 - `latent_view` (`CPKVIO.view`): owned pages `B*Wo*P*L'`, all-gathered `B*S*L'`, and the
   logical-order copy `B*S*L` (the full view attention reads). The all-gather only needs
   the layer's latent write, so it is assumed issued early: `latent_owned +
@@ -91,9 +88,8 @@ owner step (MoE included) at 1.07-1.12x where the CP buffers dominate
 Calibration: `tests/serving/test_buffer_estimator.py` checks the `XLA_CPU` profile (float32
 compute, fp8 index K, as the tiny model runs) against `compiled.memory_analysis()` per
 buffer kind and for two-layer probes (full + shared, full + full): estimate >= XLA and
-<= 1.25 x XLA. With bf16 latent pools it stays an upper bound but looser (<= 1.29 x
-measured: XLA:CPU reuses a donated pool's buffer as scratch once it is upcast). `XLA_GPU`
-keeps the same dataflow with every dtype moved as stored and no pool upcasts, plus the
+<= 1.25 x XLA, and with bf16 latent pools. `XLA_GPU` keeps the same dataflow with every
+dtype moved as stored, plus the
 previous full layer's top-k (`topk_carried`) in a full layer's indexer phases. Measured
 on an H200 (2026-12-04, `benchmarks/results/buffer_estimator_h200_2026-12-04.json`):
 without that term one GLM-5 probe (two full layers, a 16K chunk) was 1.2% under XLA; with
@@ -139,9 +135,9 @@ class LoweringProfile:
     """How a backend's XLA materializes the step's buffers, where backends differ.
 
     `moved_as` maps a storage dtype name to the bytes per element the backend uses for it
-    in gathers, all-gathers and scatters. XLA:CPU normalizes types it cannot move
-    natively (fp8 as f16, bf16 as f32); a scatter into a pool of such a dtype then goes
-    through an upcast copy of the whole pool.
+    in gathers and all-gathers. XLA:CPU gathers fp8 as f16 (the CP collectives move every
+    dtype's bits, `kv_cache.as_bits`; bf16 moved as f32 until its writes went through
+    integer views too).
     """
 
     name: str
@@ -150,12 +146,17 @@ class LoweringProfile:
     # (measured on XLA:GPU: two full layers hold 8 KiB = top-k 2,048 x int32 per query
     # token more than full + shared, H200 2026-12-04).
     carries_topk: bool = False
+    # CPU's code paths (`cpkv_jax.model.kv_cache`): a decode step's XLA indexer scores in
+    # page blocks up to the longest row (`blocked_index_scores`) instead of the whole view,
+    # and a pool narrower than 4 bytes is written through its integer view (`write_rows`),
+    # which XLA:CPU copies (the decode step estimate's `pool_copy`).
+    cpu_paths: bool = False
 
     def in_flight_itemsize(self, dtype_name: str, itemsize: int) -> int:
         return dict(self.moved_as).get(dtype_name, itemsize)
 
 
-XLA_CPU = LoweringProfile("xla_cpu", moved_as=(("float8_e4m3fn", 2), ("bfloat16", 4)))
+XLA_CPU = LoweringProfile("xla_cpu", moved_as=(("float8_e4m3fn", 2),), cpu_paths=True)
 XLA_GPU = LoweringProfile("xla_gpu", carries_topk=True)
 
 
@@ -232,7 +233,6 @@ class BufferEstimator:
         dtype: Any = "bfloat16",
         index_k_dtype: str = "fp8_e4m3",
         profile: LoweringProfile = XLA_GPU,
-        pages_per_rank: int | None = None,
         block_bytes: int = TRANSIENT_BLOCK_BYTES,
         attention: str = "full-view",
     ):
@@ -268,29 +268,6 @@ class BufferEstimator:
         self.dequant_token = cfg.index_head_dim * _F32
         self.logits_token = cfg.index_n_heads * _F32  # per (query token, key token)
         self.sparse_row = cfg.kv_cache_dim * _F32  # per (query token, selected token)
-        # Pool-sized upcast copies a scatter goes through (per write, see LoweringProfile).
-        lat_up = lat_moved != latent_dtype.itemsize
-        k_up = self.has_full and k_moved != index_dtype.itemsize
-        if (lat_up or k_up) and pages_per_rank is None:
-            raise ConfigError(
-                f"profile {profile.name} scatters {latent_dtype.name if lat_up else index_k_dtype}"
-                " KV through an upcast copy of the pool: pass pages_per_rank (the rank's pool"
-                " pages) to the estimator"
-            )
-        pool_slots = (pages_per_rank or 0) * page_size
-        self.latent_upcast = pool_slots * self.latent_moved if lat_up else 0
-        self.index_k_upcast = pool_slots * self.index_k_moved if k_up else 0
-        # A pool's upcast depends only on the step's input pool, so XLA may hoist the
-        # upcasts of later layers into an earlier layer; the first layer of a type sees
-        # those of every layer after it.
-        own = [
-            self.latent_upcast + (self.index_k_upcast if t == "full" else 0)
-            for t in cfg.indexer_types
-        ]
-        self.hoisted_upcasts = {
-            kind: sum(own[cfg.indexer_types.index(kind) + 1 :]) if kind in cfg.indexer_types else 0
-            for kind in LAYER_TYPES
-        }
 
     # ---- shapes -------------------------------------------------------------------------
     def step_shape(
@@ -385,10 +362,6 @@ class BufferEstimator:
             "transfer_descriptors": desc,
             "rows_latent": rows_latent,
             "rows_index_k": rows_index,
-            "latent_scatter_upcast": self.latent_upcast,
-            "index_k_scatter_upcast": self.index_k_upcast,
-            "hoisted_upcasts_full": self.hoisted_upcasts["full"],
-            "hoisted_upcasts_shared": self.hoisted_upcasts["shared"],
             "latent_owned": lat_local,
             "latent_gathered": lat_gathered,
             "latent_full_view": lat_full,
@@ -403,12 +376,8 @@ class BufferEstimator:
             "sparse_rows": sparse,
         }
         lat_view = lat_local + lat_gathered + lat_full
-        # A phase's kv_rows column: the write's own rows and upcasts, plus the hoisted upcasts
-        # of later layers (XLA:CPU only), which may be live in any phase.
-        hoist_full, hoist_shared = self.hoisted_upcasts["full"], self.hoisted_upcasts["shared"]
-        rows_full = rows_latent + rows_index + self.latent_upcast + self.index_k_upcast
-        rows_full += hoist_full
-        rows_shared = rows_latent + self.latent_upcast + hoist_shared
+        # A phase's kv_rows column: the write's own rows (the scatter itself is in place).
+        rows_full, rows_shared = rows_latent + rows_index, rows_latent
         lat_early = lat_local + lat_gathered  # the latent all-gather, issued early
         idx_view = idx_local + idx_gathered + dequant
         window = 2 * logits + block_scores + scores + topk
@@ -419,17 +388,17 @@ class BufferEstimator:
         phases = {
             "full": (
                 ("write", 0, 0, meta_write, rows_full, carried, 0, desc),
-                ("index_view", lat_early, idx_view, meta_step, hoist_full, carried, 0, desc),
-                ("logits", lat_early, dequant, meta_step, hoist_full, logits + carried, 0, desc),
-                ("scores", lat_early, 0, meta_step, hoist_full, window + carried, 0, desc),
-                ("latent_view", lat_view, 0, meta_step, hoist_full, topk, 0, desc),
-                ("sparse_rows", lat_full, 0, meta_step, hoist_full, topk, sparse, desc),
+                ("index_view", lat_early, idx_view, meta_step, 0, carried, 0, desc),
+                ("logits", lat_early, dequant, meta_step, 0, logits + carried, 0, desc),
+                ("scores", lat_early, 0, meta_step, 0, window + carried, 0, desc),
+                ("latent_view", lat_view, 0, meta_step, 0, topk, 0, desc),
+                ("sparse_rows", lat_full, 0, meta_step, 0, topk, sparse, desc),
             ),
             # The top-k of the preceding full layer stays live through shared layers.
             "shared": (
                 ("write", 0, 0, meta_write, rows_shared, topk, 0, desc),
-                ("latent_view", lat_view, 0, meta_step, hoist_shared, topk, 0, desc),
-                ("sparse_rows", lat_full, 0, meta_step, hoist_shared, topk, sparse, desc),
+                ("latent_view", lat_view, 0, meta_step, 0, topk, 0, desc),
+                ("sparse_rows", lat_full, 0, meta_step, 0, topk, sparse, desc),
             ),
         }
         if self.attention == "owner":
@@ -542,17 +511,16 @@ class BufferEstimator:
             "indexer_block_scores": gathered_q + candidates,
             "sparse_rows": attn,
         }
-        hoist_full, hoist_shared = self.hoisted_upcasts["full"], self.hoisted_upcasts["shared"]
         phases = {
             "full": (
                 ("write", 0, 0, meta_write, rows_full, 0, 0, desc),
-                ("index_view", 0, idx_owned + dequant, meta_step, hoist_full, 0, 0, desc),
-                ("scores", 0, dequant, meta_step, hoist_full, window, 0, desc),
-                ("sparse_rows", 0, 0, meta_step, hoist_full, topk, attn, desc),
+                ("index_view", 0, idx_owned + dequant, meta_step, 0, 0, 0, desc),
+                ("scores", 0, dequant, meta_step, 0, window, 0, desc),
+                ("sparse_rows", 0, 0, meta_step, 0, topk, attn, desc),
             ),
             "shared": (
                 ("write", 0, 0, meta_write, rows_shared, topk, 0, desc),
-                ("sparse_rows", 0, 0, meta_step, hoist_shared, topk, attn, desc),
+                ("sparse_rows", 0, 0, meta_step, 0, topk, attn, desc),
             ),
         }
         return self._assemble(phases, terms, shape)

@@ -247,9 +247,7 @@ def ep_spec(args: ServerArgs) -> EPSpec | None:
     return EPSpec(CP_AXIS, args.ep_size, args.ep_dispatch, args.ep_capacity_factor)
 
 
-def buffer_estimator(
-    args: ServerArgs, cfg: ModelConfig, pages_per_rank: int, platform: str
-) -> BufferEstimator:
+def buffer_estimator(args: ServerArgs, cfg: ModelConfig, platform: str) -> BufferEstimator:
     """The CPU-only transient-buffer estimator of this server's steps (SPEC S9)."""
     return BufferEstimator(
         cfg,
@@ -258,7 +256,6 @@ def buffer_estimator(
         dtype=args.dtype,
         index_k_dtype=args.index_k_dtype,
         profile=profile_for_platform(platform),
-        pages_per_rank=pages_per_rank,
         block_bytes=args.transient_block_size,
         attention=args.cp_attention,
     )
@@ -347,7 +344,7 @@ def build_prefill_engine(
         jax.block_until_ready((runner.state, runner.pool))
         startup_smoke_allocation(args.cp_shared_kv_prefill_max_buffer_size, list(mesh.devices.flat))
     host_io, cache = prefix_cache(args, runner, devices[0].platform)
-    estimator = buffer_estimator(args, cfg, pages, devices[0].platform)
+    estimator = buffer_estimator(args, cfg, devices[0].platform)
     limits = CPSharedKVLimits(
         shared_kv=args.enable_cp_shared_kv,
         bs_gt1=args.enable_cp_shared_kv_prefill_bs_gt1,

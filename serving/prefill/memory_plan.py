@@ -214,7 +214,7 @@ def transient_bytes_per_rank(
     max_kv = min(cfg.max_position_embeddings, usable * cp.page_size)
     chunk = chunk_tokens(args.chunked_prefill_size, cp.page_size)
     extend = max_kv if chunk is None else min(chunk, max_kv)
-    estimator = buffer_estimator(args, cfg, pages, platform)
+    estimator = buffer_estimator(args, cfg, platform)
     lone = estimator.estimate_for(1, extend, max_kv).total_bytes
     limit = args.cp_shared_kv_prefill_max_buffer_size if args.bs_gt1_active() else None
     if limit is not None:

@@ -37,7 +37,6 @@ def cpu_estimator(
         dtype=dtype,
         index_k_dtype=INDEX_K,
         profile=XLA_CPU,
-        pages_per_rank=PAGES_PER_RANK,
         block_bytes=block_bytes,
     )
 
