@@ -102,15 +102,22 @@ def test_kernel_scores_are_the_view_path_s(index_k_dtype, tokens):
         )
 
 
-def test_tied_keys_select_the_same_positions():
-    """Forced ties: every page holds one key repeated, so many slots score the same; the
-    top-k from the kernel's scores is the XLA path's, ties lowest position first."""
+def _tied_case():
+    """`_case`'s rows over keys that tie: every page holds one key repeated (one of two
+    multiples of a single key), so many slots score the same."""
     rng = np.random.default_rng(2)
     q, w, _, _, table, positions, kv_lens = _case(rng, "fp8_e4m3", 1)
     key = rng.standard_normal((1, 1, DIM))
     tied = np.broadcast_to(key * rng.integers(1, 3, (40, 1, 1)), (40, PAGE, DIM))
     index_k, scale = quantize_index_k(jnp.asarray(tied, jnp.float32), "fp8_e4m3")
-    args = (q, w, index_k, scale, table, positions, kv_lens)
+    return q, w, index_k, scale, table, positions, kv_lens
+
+
+def test_tied_keys_select_the_same_positions():
+    """Forced ties (`_tied_case`): the top-k from the kernel's scores is the XLA path's,
+    ties lowest position first."""
+    args = _tied_case()
+    positions = args[5]
     want = select_topk(paged_index_scores_reference(*args), positions, 16)
     got = select_topk(paged_index_scores(*args), positions, 16)
     np.testing.assert_array_equal(got, want)
@@ -142,14 +149,10 @@ def test_blocked_xla_scores_are_the_view_path_s(index_k_dtype, tokens, block_tok
 
 
 def test_blocked_xla_scores_select_the_view_path_s_tied_positions():
-    """Forced ties (one key repeated per page, as above): blocks of one page select the
-    view path's top-k, ties lowest position first."""
-    rng = np.random.default_rng(2)
-    q, w, _, _, table, positions, kv_lens = _case(rng, "fp8_e4m3", 1)
-    key = rng.standard_normal((1, 1, DIM))
-    tied = np.broadcast_to(key * rng.integers(1, 3, (40, 1, 1)), (40, PAGE, DIM))
-    index_k, scale = quantize_index_k(jnp.asarray(tied, jnp.float32), "fp8_e4m3")
-    args = (q, w, index_k, scale, table, positions, kv_lens)
+    """Forced ties (`_tied_case`): blocks of one page select the view path's top-k, ties
+    lowest position first."""
+    args = _tied_case()
+    positions = args[5]
     want = select_topk(paged_index_scores_reference(*args), positions, 16)
     got = select_topk(blocked_index_scores(*args, block_tokens=PAGE), positions, 16)
     np.testing.assert_array_equal(got, want)
