@@ -150,7 +150,7 @@ def write_rows(pool: Array, slots: Int[Array, " n"], rows: Array) -> Array:
     narrower than 4 bytes (bf16 latent, fp8 index K) is written through its integer view:
     XLA:CPU runs a bf16 / fp8 write as a convert of the whole pool to a wider float and
     back; the integer write is a plain copy at worst. GPUs write them in place as they are.
-    (`benchmarks/bench_decode`, docs/results.md: the 32K step 258 -> 136 ms at batch 1.)"""
+    (`benchmarks/bench_decode`, docs/results.md: the 32K step 258 -> 133 ms at batch 1.)"""
     p = pool.shape[1]
     at = (slots // p, slots % p)
     rows = rows.astype(pool.dtype)

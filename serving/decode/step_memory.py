@@ -31,11 +31,11 @@ a time). Bytes, per device:
   sampler's sorted copy with its indices, of the rank's own rows (on a mesh the logits
   stay where their rows ran, `cpkv_jax.sampling.StepLogits`);
 - `pool_copy` (`LoweringProfile.cpu_paths`: XLA:CPU; 0 on XLA:GPU): a layer's write goes
-  through its narrow (bf16, fp8) pools' integer
-  views (`kv_cache.write_rows`), which XLA:CPU copies at their stored width (latent, and
-  index K on a full layer), operand and result, one layer's at a time; a one-token step
-  (a dynamic-update-slice) has every layer's copies at once. (Until 2026-12-07 it upcast
-  them to f32 / f16 instead: twice the bytes.)
+  through its narrow (bf16, fp8) pools' integer views (`kv_cache.write_rows`), which
+  XLA:CPU copies at their stored width (latent, and index K on a full layer), operand and
+  result, one layer's at a time; a one-token step (a dynamic-update-slice) has every
+  layer's copies at once. (Until 2026-12-07 it upcast them to f32 / f16 instead: twice
+  the bytes.)
 
 Phases: the attention of a layer (`index_view + indexer_logits`, then `sparse_rows`), its
 MoE (`moe_dispatch`), then once the head; layers run in sequence, so the step's peak is
@@ -43,12 +43,11 @@ MoE (`moe_dispatch`), then once the head; layers run in sequence, so the step's 
 
 Checked against XLA:CPU's `memory_analysis()` of the step the engine compiles, at GLM-5's
 attention and indexer dims (`tests/serving/test_decode_step_memory.py`): within 25% from
-8 to 64 rows and 64K to 128K tokens of context; with the view (`XLA_GPU`) the index
-phase is 772 B per row and token of context (`4*Di + 8*Hi + 4`), 6.5 GB for 64 rows at
-128K. Not counted: one
-layer's dequantized weights (the plan's own FP8 term), projections and other activations
-of `B*T*hidden` size, and fragmentation (`1 - --mem-fraction-static` keeps room for
-them). A CP group's owner-attention step is not estimated here.
+1 to 64 rows and 4K to 128K tokens of context; with the view (`XLA_GPU`) the index phase
+is 772 B per row and token of context (`4*Di + 8*Hi + 4`), 6.5 GB for 64 rows at 128K.
+Not counted: one layer's dequantized weights (the plan's own FP8 term), projections and
+other activations of `B*T*hidden` size, and fragmentation (`1 - --mem-fraction-static`
+keeps room for them). A CP group's owner-attention step is not estimated here.
 """
 
 from __future__ import annotations
