@@ -4,7 +4,10 @@ fused draft-and-verify step must emit exactly the plain greedy tokens, and at te
 
 Under batch-invariant numerics each verified token's logits and log-probs are bitwise
 those of one-token decoding, so the comparison with `ReferenceGenerator` is exact, tokens
-and log-probs, for both architectures and the FP8 checkpoint. Three prompts of different
+and log-probs: the GLM checkpoint's cases (k = 0 and 3). The FP8 and DeepSeek ones run
+XLA's default numerics (a batch-invariant program takes about twice as long to compile):
+the same tokens, log-probs within 1e-5 (a verify step's k + 1 tokens per row round a few
+ulps from one-token decoding). Three prompts of different
 lengths (all past `index_topk`, so the indexers really select) decode in one batch of 4
 rows (one padding row). The tiny
 checkpoint's MTP layer is random and its drafts are almost never accepted, which tests
@@ -52,6 +55,8 @@ CHECKPOINTS = {
 # (checkpoint, k): every k from 0 (plain, the speed baseline) to 3 on one checkpoint or
 # another; each case compiles its own steps.
 CASES = [("glm", 0), ("glm-fp8", 1), ("glm", 3), ("dsv32", 2)]
+EXACT = frozenset({"glm"})  # batch-invariant numerics, compared bitwise
+LOGPROB_TOL = 1e-5  # the others' (measured within 2e-6)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +71,9 @@ def case(tiny_checkpoints):
             name, kw = CHECKPOINTS[ckpt]
             cfg, model = load_model(tiny_checkpoints(name, **kw), mtp=True)
             ref = ReferenceGenerator(
-                cfg, model, page_size=PAGE, index_k_dtype="fp8_e4m3", batch_invariant=True
-            )
+                cfg, model, page_size=PAGE, index_k_dtype="fp8_e4m3",
+                batch_invariant=ckpt in EXACT,
+            )  # fmt: skip
             rng = np.random.default_rng(3)
             prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in LENGTHS]
             loaded[ckpt] = (
@@ -79,11 +85,22 @@ def case(tiny_checkpoints):
         cfg, model, prompts, want = loaded[ckpt]
         if (ckpt, k) not in speculators:
             speculators[ckpt, k] = MTPSpeculator(
-                model, k, page_size=PAGE, index_k_dtype="fp8_e4m3", batch_invariant=True
-            )
+                model, k, page_size=PAGE, index_k_dtype="fp8_e4m3",
+                batch_invariant=ckpt in EXACT,
+            )  # fmt: skip
         return cfg, prompts, want, speculators[ckpt, k]
 
     return get
+
+
+def assert_same(got, want, *, exact: bool) -> None:
+    """A speculator's output against the reference's: the same tokens; log-probs bit for
+    bit (`exact`) or within `LOGPROB_TOL`."""
+    assert got.output_ids == want.output_ids
+    if exact:
+        np.testing.assert_array_equal(got.logprobs, want.output_logprobs)
+    else:
+        np.testing.assert_allclose(got.logprobs, want.output_logprobs, rtol=0, atol=LOGPROB_TOL)
 
 
 @pytest.mark.parametrize(("ckpt", "k"), CASES)
@@ -91,8 +108,7 @@ def test_greedy_mtp_emits_the_plain_greedy_tokens_and_log_probs(case, ckpt, k):
     _, prompts, want, spec = case(ckpt, k)
     got = spec.generate(prompts, NEW)
     for g, w in zip(got, want, strict=True):
-        assert g.output_ids == w.output_ids
-        np.testing.assert_array_equal(g.logprobs, w.output_logprobs)  # bitwise
+        assert_same(g, w, exact=ckpt in EXACT)
         assert len(g.accepted) >= 1 and all(0 <= a <= k for a in g.accepted)
 
 
@@ -119,8 +135,7 @@ def test_accepted_drafts_of_every_count_keep_the_tokens_exact(case, ckpt, k):
     finally:
         del spec.override_drafts
     for g, w in zip(got, want, strict=True):
-        assert g.output_ids == w.output_ids
-        np.testing.assert_array_equal(g.logprobs, w.output_logprobs)
+        assert_same(g, w, exact=ckpt in EXACT)
         assert len(g.accepted) < NEW  # fewer verify steps than tokens
     seen = {a for g in got for a in g.accepted}
     assert set(range(k + 1)) <= seen, seen

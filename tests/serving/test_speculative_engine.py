@@ -1,11 +1,12 @@
 """Speculative decoding in the decode engine (issue 39; `serving.decode.speculative`): the
-unified engine with `--disable-radix-cache` drafting with the MTP layer must emit exactly
-what the plain engine emits, tokens and log-probs (bitwise under batch-invariant
-numerics), for both architectures and the FP8 checkpoint, with requests joining and
-leaving the batch, stopping inside a step's accepted drafts, and being aborted mid-step;
-every page and draft-state slot comes back. The oracle that makes steps accept every
-count of drafts, and the other helpers: `tests/support/speculative_engine.py`; the DP
-mesh: `test_speculative_dp.py`.
+unified engine with `--disable-radix-cache` drafting with the MTP layer must emit
+exactly what the plain engine emits, tokens and log-probs (bitwise under batch-invariant
+numerics: the FP8 checkpoint's engines; within 1e-5 under the default numerics: the
+others', `support.speculative_engine.EXACT`), for both architectures and the FP8
+checkpoint, with requests joining and leaving the batch, stopping inside a step's
+accepted drafts, and being aborted mid-step; every page and draft-state slot comes back.
+The oracle that makes steps accept every count of drafts, and the other helpers:
+`tests/support/speculative_engine.py`; the DP mesh: `test_speculative_dp.py`.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import numpy as np
 import pytest
 from support import speculative_engine as se
 from support.speculative_engine import (
+    EXACT,
     LENGTHS,
     PAGES,
     ROWS,
     P,
     assert_same,
+    assert_scores_close,
+    assert_top_close,
     install_oracle,
     make_engine,
     record_first_drafts,
@@ -58,16 +62,17 @@ REGEX = Grammar("regex", "[ab]+")
 @pytest.mark.parametrize(("ckpt", "k"), CASES)
 def test_speculative_engine_emits_the_plain_engines_tokens_and_log_probs(loaded, plain, ckpt, k):
     cfg, model = loaded(ckpt)
-    engine = make_engine(cfg, model, k)
+    exact = ckpt in EXACT
+    engine = make_engine(cfg, model, k, exact=exact)
     free0 = engine.kv.num_free_pages
     # Random drafts: (almost) every step accepts nothing.
-    assert_same(run(engine, requests(cfg)), plain(ckpt))
+    assert_same(run(engine, requests(cfg)), plain(ckpt), exact=exact)
     assert len(plain(ckpt)["r1"][4]) == len(plain(ckpt)["r1"][0])  # r1's top 3, each token
     # Oracle drafts, two requests stopping at a stop token: multi-token steps.
     want = plain(ckpt, stop=True)
     accepted = install_oracle(engine, {rid: o[0] for rid, o in plain(ckpt).items()}, k)
     got = run(engine, with_stop_tokens(requests(cfg), plain(ckpt)))
-    assert_same(got, want)
+    assert_same(got, want, exact=exact)
     assert set(accepted) == set(range(k + 1)), accepted
     for rid, (tokens, _, _, meta, _) in got.items():
         assert meta["spec_verify_ct"] >= 1, rid
@@ -88,7 +93,7 @@ def test_penalties_count_the_drafts_a_step_accepts(loaded, plain):
     reqs = requests(cfg)[3:]
     assert plain("glm")["r3"][0][:5] == [11] * 4 + [28]  # the bias's token, 4 times, then not
     accepted = install_oracle(engine, {r.rid: plain("glm")[r.rid][0] for r in reqs}, 3, False)
-    assert_same(run(engine, reqs), {r.rid: plain("glm")[r.rid] for r in reqs})
+    assert_same(run(engine, reqs), {r.rid: plain("glm")[r.rid] for r in reqs}, exact=False)
     assert max(accepted) == 3
 
 
@@ -105,12 +110,10 @@ def test_sampled_rows_depend_on_their_seed_alone_and_greedy_rows_stay_exact(load
         sampling=dataclasses.replace(reqs[1].sampling, temperature=0.8, seed=11),
     )
     mixed = run(engine, [reqs[0], sampled, reqs[2]])
-    assert_same(
-        {k: v for k, v in mixed.items() if k != "s"}, {k: plain("glm")[k] for k in ("r0", "r2")}
-    )
+    want = {k: plain("glm")[k] for k in ("r0", "r2")}
+    assert_same({k: v for k, v in mixed.items() if k != "s"}, want, exact=False)
     alone = run(engine, [dataclasses.replace(sampled, rid="s")])
-    assert alone["s"][0] == mixed["s"][0]
-    assert alone["s"][1] == mixed["s"][1]
+    assert_same({"s": alone["s"]}, {"s": mixed["s"]}, exact=False)  # its batch's rounding
     assert len(mixed["s"][0]) == sampled.sampling.max_new_tokens
     assert alone["s"][0] != plain("glm")["r1"][0][: len(alone["s"][0])]  # it did sample
 
@@ -151,9 +154,10 @@ def _with_prompt_scores(engine: DecodeEngine, reqs) -> dict:
 def test_prompt_log_probs_are_the_plain_engines(loaded):
     """Prompt log-probs (`echo` with `logprobs`, `logprob_start_len`) on the speculative
     engine that prefills with its own admission program: its scoring twin scores every
-    fed token from the trunk's hidden states, in the same program that drafts. Bitwise
-    the plain engine's (batch-invariant numerics), beside a request that asks for none
-    in the same admissions; `--warmup-prompt-scoring` has the twins to compile."""
+    fed token from the trunk's hidden states, in the same program that drafts. The plain
+    engine's within `LOGPROB_TOL` (bitwise under batch-invariant numerics: the DP prefix
+    cache test), beside a request that asks for none in the same admissions;
+    `--warmup-prompt-scoring` has the twins to compile."""
     cfg, model = loaded("glm")
     base = requests(cfg)[:3]
     reqs = [
@@ -169,8 +173,9 @@ def test_prompt_log_probs_are_the_plain_engines(loaded):
     for r in reqs:
         g, w = got[r.rid], want[r.rid]
         assert g[0] == w[0], r.rid
-        np.testing.assert_array_equal(g[1], w[1])
-        assert g[2] == w[2] and g[3] == w[3], r.rid  # bitwise, None for token 0
+        assert_scores_close(g[1], w[1], r.rid)
+        assert_scores_close(g[2], w[2], r.rid)  # None for token 0
+        assert_top_close(g[3], w[3], r.rid)
     assert got["r0"][2][0] is None and len(got["r0"][2]) == LENGTHS[0]
     assert len(got["r1"][2]) == LENGTHS[1] - 17 and all(len(t) == 3 for t in got["r1"][3])
     assert got["r2"][2] is None
@@ -188,7 +193,7 @@ def test_requests_beyond_the_draft_state_slots_wait_for_one(loaded, plain):
         return step()
 
     engine.step = counted
-    assert_same(run(engine, requests(cfg)), plain("glm"))
+    assert_same(run(engine, requests(cfg)), plain("glm"), exact=False)
     assert max(running) == 2 and engine.spec.free_slots == 2
 
 
@@ -207,14 +212,13 @@ def cached_engine(cfg, model, k: int, *extra: str, pages: int = PAGES) -> Decode
             "--model-path", "unused", "--page-size", str(P), "--index-k-dtype", "fp8_e4m3",
             "--dtype", "float32", "--chunked-prefill-size", "32",
             "--kv-pool-size", str(pages * pool_page_bytes_for(cfg)),
-            "--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(k),
-            "--enable-batch-invariant", *extra,
+            "--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(k), *extra,
         ]
     )  # fmt: skip
     prefill = build_prefill_engine(args, model=model, devices=jax.devices()[:1], hold_finished=True)
     return CachedUnifiedEngine(
         prefill=prefill, cfg=cfg, model=model, page_size=P, index_k_dtype="fp8_e4m3",
-        max_running_requests=ROWS, batch_invariant=True, speculative_num_steps=k,
+        max_running_requests=ROWS, speculative_num_steps=k,
     )  # fmt: skip
 
 
@@ -234,15 +238,15 @@ def test_the_prefix_cache_engine_drafts_and_decodes_as_the_whole_prompt_engine(l
     whole, cached = make_engine(cfg, model, 2), cached_engine(cfg, model, 2)
     want_drafts = record_first_drafts(whole, "prefill_many")
     got_drafts = record_first_drafts(cached, "admit_after_prefill")
-    assert_same(run(whole, requests(cfg)), plain("glm"))
+    assert_same(run(whole, requests(cfg)), plain("glm"), exact=False)
     free0 = cached.kv.num_free_pages
-    assert_same(run(cached, requests(cfg)), plain("glm"))
+    assert_same(run(cached, requests(cfg)), plain("glm"), exact=False)
     assert got_drafts == want_drafts and len(got_drafts) == len(LENGTHS)
     r0 = requests(cfg)[0]
     hit = dataclasses.replace(r0, rid="hit", input_ids=(*r0.input_ids[:48], 7, 8, 9))
     got = run(cached, [hit])
     want = run(make_engine(cfg, model, 0), [hit])
-    assert_same(got, want)
+    assert_same(got, want, exact=False)
     assert got["hit"][3]["cached_tokens"] == 48
     cached.cached.scheduler.cache.reset()
     assert cached.kv.num_free_pages >= free0 and cached.spec.free_slots == ROWS
@@ -276,9 +280,9 @@ def test_a_prompt_back_from_the_host_cache_drafts_as_the_whole_prompt_engine(loa
     got_drafts.clear()
     again = run(cached, [req("again", long)])
     assert again["again"][3]["cached_tokens_host"] > 0
-    assert again["again"][:3] == first["first"][:3]
+    assert_same({"r": again["again"]}, {"r": first["first"]}, exact=False)
     want = run(whole, [req("want", long)])
-    assert_same({"again": again["again"]}, {"again": want["want"]})
+    assert_same({"again": again["again"]}, {"again": want["want"]}, exact=False)
     assert got_drafts == {len(long): want_drafts[len(long)]}
 
 

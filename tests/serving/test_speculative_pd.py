@@ -1,13 +1,15 @@
-"""PD speculative decoding (issue 39 item 3): a CP8 shared-KV prefill server and a
-decode server on a DP2 mesh, both with `--speculative-algorithm EAGLE --speculative-num-steps 2`
-(`--enable-batch-invariant`), behind `cpkv-router`. The prefill server runs the MTP
-layer over the prompts (its KV one more layer of the transfer's layout) and sends the
-trunk's last hidden state with the first token; the decode server drafts from them.
-Greedy answers are bitwise the plain reference's, the decode server's first drafts
-bitwise a unified whole-prompt admission's; sampled and cancelled requests give every
-page and draft-state slot back; a pair that differs in the flag is refused at the
-handshake. (Its own module: `conftest._release_compiled_programs` frees the unified
-speculative servers' programs before these two servers compile theirs.)"""
+"""PD speculative decoding (issue 39 item 3): a CP8 shared-KV prefill server and a decode
+server on a DP2 mesh, both with `--speculative-algorithm EAGLE --speculative-num-steps
+2`, behind `cpkv-router`. The prefill server runs the MTP layer over the prompts (its KV
+one more layer of the transfer's layout) and sends the trunk's last hidden state with
+the first token; the decode server drafts from them. Greedy answers are the plain
+reference's (log-probs within 1e-5: XLA's default numerics; batch-invariant drafting is
+checked bitwise in tests/serving/test_unified_cp.py and the engine tests), the decode
+server's first drafts a unified whole-prompt admission's; sampled and cancelled requests
+give every page and draft-state slot back; a pair that differs in the flag is refused at
+the handshake. (Its own module: `conftest._release_compiled_programs` frees the unified
+speculative servers' programs before these two servers compile theirs.)
+"""
 
 from __future__ import annotations
 
@@ -35,15 +37,13 @@ pytestmark = pytest.mark.slow(seconds=100)  # one worker, 2026-12-05
 STEPS = 2
 FLAGS = (
     *("--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(STEPS)),
-    *("--enable-batch-invariant", "--max-running-requests", "8"),
+    *("--max-running-requests", "8"),
 )
+LOGPROB_TOL = 1e-5  # CP8 prefill and DP2 decode against one device (measured: 1e-6)
 
 
-# CP8 without expert parallelism. Seen 2026-12-05: with `--ep-size 8` (the tiny
-# checkpoint's 8 experts, one per rank) the decode log-probs differed from the reference
-# by up to 7e-7 (tokens equal), while CP4/EP4 (two per rank) was bitwise; the drafting
-# runner under EP8 with two experts per rank is checked bitwise in
-# tests/core/test_expert_parallel.py.
+# CP8 without expert parallelism (the drafting runner under EP8 is checked in
+# tests/core/test_expert_parallel.py).
 PD_PREFILL = (
     *("--disaggregation-mode", "prefill", "--cp-size", "8", "--enable-cp-shared-kv"),
     *("--chunked-prefill-size", "32", "--kv-pool-size", "1MiB"),
@@ -65,7 +65,7 @@ def spec_pd(tiny_checkpoints):
     them. Behind `cpkv-router`."""
     path = tiny_checkpoints("glm_moe_dsa")
     cfg, model = load_model(path, mtp=True)
-    ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32", batch_invariant=True)
+    ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
     decode, prefill = (
         float32_args(path, *PD_DECODE, *FLAGS),
         float32_args(path, *PD_PREFILL, *FLAGS),
@@ -81,7 +81,7 @@ def whole_prompt_drafts(model, ids: list[int]) -> list[int]:
     kv = PagedKVStore.create(mtp_config(model.cfg), pages, P, np.float32, "float32")
     spec = SpeculativeSteps(
         model, kv, num_steps=STEPS, slots=1, page_size=P, index_k_dtype="float32",
-        batch_invariant=True, block_bytes=None,
+        batch_invariant=False, block_bytes=None,
     )  # fmt: skip
     own = kv.allocate_pages(pages - 1)
     spec.prefill(np.asarray(ids, np.int32), own, pow2_at_least(own.size), 0, 0.0, 0)
@@ -89,10 +89,10 @@ def whole_prompt_drafts(model, ids: list[int]) -> list[int]:
 
 
 def test_pd_speculative_decoding_equals_the_reference_and_drafts_as_unified(spec_pd):
-    """Greedy tokens and log-probs through the router are bitwise the plain reference's
-    (token 0 drawn by the prefill server, the rest verified by the decode server), and
-    each request's first drafts - from the MTP KV the CP8 prefill wrote over chunks of
-    32 tokens and the hidden state the room's aux data carried - are bitwise those of a
+    """Greedy tokens through the router are the plain reference's, log-probs within
+    `LOGPROB_TOL` (token 0 drawn by the prefill server, the rest verified by the decode
+    server), and each request's first drafts - from the MTP KV the CP8 prefill wrote over
+    chunks of 32 tokens and the hidden state the room's aux data carried - are those of a
     unified server's whole-prompt admission."""
     decode, ref = spec_pd["decode"], spec_pd["ref"]
     spec = decode.engine.spec
@@ -115,7 +115,7 @@ def test_pd_speculative_decoding_equals_the_reference_and_drafts_as_unified(spec
         body, want = r.json(), ref.generate(ids, 7, ignore_eos=True)
         assert body["output_ids"] == want.output_ids, len(ids)
         lps = [lp for lp, _, _ in body["meta_info"]["output_token_logprobs"]]
-        np.testing.assert_array_equal(lps, want.output_logprobs)  # bitwise
+        np.testing.assert_allclose(lps, want.output_logprobs, rtol=0, atol=LOGPROB_TOL)
         assert body["meta_info"]["spec_verify_ct"] >= 1
     assert seen == {len(ids): whole_prompt_drafts(spec_pd["model"], ids) for ids in cases}
     info = httpx.get(spec_pd["served"]["decode"].url + "/server_info").json()

@@ -1,8 +1,9 @@
 """`cpkv-serve --speculative-algorithm EAGLE --speculative-num-steps 2` (issue 39), with
 its prefix cache and chunked prefill (the default engine) and with
 `--disable-radix-cache`: the unified server drafting with the MTP layer answers
-with the plain reference's greedy tokens and log-probs (bitwise under
-`--enable-batch-invariant`), reports its speculative configuration and per-request
+with the plain reference's greedy tokens and log-probs (within 1e-5: XLA's default
+numerics; batch-invariant drafting is checked bitwise in tests/serving/test_unified_cp.py
+and the engine tests), reports its speculative configuration and per-request
 acceptance (`meta_info`, `/metrics`), refuses what a speculative step cannot apply with a
 400 that names it, and under many clients, some disconnecting mid-stream, returns every
 page and draft-state slot (SPEC-less: issue 39's load acceptance point). Flag
@@ -33,7 +34,6 @@ FLAGS = (
     "EAGLE",
     "--speculative-num-steps",
     str(STEPS),
-    "--enable-batch-invariant",
     "--max-running-requests",
     "8",
 )
@@ -52,9 +52,7 @@ def spec_server(request, tiny_checkpoints):
     cfg, model = load_model(path, mtp=True)
     args = unified_args(path, cfg, POOL_PAGES, *FLAGS, *ENGINES[request.param])
     with serving(args) as (server, served):
-        ref = ReferenceGenerator(
-            cfg, model, page_size=P, index_k_dtype="float32", batch_invariant=True
-        )
+        ref = ReferenceGenerator(cfg, model, page_size=P, index_k_dtype="float32")
         yield server, served, ref, cfg
 
 
@@ -82,7 +80,7 @@ def test_greedy_answers_are_the_references_with_acceptance_reported(spec_server)
         want = ref.generate(ids, new, ignore_eos=True)
         assert body["output_ids"] == want.output_ids
         lps = [lp for lp, _, _ in body["meta_info"]["output_token_logprobs"]]
-        np.testing.assert_array_equal(lps, want.output_logprobs)  # bitwise
+        np.testing.assert_allclose(lps, want.output_logprobs, rtol=0, atol=1e-5)
         meta = body["meta_info"]
         assert meta["spec_verify_ct"] >= 1 and 1.0 <= meta["spec_accept_length"] <= STEPS + 1
         verified += meta["spec_verify_ct"]

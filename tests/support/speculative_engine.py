@@ -8,7 +8,13 @@ The oracle wraps the engine's step: before each step it replaces the drafts in t
 device state with the plain engine's continuation, corrupted at a place that moves with
 the step and the row, so steps accept every count from 0 to K and rows of one step accept
 different counts (the positions come from the device state itself, so the overlap stays
-on)."""
+on).
+
+Numerics: the FP8 checkpoint's engines run batch-invariant numerics and compare bit for
+bit (the acceptance's "bitwise under `--enable-batch-invariant`"); the other checkpoints'
+run XLA's default numerics and compare tokens exactly and log-probs within `LOGPROB_TOL`.
+A batch-invariant program takes about twice as long to trace and compile (its tiles run
+in loops), and these files compiled one per form and row bucket for every checkpoint."""
 
 from __future__ import annotations
 
@@ -29,6 +35,13 @@ ROWS = 4
 # Five requests for four rows (one waits for a slot), all in one prefill bucket (64) and,
 # with the speculative room, one page-table width (8 pages): few shapes to compile.
 LENGTHS = (50, 53, 57, 51, 60)
+# The checkpoints whose engines run batch-invariant numerics and compare bitwise.
+EXACT = frozenset({"glm-fp8"})
+# Default numerics: a verify step scores k + 1 tokens per row where plain decoding scores
+# one, and a DP step shards what one device computes whole, so XLA's reductions may round
+# a few ulps apart (measured up to 2e-6 on the tiny model's log-probs); greedy tokens
+# stay equal.
+LOGPROB_TOL = 1e-5
 CHECKPOINTS = {
     "glm": ("glm_moe_dsa", {}),
     "glm-fp8": ("glm_moe_dsa", {"fp8": True}),
@@ -50,10 +63,12 @@ def loaded(tiny_checkpoints):
     return get
 
 
-def make_engine(cfg, model, k: int, **kw) -> DecodeEngine:
+def make_engine(cfg, model, k: int, *, exact: bool = False, **kw) -> DecodeEngine:
+    """The unified whole-prompt engine drafting `k` tokens (0: plain decoding); `exact`:
+    batch-invariant numerics."""
     return whole_prompt_engine(
         cfg, model, pages=PAGES, page_size=P, index_k_dtype="fp8_e4m3",
-        max_running_requests=ROWS, batch_invariant=True, speculative_num_steps=k, **kw,
+        max_running_requests=ROWS, batch_invariant=exact, speculative_num_steps=k, **kw,
     )  # fmt: skip
 
 
@@ -151,7 +166,8 @@ def install_oracle(
 
 @pytest.fixture(scope="module")
 def plain(loaded):
-    """`get(checkpoint, stop: bool)` -> the plain engine's outputs of `requests`."""
+    """`get(checkpoint, stop: bool)` -> the plain engine's outputs of `requests`, in the
+    checkpoint's numerics (`EXACT`)."""
     out: dict = {}
 
     def get(ckpt: str, stop: bool = False):
@@ -160,19 +176,51 @@ def plain(loaded):
             reqs = requests(cfg)
             if stop:
                 reqs = with_stop_tokens(reqs, get(ckpt))
-            out[ckpt, stop] = run(make_engine(cfg, model, 0), reqs)
+            out[ckpt, stop] = run(make_engine(cfg, model, 0, exact=ckpt in EXACT), reqs)
         return out[ckpt, stop]
 
     return get
 
 
-def assert_same(got: dict, want: dict) -> None:
+def assert_same(got: dict, want: dict, *, exact: bool) -> None:
+    """`run` outputs: the same tokens and finish reasons; log-probs and top log-probs bit
+    for bit (`exact`) or within `LOGPROB_TOL` (the same top tokens)."""
     for rid, w in want.items():
         g = got[rid]
         assert g[0] == w[0], rid
-        np.testing.assert_array_equal(g[1], w[1], err_msg=rid)  # bitwise
         assert g[2] == w[2], rid
-        assert g[4] == w[4], rid  # top log-probs, bitwise (those asked for)
+        if exact:
+            np.testing.assert_array_equal(g[1], w[1], err_msg=rid)
+            assert g[4] == w[4], rid  # top log-probs (those asked for)
+            continue
+        assert_scores_close(g[1], w[1], rid)
+        assert_top_close(g[4], w[4], rid)
+
+
+def assert_scores_close(got, want, what: str) -> None:
+    """Log-probs within `LOGPROB_TOL`; None where there is none (token 0's prompt score,
+    or none asked for) in both."""
+    if got is None or want is None:
+        assert got is want, what
+        return
+    assert [v is None for v in got] == [v is None for v in want], what
+    pairs = [(g, w) for g, w in zip(got, want, strict=True) if w is not None]
+    if pairs:
+        np.testing.assert_allclose(*zip(*pairs, strict=True), rtol=0, atol=LOGPROB_TOL,
+                                   err_msg=what)  # fmt: skip
+
+
+def assert_top_close(got, want, what: str) -> None:
+    """Top log-probs, one `(token, log-prob)` list per position (None: none asked for):
+    the same tokens in the same order, log-probs within `LOGPROB_TOL`."""
+    if got is None or want is None:
+        assert got is want, what
+        return
+    assert len(got) == len(want), what
+    for g, w in zip(got, want, strict=True):
+        assert [t for t, _ in g] == [t for t, _ in w], what
+        np.testing.assert_allclose([v for _, v in g], [v for _, v in w], rtol=0,
+                                   atol=LOGPROB_TOL, err_msg=what)  # fmt: skip
 
 
 def record_first_drafts(engine: DecodeEngine, method: str) -> dict[int, list[int]]:
