@@ -19,10 +19,15 @@ another model, flag set or machine gets other entries, never a wrong one.
   the test workers) could read it half written.
 - Applied process-wide by `run_server` before anything compiles; `build_server` used
   directly (tests, embedding) leaves JAX's configuration alone.
+- Entries are zstd-compressed (`zstandard` is a dependency: JAX falls back to zlib
+  without it, 9x slower per write). Entries of the other codec, left by an earlier
+  install, are removed at startup: JAX cannot read them and never overwrites an entry,
+  so each would cost a warning and a compile at every start.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -34,6 +39,8 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 MAX_BYTES = 16 << 30
 _ENTRY_SUFFIX = "-cache"  # JAX's entry files; "-atime" files beside them track use
+_ATIME_SUFFIX = "-atime"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first bytes (RFC 8878)
 
 
 def default_cache_dir() -> Path:
@@ -60,6 +67,39 @@ def cache_summary(path: Path) -> tuple[int, int]:
     return entries, size
 
 
+def jax_cache_codec() -> str:
+    """The codec JAX compresses cache entries with (`jax._src.compilation_cache`): zstd
+    when Python's `compression.zstd` (3.14+) or `zstandard` imports, else zlib."""
+    for module in ("compression.zstd", "zstandard"):
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return "zstd"
+        except ModuleNotFoundError:  # `compression` itself missing before 3.14
+            continue
+    return "zlib"
+
+
+def drop_foreign_entries(path: Path, codec: str) -> int:
+    """Remove the entries (and their use-time files) that another codec than `codec`
+    wrote; returns how many. JAX reads such an entry as an error and never replaces it."""
+    removed = 0
+    for f in path.iterdir():
+        if not (f.is_file() and f.name.endswith(_ENTRY_SUFFIX)):
+            continue
+        try:
+            with f.open("rb") as fh:
+                head = fh.read(len(_ZSTD_MAGIC))
+        except OSError:  # evicted by another process meanwhile
+            continue
+        if not head or (head == _ZSTD_MAGIC) == (codec == "zstd"):
+            continue
+        key = f.name.removesuffix(_ENTRY_SUFFIX)
+        f.unlink(missing_ok=True)
+        (path / f"{key}{_ATIME_SUFFIX}").unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
 def enable_compilation_cache(value: str | None) -> str | None:
     """Point JAX's persistent cache at `value`'s directory; returns the directory (for
     `/server_info`), None when off. A directory that cannot be created is logged and
@@ -73,6 +113,12 @@ def enable_compilation_cache(value: str | None) -> str | None:
     except OSError as e:
         logger.warning("compilation cache disabled: cannot create %s: %s", path, e)
         return None
+    codec = jax_cache_codec()
+    if removed := drop_foreign_entries(path, codec):
+        logger.warning(
+            "compilation cache: removed %d entries of %s not written with %s (an earlier "
+            "install's); their programs compile once again", removed, path, codec,
+        )  # fmt: skip
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -9,8 +9,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zlib
 
-from serving.compilation_cache import default_cache_dir, resolve_cache_dir
+import zstandard
+
+from serving.compilation_cache import (
+    default_cache_dir,
+    drop_foreign_entries,
+    jax_cache_codec,
+    resolve_cache_dir,
+)
 from serving.server_args import ServerArgs
 
 CHILD = """
@@ -54,3 +62,21 @@ def test_compiled_programs_land_in_the_cache_and_are_found_again(tmp_path):
     assert any(name.startswith("jit__lambda") for name in entries), entries
     child()  # the same program again: read from the cache, nothing new written
     assert sorted(p.name for p in cache.iterdir()) == entries
+
+
+def test_entries_of_the_other_codec_are_removed_with_their_use_times(tmp_path):
+    """JAX compresses entries with zstd (`zstandard` is a dependency); an entry an earlier
+    install wrote with zlib cannot be read and would never be replaced, so startup
+    removes it (and its `-atime` file) and keeps the others."""
+    assert jax_cache_codec() == "zstd"
+    payload = bytes(range(256)) * 64
+    (tmp_path / "old-cache").write_bytes(zlib.compress(payload))
+    (tmp_path / "old-atime").write_bytes(b"12345678")
+    (tmp_path / "new-cache").write_bytes(zstandard.ZstdCompressor().compress(payload))
+    (tmp_path / "new-atime").write_bytes(b"12345678")
+    (tmp_path / ".lockfile").write_bytes(b"")
+    assert drop_foreign_entries(tmp_path, "zstd") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lockfile", "new-atime", "new-cache"]
+    assert drop_foreign_entries(tmp_path, "zstd") == 0
+    assert drop_foreign_entries(tmp_path, "zlib") == 1  # and the other way round
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lockfile"]
