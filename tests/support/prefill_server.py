@@ -17,7 +17,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import grpc
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,7 +34,7 @@ from transfer.capabilities import BackendCapabilities, default_backend_registry
 from transfer.hold import TransferHold
 from transfer.page_plan import LayoutDescriptor
 from transfer.protocol import RoomSnapshot, RoomState, TransferTimeouts
-from transfer.receiver import Receiver, serve
+from transfer.receiver import Receiver, ReceiverServer, serve
 from transfer.sender import RankJob, TransferBackend
 
 P = 16
@@ -201,7 +200,7 @@ def loopback_receiver(
     pages: int,
     timeouts: TransferTimeouts,
     **receiver_kw: Any,
-) -> tuple[Receiver, grpc.Server, str]:
+) -> tuple[Receiver, ReceiverServer, str]:
     """A started decode `Receiver` with a float32 pool of `pages` pages laid out as
     `layout`, served over gRPC on loopback: `(rx, server, target)`. The caller stops
     both: `server.stop(0)`, then `rx.close()`."""

@@ -482,3 +482,21 @@ def test_aux_carries_prompt_log_probs():
     )
     with pytest.raises(BadRequestError, match="2 tokens x 2 alternatives"):
         aux_from_pb(broken)
+
+
+def test_a_stopped_receiver_server_leaves_no_handler_thread(cfg, layout):
+    """`ReceiverServer.stop` ends the handlers' thread pool too: gRPC's `Server.stop`
+    leaves a pool it was given running, and its idle threads outlived every stopped
+    receiver of a process."""
+    pool = init_pool(mtp_config(cfg), 8, P, jnp.float32, INDEX_K)
+    rx = Receiver(layout, pool, PageAllocator(8), timeouts=TIMEOUTS)
+    server, port = serve(rx)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        _still_serving(rx, channel)  # handler threads start on first use
+    assert any(t.name.startswith("kv-transfer_") for t in threading.enumerate())
+    assert server.stop(0).wait(10.0)
+    deadline = time.monotonic() + 10.0
+    while any(t.name.startswith("kv-transfer_") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        time.sleep(0.05)
+    rx.close()

@@ -74,7 +74,7 @@ from cpkv_jax.kv_store import KVStore, PagedKVStore
 from transfer.receiver.commit import HostSink, pow2_pieces
 from transfer.receiver.core import HandshakeResult, Receiver, WriteResult
 from transfer.receiver.onesided import RegionInfo, StagingEndpoint
-from transfer.receiver.servicer import COMMIT_WAIT_S, KVTransferServicer, serve
+from transfer.receiver.servicer import COMMIT_WAIT_S, KVTransferServicer, ReceiverServer, serve
 from transfer.receiver.staging import staging_buffer_sizes, staging_region_bytes
 
 __all__ = [
@@ -85,6 +85,7 @@ __all__ = [
     "KVTransferServicer",
     "PagedKVStore",
     "Receiver",
+    "ReceiverServer",
     "RegionInfo",
     "StagingEndpoint",
     "WriteResult",
