@@ -1,24 +1,23 @@
 """Speculative decoding with the MTP layer (issue 39 item 2, `cpkv_jax.speculative`): the
-fused draft-and-verify step must emit exactly the plain greedy tokens, and at temperature
-> 0 draw from the target's distribution.
+fused draft-and-verify step must emit exactly the plain greedy tokens, and at
+temperature > 0 draw from the target's distribution.
 
 Under batch-invariant numerics each verified token's logits and log-probs are bitwise
-those of one-token decoding, so the comparison with `ReferenceGenerator` is exact, tokens
-and log-probs: the GLM checkpoint's cases (k = 0 and 3). The FP8 and DeepSeek ones run
-XLA's default numerics (a batch-invariant program takes about twice as long to compile):
-the same tokens, log-probs within 1e-5 (a verify step's k + 1 tokens per row round a few
-ulps from one-token decoding). Three prompts of different
-lengths (all past `index_topk`, so the indexers really select) decode in one batch of 4
-rows (one padding row). The tiny
-checkpoint's MTP layer is random and its drafts are almost never accepted, which tests
-the one-token path; the oracle hook replaces the drafts (after the MTP layer ran and
-wrote its KV) with the true continuation, corrupted at a different place for each row
-and step, so rows of one step accept different counts, every count from 0 to k occurs,
-and the rejected positions' KV must be overwritten correctly for the outputs to stay
-equal. The exactness and sampling tests run the steps overlapped (step n + 1 dispatched
-before step n's tokens are read: a finished row runs one more step and drops its tokens;
-in the sampling test rows finish at different steps); the oracle test does not, as it
-needs the host's positions before each step.
+those of one-token decoding, so the comparison with `ReferenceGenerator` is exact,
+tokens and log-probs: the GLM checkpoint's cases (k = 0 and 3). The FP8 and DeepSeek
+ones run XLA's default numerics (a batch-invariant program takes about twice as long to
+compile): the same tokens, log-probs within 1e-5 (a verify step's k + 1 tokens per row
+round a few ulps from one-token decoding). Three prompts of different lengths (all past
+`index_topk`, so the indexers really select) decode in one batch of 4 rows (one padding
+row). The tiny checkpoint's MTP layer is random and its drafts are almost never
+accepted, which tests the one-token path; the oracle hook replaces the drafts (after the
+MTP layer ran and wrote its KV) with the true continuation, corrupted at a different
+place for each row and step, so rows of one step accept different counts, every count
+from 0 to k occurs, and the rejected positions' KV must be overwritten correctly for the
+outputs to stay equal. The exactness and sampling tests run the steps overlapped (step
+n + 1 dispatched before step n's tokens are read: a finished row runs one more step and
+drops its tokens; in the sampling test rows finish at different steps); the oracle test
+does not, as it needs the host's positions before each step.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ every program of `SpeculativeSteps` runs on the rank holding the request's pages
 draft-state slot of that rank (`decode_mesh.dp_slab_program`). Compared with the plain
 single-device engine: bitwise under batch-invariant numerics for the FP8 checkpoint,
 within 1e-5 under the default numerics for the other (`support.speculative_engine.EXACT`).
-(Its own module: with the
-engine tests' programs in one process, XLA:CPU ran out of memory maps.)"""
+(Its own module: with the engine tests' programs in one process, XLA:CPU ran out of
+memory maps.)"""
 
 from __future__ import annotations
 
@@ -62,11 +62,11 @@ def test_speculative_decoding_on_a_dp_mesh_equals_one_device(loaded, plain, ckpt
     """Issue 39 on issue 36's DP mesh (2 ranks): every speculative program runs on the
     rank holding the request's pages, in a draft-state slot of that rank. Greedy tokens
     and log-probs are the plain single-device engine's (log-probs bitwise for the FP8
-    checkpoint under batch-invariant numerics, within 1e-5 for DeepSeek's), with random and oracle
-    drafts (every accepted count, stops inside accepted drafts); requests land on both
-    ranks, prefills of two ranks share one program; sampled rows with top-p (one with
-    penalties) draw what they draw on one device (same seeds); every page and slot comes
-    back."""
+    checkpoint under batch-invariant numerics, within 1e-5 for DeepSeek's), with random
+    and oracle drafts (every accepted count, stops inside accepted drafts); requests land
+    on both ranks, prefills of two ranks share one program; sampled rows with top-p (one
+    with penalties) draw what they draw on one device (same seeds); every page and slot
+    comes back."""
     exact = ckpt in EXACT
     cfg, model = loaded(ckpt)
     engine = dp_engine(cfg, model, k, 2, exact=exact)

@@ -490,13 +490,16 @@ def test_a_stopped_receiver_server_leaves_no_handler_thread(cfg, layout):
     receiver of a process."""
     pool = init_pool(mtp_config(cfg), 8, P, jnp.float32, INDEX_K)
     rx = Receiver(layout, pool, PageAllocator(8), timeouts=TIMEOUTS)
+    before = set(threading.enumerate())  # another server's threads are not this one's
     server, port = serve(rx)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         _still_serving(rx, channel)  # handler threads start on first use
-    assert any(t.name.startswith("kv-transfer_") for t in threading.enumerate())
+    ours = [
+        t for t in threading.enumerate() if t.name.startswith("kv-transfer_") and t not in before
+    ]
+    assert ours
     assert server.stop(0).wait(10.0)
-    deadline = time.monotonic() + 10.0
-    while any(t.name.startswith("kv-transfer_") for t in threading.enumerate()):
-        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
-        time.sleep(0.05)
+    for t in ours:
+        t.join(10.0)
+        assert not t.is_alive(), t.name
     rx.close()
